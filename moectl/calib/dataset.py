@@ -1,0 +1,289 @@
+"""Calibration sets: which texts the pipeline (profile, sensitivity, ...) runs the model on.
+
+A calibration set is a small YAML file in `calibration/` (see `calibration/default.yaml`):
+
+    source: builtin            # builtin | a local .txt/.jsonl/.json/.parquet/.csv file or directory | a save_to_disk dir
+    split: validation          # split to read (builtin: train | validation; saved DatasetDict: its split names)
+    text_field: text           # column holding the text (JSONL / Parquet / saved datasets)
+    max_samples: 64            # at most this many texts (in file order)
+    max_tokens: 512            # per-text cap, roughly: texts are cut at ~4 characters per token on a word boundary
+
+Everything is read with `datasets` from local files only; nothing is fetched from a hub.
+
+The built-in corpus (`source: builtin`) is English technical prose that any CPython 3.10+ can build offline and
+deterministically: the pydoc text (`pydoc.render_doc(module, renderer=pydoc.plaintext)`) of a fixed, sorted list of
+standard-library modules (`BUILTIN_MODULES`), cleaned (pydoc boilerplate, file paths, docs URLs, memory addresses,
+`DATA`/`FILE`/`VERSION` sections and class-box rules removed), cut into documents of about 2,000 characters at
+paragraph boundaries, and split by the hash of each document's name (`module:index`): 1 in 10 goes to `validation`.
+It is cached as JSONL under `$MOECTL_HOME/corpus/builtin-v1-py3.X/`. On CPython 3.11 it is 70 modules,
+~1,000 documents, ~2.0 M characters (~1.8 M train / ~0.2 M validation); other Python versions document slightly
+different text, so the cache directory is keyed by the Python minor version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+from ..errors import MoectlError
+
+CORPUS_VERSION = "builtin-v1"
+VALIDATION_EVERY = 10              # 1 in 10 documents (by name hash) is held out
+DOC_CHARS = 2000                   # target document size
+
+# Stable, side-effect-free modules present in every CPython >= 3.10 (none removed through 3.13).
+BUILTIN_MODULES = tuple(sorted([
+    "abc", "argparse", "array", "ast", "asyncio", "base64", "bisect", "calendar", "cmath", "codecs",
+    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "enum", "fractions", "functools", "getopt", "gettext", "glob", "hashlib", "heapq",
+    "hmac", "html", "http.client", "inspect", "io", "ipaddress", "itertools", "json", "logging", "math",
+    "mimetypes", "numbers", "operator", "os", "pathlib", "pickle", "pprint", "queue", "random", "re",
+    "sched", "secrets", "shlex", "shutil", "socket", "statistics", "string", "struct", "subprocess",
+    "tempfile", "textwrap", "threading", "time", "timeit", "tokenize", "typing", "unittest", "urllib.parse",
+    "uuid", "warnings", "weakref", "zipfile",
+]))
+
+_DROP_SECTIONS = {"MODULE REFERENCE", "FILE", "VERSION", "DATA", "AUTHOR", "CREDITS", "PACKAGE CONTENTS",
+                  "SUBMODULES", "DATE"}
+_SECTION = re.compile(r"^[A-Z][A-Z ]+$")
+
+
+# ---------------------------------------------------------------------------------------------- builtin corpus
+
+def clean_pydoc(text: str) -> str:
+    """pydoc plaintext -> prose: no boilerplate, paths, URLs, addresses or version-specific sections."""
+    out, dropping = [], False
+    for line in text.splitlines():
+        if line.startswith("Python Library Documentation:") or line.startswith("Help on "):
+            continue
+        if _SECTION.match(line):                       # a top-level section heading
+            dropping = line.strip() in _DROP_SECTIONS
+            if not dropping:
+                out.append(line.strip().capitalize())
+            continue
+        if dropping:
+            continue
+        line = re.sub(r"^(\s*)\|  ?", r"\1", line)      # class bodies are drawn inside "|  " boxes
+        line = re.sub(r"^(\s*)\|  ?", r"\1", line)      # (nested classes: twice)
+        if re.fullmatch(r"\s*[-|]{3,}\s*|\s*\|\s*", line):
+            continue                                   # box rules
+        if re.search(r"(/[\w.+-]+){2,}\.(py|so)\b|site-packages|lib/python3", line):
+            continue                                   # file paths differ per machine
+        line = re.sub(r"https?://\S+", "", line)        # docs URLs carry the Python version
+        line = re.sub(r"\s+at 0x[0-9a-fA-F]+", "", line)
+        line = re.sub(r"0x[0-9a-fA-F]{6,}", "0x...", line)
+        out.append(line.rstrip())
+    text = "\n".join(out)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip() + "\n"
+
+
+def _documents(module: str, text: str) -> list[dict]:
+    """Cut one module's text into ~DOC_CHARS documents at paragraph boundaries."""
+    docs, current = [], ""
+    for para in re.split(r"\n\s*\n", text):
+        if current and len(current) + len(para) > DOC_CHARS:
+            docs.append(current)
+            current = ""
+        current = f"{current}\n\n{para}" if current else para
+    if current.strip():
+        docs.append(current)
+    return [{"name": f"{module}:{i:03d}", "text": textwrap.dedent(d).strip() + "\n"} for i, d in enumerate(docs)]
+
+
+def _split_of(name: str) -> str:
+    bucket = int(hashlib.sha1(name.encode()).hexdigest(), 16) % VALIDATION_EVERY
+    return "validation" if bucket == 0 else "train"
+
+
+def corpus_home() -> Path:
+    return Path(os.environ.get("MOECTL_HOME", Path.home() / ".cache" / "moectl")).expanduser() / "corpus"
+
+
+def build_builtin_corpus(out_dir: Path) -> dict:
+    """Render, clean, cut and split the stdlib docs into out_dir/{train,validation}.jsonl (+ meta.json)."""
+    import pydoc
+
+    splits: dict[str, list[dict]] = {"train": [], "validation": []}
+    used, missing = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in BUILTIN_MODULES:
+            try:
+                module = importlib.import_module(name)
+                text = clean_pydoc(pydoc.render_doc(module, renderer=pydoc.plaintext))
+            except Exception:                          # a module missing from this build (e.g. no _socket)
+                missing.append(name)
+                continue
+            used.append(name)
+            for doc in _documents(name, text):
+                splits[_split_of(doc["name"])].append(doc)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split, docs in splits.items():
+        tmp = out_dir / f"{split}.jsonl.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for doc in docs:
+                f.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        tmp.replace(out_dir / f"{split}.jsonl")
+    meta = {
+        "version": CORPUS_VERSION, "python": sys.version.split()[0], "modules": used, "missing_modules": missing,
+        "docs": {s: len(d) for s, d in splits.items()},
+        "chars": {s: sum(len(x["text"]) for x in d) for s, d in splits.items()},
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def builtin_corpus_dir() -> Path:
+    """The cached corpus directory, built on first use (about 5 s)."""
+    out_dir = corpus_home() / f"{CORPUS_VERSION}-py{sys.version_info.major}.{sys.version_info.minor}"
+    if not (out_dir / "meta.json").exists():
+        build_builtin_corpus(out_dir)
+    return out_dir
+
+
+def builtin_corpus(split: str = "train") -> list[str]:
+    """Texts of the built-in corpus for one split ("train" or "validation")."""
+    if split not in ("train", "validation"):
+        raise MoectlError(f"the builtin corpus has splits 'train' and 'validation', not {split!r}")
+    path = builtin_corpus_dir() / f"{split}.jsonl"
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------- loading specs
+
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
+                  ".parquet": "parquet", ".csv": "csv"}
+
+
+def calibration_dirs() -> list[Path]:
+    """Where calibration set names are looked up: ./calibration, then the repo's calibration/."""
+    repo = Path(__file__).resolve().parents[2] / "calibration"
+    return [Path.cwd() / "calibration", repo]
+
+
+def find_calibration_yaml(name: str) -> Path | None:
+    for d in calibration_dirs():
+        for ext in (".yaml", ".yml"):
+            p = d / f"{name}{ext}"
+            if p.is_file():
+                return p
+    return None
+
+
+def _cut(text: str, max_tokens: int | None) -> str:
+    """Cap a text at roughly max_tokens tokens (~4 characters per token), on a word boundary."""
+    if not max_tokens or len(text) <= 4 * max_tokens:
+        return text
+    head = text[: 4 * max_tokens]
+    return head.rsplit(None, 1)[0] if " " in head or "\n" in head else head
+
+
+def _load_local(path: Path, split: str | None, text_field: str) -> list[str]:
+    """A local file, a directory of files, or a save_to_disk directory -> texts (via `datasets`)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            name = split or ("train" if "train" in ds else sorted(ds)[0])
+            if name not in ds:
+                raise MoectlError(f"{path} has splits {sorted(ds)}, not {name!r}")
+            ds = ds[name]
+        return _column(ds, text_field, path)
+
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_BUILDERS)
+        if not files:
+            raise MoectlError(f"{path} holds no .txt/.jsonl/.json/.parquet/.csv files and is not a saved dataset")
+    else:
+        files = [path]
+    kinds = {_FILE_BUILDERS.get(p.suffix.lower()) for p in files}
+    if None in kinds:
+        raise MoectlError(f"{path}: unsupported file type (use .txt, .jsonl, .json, .parquet or .csv)")
+    if len(kinds) > 1:
+        raise MoectlError(f"{path} mixes file types {sorted(kinds)}; put one kind per calibration source")
+    kind = kinds.pop()
+    if kind == "text":                                 # one sample per blank-line-separated paragraph block
+        texts = []
+        for p in files:
+            texts += [t.strip() for t in re.split(r"\n\s*\n", p.read_text(encoding="utf-8")) if t.strip()]
+        return texts
+    try:
+        ds = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train")
+    except Exception as e:
+        raise MoectlError(f"could not read {path} as {kind}: {e}") from None
+    return _column(ds, text_field, path)
+
+
+def _column(ds, text_field: str, where: Path) -> list[str]:
+    if text_field not in ds.column_names:
+        raise MoectlError(f"{where} has no column {text_field!r} (columns: {ds.column_names}); set text_field")
+    return [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+
+
+def load_calibration_spec(spec: str) -> dict:
+    """Resolve a spec to its settings: {source, split, text_field, max_samples, max_tokens, name}."""
+    import yaml
+
+    settings = {"source": spec, "split": None, "text_field": "text", "max_samples": None, "max_tokens": None,
+                "name": spec}
+    path = Path(spec).expanduser()
+    yaml_path = path if path.suffix in (".yaml", ".yml") else None
+    if yaml_path is None and not path.exists() and spec != "builtin":
+        yaml_path = find_calibration_yaml(spec)
+        if yaml_path is None:
+            raise MoectlError(
+                f"calibration set {spec!r} not found: give a calibration YAML (names in "
+                f"{', '.join(str(d) for d in calibration_dirs())}), a local text/JSONL/Parquet file or directory, "
+                f"a saved `datasets` directory, or 'builtin'")
+    if yaml_path is not None:
+        if not yaml_path.is_file():
+            raise MoectlError(f"calibration file {yaml_path} does not exist")
+        try:
+            data = yaml.safe_load(yaml_path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise MoectlError(f"{yaml_path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict) or "source" not in data:
+            raise MoectlError(f"{yaml_path} must be a mapping with a 'source' key (builtin or a local path)")
+        unknown = set(data) - set(settings) - {"description"}
+        if unknown:
+            raise MoectlError(f"{yaml_path}: unknown keys {sorted(unknown)}")
+        settings.update({k: v for k, v in data.items() if k != "description"})
+        settings["name"] = yaml_path.stem
+        source = str(settings["source"])
+        if source != "builtin" and not Path(source).expanduser().is_absolute():
+            source = str((yaml_path.parent / source).resolve())  # relative to the YAML file
+        settings["source"] = source
+    for key in ("max_samples", "max_tokens"):
+        if settings[key] is not None and (not isinstance(settings[key], int) or settings[key] <= 0):
+            raise MoectlError(f"calibration {key} must be a positive integer, got {settings[key]!r}")
+    return settings
+
+
+def load_calibration(spec: str, split: str | None = None, max_samples: int | None = None) -> list[str]:
+    """Calibration texts for `spec`: a calibration YAML path or name ("default"), 'builtin', a local
+    text/JSONL/Parquet/CSV file or directory, or a `datasets.save_to_disk` directory."""
+    s = load_calibration_spec(spec)
+    split = split or s["split"]
+    if s["source"] == "builtin":
+        texts = builtin_corpus(split or "train")
+    else:
+        path = Path(s["source"]).expanduser()
+        if not path.exists():
+            raise MoectlError(f"calibration source {path} does not exist")
+        texts = _load_local(path, split, s["text_field"])
+    if not texts:
+        raise MoectlError(f"calibration set {spec!r} has no texts")
+    limit = max_samples or s["max_samples"]
+    texts = texts[:limit] if limit else texts
+    return [_cut(t, s["max_tokens"]) for t in texts]

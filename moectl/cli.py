@@ -1,0 +1,68 @@
+"""The `moectl` command line. One thin module per command under `moectl/commands/`.
+
+Each `moectl/commands/<name>.py` defines `register(app)`; this file discovers them, so adding a
+command never touches this file. `MoectlError` becomes one red line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+
+import typer
+from rich.console import Console
+
+from .errors import MoectlError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # nothing is ever fetched from a hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+app = typer.Typer(
+    name="moectl",
+    help="Run Mixture-of-Experts LLMs larger than your GPU: offloading runtime, calibration pipeline, simulator.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err_console = Console(stderr=True)
+
+
+def _register_commands() -> None:
+    from . import commands
+
+    for mod in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if mod.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{commands.__name__}.{mod.name}")
+        module.register(app)
+
+
+_register_commands()
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except MoectlError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as e:  # click usage errors come through here in standalone_mode=False
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        raise
+
+
+if __name__ == "__main__":
+    main()

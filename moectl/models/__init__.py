@@ -1,0 +1,33 @@
+"""Family adapters, one file each. `adapter_for(config)` picks one by `config.model_type`."""
+
+from __future__ import annotations
+
+from ..errors import MoectlError
+from .base import ExpertLayout, FamilyAdapter
+from .deepseek_v2 import DeepseekV2Adapter
+from .deepseek_v3 import DeepseekV3Adapter
+from .gpt_oss import GptOssAdapter
+from .mixtral import MixtralAdapter
+from .olmoe import OlmoeAdapter
+from .qwen2_moe import Qwen2MoeAdapter
+from .qwen3_moe import Qwen3MoeAdapter
+
+ADAPTERS: tuple[type[FamilyAdapter], ...] = (
+    MixtralAdapter, Qwen2MoeAdapter, Qwen3MoeAdapter, OlmoeAdapter, DeepseekV2Adapter, DeepseekV3Adapter, GptOssAdapter,
+)
+FAMILIES = {mt: cls for cls in ADAPTERS for mt in cls.model_types}
+# Dense cousins of supported families: a clear "this is not an MoE model" instead of "unsupported".
+DENSE_MODEL_TYPES = {"mistral", "llama", "qwen2", "qwen3", "olmo", "olmo2", "gemma", "gemma2", "gemma3", "phi3", "gpt2"}
+
+
+def adapter_for(config) -> FamilyAdapter:
+    mt = getattr(config, "model_type", None)
+    if mt in FAMILIES:
+        return FAMILIES[mt](config)
+    if mt in DENSE_MODEL_TYPES:
+        raise MoectlError(f"model type {mt!r} is a dense model (no Mixture-of-Experts layers); moectl offloads "
+                          f"experts of MoE models: {', '.join(sorted(FAMILIES))}")
+    raise MoectlError(f"unsupported model family {mt!r}; supported: {', '.join(sorted(FAMILIES))}")
+
+
+__all__ = ["ADAPTERS", "FAMILIES", "ExpertLayout", "FamilyAdapter", "adapter_for"]

@@ -1,0 +1,122 @@
+"""What moectl needs to know about one MoE family, in one small class per family.
+
+Legend: E = routed experts, H = hidden size, I = expert intermediate size, T = tokens.
+
+In the installed transformers every MoE block calls `self.experts(x [T,H], top_k_index [T,K],
+top_k_weights [T,K])`, so the runtime swaps that one module. An adapter says where the block's
+router and experts are, how many experts and top-k the config asks for, how one expert's tensors
+are named on disk (per-expert keys as released, or fused `[E, ...]` keys read one row at a time),
+and how to run one expert on its packed weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import MoectlError
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one expert's tensors sit in one flat buffer (one host buffer, one device slot)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, start = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            n = math.prod(shape)
+            out[name] = flat[start:start + n].view(shape)
+            start += n
+        return out
+
+
+class FamilyAdapter:
+    family = ""
+    model_types: tuple[str, ...] = ()
+    # On-disk prefixes of layer l's MoE block, tried in order (released names first).
+    disk_prefixes: tuple[str, ...] = ("model.layers.{l}.mlp",)
+    # Per-expert on-disk key suffixes for the gate (w1), up (w3) and down (w2) projections.
+    per_expert = ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight", "experts.{e}.down_proj.weight")
+    fused = ("experts.gate_up_proj", "experts.down_proj")
+    router_attr = "gate"
+    # Renames from on-disk names to the module names transformers builds (old -> new).
+    key_renames: tuple[tuple[str, str], ...] = ()
+    # Keys that belong to routed experts (never loaded into the skeleton).
+    expert_key_re = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
+
+    def __init__(self, config):
+        self.config = config
+
+    # --- config facts -------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        c = self.config
+        for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+            v = getattr(c, name, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        raise MoectlError(f"config of {self.family} has no expert count")
+
+    @property
+    def top_k(self) -> int:
+        return int(self.config.num_experts_per_tok)
+
+    @property
+    def expert_intermediate(self) -> int:
+        return int(getattr(self.config, "moe_intermediate_size", None) or self.config.intermediate_size)
+
+    def layout(self) -> ExpertLayout:
+        H, I = self.config.hidden_size, self.expert_intermediate
+        return ExpertLayout(("gate_up", "down"), ((2 * I, H), (H, I)))
+
+    # --- the model in memory ------------------------------------------------------------
+    def moe_blocks(self, model) -> list[tuple[int, torch.nn.Module]]:
+        """(model layer index, MoE block) for every sparse layer; dense layers are skipped."""
+        return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+
+    def router(self, block) -> torch.nn.Module:
+        return getattr(block, self.router_attr)
+
+    def skeleton_key(self, disk_key: str) -> str | None:
+        """The model's state-dict key for a non-expert tensor on disk; None for expert tensors."""
+        if self.expert_key_re.search(disk_key):
+            return None
+        for old, new in self.key_renames:
+            disk_key = disk_key.replace(old, new)
+        return disk_key
+
+    # --- reading one expert -------------------------------------------------------------
+    def _prefix(self, ckpt, layer: int) -> tuple[str, bool]:
+        """(prefix, fused?) of layer `layer`'s experts in this checkpoint."""
+        for p in self.disk_prefixes:
+            p = p.format(l=layer)
+            if f"{p}.{self.per_expert[0].format(e=0)}" in ckpt:
+                return p, False
+            if f"{p}.{self.fused[0]}" in ckpt:
+                return p, True
+        raise MoectlError(f"checkpoint {ckpt.path} has no experts for layer {layer} under "
+                          f"{[p.format(l=layer) for p in self.disk_prefixes]} (is it a {self.family} checkpoint?)")
+
+    def read_expert(self, ckpt, layer: int, expert: int) -> list[torch.Tensor]:
+        """This expert's tensors in `layout()` order, read without touching other experts."""
+        prefix, fused = self._prefix(ckpt, layer)
+        if fused:
+            return [ckpt.get_row(f"{prefix}.{k}", expert) for k in self.fused]
+        gate, up, down = (ckpt.get(f"{prefix}.{k.format(e=expert)}") for k in self.per_expert)
+        return [torch.cat([gate, up], dim=0), down]            # fused row order: gate rows, then up rows
+
+    # --- running one expert -------------------------------------------------------------
+    def expert_forward(self, w: dict[str, torch.Tensor], x: torch.Tensor, apply_gate) -> torch.Tensor:
+        """y [T,H] of one expert on its tokens x [T,H]; `apply_gate` is the family's act(gate)*up."""
+        return F.linear(apply_gate(F.linear(x, w["gate_up"])), w["down"])

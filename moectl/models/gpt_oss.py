@@ -1,0 +1,40 @@
+"""GPT-OSS: router with bias, softmax over the top-k logits; experts are stored fused and
+transposed with biases: gate_up [E,H,2I] with gate = [..., ::2] and up = [..., 1::2] interleaved,
+down [E,I,H]; the activation is a clamped SwiGLU (the experts module's own `_apply_gate`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MoectlError
+from .base import ExpertLayout, FamilyAdapter
+
+
+class GptOssAdapter(FamilyAdapter):
+    family = "gpt_oss"
+    model_types = ("gpt_oss",)
+    per_expert = ()                       # released checkpoints are fused only
+    fused = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
+    router_attr = "router"
+
+    def layout(self) -> ExpertLayout:
+        H, I = self.config.hidden_size, self.config.intermediate_size
+        return ExpertLayout(("gate_up", "gate_up_bias", "down", "down_bias"), ((H, 2 * I), (2 * I,), (I, H), (H,)))
+
+    def _prefix(self, ckpt, layer):
+        p = f"model.layers.{layer}.mlp"
+        if f"{p}.experts.gate_up_proj" in ckpt:
+            return p, True
+        if f"{p}.experts.gate_up_proj_blocks" in ckpt:
+            raise MoectlError(f"{ckpt.path} stores GPT-OSS experts in MXFP4 (`*_blocks`/`*_scales`); moectl reads "
+                              f"bf16 experts: dequantise once with transformers (Mxfp4Config(dequantize=True)) "
+                              f"and save_pretrained the result")
+        raise MoectlError(f"checkpoint {ckpt.path} has no experts for layer {layer} under {p}")
+
+    def read_expert(self, ckpt, layer, expert):
+        prefix, _ = self._prefix(ckpt, layer)
+        return [ckpt.get_row(f"{prefix}.{k}", expert) for k in self.fused]
+
+    def expert_forward(self, w, x, apply_gate):
+        h = apply_gate(x @ w["gate_up"] + w["gate_up_bias"])
+        return h @ w["down"] + w["down_bias"]

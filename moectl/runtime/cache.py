@@ -1,0 +1,185 @@
+"""DeviceCache: a fixed pool of expert slots per MoE layer on the compute device.
+
+Legend: L = MoE layers, S_l = slots of layer l, P = numel of one packed expert.
+
+A miss copies the expert's packed host buffer into a slot (evicting the replacement policy's
+victim); a hit returns the slot as it is. Experts in use by the running layer and experts a
+prefetch policy predicted are pinned: the policy only ever sees unpinned candidates.
+On CUDA, prefetches run on a separate copy stream and each slot carries a ready event that the
+compute stream waits on; on CPU every copy is synchronous and the same bookkeeping runs, so the
+logic the tests exercise is the logic the GPU runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MoectlError
+from ..policies.base import ReplacementPolicy
+from ..store.expert_store import ExpertStore
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0           # demand loads and prefetches together
+    load_wait_s: float = 0.0        # time the forward waited for demand loads
+    prefetches: int = 0
+    prefetch_bytes: int = 0
+    prefetch_used: int = 0          # prefetched experts later hit before eviction
+    _pending_events: list = field(default_factory=list, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    def as_dict(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
+                "bytes_loaded": self.bytes_loaded, "load_wait_s": self.load_wait_s,
+                "prefetches": self.prefetches, "prefetch_bytes": self.prefetch_bytes,
+                "prefetch_used": self.prefetch_used}
+
+
+def split_slots(total: int, num_layers: int, num_experts: int) -> list[int]:
+    """`total` slots split evenly over the layers (earlier layers get the remainder), capped at E."""
+    if total < num_layers:
+        raise MoectlError(f"--cache-experts {total} is below the minimum of one slot per MoE layer ({num_layers})")
+    base, extra = divmod(total, num_layers)
+    return [min(num_experts, base + (1 if i < extra else 0)) for i in range(num_layers)]
+
+
+class DeviceCache:
+    def __init__(self, store: ExpertStore, slots_per_layer: list[int], device: torch.device,
+                 policy: ReplacementPolicy):
+        if len(slots_per_layer) != store.num_layers:
+            raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
+        self.store, self.device, self.policy = store, torch.device(device), policy
+        self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
+        P = store.layout.numel
+        self.pool = [torch.empty(s, P, dtype=store.dtype, device=self.device) for s in self.slots_per_layer]
+        self.slot_of: list[dict[int, int]] = [{} for _ in self.pool]        # expert -> slot
+        self.free: list[list[int]] = [list(range(s))[::-1] for s in self.slots_per_layer]
+        self.pinned: set[tuple[int, int]] = set()
+        self.prefetched: set[tuple[int, int]] = set()                       # loaded by prefetch, not yet used
+        self.stats = CacheStats()
+        self.clock = 0.0
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.ready: dict[tuple[int, int], torch.cuda.Event] = {}            # (layer, slot) -> copy done
+
+    # --- bookkeeping --------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return sum(self.slots_per_layer)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.store.expert_nbytes
+
+    def resident(self, layer: int) -> list[int]:
+        return list(self.slot_of[layer])
+
+    def contains(self, layer: int, expert: int) -> bool:
+        return expert in self.slot_of[layer]
+
+    def pin(self, layer: int, experts) -> None:
+        self.pinned.update((layer, int(e)) for e in experts)
+
+    def unpin(self, layer: int, experts) -> None:
+        self.pinned.difference_update((layer, int(e)) for e in experts)
+
+    def _tick(self) -> float:
+        self.clock += 1.0
+        return self.clock
+
+    def _take_slot(self, layer: int) -> int | None:
+        """A free slot of `layer`, evicting the policy's victim if needed; None if all are pinned."""
+        if self.free[layer]:
+            return self.free[layer].pop()
+        candidates = [e for e in self.slot_of[layer] if (layer, e) not in self.pinned]
+        if not candidates:
+            return None
+        victim = self.policy.victim(layer, candidates, self.clock)
+        slot = self.slot_of[layer].pop(victim)
+        self.prefetched.discard((layer, victim))
+        self.policy.on_evict(layer, victim, self.clock)
+        return slot
+
+    def _copy_in(self, layer: int, expert: int, slot: int, stream) -> None:
+        dst = self.pool[layer][slot]
+        if self.cuda:
+            with torch.cuda.stream(stream):
+                dst.copy_(self.store.host(layer, expert), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            self.ready[(layer, slot)] = ev
+        else:
+            dst.copy_(self.store.host(layer, expert))
+
+    # --- the two entry points -----------------------------------------------------------
+    def acquire(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Weights of (layer, expert) on the device, loading on a miss. The caller pins it first."""
+        now = self._tick()
+        slot = self.slot_of[layer].get(expert)
+        if slot is not None:
+            self.stats.hits += 1
+            if (layer, expert) in self.prefetched:
+                self.prefetched.discard((layer, expert))
+                self.stats.prefetch_used += 1
+            self.policy.on_hit(layer, expert, now)
+        else:
+            slot = self._take_slot(layer)
+            if slot is None:
+                raise RuntimeError(f"layer {layer}: every slot is pinned; the runtime pins at most the slot count")
+            self.stats.misses += 1
+            self.stats.bytes_loaded += self.store.expert_nbytes
+            t0 = time.perf_counter()
+            if self.cuda:
+                cur = torch.cuda.current_stream(self.device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(cur)
+                self._copy_in(layer, expert, slot, cur)
+                end.record(cur)
+                self.stats._pending_events.append((start, end))
+            else:
+                self._copy_in(layer, expert, slot, None)
+                self.stats.load_wait_s += time.perf_counter() - t0
+            self.slot_of[layer][expert] = slot
+            self.policy.on_insert(layer, expert, now)
+        ev = self.ready.pop((layer, slot), None)
+        if ev is not None:                          # a prefetch into this slot may still be in flight
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return self.store.layout.views(self.pool[layer][slot])
+
+    def prefetch(self, layer: int, expert: int) -> bool:
+        """Start loading (layer, expert) off the critical path. False if resident or no slot is free."""
+        if expert in self.slot_of[layer]:
+            return False
+        slot = self._take_slot(layer)
+        if slot is None:
+            return False
+        self._copy_in(layer, expert, slot, self.copy_stream)
+        self.slot_of[layer][expert] = slot
+        self.prefetched.add((layer, expert))
+        self.stats.prefetches += 1
+        self.stats.prefetch_bytes += self.store.expert_nbytes
+        self.stats.bytes_loaded += self.store.expert_nbytes
+        self.policy.on_insert(layer, expert, self._tick())
+        return True
+
+    def end_token(self) -> None:
+        self.policy.on_token_end(self.clock)
+
+    def snapshot(self) -> dict:
+        """Stats as a dict; on CUDA this resolves the timed demand-load events (a sync)."""
+        if self.stats._pending_events:
+            torch.cuda.synchronize(self.device)
+            for start, end in self.stats._pending_events:
+                self.stats.load_wait_s += start.elapsed_time(end) / 1000.0
+            self.stats._pending_events.clear()
+        return self.stats.as_dict()

@@ -1,0 +1,361 @@
+"""Engine: load an MoE checkpoint without materialising its experts, and generate.
+
+Load: config -> family adapter -> skeleton under `init_empty_weights` -> each MoE block's experts
+swapped for `OffloadedExperts` -> non-expert tensors read from the shards onto the device ->
+routed experts read into the `ExpertStore` (host RAM or memory-mapped disk) -> `DeviceCache`.
+Generate: a plain loop over the model with a transformers KV cache; greedy or sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import MoectlError
+from ..fingerprint import model_fingerprint
+from ..models import adapter_for
+from ..policies.base import LRU, PrefetchPolicy, ReplacementPolicy
+from ..recipes import format_bytes, parse_size, resolve_model
+from ..store.checkpoint import Checkpoint
+from ..store.expert_store import ExpertStore
+from .cache import DeviceCache, split_slots
+from .offloaded import OffloadedExperts
+
+KV_RESERVE_TOKENS = 4096     # --budget keeps room for this many tokens of KV cache
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]                    # generated ids only
+    prompt_ids: list[int]
+    stats: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model, config, adapter, ckpt: Checkpoint, store: ExpertStore, cache: DeviceCache,
+                 device: torch.device, dtype: torch.dtype, ref, prefetch: PrefetchPolicy | None = None):
+        self.model, self.config, self.adapter, self.ckpt = model, config, adapter, ckpt
+        self.store, self.cache, self.device, self.dtype = store, cache, device, dtype
+        self.ref = ref
+        self.fingerprint = model_fingerprint(config.to_dict(), adapter.family)
+        self.prefetch = prefetch
+        self.observers: list = []
+        self.phase = "prefill"
+        self._tokenizer = None
+        self.model.model.norm.register_forward_hook(self._on_final_norm)
+
+    # --- loading ------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str, device: str = "cpu", cache_experts: int | None = None, budget: str | int | None = None,
+             offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
+             replacement: str | ReplacementPolicy = "lru", prefetch: PrefetchPolicy | None = None,
+             slots_per_layer: list[int] | None = None, progress: bool = True) -> "Engine":
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        ref = resolve_model(model, workdir)
+        dev = _device(device)
+        ckpt = Checkpoint(ref.path)
+        try:
+            config = AutoConfig.from_pretrained(ref.path)
+        except Exception as e:
+            raise MoectlError(f"cannot read {ref.path / 'config.json'}: {e}") from None
+        adapter = adapter_for(config)
+        dt = _dtype(dtype, config)
+        if offload not in ("ram", "disk"):
+            raise MoectlError(f"--offload must be 'ram' or 'disk', not {offload!r}")
+
+        with init_empty_weights():                      # parameters on meta, buffers (rotary) real
+            hf = AutoModelForCausalLM.from_config(config, dtype=dt)
+        blocks = adapter.moe_blocks(hf)
+        if not blocks:
+            raise MoectlError(f"{ref.path} has no sparse MoE layers; moectl offloads experts of MoE models")
+        moe_layer_ids = [i for i, _ in blocks]
+
+        # Non-expert weights straight from the shards onto the device, one tensor at a time.
+        # Each tensor takes the dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32).
+        want = {k: v.dtype for k, v in hf.state_dict().items()}
+        state = {}
+        for key in ckpt.keys():
+            name = adapter.skeleton_key(key)
+            if name is not None:
+                t = ckpt.get(key)
+                state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
+        runtime = _Runtime(adapter)
+        for moe_idx, (layer_idx, block) in enumerate(blocks):
+            old = block.experts
+            block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, old._apply_gate, adapter.num_experts)
+        missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        missing = [k for k in missing if k not in tied]
+        if missing:
+            raise MoectlError(f"checkpoint {ref.path} lacks {len(missing)} weights the {adapter.family} model needs, "
+                              f"e.g. {missing[:3]} (incomplete download?)")
+        if tied:
+            hf.tie_weights()
+        hf.to(dev).eval()
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if t.is_meta:
+                raise MoectlError(f"weight {name} was not found in {ref.path}")
+
+        store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
+                            pin=(dev.type == "cuda"), progress=progress)
+        L, E = len(moe_layer_ids), adapter.num_experts
+        dense = dense_nbytes(hf)
+        if slots_per_layer is None:
+            if cache_experts is not None and budget is not None:
+                raise MoectlError("give --cache-experts or --budget, not both")
+            if budget is not None:
+                slots_per_layer = budget_slots(parse_size(budget) if isinstance(budget, str) else int(budget),
+                                               dense, kv_reserve_nbytes(config, dt), store.expert_nbytes, L, E)
+            else:
+                slots_per_layer = split_slots(L * E if cache_experts is None else int(cache_experts), L, E)
+        policy = _replacement(replacement)
+        cache = DeviceCache(store, slots_per_layer, dev, policy)
+        runtime.cache = cache
+        eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch)
+        runtime.engine = eng
+        return eng
+
+    # --- facts --------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            if not ((self.ref.path / "tokenizer.json").exists() or (self.ref.path / "tokenizer_config.json").exists()
+                    or (self.ref.path / "tokenizer.model").exists()):
+                raise MoectlError(f"{self.ref.path} has no tokenizer (tokenizer.json / tokenizer_config.json); "
+                                  f"text commands need one — copy the tokenizer files into the checkpoint directory")
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.ref.path)
+            except Exception as e:
+                raise MoectlError(f"cannot load the tokenizer in {self.ref.path}: {e}") from None
+        return self._tokenizer
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return self.store.moe_layer_ids
+
+    def describe(self) -> dict:
+        return describe(self.config, self.adapter, self.store.expert_nbytes, dense_nbytes(self.model),
+                        len(self.moe_layer_ids)) | {"fingerprint": self.fingerprint,
+                                                    "cache_slots": self.cache.slots_per_layer}
+
+    # --- observers ----------------------------------------------------------------------
+    def add_observer(self, obs) -> None:
+        self.observers.append(obs)
+
+    def remove_observer(self, obs) -> None:
+        if obs in self.observers:
+            self.observers.remove(obs)
+
+    def _on_final_norm(self, module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        h2 = h.reshape(-1, h.shape[-1])
+        for obs in self.observers:
+            fn = getattr(obs, "on_final_hidden", None)
+            if fn is not None:
+                fn(h2)
+        if self.prefetch is not None:
+            self.prefetch.end_token(h2[-1].float().cpu().numpy())
+
+    # --- forward and generate -----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, past_key_values=None):
+        """Logits [1,T,V] and the KV cache, for `input_ids` [1,T] after `past_key_values`."""
+        from transformers import DynamicCache
+
+        if past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        out = self.model(input_ids=input_ids.to(self.device), past_key_values=past_key_values, use_cache=True)
+        self.cache.end_token()
+        return out.logits, out.past_key_values
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        tok = self.tokenizer
+        if chat:
+            return chat_ids(tok, [{"role": "user", "content": prompt}])
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+
+    @torch.inference_mode()
+    def generate(self, prompt: str | None = None, input_ids=None, max_new_tokens: int = 64, greedy: bool = True,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, on_token=None,
+                 stop_at_eos: bool = True, chat: bool = False) -> GenerationResult:
+        if input_ids is None:
+            if prompt is None:
+                raise MoectlError("generate needs a prompt or input_ids")
+            input_ids = self.encode_prompt(prompt, chat=chat)
+        ids = [int(i) for i in (input_ids.reshape(-1).tolist() if torch.is_tensor(input_ids) else input_ids)]
+        if not ids:
+            raise MoectlError("the prompt encodes to no tokens")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        eos = _eos_ids(self.config, self._tokenizer)
+        before = self.cache.snapshot()
+        new: list[int] = []
+        text_so_far = ""
+        t0 = time.perf_counter()
+        pkv = None
+        step = torch.tensor([ids], dtype=torch.long)
+        self.phase = "prefill"
+        if self.prefetch is not None:
+            self.prefetch.reset()
+        for _ in range(max_new_tokens):
+            logits, pkv = self.forward(step, pkv)
+            nxt = sample(logits[0, -1].float().cpu(), greedy, temperature, top_p, gen)
+            new.append(nxt)
+            if on_token is not None:
+                piece = ""
+                if self._tokenizer is not None:
+                    full = self._tokenizer.decode(new, skip_special_tokens=True)
+                    piece, text_so_far = full[len(text_so_far):], full
+                on_token(nxt, piece)
+            if stop_at_eos and nxt in eos:
+                break
+            self.phase = "decode"
+            step = torch.tensor([[nxt]], dtype=torch.long)
+        elapsed = time.perf_counter() - t0
+        self.phase = "prefill"
+        after = self.cache.snapshot()
+        text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
+        return GenerationResult(text, new, ids, run_stats(before, after, len(new), elapsed))
+
+
+class _Runtime:
+    """What every OffloadedExperts module shares: the adapter, the cache, observers, prefetch."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.cache: DeviceCache | None = None
+        self.engine: Engine | None = None
+
+    def on_route(self, layer, top_k_index, top_k_weights, hidden):
+        eng = self.engine
+        for obs in eng.observers:
+            obs.on_route(layer, top_k_index, top_k_weights, hidden)
+        pf = eng.prefetch
+        if pf is not None and top_k_index.shape[0] == 1:       # decode: one token, predict ahead
+            pf.observe(layer, top_k_index[0].tolist(), top_k_weights[0].float().tolist(),
+                       hidden[0].float().cpu().numpy())
+            for target, expert, _score in pf.predict(layer):
+                if 0 <= target < len(self.cache.slots_per_layer):
+                    self.cache.prefetch(target, int(expert))
+
+
+# --- helpers (pure functions; the CLI and tests use them too) -----------------------------
+
+def _device(device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoectlError("--device cuda asked for, but torch sees no CUDA device (CPU build, or no GPU)")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise MoectlError(f"--device must be cpu or cuda, not {device!r}")
+    return torch.device(device)
+
+
+def _dtype(dtype, config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    name = str(name).replace("torch.", "")
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise MoectlError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16")
+    return table[name]
+
+
+def _replacement(replacement) -> ReplacementPolicy:
+    if isinstance(replacement, ReplacementPolicy):
+        return replacement
+    if replacement == "lru":
+        return LRU()
+    try:
+        from ..policies import make_replacement
+    except ImportError:
+        raise MoectlError(f"unknown replacement policy {replacement!r}") from None
+    return make_replacement(replacement)
+
+
+def dense_nbytes(model) -> int:
+    """Bytes of everything resident besides the expert cache (OffloadedExperts own no parameters)."""
+    seen, n = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen and not t.is_meta:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    return n
+
+
+def kv_reserve_nbytes(config, dtype: torch.dtype, tokens: int = KV_RESERVE_TOKENS) -> int:
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()
+
+
+def budget_slots(budget: int, dense: int, kv: int, expert_nbytes: int, num_layers: int, num_experts: int) -> list[int]:
+    """Slots per layer that fit `budget` after the dense weights and the KV reserve."""
+    minimum = dense + kv + num_layers * expert_nbytes
+    if budget < minimum:
+        raise MoectlError(f"--budget {format_bytes(budget)} is below the minimum {format_bytes(minimum)} "
+                          f"(dense weights {format_bytes(dense)} + KV reserve {format_bytes(kv)} + one expert slot "
+                          f"per MoE layer: {num_layers} x {format_bytes(expert_nbytes)})")
+    total = min((budget - dense - kv) // expert_nbytes, num_layers * num_experts)
+    return split_slots(int(total), num_layers, num_experts)
+
+
+def describe(config, adapter, expert_nbytes: int, dense: int, num_moe_layers: int) -> dict:
+    E = adapter.num_experts
+    return {"family": adapter.family, "layers": int(config.num_hidden_layers), "moe_layers": num_moe_layers,
+            "experts": E, "top_k": adapter.top_k, "hidden_size": int(config.hidden_size),
+            "expert_intermediate_size": adapter.expert_intermediate, "bytes_per_expert": expert_nbytes,
+            "dense_bytes": dense, "expert_bytes": expert_nbytes * E * num_moe_layers,
+            "total_bytes": dense + expert_nbytes * E * num_moe_layers}
+
+
+def sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, gen) -> int:
+    """Next token from logits [V]: argmax, or temperature + nucleus (top-p) sampling."""
+    if greedy or temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p          # always keeps the top token
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        probs /= probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    loaded = after["bytes_loaded"] - before["bytes_loaded"]
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "bytes_loaded": loaded, "bytes_per_token": loaded / tokens if tokens else 0.0,
+            "load_wait_s": after["load_wait_s"] - before["load_wait_s"],
+            "prefetches": after["prefetches"] - before["prefetches"]}
+
+
+def _eos_ids(config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return ids
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation with the model's chat template, or a plain fallback."""
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return [int(i) for i in out]
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+    return tokenizer(text)["input_ids"]

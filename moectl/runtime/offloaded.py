@@ -1,0 +1,46 @@
+"""OffloadedExperts: the stand-in for a family's `*Experts` module; it owns no weights.
+
+Legend: T = tokens in this forward, K = top-k, H = hidden size.
+
+The MoE block calls `experts(x [T,H], top_k_index [T,K], top_k_weights [T,K])` exactly as it
+calls the stock module; we tell the runtime what was routed (observers, prefetch), then compute
+the experts already on the device first and the missing ones as they arrive, at most as many at
+once as the layer has slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class OffloadedExperts(nn.Module):
+    def __init__(self, layer: int, model_layer: int, runtime, apply_gate, num_experts: int):
+        super().__init__()
+        self.layer = layer                  # MoE layer index (0..L-1)
+        self.model_layer = model_layer      # decoder layer index in the model
+        self.runtime = runtime
+        self.apply_gate = apply_gate        # the family's act(gate) * up (GPT-OSS: clamped SwiGLU)
+        self.num_experts = num_experts
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        rt, layer = self.runtime, self.layer
+        rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
+        cache = rt.cache
+        out = torch.zeros_like(hidden_states)                                   # [T,H]
+        needed = top_k_index.unique().tolist()                                  # one host sync per layer
+        needed = [e for e in needed if 0 <= e < self.num_experts]
+        # Resident experts first: their compute overlaps the loads of the rest on a GPU.
+        order = [e for e in needed if cache.contains(layer, e)] + [e for e in needed if not cache.contains(layer, e)]
+        width = cache.slots_per_layer[layer]
+        for i in range(0, len(order), width):
+            chunk = order[i:i + width]
+            cache.pin(layer, chunk)
+            for e in chunk:
+                w = cache.acquire(layer, e)
+                tok, slot = (top_k_index == e).nonzero(as_tuple=True)          # tokens routed to e
+                y = rt.adapter.expert_forward(w, hidden_states[tok], self.apply_gate)   # [t,H]
+                out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
+            cache.unpin(layer, chunk)
+        return out

@@ -1,0 +1,162 @@
+"""Cost model: how long copies and computations take on a given GPU for a given model shape.
+
+One object shared by the simulator (its clock) and the runtime (fetch vs CPU compute vs low
+precision on a miss). Numbers come from `recipes/hardware/<name>.yaml` (bandwidths, FLOP/s) and
+the `shape:` block of `recipes/<model>.yaml` (sizes), so bytes per expert are real:
+Mixtral-8x7B's expert is 3 * 4096 * 14336 * 2 B = 352 MB in bf16.
+
+Decode is memory bound: a layer's time is the bytes it reads divided by the GPU memory bandwidth
+(weights, plus the KV cache for attention); prefill also checks FLOPs and takes the larger.
+All times are in seconds, bandwidths in GB/s (1e9 bytes/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..errors import MoectlError
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+HARDWARE_DIR = RECIPES_DIR / "hardware"
+DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "bf16": 2.0, "fp16": 2.0, "float32": 4.0, "fp32": 4.0,
+               "int8": 1.0, "float8": 1.0, "fp8": 1.0}
+
+
+@dataclass
+class Hardware:
+    name: str
+    pcie_gbps: float
+    gpu_mem_gbps: float
+    gpu_tflops: float
+    cpu_mem_gbps: float
+    cpu_cores: int
+    mem_efficiency: float = 0.75
+    flops_efficiency: float = 0.5
+    layer_overhead_ms: float = 0.02
+    gpu_memory_gb: float = 24.0
+
+
+def list_hardware() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    p = Path(name_or_path).expanduser()
+    if not p.is_file():
+        p = HARDWARE_DIR / f"{name_or_path}.yaml"
+    if not p.is_file():
+        raise MoectlError(f"unknown hardware profile {name_or_path!r}; known: {', '.join(list_hardware())} "
+                          f"(or a path to a yaml file like recipes/hardware/rtx4090-pcie4.yaml)")
+    d = yaml.safe_load(p.read_text()) or {}
+    fields = set(Hardware.__dataclass_fields__)
+    missing = {"pcie_gbps", "gpu_mem_gbps", "gpu_tflops", "cpu_mem_gbps", "cpu_cores"} - set(d)
+    if missing:
+        raise MoectlError(f"hardware profile {p} lacks {', '.join(sorted(missing))}")
+    d.setdefault("name", p.stem)
+    return Hardware(**{k: v for k, v in d.items() if k in fields})
+
+
+# ----------------------------------------------------------------------------- model shapes
+
+def _recipe_files() -> list[Path]:
+    return sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def load_shape(name: str) -> dict:
+    """The `shape:` block of recipe `name` (a recipe name or a yaml path), with `name` added."""
+    p = Path(name).expanduser()
+    if not p.is_file():
+        p = RECIPES_DIR / f"{name}.yaml"
+    if not p.is_file():
+        known = [f.stem for f in _recipe_files() if "shape" in (yaml.safe_load(f.read_text()) or {})]
+        raise MoectlError(f"unknown model shape {name!r}; recipes with a shape: block: {', '.join(known)}")
+    d = yaml.safe_load(p.read_text()) or {}
+    if "shape" not in d:
+        raise MoectlError(f"recipe {p} has no shape: block (the tiny model's shape comes from its checkpoint)")
+    return {"name": d.get("name", p.stem), **d["shape"]}
+
+
+def shape_for_trace_model(model: str) -> dict | None:
+    """The recipe shape whose `trace_names` lists `model` (a moe-routing-v1 header's model)."""
+    for f in _recipe_files():
+        d = yaml.safe_load(f.read_text()) or {}
+        if model in (d.get("trace_names") or []) and "shape" in d:
+            return {"name": d.get("name", f.stem), **d["shape"]}
+    return None
+
+
+def shape_from_hf_config(cfg: dict) -> dict:
+    """A shape block from a Hugging Face config.json dict (profiled traces of local checkpoints)."""
+    g = cfg.get
+    hidden = g("hidden_size")
+    inter = g("moe_intermediate_size") or g("intermediate_size")
+    heads = g("num_attention_heads")
+    return {
+        "name": g("_name_or_path", "model"), "num_layers": g("num_hidden_layers"),
+        "moe_layers": g("num_hidden_layers"), "hidden_size": hidden, "intermediate_size": inter,
+        "num_experts": g("num_local_experts") or g("num_experts") or g("n_routed_experts"),
+        "top_k": g("num_experts_per_tok"), "num_attention_heads": heads,
+        "num_key_value_heads": g("num_key_value_heads", heads),
+        "head_dim": g("head_dim") or hidden // heads, "vocab_size": g("vocab_size"),
+        "dtype": str(g("torch_dtype") or g("dtype") or "float32"),
+        "shared_experts": g("n_shared_experts") or 0,
+        "shared_expert_intermediate_size": g("shared_expert_intermediate_size") or 0,
+    }
+
+
+def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -> float:
+    """Bytes of one routed expert (gate, up, down projections). `bits` None = the model's dtype;
+    quantized copies add one fp16 scale and one zero point per `group_size` weights."""
+    n = 3 * shape["hidden_size"] * shape["intermediate_size"]
+    if bits is None:
+        return n * DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
+    if bits >= 16:
+        return n * bits / 8
+    return n * bits / 8 + (n / group_size) * 4
+
+
+class CostModel:
+    """Times (seconds) for copies and compute of `shape` on `hw`."""
+
+    def __init__(self, hw: Hardware, shape: dict, bits: float | None = None):
+        self.hw, self.shape = hw, shape
+        self.dtype_bytes = DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
+        self.expert_bytes = expert_bytes(shape, bits)
+        self.mem_bps = hw.gpu_mem_gbps * 1e9 * hw.mem_efficiency
+        self.flops = hw.gpu_tflops * 1e12 * hw.flops_efficiency
+        D, H = shape["hidden_size"], shape["num_attention_heads"]
+        kv, hd = shape.get("num_key_value_heads", H), shape.get("head_dim") or D // H
+        self.attn_params = D * H * hd * 2 + D * kv * hd * 2            # q, o + k, v projections
+        self.kv_bytes_per_token = 2 * kv * hd * self.dtype_bytes        # K and V of one layer
+        shared_i = (shape.get("shared_experts") or 0) and (shape.get("shared_expert_intermediate_size")
+                                                           or shape["intermediate_size"] * shape["shared_experts"])
+        self.shared_params = 3 * D * shared_i if shared_i else 0
+        self.expert_params = 3 * D * shape["intermediate_size"]
+
+    def load_s(self, nbytes: float | None = None) -> float:
+        """Host -> GPU copy of `nbytes` (default one expert)."""
+        return (self.expert_bytes if nbytes is None else nbytes) / (self.hw.pcie_gbps * 1e9)
+
+    def _gemm_s(self, params: float, tokens: int) -> float:
+        return max(params * self.dtype_bytes / self.mem_bps, 2 * params * tokens / self.flops)
+
+    def attention_s(self, tokens: int = 1, context: int = 512) -> float:
+        """Non-expert part of one layer (attention, norms, router, shared experts) for `tokens` new tokens
+        attending to `context` cached ones."""
+        kv_read = context * self.kv_bytes_per_token / self.mem_bps
+        return (self._gemm_s(self.attn_params + self.shared_params, tokens) + kv_read
+                + self.hw.layer_overhead_ms * 1e-3)
+
+    def expert_s(self, tokens: int = 1) -> float:
+        """One resident expert applied to `tokens` tokens."""
+        return self._gemm_s(self.expert_params, tokens) * self.expert_bytes / (self.expert_params * self.dtype_bytes)
+
+    def lm_head_s(self, tokens: int = 1) -> float:
+        return self._gemm_s(self.shape["hidden_size"] * (self.shape.get("vocab_size") or 32000), tokens)
+
+    def cpu_expert_s(self, tokens: int = 1) -> float:
+        """One expert computed on the CPU from host RAM (Fiddler-style alternative to a copy)."""
+        return self.expert_params * self.dtype_bytes / (self.hw.cpu_mem_gbps * 1e9)
