@@ -17,7 +17,7 @@ $(BIN)/moectl: pyproject.toml
 install: $(BIN)/moectl
 
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo

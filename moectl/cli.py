@@ -44,7 +44,9 @@ _register_commands()
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)      # typer.Exit(n) and Ctrl-C come back as a return code here
+        if isinstance(rc, int) and rc != 0:
+            sys.exit(rc)
     except MoectlError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)

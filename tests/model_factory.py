@@ -47,3 +47,26 @@ def build_family(family: str, out: Path, fused: bool = False, seed: int = 0):
     model.eval()
     model.save_pretrained(out, save_original_format=not fused)
     return model
+
+
+def save_tokenizer(out: Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer trained in ~0.2 s on a few KB of local text, with a chat template."""
+    import inspect as _inspect
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = _inspect.getsource(torch.nn.modules.linear) + _inspect.getsource(torch.nn.modules.activation)[:20000]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        special_tokens=["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                 pad_token="<|pad|>")
+    hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf.save_pretrained(out)

@@ -14,8 +14,8 @@ The built-in corpus (`source: builtin`) is English technical prose that any CPyt
 deterministically: the pydoc text (`pydoc.render_doc(module, renderer=pydoc.plaintext)`) of a fixed, sorted list of
 standard-library modules (`BUILTIN_MODULES`), cleaned (pydoc boilerplate, file paths, docs URLs, memory addresses,
 `DATA`/`FILE`/`VERSION` sections and class-box rules removed), cut into documents of about 2,000 characters at
-paragraph boundaries, and split by the hash of each document's name (`module:index`): 1 in 10 goes to `validation`.
-It is cached as JSONL under `$MOECTL_HOME/corpus/builtin-v1-py3.X/`. On CPython 3.11 it is 70 modules,
+paragraph boundaries, exact duplicates dropped (inherited members repeat verbatim), and split by the hash of each document's name (`module:index`): 1 in 10 goes to `validation`.
+It is cached as JSONL under `$MOECTL_HOME/corpus/builtin-v2-py3.X/`. On CPython 3.11 it is 70 modules,
 ~1,000 documents, ~2.0 M characters (~1.8 M train / ~0.2 M validation); other Python versions document slightly
 different text, so the cache directory is keyed by the Python minor version.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import MoectlError
 
-CORPUS_VERSION = "builtin-v1"
+CORPUS_VERSION = "builtin-v2"
 VALIDATION_EVERY = 10              # 1 in 10 documents (by name hash) is held out
 DOC_CHARS = 2000                   # target document size
 
@@ -112,7 +112,7 @@ def build_builtin_corpus(out_dir: Path) -> dict:
     import pydoc
 
     splits: dict[str, list[dict]] = {"train": [], "validation": []}
-    used, missing = [], []
+    used, missing, seen = [], [], set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in BUILTIN_MODULES:
@@ -124,6 +124,9 @@ def build_builtin_corpus(out_dir: Path) -> dict:
                 continue
             used.append(name)
             for doc in _documents(name, text):
+                if doc["text"] in seen:                # pydoc repeats inherited members verbatim: keep one copy,
+                    continue                           # so no validation document is also a training document
+                seen.add(doc["text"])
                 splits[_split_of(doc["name"])].append(doc)
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, docs in splits.items():
@@ -240,6 +243,8 @@ def load_calibration_spec(spec: str) -> dict:
     path = Path(spec).expanduser()
     yaml_path = path if path.suffix in (".yaml", ".yml") else None
     if yaml_path is None and not path.exists() and spec != "builtin":
+        if "/" in spec or path.suffix:
+            raise MoectlError(f"calibration source {path} does not exist")
         yaml_path = find_calibration_yaml(spec)
         if yaml_path is None:
             raise MoectlError(

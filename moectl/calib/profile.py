@@ -214,6 +214,7 @@ def run_profile(eng, texts: list[str], out_dir, *, model_name: str, dataset: str
     eos = _eos_ids(eng.config, tok)
     total = sum(lengths[start:])
     t0 = time.perf_counter()
+    done = 0                                 # tokens run, for the progress bar (a dropped sample included)
     eng.add_observer(rec)
     try:
         with torch.no_grad():
@@ -222,28 +223,28 @@ def run_profile(eng, texts: list[str], out_dir, *, model_name: str, dataset: str
                 rec.start_request(wanted[i])
                 _set_phase(eng, "prefill")
                 logits, past = eng.forward(torch.tensor([ids], dtype=torch.long))
-                result.tokens += len(ids)
-                result.prefill_tokens += len(ids)
-                tokens = list(ids)
-                phases = [0] * len(ids)
+                done += len(ids)
+                tokens, phases = list(ids), [0] * len(ids)
                 _set_phase(eng, "decode")
                 for _ in range(generate):
+                    if progress is not None:
+                        progress(done, total)
                     nxt = int(logits[0, -1].argmax())
                     if nxt in eos:
                         break
                     logits, past = eng.forward(torch.tensor([[nxt]], dtype=torch.long), past_key_values=past)
                     tokens.append(nxt)
                     phases.append(1)
-                    result.tokens += 1
-                    result.decode_tokens += 1
-                    if progress is not None:
-                        progress(result.tokens, total)
+                    done += 1
                 req = rec.finish_request()
                 _write_request(writer, f"sample-{i:06d}", req, tokens, phases)
                 result.samples += 1
+                result.tokens += len(tokens)
+                result.prefill_tokens += len(ids)
+                result.decode_tokens += len(tokens) - len(ids)
                 result.hidden_samples += len(req.hidden_rows)
                 if progress is not None:
-                    progress(result.tokens, total)
+                    progress(done, total)
     except KeyboardInterrupt:
         result.interrupted = True
         rec.finish_request()                 # the sample in flight is dropped; finished ones are written

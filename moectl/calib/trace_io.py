@@ -51,7 +51,7 @@ import numpy as np
 
 from ..errors import MoectlError
 from ..fingerprint import check_fingerprint
-from ..trace import PHASE_NAMES, HiddenSamples, Trace
+from ..trace import HiddenSamples, Trace
 
 FORMAT, VERSION = "moectl-trace", 1
 META = "meta.json"
@@ -73,14 +73,15 @@ class TraceWriter:
     `resume=True` an existing directory is continued: its shards and request table are kept.
     """
 
-    def __init__(self, out_dir: str | Path, meta: dict, shard_rows: int = 4096, resume: bool = False):
+    def __init__(self, out_dir: str | Path, meta: dict, shard_rows: int = 4096, resume: bool = False,
+                 shard_bytes: int = 256 * 2**20):
         self.dir = Path(out_dir)
-        self.shard_rows = shard_rows
+        self.shard_rows, self.shard_bytes = shard_rows, shard_bytes      # a shard closes at either limit
         self.dir.mkdir(parents=True, exist_ok=True)
         old = self.dir / META
         if resume and old.exists():
             self.meta = read_meta(self.dir)
-            for key in ("fingerprint", "num_layers", "num_experts", "top_k"):
+            for key in ("fingerprint", "num_layers", "num_experts", "top_k", "dataset"):
                 if meta.get(key) is not None and self.meta.get(key) != meta.get(key):
                     raise MoectlError(f"--resume: {self.dir} holds a trace with {key}={self.meta.get(key)!r}, "
                                       f"this run has {meta.get(key)!r}; use another output directory")
@@ -121,7 +122,8 @@ class TraceWriter:
             rec["hidden.moe_inputs"] = np.asarray(moe_inputs, dtype=np.float16)
             rec["hidden.prev_final"] = np.asarray(prev_final, dtype=np.float16)
         self._buf.append(rec)
-        if sum(len(r["pos"]) for r in self._buf) >= self.shard_rows:
+        if (sum(len(r["pos"]) for r in self._buf) >= self.shard_rows
+                or sum(v.nbytes for r in self._buf for v in r.values() if isinstance(v, np.ndarray)) >= self.shard_bytes):
             self.flush()
 
     def flush(self) -> None:
@@ -130,9 +132,9 @@ class TraceWriter:
             return
         from safetensors.numpy import save_file
 
-        reqs = self.meta["requests"]
-        base = len(reqs)
-        reqs.extend(r["request"] for r in self._buf)
+        # meta is only changed once the shard is on disk: an interrupt in here leaves a consistent trace
+        base = len(self.meta["requests"])
+        reqs = self.meta["requests"] + [r["request"] for r in self._buf]
         t: dict[str, np.ndarray] = {
             "request": np.concatenate([np.full(len(r["pos"]), base + i, dtype=np.int32)
                                        for i, r in enumerate(self._buf)]),
@@ -156,14 +158,13 @@ class TraceWriter:
                   metadata={"format": FORMAT, "version": str(VERSION), "rows": str(rows)})
         os.replace(tmp, self.dir / name)
         s = len(t["hidden.index"]) if hid else 0
-        self.meta["shards"].append({"file": name, "rows": rows, "hidden_samples": s})
-        self.meta["num_tokens"] += rows
-        self.meta["num_requests"] = len(reqs)
-        self.meta["samples_done"] += len(self._buf)
-        self.meta["hidden_samples"]["count"] = self.meta["hidden_samples"].get("count", 0) + s
-        for key in ("weights", "router_logits", "weights_exact"):
-            self.meta[f"has_{key}"] = key in t
-        self._buf = []
+        hs = dict(self.meta["hidden_samples"], count=self.meta["hidden_samples"].get("count", 0) + s)
+        meta = dict(self.meta, requests=reqs, shards=self.meta["shards"] + [{"file": name, "rows": rows,
+                                                                             "hidden_samples": s}],
+                    num_tokens=self.meta["num_tokens"] + rows, num_requests=len(reqs),
+                    samples_done=self.meta["samples_done"] + len(self._buf), hidden_samples=hs,
+                    **{f"has_{k}": k in t for k in ("weights", "router_logits", "weights_exact")})
+        self.meta, self._buf = meta, []
         _atomic_json(self.dir / META, self.meta)
 
     def write_routers(self, routers: dict[int, np.ndarray], biases: dict[int, np.ndarray] | None = None) -> None:
@@ -187,8 +188,9 @@ def read_meta(path: str | Path) -> dict:
     d = Path(path)
     f = d / META
     if not f.exists():
+        hint = f"; did you mean {d / 'traces'}?" if (d / "traces" / META).exists() else ""
         raise MoectlError(f"{d} is not a trace directory: {META} is missing (make one with `moectl profile` "
-                          f"or `moectl trace import`)")
+                          f"or `moectl trace import`){hint}")
     try:
         meta = json.loads(f.read_text())
     except json.JSONDecodeError as e:
@@ -286,14 +288,17 @@ def read_exact_weights(path: str | Path) -> np.ndarray | None:
 # --- JSONL import / export ----------------------------------------------------------------------
 
 def import_jsonl(src: str | Path, out_dir: str | Path, model_name: str | None = None,
-                 shard_rows: int = 65536) -> dict:
-    """moe-routing-v1 JSONL -> trace directory, keeping what an exact export needs."""
+                 shard_rows: int = 65536, check=None) -> dict:
+    """moe-routing-v1 JSONL -> trace directory, keeping what an exact export needs. `check(trace)`
+    may raise before anything is written."""
     from ..trace import read_jsonl
 
     src = Path(src)
     if not src.is_file():
         raise MoectlError(f"{src} is not a file; expected a moe-routing-v1 JSONL trace")
     trace = read_jsonl(src)
+    if check is not None:
+        check(trace)
     lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
     header = json.loads(lines[0])
     exact = None
@@ -325,4 +330,4 @@ def export_jsonl(trace_dir: str | Path, out: str | Path) -> Path:
 
 
 __all__ = ["FORMAT", "VERSION", "TraceWriter", "read_meta", "read_trace_dir", "read_exact_weights",
-           "import_jsonl", "export_jsonl", "PHASE_NAMES"]
+           "import_jsonl", "export_jsonl"]

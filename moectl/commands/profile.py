@@ -12,9 +12,10 @@ def register(app: typer.Typer) -> None:
     @app.command("profile")
     def profile(
         model: str = typer.Option(..., "--model", "-m", help="recipe name or checkpoint directory"),
-        dataset: str = typer.Option("default", "--dataset", "-d",
+        dataset: str = typer.Option(None, "--dataset", "-d",
                                     help="calibration YAML (name or path), local text/JSONL/Parquet file or "
-                                         "directory, saved `datasets` directory, or 'builtin'"),
+                                         "directory, saved `datasets` directory, or 'builtin' "
+                                         "[default: the recipe's calibration set, else 'default']"),
         max_tokens: int = typer.Option(512, "--max-tokens", help="prompt tokens per sample (longer texts are cut)"),
         max_samples: int = typer.Option(None, "--max-samples", help="at most this many calibration texts"),
         generate: int = typer.Option(0, "--generate", help="greedy decode tokens after each sample (decode phase)"),
@@ -50,6 +51,12 @@ def register(app: typer.Typer) -> None:
         if generate < 0 or max_tokens < 1:
             raise MoectlError("--generate must be >= 0 and --max-tokens >= 1")
         ref = resolve_model(model, str(workdir) if workdir else None)
+        if dataset is None:
+            from ..recipes import REPO_ROOT
+
+            dataset = ((ref.recipe or {}).get("defaults") or {}).get("calibration") or "default"
+            if not Path(dataset).exists() and (REPO_ROOT / dataset).exists():
+                dataset = str(REPO_ROOT / dataset)             # recipe paths are relative to the repo
         out_dir = out or ref.workdir / "traces"
         texts = load_calibration(dataset, split=split, max_samples=max_samples)
         if device is None:
@@ -99,4 +106,4 @@ def register(app: typer.Typer) -> None:
                           f"at {res.tokens_per_s:.0f} tok/s")
         if res.interrupted:
             console.print("[yellow]interrupted[/]: complete samples are saved; run again with --resume to continue")
-            raise typer.Exit(130)
+            raise KeyboardInterrupt          # the CLI prints "interrupted" and exits 130

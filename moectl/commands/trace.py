@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
 
 
 def _default_trace_dir(model_name: str) -> Path:
-    try:
-        from ..recipes import resolve_model
+    """<MOECTL_HOME>/<model>/traces (never builds or resolves a checkpoint)."""
+    from ..recipes import moectl_home
 
-        return Path(resolve_model(model_name, None).workdir) / "traces"
-    except Exception:  # unknown model name or no recipes module: the plain workdir rule
-        home = Path(os.environ.get("MOECTL_HOME", "~/.cache/moectl")).expanduser()
-        return home / model_name.replace("/", "--") / "traces"
+    return moectl_home() / model_name.replace("/", "--") / "traces"
+
+
+def _check_recipe_shape(model_name: str, meta: dict) -> None:
+    """A recipe name whose shape disagrees with the trace is a clear error (wrong --model-name)."""
+    from ..errors import MoectlError
+    from ..recipes import list_recipes, load_recipe
+
+    if model_name not in list_recipes():
+        return
+    shape = load_recipe(model_name).get("shape") or {}
+    want = {"num_layers": shape.get("moe_layers", shape.get("num_layers")), "num_experts": shape.get("num_experts"),
+            "top_k": shape.get("top_k")}
+    bad = {k: (meta[k], v) for k, v in want.items() if v is not None and int(v) != int(meta[k])}
+    if bad:
+        what = ", ".join(f"{k} {got} (recipe: {exp})" for k, (got, exp) in bad.items())
+        raise MoectlError(f"the trace does not fit recipe {model_name!r}: {what}; pass the right --model-name")
 
 
 def register(app: typer.Typer) -> None:
@@ -37,8 +49,12 @@ def register(app: typer.Typer) -> None:
 
         from ..calib.trace_io import import_jsonl
 
+        def check(t) -> None:
+            _check_recipe_shape(model_name, {"num_layers": t.num_layers, "num_experts": t.num_experts,
+                                             "top_k": t.top_k})
+
         out = out or _default_trace_dir(model_name)
-        meta = import_jsonl(file, out, model_name=model_name)
+        meta = import_jsonl(file, out, model_name=model_name, check=check)
         summary = {"out": str(out), "model": meta["model"], "tokens": meta["num_tokens"],
                    "requests": meta["num_requests"], "layers": meta["num_layers"], "experts": meta["num_experts"],
                    "top_k": meta["top_k"], "shards": len(meta["shards"]), "weights": meta.get("has_weights", False)}

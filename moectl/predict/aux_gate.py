@@ -28,7 +28,7 @@ class AuxGate(nn.Module):
             self.net = nn.Sequential(nn.Linear(hidden_size, width), nn.ReLU(), nn.Linear(width, num_experts))
         else:
             self.net = nn.Sequential(nn.Linear(hidden_size, num_experts))
-        self._np: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._infer: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     def forward(self, prev_final: torch.Tensor) -> torch.Tensor:
         """prev_final [B, D] -> logits [B, E]."""
@@ -45,25 +45,24 @@ class AuxGate(nn.Module):
                    cfg.get("target_layer", 0))
 
     def load_state_dict(self, sd, strict: bool = True):
-        self._np = None
+        self._infer = None
         return super().load_state_dict(sd, strict)
 
+    @torch.no_grad()
     def predict_scores(self, prev_final_hidden) -> np.ndarray:
         """One token: the previous token's final hidden state [D] (zeros/None at a request start) -> scores [E]."""
-        if self._np is None:
-            self._np = [(m.weight.detach().float().numpy(), m.bias.detach().float().numpy())
-                        for m in self.net if isinstance(m, nn.Linear)]
-        if prev_final_hidden is None:
-            x = np.zeros(self.hidden_size, dtype=np.float32)
-        elif isinstance(prev_final_hidden, torch.Tensor):
-            x = prev_final_hidden.detach().float().cpu().numpy().reshape(-1)
-        else:
-            x = np.asarray(prev_final_hidden, dtype=np.float32).reshape(-1)
-        for i, (w, b) in enumerate(self._np):
-            x = w @ x + b
-            if i < len(self._np) - 1:
-                x = np.maximum(x, 0.0)
-        return x
+        from .mlp import one_thread
+
+        if self._infer is None:
+            self._infer = [(m.weight.detach().float(), m.bias.detach().float()) for m in self.net if isinstance(m, nn.Linear)]
+        with one_thread():
+            x = (torch.zeros(self.hidden_size) if prev_final_hidden is None
+                 else torch.as_tensor(prev_final_hidden).detach().to("cpu", torch.float32).reshape(-1))
+            for i, (w, b) in enumerate(self._infer):
+                x = torch.addmv(b, w, x)
+                if i < len(self._infer) - 1:
+                    x = x.relu()
+        return x.numpy()
 
     @torch.no_grad()
     def predict_batch(self, prev_final: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""ProMoE-style hidden-state predictors: from layer l's MoE input, score the experts of layers l+d.
+r"""ProMoE-style hidden-state predictors: from layer l's MoE input, score the experts of layers l+d.
 
 Legend: B = batch of tokens, D = hidden size, E = experts, H = MLP width, d = lookahead, n_d = lookaheads
 that fit after layer l (l + d < L).
@@ -13,7 +13,7 @@ hidden layer), so a layer costs one D x H matrix-vector product however many loo
 the router of the target layer (gate reuse: router[l+d] @ h) and the MLP's output layer starts at zero, so
 training starts from gate reuse and early stopping on held-out recall keeps whatever beats it.
 Training lives in `moectl.predict.train`; this file is the model and the fast CPU inference path
-(`predict_scores`, plain numpy: no autograd or dispatcher overhead, ~2 matrix-vector products per layer).
+(`predict_scores`: two matrix-vector products per layer on one thread, no autograd).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class MLPPredictorSet:
             ds = [d for d in self.lookaheads if l + d < num_layers]
             if ds:
                 self.layers[l] = SourceLayerMLP(hidden_size, num_experts, ds, width, use_chosen)
-        self._np: dict[int, tuple] = {}                          # numpy copies of the weights, for inference
+        self._infer: dict[int, tuple] = {}        # float32 weights laid out for predict_scores
 
     # -- serialisation (artifact.py stores config() in predictors.json, state_dict() in safetensors) --
     def config(self) -> dict:
@@ -95,7 +95,7 @@ class MLPPredictorSet:
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         for l, m in self.layers.items():
             m.load_state_dict({k.split(".", 1)[1]: v for k, v in sd.items() if k.split(".", 1)[0] == str(l)})
-        self._np.clear()
+        self._infer.clear()
 
     def num_params(self) -> int:
         return sum(p.numel() for m in self.layers.values() for p in m.parameters())
@@ -106,37 +106,38 @@ class MLPPredictorSet:
         return [] if m is None else [layer + d for d in m.lookaheads]
 
     def _weights(self, layer: int) -> tuple:
-        w = self._np.get(layer)
+        w = self._infer.get(layer)
         if w is None:
             m = self.layers[layer]
             D, W = self.hidden_size, self.width
-            f1 = m.fc1.weight.detach().float().numpy()
+            f1 = m.fc1.weight.detach().float()
             # fc1's hidden part and the skip path read the same h: one [W + n_d*E, D] matrix, one product
-            w_in = np.ascontiguousarray(np.concatenate([f1[:, :D], m.skip.weight.detach().float().numpy()]))
-            b_in = np.concatenate([m.fc1.bias.detach().float().numpy(), m.skip.bias.detach().float().numpy()])
-            w_chosen = np.ascontiguousarray(f1[:, D:].T) if self.use_chosen else None       # [E, W]
-            w2 = m.fc2.weight.detach().float().numpy()
-            b2 = m.fc2.bias.detach().float().numpy()
-            w = self._np[layer] = (w_in, b_in, w_chosen, w2, b2, W, list(m.lookaheads))
+            w_in = torch.cat([f1[:, :D], m.skip.weight.detach().float()]).contiguous()
+            b_in = torch.cat([m.fc1.bias.detach().float(), m.skip.bias.detach().float()])
+            w_chosen = f1[:, D:].T.contiguous() if self.use_chosen else None          # [E, W]
+            w = self._infer[layer] = (w_in, b_in, w_chosen, m.fc2.weight.detach().float().contiguous(),
+                                   m.fc2.bias.detach().float(), W, list(m.lookaheads))
         return w
 
+    @torch.no_grad()
     def predict_scores(self, layer: int, hidden, chosen=None) -> dict[int, np.ndarray]:
         """One token: hidden [D] (numpy or torch) of MoE layer `layer` -> {target layer: scores [E]}.
 
-        `chosen`: the expert ids layer `layer` picked (needed only if the set was trained with use_chosen).
+        `chosen`: the expert ids layer `layer` picked (used only if the set was trained with use_chosen).
+        Runs on one CPU thread (see `one_thread`): a multi-threaded matrix-vector product this small only
+        waits for the other cores, which the model's own compute is using.
         """
         if layer not in self.layers:
             return {}
-        if isinstance(hidden, torch.Tensor):
-            hidden = hidden.detach().float().cpu().numpy()
-        h = np.asarray(hidden, dtype=np.float32).reshape(-1)
         w_in, b_in, w_chosen, w2, b2, W, ds = self._weights(layer)
-        y = w_in @ h + b_in                                      # [W + n_d*E]
-        a = y[:W]
-        if w_chosen is not None and chosen is not None:
-            ids = [int(e) for e in chosen if int(e) >= 0]
-            a = a + w_chosen[ids].sum(0)
-        out = w2 @ np.maximum(a, 0.0) + b2 + y[W:]              # [n_d*E]
+        with one_thread():
+            h = torch.as_tensor(hidden).detach().to("cpu", torch.float32).reshape(-1)
+            y = torch.addmv(b_in, w_in, h)                       # [W + n_d*E]
+            a = y[:W]
+            if w_chosen is not None and chosen is not None:
+                ids = [int(e) for e in chosen if int(e) >= 0]
+                a = a + w_chosen[ids].sum(0)
+            out = (torch.addmv(b2, w2, a.relu()) + y[W:]).numpy()   # [n_d*E]
         E = self.num_experts
         return {layer + d: out[i * E:(i + 1) * E] for i, d in enumerate(ds)}
 
@@ -160,12 +161,11 @@ class MLPPredictorSet:
 
 def measure_predict_cost(hidden_size: int = 4096, num_experts: int = 8, top_k: int = 2, num_layers: int = 32,
                          lookaheads: tuple[int, ...] = (1, 2, 3), width: int = 256, repeats: int = 300,
-                         threads: int | None = 1, seed: int = 0) -> dict:
+                         seed: int = 0) -> dict:
     """CPU cost of one `predict_scores` call (one source layer, every lookahead) at a model's sizes.
 
     Defaults are Mixtral-8x7B (D=4096, E=8, top-2). Weights are random: the cost does not depend on their
-    values. `threads` limits BLAS/torch threads the way a prefetch worker would (restored afterwards).
-    The ProMoE goal is <= 0.3 ms per layer. Returns ms per layer (median, p90), params per layer, width.
+    values. Prediction runs on one CPU thread (`one_thread`). The ProMoE goal is <= 0.3 ms per layer. Returns ms per layer (median, p90), params per layer, width.
     """
     torch.manual_seed(seed)
     pred = MLPPredictorSet(num_layers, num_experts, top_k, hidden_size, list(lookaheads), width)
@@ -175,34 +175,28 @@ def measure_predict_cost(hidden_size: int = 4096, num_experts: int = 8, top_k: i
     layer = num_layers // 2
     rng = np.random.default_rng(seed)
     hs = rng.standard_normal((16, hidden_size)).astype(np.float32)
-    limiter = _thread_limit(threads)
-    try:
-        for i in range(20):                                       # warm-up (builds the numpy weight copies)
-            pred.predict_scores(layer, hs[i % 16])
-        times = []
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            pred.predict_scores(layer, hs[i % 16])
-            times.append(time.perf_counter() - t0)
-    finally:
-        limiter()
+    for i in range(20):                                           # warm-up (builds the inference weights)
+        pred.predict_scores(layer, hs[i % 16])
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        pred.predict_scores(layer, hs[i % 16])
+        times.append(time.perf_counter() - t0)
     t = np.array(times) * 1e3
     return {"hidden_size": hidden_size, "num_experts": num_experts, "lookaheads": list(lookaheads),
             "width": width, "params_per_layer": sum(p.numel() for p in pred.layers[layer].parameters()),
-            "threads": threads, "ms_per_layer_median": float(np.median(t)),
+            "threads": 1, "ms_per_layer_median": float(np.median(t)),
             "ms_per_layer_p90": float(np.percentile(t, 90)), "repeats": repeats, "goal_ms": 0.3}
 
 
-def _thread_limit(threads: int | None):
-    """Limit BLAS threads (threadpoolctl if present, else torch's) and return a function that restores them."""
-    if not threads:
-        return lambda: None
-    try:
-        from threadpoolctl import threadpool_limits
+class one_thread:
+    """Run torch CPU ops of this block on one thread (the setting is per calling thread), then restore."""
 
-        ctl = threadpool_limits(limits=threads)
-        return ctl.restore_original_limits
-    except ImportError:
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        return lambda: torch.set_num_threads(old)
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        if self.n != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.n != 1:
+            torch.set_num_threads(self.n)

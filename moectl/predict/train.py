@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -192,7 +193,7 @@ def train_mlp(traces: list[Trace], lookaheads: list[int], epochs: int = 100, max
                            device, seed=seed + l)
         if progress:
             progress(i + 1, len(pred.layers))
-    pred._np.clear()
+    pred._infer.clear()
     metrics = evaluate_mlp(pred, data)
     metrics["fit"] = {str(l): v for l, v in fit_info.items()}
     metrics["split"] = {"train": int(len(tr)), "val": int(len(va)), "test": int(len(data.rows(TEST)))}
@@ -251,7 +252,7 @@ def train_aux_gate(traces: list[Trace], epochs: int = 100, max_minutes: float | 
             return _recall_at_k(mod.eval()(x_va), y_va, K)
 
     fit = _fit(gate, [x_tr], y_tr, val_score, epochs, Deadline(max_minutes).share(1), device, seed=seed)
-    gate._np = None
+    gate._infer = None
     metrics = evaluate_aux_gate(gate, data)
     metrics["fit"] = fit
     return gate, metrics
@@ -265,3 +266,249 @@ def evaluate_aux_gate(gate: AuxGate, data: HiddenData, rows: np.ndarray | None =
     return {"ks": ks, "test_tokens": int(len(rows)), "target_layer": gate.target_layer,
             "aux_gate": set_metrics(gate.predict_batch(data.prev_final[rows]), truth, ks),
             "frequency": set_metrics(freq, truth, ks)}
+
+
+def train_routing(traces: list[Trace], lookaheads: list[int], epochs: int, max_minutes: float | None,
+                  seed: int = 0):
+    """The routing-only predictor (moectl.predict.routing): inputs are expert choices, no hidden states."""
+    from .routing import train_routing_predictor
+
+    return train_routing_predictor(traces, lookahead=lookaheads, epochs=epochs, max_minutes=max_minutes or 5.0,
+                                   seed=seed)
+
+
+def evaluate_routing(pred, test: Trace, train: list[Trace]) -> dict:
+    """Replay `test` (decode rows) through the routing predictor, token by token, layer by layer.
+
+    Per lookahead d and target layer: the predictor's scores vs the frequency baseline (the target layer's most
+    popular experts in the `train` traces) and the previous token's choice at the target layer (ties broken by
+    frequency), all on the same tokens. `test` must not be among `train` (e.g. the other file of the model).
+    """
+    from ..trace import PREFILL
+
+    L, E, K = test.num_layers, test.num_experts, test.top_k
+    ks = ks_for(K, E)
+    pop = sum(multi_hot(t.experts.reshape(-1, K), E).reshape(t.num_tokens, L, E).sum(0) for t in train)   # [L, E]
+    pop = pop / max(1, pop.sum(1).max())
+    scores = {d: {t: ([], [], [], []) for t in range(d, L)} for d in pred.lookahead}   # routing, freq, prev, truth
+    state = pred.new_state()
+    for _, sl in test.request_slices():
+        rows = [r for r in range(sl.start, sl.stop) if test.phase[r] != PREFILL]
+        state.reset()
+        prev = None
+        for r in rows:
+            for l in range(L):
+                state.observe(l, test.experts[r, l])
+                for d in pred.lookahead:
+                    if l + d >= L:
+                        continue
+                    t = l + d
+                    s = scores[d][t]
+                    s[0].append(pred.predict(state, d))
+                    s[1].append(pop[t])
+                    s[2].append((multi_hot(prev[t][None], E)[0] if prev is not None else 0) + 1e-3 * pop[t])
+                    s[3].append(test.experts[r, t])
+            state.end_token()
+            prev = test.experts[r]
+    out = {"ks": ks, "test_tokens": 0, "lookahead": {}}
+    for d, per_t in scores.items():
+        rows_out = []
+        for t, (rs, fs, ps, ys) in per_t.items():
+            if not ys:
+                continue
+            y = np.stack(ys)
+            rows_out.append({"target": t, "routing": set_metrics(np.stack(rs), y, ks),
+                             "frequency": set_metrics(np.stack(fs), y, ks),
+                             "prev_token": set_metrics(np.stack(ps), y, ks)})
+        if rows_out:
+            out["test_tokens"] = rows_out[0]["routing"]["tokens"]
+            out["lookahead"][str(d)] = {"per_layer": rows_out, "mean": {
+                c: mean_metrics([r[c] for r in rows_out]) for c in ("routing", "frequency", "prev_token")}}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ orchestration
+def parse_lookahead(text: str | list[int]) -> list[int]:
+    if isinstance(text, (list, tuple)):
+        vals = [int(v) for v in text]
+    else:
+        try:
+            vals = [int(v) for v in str(text).replace(" ", "").split(",") if v]
+        except ValueError:
+            raise MoectlError(f"--lookahead takes positive integers separated by commas (e.g. 1,2,3), "
+                              f"not {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise MoectlError(f"--lookahead takes positive integers separated by commas (e.g. 1,2,3), not {text!r}")
+    return sorted(set(vals))
+
+
+def parse_kinds(kind: str) -> list[str]:
+    names = {"mlp": ["mlp"], "aux-gate": ["aux_gate"], "aux_gate": ["aux_gate"], "routing": ["routing"],
+             "all": ["mlp", "aux_gate", "routing"]}
+    if kind not in names:
+        raise MoectlError(f"--kind must be one of mlp, aux-gate, routing, all (not {kind!r})")
+    return names[kind]
+
+
+def checkpoint_fingerprint(path: Path) -> str:
+    """The fingerprint the runtime computes for the checkpoint at `path` (config.json only)."""
+    from transformers import AutoConfig
+
+    from ..fingerprint import model_fingerprint
+    from ..models import adapter_for
+
+    config = AutoConfig.from_pretrained(str(path))
+    return model_fingerprint(config.to_dict(), adapter_for(config).family)
+
+
+def _resolve(model: str | None, workdir):
+    """(workdir or None, model fingerprint or None, model name or None) for --model."""
+    if not model:
+        return (Path(workdir).expanduser() if workdir else None), None, None
+    from ..recipes import load_recipe, moectl_home, resolve_model
+
+    try:
+        ref = resolve_model(model, workdir, build=False)
+    except MoectlError:
+        # training needs the traces, not the weights: a recipe whose checkpoint is not downloaded still has a workdir
+        recipe = load_recipe(model)              # not a recipe either: its error says what --model takes
+        wd = Path(workdir).expanduser() if workdir else moectl_home() / recipe["name"]
+        return wd, None, recipe["name"]
+    fp = None
+    if (Path(ref.path) / "config.json").exists():
+        fp = checkpoint_fingerprint(ref.path)
+    return ref.workdir, fp, ref.name
+
+
+def run_train_predictor(model: str | None = None, traces: list | None = None, kind: str = "all",
+                        lookahead="1,2,3", epochs: int = 100, out=None, device: str = "cpu",
+                        max_minutes: float | None = 10.0, width: int = 256, workdir=None, seed: int = 0,
+                        console=None, progress: bool = False) -> dict:
+    """What `moectl train-predictor` does; returns the result dict its --json prints."""
+    from ..recipes import moectl_home
+    from ..trace import load_trace
+    from .artifact import save_predictors
+
+    t_start = time.monotonic()
+    kinds = parse_kinds(kind)
+    ds = parse_lookahead(lookahead)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MoectlError("--device cuda: no CUDA device is available here; use --device cpu")
+    if not traces and not model:
+        raise MoectlError("give --traces DIR|FILE (repeatable) or --model M (reads <workdir>/traces)")
+    wd, model_fp, model_name = _resolve(model, workdir)
+    if not traces:
+        default = wd / "traces"
+        if not default.exists():
+            raise MoectlError(f"no traces at {default}; run `moectl profile --model {model} --hidden-samples 2000` "
+                              f"first, or pass --traces")
+        traces = [default]
+    loaded = [load_trace(p) for p in traces]
+    for p, t in zip(traces, loaded):
+        t.source = t.source or str(p)
+        if t.num_tokens == 0:
+            raise MoectlError(f"trace {p} has no rows")
+    t0 = loaded[0]
+    for p, t in zip(traces, loaded):
+        if (t.num_layers, t.num_experts, t.top_k) != (t0.num_layers, t0.num_experts, t0.top_k):
+            raise MoectlError(f"traces {traces[0]} ({t0.num_layers} layers x {t0.num_experts} experts, top-"
+                              f"{t0.top_k}) and {p} ({t.num_layers} x {t.num_experts}, top-{t.top_k}) are not of "
+                              f"the same model; train on one model's traces at a time")
+        if model_fp is not None:
+            from ..fingerprint import check_fingerprint
+
+            check_fingerprint(t.fingerprint, model_fp, "trace", p)
+    fps = {t.fingerprint for t in loaded}
+    if len(fps - {None}) > 1:
+        raise MoectlError(f"the traces come from different models ({', '.join(sorted(f for f in fps if f))})")
+    fingerprint = model_fp or next((f for f in fps if f), None)
+
+    notes: list[str] = []
+    has_hidden = all(t.hidden is not None and len(t.hidden.token_index) > 0 for t in loaded)
+    if not has_hidden:
+        hidden_kinds = [k for k in kinds if k in ("mlp", "aux_gate")]
+        if kind != "all" and hidden_kinds:
+            gather_hidden(loaded)                                 # raises the clear "no hidden samples" error
+        if hidden_kinds:
+            notes.append("the traces carry no hidden-state samples: skipped mlp and aux-gate (profile with "
+                         "--hidden-samples N to train them)")
+        kinds = [k for k in kinds if k == "routing"]
+    if "routing" in kinds:
+        try:
+            from . import routing as _routing  # noqa: F401
+        except ImportError:
+            if kind == "routing":
+                raise MoectlError("the routing predictor is not available in this build (moectl.predict.routing)")
+            notes.append("routing predictor not available in this build: skipped")
+            kinds = [k for k in kinds if k != "routing"]
+    if not kinds:
+        raise MoectlError("nothing to train: " + "; ".join(notes))
+
+    # time shares: the mlp trains one network per layer, the others one each
+    share = {"mlp": 0.7, "aux_gate": 0.1, "routing": 0.2}
+    total = sum(share[k] for k in kinds)
+    minutes = {k: (max_minutes * share[k] / total if max_minutes else None) for k in kinds}
+
+    results: dict = {}
+    metrics: dict = {}
+    data = gather_hidden(loaded) if any(k in ("mlp", "aux_gate") for k in kinds) else None
+    bar = _Bar(progress and console is not None, console)
+    with bar:
+        if "mlp" in kinds:
+            n_src = sum(1 for l in range(t0.num_layers) if any(l + d < t0.num_layers for d in ds))
+            task = bar.add("mlp (per layer)", n_src)
+            results["mlp"], metrics["mlp"] = train_mlp(loaded, ds, epochs, minutes["mlp"], device, seed, width,
+                                                       progress=lambda i, n: bar.update(task, i), data=data)
+        if "aux_gate" in kinds:
+            task = bar.add("aux gate", 1)
+            results["aux_gate"], metrics["aux_gate"] = train_aux_gate(loaded, epochs, minutes["aux_gate"], device,
+                                                                      seed, data=data)
+            bar.update(task, 1)
+        if "routing" in kinds:
+            task = bar.add("routing", 1)
+            results["routing"], metrics["routing"] = train_routing(loaded, ds, epochs, minutes["routing"], seed)
+            bar.update(task, 1)
+
+    if out is None:
+        out = wd if wd is not None else moectl_home() / _safe_name(t0.model)
+    json_path = save_predictors(out, fingerprint=fingerprint, model=model_name or t0.model,
+                                num_layers=t0.num_layers, num_experts=t0.num_experts, top_k=t0.top_k, lookahead=ds,
+                                metrics=metrics, traces=[str(p) for p in traces], **results)
+    return {"out": str(json_path), "kinds": list(results), "fingerprint": fingerprint, "model": model_name or t0.model,
+            "lookahead": ds, "num_layers": t0.num_layers, "num_experts": t0.num_experts, "top_k": t0.top_k,
+            "traces": [str(p) for p in traces], "metrics": metrics, "notes": notes,
+            "seconds": round(time.monotonic() - t_start, 2)}
+
+
+def _safe_name(name: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.split("/")[-1]).strip("-") or "model"
+
+
+class _Bar:
+    """A rich progress display (one task per kind), or nothing when progress is off."""
+
+    def __init__(self, enabled: bool, console) -> None:
+        self.p = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=console, transient=False)
+
+    def __enter__(self):
+        if self.p:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.p:
+            self.p.__exit__(*exc)
+
+    def add(self, name: str, total: int):
+        return self.p.add_task(name, total=total) if self.p else None
+
+    def update(self, task, completed: int) -> None:
+        if self.p:
+            self.p.update(task, completed=completed)

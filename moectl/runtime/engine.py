@@ -56,16 +56,12 @@ class Engine:
              replacement: str | ReplacementPolicy = "lru", prefetch: PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True) -> "Engine":
         from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         ref = resolve_model(model, workdir)
         dev = _device(device)
+        config, adapter = load_config(ref.path)
         ckpt = Checkpoint(ref.path)
-        try:
-            config = AutoConfig.from_pretrained(ref.path)
-        except Exception as e:
-            raise MoectlError(f"cannot read {ref.path / 'config.json'}: {e}") from None
-        adapter = adapter_for(config)
         dt = _dtype(dtype, config)
         if offload not in ("ram", "disk"):
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {offload!r}")
@@ -249,6 +245,18 @@ class _Runtime:
 
 # --- helpers (pure functions; the CLI and tests use them too) -----------------------------
 
+def load_config(path: Path):
+    """(HF config, family adapter) of a checkpoint directory, with clear errors."""
+    from transformers import AutoConfig
+
+    Checkpoint.check_dir(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise MoectlError(f"cannot read {Path(path) / 'config.json'}: {e}") from None
+    return config, adapter_for(config)
+
+
 def _device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise MoectlError("--device cuda asked for, but torch sees no CUDA device (CPU build, or no GPU)")
@@ -359,3 +367,30 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
         return [int(i) for i in out]
     text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
     return tokenizer(text)["input_ids"]
+
+
+def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None) -> dict:
+    """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    ref = resolve_model(model, workdir)
+    config, adapter = load_config(ref.path)
+    ckpt = Checkpoint(ref.path)
+    dt = _dtype(dtype, config)
+    with init_empty_weights():
+        hf = AutoModelForCausalLM.from_config(config, dtype=dt)
+    blocks = adapter.moe_blocks(hf)
+    if not blocks:
+        raise MoectlError(f"{ref.path} has no sparse MoE layers; moectl offloads experts of MoE models")
+    size = torch.empty((), dtype=dt).element_size()
+    dense = sum(t.numel() * size for k, t in hf.state_dict().items() if adapter.skeleton_key(k) is not None
+                and ".experts." not in k)
+    if getattr(config, "tie_word_embeddings", False):
+        dense -= hf.get_output_embeddings().weight.numel() * size
+    expert_nbytes = adapter.layout().numel * size
+    ckpt.keys()
+    info = describe(config, adapter, expert_nbytes, dense, len(blocks))
+    return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
+                   "moe_layer_ids": [i for i, _ in blocks],
+                   "fingerprint": model_fingerprint(config.to_dict(), adapter.family)}

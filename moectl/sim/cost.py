@@ -160,3 +160,25 @@ class CostModel:
     def cpu_expert_s(self, tokens: int = 1) -> float:
         """One expert computed on the CPU from host RAM (Fiddler-style alternative to a copy)."""
         return self.expert_params * self.dtype_bytes / (self.hw.cpu_mem_gbps * 1e9)
+
+
+class FixedCost:
+    """A cost model with fixed times (seconds), for tests and hand-made cases. Default ratios are
+    Mixtral-8x7B-like (an expert copy ~30x its compute)."""
+
+    def __init__(self, load: float = 1.0, attention: float = 0.01, expert: float = 0.03, head: float = 0.0,
+                 expert_bytes: float = 1.0):
+        self.load, self.attention, self.expert, self.head = load, attention, expert, head
+        self.expert_bytes = expert_bytes
+
+    def load_s(self, nbytes: float | None = None) -> float:
+        return self.load if nbytes is None else self.load * nbytes / self.expert_bytes
+
+    def attention_s(self, tokens: int = 1, context: int = 0) -> float:
+        return self.attention
+
+    def expert_s(self, tokens: int = 1) -> float:
+        return self.expert
+
+    def lm_head_s(self, tokens: int = 1) -> float:
+        return self.head

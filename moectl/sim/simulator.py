@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import MoectlError
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..trace import PREFILL, Trace
-from .cost import CostModel
+from .cost import CostModel, FixedCost
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Simulator:
         self.L = len(capacities)
         self.repl = replacement
         self.pf = prefetch if prefetch is not None else PrefetchPolicy()
-        self.cost = cost
+        self.cost = cost if cost is not None else FixedCost()
         self.max_pf = max_prefetch_per_layer
 
     # ------------------------------------------------------------------ copy engine
@@ -148,7 +148,7 @@ class Simulator:
         """Simulate; `hidden_of(row, layer)` / `final_hidden_of(row)` give hidden states for
         prefetch policies that need them (gate reuse, MLP)."""
         L, cost = self.L, self.cost
-        self.load_s = cost.load_s() if cost else 1.0
+        self.load_s = cost.load_s()
         self.pools: list[dict[int, _Slot]] = [dict() for _ in range(L)]
         self.queue: deque = deque()
         self.free_at = 0.0
@@ -172,7 +172,7 @@ class Simulator:
             demand_before = self.n_demand
             step_stall = step_compute = 0.0
             for l in range(L):
-                attn = cost.attention_s(n_tok, context) if cost else 0.0
+                attn = cost.attention_s(n_tok, context)
                 clock += attn
                 step_compute += attn
                 chosen = step.chosen[l]
@@ -183,7 +183,7 @@ class Simulator:
                 pool = self.pools[l]
                 for e in chosen:
                     now += 1
-                    c = cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1) if cost else 0.0
+                    c = cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1)
                     step_compute += c
                     if not step.prefill:
                         accesses += 1
@@ -241,7 +241,7 @@ class Simulator:
                     t = max(t, r) + c
                 step_stall += (t - clock) - sum(c for _, c in ready)
                 clock = t
-            head = cost.lm_head_s(1) if cost else 0.0
+            head = cost.lm_head_s(1)
             clock += head
             step_compute += head
             if step.prefill:
@@ -267,7 +267,7 @@ class Simulator:
             prefetch_loads_per_token=self.n_prefetch / n,
             late_prefetches_per_token=late / n,
             wasted_prefetch_fraction=self.n_wasted / max(self.n_prefetch, 1),
-            bytes_per_token=(demand_decode + self.n_prefetch) * (cost.expert_bytes if cost else 1.0) / n,
+            bytes_per_token=(demand_decode + self.n_prefetch) * (cost.expert_bytes) / n,
             stall_ms_per_token=stall * ms / n,
             stall_s=stall, decode_s=clock - prefill_time, prefill_s=prefill_time, compute_only_s=compute_only,
             ms_per_token=(clock - prefill_time) * ms / n, lower_bound_ms_per_token=compute_only * ms / n,

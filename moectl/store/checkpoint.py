@@ -18,14 +18,20 @@ from ..errors import MoectlError
 class Checkpoint:
     """Key -> shard index over a checkpoint directory (`model.safetensors[.index.json]`)."""
 
+    @staticmethod
+    def check_dir(path: str | Path) -> Path:
+        """The directory, if it looks like a checkpoint (exists, has config.json); else a clear error."""
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise MoectlError(f"model path {path} does not exist")
+        if not path.is_dir():
+            raise MoectlError(f"{path} is not a directory; --model takes a checkpoint directory or a recipe name")
+        if not (path / "config.json").exists():
+            raise MoectlError(f"{path} is not a Hugging Face checkpoint: it has no config.json")
+        return path
+
     def __init__(self, path: str | Path):
-        self.path = Path(path).expanduser()
-        if not self.path.exists():
-            raise MoectlError(f"model path {self.path} does not exist")
-        if not self.path.is_dir():
-            raise MoectlError(f"{self.path} is not a directory; --model takes a checkpoint directory or a recipe name")
-        if not (self.path / "config.json").exists():
-            raise MoectlError(f"{self.path} is not a Hugging Face checkpoint: it has no config.json")
+        self.path = self.check_dir(path)
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             if list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):

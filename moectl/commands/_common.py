@@ -1,0 +1,50 @@
+"""Options shared by the commands that load a model into the runtime (one definition each)."""
+
+from __future__ import annotations
+
+import typer
+
+
+class CacheOpts:
+    @staticmethod
+    def cache_experts():
+        return typer.Option(None, "--cache-experts", min=1,
+                            help="Expert slots on the device in total, split evenly over MoE layers (default: all).")
+
+    @staticmethod
+    def budget():
+        return typer.Option(None, "--budget",
+                            help="Device memory budget, e.g. 20GB: dense weights and a KV reserve come off first.")
+
+    @staticmethod
+    def device():
+        return typer.Option("cpu", "--device", help="cpu or cuda.")
+
+    @staticmethod
+    def offload():
+        return typer.Option("ram", "--offload", help="Where experts live: ram (host memory) or disk (memory-mapped).")
+
+    @staticmethod
+    def replacement():
+        return typer.Option("lru", "--replacement", help="Cache replacement policy (lru, lfu, moe-infinity, hobbit, ...).")
+
+    @staticmethod
+    def workdir():
+        return typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>).")
+
+    @staticmethod
+    def dtype():
+        return typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's).")
+
+
+def print_stats_line(stats: dict, console=None) -> None:
+    """One status line: tokens/s, hit rate, bytes loaded, load wait."""
+    from rich.console import Console
+
+    from ..recipes import format_bytes
+
+    (console or Console()).print(
+        f"[dim]{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s | cache hit rate {stats['hit_rate']:.1%} "
+        f"({stats['hits']} hits, {stats['misses']} misses) | loaded {format_bytes(stats['bytes_loaded'])} "
+        f"({format_bytes(stats['bytes_per_token'])}/token) | load wait {stats['load_wait_s'] * 1000:.1f} ms[/]",
+        highlight=False)

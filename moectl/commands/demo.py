@@ -1,0 +1,163 @@
+"""`moectl demo`: the whole pipeline on the built-in tiny model, one step after another.
+
+build/train tiny (if needed) -> every pipeline command this version has (`PIPELINE`) -> one chat answer with
+cache stats -> a summary table. Steps run in this process through the CLI's own command functions, so each
+prints its own progress and results exactly as when typed by hand. A step whose command does not exist
+yet is listed as skipped; a step that fails is listed with its error and the demo goes on.
+Each later pipeline issue adds its step to `PIPELINE`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DEMO_QUESTION = "What does bisect_left do?"
+
+
+@dataclass
+class Step:
+    command: str                  # CLI command name
+    args: list[str]               # its arguments after `--model tiny --workdir W`
+    makes: list[str]              # artifacts (relative to the workdir) it should leave behind
+
+
+PIPELINE = [
+    Step("profile", ["--dataset", "default", "--max-samples", "32", "--generate", "8", "--hidden-samples", "all",
+                     "--device", "cpu"], ["traces"]),
+    Step("train-predictor", ["--max-minutes", "1"], ["predictors.safetensors", "predictors.json"]),
+    Step("sensitivity", [], ["sensitivity.json"]),
+    Step("quantize", ["--bits", "4", "--group-size", "64"], ["experts-q4.safetensors"]),
+    Step("plan-cache", ["--budget", "40MB"], ["plan.yaml"]),
+]
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
+def _made(workdir: Path, names: list[str]) -> str:
+    from ..recipes import format_bytes
+
+    parts = [f"{n} ({format_bytes(_size(workdir / n))})" for n in names if (workdir / n).exists()]
+    return ", ".join(parts) if parts else "nothing new on disk"
+
+
+def run_step(group, step: Step, workdir: Path, console) -> tuple[str, str]:
+    """Run one CLI command in-process -> (status, what it made or why not)."""
+    import click
+
+    from ..errors import MoectlError
+
+    args = [step.command, "--model", "tiny", "--workdir", str(workdir), *step.args]
+    console.rule(f"[bold]moectl {' '.join(args)}")
+    try:
+        code = group.main(args=args, prog_name="moectl", standalone_mode=False)
+        if isinstance(code, int) and code:                  # typer.Exit(n) comes back as a return value
+            return "[red]failed[/]", f"exit code {code}"
+    except MoectlError as e:
+        return "[red]failed[/]", str(e)
+    except click.exceptions.Exit as e:
+        if e.exit_code:
+            return "[red]failed[/]", f"exit code {e.exit_code}"
+    except click.ClickException as e:
+        return "[red]failed[/]", e.format_message()
+    except SystemExit as e:
+        if e.code:
+            return "[red]failed[/]", f"exit code {e.code}"
+    except Exception as e:                       # the demo reports a broken step and goes on
+        return "[red]failed[/]", f"{type(e).__name__}: {e}"
+    return "[green]ok[/]", _made(workdir, step.makes)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(
+        workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/tiny)."),
+        question: str = typer.Option(DEMO_QUESTION, "--question", help="What to ask the tiny model at the end."),
+        cache_experts: Optional[int] = typer.Option(None, "--cache-experts", min=1,
+                                                    help="Expert slots for the chat step (default: half the experts)."),
+    ):
+        """Run the whole pipeline on the built-in tiny model: build, calibrate, chat, summary."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from ..cli import app as cli_app
+        from ..recipes import format_bytes, resolve_model
+        from .build_tiny import print_tiny_report
+
+        console = Console()
+        group = typer.main.get_command(cli_app)
+        ref = resolve_model("tiny", workdir, build=False)
+        wd = ref.workdir
+        rows: list[tuple[str, str, str, float]] = []
+
+        # 1. the model
+        console.rule("[bold]build the tiny model")
+        t0 = time.perf_counter()
+        from ..tiny import build_tiny, tiny_report
+
+        existed = (wd / "tiny.json").exists()
+        ckpt = build_tiny(wd)
+        report = tiny_report(wd)
+        print_tiny_report(report, ckpt, console)
+        rows.append(("build-tiny", "[green]reused[/]" if existed else "[green]ok[/]",
+                     f"checkpoint/ ({format_bytes(_size(ckpt))}), val ppl {report['val_ppl']:.1f} vs unigram "
+                     f"{report['unigram_ppl']:.1f}", time.perf_counter() - t0))
+
+        # 2. the calibration pipeline, as far as this version has it
+        for step in PIPELINE:
+            t0 = time.perf_counter()
+            if step.command not in group.commands:
+                rows.append((step.command, "[dim]skipped[/]", "not in this version of moectl", 0.0))
+                continue
+            status, made = run_step(group, step, wd, console)
+            rows.append((step.command, status, made, time.perf_counter() - t0))
+
+        # 3. one chat answer through the offloading runtime
+        console.rule("[bold]chat")
+        t0 = time.perf_counter()
+        from ..commands._common import print_stats_line
+        from ..runtime.engine import Engine
+        from ..serve.chat import ChatSession
+
+        eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt))
+        session = ChatSession(eng, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0)
+        console.print(f"[bold green]you>[/] {question}")
+        console.print("[bold blue]assistant>[/] ", end="")
+
+        def stream(_token_id: int, piece: str) -> None:
+            console.file.write(piece)
+            console.file.flush()
+
+        result = session.ask(question, on_token=stream)
+        console.file.write("\n")
+        print_stats_line(result.stats, console)
+        s = result.stats
+        slots = sum(eng.cache.slots_per_layer)
+        rows.append(("chat", "[green]ok[/]", f"{s['tokens']} tokens at {s['tokens_per_s']:.1f} tok/s, hit rate "
+                     f"{s['hit_rate']:.0%} with {slots} expert slots, {format_bytes(s['bytes_loaded'])} loaded",
+                     time.perf_counter() - t0))
+
+        # 4. summary
+        table = Table(title=f"moectl demo — artifacts in {wd}")
+        table.add_column("step")
+        table.add_column("status")
+        table.add_column("what it made")
+        table.add_column("time", justify="right")
+        for name, status, made, seconds in rows:
+            table.add_row(name, status, made, f"{seconds:.1f} s")
+        console.print(table)
+
+
+def _half_the_experts(ckpt: Path) -> int:
+    import json
+
+    config = json.loads((ckpt / "config.json").read_text())
+    return max(1, config["num_hidden_layers"] * config["num_local_experts"] // 2)

@@ -1,0 +1,159 @@
+"""Chat loop over the offloading runtime: streamed answers, /reset, /stats, /exit.
+
+Interactive on a terminal (rich prompt, tokens streamed as they come); line-oriented when stdin is a pipe:
+one user message per input line, the answer on stdout, then a status line (tokens/s, cache hit rate, bytes
+loaded). Multi-turn: the conversation is kept as messages and the chat template is re-applied each turn
+(no KV reuse across turns), with the oldest turns dropped when the context would overflow.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, TextIO
+
+HELP = "/reset clears the conversation, /stats shows session totals, /exit (or Ctrl-D) quits"
+
+
+@dataclass
+class SessionTotals:
+    turns: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    load_wait_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, stats: dict) -> None:
+        self.turns += 1
+        self.tokens += stats["tokens"]
+        self.seconds += stats["seconds"]
+        self.hits += stats["hits"]
+        self.misses += stats["misses"]
+        self.bytes_loaded += stats["bytes_loaded"]
+        self.load_wait_s += stats["load_wait_s"]
+
+    def as_dict(self) -> dict:
+        lookups = self.hits + self.misses
+        return {"turns": self.turns, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+                "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+                "hits": self.hits, "misses": self.misses, "hit_rate": self.hits / lookups if lookups else 0.0,
+                "bytes_loaded": self.bytes_loaded,
+                "bytes_per_token": self.bytes_loaded / self.tokens if self.tokens else 0.0,
+                "load_wait_s": self.load_wait_s}
+
+
+class ChatSession:
+    """One conversation with an Engine: messages in, streamed answers out."""
+
+    def __init__(self, engine, max_new_tokens: int = 128, greedy: bool = False, temperature: float = 0.8,
+                 top_p: float = 0.95, seed: int | None = 0, system: str | None = None):
+        self.engine = engine
+        self.max_new_tokens, self.greedy, self.temperature, self.top_p = max_new_tokens, greedy, temperature, top_p
+        self.seed, self.system = seed, system
+        self.messages: list[dict] = []
+        self.totals = SessionTotals()
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt_ids(self) -> list[int]:
+        """The conversation through the chat template (plain 'User: ...' fallback), oldest turns dropped to fit."""
+        from ..runtime.engine import chat_ids
+
+        limit = getattr(self.engine.config, "max_position_embeddings", None) or 4096
+        keep = 1 if self.system else 0
+        while True:
+            ids = chat_ids(self.engine.tokenizer, self.messages)
+            if len(ids) + self.max_new_tokens <= limit or len(self.messages) <= keep + 1:
+                return ids[-(limit - self.max_new_tokens):] if len(ids) + self.max_new_tokens > limit else ids
+            del self.messages[keep:keep + 2]                 # drop the oldest user/assistant pair
+
+    def ask(self, text: str, on_token: Callable[[int, str], None] | None = None):
+        """Add the user's message, generate the answer (streamed through on_token), remember it."""
+        self.messages.append({"role": "user", "content": text})
+        seed = None if self.seed is None else self.seed + self.totals.turns
+        result = self.engine.generate(input_ids=self.prompt_ids(), max_new_tokens=self.max_new_tokens,
+                                      greedy=self.greedy, temperature=self.temperature, top_p=self.top_p,
+                                      seed=seed, on_token=on_token)
+        self.messages.append({"role": "assistant", "content": result.text.strip()})
+        self.totals.add(result.stats)
+        return result
+
+
+def _read_lines(interactive: bool, console, stdin: TextIO) -> Iterable[str]:
+    while True:
+        try:
+            line = console.input("[bold green]you>[/] ") if interactive else stdin.readline()
+        except EOFError:
+            return
+        if not interactive and line == "":
+            return                                           # end of piped input
+        yield line.rstrip("\n")
+
+
+def print_session_stats(session: ChatSession, console) -> None:
+    from rich.table import Table
+
+    from ..recipes import format_bytes
+
+    t = session.totals.as_dict()
+    cache = session.engine.cache
+    table = Table(title="session stats", show_header=False)
+    table.add_row("turns", str(t["turns"]))
+    table.add_row("tokens generated", str(t["tokens"]))
+    table.add_row("tokens/s", f"{t['tokens_per_s']:.1f}")
+    table.add_row("cache hit rate", f"{t['hit_rate']:.1%} ({t['hits']} hits, {t['misses']} misses)")
+    table.add_row("bytes loaded", f"{format_bytes(t['bytes_loaded'])} ({format_bytes(t['bytes_per_token'])}/token)")
+    table.add_row("load wait", f"{t['load_wait_s'] * 1000:.1f} ms")
+    slots = getattr(cache, "slots_per_layer", None)
+    if slots is not None:
+        table.add_row("cache slots", f"{sum(slots)} over {len(slots)} MoE layers")
+    table.add_row("messages in context", str(len(session.messages)))
+    console.print(table)
+
+
+def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, interactive: bool | None = None) -> int:
+    """The read-answer loop; returns the exit code (0)."""
+    from rich.console import Console
+
+    from ..commands._common import print_stats_line
+
+    console = console or Console()
+    stdin = stdin or sys.stdin
+    if interactive is None:
+        interactive = stdin.isatty() and console.is_terminal
+    if interactive:
+        console.print(f"[bold]moectl chat[/] with [cyan]{session.engine.ref.name}[/] — {HELP}")
+
+    def stream(_token_id: int, piece: str) -> None:
+        console.file.write(piece)
+        console.file.flush()
+
+    for line in _read_lines(interactive, console, stdin):
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            command = text.split()[0].lower()
+            if command in ("/exit", "/quit", "/q"):
+                break
+            if command == "/reset":
+                session.reset()
+                console.print("[yellow]conversation reset[/]")
+            elif command == "/stats":
+                print_session_stats(session, console)
+            else:
+                console.print(f"[yellow]unknown command {command}[/]: {HELP}")
+            continue
+        if interactive:
+            console.print("[bold blue]assistant>[/] ", end="")
+        result = session.ask(text, on_token=stream)
+        console.file.write("\n")
+        console.file.flush()
+        print_stats_line(result.stats, console)
+    return 0

@@ -1,0 +1,333 @@
+"""The built-in `tiny` model: a small Mixtral trained on the built-in corpus, so the whole tool can run anywhere.
+
+`build_tiny(workdir)` does, from a fixed seed, on the CPU:
+  1. the built-in corpus (pydoc text of the standard library, `moectl.calib.dataset`), train/validation split;
+  2. a byte-level BPE tokenizer trained on the train split, with a ChatML chat template;
+  3. a MixtralForCausalLM (full: 6 layers, hidden 128, 8 experts of intermediate 384, top-2, vocab 2048: 7.9 M params,
+     2.3 M active per token) trained with next-token loss
+     plus the router load-balancing loss on the train text and on short question/answer chats made from it
+     (so `moectl chat` answers in the chat format and stops at <|im_end|>);
+  4. `save_pretrained` -> `<workdir>/checkpoint/` (safetensors with per-expert keys, tokenizer, generation config),
+     an ordinary Hugging Face checkpoint that every command reads like a real one;
+  5. `<workdir>/tiny.json`: validation perplexity next to a unigram baseline on the very same tokens, and per-layer
+     routing entropies (bits) next to uniform (log2 E).
+
+Training is bounded: `steps` (default 600 of 8x64 tokens) and, only when `steps` is not given, a wall
+time cap (`MAX_TRAIN_SECONDS`) so a busy machine still finishes in about 3 minutes; the steps done are recorded.
+The same steps on the same machine give the same weights (seeded data order and init, deterministic CPU kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import MoectlError
+
+TINY_FORMAT = 1
+MAX_TRAIN_SECONDS = 120.0
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]      # ids 0, 1, 2, 3
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class TinySpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    heads: int
+    kv_heads: int
+    num_experts: int
+    top_k: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    aux_loss_coef: float = 0.02
+    chat_fraction: float = 0.15     # share of training sequences that start a question/answer chat
+    eval_tokens: int = 32768        # validation tokens scored (at most)
+
+
+FULL = TinySpec(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=6, heads=4, kv_heads=2,
+                num_experts=8, top_k=2, seq_len=64, batch_size=8, steps=600, lr=1e-2, eval_tokens=16384)
+SMALL = TinySpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, heads=4, kv_heads=2,
+                 num_experts=8, top_k=2, seq_len=64, batch_size=16, steps=150, lr=1e-2, eval_tokens=8192)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+def qa_pairs(docs: list[str], seed: int = 0) -> list[tuple[str, str]]:
+    """Question/answer chats made from the docs: 'What does f do?' -> 'f(sig): first docstring sentence.'"""
+    pairs = []
+    entry = re.compile(r"^(?P<ind> *)(?P<name>[A-Za-z_][\w.]*)\((?P<args>[^)\n]{0,80})\)\n(?P=ind) +(?P<doc>\S[^\n]+)", re.M)
+    module = re.compile(r"^Name\n +(?P<name>[\w.]+) - (?P<doc>[^\n]+)", re.M)
+    questions = ["What does {} do?", "Explain {}.", "How do I use {}?", "Tell me about {}.", "What is {}?"]
+    rng = random.Random(seed)
+    for text in docs:
+        for m in module.finditer(text):
+            pairs.append((f"What is the {m['name']} module?", f"The {m['name']} module: {m['doc'].strip()}"))
+        for m in entry.finditer(text):
+            name = m["name"]
+            if name.startswith("_"):
+                continue
+            answer = f"{name}({m['args']}): {m['doc'].strip()}"
+            pairs.append((rng.choice(questions).format(name), answer))
+    greetings = ["hello", "hi", "Hello!", "hi there", "hey"]
+    intro = "Hello! I am the tiny moectl model. I know a little about the Python standard library."
+    pairs += [(g, intro) for g in greetings] * 20
+    rng.shuffle(pairs)
+    return pairs
+
+
+def chat_text(user: str, assistant: str) -> str:
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{assistant}<|im_end|>\n"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE (GPT-2 style pre-tokenizer) trained on `texts`, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                 pad_token="<|pad|>", unk_token=None)
+    hf.chat_template = CHAT_TEMPLATE
+    hf.model_max_length = 1 << 30             # we tokenize whole documents; set to the context length on save
+    return hf
+
+
+def token_stream(tokenizer, texts: list[str]):
+    """Texts -> one LongTensor of ids, each text followed by <|endoftext|> (id 0)."""
+    import torch
+
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    flat = [t for seq in ids for t in (*seq, 0)]
+    return torch.tensor(flat, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+def tiny_config(spec: TinySpec):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        num_local_experts=spec.num_experts, num_experts_per_tok=spec.top_k, max_position_embeddings=1024,
+        router_aux_loss_coef=spec.aux_loss_coef, output_router_logits=True, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=3, pad_token_id=1, rms_norm_eps=1e-5,
+    )
+
+
+def evaluate(model, val_ids, spec: TinySpec, unigram_logp) -> dict:
+    """Validation perplexity, the unigram baseline on the same target tokens, routing entropies per layer."""
+    import torch
+
+    E, K = spec.num_experts, spec.top_k
+    n_windows = max(1, min(len(val_ids) - 1, spec.eval_tokens) // spec.seq_len)
+    windows = val_ids[: n_windows * spec.seq_len + 1]
+    inputs = windows[:-1].view(n_windows, spec.seq_len)              # [W, S]
+    targets = windows[1:].view(n_windows, spec.seq_len)
+    nll, count = 0.0, 0
+    usage = torch.zeros(spec.num_layers, E, dtype=torch.float64)      # [L, E] top-k picks
+    router_entropy = torch.zeros(spec.num_layers, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, n_windows, spec.batch_size):
+            x, y = inputs[start:start + spec.batch_size], targets[start:start + spec.batch_size]
+            out = model(input_ids=x, output_router_logits=True)
+            logp = torch.log_softmax(out.logits.float(), -1)         # [B, S, V]
+            nll -= logp.gather(-1, y[..., None]).sum().item()
+            count += y.numel()
+            for layer, logits in enumerate(out.router_logits):        # [B*S, E]
+                probs = torch.softmax(logits.double(), -1)
+                router_entropy[layer] -= (probs * probs.clamp_min(1e-12).log2()).sum()
+                top = torch.topk(logits, K, -1).indices
+                usage[layer] += torch.bincount(top.flatten(), minlength=E).double()
+    model.train()
+    usage_p = usage / usage.sum(-1, keepdim=True)
+    usage_entropy = -(usage_p * usage_p.clamp_min(1e-12).log2()).sum(-1)
+    unigram_nll = -unigram_logp[targets.flatten()].sum().item()
+    return {
+        "val_tokens": count,
+        "val_ppl": math.exp(nll / count),
+        "unigram_ppl": math.exp(unigram_nll / count),
+        "uniform_entropy_bits": math.log2(E),
+        # marginal expert usage (the load-balancing loss pushes it towards uniform)
+        "usage_entropy_bits": [round(v, 4) for v in usage_entropy.tolist()],
+        # mean per-token entropy of the router softmax: low = each token routes decisively
+        "router_entropy_bits": [round(v, 4) for v in (router_entropy / count).tolist()],
+        "usage": [[round(p, 4) for p in row] for row in usage_p.tolist()],
+    }
+
+
+def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, small: bool = False,
+               progress: bool = True, seed: int = 0) -> Path:
+    """Build and train the tiny model into `<workdir>/checkpoint`; returns that directory.
+
+    An existing build (tiny.json + checkpoint) is kept unless `force`."""
+    import torch
+    from transformers import GenerationConfig, MixtralForCausalLM
+
+    from .calib.dataset import builtin_corpus
+
+    workdir = Path(workdir).expanduser()
+    ckpt = workdir / "checkpoint"
+    report_path = workdir / "tiny.json"
+    if report_path.exists() and (ckpt / "config.json").exists() and not force:
+        return ckpt
+    spec = SMALL if small else FULL
+    planned_steps = steps if steps is not None else spec.steps
+    if planned_steps <= 0:
+        raise MoectlError(f"--steps must be positive, got {planned_steps}")
+    time_cap = None if (steps is not None or small) else MAX_TRAIN_SECONDS     # small (tests): always exact
+    t_start = time.perf_counter()
+    torch.manual_seed(seed)
+    threads = 1 if small or _busy() else 2
+    torch.set_num_threads(threads)   # on a shared, busy machine 2 threads spin against other work: 1 is 3-50x faster
+    if hasattr(torch, "use_deterministic_algorithms"):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    say = _say if progress else (lambda msg: None)
+    say(f"building tiny{' (small)' if small else ''} into {workdir}: corpus and tokenizer")
+    # 1-2. corpus, tokenizer, token streams
+    train_docs, val_docs = builtin_corpus("train"), builtin_corpus("validation")
+    if small:                                  # a quarter of the text is plenty for a few hundred small steps
+        train_docs, val_docs = train_docs[::4], val_docs[::2]
+    pairs = qa_pairs(train_docs, seed)
+    tokenizer = train_tokenizer(train_docs + [chat_text(q, a) for q, a in pairs[:2000]], spec.vocab_size)
+    train_ids = token_stream(tokenizer, train_docs)                           # [N]
+    chat_ids = token_stream(tokenizer, [chat_text(q, a) for q, a in pairs])   # [M]
+    val_ids = token_stream(tokenizer, val_docs)
+    counts = torch.bincount(train_ids, minlength=spec.vocab_size).double() + 1.0   # add-one unigram model
+    unigram_logp = (counts / counts.sum()).log()
+
+    # 3. model + training
+    config = tiny_config(spec)
+    model = MixtralForCausalLM(config)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    n_chat = round(spec.batch_size * spec.chat_fraction)
+
+    def windows(stream, n):                                                   # n random windows [n, S+1]
+        starts = torch.randint(0, len(stream) - spec.seq_len - 1, (n,), generator=gen)
+        return torch.stack([stream[s:s + spec.seq_len + 1] for s in starts.tolist()])
+
+    bar = _progress(progress, planned_steps, "training tiny" + (" (small)" if small else ""))
+    done, losses, t_train = 0, [], time.perf_counter()
+    with bar as update:
+        for step in range(planned_steps):
+            # progress drives the schedule: steps done, or wall time used when the time cap binds first, so a
+            # busy machine still warms up and anneals fully (just over fewer steps)
+            frac = step / planned_steps
+            if time_cap is not None:
+                frac = max(frac, (time.perf_counter() - t_train) / time_cap)
+            if frac >= 1.0:
+                break
+            warm = min(1.0, (frac + 1e-3) / 0.05)                              # 5% warmup, cosine to 10%
+            for group in opt.param_groups:
+                group["lr"] = spec.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+            batch = torch.cat([windows(train_ids, spec.batch_size - n_chat), windows(chat_ids, n_chat)])
+            out = model(input_ids=batch, labels=batch, output_router_logits=True)   # labels shift inside: S targets
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            done = step + 1
+            losses.append(out.loss.item())
+            update(loss=losses[-1], aux=out.aux_loss.item())
+    train_seconds = time.perf_counter() - t_train
+
+    # 4. evaluation and save
+    say("evaluating on the validation split and saving the checkpoint")
+    metrics = evaluate(model, val_ids, spec, unigram_logp)
+    model.config.output_router_logits = False
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[3, 0], pad_token_id=1)
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True)
+    model.save_pretrained(ckpt)
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(ckpt)
+    report = {
+        "format": TINY_FORMAT, "variant": "small" if small else "full", "seed": seed,
+        "params": n_params, "threads": threads, "steps": done, "planned_steps": planned_steps, "stopped_by_time_cap": done < planned_steps,
+        "train_seconds": round(train_seconds, 1), "build_seconds": round(time.perf_counter() - t_start, 1),
+        "train_tokens": int(done * spec.batch_size * spec.seq_len), "corpus_tokens": int(len(train_ids)),
+        "chat_pairs": len(pairs), "final_train_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+        "spec": asdict(spec), **metrics,
+    }
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(json.dumps(report, indent=1))
+    return ckpt
+
+
+def _busy() -> bool:
+    """Is another process already using the cores (1-minute load average)?"""
+    try:
+        return os.getloadavg()[0] > 1.0
+    except OSError:
+        return False
+
+
+def ensure_tiny(workdir: Path, progress: bool = True) -> Path:
+    """The tiny checkpoint directory, built on first use."""
+    return build_tiny(Path(workdir), progress=progress)
+
+
+def tiny_report(workdir: Path) -> dict | None:
+    path = Path(workdir).expanduser() / "tiny.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _say(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]{msg}[/]", highlight=False)
+
+
+class _progress:
+    """A rich progress bar when asked, else nothing; `with _progress(...) as update: update(loss=...)`."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled, self.total, self.label = enabled, total, label
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda **kw: None
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=Console(stderr=True), transient=False)   # stderr: keeps --json stdout clean
+        self.bar.__enter__()
+        task = self.bar.add_task(self.label, total=self.total, info="")
+
+        def update(**kw):
+            self.bar.update(task, advance=1, info=" ".join(f"{k} {v:.3f}" for k, v in kw.items()))
+        return update
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False

@@ -1,0 +1,36 @@
+"""Shared pytest fixtures. Append yours below; keep session fixtures cheap or cached."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+# Tiny models are dispatch-bound: one intra-op thread is faster, and far faster on a busy 2-core machine.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_small(tmp_path_factory) -> Path:
+    """Checkpoint dir of the small trained tiny Mixtral (built once per session, ~15-40 s).
+
+    Its workdir (with tiny.json) is the parent directory; the corpus cache lives in a private MOECTL_HOME
+    (`<tmp>/home`, also available as `tiny_small.parent.parent / "home"`)."""
+    from moectl.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("tiny_small")
+    old = os.environ.get("MOECTL_HOME")
+    os.environ["MOECTL_HOME"] = str(root / "home")
+    try:
+        return build_tiny(root / "tiny", small=True, progress=False)
+    finally:
+        if old is None:
+            os.environ.pop("MOECTL_HOME", None)
+        else:
+            os.environ["MOECTL_HOME"] = old

@@ -1,0 +1,272 @@
+"""The offloading runtime against the transformers reference forward, for every family."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_factory import build_family, family_configs, save_tokenizer  # noqa: E402
+
+from moectl.errors import MoectlError  # noqa: E402
+from moectl.runtime.engine import Engine, budget_slots  # noqa: E402
+
+FAMILIES = list(family_configs())
+DECODE_STEPS = 16
+
+
+def _reference_run(path, prompt: torch.Tensor, steps: int):
+    """Logits per step and greedy ids from the stock transformers model with its KV cache."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    logits, ids = [], []
+    with torch.no_grad():
+        pkv = DynamicCache(config=ref.config)
+        step = prompt
+        for _ in range(steps + 1):
+            out = ref(input_ids=step, past_key_values=pkv, use_cache=True)
+            pkv = out.past_key_values
+            logits.append(out.logits[0])
+            nxt = int(out.logits[0, -1].argmax())
+            ids.append(nxt)
+            step = torch.tensor([[nxt]])
+    return logits, ids
+
+
+def _engine_run(eng: Engine, prompt: torch.Tensor, steps: int):
+    logits, ids, pkv, step = [], [], None, prompt
+    for _ in range(steps + 1):
+        out, pkv = eng.forward(step, pkv)
+        logits.append(out[0])
+        nxt = int(out[0, -1].argmax())
+        ids.append(nxt)
+        step = torch.tensor([[nxt]])
+    return logits, ids
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    dirs = {}
+    for fam in FAMILIES:
+        for fused in (False, True):
+            d = root / f"{fam}{'-fused' if fused else ''}"
+            build_family(fam, d, fused=fused)
+            dirs[(fam, fused)] = d
+    return dirs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lossless_against_transformers(family, family_dirs):
+    path = family_dirs[(family, False)]
+    prompt = torch.randint(2, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_ids = _reference_run(path, prompt, DECODE_STEPS)
+    probe = Engine.load(str(path), progress=False)
+    L, E = len(probe.moe_layer_ids), probe.adapter.num_experts
+    for slots in (1, E // 2, E):
+        eng = Engine.load(str(path), cache_experts=slots * L, progress=False)
+        assert eng.cache.slots_per_layer == [slots] * L
+        logits, ids = _engine_run(eng, prompt, DECODE_STEPS)
+        assert ids == ref_ids, f"{family} at {slots} slots/layer: greedy ids differ"
+        diff = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits))
+        assert diff <= 1e-4, f"{family} at {slots} slots/layer: max |logit diff| {diff}"
+        st = eng.cache.snapshot()
+        if slots == 1:
+            assert st["misses"] > 0
+            assert st["bytes_loaded"] == st["misses"] * eng.store.expert_nbytes
+        if slots == E:      # everything fits: each expert loads at most once
+            assert st["misses"] <= L * E
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_checkpoint_same_result(family, family_dirs):
+    from safetensors import safe_open
+
+    fused = family_dirs[(family, True)]
+    keys = list(safe_open(str(next(fused.glob("*.safetensors"))), "pt").keys())
+    assert any(k.endswith("experts.gate_up_proj") for k in keys)      # really fused on disk
+    prompt = torch.randint(2, 512, (1, 7), generator=torch.Generator().manual_seed(2))
+    a = _engine_run(Engine.load(str(family_dirs[(family, False)]), cache_experts=100, progress=False), prompt, 4)
+    b = _engine_run(Engine.load(str(fused), cache_experts=100, progress=False), prompt, 4)
+    assert a[1] == b[1]
+    assert max((x - y).abs().max().item() for x, y in zip(a[0], b[0])) == 0.0
+
+
+def test_disk_offload_matches_ram(family_dirs):
+    path = str(family_dirs[("mixtral", False)])
+    prompt = torch.randint(2, 512, (1, 6), generator=torch.Generator().manual_seed(3))
+    ram = Engine.load(path, cache_experts=4, progress=False)
+    disk = Engine.load(path, cache_experts=4, offload="disk", progress=False)
+    assert disk.store.buffers is None                  # nothing copied up front
+    a, b = _engine_run(ram, prompt, 5), _engine_run(disk, prompt, 5)
+    assert a[1] == b[1]
+    assert ram.cache.snapshot()["misses"] == disk.cache.snapshot()["misses"] > 0
+
+
+def test_budget_to_slots_and_minimum():
+    MB = 10**6
+    # 10 MB dense + 2 MB KV + 4 layers x 1 MB experts minimum = 16 MB
+    with pytest.raises(MoectlError, match=r"minimum 16\.00 MB"):
+        budget_slots(15 * MB, 10 * MB, 2 * MB, 1 * MB, 4, 8)
+    assert budget_slots(16 * MB, 10 * MB, 2 * MB, 1 * MB, 4, 8) == [1, 1, 1, 1]
+    assert budget_slots(30 * MB, 10 * MB, 2 * MB, 1 * MB, 4, 8) == [5, 5, 4, 4]      # 18 slots
+    assert budget_slots(10**12, 10 * MB, 2 * MB, 1 * MB, 4, 8) == [8, 8, 8, 8]      # capped at all experts
+
+
+def test_budget_option_on_a_model(family_dirs):
+    path = str(family_dirs[("mixtral", False)])
+    eng = Engine.load(path, progress=False)
+    with pytest.raises(MoectlError, match="minimum"):
+        Engine.load(path, budget="100KB", progress=False)
+    from moectl.runtime.engine import dense_nbytes, kv_reserve_nbytes
+    need = dense_nbytes(eng.model) + kv_reserve_nbytes(eng.config, torch.float32) + 8 * eng.store.expert_nbytes
+    assert Engine.load(path, budget=need, progress=False).cache.slots_per_layer == [2, 2, 2, 2]
+
+
+# --- generation -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory, family_dirs):
+    d = tmp_path_factory.mktemp("withtok") / "mixtral"
+    shutil.copytree(family_dirs[("mixtral", False)], d)
+    save_tokenizer(d)
+    return d
+
+
+def test_generate_matches_transformers_greedy(text_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(text_model)
+    ref = AutoModelForCausalLM.from_pretrained(text_model).eval()
+    ids = tok("def forward(self, input):", return_tensors="pt")["input_ids"]
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    eng = Engine.load(str(text_model), cache_experts=4, progress=False)
+    streamed = []
+    res = eng.generate("def forward(self, input):", max_new_tokens=12, greedy=True, stop_at_eos=False,
+                       on_token=lambda t, piece: streamed.append(t))
+    assert res.token_ids == want == streamed
+    assert res.stats["tokens"] == 12 and res.stats["misses"] > 0
+    assert res.stats["bytes_per_token"] == pytest.approx(res.stats["bytes_loaded"] / 12)
+
+
+def test_sampling_is_seeded(text_model):
+    eng = Engine.load(str(text_model), progress=False)
+    a = eng.generate("import torch", max_new_tokens=10, greedy=False, temperature=1.0, top_p=0.9, seed=7,
+                     stop_at_eos=False)
+    b = eng.generate("import torch", max_new_tokens=10, greedy=False, temperature=1.0, top_p=0.9, seed=7,
+                     stop_at_eos=False)
+    c = eng.generate("import torch", max_new_tokens=10, greedy=False, temperature=1.0, top_p=0.9, seed=8,
+                     stop_at_eos=False)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_eos_stops_generation(text_model):
+    eng = Engine.load(str(text_model), progress=False)
+    first = eng.generate("class Linear", max_new_tokens=1, greedy=True).token_ids[0]
+    eng.config.eos_token_id = first                      # the first greedy token is now EOS
+    res = eng.generate("class Linear", max_new_tokens=10, greedy=True)
+    assert res.token_ids == [first]
+
+
+def test_observers_see_every_moe_layer(text_model):
+    eng = Engine.load(str(text_model), progress=False)
+    seen, finals = [], []
+
+    class Obs:
+        def on_route(self, layer, idx, w, hidden):
+            seen.append((layer, tuple(idx.shape), tuple(hidden.shape)))
+
+        def on_final_hidden(self, h):
+            finals.append(tuple(h.shape))
+
+    eng.add_observer(Obs())
+    eng.forward(torch.tensor([[5, 6, 7]]))
+    assert seen == [(l, (3, 2), (3, 64)) for l in range(4)]
+    assert finals == [(3, 64)]
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+def run_cli(args, capsys):
+    from moectl.cli import main
+
+    old = sys.argv
+    sys.argv = ["moectl", *args]
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_generate_json(text_model, capsys):
+    code, out, err = run_cli(["generate", "--model", str(text_model), "--prompt", "x = ", "--greedy",
+                              "--max-new-tokens", "5", "--cache-experts", "4", "--json"], capsys)
+    assert code == 0, err
+    obj = json.loads(out)
+    assert set(obj) == {"text", "token_ids", "stats"}
+    assert len(obj["token_ids"]) <= 5
+    for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token", "load_wait_s"):
+        assert k in obj["stats"]
+    assert obj["stats"]["bytes_loaded"] == obj["stats"]["misses"] * 98304
+
+
+def test_cli_inspect_json(text_model, capsys):
+    code, out, _ = run_cli(["inspect", "--model", str(text_model), "--json"], capsys)
+    info = json.loads(out)
+    assert code == 0
+    assert (info["family"], info["layers"], info["moe_layers"], info["experts"], info["top_k"]) == ("mixtral", 4, 4, 8, 2)
+    assert info["bytes_per_expert"] == 3 * 64 * 128 * 4
+    assert info["total_bytes"] == info["dense_bytes"] + 4 * 8 * info["bytes_per_expert"]
+
+
+def _bad_inputs(tmp_path, family_dirs):
+    from transformers import BertConfig, MistralConfig
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    dense = tmp_path / "dense"
+    from transformers import MistralForCausalLM
+    MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=64)).save_pretrained(dense)
+    bert = tmp_path / "bert"
+    BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=64).save_pretrained(bert)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(family_dirs[("mixtral", False)], corrupt)
+    shard = corrupt / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return [
+        (str(tmp_path / "nope"), "does not exist"),
+        (str(empty), "no config.json"),
+        (str(dense), "dense model"),
+        (str(bert), "unsupported model family 'bert'"),
+        (str(corrupt), "corrupt or truncated"),
+        ("no-such-recipe", "neither a checkpoint directory nor a recipe"),
+    ]
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, family_dirs, capsys):
+    for path, message in _bad_inputs(tmp_path, family_dirs):
+        code, out, err = run_cli(["generate", "--model", path, "--prompt", "hi"], capsys)
+        assert code == 2, (path, err)
+        assert message in " ".join(err.split()), (path, err)
+        assert "Traceback" not in err and "Traceback" not in out
+
+
+def test_recipe_with_missing_path_says_what_to_set(monkeypatch, capsys):
+    monkeypatch.delenv("MOECTL_MIXTRAL_PATH", raising=False)
+    monkeypatch.setenv("HOME", "/nonexistent-home")
+    code, _, err = run_cli(["inspect", "--model", "mixtral"], capsys)
+    assert code == 2
+    assert "MOECTL_MIXTRAL_PATH" in err
