@@ -44,7 +44,8 @@ class RoutingState:
         self.reset()
 
     def reset(self) -> None:
-        self.hist = np.zeros((0, self.L, self.E), dtype=np.float32)   # [H, L, E] multi-hot
+        self.buf = np.zeros((64, self.L, self.E), dtype=np.float32)   # [capacity, L, E] multi-hot
+        self.hist = self.buf[:0]                                       # [H, L, E] view
         self.ema = np.zeros((self.L, self.E), dtype=np.float32)
         self.cur = np.zeros((self.L, self.E), dtype=np.float32)
         self.sim = np.zeros(0, dtype=np.float32)                       # [H]
@@ -61,7 +62,15 @@ class RoutingState:
         self.last = layer
 
     def end_token(self) -> None:
-        self.hist = np.concatenate([self.hist, self.cur[None]])[-self.max_history:]
+        H = len(self.hist)
+        if H == self.max_history:                      # full: drop the oldest half
+            keep = self.max_history // 2
+            self.buf[:keep] = self.buf[H - keep: H]
+            H = keep
+        if H == len(self.buf):
+            self.buf = np.concatenate([self.buf, np.zeros_like(self.buf)])
+        self.buf[H] = self.cur
+        self.hist = self.buf[: H + 1]
         self.ema = self.ema_decay * self.ema + (1 - self.ema_decay) * self.cur
         self.cur = np.zeros_like(self.cur)
         self.sim = np.zeros(len(self.hist), dtype=np.float32)

@@ -71,6 +71,8 @@ class DeviceCache:
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.ready: dict[tuple[int, int], torch.cuda.Event] = {}            # (layer, slot) -> copy done
+        # Named views (gate_up, down, ...) of every slot, made once: the hot path only indexes them.
+        self.views = [[store.layout.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
 
     # --- bookkeeping --------------------------------------------------------------------
     @property
@@ -154,7 +156,7 @@ class DeviceCache:
         ev = self.ready.pop((layer, slot), None)
         if ev is not None:                          # a prefetch into this slot may still be in flight
             torch.cuda.current_stream(self.device).wait_event(ev)
-        return self.store.layout.views(self.pool[layer][slot])
+        return self.views[layer][slot]
 
     def prefetch(self, layer: int, expert: int) -> bool:
         """Start loading (layer, expert) off the critical path. False if resident or no slot is free."""

@@ -28,6 +28,8 @@ class OffloadedExperts(nn.Module):
         rt, layer = self.runtime, self.layer
         rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
         cache = rt.cache
+        if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
+            return self._one_token(hidden_states, ids, top_k_weights[0])
         out = torch.zeros_like(hidden_states)                                   # [T,H]
         needed = top_k_index.unique().tolist()                                  # one host sync per layer
         needed = [e for e in needed if 0 <= e < self.num_experts]
@@ -42,5 +44,22 @@ class OffloadedExperts(nn.Module):
                 tok, slot = (top_k_index == e).nonzero(as_tuple=True)          # tokens routed to e
                 y = rt.adapter.expert_forward(w, hidden_states[tok], self.apply_gate)   # [t,H]
                 out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
+            cache.unpin(layer, chunk)
+        return out
+
+    def _one_token(self, x: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
+        """Decode fast path: one token [1,H], K distinct experts; no gather/scatter needed."""
+        cache, layer, adapter = self.runtime.cache, self.layer, self.runtime.adapter
+        ids = [e for e in ids if 0 <= e < self.num_experts]
+        order = sorted(ids, key=lambda e: not cache.contains(layer, e))            # resident first
+        pos = {e: j for j, e in enumerate(ids)}
+        out = torch.zeros_like(x)
+        width = cache.slots_per_layer[layer]
+        for i in range(0, len(order), width):
+            chunk = order[i:i + width]
+            cache.pin(layer, chunk)
+            for e in chunk:
+                y = adapter.expert_forward(cache.acquire(layer, e), x, self.apply_gate)     # [1,H]
+                out += (y * weights[pos[e]]).to(out.dtype)
             cache.unpin(layer, chunk)
         return out
