@@ -270,3 +270,56 @@ def test_recipe_with_missing_path_says_what_to_set(monkeypatch, capsys):
     code, _, err = run_cli(["inspect", "--model", "mixtral"], capsys)
     assert code == 2
     assert "MOECTL_MIXTRAL_PATH" in err
+
+
+# --- prefetch ---------------------------------------------------------------------------
+
+def test_prefetch_hides_demand_loads_and_stays_lossless(text_model):
+    """An oracle prefetcher (next layer's true experts) turns demand misses into prefetches."""
+    from moectl.policies.base import PrefetchPolicy
+
+    prompt = torch.tensor([[5, 9, 13, 40]])
+    base = Engine.load(str(text_model), cache_experts=8, progress=False)       # 2 slots per layer
+    routes: list[list[int]] = []
+
+    class Rec:
+        def on_route(self, layer, idx, w, hidden):
+            if idx.shape[0] == 1:
+                routes.append(idx[0].tolist())
+
+    base.add_observer(Rec())
+    want_logits, want_ids = _engine_run(base, prompt, 8)
+    lru_misses = base.cache.snapshot()["misses"]
+
+    class Oracle(PrefetchPolicy):
+        def __init__(self):
+            self.step = -1
+
+        def observe(self, layer, chosen, weights=None, hidden=None):
+            if layer == 0:
+                self.step += 1
+            self.layer = layer
+
+        def predict(self, layer):
+            nxt = self.step * 4 + layer + 1
+            if layer + 1 >= 4 or nxt >= len(routes):
+                return []
+            return [(layer + 1, e, 1.0) for e in routes[nxt]]
+
+    eng = Engine.load(str(text_model), cache_experts=8, prefetch=Oracle(), progress=False)
+    logits, ids = _engine_run(eng, prompt, 8)
+    st = eng.cache.snapshot()
+    assert ids == want_ids
+    assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) == 0.0
+    assert st["prefetches"] > 0 and st["prefetch_used"] == st["prefetches"]      # every oracle prefetch is used
+    assert st["misses"] < lru_misses                                           # fewer demand loads
+    assert st["bytes_loaded"] == (st["misses"] + st["prefetches"]) * eng.store.expert_nbytes
+
+
+def test_gate_reuse_prefetch_runs_lossless(text_model):
+    base = Engine.load(str(text_model), cache_experts=8, progress=False)
+    eng = Engine.load(str(text_model), cache_experts=8, prefetch="gate-reuse", progress=False)
+    prompt = torch.tensor([[7, 8, 9]])
+    a, b = _engine_run(base, prompt, 6), _engine_run(eng, prompt, 6)
+    assert a[1] == b[1]
+    assert eng.cache.snapshot()["prefetches"] > 0

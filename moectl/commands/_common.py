@@ -29,6 +29,10 @@ class CacheOpts:
         return typer.Option("lru", "--replacement", help="Cache replacement policy (lru, lfu, moe-infinity, hobbit, ...).")
 
     @staticmethod
+    def prefetch():
+        return typer.Option("none", "--prefetch", help="Runtime prefetch: none or gate-reuse (next routers on the current hidden state).")
+
+    @staticmethod
     def workdir():
         return typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>).")
 

@@ -104,6 +104,9 @@ class DeviceCache:
         if self.free[layer]:
             return self.free[layer].pop()
         candidates = [e for e in self.slot_of[layer] if (layer, e) not in self.pinned]
+        # Predicted experts are protected until their layer runs, unless nothing else can go.
+        unpredicted = [e for e in candidates if (layer, e) not in self.prefetched]
+        candidates = unpredicted or candidates
         if not candidates:
             return None
         victim = self.policy.victim(layer, candidates, self.clock)
@@ -159,8 +162,12 @@ class DeviceCache:
         return self.views[layer][slot]
 
     def prefetch(self, layer: int, expert: int) -> bool:
-        """Start loading (layer, expert) off the critical path. False if resident or no slot is free."""
+        """Start loading (layer, expert) off the critical path. False if resident or no slot can be
+        freed without evicting an in-use or another predicted expert."""
         if expert in self.slot_of[layer]:
+            return False
+        if not self.free[layer] and all((layer, e) in self.pinned or (layer, e) in self.prefetched
+                                        for e in self.slot_of[layer]):
             return False
         slot = self._take_slot(layer)
         if slot is None:
@@ -173,6 +180,10 @@ class DeviceCache:
         self.stats.bytes_loaded += self.store.expert_nbytes
         self.policy.on_insert(layer, expert, self._tick())
         return True
+
+    def layer_done(self, layer: int) -> None:
+        """Layer `layer` ran: its predictions are spent, unused prefetches become ordinary residents."""
+        self.prefetched = {(l, e) for (l, e) in self.prefetched if l != layer}
 
     def end_token(self) -> None:
         self.policy.on_token_end(self.clock)

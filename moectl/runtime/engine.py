@@ -53,7 +53,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, device: str = "cpu", cache_experts: int | None = None, budget: str | int | None = None,
              offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
-             replacement: str | ReplacementPolicy = "lru", prefetch: PrefetchPolicy | None = None,
+             replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True) -> "Engine":
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
@@ -111,7 +111,8 @@ class Engine:
                                                dense, kv_reserve_nbytes(config, dt), store.expert_nbytes, L, E)
             else:
                 slots_per_layer = split_slots(L * E if cache_experts is None else int(cache_experts), L, E)
-        policy = _replacement(replacement)
+        policy = _replacement(replacement, L, E)
+        prefetch = _prefetch(prefetch, hf, adapter)
         cache = DeviceCache(store, slots_per_layer, dev, policy)
         runtime.cache = cache
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch)
@@ -277,16 +278,38 @@ def _dtype(dtype, config) -> torch.dtype:
     return table[name]
 
 
-def _replacement(replacement) -> ReplacementPolicy:
+def _replacement(replacement, num_layers: int, num_experts: int) -> ReplacementPolicy:
     if isinstance(replacement, ReplacementPolicy):
         return replacement
     if replacement == "lru":
         return LRU()
-    try:
-        from ..policies import make_replacement
-    except ImportError:
-        raise MoectlError(f"unknown replacement policy {replacement!r}") from None
-    return make_replacement(replacement)
+    if replacement == "belady":
+        raise MoectlError("belady needs the future: it exists in `moectl simulate` only")
+    from .. import policies
+
+    if not hasattr(policies, "make_replacement"):
+        raise MoectlError(f"unknown replacement policy {replacement!r}")
+    return policies.make_replacement(replacement, num_layers=num_layers, num_experts=num_experts)
+
+
+def _prefetch(prefetch, model, adapter) -> PrefetchPolicy | None:
+    """None/'none', a PrefetchPolicy object, or 'gate-reuse' (next routers on the current hidden state)."""
+    if prefetch is None or isinstance(prefetch, PrefetchPolicy):
+        return prefetch
+    if prefetch == "none":
+        return None
+    if prefetch == "gate-reuse":
+        from ..policies.prefetch import GateReuse
+
+        routers, bias = {}, {}
+        for moe_idx, (_, block) in enumerate(adapter.moe_blocks(model)):
+            r = adapter.router(block)
+            routers[moe_idx] = r.weight.detach().float().cpu().numpy()
+            if getattr(r, "bias", None) is not None:
+                bias[moe_idx] = r.bias.detach().float().cpu().numpy()
+        return GateReuse(routers, bias, depth=1, per_layer=adapter.top_k)
+    raise MoectlError(f"runtime prefetch {prefetch!r} is not available; use none or gate-reuse "
+                      f"(learned predictors plug in as PrefetchPolicy objects)")
 
 
 def dense_nbytes(model) -> int:

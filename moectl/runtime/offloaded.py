@@ -29,7 +29,9 @@ class OffloadedExperts(nn.Module):
         rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
         cache = rt.cache
         if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
-            return self._one_token(hidden_states, ids, top_k_weights[0])
+            out = self._one_token(hidden_states, ids, top_k_weights[0])
+            cache.layer_done(layer)
+            return out
         out = torch.zeros_like(hidden_states)                                   # [T,H]
         needed = top_k_index.unique().tolist()                                  # one host sync per layer
         needed = [e for e in needed if 0 <= e < self.num_experts]
@@ -45,6 +47,7 @@ class OffloadedExperts(nn.Module):
                 y = rt.adapter.expert_forward(w, hidden_states[tok], self.apply_gate)   # [t,H]
                 out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
             cache.unpin(layer, chunk)
+        cache.layer_done(layer)
         return out
 
     def _one_token(self, x: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
