@@ -228,8 +228,15 @@ def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, sma
     gen = torch.Generator().manual_seed(seed)
     n_chat = round(spec.batch_size * spec.chat_fraction)
 
-    def windows(stream, n):                                                   # n random windows [n, S+1]
-        starts = torch.randint(0, len(stream) - spec.seq_len - 1, (n,), generator=gen)
+    # chat windows start where a chat starts, so the model learns "<|im_start|>user ... assistant\n" -> answer
+    chat_starts = torch.cat([torch.zeros(1, dtype=torch.long), (chat_ids == 0).nonzero().flatten() + 1])
+    chat_starts = chat_starts[chat_starts < len(chat_ids) - spec.seq_len - 1]
+
+    def windows(stream, n, starts=None):                                      # n random windows [n, S+1]
+        if starts is None:
+            starts = torch.randint(0, len(stream) - spec.seq_len - 1, (n,), generator=gen)
+        else:
+            starts = starts[torch.randint(0, len(starts), (n,), generator=gen)]
         return torch.stack([stream[s:s + spec.seq_len + 1] for s in starts.tolist()])
 
     bar = _progress(progress, planned_steps, "training tiny" + (" (small)" if small else ""))
@@ -246,7 +253,7 @@ def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, sma
             warm = min(1.0, (frac + 1e-3) / 0.05)                              # 5% warmup, cosine to 10%
             for group in opt.param_groups:
                 group["lr"] = spec.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-            batch = torch.cat([windows(train_ids, spec.batch_size - n_chat), windows(chat_ids, n_chat)])
+            batch = torch.cat([windows(train_ids, spec.batch_size - n_chat), windows(chat_ids, n_chat, chat_starts)])
             out = model(input_ids=batch, labels=batch, output_router_logits=True)   # labels shift inside: S targets
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

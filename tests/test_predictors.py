@@ -39,19 +39,19 @@ def _corpus() -> bytes:
     return "\n\n".join(p for p in parts if p).encode("utf-8", "replace")
 
 
-def _train_mini_mixtral(layers: int = 6, steps: int = 60, seed: int = 0):
+def _train_mini_mixtral(layers: int = 6, steps: int = 60, seed: int = 0, lr: float = 3e-3, aux: float = 0.1):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                        max_position_embeddings=128, router_aux_loss_coef=0.1, output_router_logits=True,
+                        max_position_embeddings=128, router_aux_loss_coef=aux, output_router_logits=True,
                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = MixtralForCausalLM(cfg)
     data = torch.from_numpy(np.frombuffer(_corpus(), dtype=np.uint8).astype(np.int64))
     cut = int(0.9 * len(data))
     train, held_out = data[:cut], data[cut:]
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         starts = torch.randint(0, len(train) - 65, (8,), generator=gen).tolist()

@@ -153,6 +153,10 @@ def test_generate_matches_transformers_greedy(text_model):
     assert res.token_ids == want == streamed
     assert res.stats["tokens"] == 12 and res.stats["misses"] > 0
     assert res.stats["bytes_per_token"] == pytest.approx(res.stats["bytes_loaded"] / 12)
+    assert len(res.per_token) == 12                      # per-token stats add up to the run's
+    assert sum(p["misses"] for p in res.per_token) == res.stats["misses"]
+    assert sum(p["bytes_loaded"] for p in res.per_token) == res.stats["bytes_loaded"]
+    assert res.per_token[0]["hits"] + res.per_token[0]["misses"] >= 4     # the prefill touches every layer
 
 
 def test_sampling_is_seeded(text_model):

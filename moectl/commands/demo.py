@@ -27,9 +27,9 @@ class Step:
 
 
 PIPELINE = [
-    Step("profile", ["--dataset", "default", "--max-samples", "32", "--generate", "8", "--hidden-samples", "all",
-                     "--device", "cpu"], ["traces"]),
-    Step("train-predictor", ["--max-minutes", "1"], ["predictors.safetensors", "predictors.json"]),
+    Step("profile", ["--dataset", "default", "--max-samples", "16", "--max-tokens", "384", "--generate", "8",
+                     "--hidden-samples", "all", "--device", "cpu"], ["traces"]),
+    Step("train-predictor", ["--max-minutes", "0.5"], ["predictors.safetensors", "predictors.json"]),
     Step("sensitivity", [], ["sensitivity.json"]),
     Step("quantize", ["--bits", "4", "--group-size", "64"], ["experts-q4.safetensors"]),
     Step("plan-cache", ["--budget", "40MB"], ["plan.yaml"]),
@@ -127,7 +127,8 @@ def register(app: typer.Typer) -> None:
         from ..runtime.engine import Engine
         from ..serve.chat import ChatSession
 
-        eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt))
+        eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
+                          progress=False)
         session = ChatSession(eng, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0)
         console.print(f"[bold green]you>[/] {question}")
         console.print("[bold blue]assistant>[/] ", end="")

@@ -222,6 +222,15 @@ def train_routing_predictor(traces: list[Trace], lookahead: list[int] = (1, 2), 
     if not traces:
         raise ValueError("train_routing_predictor needs at least one trace")
     t0 = time.time()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)              # tiny matmuls: threads only add overhead
+    try:
+        return _train(traces, lookahead, epochs, max_minutes, seed, hidden, val_fraction, batch, max_rows, t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(traces, lookahead, epochs, max_minutes, seed, hidden, val_fraction, batch, max_rows, t0):
     torch.manual_seed(seed)
     tr0 = traces[0]
     for tr in traces:

@@ -34,6 +34,7 @@ class GenerationResult:
     token_ids: list[int]                    # generated ids only
     prompt_ids: list[int]
     stats: dict = field(default_factory=dict)
+    per_token: list[dict] = field(default_factory=list)   # cache hits/misses/bytes of each forward step
 
 
 class Engine:
@@ -202,8 +203,12 @@ class Engine:
         self.phase = "prefill"
         if self.prefetch is not None:
             self.prefetch.reset()
+        per_token = []
         for _ in range(max_new_tokens):
+            mark = self.cache.stats.as_dict()
             logits, pkv = self.forward(step, pkv)
+            now = self.cache.stats.as_dict()
+            per_token.append({k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")})
             nxt = sample(logits[0, -1].float().cpu(), greedy, temperature, top_p, gen)
             new.append(nxt)
             if on_token is not None:
@@ -220,7 +225,7 @@ class Engine:
         self.phase = "prefill"
         after = self.cache.snapshot()
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
-        return GenerationResult(text, new, ids, run_stats(before, after, len(new), elapsed))
+        return GenerationResult(text, new, ids, run_stats(before, after, len(new), elapsed), per_token)
 
 
 class _Runtime:
