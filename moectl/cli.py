@@ -58,10 +58,14 @@ def main() -> None:
     except Exception as e:  # click usage errors come through here in standalone_mode=False
         import click
 
-        if isinstance(e, click.exceptions.ClickException):
+        try:                                 # typer >= 0.29 vendors click as typer._click: other classes
+            from typer._click import exceptions as typer_click
+        except ImportError:
+            typer_click = click.exceptions
+        if isinstance(e, (click.exceptions.ClickException, typer_click.ClickException)):
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+        if isinstance(e, (click.exceptions.Abort, typer_click.Abort)):
             sys.exit(1)
         raise
 

@@ -114,3 +114,35 @@ def test_plain_fallback_without_template(tiny_small):
     session = ChatSession(eng)
     session.messages = [{"role": "user", "content": "hi"}]
     assert tok.decode(session.prompt_ids()) == "User: hi\nAssistant:"
+
+
+def test_demo_runs_steps_skips_missing_and_reports_failures(tiny_small, tmp_path, monkeypatch):
+    """The demo on the (small) tiny build: a real step, a missing one, a failing one, then chat and the summary."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+    from moectl.commands import demo
+
+    workdir = tmp_path / "tiny"
+    shutil.copytree(tiny_small.parent, workdir)                     # reuse the session build (tiny.json is there)
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(demo, "PIPELINE", [
+        demo.Step("profile", ["--dataset", "default", "--max-samples", "2", "--max-tokens", "32", "--device", "cpu"],
+                  ["traces"]),
+        demo.Step("no-such-command", [], ["nothing"]),
+        demo.Step("generate", ["--prompt", "x", "--bogus-flag"], []),   # exists, but this call fails
+    ])
+    result = CliRunner().invoke(app, ["demo", "--workdir", str(workdir), "--question", "hello"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert (workdir / "traces").is_dir()
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 4}
+    assert "reused" in rows["build-tiny"] and "val ppl" in rows["build-tiny"]
+    assert "ok" in rows["profile"] and "traces (" in rows["profile"]
+    assert "skipped" in rows["no-such-command"]
+    assert "failed" in rows["generate"] and "bogus" in rows["generate"]
+    assert "ok" in rows["chat"] and "hit rate" in rows["chat"]
+    assert "you> hello" in out and "cache hit rate" in out

@@ -27,7 +27,7 @@ class Step:
 
 
 PIPELINE = [
-    Step("profile", ["--dataset", "default", "--max-samples", "16", "--max-tokens", "384", "--generate", "8",
+    Step("profile", ["--dataset", "default", "--max-samples", "24", "--max-tokens", "384", "--generate", "8",
                      "--hidden-samples", "all", "--device", "cpu"], ["traces"]),
     Step("train-predictor", ["--max-minutes", "0.5"], ["predictors.safetensors", "predictors.json"]),
     Step("sensitivity", [], ["sensitivity.json"]),
@@ -72,6 +72,8 @@ def run_step(group, step: Step, workdir: Path, console) -> tuple[str, str]:
         if e.code:
             return "[red]failed[/]", f"exit code {e.code}"
     except Exception as e:                       # the demo reports a broken step and goes on
+        if hasattr(e, "format_message"):         # a usage error (typer vendors its own click classes)
+            return "[red]failed[/]", e.format_message()
         return "[red]failed[/]", f"{type(e).__name__}: {e}"
     return "[green]ok[/]", _made(workdir, step.makes)
 
@@ -129,7 +131,7 @@ def register(app: typer.Typer) -> None:
 
         eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
                           progress=False)
-        session = ChatSession(eng, max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0)
+        session = ChatSession(eng, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)
         console.print(f"[bold green]you>[/] {question}")
         console.print("[bold blue]assistant>[/] ", end="")
 

@@ -6,24 +6,22 @@ from pathlib import Path
 
 import typer
 
-KIND_NAMES = {"mlp": "mlp", "aux-gate": "aux_gate", "aux_gate": "aux_gate", "routing": "routing"}
-
-
 def register(app: typer.Typer) -> None:
     @app.command("train-predictor")
     def train_predictor(
         model: str = typer.Option(None, "--model", "-m", help="recipe name or checkpoint directory"),
         traces: list[Path] = typer.Option(None, "--traces", "-t",
                                           help="trace directory or moe-routing-v1 JSONL (repeatable) "
-                                               "[default: <workdir>/traces of --model]"),
+                                               "(default: <workdir>/traces of --model)"),
         kind: str = typer.Option("all", "--kind", "-k", help="mlp | aux-gate | routing | all"),
         lookahead: str = typer.Option("1,2,3", "--lookahead", help="layers ahead to predict, e.g. 1,2,3"),
         epochs: int = typer.Option(100, "--epochs", min=1, help="maximum epochs (early stopping ends most sooner)"),
-        out: Path = typer.Option(None, "--out", "-o", help="output directory [default: the model's workdir]"),
+        out: Path = typer.Option(None, "--out", "-o", help="output directory (default: the model's workdir, "
+                                                              "or $MOECTL_HOME/<trace model name>)"),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda (training only; predictors run on CPU)"),
         max_minutes: float = typer.Option(10.0, "--max-minutes", help="wall-time bound for all training"),
         width: int = typer.Option(256, "--width", min=1, help="hidden width of the mlp predictors"),
-        workdir: Path = typer.Option(None, "--workdir", help="artifact directory [default: $MOECTL_HOME/<model>]"),
+        workdir: Path = typer.Option(None, "--workdir", help="artifact directory (default: $MOECTL_HOME/<model>)"),
         seed: int = typer.Option(0, "--seed"),
         as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
     ) -> None:
@@ -82,14 +80,15 @@ def print_report(result: dict, console) -> None:
                       f"frequency {_trio(aux['frequency'], 'recall', ks)} (k = {', '.join(map(str, ks))})")
     routing = metrics.get("routing")
     if routing:
-        console.print(f"routing predictor: {_short(routing)}")
+        per_d = routing.get("lookahead", {})
+        parts = [f"d={d}: recall {_num(v.get('recall'))} (previous token {_num(v.get('recall_prev_token'))}, "
+                 f"popularity {_num(v.get('recall_popularity'))})" for d, v in per_d.items()]
+        console.print("routing predictor, held-out recall@top-k (last 20% of the tokens): "
+                      + ("; ".join(parts) if parts else "see --json"))
     for note in result.get("notes", []):
         console.print(f"[yellow]note:[/] {note}")
     console.print(f"wrote {result['out']} (kinds: {', '.join(result['kinds'])}) in {result['seconds']:.1f} s")
 
 
-def _short(m: dict) -> str:
-    """The headline numbers of the routing predictor's metrics, whatever their nesting."""
-    flat = {k: v for k, v in m.items() if isinstance(v, (int, float))}
-    return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in list(flat.items())[:8]) \
-        or "see --json"
+def _num(v) -> str:
+    return f"{v:.2f}" if isinstance(v, (int, float)) else "-"

@@ -205,28 +205,47 @@ class Belady(ReplacementPolicy):
 
 
 class Ours(ReplacementPolicy):
-    """Decayed-frequency (LRFU) with a tuned horizon: score = sum over past uses of lam^(tokens ago).
-
-    Keeps an expert that was used often and recently in this request; with lam -> 0 it is LRU, with
-    lam -> 1 sequence LFU. Placeholder until tuned.
+    """Decayed frequency plus "what came next last time": evict the lowest
+        lrfu(e) + beta * next_vote(e)
+    lrfu(e)      = sum over this request's uses of lam^(tokens ago) (LRU as lam -> 0, sequence LFU as lam -> 1)
+    next_vote(e) = how often e ran at this layer in the `horizon` tokens that FOLLOWED the `neighbours`
+                   earlier tokens of the request whose routing at the layers seen so far best matches the
+                   current token's (token-level matching: the same token / context tends to recur, and
+                   decodes loop), weighted by match quality and decaying with distance.
+    Everything is computed from routing events only; no training data needed.
     """
 
     name = "ours"
 
-    def __init__(self, lam: float = 0.8) -> None:
-        self.lam = lam
+    def __init__(self, num_layers: int, num_experts: int, lam: float = 0.97, beta: float = 4.0,
+                 neighbours: int = 8, horizon: int = 4, gamma: float = 0.6) -> None:
+        self.L, self.E = num_layers, num_experts
+        self.lam, self.beta, self.m, self.horizon, self.gamma = lam, beta, neighbours, horizon, gamma
         self.score: dict[tuple[int, int], float] = {}
         self.stamp: dict[tuple[int, int], int] = {}
         self.t = 0
+        self._reset_history()
+
+    def _reset_history(self) -> None:
+        self.hist = np.zeros((64, self.L, self.E), dtype=np.float32)    # [capacity, L, E] multi-hot per token
+        self.H = 0
+        self.cur = np.zeros((self.L, self.E), dtype=np.float32)
+        self.sim = np.zeros(0, dtype=np.float32)
+        self._vote: dict[int, np.ndarray] = {}
 
     def on_request_start(self, request):
-        pass
+        self._reset_history()
 
     def on_route(self, layer, chosen, weights=None):
         for e in chosen:
             k = (layer, e)
             self.score[k] = self._value(k) + 1.0
             self.stamp[k] = self.t
+        ids = list(chosen)
+        self.cur[layer, ids] = 1.0
+        if self.H:
+            self.sim = self.gamma * self.sim + self.hist[: self.H, layer, ids].sum(1) / max(len(ids), 1)
+        self._vote.pop(layer, None)
 
     def _value(self, k) -> float:
         s = self.score.get(k)
@@ -236,9 +255,34 @@ class Ours(ReplacementPolicy):
 
     def on_token_end(self, now):
         self.t += 1
+        if self.H == len(self.hist):
+            self.hist = np.concatenate([self.hist, np.zeros_like(self.hist)])
+        self.hist[self.H] = self.cur
+        self.H += 1
+        self.cur = np.zeros_like(self.cur)
+        self.sim = np.zeros(self.H, dtype=np.float32)
+        self._vote = {}
+
+    def next_vote(self, layer: int) -> np.ndarray:
+        """[E] expected use of each expert at `layer` over the next tokens, from matched earlier tokens."""
+        v = self._vote.get(layer)
+        if v is None:
+            v = np.zeros(self.E, dtype=np.float32)
+            n = self.H - 1                                    # neighbours need at least one successor
+            if n > 0:
+                s = self.sim[:n] + 1e-4 * np.arange(n) / n    # ties -> most recent
+                top = np.argpartition(-s, self.m - 1)[: self.m] if n > self.m else np.arange(n)
+                w = s[top] / max(s[top].max(), 1e-9)
+                for h in range(1, self.horizon + 1):
+                    ok = top + h < self.H
+                    v += (0.7 ** (h - 1)) * (w[ok, None] * self.hist[top[ok] + h, layer]).sum(0)
+                v /= max(w.sum(), 1e-9)
+            self._vote[layer] = v
+        return v
 
     def victim(self, layer, candidates, now):
-        return min(candidates, key=lambda e: self._value((layer, e)))
+        vote = self.next_vote(layer) if self.beta else None
+        return min(candidates, key=lambda e: self._value((layer, e)) + (self.beta * vote[e] if vote is not None else 0.0))
 
 
 __all__ = ["LRU", "LFU", "MoEInfinity", "Hobbit", "Belady", "Ours"]

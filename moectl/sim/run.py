@@ -1,0 +1,170 @@
+"""High-level simulation: traces + cache sizes + policy names + hardware -> the metrics `moectl simulate` prints.
+
+Cache sizes per layer come from one of:
+  fraction F       round(F * E) slots in every layer (at least top-k, so one token's experts fit)
+  experts N        N slots in all, split evenly over the layers (the first N % L layers get one more)
+  plan.yaml        `{format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer]}`
+                   (written by `moectl plan-cache`; other keys are ignored here)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from ..errors import MoectlError
+from ..policies import eams_from_traces, make_prefetch, make_replacement
+from ..trace import Trace
+from .cost import CostModel, load_hardware, load_shape, shape_for_trace_model, shape_from_hf_config
+from .simulator import SimResult, Simulator, trace_steps
+
+PLAN_FORMAT = "moectl-plan-v1"
+
+
+def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
+               plan: str | Path | dict | None = None) -> list[int]:
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    given = sum(x is not None for x in (fraction, experts, plan))
+    if given != 1:
+        raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan")
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
+        return [min(E, max(K, round(fraction * E)))] * L
+    if experts is not None:
+        if experts < L:
+            raise MoectlError(f"--cache-experts {experts} is less than one slot per layer ({L} layers)")
+        base, extra = divmod(min(experts, L * E), L)
+        return [base + (1 if l < extra else 0) for l in range(L)]
+    d = plan if isinstance(plan, dict) else load_plan(plan)
+    slots = [int(s) for s in d["slots"]]
+    if len(slots) != L:
+        raise MoectlError(f"plan has {len(slots)} layers of slots, the trace has {L} MoE layers")
+    fp = d.get("fingerprint")
+    if fp and trace.fingerprint and fp != trace.fingerprint:
+        raise MoectlError(f"plan was made for model {fp}, the trace is of {trace.fingerprint}")
+    return [max(1, min(E, s)) for s in slots]
+
+
+def load_plan(path: str | Path) -> dict:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "plan.yaml"
+    if not p.is_file():
+        raise MoectlError(f"plan {p} does not exist")
+    d = yaml.safe_load(p.read_text()) or {}
+    if d.get("format") != PLAN_FORMAT or "slots" not in d:
+        raise MoectlError(f"{p} is not a {PLAN_FORMAT} plan (needs format: {PLAN_FORMAT} and slots: [per layer])")
+    return d
+
+
+def model_shape(trace: Trace, name: str | None = None) -> dict:
+    """The shape used for byte and time costs: --model-shape, else the recipe listing the trace's model
+    in trace_names, else the trace's own HF config (profiled traces)."""
+    if name:
+        shape = load_shape(name)
+    else:
+        shape = shape_for_trace_model(trace.model)
+        if shape is None and isinstance(trace.extra.get("config"), dict):
+            shape = shape_from_hf_config(trace.extra["config"])
+        if shape is None:
+            raise MoectlError(f"no recipe lists trace model {trace.model!r} in trace_names; "
+                              f"pass --model-shape NAME (a recipe with a shape: block)")
+    if (shape.get("num_experts"), shape.get("moe_layers", shape.get("num_layers"))) != (trace.num_experts, trace.num_layers):
+        raise MoectlError(f"shape {shape.get('name')} has {shape.get('moe_layers')} MoE layers x "
+                          f"{shape.get('num_experts')} experts, the trace has {trace.num_layers} x {trace.num_experts}")
+    return shape
+
+
+def concat(traces: list[Trace]) -> Trace:
+    """Several traces of one model as one stream of requests (request ids made unique)."""
+    if len(traces) == 1:
+        return traces[0]
+    t0 = traces[0]
+    for t in traces[1:]:
+        if (t.num_layers, t.num_experts) != (t0.num_layers, t0.num_experts):
+            raise MoectlError(f"traces of different models: {t0.model} and {t.model}")
+    K = max(t.top_k for t in traces)
+    pad = [np.pad(t.experts, ((0, 0), (0, 0), (0, K - t.top_k)), constant_values=-1) for t in traces]
+    w = None
+    if all(t.weights is not None for t in traces):
+        w = np.concatenate([np.pad(t.weights, ((0, 0), (0, 0), (0, K - t.top_k))) for t in traces])
+    hidden = None
+    if all(t.hidden is not None for t in traces):
+        from ..trace import HiddenSamples
+
+        off = np.cumsum([0] + [t.num_tokens for t in traces])
+        hidden = HiddenSamples(np.concatenate([t.hidden.token_index + o for t, o in zip(traces, off)]),
+                               np.concatenate([t.hidden.moe_inputs for t in traces]),
+                               np.concatenate([t.hidden.prev_final for t in traces]))
+    return Trace(t0.model, t0.num_layers, t0.num_experts, K,
+                 [f"{i}:{r}" for i, t in enumerate(traces) for r in t.request],
+                 np.concatenate([t.pos for t in traces]), np.concatenate([t.phase for t in traces]),
+                 np.concatenate(pad), w, t0.fingerprint, list(t0.moe_layer_ids), hidden, t0.routers,
+                 t0.router_bias, t0.source, dict(t0.extra))
+
+
+def hidden_lookup(trace: Trace):
+    """hidden_of(row, layer) -> [D] when the trace has every row's MoE inputs, else None."""
+    h = trace.hidden
+    if h is None:
+        return None
+    index = -np.ones(trace.num_tokens, dtype=np.int64)
+    index[h.token_index] = np.arange(len(h.token_index))
+    if (index < 0).any():
+        return None
+    return lambda row, layer: h.moe_inputs[index[row], layer].astype(np.float32)
+
+
+def build_prefetch(name: str, trace: Trace, predictor=None, train_traces: list[Trace] | None = None,
+                   depth: int = 2, per_layer: int | None = None, min_score: float | None = None):
+    K = trace.top_k
+    kw = dict(num_layers=trace.num_layers, num_experts=trace.num_experts, depth=depth,
+              per_layer=per_layer or K, min_score=min_score)
+    if name == "gate-reuse":
+        if not trace.routers or hidden_lookup(trace) is None:
+            raise MoectlError("gate-reuse prefetch needs the trace's hidden states for every token and its router "
+                              "weights (profile a small model with every token's MoE inputs kept); "
+                              "routing-only traces can use --prefetch routing or eam")
+        kw.update(routers=trace.routers, bias=trace.router_bias, depth=1 if depth is None else depth)
+    elif name == "eam":
+        kw["eamc"] = eams_from_traces(train_traces or [])
+    elif name in ("routing", "mlp"):
+        if predictor is None:
+            raise MoectlError(f"--prefetch {name} needs --predictor FILE" +
+                              (" or --train-on PATH (other traces of the same model)" if name == "routing" else ""))
+        if name == "mlp" and hidden_lookup(trace) is None:
+            raise MoectlError("mlp prefetch needs the trace's hidden states for every token")
+        kw["predictor"] = predictor
+    return make_prefetch(name, **kw)
+
+
+def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cost: CostModel,
+             predictor=None, train_traces: list[Trace] | None = None, depth: int = 2,
+             per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
+             replacement_kw: dict | None = None) -> SimResult:
+    """One configuration on one (possibly concatenated) trace."""
+    steps = trace_steps(trace)
+    kw = dict(num_layers=trace.num_layers, num_experts=trace.num_experts, **(replacement_kw or {}))
+    if replacement == "moe-infinity":
+        kw["eamc"] = eams_from_traces(train_traces or [])
+    repl = make_replacement(replacement, **kw)
+    pf = build_prefetch(prefetch, trace, predictor, train_traces, depth, per_layer, min_score)
+    hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp") else None
+    r = Simulator(caps, repl, pf, cost).run(steps, hidden_of=hidden_of)
+    bel = None
+    if belady:
+        bel = Simulator(caps, make_replacement("belady"), None, cost).run(steps)["hit_rate"]
+    return SimResult(
+        hit_rate=r["hit_rate"], belady_hit_rate=bel, demand_loads_per_token=r["demand_loads_per_token"],
+        prefetch_loads_per_token=r["prefetch_loads_per_token"], wasted_prefetch_fraction=r["wasted_prefetch_fraction"],
+        bytes_per_token=r["bytes_per_token"], stall_ms_per_token=r["stall_ms_per_token"],
+        ms_per_token=r["ms_per_token"], lower_bound_ms_per_token=r["lower_bound_ms_per_token"],
+        tokens=r["decode_tokens"], late_prefetches_per_token=r["late_prefetches_per_token"],
+        prefill_ms=r["prefill_ms"], replacement=replacement, prefetch=prefetch)
+
+
+def cost_for(trace: Trace, hardware: str, model_shape_name: str | None = None, bits: float | None = None) -> CostModel:
+    return CostModel(load_hardware(hardware), model_shape(trace, model_shape_name), bits)

@@ -1,0 +1,204 @@
+"""Simulator timing on hand-made cases, cache sizing, the cost model, and the `moectl simulate` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from moectl.errors import MoectlError
+from moectl.policies import LRU, PrefetchPolicy
+from moectl.sim.cost import CostModel, FixedCost, load_hardware, load_shape
+from moectl.sim.run import capacities
+from moectl.sim.simulator import Simulator, trace_steps
+from moectl.trace import DECODE, PREFILL, Trace
+
+COST = FixedCost(load=1.0, attention=0.1, expert=0.0)
+
+
+def make_trace(rows, phases=None, E=8, K=1):
+    """rows: per token, per layer, list of expert ids."""
+    N, L = len(rows), len(rows[0])
+    ex = np.full((N, L, K), -1, dtype=np.int16)
+    for n, r in enumerate(rows):
+        for l, ids in enumerate(r):
+            ex[n, l, : len(ids)] = ids
+    ph = np.array([PREFILL if p == "p" else DECODE for p in (phases or "d" * N)], dtype=np.uint8)
+    return Trace("hand-made", L, E, K, ["r0"] * N, np.arange(N, dtype=np.int32), ph, ex)
+
+
+class Fixed(PrefetchPolicy):
+    """Predicts fixed (target layer, expert) lists after given layers."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def predict(self, layer):
+        return [(t, e, 1.0) for t, e in self.plan.get(layer, [])]
+
+
+def run(tr, pf=None, cap=2):
+    return Simulator([cap] * tr.num_layers, LRU(), pf, COST).run(trace_steps(tr))
+
+
+def test_demand_loads_only_no_prefetch():
+    r = run(make_trace([[[0], [1]]]))
+    # layer 0: attention 0.1, load 1.0 -> 1.1; layer 1: attention -> 1.2, load -> 2.2
+    assert r["demand"] == 2 and r["prefetch"] == 0
+    assert r["ms_per_token"] == pytest.approx(2200.0)
+    assert r["stall_ms_per_token"] == pytest.approx(2000.0)
+    assert r["lower_bound_ms_per_token"] == pytest.approx(200.0)
+
+
+def test_late_prefetch_is_stall_not_demand_load():
+    tr = make_trace([[[0], [5]]])
+    r = run(tr, Fixed({0: [(1, 5)]}))
+    # demand 0 runs 0.1-1.1; prefetch 5 queued at 0.1 starts 1.1, lands 2.1; layer 1 needs it at 1.2
+    assert r["demand"] == 1 and r["prefetch"] == 1 and r["late"] == 1 and r["hits"] == 0
+    assert r["ms_per_token"] == pytest.approx(2100.0)
+    assert r["stall_ms_per_token"] == pytest.approx(1000.0 + 900.0)
+    assert r["wasted_prefetch_fraction"] == 0.0
+
+
+def test_timely_prefetch_is_a_hit():
+    tr = make_trace([[[], [], [], [], [5]]])           # 4 idle layers: 0.5 s before layer 4 needs expert 5
+    cost = FixedCost(load=0.3, attention=0.1, expert=0.0)
+    r = Simulator([2] * 5, LRU(), Fixed({0: [(4, 5)]}), cost).run(trace_steps(tr))
+    assert r["hits"] == 1 and r["demand"] == 0 and r["stall_ms_per_token"] == pytest.approx(0.0)
+    assert r["ms_per_token"] == pytest.approx(500.0)
+
+
+def test_demand_loads_go_before_queued_prefetches():
+    tr = make_trace([[[0], [3], [5, 6]]], K=2)
+    r = run(tr, Fixed({0: [(2, 5), (2, 6)]}))
+    # 0.1: demand 0 (->1.1); prefetches 5, 6 queued. 1.2: layer 1 needs 3: prefetch 5 already started at 1.1
+    # (->2.1, never interrupted), demand 3 goes next (2.1->3.1), ahead of the queued prefetch 6 (3.1->4.1).
+    assert r["demand"] == 2 and r["prefetch"] == 2
+    assert r["hits"] == 1 and r["late"] == 1                # 5 landed at 2.1 < 3.2; 6 lands at 4.1
+    assert r["ms_per_token"] == pytest.approx(4100.0)
+
+
+def test_queued_prefetch_promoted_to_demand_when_needed():
+    tr = make_trace([[[0], [4, 7]]], K=2)
+    r = run(tr, Fixed({0: [(1, 7), (1, 4)]}))
+    # 7 starts at 1.1 (->2.1); 4 still queued when layer 1 runs at 1.2: promoted to a demand load (2.1->3.1)
+    assert r["demand"] == 2 and r["prefetch"] == 1 and r["late"] == 1
+    assert r["ms_per_token"] == pytest.approx(3100.0)
+
+
+def test_wasted_prefetch_counted():
+    r = run(make_trace([[[0], [1]], [[0], [1]]]), Fixed({0: [(1, 6)]}), cap=3)
+    assert r["prefetch"] >= 1 and r["wasted"] == r["prefetch"]
+    assert r["wasted_prefetch_fraction"] == 1.0
+
+
+def test_prefill_is_one_batched_step():
+    tr = make_trace([[[0], [1]], [[2], [1]], [[0], [1]]], phases="ppd")
+    r = run(tr)
+    # prefill loads 0, 2 (layer 0) and 1 (layer 1) once; the decode token then hits both
+    assert r["decode_tokens"] == 1 and r["hit_rate"] == 1.0 and r["demand"] == 0
+    assert r["prefill_ms"] == pytest.approx(0.1e3 + 2e3 + 0.1e3 + 1e3)
+
+
+def test_capacities():
+    tr = make_trace([[[0]] * 5], E=8, K=2)
+    assert capacities(tr, fraction=0.5) == [4] * 5
+    assert capacities(tr, fraction=0.1) == [2] * 5              # at least top-k
+    assert capacities(tr, experts=12) == [3, 3, 2, 2, 2]
+    assert capacities(tr, plan={"format": "moectl-plan-v1", "slots": [1, 2, 3, 4, 5]}) == [1, 2, 3, 4, 5]
+    with pytest.raises(MoectlError, match="exactly one"):
+        capacities(tr, fraction=0.5, experts=10)
+    with pytest.raises(MoectlError, match="layers"):
+        capacities(tr, plan={"format": "moectl-plan-v1", "slots": [1, 2]})
+
+
+def test_plan_file_and_fingerprint_mismatch(tmp_path):
+    tr = make_trace([[[0]] * 2])
+    tr.fingerprint = "mixtral:aaaaaaaaaaaa"
+    p = tmp_path / "plan.yaml"
+    p.write_text(yaml.safe_dump({"format": "moectl-plan-v1", "fingerprint": "mixtral:aaaaaaaaaaaa", "slots": [3, 1]}))
+    assert capacities(tr, plan=p) == [3, 1]
+    p.write_text(yaml.safe_dump({"format": "moectl-plan-v1", "fingerprint": "mixtral:bbbbbbbbbbbb", "slots": [3, 1]}))
+    with pytest.raises(MoectlError, match="made for model"):
+        capacities(tr, plan=p)
+    p.write_text("slots: [1, 1]\n")
+    with pytest.raises(MoectlError, match="moectl-plan-v1"):
+        capacities(tr, plan=p)
+
+
+def test_mixtral_cost_model_numbers():
+    cm = CostModel(load_hardware("rtx4090-pcie4"), load_shape("mixtral"))
+    assert cm.expert_bytes == 3 * 4096 * 14336 * 2                    # 352 MB in bf16
+    assert cm.load_s() == pytest.approx(352_321_536 / 25e9)           # ~14 ms over PCIe 4.0
+    assert 0.3e-3 < cm.expert_s() < 1e-3                              # reading 352 MB at ~750 GB/s
+    assert cm.load_s() > 20 * cm.expert_s()                           # why offloading is copy-bound
+    for hw in ("rtx3090-pcie4", "a5000-pcie4", "h100-pcie5"):
+        assert load_hardware(hw).pcie_gbps > 0
+    with pytest.raises(MoectlError, match="unknown hardware"):
+        load_hardware("tpu")
+
+
+# ----------------------------------------------------------------------------- the command
+
+def write_jsonl(path, tr, model="mistralai/Mixtral-8x7B-Instruct-v0.1"):
+    lines = [json.dumps({"format": "moe-routing-v1", "model": model, "num_layers": tr.num_layers,
+                         "num_experts": tr.num_experts, "top_k": tr.top_k})]
+    for n in range(tr.num_tokens):
+        lines.append(json.dumps({"request": tr.request[n], "pos": n, "phase": "decode",
+                                 "experts": [[int(e) for e in tr.experts[n, l] if e >= 0] for l in range(tr.num_layers)]}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="module")
+def mixtral_like(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    d = tmp_path_factory.mktemp("traces")
+    paths = []
+    for i in range(2):
+        rows = [[list(rng.choice(8, 2, replace=False)) for _ in range(32)] for _ in range(24)]
+        tr = make_trace(rows, E=8, K=2)
+        p = d / f"m{i}.jsonl"
+        write_jsonl(p, tr)
+        paths.append(p)
+    return paths
+
+
+def cli(args):
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+
+    return CliRunner().invoke(app, args)
+
+
+def test_simulate_json_fields(mixtral_like):
+    res = cli(["simulate", "--trace", str(mixtral_like[0]), "--cache-fraction", "0.5", "--replacement", "lru",
+               "--prefetch", "none", "--hardware", "rtx4090-pcie4", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    for k in ("hit_rate", "belady_hit_rate", "demand_loads_per_token", "prefetch_loads_per_token",
+              "wasted_prefetch_fraction", "bytes_per_token", "stall_ms_per_token", "ms_per_token",
+              "lower_bound_ms_per_token", "tokens"):
+        assert k in d
+    assert d["tokens"] == 24 and d["hit_rate"] <= d["belady_hit_rate"]
+    assert d["bytes_per_token"] == pytest.approx(d["demand_loads_per_token"] * 352_321_536)
+    assert d["ms_per_token"] >= d["lower_bound_ms_per_token"]
+
+
+def test_simulate_compare_with_routing_trained_on_other_file(mixtral_like):
+    res = cli(["simulate", "--trace", str(mixtral_like[0]), "--train-on", str(mixtral_like[1]),
+               "--cache-experts", "128", "--compare", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert [(r["replacement"], r["prefetch"]) for r in rows] == [
+        ("lru", "none"), ("lfu", "none"), ("moe-infinity", "eam"), ("ours", "routing")]
+
+
+def test_simulate_refuses_training_on_the_simulated_trace(mixtral_like):
+    res = cli(["simulate", "--trace", str(mixtral_like[0]), "--train-on", str(mixtral_like[0]),
+               "--cache-fraction", "0.5", "--prefetch", "routing"])
+    assert isinstance(res.exception, MoectlError) and "never be trained" in str(res.exception)
+    res = cli(["simulate", "--trace", str(mixtral_like[0]), "--cache-fraction", "0.5", "--prefetch", "routing"])
+    assert isinstance(res.exception, MoectlError) and "--predictor" in str(res.exception)
