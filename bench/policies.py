@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -105,7 +104,7 @@ def main() -> None:
 
     print("\n2. Demand loads per token as a fraction of lru/none's (routing predictor trained on other files "
           f"of the same model); ms/token on {HW} in brackets")
-    configs = [("ours", "none"), ("moe-infinity", "eam"), ("lru", "routing"), ("ours", "routing")]
+    configs = [("ours", "none"), ("moe-infinity", "eam"), ("ours", "routing")]
     print(f"{'trace':24s} {'F':>5s} {'lru/none':>16s} " + " ".join(f"{r + '/' + p:>22s}" for r, p in configs))
     for name, tr in traces.items():
         pairs = held_out_pairs(name, tr, traces)
@@ -133,10 +132,12 @@ def main() -> None:
         pairs = held_out_pairs("mixtral", mx, traces)
         preds = [train_routing_predictor(train, lookahead=[1, 2])[0] for _, train in pairs]
         rows = [("mixtral-offloading (lru/none)", "lru", "none"), ("MoE-Infinity (moe-infinity/eam)", "moe-infinity", "eam"),
-                ("ours (ours/none)", "ours", "none"), ("ours (ours/routing)", "ours", "routing")]
+                ("ours (ours/none)", "ours", "none"), ("ours (ours/routing)", "ours", "routing"),
+                ("ours (ours/routing, min_score 0.7)", "ours", "routing")]
         for label, r, p in rows:
+            ms = 0.7 if "0.7" in label else None
             parts = [simulate(t, capacities(t, fraction=0.5), r, p, cost_for(t, HW), predictor=pr, train_traces=tt,
-                              belady=False) for (t, tt), pr in zip(pairs, preds)]
+                              belady=False, min_score=ms) for (t, tt), pr in zip(pairs, preds)]
             c = combine(parts)
             out["mixtral"][label] = c
             print(f"  {label:34s} {c['ms_per_token']:7.1f} ms/token  (demand loads {c['demand_loads_per_token']:.2f}/token, "

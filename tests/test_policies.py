@@ -88,8 +88,15 @@ def test_belady_evicts_farthest_next_use():
 
 def test_ours_keeps_frequent_recent_experts():
     # 1 is used 3 times, then one-off experts stream through: a decayed count keeps 1, LRU would not
-    assert 1 not in play(Ours(), [1, 1, 1, 2, 3, 4, 1], cap=2)
+    assert 1 not in play(Ours(1, 8, beta=0.0), [1, 1, 1, 2, 3, 4, 1], cap=2)
     assert 1 in play(LRU(), [1, 1, 1, 2, 3, 4, 1], cap=2)
+
+
+def test_ours_remembers_what_followed_a_matching_token():
+    # a loop 1 -> 2 -> 3 -> 1 -> 2: when 1 returns with 2 and 3 resident, 2 followed 1 last time, so 3 goes
+    # (Belady's choice); decayed counts alone (beta=0) evict the older 2, as LRU would
+    assert play(Ours(1, 8, beta=0.0), [1, 2, 3, 1]) == [1, 2]
+    assert play(Ours(1, 8, beta=4.0), [1, 2, 3, 1]) == [1, 3]
 
 
 def test_registry():

@@ -20,7 +20,7 @@ import torch
 from moectl.errors import MoectlError
 from moectl.predict.artifact import load_predictors, save_predictors
 from moectl.predict.metrics import set_metrics
-from moectl.predict.mlp import MLPPredictorSet, measure_predict_cost
+from moectl.predict.mlp import measure_predict_cost
 from moectl.predict.train import (TEST, TRAIN, VAL, gather_hidden, split_rows, train_aux_gate, train_mlp)
 from moectl.trace import HiddenSamples, Trace
 
@@ -202,7 +202,7 @@ def test_artifact_round_trip_and_wrong_model(trained, tmp_path):
 def test_prediction_cost_mixtral_sizes():
     r = measure_predict_cost(repeats=50)                     # D=4096, E=8, lookaheads 1,2,3
     print(r)
-    assert r["hidden_size"] == 4096 and r["params_per_layer"] > 1_000_000
+    assert r["hidden_size"] == 4096 and r["params_per_layer"] > 500_000
     assert r["ms_per_layer_median"] < 3.0                    # goal 0.3 ms; loose here: the test machine is shared
 
 
@@ -305,3 +305,16 @@ def test_cli_routing_needs_no_model(tmp_path, monkeypatch):
     ps = load_predictors(out, expect_fingerprint="gpt_oss:0123456789ab")   # no fingerprint: nothing to check
     assert ps.kinds == ["routing"] and ps.routing.lookahead == [1]
     assert ps.meta["num_layers"] == 24 and ps.meta["num_experts"] == 32
+
+
+def test_traces_of_another_model_are_refused(mini_trace, tmp_path):
+    """--model M with --traces profiled from another model: a clear error, not silent training."""
+    from model_factory import build_family
+
+    from moectl.predict.train import run_train_predictor
+
+    build_family("mixtral", tmp_path / "ck")
+    tdir = _write_trace_dir(mini_trace, tmp_path / "traces")
+    with pytest.raises(MoectlError, match=r"trace .* was made for model mixtral:000000mini0, but the model loaded is"):
+        run_train_predictor(model=str(tmp_path / "ck"), traces=[tdir], kind="mlp", epochs=1,
+                            out=tmp_path / "pred")

@@ -327,3 +327,13 @@ def test_gate_reuse_prefetch_runs_lossless(text_model):
     a, b = _engine_run(base, prompt, 6), _engine_run(eng, prompt, 6)
     assert a[1] == b[1]
     assert eng.cache.snapshot()["prefetches"] > 0
+
+
+def test_cli_bench_predictor_json(capsys):
+    code, out, _ = run_cli(["bench", "--what", "predictor", "--json"], capsys)
+    p = json.loads(out)["predictor"]
+    assert code == 0
+    assert (p["hidden_size"], p["num_experts"], p["model_shape"]) == (4096, 8, "mixtral")
+    assert 0 < p["ms_per_layer_median"] <= p["ms_per_layer_p90"]
+    code, _, err = run_cli(["bench", "--what", "speed"], capsys)
+    assert code == 2 and "unknown part" in err

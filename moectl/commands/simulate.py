@@ -26,8 +26,8 @@ def register(app: typer.Typer) -> None:
         train_on: list[Path] = typer.Option(None, "--train-on", help="train the routing predictor (and seed EAM "
                                             "collections) on these traces of the same model; never the simulated ones"),
         hardware: str = typer.Option("rtx4090-pcie4", "--hardware", help="recipes/hardware/<name>.yaml"),
-        model_shape: str = typer.Option(None, "--model-shape", help="recipe whose shape: block sizes the experts"),
-        depth: int = typer.Option(2, "--depth", min=1, help="prefetch lookahead in layers"),
+        model_shape: str = typer.Option(None, "--model-shape", help="recipe whose shape: block sizes the experts, or a checkpoint directory"),
+        depth: int = typer.Option(None, "--depth", min=1, help="prefetch lookahead in layers (default: 1 for gate-reuse, else 2)"),
         per_layer: int = typer.Option(None, "--per-layer", min=1, help="experts prefetched per layer (default top-k)"),
         bits: float = typer.Option(None, "--bits", help="expert precision in bits (default: the model's dtype)"),
         compare: bool = typer.Option(False, "--compare", help="run the policy matrix of the papers and ours"),
@@ -63,12 +63,15 @@ def register(app: typer.Typer) -> None:
 
             ps = load_predictors(predictor, expect_fingerprint=tr.fingerprint)
             routing_pred, mlp_pred = ps.routing, ps.mlp
+            if routing_pred is not None and (routing_pred.L, routing_pred.E) != (tr.num_layers, tr.num_experts):
+                raise MoectlError(f"the routing predictor in {predictor} is for {routing_pred.L} layers x "
+                                  f"{routing_pred.E} experts, the trace has {tr.num_layers} x {tr.num_experts}")
         wants_routing = prefetch == "routing" or compare
         if wants_routing and routing_pred is None and train_traces:
             from ..predict.routing import train_routing_predictor
 
             with console.status("training the routing predictor on --train-on traces"):
-                routing_pred, _ = train_routing_predictor(train_traces, lookahead=list(range(1, depth + 1)))
+                routing_pred, _ = train_routing_predictor(train_traces, lookahead=list(range(1, (depth or 2) + 1)))
 
         if compare:
             has_hidden = sim.hidden_lookup(tr) is not None and bool(tr.routers)

@@ -20,7 +20,9 @@ def register(app: typer.Typer) -> None:
                                                               "or $MOECTL_HOME/<trace model name>)"),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda (training only; predictors run on CPU)"),
         max_minutes: float = typer.Option(10.0, "--max-minutes", help="wall-time bound for all training"),
-        width: int = typer.Option(256, "--width", min=1, help="hidden width of the mlp predictors"),
+        width: int = typer.Option(128, "--width", min=1,
+                                  help="hidden width of the mlp predictors (their CPU cost grows with it: "
+                                       "128 is ~0.2 ms per layer on one core at D=4096)"),
         workdir: Path = typer.Option(None, "--workdir", help="artifact directory (default: $MOECTL_HOME/<model>)"),
         seed: int = typer.Option(0, "--seed"),
         as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
@@ -42,42 +44,42 @@ def register(app: typer.Typer) -> None:
             print_report(result, console)
 
 
-def _trio(m: dict, what: str, ks: list[int]) -> str:
-    return " / ".join(f"{m[f'{what}@{k}']:.2f}" if f"{what}@{k}" in m else "-" for k in ks)
-
-
 def print_report(result: dict, console) -> None:
     """One rich table per lookahead (per layer, with the baselines), then aux gate and routing lines."""
+    from rich import box
     from rich.table import Table
 
     metrics = result["metrics"]
     mlp = metrics.get("mlp")
     if mlp:
         ks = mlp["ks"]
-        kk = "/".join(f"@{k}" for k in ks)
+        k = ks[0]
         for d, block in mlp["lookahead"].items():
-            t = Table(title=f"mlp predictor, lookahead {d}: held-out recall {kk} ({mlp['test_tokens']} test tokens)")
-            t.add_column("source -> target")
-            t.add_column("mlp recall")
-            t.add_column(f"mlp precision@{ks[0]}")
-            t.add_column(f"mlp covered@{ks[0]}")
-            t.add_column("gate reuse recall")
-            t.add_column(f"gate reuse covered@{ks[0]}")
-            t.add_column("frequency recall")
-            rows = [(f"{r['source']} -> {r['target']}", r) for r in block["per_layer"]] + [("mean", block["mean"])]
+            t = Table(title=f"mlp predictor, lookahead {d} ({mlp['test_tokens']} held-out tokens; R = recall, "
+                            f"P = precision, cov = true set fully covered)", box=box.SIMPLE_HEAD)
+            t.add_column("layer")
+            for kk in ks:
+                t.add_column(f"mlp\nR@{kk}", justify="right")
+            t.add_column(f"mlp\nP@{k}", justify="right")
+            t.add_column(f"mlp\ncov@{k}", justify="right")
+            t.add_column(f"reuse\nR@{k}", justify="right")
+            t.add_column(f"reuse\ncov@{k}", justify="right")
+            t.add_column(f"freq\nR@{k}", justify="right")
+            rows = [(f"{r['source']}->{r['target']}", r) for r in block["per_layer"]] + [("mean", block["mean"])]
             for name, r in rows:
-                g = r.get("gate_reuse")
-                t.add_row(name, _trio(r["mlp"], "recall", ks), f"{r['mlp'][f'precision@{ks[0]}']:.2f}",
-                          f"{r['mlp'][f'covered@{ks[0]}']:.2f}", _trio(g, "recall", ks) if g else "n/a",
-                          f"{g[f'covered@{ks[0]}']:.2f}" if g else "n/a", _trio(r["frequency"], "recall", ks),
+                m, g, f = r["mlp"], r.get("gate_reuse"), r["frequency"]
+                t.add_row(name, *[f"{m[f'recall@{kk}']:.2f}" for kk in ks], f"{m[f'precision@{k}']:.2f}",
+                          f"{m[f'covered@{k}']:.2f}", f"{g[f'recall@{k}']:.2f}" if g else "n/a",
+                          f"{g[f'covered@{k}']:.2f}" if g else "n/a", f"{f[f'recall@{k}']:.2f}",
                           style="bold" if name == "mean" else None)
             console.print(t)
     aux = metrics.get("aux_gate")
     if aux:
         ks = aux["ks"]
+        trio = lambda m: " / ".join(f"{m[f'recall@{kk}']:.2f}" for kk in ks)   # noqa: E731
         console.print(f"aux gate (previous token's final hidden -> layer {aux['target_layer']}), "
-                      f"{aux['test_tokens']} test tokens: recall {_trio(aux['aux_gate'], 'recall', ks)} vs "
-                      f"frequency {_trio(aux['frequency'], 'recall', ks)} (k = {', '.join(map(str, ks))})")
+                      f"{aux['test_tokens']} held-out tokens, recall@{'/'.join(map(str, ks))}: "
+                      f"{trio(aux['aux_gate'])} vs frequency {trio(aux['frequency'])}")
     routing = metrics.get("routing")
     if routing:
         per_d = routing.get("lookahead", {})

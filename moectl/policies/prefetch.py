@@ -158,7 +158,7 @@ class RoutingPrefetch(PrefetchPolicy):
 
     name = "routing"
 
-    def __init__(self, predictor, depth: int | None = None, per_layer: int = 2, min_score: float = 0.3) -> None:
+    def __init__(self, predictor, depth: int | None = None, per_layer: int = 2, min_score: float = 0.5) -> None:
         self.pred = predictor
         self.depths = [d for d in predictor.lookahead if depth is None or d <= depth]
         self.per_layer, self.min_score = per_layer, min_score

@@ -120,7 +120,8 @@ class Hobbit(ReplacementPolicy):
     precision when the gate weights say so: the sum of the higher-ranked weights > t1, HOBBIT's
     Eq. 2; without weights every use is high precision), T = tokens so far, FLD = forward layer
     distance from the layer being served. Statistics reset per request (sequence level).
-    Default weights come from a 0.1-step grid search on the shared traces (see bench/policies.py).
+    The paper gives no weight values; the defaults (recency first) are our guess, not tuned: a grid
+    search with the simulator on calibration traces is the paper's way to set them.
     """
 
     name = "hobbit"
@@ -218,8 +219,8 @@ class Ours(ReplacementPolicy):
     name = "ours"
 
     def __init__(self, num_layers: int, num_experts: int, lam: float = 0.97, beta: float = 4.0,
-                 neighbours: int = 8, horizon: int = 4, gamma: float = 0.6) -> None:
-        self.L, self.E = num_layers, num_experts
+                 neighbours: int = 8, horizon: int = 4, gamma: float = 0.6, max_history: int = 2048) -> None:
+        self.L, self.E, self.max_history = num_layers, num_experts, max_history
         self.lam, self.beta, self.m, self.horizon, self.gamma = lam, beta, neighbours, horizon, gamma
         self.score: dict[tuple[int, int], float] = {}
         self.stamp: dict[tuple[int, int], int] = {}
@@ -237,11 +238,11 @@ class Ours(ReplacementPolicy):
         self._reset_history()
 
     def on_route(self, layer, chosen, weights=None):
-        for e in chosen:
+        ids = [int(e) for e in chosen if e >= 0]
+        for e in ids:
             k = (layer, e)
             self.score[k] = self._value(k) + 1.0
             self.stamp[k] = self.t
-        ids = list(chosen)
         self.cur[layer, ids] = 1.0
         if self.H:
             self.sim = self.gamma * self.sim + self.hist[: self.H, layer, ids].sum(1) / max(len(ids), 1)
@@ -255,6 +256,10 @@ class Ours(ReplacementPolicy):
 
     def on_token_end(self, now):
         self.t += 1
+        if self.H == self.max_history:                 # long chats: keep the recent half
+            keep = self.max_history // 2
+            self.hist[:keep] = self.hist[self.H - keep: self.H]
+            self.H = keep
         if self.H == len(self.hist):
             self.hist = np.concatenate([self.hist, np.zeros_like(self.hist)])
         self.hist[self.H] = self.cur

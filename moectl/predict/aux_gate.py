@@ -54,7 +54,8 @@ class AuxGate(nn.Module):
         from .mlp import one_thread
 
         if self._infer is None:
-            self._infer = [(m.weight.detach().float(), m.bias.detach().float()) for m in self.net if isinstance(m, nn.Linear)]
+            self._infer = [(m.weight.detach().float(), m.bias.detach().float())
+                           for m in self.net if isinstance(m, nn.Linear)]
         with one_thread():
             x = (torch.zeros(self.hidden_size) if prev_final_hidden is None
                  else torch.as_tensor(prev_final_hidden).detach().to("cpu", torch.float32).reshape(-1))

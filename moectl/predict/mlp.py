@@ -64,7 +64,7 @@ class MLPPredictorSet:
     kind = "mlp"
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, hidden_size: int,
-                 lookaheads: list[int], width: int = 256, use_chosen: bool = False) -> None:
+                 lookaheads: list[int], width: int = 128, use_chosen: bool = False) -> None:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.hidden_size, self.width, self.use_chosen = hidden_size, width, use_chosen
         self.lookaheads = sorted(set(int(d) for d in lookaheads))
@@ -109,14 +109,14 @@ class MLPPredictorSet:
         w = self._infer.get(layer)
         if w is None:
             m = self.layers[layer]
-            D, W = self.hidden_size, self.width
+            D, H = self.hidden_size, self.width
             f1 = m.fc1.weight.detach().float()
-            # fc1's hidden part and the skip path read the same h: one [W + n_d*E, D] matrix, one product
+            # fc1's hidden part and the skip path read the same h: one [H + n_d*E, D] matrix, one product
             w_in = torch.cat([f1[:, :D], m.skip.weight.detach().float()]).contiguous()
             b_in = torch.cat([m.fc1.bias.detach().float(), m.skip.bias.detach().float()])
-            w_chosen = f1[:, D:].T.contiguous() if self.use_chosen else None          # [E, W]
+            w_chosen = f1[:, D:].T.contiguous() if self.use_chosen else None          # [E, H]
             w = self._infer[layer] = (w_in, b_in, w_chosen, m.fc2.weight.detach().float().contiguous(),
-                                   m.fc2.bias.detach().float(), W, list(m.lookaheads))
+                                   m.fc2.bias.detach().float(), H, list(m.lookaheads))
         return w
 
     @torch.no_grad()
@@ -129,15 +129,15 @@ class MLPPredictorSet:
         """
         if layer not in self.layers:
             return {}
-        w_in, b_in, w_chosen, w2, b2, W, ds = self._weights(layer)
+        w_in, b_in, w_chosen, w2, b2, H, ds = self._weights(layer)
         with one_thread():
             h = torch.as_tensor(hidden).detach().to("cpu", torch.float32).reshape(-1)
-            y = torch.addmv(b_in, w_in, h)                       # [W + n_d*E]
-            a = y[:W]
+            y = torch.addmv(b_in, w_in, h)                       # [H + n_d*E]
+            a = y[:H]
             if w_chosen is not None and chosen is not None:
                 ids = [int(e) for e in chosen if int(e) >= 0]
                 a = a + w_chosen[ids].sum(0)
-            out = (torch.addmv(b2, w2, a.relu()) + y[W:]).numpy()   # [n_d*E]
+            out = (torch.addmv(b2, w2, a.relu()) + y[H:]).numpy()   # [n_d*E]
         E = self.num_experts
         return {layer + d: out[i * E:(i + 1) * E] for i, d in enumerate(ds)}
 
@@ -160,12 +160,13 @@ class MLPPredictorSet:
 
 
 def measure_predict_cost(hidden_size: int = 4096, num_experts: int = 8, top_k: int = 2, num_layers: int = 32,
-                         lookaheads: tuple[int, ...] = (1, 2, 3), width: int = 256, repeats: int = 300,
+                         lookaheads: tuple[int, ...] = (1, 2, 3), width: int = 128, repeats: int = 300,
                          seed: int = 0) -> dict:
     """CPU cost of one `predict_scores` call (one source layer, every lookahead) at a model's sizes.
 
     Defaults are Mixtral-8x7B (D=4096, E=8, top-2). Weights are random: the cost does not depend on their
-    values. Prediction runs on one CPU thread (`one_thread`). The ProMoE goal is <= 0.3 ms per layer. Returns ms per layer (median, p90), params per layer, width.
+    values. Prediction runs on one CPU thread (`one_thread`). The ProMoE goal is <= 0.3 ms per layer.
+    Returns ms per layer (median, p90), params per layer, width.
     """
     torch.manual_seed(seed)
     pred = MLPPredictorSet(num_layers, num_experts, top_k, hidden_size, list(lookaheads), width)

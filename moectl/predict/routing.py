@@ -215,7 +215,7 @@ def build_dataset(model: RoutingPredictor, traces: list[Trace]) -> dict[int, tup
 def train_routing_predictor(traces: list[Trace], lookahead: list[int] = (1, 2), epochs: int = 8,
                             max_minutes: float = 5.0, seed: int = 0, hidden: int = 16,
                             val_fraction: float = 0.2, batch: int = 4096,
-                            max_rows: int = 200_000) -> tuple[RoutingPredictor, dict]:
+                            max_rows: int = 100_000) -> tuple[RoutingPredictor, dict]:
     """Fit the predictor on `traces` (all of one model). Returns (predictor, metrics) where metrics
     has per-lookahead validation top-k recall of the predictor and of two baselines (previous token's
     choice at the target layer, and popularity), measured on the last `val_fraction` of the tokens."""
@@ -258,7 +258,7 @@ def _train(traces, lookahead, epochs, max_minutes, seed, hidden, val_fraction, b
             keep = torch.randperm(len(Xt), generator=g)[:max_rows]
             Xt, Yt = Xt[keep], Yt[keep]
         loss = torch.tensor(float("nan"))
-        for _ in range(epochs):
+        for _ in range(min(epochs, 20)):            # ~150 weights per head: more passes only overfit
             if time.time() - t0 > max_minutes * 60 or not len(Xt):
                 break
             for idx in torch.randperm(len(Xt), generator=g).split(batch):

@@ -155,7 +155,7 @@ def _recall_at_k(logits: torch.Tensor, target: torch.Tensor, k: int) -> float:
 
 
 def train_mlp(traces: list[Trace], lookaheads: list[int], epochs: int = 100, max_minutes: float | None = 10.0,
-              device: str = "cpu", seed: int = 0, width: int = 256, use_chosen: bool = False,
+              device: str = "cpu", seed: int = 0, width: int = 128, use_chosen: bool = False,
               progress=None, data: HiddenData | None = None) -> tuple[MLPPredictorSet, dict]:
     """One SourceLayerMLP per source layer; returns the set and its held-out metrics vs gate reuse."""
     data = data or gather_hidden(traces)
@@ -382,7 +382,7 @@ def _resolve(model: str | None, workdir):
 
 def run_train_predictor(model: str | None = None, traces: list | None = None, kind: str = "all",
                         lookahead="1,2,3", epochs: int = 100, out=None, device: str = "cpu",
-                        max_minutes: float | None = 10.0, width: int = 256, workdir=None, seed: int = 0,
+                        max_minutes: float | None = 10.0, width: int = 128, workdir=None, seed: int = 0,
                         console=None, progress: bool = False) -> dict:
     """What `moectl train-predictor` does; returns the result dict its --json prints."""
     from ..recipes import moectl_home

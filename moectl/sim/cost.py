@@ -66,8 +66,13 @@ def _recipe_files() -> list[Path]:
 
 
 def load_shape(name: str) -> dict:
-    """The `shape:` block of recipe `name` (a recipe name or a yaml path), with `name` added."""
+    """The `shape:` block of recipe `name` (a recipe name or a yaml path), with `name` added; or the shape
+    of a Hugging Face checkpoint directory (its config.json)."""
     p = Path(name).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        import json
+
+        return shape_from_hf_config(json.loads((p / "config.json").read_text())) | {"name": p.name}
     if not p.is_file():
         p = RECIPES_DIR / f"{name}.yaml"
     if not p.is_file():

@@ -70,12 +70,29 @@ def model_shape(trace: Trace, name: str | None = None) -> dict:
         if shape is None and isinstance(trace.extra.get("config"), dict):
             shape = shape_from_hf_config(trace.extra["config"])
         if shape is None:
+            shape = _shape_from_checkpoint(trace.model)
+        if shape is None:
             raise MoectlError(f"no recipe lists trace model {trace.model!r} in trace_names; "
                               f"pass --model-shape NAME (a recipe with a shape: block)")
     if (shape.get("num_experts"), shape.get("moe_layers", shape.get("num_layers"))) != (trace.num_experts, trace.num_layers):
         raise MoectlError(f"shape {shape.get('name')} has {shape.get('moe_layers')} MoE layers x "
                           f"{shape.get('num_experts')} experts, the trace has {trace.num_layers} x {trace.num_experts}")
     return shape
+
+
+def _shape_from_checkpoint(model: str) -> dict | None:
+    """Profiled traces name their model (a recipe or a checkpoint dir): read its config.json if it exists
+    (never builds anything)."""
+    import json
+
+    try:
+        from ..recipes import resolve_model
+
+        ref = resolve_model(model, None, build=False)
+        cfg = Path(ref.path) / "config.json"
+        return shape_from_hf_config(json.loads(cfg.read_text())) if cfg.is_file() else None
+    except Exception:          # unknown model name: the caller asks for --model-shape
+        return None
 
 
 def concat(traces: list[Trace]) -> Trace:
@@ -119,8 +136,12 @@ def hidden_lookup(trace: Trace):
 
 
 def build_prefetch(name: str, trace: Trace, predictor=None, train_traces: list[Trace] | None = None,
-                   depth: int = 2, per_layer: int | None = None, min_score: float | None = None):
+                   depth: int | None = None, per_layer: int | None = None, min_score: float | None = None):
+    """A prefetch policy by name; depth None = the policy's best default (gate-reuse 1 layer: deeper
+    router reuse is less accurate and its loads queue ahead of the next layer's; others 2)."""
     K = trace.top_k
+    if depth is None:
+        depth = 1 if name == "gate-reuse" else 2
     kw = dict(num_layers=trace.num_layers, num_experts=trace.num_experts, depth=depth,
               per_layer=per_layer or K, min_score=min_score)
     if name == "gate-reuse":
@@ -128,7 +149,7 @@ def build_prefetch(name: str, trace: Trace, predictor=None, train_traces: list[T
             raise MoectlError("gate-reuse prefetch needs the trace's hidden states for every token and its router "
                               "weights (profile a small model with every token's MoE inputs kept); "
                               "routing-only traces can use --prefetch routing or eam")
-        kw.update(routers=trace.routers, bias=trace.router_bias, depth=1 if depth is None else depth)
+        kw.update(routers=trace.routers, bias=trace.router_bias)
     elif name == "eam":
         kw["eamc"] = eams_from_traces(train_traces or [])
     elif name in ("routing", "mlp"):
@@ -142,7 +163,7 @@ def build_prefetch(name: str, trace: Trace, predictor=None, train_traces: list[T
 
 
 def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cost: CostModel,
-             predictor=None, train_traces: list[Trace] | None = None, depth: int = 2,
+             predictor=None, train_traces: list[Trace] | None = None, depth: int | None = None,
              per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
              replacement_kw: dict | None = None) -> SimResult:
     """One configuration on one (possibly concatenated) trace."""

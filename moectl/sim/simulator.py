@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..errors import MoectlError
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
