@@ -337,3 +337,22 @@ def test_cli_bench_predictor_json(capsys):
     assert 0 < p["ms_per_layer_median"] <= p["ms_per_layer_p90"]
     code, _, err = run_cli(["bench", "--what", "speed"], capsys)
     assert code == 2 and "unknown part" in err
+
+
+@pytest.mark.parametrize("policy", ["lfu", "moe-infinity", "hobbit", "ours"])
+def test_every_replacement_policy_is_lossless_in_the_runtime(text_model, policy):
+    """Policies change what is resident, never what is computed; they receive route/request events."""
+    from moectl.policies import make_replacement
+
+    pol = make_replacement(policy, num_layers=4, num_experts=8)
+    routes, requests = [], []
+    orig_route, orig_start = pol.on_route, pol.on_request_start
+    pol.on_route = lambda l, c, w=None: (routes.append(l), orig_route(l, c, w))
+    pol.on_request_start = lambda r: (requests.append(r), orig_start(r))
+    base = Engine.load(str(text_model), cache_experts=8, progress=False)
+    eng = Engine.load(str(text_model), cache_experts=8, replacement=pol, progress=False)
+    a = base.generate("def f(x):", max_new_tokens=8, greedy=True, stop_at_eos=False)
+    b = eng.generate("def f(x):", max_new_tokens=8, greedy=True, stop_at_eos=False)
+    assert a.token_ids == b.token_ids
+    assert len(requests) == 1 and len(routes) == 8 * 4              # every layer of every step
+    assert b.stats["misses"] > 0

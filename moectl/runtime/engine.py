@@ -48,6 +48,7 @@ class Engine:
         self.observers: list = []
         self.phase = "prefill"
         self._tokenizer = None
+        self._requests = 0
         self.model.model.norm.register_forward_hook(self._on_final_norm)
 
     # --- loading ------------------------------------------------------------------------
@@ -201,6 +202,8 @@ class Engine:
         pkv = None
         step = torch.tensor([ids], dtype=torch.long)
         self.phase = "prefill"
+        self._requests += 1
+        self.cache.policy.on_request_start(f"generate-{self._requests}")
         if self.prefetch is not None:
             self.prefetch.reset()
         per_token = []

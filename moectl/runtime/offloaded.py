@@ -29,12 +29,14 @@ class OffloadedExperts(nn.Module):
         rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
         cache = rt.cache
         if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
+            cache.policy.on_route(layer, ids, top_k_weights[0].float().tolist())   # frequency policies count
             out = self._one_token(hidden_states, ids, top_k_weights[0])
             cache.layer_done(layer)
             return out
         out = torch.zeros_like(hidden_states)                                   # [T,H]
         needed = top_k_index.unique().tolist()                                  # one host sync per layer
         needed = [e for e in needed if 0 <= e < self.num_experts]
+        cache.policy.on_route(layer, needed, None)        # a batched step (prefill) counts each expert once
         # Resident experts first: their compute overlaps the loads of the rest on a GPU.
         order = [e for e in needed if cache.contains(layer, e)] + [e for e in needed if not cache.contains(layer, e)]
         width = cache.slots_per_layer[layer]
