@@ -24,6 +24,7 @@ def register(app: typer.Typer) -> None:
         device: str = CacheOpts.device(),
         offload: str = CacheOpts.offload(),
         replacement: str = CacheOpts.replacement(),
+        prefetch: str = CacheOpts.prefetch(),
         workdir: Optional[str] = CacheOpts.workdir(),
         dtype: Optional[str] = CacheOpts.dtype(),
     ):
@@ -38,7 +39,8 @@ def register(app: typer.Typer) -> None:
         console = Console()
         interactive = sys.stdin.isatty() and console.is_terminal
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
-                          workdir=workdir, dtype=dtype, replacement=replacement, progress=interactive)
+                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
+                          progress=interactive)
         session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                               top_p=top_p, seed=seed, system=system)
         raise typer.Exit(run_chat(session, console=console, interactive=interactive))
