@@ -356,3 +356,33 @@ def test_every_replacement_policy_is_lossless_in_the_runtime(text_model, policy)
     assert a.token_ids == b.token_ids
     assert len(requests) == 1 and len(routes) == 8 * 4              # every layer of every step
     assert b.stats["misses"] > 0
+
+
+def test_learned_prefetch_from_trained_predictors(tiny_small, tmp_path):
+    """profile -> train-predictor (mlp + aux gate) -> the runtime prefetches with them, losslessly."""
+    from moectl.calib.profile import run_profile
+    from moectl.errors import MoectlError as Err
+    from moectl.predict.train import run_train_predictor
+
+    texts = [f"The function number {i} returns a list of values, sorted by key." for i in range(12)]
+    eng = Engine.load(str(tiny_small), progress=False)
+    run_profile(eng, texts, tmp_path / "traces", model_name="tiny", dataset="inline", generate=8,
+                hidden_samples="all")
+    run_train_predictor(model=str(tiny_small), traces=[str(tmp_path / "traces")], kind="all", lookahead="1", epochs=20, out=str(tmp_path / "pred"),
+                        max_minutes=0.5, workdir=str(tmp_path))
+    L = len(eng.moe_layer_ids)
+    base = Engine.load(str(tiny_small), cache_experts=2 * L, progress=False)
+    want = base.generate("The list", max_new_tokens=10, greedy=True, stop_at_eos=False)
+    for kind in ("mlp", "aux-gate"):
+        e = Engine.load(str(tiny_small), cache_experts=2 * L, prefetch=kind, predictor=str(tmp_path / "pred"),
+                        progress=False)
+        got = e.generate("The list", max_new_tokens=10, greedy=True, stop_at_eos=False)
+        assert got.token_ids == want.token_ids
+        assert got.stats["prefetches"] > 0, kind
+    other = tmp_path / "other"                                  # predictors of another model: clear error
+    shutil.copytree(tmp_path / "pred", other)
+    meta = json.loads((other / "predictors.json").read_text())
+    meta["fingerprint"] = "mixtral:000000000000"
+    (other / "predictors.json").write_text(json.dumps(meta))
+    with pytest.raises(Err, match="made for model"):
+        Engine.load(str(tiny_small), prefetch="mlp", predictor=str(other), progress=False)

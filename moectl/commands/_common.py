@@ -30,7 +30,13 @@ class CacheOpts:
 
     @staticmethod
     def prefetch():
-        return typer.Option("none", "--prefetch", help="Runtime prefetch: none or gate-reuse (next routers on the current hidden state).")
+        return typer.Option("none", "--prefetch",
+                            help="Runtime prefetch: none, gate-reuse (next routers on the current hidden state), or a "
+                                 "trained predictor: mlp, routing, aux-gate (aux gate for layer 0 + mlp).")
+
+    @staticmethod
+    def predictor():
+        return typer.Option(None, "--predictor", help="Directory of predictors.json (default: the model workdir).")
 
     @staticmethod
     def workdir():

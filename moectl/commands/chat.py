@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
         offload: str = CacheOpts.offload(),
         replacement: str = CacheOpts.replacement(),
         prefetch: str = CacheOpts.prefetch(),
+        predictor: Optional[str] = CacheOpts.predictor(),
         workdir: Optional[str] = CacheOpts.workdir(),
         dtype: Optional[str] = CacheOpts.dtype(),
     ):
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
         console = Console()
         interactive = sys.stdin.isatty() and console.is_terminal
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
-                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
+                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                           progress=interactive)
         session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                               top_p=top_p, seed=seed, system=system)

@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
         offload: str = CacheOpts.offload(),
         replacement: str = CacheOpts.replacement(),
         prefetch: str = CacheOpts.prefetch(),
+        predictor: Optional[str] = CacheOpts.predictor(),
         workdir: Optional[str] = CacheOpts.workdir(),
         dtype: Optional[str] = CacheOpts.dtype(),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
@@ -37,7 +38,8 @@ def register(app: typer.Typer) -> None:
         from ..runtime.engine import Engine
 
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
-                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, progress=not as_json)
+                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                          progress=not as_json)
         stream = None
         if not as_json:
             def stream(_tok, piece):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 
 from ..errors import MoectlError
+from .aux_gate import AFTER_TOKEN, AuxGatePrefetch
 from .base import LRU, PrefetchPolicy, ReplacementPolicy
 from .prefetch import EAMPrefetch, GateReuse, MLPPrefetch, RoutingPrefetch, eams_from_traces
 from .replacement import LFU, Belady, Hobbit, MoEInfinity, Ours
@@ -17,7 +18,7 @@ from .replacement import LFU, Belady, Hobbit, MoEInfinity, Ours
 REPLACEMENTS = {"lru": LRU, "lfu": LFU, "moe-infinity": MoEInfinity, "hobbit": Hobbit, "belady": Belady,
                 "ours": Ours}
 PREFETCHES = {"none": PrefetchPolicy, "gate-reuse": GateReuse, "eam": EAMPrefetch, "routing": RoutingPrefetch,
-              "mlp": MLPPrefetch}
+              "mlp": MLPPrefetch, "aux-gate": AuxGatePrefetch}
 REPLACEMENT_NAMES = list(REPLACEMENTS)
 PREFETCH_NAMES = list(PREFETCHES)
 
@@ -45,5 +46,5 @@ def make_prefetch(name: str, **kw) -> PrefetchPolicy:
 
 
 __all__ = ["ReplacementPolicy", "PrefetchPolicy", "LRU", "LFU", "MoEInfinity", "Hobbit", "Belady", "Ours",
-           "GateReuse", "EAMPrefetch", "RoutingPrefetch", "MLPPrefetch", "eams_from_traces",
+           "AuxGatePrefetch", "AFTER_TOKEN", "GateReuse", "EAMPrefetch", "RoutingPrefetch", "MLPPrefetch", "eams_from_traces",
            "make_replacement", "make_prefetch", "REPLACEMENT_NAMES", "PREFETCH_NAMES"]

@@ -18,6 +18,7 @@ import torch
 from ..errors import MoectlError
 from ..fingerprint import model_fingerprint
 from ..models import adapter_for
+from ..policies.aux_gate import AFTER_TOKEN
 from ..policies.base import LRU, PrefetchPolicy, ReplacementPolicy
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
@@ -56,7 +57,8 @@ class Engine:
     def load(cls, model: str, device: str = "cpu", cache_experts: int | None = None, budget: str | int | None = None,
              offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
-             slots_per_layer: list[int] | None = None, progress: bool = True) -> "Engine":
+             slots_per_layer: list[int] | None = None, progress: bool = True,
+             predictor: str | None = None) -> "Engine":
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -114,7 +116,7 @@ class Engine:
             else:
                 slots_per_layer = split_slots(L * E if cache_experts is None else int(cache_experts), L, E)
         policy = _replacement(replacement, L, E)
-        prefetch = _prefetch(prefetch, hf, adapter)
+        prefetch = _prefetch(prefetch, hf, adapter, predictor or ref.workdir, config, adapter.family)
         cache = DeviceCache(store, slots_per_layer, dev, policy)
         runtime.cache = cache
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch)
@@ -163,6 +165,8 @@ class Engine:
                 fn(h2)
         if self.prefetch is not None:
             self.prefetch.end_token(h2[-1].float().cpu().numpy())
+            for target, expert, _score in self.prefetch.predict(AFTER_TOKEN):   # next token's first layer
+                self.cache.prefetch(target, int(expert))
 
     # --- forward and generate -----------------------------------------------------------
     @torch.inference_mode()
@@ -300,12 +304,15 @@ def _replacement(replacement, num_layers: int, num_experts: int) -> ReplacementP
     return policies.make_replacement(replacement, num_layers=num_layers, num_experts=num_experts)
 
 
-def _prefetch(prefetch, model, adapter) -> PrefetchPolicy | None:
-    """None/'none', a PrefetchPolicy object, or 'gate-reuse' (next routers on the current hidden state)."""
+def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> PrefetchPolicy | None:
+    """None/'none', a PrefetchPolicy object, 'gate-reuse' (next routers on the current hidden state), or a
+    learned one ('mlp', 'routing', 'aux-gate' = aux gate for layer 0 + mlp for the rest) loaded from the
+    predictors artifact in `predictor_dir` (the model workdir unless --predictor says)."""
     if prefetch is None or isinstance(prefetch, PrefetchPolicy):
         return prefetch
     if prefetch == "none":
         return None
+    K = adapter.top_k
     if prefetch == "gate-reuse":
         from ..policies.prefetch import GateReuse
 
@@ -315,9 +322,23 @@ def _prefetch(prefetch, model, adapter) -> PrefetchPolicy | None:
             routers[moe_idx] = r.weight.detach().float().cpu().numpy()
             if getattr(r, "bias", None) is not None:
                 bias[moe_idx] = r.bias.detach().float().cpu().numpy()
-        return GateReuse(routers, bias, depth=1, per_layer=adapter.top_k)
-    raise MoectlError(f"runtime prefetch {prefetch!r} is not available; use none or gate-reuse "
-                      f"(learned predictors plug in as PrefetchPolicy objects)")
+        return GateReuse(routers, bias, depth=1, per_layer=K)
+    if prefetch in ("mlp", "routing", "aux-gate"):
+        from ..policies import AuxGatePrefetch, MLPPrefetch, RoutingPrefetch
+        from ..predict.artifact import load_predictors
+
+        preds = load_predictors(predictor_dir, expect_fingerprint=model_fingerprint(config.to_dict(), family))
+        need = {"mlp": "mlp", "routing": "routing", "aux-gate": "aux_gate"}[prefetch]
+        if getattr(preds, need) is None:
+            raise MoectlError(f"the predictors in {predictor_dir} have no {need} predictor; "
+                              f"run `moectl train-predictor --kind {prefetch}`")
+        if prefetch == "mlp":
+            return MLPPrefetch(preds.mlp, depth=max(preds.mlp.lookaheads), per_layer=K)
+        if prefetch == "routing":
+            return RoutingPrefetch(preds.routing, per_layer=K)
+        inner = MLPPrefetch(preds.mlp, depth=max(preds.mlp.lookaheads), per_layer=K) if preds.mlp else None
+        return AuxGatePrefetch(preds.aux_gate, inner, per_layer=K)
+    raise MoectlError(f"unknown prefetch {prefetch!r}; use none, gate-reuse, mlp, routing or aux-gate")
 
 
 def dense_nbytes(model) -> int:
