@@ -202,3 +202,41 @@ def test_simulate_refuses_training_on_the_simulated_trace(mixtral_like):
     assert isinstance(res.exception, MoectlError) and "never be trained" in str(res.exception)
     res = cli(["simulate", "--trace", str(mixtral_like[0]), "--cache-fraction", "0.5", "--prefetch", "routing"])
     assert isinstance(res.exception, MoectlError) and "--predictor" in str(res.exception)
+
+
+# ----------------------------------------------------------------------------- the tiny model's own traces
+
+def test_mlp_prefetch_on_held_out_requests_of_the_tiny_model(tiny_small, tmp_path):
+    """Profile the small tiny model in-process, train the mlp predictor on some requests and simulate on the
+    OTHER requests (never the training tokens): its prefetches must remove demand loads lru/none has."""
+    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.profile import run_profile
+    from moectl.predict.train import train_mlp
+    from moectl.runtime.engine import Engine
+    from moectl.sim.cost import CostModel, load_hardware, shape_from_hf_config
+    from moectl.sim.run import simulate
+    from moectl.trace import load_trace
+
+    eng = Engine.load(model=str(tiny_small), device="cpu", progress=False)
+    texts = builtin_corpus("validation")[:16]
+    run_profile(eng, texts, tmp_path / "t", model_name="tiny", dataset="builtin:validation", max_tokens=96,
+                generate=16, hidden_samples="all")
+    tr = load_trace(tmp_path / "t")
+    reqs = tr.request_slices()
+    assert len(reqs) == 16 and tr.num_layers == 2
+    cut = reqs[11][1].stop                                     # 11 requests to train on, 5 held out
+    train, test = tr.select(slice(0, cut)), tr.select(slice(cut, tr.num_tokens))
+    assert not set(train.request) & set(test.request)
+    pred, _ = train_mlp([train], [1], epochs=40, max_minutes=0.3)
+    cost = CostModel(load_hardware("rtx4090-pcie4"), shape_from_hf_config(json.loads(
+        (tiny_small / "config.json").read_text())))
+    caps = capacities(test, fraction=0.25)
+    res = {p: simulate(test, caps, "lru", p, cost, predictor=pred if p == "mlp" else None, belady=False)
+           for p in ("none", "gate-reuse", "mlp")}
+    none, reuse, mlp = (res[p].demand_loads_per_token for p in ("none", "gate-reuse", "mlp"))
+    print({p: round(r.demand_loads_per_token, 3) for p, r in res.items()})
+    assert res["mlp"].tokens >= 40 and none > 1.0             # decode tokens (generation may stop at eos)
+    # 2 MoE layers: only layer 1 can be prefetched (from layer 0's hidden state); it is ~half the misses
+    assert mlp < 0.8 * none, res
+    assert mlp <= reuse + 0.1, res                             # starts from gate reuse, trained to beat it
+    assert res["mlp"].prefetch_loads_per_token > 0
