@@ -6,9 +6,15 @@ Prints:
     same model, never on the simulated one; for the single Mixtral file, on its other request) as a
     fraction of lru/none's, with ms/token on the model's real shape on rtx4090-pcie4;
  3. simulated Mixtral-8x7B on rtx4090-pcie4 with 50 % of experts cached: ms/token of mixtral-offloading's
-    policy (lru/none), MoE-Infinity's (moe-infinity/eam), ours, and the lower bound (compute only).
+    policy (lru/none), MoE-Infinity's (moe-infinity/eam), ours, and the lower bound (compute only);
+ 4. the built-in tiny model's own profiled traces (hidden states of every token): gate-reuse and the mlp
+    predictor (ProMoE) at lookahead depths 1-3 (and with AdapMoE's aux gate for layer 0), demand loads per
+    token as a fraction of lru/none's. The predictors are trained on the first validation documents and
+    simulated on OTHER documents. Uses the full tiny model of $MOECTL_HOME/tiny when it is built, else
+    builds the small variant in a temp dir.
 
-Run: /tmp/venv/bin/python bench/policies.py [--quick] [--json out.json]   (a few minutes on 2 cores)
+Run: /tmp/venv/bin/python bench/policies.py [--quick] [--tiny-only | --no-tiny] [--json out.json]
+(a few minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -76,8 +82,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="first 256 decode rows of each file")
     ap.add_argument("--json", type=Path, help="also write every number here")
+    ap.add_argument("--tiny-only", action="store_true", help="only section 4 (the tiny model's own traces)")
+    ap.add_argument("--no-tiny", action="store_true", help="skip section 4")
     args = ap.parse_args()
     t_start = time.time()
+    if args.tiny_only:
+        out = {"tiny": tiny_section(args.quick)}
+        print(f"\n({time.time() - t_start:.0f} s)")
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1, default=float))
+        return
     d = traces_dir()
     files = sorted(d.glob("*.jsonl"))
     traces = {f.name[: -len(".jsonl")]: load_trace(f) for f in files}
@@ -143,9 +157,85 @@ def main() -> None:
             print(f"  {label:34s} {c['ms_per_token']:7.1f} ms/token  (demand loads {c['demand_loads_per_token']:.2f}/token, "
                   f"stall {c['stall_ms_per_token']:.1f} ms)")
         print(f"  {'lower bound (compute only)':34s} {c['lower_bound_ms_per_token']:7.1f} ms/token")
+    if not args.no_tiny:
+        out["tiny"] = tiny_section(args.quick)
     print(f"\n({time.time() - t_start:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=float))
+
+
+def tiny_checkpoint(tmp: Path) -> Path:
+    """The full tiny model when `moectl build-tiny` made it, else the small variant built into `tmp`."""
+    from moectl.recipes import resolve_model
+    from moectl.tiny import _built, build_tiny
+
+    wd = resolve_model("tiny", None, build=False).workdir
+    if _built(wd):
+        return wd / "checkpoint"
+    print(f"  (no full tiny model in {wd}: building the small variant; `moectl build-tiny` for the full one)")
+    return build_tiny(tmp / "tiny", small=True, progress=False)
+
+
+def tiny_section(quick: bool = False) -> dict:
+    """Profile the tiny model on held-out text, train the mlp predictor on some documents and simulate the
+    others: demand loads per token of gate-reuse / mlp (lookahead 1..3) / aux-gate (AdapMoE's first-layer gate
+    + mlp) as a fraction of lru/none's."""
+    import tempfile
+
+    import torch
+
+    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.profile import run_profile
+    from moectl.predict.train import train_aux_gate, train_mlp
+    from moectl.runtime.engine import Engine
+    from moectl.sim.cost import CostModel, load_hardware, shape_from_hf_config
+
+    torch.set_num_threads(1)
+    res: dict = {}
+    with tempfile.TemporaryDirectory(prefix="moectl-bench-tiny-") as tmp:
+        tmp = Path(tmp)
+        t0 = time.time()
+        ckpt = tiny_checkpoint(tmp)
+        docs = builtin_corpus("validation")
+        n_train = 16 if quick else 48                 # documents to train on; the rest (up to 48) are simulated
+        n_test = 12 if quick else 48
+        eng = Engine.load(model=str(ckpt), device="cpu", progress=False)
+        for name, texts in (("train", docs[:n_train]), ("test", docs[n_train: n_train + n_test])):
+            run_profile(eng, texts, tmp / name, model_name="tiny", dataset=f"builtin:validation:{name}",
+                        max_tokens=256, generate=32, hidden_samples="all")
+        del eng
+        train, test = load_trace(tmp / "train"), load_trace(tmp / "test")
+        # (request ids restart at each profile; the documents are disjoint)
+        depths = [d for d in (1, 2, 3) if d < test.num_layers]
+        t1 = time.time()
+        pred, _ = train_mlp([train], depths, epochs=100, max_minutes=0.5 if quick else 2.0)
+        gate, _ = train_aux_gate([train], epochs=100, max_minutes=0.2 if quick else 0.5)
+        t2 = time.time()
+        cost = CostModel(load_hardware(HW), shape_from_hf_config(json.loads((ckpt / "config.json").read_text())))
+        print(f"\n4. Tiny model ({ckpt.parent.name}: {test.num_layers} MoE layers x {test.num_experts} experts, "
+              f"top-{test.top_k}), own traces: mlp trained on {n_train} documents ({train.num_tokens} tokens), "
+              f"simulated on {len(test.request_slices())} others ({int((test.phase != 0).sum())} decode tokens); "
+              f"profile {t1 - t0:.0f} s, train {t2 - t1:.0f} s")
+        print("   demand loads per token as a fraction of lru/none's (prefetch loads per token in brackets)")
+        configs = [("lru", "none", None)] + [("lru", "gate-reuse", d) for d in depths] + \
+                  [("lru", "mlp", d) for d in depths] + [("ours", "mlp", max(depths[:2]))] + \
+                  [("lru", "aux-gate", max(depths[:2]))]
+        print(f"   {'F':>5s} {'lru/none':>9s} " + " ".join(f"{f'{r}/{p}@{d}':>18s}" for r, p, d in configs[1:]))
+        for f in FRACTIONS:
+            caps = capacities(test, fraction=f)
+            row = {}
+            for r, p, d in configs:
+                x = simulate(test, caps, r, p, cost, predictor=pred if p in ("mlp", "aux-gate") else None,
+                             depth=d, belady=False, aux_gate=gate)
+                row[f"{r}/{p}@{d}"] = {"demand_loads_per_token": x.demand_loads_per_token,
+                                       "prefetch_loads_per_token": x.prefetch_loads_per_token,
+                                       "ms_per_token": x.ms_per_token}
+            base = row["lru/none@None"]["demand_loads_per_token"]
+            res[str(f)] = row
+            print(f"   {f:5.2f} {base:9.2f} " + " ".join(
+                f"{row[f'{r}/{p}@{d}']['demand_loads_per_token'] / max(base, 1e-9):11.3f} "
+                f"({row[f'{r}/{p}@{d}']['prefetch_loads_per_token']:4.2f})" for r, p, d in configs[1:]))
+    return res
 
 
 if __name__ == "__main__":

@@ -215,7 +215,8 @@ def run_cli(args, capsys):
 
 def test_cli_generate_json(text_model, capsys):
     code, out, err = run_cli(["generate", "--model", str(text_model), "--prompt", "x = ", "--greedy",
-                              "--max-new-tokens", "5", "--cache-experts", "4", "--json"], capsys)
+                              "--max-new-tokens", "5", "--cache-experts", "4", "--prefetch", "none", "--json"],
+                             capsys)
     assert code == 0, err
     obj = json.loads(out)
     assert set(obj) == {"text", "token_ids", "stats"}
@@ -379,6 +380,8 @@ def test_learned_prefetch_from_trained_predictors(tiny_small, tmp_path):
         got = e.generate("The list", max_new_tokens=10, greedy=True, stop_at_eos=False)
         assert got.token_ids == want.token_ids
         assert got.stats["prefetches"] > 0, kind
+    auto = Engine.load(str(tiny_small), prefetch="auto", predictor=str(tmp_path / "pred"), progress=False)
+    assert (auto.prefetch.name, auto.prefetch.inner.name) == ("aux-gate", "mlp")      # trained predictors win
     other = tmp_path / "other"                                  # predictors of another model: clear error
     shutil.copytree(tmp_path / "pred", other)
     meta = json.loads((other / "predictors.json").read_text())
@@ -386,3 +389,15 @@ def test_learned_prefetch_from_trained_predictors(tiny_small, tmp_path):
     (other / "predictors.json").write_text(json.dumps(meta))
     with pytest.raises(Err, match="made for model"):
         Engine.load(str(tiny_small), prefetch="mlp", predictor=str(other), progress=False)
+
+
+def test_cli_generate_auto_prefetch_falls_back_to_gate_reuse(text_model, tmp_path, capsys):
+    """No predictors in the workdir: auto prefetch is gate reuse, and bytes loaded count the prefetches."""
+    code, out, err = run_cli(["generate", "--model", str(text_model), "--prompt", "x = ", "--greedy",
+                              "--max-new-tokens", "6", "--cache-experts", "8", "--workdir", str(tmp_path),
+                              "--json"], capsys)
+    assert code == 0, err
+    st = json.loads(out)["stats"]
+    eng = Engine.load(str(text_model), cache_experts=8, prefetch="auto", workdir=str(tmp_path), progress=False)
+    assert eng.prefetch.name == "gate-reuse"
+    assert st["bytes_loaded"] >= st["misses"] * 98304

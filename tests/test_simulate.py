@@ -102,6 +102,26 @@ def test_prefill_is_one_batched_step():
     assert r["prefill_ms"] == pytest.approx(0.1e3 + 2e3 + 0.1e3 + 1e3)
 
 
+def test_aux_gate_prefetches_the_next_tokens_first_layer():
+    from moectl.policies import AuxGatePrefetch
+
+    class Gate:                                            # the aux gate: always says expert 5 first
+        def predict_scores(self, final_hidden):
+            return np.eye(8)[5]
+
+    tr = make_trace([[[0], [1]], [[5], [1]], [[5], [1]]])
+    cost = FixedCost(load=0.3, attention=0.1, expert=0.0, head=0.5)
+    steps = trace_steps(tr)
+    final = lambda row: np.zeros(4, dtype=np.float32)     # noqa: E731
+    r = Simulator([2, 2], LRU(), AuxGatePrefetch(Gate(), per_layer=1), cost).run(steps, final_hidden_of=final)
+    # token 0 loads 0 and 1; its final hidden (before the 0.5 s lm_head) prefetches 5, which lands in time
+    # for token 1's layer 0. The last token's prediction has no next token in the request: not issued.
+    assert r["demand"] == 2 and r["prefetch"] == 1 and r["hits"] == 4 and r["late"] == 0
+    assert r["wasted"] == 0
+    plain = Simulator([2, 2], LRU(), None, cost).run(steps)
+    assert plain["demand"] == 3 and plain["ms_per_token"] > r["ms_per_token"]
+
+
 def test_capacities():
     tr = make_trace([[[0]] * 5], E=8, K=2)
     assert capacities(tr, fraction=0.5) == [4] * 5
@@ -218,13 +238,13 @@ def test_mlp_prefetch_on_held_out_requests_of_the_tiny_model(tiny_small, tmp_pat
     from moectl.trace import load_trace
 
     eng = Engine.load(model=str(tiny_small), device="cpu", progress=False)
-    texts = builtin_corpus("validation")[:16]
+    texts = builtin_corpus("validation")[:24]
     run_profile(eng, texts, tmp_path / "t", model_name="tiny", dataset="builtin:validation", max_tokens=96,
                 generate=16, hidden_samples="all")
     tr = load_trace(tmp_path / "t")
     reqs = tr.request_slices()
-    assert len(reqs) == 16 and tr.num_layers == 2
-    cut = reqs[11][1].stop                                     # 11 requests to train on, 5 held out
+    assert len(reqs) == 24 and tr.num_layers == 2
+    cut = reqs[11][1].stop                                     # 12 requests to train on, 12 held out
     train, test = tr.select(slice(0, cut)), tr.select(slice(cut, tr.num_tokens))
     assert not set(train.request) & set(test.request)
     pred, _ = train_mlp([train], [1], epochs=40, max_minutes=0.3)
@@ -234,9 +254,9 @@ def test_mlp_prefetch_on_held_out_requests_of_the_tiny_model(tiny_small, tmp_pat
     res = {p: simulate(test, caps, "lru", p, cost, predictor=pred if p == "mlp" else None, belady=False)
            for p in ("none", "gate-reuse", "mlp")}
     none, reuse, mlp = (res[p].demand_loads_per_token for p in ("none", "gate-reuse", "mlp"))
-    print({p: round(r.demand_loads_per_token, 3) for p, r in res.items()})
-    assert res["mlp"].tokens >= 40 and none > 1.0             # decode tokens (generation may stop at eos)
-    # 2 MoE layers: only layer 1 can be prefetched (from layer 0's hidden state); it is ~half the misses
-    assert mlp < 0.8 * none, res
-    assert mlp <= reuse + 0.1, res                             # starts from gate reuse, trained to beat it
+    assert res["mlp"].tokens >= 100 and none > 1.0            # decode tokens (generation may stop at eos)
+    # 2 MoE layers: only layer 1 can be prefetched (from layer 0's hidden state), about half the misses.
+    # Measured: none 1.80, gate-reuse 1.78, mlp 1.23 demand loads per token.
+    assert mlp < 0.85 * none, res
+    assert mlp < reuse, res                                    # starts from gate reuse, trained to beat it
     assert res["mlp"].prefetch_loads_per_token > 0

@@ -30,9 +30,9 @@ class CacheOpts:
 
     @staticmethod
     def prefetch():
-        return typer.Option("none", "--prefetch",
-                            help="Runtime prefetch: none, gate-reuse (next routers on the current hidden state), or a "
-                                 "trained predictor: mlp, routing, aux-gate (aux gate for layer 0 + mlp).")
+        return typer.Option("auto", "--prefetch",
+                            help="Runtime prefetch: auto (the workdir's trained predictors: aux gate for layer 0 + MLP; "
+                                 "gate-reuse when there are none), none, gate-reuse, mlp, routing, aux-gate.")
 
     @staticmethod
     def predictor():
@@ -56,5 +56,16 @@ def print_stats_line(stats: dict, console=None) -> None:
     (console or Console()).print(
         f"[dim]{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s | cache hit rate {stats['hit_rate']:.1%} "
         f"({stats['hits']} hits, {stats['misses']} misses) | loaded {format_bytes(stats['bytes_loaded'])} "
-        f"({format_bytes(stats['bytes_per_token'])}/token) | load wait {stats['load_wait_s'] * 1000:.1f} ms[/]",
+        f"({format_bytes(stats['bytes_per_token'])}/token) | load wait {stats['load_wait_s'] * 1000:.1f} ms"
+        + (f" | {stats['prefetches']} prefetched" if stats.get("prefetches") else "") + "[/]",
         highlight=False)
+
+
+def prefetch_note(eng) -> str:
+    """What the runtime prefetches with, for one status line."""
+    p = eng.prefetch
+    if p is None:
+        return "prefetch: none"
+    inner = getattr(p, "inner", None)
+    name = p.name + (f" + {inner.name}" if inner is not None and inner.name != "none" else "")
+    return f"prefetch: {name}"

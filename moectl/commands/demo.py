@@ -125,12 +125,13 @@ def register(app: typer.Typer) -> None:
         # 3. one chat answer through the offloading runtime
         console.rule("[bold]chat")
         t0 = time.perf_counter()
-        from ..commands._common import print_stats_line
+        from ..commands._common import prefetch_note, print_stats_line
         from ..runtime.engine import Engine
         from ..serve.chat import ChatSession
 
         eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
-                          progress=False)
+                          prefetch="auto", progress=False)
+        console.print(f"[dim]{prefetch_note(eng)}[/]")
         session = ChatSession(eng, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)
         console.print(f"[bold green]you>[/] {question}")
         console.print("[bold blue]assistant>[/] ", end="")
@@ -145,7 +146,8 @@ def register(app: typer.Typer) -> None:
         s = result.stats
         slots = sum(eng.cache.slots_per_layer)
         rows.append(("chat", "[green]ok[/]", f"{s['tokens']} tokens at {s['tokens_per_s']:.1f} tok/s, hit rate "
-                     f"{s['hit_rate']:.0%} with {slots} expert slots, {format_bytes(s['bytes_loaded'])} loaded",
+                     f"{s['hit_rate']:.0%} with {slots} expert slots, {format_bytes(s['bytes_loaded'])} loaded, "
+                     f"{prefetch_note(eng)}",
                      time.perf_counter() - t0))
 
         # 4. summary

@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         cache_experts: int = typer.Option(None, "--cache-experts", help="expert slots in total, split evenly over layers"),
         plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml with per-layer slot counts"),
         replacement: str = typer.Option("lru", "--replacement", "-r", help="lru, lfu, moe-infinity, hobbit, belady, ours"),
-        prefetch: str = typer.Option("none", "--prefetch", "-p", help="none, gate-reuse, eam, routing, mlp"),
+        prefetch: str = typer.Option("none", "--prefetch", "-p", help="none, gate-reuse, eam, routing, mlp, aux-gate (aux gate for layer 0 + mlp)"),
         predictor: Path = typer.Option(None, "--predictor", help="predictors dir/json from `moectl train-predictor`"),
         train_on: list[Path] = typer.Option(None, "--train-on", help="train the routing predictor (and seed EAM "
                                             "collections) on these traces of the same model; never the simulated ones"),
@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         tr = sim.concat(traces)
         caps = sim.capacities(tr, cache_fraction, cache_experts, plan)
         cost = sim.cost_for(tr, hardware, model_shape, bits)
-        train_traces, routing_pred, mlp_pred = [], None, None
+        train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
         if train_on:
             sim_paths = {Path(p).expanduser().resolve() for p in trace}
             clash = [p for p in train_on if Path(p).expanduser().resolve() in sim_paths]
@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
             from ..predict.artifact import load_predictors
 
             ps = load_predictors(predictor, expect_fingerprint=tr.fingerprint)
-            routing_pred, mlp_pred = ps.routing, ps.mlp
+            routing_pred, mlp_pred, aux_pred = ps.routing, ps.mlp, ps.aux_gate
             if routing_pred is not None and (routing_pred.L, routing_pred.E) != (tr.num_layers, tr.num_experts):
                 raise MoectlError(f"the routing predictor in {predictor} is for {routing_pred.L} layers x "
                                   f"{routing_pred.E} experts, the trace has {tr.num_layers} x {tr.num_experts}")
@@ -87,9 +87,9 @@ def register(app: typer.Typer) -> None:
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("simulating", total=len(configs))
             for r, p, label in configs:
-                pred = routing_pred if p == "routing" else mlp_pred if p == "mlp" else None
+                pred = routing_pred if p == "routing" else mlp_pred if p in ("mlp", "aux-gate") else None
                 res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
-                                   depth=depth, per_layer=per_layer)
+                                   depth=depth, per_layer=per_layer, aux_gate=aux_pred)
                 d = {k: getattr(res, k) for k in FIELDS}
                 d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token)
                 results.append(d)

@@ -73,7 +73,7 @@ class MLPPrefetch(PrefetchPolicy):
 
     def observe(self, layer, chosen, weights=None, hidden=None):
         self.scores = {} if hidden is None else self.predictor.predict_scores(
-            layer, np.asarray(hidden, dtype=np.float32).reshape(-1))
+            layer, np.asarray(hidden, dtype=np.float32).reshape(-1), chosen)
 
     def predict(self, layer):
         out = []

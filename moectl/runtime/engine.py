@@ -313,6 +313,12 @@ def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> Prefet
     if prefetch == "none":
         return None
     K = adapter.top_k
+    if prefetch == "auto":       # the calibrated predictors when the workdir has them, else gate reuse
+        from ..predict.artifact import JSON_NAME
+
+        has = (Path(predictor_dir) / JSON_NAME).exists()
+        kinds = json.loads((Path(predictor_dir) / JSON_NAME).read_text()).get("kinds", []) if has else []
+        prefetch = "aux-gate" if {"mlp", "aux_gate"} <= set(kinds) else "mlp" if "mlp" in kinds else "gate-reuse"
     if prefetch == "gate-reuse":
         from ..policies.prefetch import GateReuse
 
@@ -338,7 +344,7 @@ def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> Prefet
             return RoutingPrefetch(preds.routing, per_layer=K)
         inner = MLPPrefetch(preds.mlp, depth=max(preds.mlp.lookaheads), per_layer=K) if preds.mlp else None
         return AuxGatePrefetch(preds.aux_gate, inner, per_layer=K)
-    raise MoectlError(f"unknown prefetch {prefetch!r}; use none, gate-reuse, mlp, routing or aux-gate")
+    raise MoectlError(f"unknown prefetch {prefetch!r}; use auto, none, gate-reuse, mlp, routing or aux-gate")
 
 
 def dense_nbytes(model) -> int:

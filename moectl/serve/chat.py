@@ -128,7 +128,9 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
     if interactive is None:
         interactive = stdin.isatty() and console.is_terminal
     if interactive:
-        console.print(f"[bold]moectl chat[/] with [cyan]{session.engine.ref.name}[/] — {HELP}")
+        from ..commands._common import prefetch_note
+
+        console.print(f"[bold]moectl chat[/] with [cyan]{session.engine.ref.name}[/] ({prefetch_note(session.engine)}) — {HELP}")
 
     def stream(_token_id: int, piece: str) -> None:
         console.file.write(piece)

@@ -135,11 +135,39 @@ def hidden_lookup(trace: Trace):
     return lambda row, layer: h.moe_inputs[index[row], layer].astype(np.float32)
 
 
+def final_hidden_lookup(trace: Trace):
+    """final_hidden_of(row) -> [D], the final hidden state after `row` (the next row's prev_final; None at a
+    request's last row), when the trace has every row's hidden samples, else None."""
+    h = trace.hidden
+    if hidden_lookup(trace) is None:
+        return None
+    index = -np.ones(trace.num_tokens, dtype=np.int64)
+    index[h.token_index] = np.arange(len(h.token_index))
+    N = trace.num_tokens
+
+    def final_hidden_of(row: int):
+        nxt = row + 1
+        if nxt >= N or trace.request[nxt] != trace.request[row]:
+            return None
+        return h.prev_final[index[nxt]].astype(np.float32)
+    return final_hidden_of
+
+
 def build_prefetch(name: str, trace: Trace, predictor=None, train_traces: list[Trace] | None = None,
-                   depth: int | None = None, per_layer: int | None = None, min_score: float | None = None):
+                   depth: int | None = None, per_layer: int | None = None, min_score: float | None = None,
+                   aux_gate=None):
     """A prefetch policy by name; depth None = the policy's best default (gate-reuse 1 layer: deeper
-    router reuse is less accurate and its loads queue ahead of the next layer's; others 2)."""
+    router reuse is less accurate and its loads queue ahead of the next layer's; others 2).
+    'aux-gate': AdapMoE's first-layer gate (`aux_gate`) for layer 0, the mlp `predictor` for the rest."""
     K = trace.top_k
+    if name == "aux-gate":
+        if aux_gate is None:
+            raise MoectlError("--prefetch aux-gate needs --predictor with an aux gate "
+                              "(`moectl train-predictor --kind all`)")
+        if final_hidden_lookup(trace) is None:
+            raise MoectlError("aux-gate prefetch needs the trace's hidden states for every token")
+        inner = build_prefetch("mlp", trace, predictor, None, depth, per_layer, min_score) if predictor else None
+        return make_prefetch("aux-gate", predictor=aux_gate, inner=inner, per_layer=per_layer or K)
     if depth is None:
         depth = 1 if name == "gate-reuse" else 2
     kw = dict(num_layers=trace.num_layers, num_experts=trace.num_experts, depth=depth,
@@ -165,16 +193,17 @@ def build_prefetch(name: str, trace: Trace, predictor=None, train_traces: list[T
 def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cost: CostModel,
              predictor=None, train_traces: list[Trace] | None = None, depth: int | None = None,
              per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
-             replacement_kw: dict | None = None) -> SimResult:
+             replacement_kw: dict | None = None, aux_gate=None) -> SimResult:
     """One configuration on one (possibly concatenated) trace."""
     steps = trace_steps(trace)
     kw = dict(num_layers=trace.num_layers, num_experts=trace.num_experts, **(replacement_kw or {}))
     if replacement == "moe-infinity":
         kw["eamc"] = eams_from_traces(train_traces or [])
     repl = make_replacement(replacement, **kw)
-    pf = build_prefetch(prefetch, trace, predictor, train_traces, depth, per_layer, min_score)
-    hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp") else None
-    r = Simulator(caps, repl, pf, cost).run(steps, hidden_of=hidden_of)
+    pf = build_prefetch(prefetch, trace, predictor, train_traces, depth, per_layer, min_score, aux_gate)
+    hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
+    final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
+    r = Simulator(caps, repl, pf, cost).run(steps, hidden_of=hidden_of, final_hidden_of=final_of)
     bel = None
     if belady:
         bel = Simulator(caps, make_replacement("belady"), None, cost).run(steps)["hit_rate"]

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..policies.aux_gate import AFTER_TOKEN, AuxGatePrefetch
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
@@ -142,6 +143,15 @@ class Simulator:
         self.repl.on_evict(l, v, now)
         return True
 
+    def _issue(self, tl: int, e: int, protected: set[int], now: int, clock: float) -> None:
+        """Queue a prefetch of expert e of layer tl (pinned via `protected`) unless it is resident."""
+        protected.add(e)
+        if e in self.pools[tl] or not self._make_room(tl, protected, now):
+            return
+        self.pools[tl][e] = _Slot(None, True)
+        self.repl.on_insert(tl, e, now)
+        self.queue.append((tl, e, clock))
+
     # ------------------------------------------------------------------ main loop
     def run(self, steps: list[Step], hidden_of=None, final_hidden_of=None) -> dict:
         """Simulate; `hidden_of(row, layer)` / `final_hidden_of(row)` give hidden states for
@@ -160,13 +170,17 @@ class Simulator:
         demand_decode = 0
         now = 0
         context = 0
-        for step in steps:
+        next_first: set[int] = set()      # layer-0 experts the aux gate prefetched for the next token
+        for i_step, step in enumerate(steps):
             if step.first_of_request:
                 self.repl.on_request_start(step.request)
                 self.pf.reset()
                 context = 0
             t_step = clock
             protected: list[set[int]] = [set() for _ in range(L)]   # predicted for later layers
+            if not step.first_of_request:
+                protected[0] |= next_first
+            next_first = set()
             n_tok = len(step.rows)
             demand_before = self.n_demand
             step_stall = step_compute = 0.0
@@ -220,14 +234,7 @@ class Simulator:
                         if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
                             continue
                         per_layer[tl] = per_layer.get(tl, 0) + 1
-                        protected[tl].add(e)
-                        if e in self.pools[tl]:
-                            continue
-                        if not self._make_room(tl, protected[tl], now):
-                            continue
-                        self.pools[tl][e] = _Slot(None, True)
-                        self.repl.on_insert(tl, e, now)
-                        self.queue.append((tl, e, clock))
+                        self._issue(tl, e, protected[tl], now, clock)
                 # queued prefetches for this layer that never started are useless now: cancel them
                 for e in protected[l]:
                     slot = pool.get(e)
@@ -253,6 +260,12 @@ class Simulator:
             context += n_tok
             if not step.prefill:
                 self.pf.end_token(final_hidden_of(step.rows[0]) if final_hidden_of else None)
+                # AdapMoE aux gate: the next token's first layer, loaded while this token's lm_head runs
+                nxt = steps[i_step + 1] if i_step + 1 < len(steps) else None
+                if isinstance(self.pf, AuxGatePrefetch) and nxt is not None and not nxt.first_of_request:
+                    for tl, e, _score in self.pf.predict(AFTER_TOKEN):
+                        if tl == 0:
+                            self._issue(0, e, next_first, now, clock - head)   # final hidden: before lm_head
             self.repl.on_token_end(now)
         for pool in self.pools:                             # prefetched, never used: wasted
             self.n_wasted += sum(1 for s in pool.values() if s.prefetched and not s.used)
