@@ -4,7 +4,8 @@ Prints:
  1. each replacement policy's hit rate as a fraction of Belady's, at cache fractions 0.25 and 0.5;
  2. demand loads per token of routing-only prefetch (routing predictor trained on the OTHER file of the
     same model, never on the simulated one; for the single Mixtral file, on its other request) as a
-    fraction of lru/none's, with ms/token on the model's real shape on rtx4090-pcie4;
+    fraction of lru/none's, with ms/token on the model's real shape on rtx4090-pcie4; routing+cal picks the
+    prefetch threshold / per-layer count (or no prefetch) per cache size on the training traces only;
  3. simulated Mixtral-8x7B on rtx4090-pcie4 with 50 % of experts cached: ms/token of mixtral-offloading's
     policy (lru/none), MoE-Infinity's (moe-infinity/eam), ours, and the lower bound (compute only);
  4. the built-in tiny model's own profiled traces (hidden states of every token): gate-reuse and the mlp
@@ -70,6 +71,30 @@ def held_out_pairs(name: str, tr, all_traces: dict) -> list[tuple[object, list]]
     return [(r, [o for j, o in enumerate(reqs) if j != i]) for i, r in enumerate(reqs)]
 
 
+# (min_score, per_layer) candidates for routing prefetch; None = the policy's default (0.5, top-k); 1.01 = off
+CAL_GRID = [(None, None), (0.7, None), (0.85, None), (0.95, None), (None, 1), (0.7, 1), (1.01, None)]
+
+
+def calibrate_routing(train: list, f: float, replacement: str = "ours") -> tuple:
+    """Pick routing prefetch's (min_score, per_layer) for cache fraction f on the TRAINING traces only: a
+    predictor trained on half of them (alternate requests, or the first half of each when requests are few)
+    is simulated on the other half. Small caches favour fewer, surer prefetches (each one evicts something)."""
+    reqs = [r for t in train for r in split_requests(t)]
+    if len(reqs) >= 4:
+        a, b = reqs[0::2], reqs[1::2]
+    else:
+        a = [r.select(slice(0, r.num_tokens // 2)) for r in reqs]
+        b = [r.select(slice(r.num_tokens // 2, r.num_tokens)) for r in reqs]
+    pred = train_routing_predictor(a, lookahead=[1, 2])[0]
+    best, best_v = (None, None), float("inf")
+    for ms, pl in CAL_GRID:
+        v = combine([simulate(t, capacities(t, fraction=f), replacement, "routing", cost_for(t, HW), predictor=pred,
+                              train_traces=a, belady=False, min_score=ms, per_layer=pl) for t in b])
+        if v["demand_loads_per_token"] < best_v:
+            best, best_v = (ms, pl), v["demand_loads_per_token"]
+    return best
+
+
 def combine(results: list) -> dict:
     """Token-weighted sum of per-part SimResults."""
     n = sum(r.tokens for r in results)
@@ -118,7 +143,8 @@ def main() -> None:
 
     print("\n2. Demand loads per token as a fraction of lru/none's (routing predictor trained on other files "
           f"of the same model); ms/token on {HW} in brackets")
-    configs = [("ours", "none"), ("moe-infinity", "eam"), ("ours", "routing")]
+    configs = [("ours", "none"), ("moe-infinity", "eam"), ("ours", "routing"), ("ours", "routing+cal")]
+    print("   (routing+cal: min_score / per_layer picked per cache size on the training traces, see calibrate_routing)")
     print(f"{'trace':24s} {'F':>5s} {'lru/none':>16s} " + " ".join(f"{r + '/' + p:>22s}" for r, p in configs))
     for name, tr in traces.items():
         pairs = held_out_pairs(name, tr, traces)
@@ -131,8 +157,10 @@ def main() -> None:
                 parts = []
                 for (test, train), pred in zip(pairs, preds):
                     cost = cost_for(test, HW)
-                    parts.append(simulate(test, capacities(test, fraction=f), r, p, cost, predictor=pred,
-                                          train_traces=train, belady=False))
+                    ms, pl = calibrate_routing(train, f, r) if p == "routing+cal" else (None, None)
+                    parts.append(simulate(test, capacities(test, fraction=f), r, p.split("+")[0], cost,
+                                          predictor=pred, train_traces=train, belady=False, min_score=ms,
+                                          per_layer=pl))
                 res[f"{r}/{p}"] = combine(parts)
             base = res["lru/none"]["demand_loads_per_token"]
             out["prefetch"][f"{name}@{f}"] = res

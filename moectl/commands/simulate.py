@@ -75,7 +75,9 @@ def register(app: typer.Typer) -> None:
 
         if compare:
             has_hidden = sim.hidden_lookup(tr) is not None and bool(tr.routers)
-            best = ("routing" if routing_pred is not None else "mlp" if mlp_pred is not None and has_hidden
+            best = ("routing" if routing_pred is not None
+                    else "aux-gate" if aux_pred is not None and mlp_pred is not None and has_hidden
+                    else "mlp" if mlp_pred is not None and has_hidden
                     else "gate-reuse" if has_hidden else "eam")
             configs = [(r, p or best, label) for r, p, label in COMPARE if p != "gate-reuse" or has_hidden]
         else:

@@ -72,8 +72,13 @@ class MLPPrefetch(PrefetchPolicy):
         self.scores = {}
 
     def observe(self, layer, chosen, weights=None, hidden=None):
-        self.scores = {} if hidden is None else self.predictor.predict_scores(
-            layer, np.asarray(hidden, dtype=np.float32).reshape(-1), chosen)
+        if hidden is None:
+            self.scores = {}
+            return
+        h = np.asarray(hidden, dtype=np.float32).reshape(-1)
+        # a set trained with use_chosen also reads this layer's own choice
+        self.scores = (self.predictor.predict_scores(layer, h, chosen) if getattr(self.predictor, "use_chosen", False)
+                       else self.predictor.predict_scores(layer, h))
 
     def predict(self, layer):
         out = []

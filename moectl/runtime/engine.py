@@ -18,7 +18,7 @@ import torch
 from ..errors import MoectlError
 from ..fingerprint import model_fingerprint
 from ..models import adapter_for
-from ..policies.aux_gate import AFTER_TOKEN
+from ..policies.aux_gate import AFTER_TOKEN, AuxGatePrefetch
 from ..policies.base import LRU, PrefetchPolicy, ReplacementPolicy
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
@@ -165,8 +165,9 @@ class Engine:
                 fn(h2)
         if self.prefetch is not None:
             self.prefetch.end_token(h2[-1].float().cpu().numpy())
-            for target, expert, _score in self.prefetch.predict(AFTER_TOKEN):   # next token's first layer
-                self.cache.prefetch(target, int(expert))
+            if isinstance(self.prefetch, AuxGatePrefetch):      # the aux gate: next token's first layer
+                for target, expert, _score in self.prefetch.predict(AFTER_TOKEN):
+                    self.cache.prefetch(target, int(expert))
 
     # --- forward and generate -----------------------------------------------------------
     @torch.inference_mode()
@@ -330,7 +331,7 @@ def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> Prefet
                 bias[moe_idx] = r.bias.detach().float().cpu().numpy()
         return GateReuse(routers, bias, depth=1, per_layer=K)
     if prefetch in ("mlp", "routing", "aux-gate"):
-        from ..policies import AuxGatePrefetch, MLPPrefetch, RoutingPrefetch
+        from ..policies import MLPPrefetch, RoutingPrefetch
         from ..predict.artifact import load_predictors
 
         preds = load_predictors(predictor_dir, expect_fingerprint=model_fingerprint(config.to_dict(), family))
