@@ -59,9 +59,6 @@ class Engine:
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None) -> "Engine":
-        from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
-
         ref = resolve_model(model, workdir)
         dev = _device(device)
         config, adapter = load_config(ref.path)
@@ -70,11 +67,7 @@ class Engine:
         if offload not in ("ram", "disk"):
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {offload!r}")
 
-        with init_empty_weights():                      # parameters on meta, buffers (rotary) real
-            hf = AutoModelForCausalLM.from_config(config, dtype=dt)
-        blocks = adapter.moe_blocks(hf)
-        if not blocks:
-            raise MoectlError(f"{ref.path} has no sparse MoE layers; moectl offloads experts of MoE models")
+        hf, blocks = _skeleton(config, adapter, dt, ref.path)
         moe_layer_ids = [i for i, _ in blocks]
 
         # Non-expert weights straight from the shards onto the device, one tensor at a time.
@@ -271,6 +264,19 @@ def load_config(path: Path):
     return config, adapter_for(config)
 
 
+def _skeleton(config, adapter, dtype: torch.dtype, path):
+    """The model with parameters on meta (buffers such as rotary tables real) and its MoE blocks."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    blocks = adapter.moe_blocks(hf)
+    if not blocks:
+        raise MoectlError(f"{path} has no sparse MoE layers; moectl offloads experts of MoE models")
+    return hf, blocks
+
+
 def _device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise MoectlError("--device cuda asked for, but torch sees no CUDA device (CPU build, or no GPU)")
@@ -317,8 +323,8 @@ def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> Prefet
     if prefetch == "auto":       # the calibrated predictors when the workdir has them, else gate reuse
         from ..predict.artifact import JSON_NAME
 
-        has = (Path(predictor_dir) / JSON_NAME).exists()
-        kinds = json.loads((Path(predictor_dir) / JSON_NAME).read_text()).get("kinds", []) if has else []
+        f = Path(predictor_dir) / JSON_NAME
+        kinds = json.loads(f.read_text()).get("kinds", []) if f.exists() else []
         prefetch = "aux-gate" if {"mlp", "aux_gate"} <= set(kinds) else "mlp" if "mlp" in kinds else "gate-reuse"
     if prefetch == "gate-reuse":
         from ..policies.prefetch import GateReuse
@@ -430,25 +436,16 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None) -> dict:
     """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     ref = resolve_model(model, workdir)
     config, adapter = load_config(ref.path)
-    ckpt = Checkpoint(ref.path)
+    Checkpoint(ref.path)                               # validates the shards (headers only)
     dt = _dtype(dtype, config)
-    with init_empty_weights():
-        hf = AutoModelForCausalLM.from_config(config, dtype=dt)
-    blocks = adapter.moe_blocks(hf)
-    if not blocks:
-        raise MoectlError(f"{ref.path} has no sparse MoE layers; moectl offloads experts of MoE models")
+    hf, blocks = _skeleton(config, adapter, dt, ref.path)
     size = torch.empty((), dtype=dt).element_size()
-    dense = sum(t.numel() * size for k, t in hf.state_dict().items() if adapter.skeleton_key(k) is not None
-                and ".experts." not in k)
+    dense = sum(t.numel() * size for k, t in hf.state_dict().items() if adapter.skeleton_key(k) is not None)
     if getattr(config, "tie_word_embeddings", False):
         dense -= hf.get_output_embeddings().weight.numel() * size
     expert_nbytes = adapter.layout().numel * size
-    ckpt.keys()
     info = describe(config, adapter, expert_nbytes, dense, len(blocks))
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "moe_layer_ids": [i for i, _ in blocks],

@@ -29,42 +29,40 @@ class OffloadedExperts(nn.Module):
         rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
         cache = rt.cache
         if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
+            # Decode fast path: one token, K distinct experts; no gather/scatter needed.
             cache.policy.on_route(layer, ids, top_k_weights[0].float().tolist())   # frequency policies count
-            out = self._one_token(hidden_states, ids, top_k_weights[0])
-            cache.layer_done(layer)
+            out = torch.zeros_like(hidden_states)                                   # [1,H]
+            pos = {e: j for j, e in enumerate(ids)}
+
+            def one(e, w):
+                y = rt.adapter.expert_forward(w, hidden_states, self.apply_gate)     # [1,H]
+                out.add_((y * top_k_weights[0, pos[e]]).to(out.dtype))
+
+            self._each_expert(ids, one)
             return out
-        out = torch.zeros_like(hidden_states)                                   # [T,H]
-        needed = top_k_index.unique().tolist()                                  # one host sync per layer
-        needed = [e for e in needed if 0 <= e < self.num_experts]
-        cache.policy.on_route(layer, needed, None)        # a batched step (prefill) counts each expert once
-        # Resident experts first: their compute overlaps the loads of the rest on a GPU.
-        order = [e for e in needed if cache.contains(layer, e)] + [e for e in needed if not cache.contains(layer, e)]
-        width = cache.slots_per_layer[layer]
-        for i in range(0, len(order), width):
-            chunk = order[i:i + width]
-            cache.pin(layer, chunk)
-            for e in chunk:
-                w = cache.acquire(layer, e)
-                tok, slot = (top_k_index == e).nonzero(as_tuple=True)          # tokens routed to e
-                y = rt.adapter.expert_forward(w, hidden_states[tok], self.apply_gate)   # [t,H]
-                out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
-            cache.unpin(layer, chunk)
-        cache.layer_done(layer)
+        out = torch.zeros_like(hidden_states)                                       # [T,H]
+        needed = top_k_index.unique().tolist()                                      # one host sync per layer
+        cache.policy.on_route(layer, [e for e in needed if 0 <= e < self.num_experts], None)   # batched: once each
+
+        def batch(e, w):
+            tok, slot = (top_k_index == e).nonzero(as_tuple=True)                  # tokens routed to e
+            y = rt.adapter.expert_forward(w, hidden_states[tok], self.apply_gate)  # [t,H]
+            out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
+
+        self._each_expert(needed, batch)
         return out
 
-    def _one_token(self, x: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
-        """Decode fast path: one token [1,H], K distinct experts; no gather/scatter needed."""
-        cache, layer, adapter = self.runtime.cache, self.layer, self.runtime.adapter
-        ids = [e for e in ids if 0 <= e < self.num_experts]
-        order = sorted(ids, key=lambda e: not cache.contains(layer, e))            # resident first
-        pos = {e: j for j, e in enumerate(ids)}
-        out = torch.zeros_like(x)
+    def _each_expert(self, experts: list[int], compute) -> None:
+        """`compute(e, weights)` for each valid expert: resident ones first (on a GPU their compute overlaps
+        the loads of the rest), missing ones as they arrive, pinning at most the layer's slot count at once."""
+        cache, layer = self.runtime.cache, self.layer
+        experts = [e for e in experts if 0 <= e < self.num_experts]
+        order = sorted(experts, key=lambda e: not cache.contains(layer, e))      # stable: resident first
         width = cache.slots_per_layer[layer]
         for i in range(0, len(order), width):
             chunk = order[i:i + width]
             cache.pin(layer, chunk)
             for e in chunk:
-                y = adapter.expert_forward(cache.acquire(layer, e), x, self.apply_gate)     # [1,H]
-                out += (y * weights[pos[e]]).to(out.dtype)
+                compute(e, cache.acquire(layer, e))
             cache.unpin(layer, chunk)
-        return out
+        cache.layer_done(layer)
