@@ -183,7 +183,9 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt: str | None = None, input_ids=None, max_new_tokens: int = 64, greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, on_token=None,
-                 stop_at_eos: bool = True, chat: bool = False) -> GenerationResult:
+                 stop_at_eos: bool = True, chat: bool = False, should_stop=None) -> GenerationResult:
+        """`on_token(id, text_piece)` after each token; `should_stop()` (checked after it) ends the answer early:
+        a cancelled request, a stop string. The runtime is left clean for the next call either way."""
         if input_ids is None:
             if prompt is None:
                 raise MoectlError("generate needs a prompt or input_ids")
@@ -218,7 +220,7 @@ class Engine:
                     full = self._tokenizer.decode(new, skip_special_tokens=True)
                     piece, text_so_far = full[len(text_so_far):], full
                 on_token(nxt, piece)
-            if stop_at_eos and nxt in eos:
+            if (stop_at_eos and nxt in eos) or (should_stop is not None and should_stop()):
                 break
             self.phase = "decode"
             step = torch.tensor([[nxt]], dtype=torch.long)
