@@ -166,6 +166,15 @@ def test_openai_client_raises_the_matching_errors(server):
         server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 3000}])
 
 
+def wait_idle_after(live, before: dict) -> dict:
+    """The state once the request after `before` has finished (the runtime must be free soon)."""
+    deadline = time.time() + 30
+    while (s := state(live))["busy"] or s["requests"] == before["requests"]:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    return s
+
+
 def test_client_disconnect_mid_stream_stops_generation(server):
     before = state(server)
     body = {"model": MODEL, "prompt": "The", "max_tokens": 900, "ignore_eos": True, "stream": True, "temperature": 0}
@@ -175,12 +184,20 @@ def test_client_disconnect_mid_stream_stops_generation(server):
             events = sse_events(r)
             for _ in range(3):
                 assert next(events)["choices"][0]["text"] is not None
-    deadline = time.time() + 30                                   # the runtime must be free soon, not after 900 tokens
-    while (s := state(server))["busy"] or s["requests"] == before["requests"]:
-        assert time.time() < deadline
-        time.sleep(0.05)
+    s = wait_idle_after(server, before)
     assert s["cancelled"] == before["cancelled"] + 1
     assert 3 <= s["generated_tokens"] - before["generated_tokens"] < 900
+    good_request(server)
+
+
+def test_client_leaving_a_plain_request_stops_generation(server):
+    before = state(server)
+    body = {"model": MODEL, "prompt": "The", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):                        # the client gives up after 0.3 s
+        httpx.post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=httpx.Timeout(5, read=0.3))
+    s = wait_idle_after(server, before)
+    assert s["cancelled"] == before["cancelled"] + 1
+    assert s["generated_tokens"] - before["generated_tokens"] < 900
     good_request(server)
 
 
