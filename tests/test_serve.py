@@ -82,9 +82,14 @@ def test_openai_client_chat_stream_completion_models(server, engine):
     assert done.choices[0].text == want
     assert done.usage.prompt_tokens == len(engine.tokenizer(prompt)["input_ids"])
 
-    stop = want.strip()[3:5]                                      # a stop string inside the greedy answer
-    cut = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[stop])
-    assert cut.choices[0].text == want[:want.index(stop)] and cut.choices[0].finish_reason == "stop"
+    stop = answer[len(answer) // 2:len(answer) // 2 + 3]          # a stop string inside the greedy answer
+    assert stop.strip()
+    for streamed in (False, True):
+        cut = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                             temperature=0, max_tokens=24, stop=[stop, "never said"], stream=streamed)
+        chunks = list(cut) if streamed else [cut]
+        text = "".join((c.choices[0].delta.content if streamed else c.choices[0].message.content) or "" for c in chunks)
+        assert text == answer[:answer.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_eight_concurrent_clients_get_their_greedy_answers(server, engine):
@@ -303,3 +308,14 @@ def test_model_that_fails_to_load_is_one_error_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr      # and no warning: a key was given
     assert "Traceback" not in proc.stderr
+
+
+def test_stop_matcher_cuts_across_pieces_and_holds_back_only_prefixes():
+    from moectl.serve.protocol import StopMatcher
+
+    m = StopMatcher(["cd", "xyz"])
+    sent = [m.feed(p) for p in ["ab", "c", "x", "y", "c", "de", "more"]]
+    assert sent == ["ab", "", "c", "", "xy", "", ""]               # "c" and "x", "xy" held until ruled out
+    assert "".join(sent) + m.flush() == "abcxy" and m.stopped
+    m = StopMatcher(["end"])
+    assert m.feed("the e") == "the " and m.flush() == "e"            # a held tail is sent when the answer ends

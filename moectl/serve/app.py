@@ -189,26 +189,36 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def respond(request: Request, req, ids: list[int], chat: bool):
+        """Queue the job; the answer as one JSON body or as SSE chunks (OpenAI's chat or text shapes)."""
+        job = submit(req, ids)
+        rid, now = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def body(choice: dict, finish, use, kind: str) -> dict:
+            out = {"id": rid, "object": kind, "created": now, "model": model_name,
+                   "choices": [{"index": 0, **choice, "finish_reason": finish, "logprobs": None}]}
+            return out | ({"usage": use} if use else {})
+
+        if req.stream:
+            def chunk(text, finish, use):
+                if not chat:
+                    return None if text is None else body({"text": text}, finish, use, "text_completion")
+                delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+                return body({"delta": delta}, finish, use, "chat.completion.chunk")
+            return stream(job, chunk)
+        text, info = await answer(request, job)
+        if chat:
+            return body({"message": {"role": "assistant", "content": text}}, info["finish_reason"], usage(info),
+                        "chat.completion")
+        return body({"text": text}, info["finish_reason"], usage(info), "text_completion")
+
     # --- routes ---------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse(request, ChatRequest)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
-        job = submit(req, chat_ids(tokenizer, messages))
-        rid, now = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        if req.stream:
-            def chunk(text, finish, use):
-                delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
-                body = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-                return body | ({"usage": use} if use else {})
-            return stream(job, chunk)
-        text, info = await answer(request, job)
-        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": info["finish_reason"], "logprobs": None}],
-                "usage": usage(info)}
+        return await respond(request, req, chat_ids(tokenizer, messages), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -217,20 +227,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
         if any(not 0 <= i < len(tokenizer) for i in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {len(tokenizer)})", param="prompt",
                            code="invalid_value")
-        job = submit(req, ids)
-        rid, now = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        if req.stream:
-            def chunk(text, finish, use):
-                if text is None:
-                    return None
-                body = {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
-                return body | ({"usage": use} if use else {})
-            return stream(job, chunk)
-        text, info = await answer(request, job)
-        return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}],
-                "usage": usage(info)}
+        return await respond(request, req, ids, chat=False)
 
     @app.get("/v1/models")
     async def models(request: Request):
