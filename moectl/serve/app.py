@@ -30,6 +30,7 @@ from .protocol import ApiError, ChatRequest, CompletionRequest, validation_error
 from .worker import Job, Worker
 
 PAGE = Path(__file__).with_name("page.html")
+MAX_BODY = 16 * 2**20           # bytes; a longer body is refused (413) before it is read
 ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/", "/api/state"}
 
 
@@ -102,6 +103,9 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
 
     async def parse(request: Request, kind):
         authorize(request)
+        size = request.headers.get("content-length", "0")
+        if not size.isdigit() or int(size) > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY // 2**20} MB", code="body_too_large")
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
@@ -146,14 +150,18 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
 
     async def answer(request: Request, job: Job) -> tuple[str, dict]:
         """The whole answer; cancels the job if the client disconnects while it waits."""
-        pieces = []
+        pieces, next_check = [], time.monotonic() + 0.25
         try:
             while True:
                 try:
-                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
                 except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() >= next_check:                 # every 0.25 s, tokens flowing or not
+                    next_check = time.monotonic() + 0.25
                     if await request.is_disconnected():
                         job.cancelled.set()
+                if kind is None:
                     continue
                 if kind == "token":
                     pieces.append(payload)

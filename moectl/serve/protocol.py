@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 
 class ApiError(Exception):
@@ -51,9 +51,9 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: Optional[StrictInt] = None
+    temperature: Union[StrictInt, StrictFloat] = Field(1.0, ge=0.0, le=2.0)
+    top_p: Union[StrictInt, StrictFloat] = Field(1.0, gt=0.0, le=1.0)
+    seed: Optional[StrictInt] = Field(None, ge=-(2**63), lt=2**64)          # what torch.Generator takes
     stop: Union[StrictStr, list[StrictStr], None] = Field(None, validate_default=True)   # -> list[str]
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
