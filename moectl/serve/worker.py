@@ -5,9 +5,9 @@ Requests become `Job`s in a bounded FIFO; the worker runs them one at a time and
 A job whose client went away is flagged `cancelled`: the engine checks the flag after every token, so the
 runtime is free again one token later; a cancelled job still in the queue is skipped.
 
-After every token the worker publishes a `state` dict (per-layer residency and hit rates, bytes per token,
-prefetch accuracy, ...) built from the runtime's own stats: the cache page and /metrics read only that,
-never the runtime itself from another thread.
+While generating (at most every 20 ms) and after each request the worker publishes a `state` dict
+(per-layer residency and hit rates, bytes per token, prefetch accuracy, ...) built from the runtime's own
+stats: the cache page and /metrics read only that, never the runtime itself from another thread.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from ..runtime.live import LayerHits, residency
 from .protocol import StopMatcher
+
+SNAPSHOT_EVERY_S = 0.02      # live state at most this often while generating (residency of L x E experts)
 
 
 @dataclass
@@ -125,7 +127,8 @@ class Worker:
             now = eng.cache.stats.as_dict()
             self.request_stats = {"tokens": n, "bytes_loaded": now["bytes_loaded"] - mark["bytes_loaded"],
                                   "hits": now["hits"] - mark["hits"], "misses": now["misses"] - mark["misses"]}
-            self.state = self._snapshot(self.request_stats)
+            if time.time() - self.state["time"] >= SNAPSHOT_EVERY_S:
+                self.state = self._snapshot(self.request_stats)
 
         res = eng.generate(input_ids=job.ids, max_new_tokens=job.max_tokens, greedy=job.greedy,
                            temperature=job.temperature, top_p=job.top_p, seed=job.seed, on_token=on_token,
