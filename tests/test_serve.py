@@ -59,6 +59,7 @@ def good_request(live) -> None:
 def test_openai_client_chat_stream_completion_models(server, engine):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
 
     ids, expected = greedy_chat(engine, QUESTIONS[0], 24)
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
@@ -173,6 +174,8 @@ def test_openai_client_raises_the_matching_errors(server):
         server.client(api_key="wrong").chat.completions.create(model=MODEL, messages=messages)
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="nope", messages=messages)
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("nope")
     with pytest.raises(openai.BadRequestError, match="context"):
         server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 3000}])
 

@@ -43,7 +43,8 @@ class CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        path = scope["path"]                       # a fixed label set: unknown paths must not grow /metrics
+        path = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
 
         async def counted(message):
             if message["type"] == "http.response.start":
@@ -237,11 +238,19 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queue: i
                            code="invalid_value")
         return await respond(request, req, ids, chat=False)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "moectl"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "moectl"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str):
+        authorize(request)
+        if name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+        return card
 
     @app.get("/health")
     async def health():
