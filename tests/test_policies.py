@@ -3,7 +3,6 @@ bound on the shared traces, and gate-reuse on a synthetic hidden-state trace fro
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from moectl.policies import (PREFETCH_NAMES, REPLACEMENT_NAMES, Belady, EAMPrefe
 from moectl.sim.simulator import Simulator, trace_steps
 from moectl.trace import DECODE, HiddenSamples, Trace, load_trace
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+from shared_data import TRACE_FILES, needs_shared
 
 
 def play(policy, seq, layer=0, cap=2, request_breaks=()):
@@ -196,8 +195,8 @@ def test_gate_reuse_cuts_demand_loads_in_simulation(tiny_hidden_trace):
 
 # ----------------------------------------------------------------------------- Belady bounds everyone
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared traces not present")
-@pytest.mark.parametrize("path", sorted(SHARED.glob("*.jsonl")) if SHARED.is_dir() else [], ids=lambda p: p.stem)
+@needs_shared
+@pytest.mark.parametrize("path", TRACE_FILES, ids=lambda p: p.stem)
 def test_belady_bounds_every_policy_on_shared_traces(path):
     tr = load_trace(path)
     tr = tr.select(slice(0, min(tr.num_tokens, 128)))        # first 128 rows: keeps the suite fast

@@ -6,7 +6,6 @@ Legend: N = tokens, L = MoE layers, K = top-k, E = experts.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,9 @@ from moectl.cli import app
 from moectl.policies.base import LRU
 from moectl.trace import Trace
 
-SHARED = Path(os.environ.get("MOECTL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-OLMOE = SHARED / "traces" / "olmoe.math.jsonl"
+from shared_data import SHARED_TRACES, needs_shared  # noqa: E402
+
+OLMOE = SHARED_TRACES / "olmoe.math.jsonl"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -32,7 +32,7 @@ def _trace(ids: list[list[int]], requests: list[str] | None = None, E: int = 3) 
     return Trace("toy", 1, E, K, requests or ["a"] * N, np.arange(N, dtype=np.int32), np.ones(N, np.uint8), ex)
 
 
-@pytest.mark.skipif(not OLMOE.exists(), reason=f"no {OLMOE}")
+@needs_shared
 def test_report_on_olmoe_writes_pngs_and_belady_beats_lru_everywhere(tmp_path):
     r = CliRunner().invoke(app, ["report", "--traces", str(OLMOE), "--out", str(tmp_path / "rep"), "--json"])
     assert r.exit_code == 0, r.output

@@ -3,7 +3,6 @@ config/state_dict, and cuts demand loads in the simulator when used for prefetch
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from moectl.predict.routing import RoutingPredictor, multi_hot, train_routing_pr
 from moectl.sim.simulator import Simulator, trace_steps
 from moectl.trace import DECODE, Trace, load_trace
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+from shared_data import SHARED_TRACES as SHARED, needs_shared  # noqa: E402
 L, E, K = 8, 16, 2
 
 
@@ -87,7 +86,7 @@ def test_routing_prefetch_cuts_demand_loads(trained):
     assert pf["demand_loads_per_token"] < 0.75 * none["demand_loads_per_token"]
 
 
-@pytest.mark.skipif(not (SHARED / "olmoe.math.jsonl").exists(), reason="shared traces not present")
+@needs_shared
 def test_beats_frequency_on_real_traces_of_another_prompt():
     train = load_trace(SHARED / "olmoe.math.jsonl").select(slice(0, 192))
     test = load_trace(SHARED / "olmoe.code.jsonl").select(slice(0, 96))

@@ -18,6 +18,11 @@ from moectl.runtime.engine import Engine, budget_slots  # noqa: E402
 
 FAMILIES = list(family_configs())
 DECODE_STEPS = 16
+# The project's lossless tolerance, for paths that run different kernels (the runtime computes each expert
+# as its own matmuls where transformers batches them; fused and per-expert checkpoints give matmuls of
+# different shapes): which BLAS kernel a shape gets, and so the last bit of rounding, depends on the CPU.
+# Greedy ids must still be identical.
+LOSSLESS_ATOL = 1e-5
 
 
 def _reference_run(path, prompt: torch.Tensor, steps: int):
@@ -75,7 +80,7 @@ def test_lossless_against_transformers(family, family_dirs):
         logits, ids = _engine_run(eng, prompt, DECODE_STEPS)
         assert ids == ref_ids, f"{family} at {slots} slots/layer: greedy ids differ"
         diff = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits))
-        assert diff <= 1e-4, f"{family} at {slots} slots/layer: max |logit diff| {diff}"
+        assert diff <= LOSSLESS_ATOL, f"{family} at {slots} slots/layer: max |logit diff| {diff}"
         st = eng.cache.snapshot()
         if slots == 1:
             assert st["misses"] > 0
@@ -95,7 +100,7 @@ def test_fused_checkpoint_same_result(family, family_dirs):
     a = _engine_run(Engine.load(str(family_dirs[(family, False)]), cache_experts=100, progress=False), prompt, 4)
     b = _engine_run(Engine.load(str(fused), cache_experts=100, progress=False), prompt, 4)
     assert a[1] == b[1]
-    assert max((x - y).abs().max().item() for x, y in zip(a[0], b[0])) == 0.0
+    assert max((x - y).abs().max().item() for x, y in zip(a[0], b[0])) <= LOSSLESS_ATOL
 
 
 def test_disk_offload_matches_ram(family_dirs):
@@ -315,6 +320,9 @@ def test_prefetch_hides_demand_loads_and_stays_lossless(text_model):
     logits, ids = _engine_run(eng, prompt, 8)
     st = eng.cache.snapshot()
     assert ids == want_ids
+    # Exact: both runs are the same engine on the same weights; prefetching only changes which experts are
+    # resident, so at most the order of the K=2 expert outputs summed into a zero tensor changes, and
+    # 0 + a + b == 0 + b + a exactly in IEEE arithmetic.
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) == 0.0
     assert st["prefetches"] > 0 and st["prefetch_used"] == st["prefetches"]      # every oracle prefetch is used
     assert st["misses"] < lru_misses                                           # fewer demand loads

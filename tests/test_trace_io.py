@@ -6,8 +6,6 @@ Legend: N = tokens, L = MoE layers, K = top-k, E = experts, D = hidden size.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +17,7 @@ from moectl.errors import MoectlError
 from moectl.trace import (DECODE, PREFILL, Trace, expert_activation_matrices,
                           expert_activation_matrix, load_trace)
 
-SHARED = Path(os.environ.get("MOECTL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-TRACES = sorted((SHARED / "traces").glob("*.jsonl"))
-needs_shared = pytest.mark.skipif(not TRACES, reason=f"no shared traces under {SHARED}")
+from shared_data import SHARED, TRACE_FILES as TRACES, needs_shared  # noqa: E402
 
 
 @needs_shared
