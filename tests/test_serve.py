@@ -207,8 +207,8 @@ def test_client_disconnect_mid_stream_stops_generation(server):
 def test_client_leaving_a_plain_request_stops_generation(server):
     before = state(server)
     body = {"model": MODEL, "prompt": "The", "max_tokens": 1000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):                        # the client gives up after 0.3 s
-        httpx.post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=httpx.Timeout(5, read=0.3))
+    with pytest.raises(httpx.ReadTimeout):                        # the client gives up after 0.1 s
+        httpx.post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=httpx.Timeout(5, read=0.1))
     s = wait_idle_after(server, before)
     assert s["cancelled"] == before["cancelled"] + 1
     assert s["generated_tokens"] - before["generated_tokens"] < 1000
