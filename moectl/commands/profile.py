@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from ._common import CacheOpts
+
 
 def register(app: typer.Typer) -> None:
     @app.command("profile")
@@ -29,11 +31,18 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option(None, "--device", help="cuda / cpu [default: cuda when available]"),
         budget: str = typer.Option(None, "--budget", help="device memory for the expert cache, e.g. 2GB"),
         cache_experts: int = typer.Option(None, "--cache-experts", help="expert cache size in experts"),
+        replacement: str = CacheOpts.replacement(),
+        prefetch: str = typer.Option("none", "--prefetch",
+                                     help="runtime prefetch while recording, as in `generate` [default: none]"),
+        predictor: str = CacheOpts.predictor(),
         shard_rows: int = typer.Option(4096, "--shard-rows", help="rows per shard file"),
         seed: int = typer.Option(0, "--seed", help="seed of the hidden-sample draw"),
         as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
     ) -> None:
-        """Record routing traces (expert ids, gate weights, optional hidden states) on a calibration set."""
+        """Record routing traces (expert ids, gate weights, optional hidden states) on a calibration set.
+
+        The run goes through the offloading runtime with the given cache size and policies; --json reports
+        its cache hits and misses per phase, which `moectl simulate` on the recorded trace reproduces."""
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -64,7 +73,8 @@ def register(app: typer.Typer) -> None:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
-                          budget=budget, cache_experts=cache_experts)
+                          budget=budget, cache_experts=cache_experts, replacement=replacement, prefetch=prefetch,
+                          predictor=predictor)
 
         def show_plan(info: dict) -> None:
             msg = (f"profiling [bold]{ref.name}[/] on {info['samples']} samples (~{info['tokens_planned']} tokens) "
@@ -95,9 +105,11 @@ def register(app: typer.Typer) -> None:
                    "tokens": res.tokens, "prefill_tokens": res.prefill_tokens, "decode_tokens": res.decode_tokens,
                    "hidden_samples": res.hidden_samples, "seconds": round(res.seconds, 3),
                    "tokens_per_s": round(res.tokens_per_s, 1), "interrupted": res.interrupted}
-        stats = getattr(getattr(eng, "cache", None), "stats", None)
-        if isinstance(stats, dict):
-            summary["cache"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+        # the cache statistics of the recorded run: `moectl simulate` on the trace with the same sizes and
+        # policies gives the same counts (the shared rules of moectl/cache_model.py)
+        summary["cache"] = {ph: {k: v for k, v in eng.cache.state.totals(ph).items() if k in ("hits", "misses")}
+                            for ph in ("prefill", "decode")}
+        summary["cache"].update(replacement=replacement, prefetch=prefetch, slots=sum(eng.cache.slots_per_layer))
         if as_json:
             print(json.dumps(summary))
         else:

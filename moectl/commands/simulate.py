@@ -6,11 +6,13 @@ from pathlib import Path
 
 import typer
 
+from ..policies import PREFETCH_NAMES, REPLACEMENT_NAMES
+
 COMPARE = [("lru", "none", "mixtral-offloading"), ("lfu", "none", "sequence LFU"),
            ("moe-infinity", "eam", "MoE-Infinity"), ("hobbit", "gate-reuse", "HOBBIT"), ("ours", None, "ours")]
 FIELDS = ["hit_rate", "belady_hit_rate", "demand_loads_per_token", "prefetch_loads_per_token",
           "wasted_prefetch_fraction", "bytes_per_token", "stall_ms_per_token", "ms_per_token",
-          "lower_bound_ms_per_token", "tokens"]
+          "lower_bound_ms_per_token", "tokens", "prefill_misses"]
 
 
 def register(app: typer.Typer) -> None:
@@ -20,8 +22,11 @@ def register(app: typer.Typer) -> None:
         cache_fraction: float = typer.Option(None, "--cache-fraction", help="fraction of each layer's experts cached"),
         cache_experts: int = typer.Option(None, "--cache-experts", help="expert slots in total, split evenly over layers"),
         plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml with per-layer slot counts"),
-        replacement: str = typer.Option("lru", "--replacement", "-r", help="lru, lfu, moe-infinity, hobbit, belady, ours"),
-        prefetch: str = typer.Option("none", "--prefetch", "-p", help="none, gate-reuse, eam, routing, mlp, aux-gate (aux gate for layer 0 + mlp)"),
+        replacement: str = typer.Option("lru", "--replacement", "-r", help=f"{', '.join(REPLACEMENT_NAMES)}. moe-infinity "
+                                         "matches the request against earlier ones: on a single request without "
+                                         "--train-on it is sequence LFU"),
+        prefetch: str = typer.Option("none", "--prefetch", "-p", help=f"{', '.join(PREFETCH_NAMES)} (aux-gate: the aux gate "
+                                      "for layer 0 + mlp)"),
         predictor: Path = typer.Option(None, "--predictor", help="predictors dir/json from `moectl train-predictor`"),
         train_on: list[Path] = typer.Option(None, "--train-on", help="train the routing predictor (and seed EAM "
                                             "collections) on these traces of the same model; never the simulated ones"),
@@ -94,6 +99,9 @@ def register(app: typer.Typer) -> None:
                                    depth=depth, per_layer=per_layer, aux_gate=aux_pred)
                 d = {k: getattr(res, k) for k in FIELDS}
                 d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token)
+                if res.note:
+                    d["note"] = res.note
+                    console.print(f"[yellow]note[/] ({label}): {res.note}")
                 results.append(d)
                 bar.advance(task)
         if as_json:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 from ..errors import MoectlError
-from .aux_gate import AFTER_TOKEN, AuxGatePrefetch
+from .aux_gate import AuxGatePrefetch
 from .base import LRU, PrefetchPolicy, ReplacementPolicy
 from .prefetch import EAMPrefetch, GateReuse, MLPPrefetch, RoutingPrefetch, eams_from_traces
 from .replacement import LFU, Belady, Hobbit, MoEInfinity, Ours
@@ -46,5 +46,5 @@ def make_prefetch(name: str, **kw) -> PrefetchPolicy:
 
 
 __all__ = ["ReplacementPolicy", "PrefetchPolicy", "LRU", "LFU", "MoEInfinity", "Hobbit", "Belady", "Ours",
-           "AuxGatePrefetch", "AFTER_TOKEN", "GateReuse", "EAMPrefetch", "RoutingPrefetch", "MLPPrefetch", "eams_from_traces",
+           "AuxGatePrefetch", "GateReuse", "EAMPrefetch", "RoutingPrefetch", "MLPPrefetch", "eams_from_traces",
            "make_replacement", "make_prefetch", "REPLACEMENT_NAMES", "PREFETCH_NAMES"]

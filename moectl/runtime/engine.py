@@ -18,7 +18,6 @@ import torch
 from ..errors import MoectlError
 from ..fingerprint import model_fingerprint
 from ..models import adapter_for
-from ..policies.aux_gate import AFTER_TOKEN, AuxGatePrefetch
 from ..policies.base import LRU, PrefetchPolicy, ReplacementPolicy
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
@@ -47,7 +46,6 @@ class Engine:
         self.fingerprint = model_fingerprint(config.to_dict(), adapter.family)
         self.prefetch = prefetch
         self.observers: list = []
-        self.phase = "prefill"
         self._tokenizer = None
         self._requests = 0
         self.model.model.norm.register_forward_hook(self._on_final_norm)
@@ -136,11 +134,6 @@ class Engine:
     def moe_layer_ids(self) -> list[int]:
         return self.store.moe_layer_ids
 
-    def describe(self) -> dict:
-        return describe(self.config, self.adapter, self.store.expert_nbytes, dense_nbytes(self.model),
-                        len(self.moe_layer_ids)) | {"fingerprint": self.fingerprint,
-                                                    "cache_slots": self.cache.slots_per_layer}
-
     # --- observers ----------------------------------------------------------------------
     def add_observer(self, obs) -> None:
         self.observers.append(obs)
@@ -156,18 +149,28 @@ class Engine:
             fn = getattr(obs, "on_final_hidden", None)
             if fn is not None:
                 fn(h2)
-        if self.prefetch is not None:
+        if self.prefetch is not None and self.cache.state.phase == "decode":
             self.prefetch.end_token(h2[-1].float().cpu().numpy())
-            if isinstance(self.prefetch, AuxGatePrefetch):      # the aux gate: next token's first layer
-                for target, expert, _score in self.prefetch.predict(AFTER_TOKEN):
-                    self.cache.prefetch(target, int(expert))
 
     # --- forward and generate -----------------------------------------------------------
+    def begin_request(self, name: str) -> None:
+        """A new request: sequence-level policy statistics and the prefetch state reset."""
+        self.cache.begin_request(name)
+        if self.prefetch is not None:
+            self.prefetch.reset()
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values=None):
-        """Logits [1,T,V] and the KV cache, for `input_ids` [1,T] after `past_key_values`."""
+        """Logits [1,T,V] and the KV cache, for `input_ids` [1,T] after `past_key_values`.
+        A forward without a KV cache, or of several tokens, is a prefill step, else a decode step."""
         from transformers import DynamicCache
 
+        decode = past_key_values is not None and input_ids.shape[-1] == 1
+        self.cache.begin_step("decode" if decode else "prefill")
+        if decode and self.prefetch is not None:      # the aux gate: this token's first layer
+            for target, expert, _score in self.prefetch.predict_after_token():
+                if 0 <= target < len(self.cache.slots_per_layer):
+                    self.cache.prefetch(target, int(expert))
         if past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         out = self.model(input_ids=input_ids.to(self.device), past_key_values=past_key_values, use_cache=True)
@@ -199,11 +202,8 @@ class Engine:
         t0 = time.perf_counter()
         pkv = None
         step = torch.tensor([ids], dtype=torch.long)
-        self.phase = "prefill"
         self._requests += 1
-        self.cache.policy.on_request_start(f"generate-{self._requests}")
-        if self.prefetch is not None:
-            self.prefetch.reset()
+        self.begin_request(f"generate-{self._requests}")
         per_token = []
         for _ in range(max_new_tokens):
             mark = self.cache.stats.as_dict()
@@ -220,10 +220,8 @@ class Engine:
                 on_token(nxt, piece)
             if stop_at_eos and nxt in eos:
                 break
-            self.phase = "decode"
             step = torch.tensor([[nxt]], dtype=torch.long)
         elapsed = time.perf_counter() - t0
-        self.phase = "prefill"
         after = self.cache.snapshot()
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
         return GenerationResult(text, new, ids, run_stats(before, after, len(new), elapsed), per_token)
@@ -242,11 +240,11 @@ class _Runtime:
         for obs in eng.observers:
             obs.on_route(layer, top_k_index, top_k_weights, hidden)
         pf = eng.prefetch
-        if pf is not None and top_k_index.shape[0] == 1:       # decode: one token, predict ahead
+        if pf is not None and self.cache.state.phase == "decode":      # predict ahead in decode steps only
             pf.observe(layer, top_k_index[0].tolist(), top_k_weights[0].float().tolist(),
                        hidden[0].float().cpu().numpy())
             for target, expert, _score in pf.predict(layer):
-                if 0 <= target < len(self.cache.slots_per_layer):
+                if layer < target < len(self.cache.slots_per_layer):     # later layers of this token
                     self.cache.prefetch(target, int(expert))
 
 
@@ -337,7 +335,7 @@ def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> Prefet
                 bias[moe_idx] = r.bias.detach().float().cpu().numpy()
         return GateReuse(routers, bias, depth=1, per_layer=K)
     if prefetch in ("mlp", "routing", "aux-gate"):
-        from ..policies import MLPPrefetch, RoutingPrefetch
+        from ..policies import AuxGatePrefetch, MLPPrefetch, RoutingPrefetch
         from ..predict.artifact import load_predictors
 
         preds = load_predictors(predictor_dir, expect_fingerprint=model_fingerprint(config.to_dict(), family))

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ..cache_model import split_slots
 from ..errors import MoectlError
 from ..policies import eams_from_traces, make_prefetch, make_replacement
 from ..trace import Trace
@@ -34,10 +35,7 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
         return [min(E, max(K, round(fraction * E)))] * L
     if experts is not None:
-        if experts < L:
-            raise MoectlError(f"--cache-experts {experts} is less than one slot per layer ({L} layers)")
-        base, extra = divmod(min(experts, L * E), L)
-        return [base + (1 if l < extra else 0) for l in range(L)]
+        return split_slots(experts, L, E)
     d = plan if isinstance(plan, dict) else load_plan(plan)
     slots = [int(s) for s in d["slots"]]
     if len(slots) != L:
@@ -204,6 +202,10 @@ def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cos
     hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
     final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
     r = Simulator(caps, repl, pf, cost).run(steps, hidden_of=hidden_of, final_hidden_of=final_of)
+    note = ""
+    if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:
+        note = ("moe-infinity without --train-on on a single-request trace has an empty request collection: "
+                "its pEAM is the live request's own, i.e. sequence LFU; seed it with --train-on TRACES")
     bel = None
     if belady:
         bel = Simulator(caps, make_replacement("belady"), None, cost).run(steps)["hit_rate"]
@@ -213,7 +215,8 @@ def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cos
         bytes_per_token=r["bytes_per_token"], stall_ms_per_token=r["stall_ms_per_token"],
         ms_per_token=r["ms_per_token"], lower_bound_ms_per_token=r["lower_bound_ms_per_token"],
         tokens=r["decode_tokens"], late_prefetches_per_token=r["late_prefetches_per_token"],
-        prefill_ms=r["prefill_ms"], replacement=replacement, prefetch=prefetch)
+        prefill_ms=r["prefill_ms"], replacement=replacement, prefetch=prefetch, misses=r["misses"],
+        prefill_misses=r["prefill_misses"], cache=r["cache"], note=note)
 
 
 def cost_for(trace: Trace, hardware: str, model_shape_name: str | None = None, bits: float | None = None) -> CostModel:
