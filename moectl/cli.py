@@ -55,20 +55,32 @@ def main() -> None:
         sys.exit(130)
     except SystemExit:
         raise
-    except Exception as e:  # click usage errors come through here in standalone_mode=False
-        import click
-
-        try:                                 # typer >= 0.29 vendors click as typer._click: other classes
-            from typer._click import exceptions as typer_click
-        except ImportError:
-            typer_click = click.exceptions
-        if isinstance(e, (click.exceptions.ClickException, typer_click.ClickException)):
+    except Exception as e:  # click usage errors and aborts come through here in standalone_mode=False
+        shown, aborts = _click_exception_types()
+        if isinstance(e, shown):
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, (click.exceptions.Abort, typer_click.Abort)):
+        if isinstance(e, aborts):
+            err_console.print("[yellow]aborted[/]")
             sys.exit(1)
         raise
 
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(exceptions with .show() and .exit_code, abort exceptions) of click and of the click typer vendors
+    (typer >= 0.29 ships its own copy as typer._click, and its Abort is `typer.Abort`)."""
+    import click
+
+    shown: list[type] = [click.exceptions.ClickException]
+    aborts: list[type] = [click.exceptions.Abort, typer.Abort]
+    try:
+        from typer._click import exceptions as vendored
+
+        shown.append(vendored.ClickException)
+        aborts += [c for c in (getattr(vendored, "Abort", None),) if c is not None]
+    except ImportError:
+        pass
+    return tuple(shown), tuple(aborts)
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ..artifact import is_int, read_descriptor, require_list, where
 from ..cache_model import split_slots
 from ..errors import MoectlError
 from ..policies import eams_from_traces, make_prefetch, make_replacement
@@ -37,13 +38,13 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
     if experts is not None:
         return split_slots(experts, L, E)
     d = plan if isinstance(plan, dict) else load_plan(plan)
-    slots = [int(s) for s in d["slots"]]
+    slots = plan_slots(d, None if isinstance(plan, dict) else plan)
     if len(slots) != L:
         raise MoectlError(f"plan has {len(slots)} layers of slots, the trace has {L} MoE layers")
     fp = d.get("fingerprint")
     if fp and trace.fingerprint and fp != trace.fingerprint:
         raise MoectlError(f"plan was made for model {fp}, the trace is of {trace.fingerprint}")
-    return [max(1, min(E, s)) for s in slots]
+    return [min(E, s) for s in slots]
 
 
 def load_plan(path: str | Path) -> dict:
@@ -52,10 +53,38 @@ def load_plan(path: str | Path) -> dict:
         p = p / "plan.yaml"
     if not p.is_file():
         raise MoectlError(f"plan {p} does not exist")
-    d = yaml.safe_load(p.read_text()) or {}
-    if d.get("format") != PLAN_FORMAT or "slots" not in d:
-        raise MoectlError(f"{p} is not a {PLAN_FORMAT} plan (needs format: {PLAN_FORMAT} and slots: [per layer])")
+    d = read_descriptor(p, PLAN_FORMAT, what=f"{PLAN_FORMAT} plan (format: {PLAN_FORMAT}, slots: [per layer])")
+    d["_path"] = str(p)
     return d
+
+
+def plan_slots(d: dict, path) -> list[int]:
+    """The plan's per-layer slot counts, each an integer >= 1; errors name the file and the entry's line."""
+    path = d.get("_path", path)
+    slots = require_list(d, "slots", path or "plan")
+    lines = _yaml_item_lines(path, "slots")
+    for i, s in enumerate(slots):
+        line = lines[i] if i < len(lines) else None
+        if not is_int(s):
+            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] must be an integer, not {s!r}")
+        if s < 1:
+            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] is {s}; every MoE layer needs at least "
+                              f"one slot")
+    return list(slots)
+
+
+def _yaml_item_lines(path, key: str) -> list[int]:
+    """1-based line of each item of the top-level list `key` of a YAML file ([] if unknown)."""
+    if path is None:
+        return []
+    try:
+        node = yaml.compose(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    for k, v in node.value if isinstance(node, yaml.MappingNode) else []:
+        if k.value == key and isinstance(v, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in v.value]
+    return []
 
 
 def model_shape(trace: Trace, name: str | None = None) -> dict:
