@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts
+from ._common import CacheOpts, prepare_model
 
 
 def register(app: typer.Typer) -> None:
@@ -39,6 +39,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console()
         interactive = sys.stdin.isatty() and console.is_terminal
+        prepare_model(model, workdir)
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                           progress=interactive)

@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console()
         group = typer.main.get_command(cli_app)
-        ref = resolve_model("tiny", workdir, build=False)
+        ref = resolve_model("tiny", workdir)
         wd = ref.workdir
         rows: list[tuple[str, str, str, float]] = []
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, print_stats_line
+from ._common import CacheOpts, prepare_model, print_stats_line
 
 
 def register(app: typer.Typer) -> None:
@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
 
         from ..runtime.engine import Engine
 
+        prepare_model(model, workdir)
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                           progress=not as_json)

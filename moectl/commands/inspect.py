@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from ._common import prepare_model
+
 
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
@@ -23,6 +25,7 @@ def register(app: typer.Typer) -> None:
         from ..recipes import format_bytes
         from ..runtime.engine import inspect_model
 
+        prepare_model(model, workdir)
         info = inspect_model(model, workdir, dtype)
         if as_json:
             print(json.dumps(info))

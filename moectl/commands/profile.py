@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ._common import CacheOpts
+from ._common import CacheOpts, prepare_model
 
 
 def register(app: typer.Typer) -> None:
@@ -59,6 +59,7 @@ def register(app: typer.Typer) -> None:
         hs_mode = "all" if hs == "all" else (int(hs) if hs.isdigit() and int(hs) > 0 else None)
         if generate < 0 or max_tokens < 1:
             raise MoectlError("--generate must be >= 0 and --max-tokens >= 1")
+        prepare_model(model, workdir)
         ref = resolve_model(model, str(workdir) if workdir else None)
         if dataset is None:
             from ..recipes import REPO_ROOT

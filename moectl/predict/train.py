@@ -368,7 +368,7 @@ def _resolve(model: str | None, workdir):
     from ..recipes import load_recipe, moectl_home, resolve_model
 
     try:
-        ref = resolve_model(model, workdir, build=False)
+        ref = resolve_model(model, workdir)
     except MoectlError:
         # training needs the traces, not the weights: a recipe whose checkpoint is not downloaded still has a workdir
         recipe = load_recipe(model)              # not a recipe either: its error says what --model takes
