@@ -1,7 +1,9 @@
 """The `moectl` command line. One thin module per command under `moectl/commands/`.
 
-Each `moectl/commands/<name>.py` defines `register(app)`; this file discovers them, so adding a
-command never touches this file. `MoectlError` becomes one red line and exit code 2.
+Each `moectl/commands/<name>.py` defines the command as a plain top-level function named like the
+module (`generate`, `train_predictor` -> `moectl train-predictor`), or a `typer.Typer` called `app` for a
+command group (`trace import|export`); this file discovers them, so adding a command never touches this
+file. `MoectlError` becomes one red line and exit code 2.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ def _register_commands() -> None:
         if mod.name.startswith("_"):
             continue
         module = importlib.import_module(f"{commands.__name__}.{mod.name}")
-        module.register(app)
+        name = mod.name.replace("_", "-")
+        if isinstance(getattr(module, "app", None), typer.Typer):
+            app.add_typer(module.app, name=name)
+        elif hasattr(module, "register"):            # the older style, for branches written before issue 9
+            module.register(app)
+        else:
+            app.command(name)(getattr(module, mod.name))
 
 
 _register_commands()

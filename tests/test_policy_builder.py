@@ -131,3 +131,16 @@ def test_resolve_model_never_builds_and_the_runtime_does_not_import_calibration(
             "print([m for m in sys.modules if m.startswith(('moectl.tiny', 'moectl.calib', 'moectl.predict.train'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_routing_trainer_honours_epochs():
+    """--epochs reaches the routing trainer (it was capped at 20 passes)."""
+    from moectl.predict.routing import train_routing_predictor
+    from moectl.trace import Trace
+
+    rng = np.random.default_rng(0)
+    N, L, E, K = 120, 3, 8, 2
+    ex = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(N)]).astype(np.int16)
+    tr = Trace("toy", L, E, K, ["a"] * N, np.arange(N, dtype=np.int32), np.ones(N, np.uint8), ex)
+    _, m = train_routing_predictor([tr], lookahead=[1], epochs=25, max_minutes=5.0)
+    assert m["lookahead"]["1"]["epochs_run"] == 25

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..fingerprint import model_fingerprint
+from ..fingerprint import config_fingerprint
 from ..models import adapter_for
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..recipes import format_bytes, parse_size, resolve_model
@@ -42,7 +42,7 @@ class Engine:
         self.model, self.config, self.adapter, self.ckpt = model, config, adapter, ckpt
         self.store, self.cache, self.device, self.dtype = store, cache, device, dtype
         self.ref = ref
-        self.fingerprint = model_fingerprint(config.to_dict(), adapter.family)
+        self.fingerprint = config_fingerprint(config)
         self.prefetch = prefetch
         self.observers: list = []
         self._tokenizer = None
@@ -99,7 +99,7 @@ class Engine:
                 raise MoectlError(f"weight {name} was not found in {ref.path}")
 
         policy, prefetch = _policies(replacement, prefetch, hf, adapter, predictor or ref.workdir,
-                                     model_fingerprint(config.to_dict(), adapter.family), L)
+                                     config_fingerprint(config), L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
         cache = DeviceCache(store, slots_per_layer, dev, policy)
@@ -449,4 +449,4 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     info = describe(config, adapter, expert_nbytes, dense_nbytes(hf, config), len(blocks))
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "moe_layer_ids": [i for i, _ in blocks],
-                   "fingerprint": model_fingerprint(config.to_dict(), adapter.family)}
+                   "fingerprint": config_fingerprint(config)}
