@@ -18,8 +18,8 @@ The rules, in the order a driver applies them:
   per layer, in this order:
     1. `route(l, chosen, weights)`: the router's choice (prefill: the step's distinct experts, ascending,
        no weights; decode: top-k order with gate weights). policy.on_route. The predictions for layer l
-       are spent now: a predicted expert is counted `prefetch_used` if chosen, `prefetch_wasted` if
-       not, and is no longer protected.
+       are spent now and no longer protected: an expert a prefetch loaded counts `prefetch_used` if
+       chosen, `prefetch_wasted` if not.
     2. decode steps only: the prefetch policy observes the layer and its predictions for later layers
        go to `prefetch(target, e)`.
     3. the layer's experts run in `chunks(l, experts)`: resident ones first (stable order), then the

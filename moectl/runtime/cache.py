@@ -32,10 +32,17 @@ class CacheStats:
         self.load_wait_s = 0.0          # time the forward waited for demand loads
         self._pending_events: list = []
 
-    def __getattr__(self, name):        # hits, misses, prefetches, prefetch_used: totals over phases
-        if name in ("hits", "misses", "prefetches", "prefetch_used"):
-            return self.state.totals()[name]
-        raise AttributeError(name)
+    @property
+    def hits(self) -> int:
+        return self.state.totals()["hits"]
+
+    @property
+    def misses(self) -> int:
+        return self.state.totals()["misses"]
+
+    @property
+    def prefetches(self) -> int:
+        return self.state.totals()["prefetches"]
 
     def as_dict(self) -> dict:
         t = self.state.totals()
