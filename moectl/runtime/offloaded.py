@@ -3,9 +3,9 @@
 Legend: T = tokens in this forward, K = top-k, H = hidden size.
 
 The MoE block calls `experts(x [T,H], top_k_index [T,K], top_k_weights [T,K])` exactly as it
-calls the stock module; we tell the runtime what was routed (observers, prefetch), then compute
-the experts already on the device first and the missing ones as they arrive, at most as many at
-once as the layer has slots.
+calls the stock module; we give the cache the router's choice, tell the runtime (observers,
+prefetch), then compute the experts in the cache's order (resident first, chunks of the slot
+count): the rule set of `moectl/cache_model.py`, which the simulator follows too.
 """
 
 from __future__ import annotations
@@ -26,13 +26,17 @@ class OffloadedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         rt, layer = self.runtime, self.layer
-        rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
         cache = rt.cache
         if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
             # Decode fast path: one token, K distinct experts; no gather/scatter needed.
-            cache.policy.on_route(layer, ids, top_k_weights[0].float().tolist())   # frequency policies count
-            out = torch.zeros_like(hidden_states)                                   # [1,H]
             pos = {e: j for j, e in enumerate(ids)}
+            if cache.state.phase == "decode":                                       # the cache rules' step 1
+                cache.route(layer, ids, top_k_weights[0].float().tolist())
+            else:                                                                   # a one-token prompt
+                ids = sorted(ids)
+                cache.route(layer, ids, None)
+            rt.on_route(layer, top_k_index, top_k_weights, hidden_states)           # observers, prefetch
+            out = torch.zeros_like(hidden_states)                                   # [1,H]
 
             def one(e, w):
                 y = rt.adapter.expert_forward(w, hidden_states, self.apply_gate)     # [1,H]
@@ -41,8 +45,9 @@ class OffloadedExperts(nn.Module):
             self._each_expert(ids, one)
             return out
         out = torch.zeros_like(hidden_states)                                       # [T,H]
-        needed = top_k_index.unique().tolist()                                      # one host sync per layer
-        cache.policy.on_route(layer, [e for e in needed if 0 <= e < self.num_experts], None)   # batched: once each
+        needed = [e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts]   # one host sync
+        cache.route(layer, needed, None)                                            # batched: once each
+        rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
 
         def batch(e, w):
             tok, slot = (top_k_index == e).nonzero(as_tuple=True)                  # tokens routed to e
@@ -53,16 +58,12 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _each_expert(self, experts: list[int], compute) -> None:
-        """`compute(e, weights)` for each valid expert: resident ones first (on a GPU their compute overlaps
-        the loads of the rest), missing ones as they arrive, pinning at most the layer's slot count at once."""
+        """`compute(e, weights)` for each valid expert in the cache's order: resident ones first (on a GPU
+        their compute overlaps the loads of the rest), then the missing ones, pinning at most the layer's
+        slot count at once."""
         cache, layer = self.runtime.cache, self.layer
-        experts = [e for e in experts if 0 <= e < self.num_experts]
-        order = sorted(experts, key=lambda e: not cache.contains(layer, e))      # stable: resident first
-        width = cache.slots_per_layer[layer]
-        for i in range(0, len(order), width):
-            chunk = order[i:i + width]
+        for chunk in cache.chunks(layer, [e for e in experts if 0 <= e < self.num_experts]):
             cache.pin(layer, chunk)
             for e in chunk:
                 compute(e, cache.acquire(layer, e))
             cache.unpin(layer, chunk)
-        cache.layer_done(layer)
