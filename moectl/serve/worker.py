@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..runtime.live import LayerHits, residency
+from ..runtime.live import layer_hits, residency
 from .protocol import StopMatcher
 
 SNAPSHOT_EVERY_S = 0.02      # live state at most this often while generating (residency of L x E experts)
@@ -60,8 +60,6 @@ class Worker:
         self.busy = False
         self.lock = threading.Lock()
         self.totals = Totals()
-        self.layer_hits = LayerHits(engine.cache)
-        engine.add_observer(self.layer_hits)
         self.request_stats: dict = {}
         self.step = 0
         self.state = self._snapshot(None)
@@ -157,7 +155,7 @@ class Worker:
         """The live state: built in the runtime thread, read (as a whole) by the event loop."""
         cache, t = self.engine.cache, self.totals
         s = cache.stats.as_dict()
-        layers = [r | h for r, h in zip(residency(cache), self.layer_hits.as_list())]
+        layers = [r | h for r, h in zip(residency(cache), layer_hits(cache))]
         return {"step": self.step, "busy": self.busy, "queue_depth": self.waiting,
                 "requests": t.requests, "cancelled": t.cancelled, "prompt_tokens": t.prompt_tokens,
                 "generated_tokens": t.generated_tokens, "tokens_per_s": t.last_tokens_per_s,
