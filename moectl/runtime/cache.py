@@ -5,9 +5,13 @@ Legend: L = MoE layers, S_l = slots of layer l, P = numel of one packed expert.
 A miss copies the expert's packed host buffer into a slot (evicting the replacement policy's
 victim); a hit returns the slot as it is. Experts in use by the running layer and experts a
 prefetch policy predicted are pinned: the policy only ever sees unpinned candidates.
-On CUDA, prefetches run on a separate copy stream and each slot carries a ready event that the
-compute stream waits on; on CPU every copy is synchronous and the same bookkeeping runs, so the
-logic the tests exercise is the logic the GPU runs.
+Slots are allocated and written once at start-up, so the cache costs its memory once and a first use
+is never a page-fault storm. A disk-tier load reads the shard bytes straight into the slot (CUDA:
+into the slot's pinned staging buffer, then one async copy); prefetch reads run on the store's
+background thread, and any wait for them is counted as load wait.
+On CUDA, prefetch copies run on a separate copy stream and each slot carries a ready event that the
+compute stream waits on; on CPU (`--emulate-device`) demand copies are synchronous and the same
+bookkeeping runs, so the logic the tests exercise is the logic the GPU runs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from ..errors import MoectlError
 from ..policies.base import ReplacementPolicy
 from ..store.expert_store import ExpertStore
+from ..store.memory import host_empty
 
 
 @dataclass
@@ -61,14 +66,22 @@ class DeviceCache:
         self.store, self.device, self.policy = store, torch.device(device), policy
         self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
         P = store.layout.numel
-        self.pool = [torch.empty(s, P, dtype=store.dtype, device=self.device) for s in self.slots_per_layer]
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.pool = [torch.empty(s, P, dtype=store.dtype, device=self.device) for s in self.slots_per_layer]
+        else:
+            self.pool = [host_empty((s, P), store.dtype, "allocating cache slots", touch=True)
+                         for s in self.slots_per_layer]
+        # CUDA + disk tier: each slot's pinned host buffer, the target of its shard reads.
+        self.staging = [host_empty((s, P), store.dtype, "allocating pinned staging buffers", pin=True)
+                        for s in self.slots_per_layer] if self.cuda and store.buffers is None else None
+        self.pending: dict = {}                                             # (layer, slot) -> Future of a read
         self.slot_of: list[dict[int, int]] = [{} for _ in self.pool]        # expert -> slot
         self.free: list[list[int]] = [list(range(s))[::-1] for s in self.slots_per_layer]
         self.pinned: set[tuple[int, int]] = set()
         self.prefetched: set[tuple[int, int]] = set()                       # loaded by prefetch, not yet used
         self.stats = CacheStats()
         self.clock = 0.0
-        self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.ready: dict[tuple[int, int], torch.cuda.Event] = {}            # (layer, slot) -> copy done
         # Named views (gate_up, down, ...) of every slot, made once: the hot path only indexes them.
@@ -115,16 +128,44 @@ class DeviceCache:
         self.policy.on_evict(layer, victim, self.clock)
         return slot
 
-    def _copy_in(self, layer: int, expert: int, slot: int, stream) -> None:
+    def _settle(self, layer: int, slot: int) -> None:
+        """Wait for a background read into `slot` (and, CUDA, for its last copy out of the staging buffer)."""
+        fut = self.pending.pop((layer, slot), None)
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()
+            self.stats.load_wait_s += time.perf_counter() - t0
+
+    def _copy_in(self, layer: int, expert: int, slot: int, stream, background: bool = False) -> None:
+        """Fill `slot` with the expert: a copy of its RAM-tier buffer, or its shard bytes read into the slot."""
+        self._settle(layer, slot)
         dst = self.pool[layer][slot]
-        if self.cuda:
-            with torch.cuda.stream(stream):
-                dst.copy_(self.store.host(layer, expert), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            self.ready[(layer, slot)] = ev
+        if not self.cuda:
+            if background:
+                self.pending[(layer, slot)] = self.store.load_async(layer, expert, dst)
+            else:
+                self.store.load_into(layer, expert, dst)
+            return
+        if self.staging is None:
+            self._to_device(layer, slot, self.store.host(layer, expert), stream)
+            return
+        staging = self.staging[layer][slot]
+        last = self.ready.pop((layer, slot), None)
+        if last is not None:                # the previous copy out of this staging buffer must be done
+            last.synchronize()
+        if background:
+            self.pending[(layer, slot)] = self.store.load_async(
+                layer, expert, staging, then=lambda: self._to_device(layer, slot, staging, stream))
         else:
-            dst.copy_(self.store.host(layer, expert))
+            self.store.load_into(layer, expert, staging)
+            self._to_device(layer, slot, staging, stream)
+
+    def _to_device(self, layer: int, slot: int, src: torch.Tensor, stream) -> None:
+        with torch.cuda.stream(stream):
+            self.pool[layer][slot].copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        self.ready[(layer, slot)] = ev
 
     # --- the two entry points -----------------------------------------------------------
     def acquire(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
@@ -137,6 +178,7 @@ class DeviceCache:
                 self.prefetched.discard((layer, expert))
                 self.stats.prefetch_used += 1
             self.policy.on_hit(layer, expert, now)
+            self._settle(layer, slot)               # a prefetch read into this slot may still be running
         else:
             slot = self._take_slot(layer)
             if slot is None:
@@ -172,7 +214,7 @@ class DeviceCache:
         slot = self._take_slot(layer)
         if slot is None:
             return False
-        self._copy_in(layer, expert, slot, self.copy_stream)
+        self._copy_in(layer, expert, slot, self.copy_stream, background=True)
         self.slot_of[layer][expert] = slot
         self.prefetched.add((layer, expert))
         self.stats.prefetches += 1
