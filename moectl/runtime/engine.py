@@ -33,6 +33,7 @@ from .in_place import InPlaceExperts
 from .offloaded import OffloadedExperts
 
 KV_RESERVE_TOKENS = 4096     # --budget keeps room for this many tokens of KV cache
+PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Engine:
              predictor: str | None = None, emulate_device: bool = False) -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
         the default on a CPU with experts in RAM computes them in place (no slots, no copies)."""
+        if emulate_device and device != "cpu":
+            raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         ref = resolve_model(model, workdir)
         dev = _device(device)
         config, adapter = load_config(ref.path)
@@ -78,8 +81,6 @@ class Engine:
         dt = _dtype(dtype, config)
         if offload not in ("ram", "disk"):
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {offload!r}")
-        if emulate_device and dev.type != "cpu":
-            raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         in_place = dev.type == "cpu" and offload == "ram" and not emulate_device
 
         hf, blocks = _skeleton(config, adapter, dt, ref.path)
@@ -215,7 +216,7 @@ class Engine:
         if not self.progress or tokens < 2:
             return
         if self._prefill_bar is None:
-            if time.perf_counter() - self._prefill_t0 < 1.0:
+            if time.perf_counter() - self._prefill_t0 < PREFILL_PROGRESS_AFTER_S:
                 return
             from tqdm import tqdm
 

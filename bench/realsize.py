@@ -1,0 +1,266 @@
+"""The data path at Mixtral-8x7B's real expert size: load, prefill, decode, memory, per-expert load time.
+
+Builds (or reuses) a 2-layer Mixtral-shaped bf16 checkpoint with random weights -- hidden 4096,
+intermediate 14336, 8 experts, top-2, vocab 32000: 16 experts x 352 MB + 0.69 GB dense = 6.3 GB, in
+the released per-expert layout -- then runs `generate` (7-token prompt, 8 greedy tokens) for
+--offload ram / disk x --cache-experts 2 / 8 / 16 with a warm and a cold page cache, each in its own
+process (one at a time: peak RSS is sampled every 5 ms from /proc/self/status), plus the
+`--emulate-device` slots (ram) and the transformers bf16 reference. Cold = the shard files' pages
+dropped from the page cache with posix_fadvise(POSIX_FADV_DONTNEED) before the run (no root needed,
+touches no other process's cache); fincore confirms what is left cached.
+
+Usage: python bench/realsize.py [--ckpt /work/realsize-ckpt] [--only ram-2-warm,disk-8-cold] [--json out.json]
+The checkpoint is a build artifact: never commit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = [1, 415, 2936, 9060, 285, 1142, 28747]          # 7 fixed token ids
+NEW_TOKENS = 8
+GB = 1e9
+
+
+def build(path: Path) -> None:
+    """Config from transformers, tensor names and shapes from transformers' own (meta) model, random bf16
+    values written one shard at a time (~2 GB each) so building never holds the model twice."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    if (path / "model.safetensors.index.json").exists():
+        return
+    cfg = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1e6, dtype="bfloat16",
+                        tie_word_embeddings=False)
+    with torch.device("meta"):
+        meta = MixtralForCausalLM(cfg)
+    tensors: dict[str, tuple[int, ...]] = {}
+    for name, p in meta.state_dict().items():          # released names: block_sparse_moe, w1/w3/w2 per expert
+        if ".mlp.experts." in name:
+            continue
+        tensors[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = tuple(p.shape)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    for l in range(cfg.num_hidden_layers):
+        for e in range(cfg.num_local_experts):
+            for w, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+                tensors[f"model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"] = shape
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    gen = torch.Generator().manual_seed(0)
+    shard, shard_bytes, shards, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_bytes
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        shards.append(name)
+        weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, shape in tensors.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        shard[name] = t
+        shard_bytes += t.numel() * 2
+        if shard_bytes >= 2 * GB:
+            flush()
+    if shard:
+        flush()
+    total = sum(2 * __import__("math").prod(s) for s in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+# --- one configuration, in a child process ------------------------------------------------
+
+CHILD = r"""
+import json, os, sys, threading, time
+cfg = json.loads(sys.argv[1])
+import torch
+torch.set_num_threads(cfg["threads"])
+def status():
+    out = {}
+    for line in open('/proc/self/status'):
+        k, _, v = line.partition(':')
+        if k in ('VmRSS', 'RssAnon', 'RssFile', 'RssShmem'):
+            out[k] = int(v.split()[0]) * 1024
+    return out
+peak, done = {'rss': 0, 'anon': 0, 'file': 0}, [False]
+def sample():
+    while not done[0]:
+        s = status()
+        if s['VmRSS'] > peak['rss']:
+            peak.update(rss=s['VmRSS'], anon=s['RssAnon'], file=s['RssFile'] + s.get('RssShmem', 0))
+        time.sleep(0.005)
+threading.Thread(target=sample, daemon=True).start()
+prompt = torch.tensor([cfg["prompt"]])
+t0 = time.perf_counter()
+if cfg["mode"] == "transformers":
+    from transformers import AutoModelForCausalLM, DynamicCache
+    model = AutoModelForCausalLM.from_pretrained(cfg["ckpt"], dtype=torch.bfloat16).eval()
+    load_s = time.perf_counter() - t0
+    ids, step, pkv, times = [], prompt, DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        for _ in range(cfg["tokens"]):
+            t = time.perf_counter()
+            out = model(input_ids=step, past_key_values=pkv, use_cache=True)
+            nxt = int(out.logits[0, -1].float().argmax())
+            times.append(time.perf_counter() - t)
+            ids.append(nxt)
+            step = torch.tensor([[nxt]])
+    stats = {"prefill_ms": times[0] * 1000, "ttft_ms": times[0] * 1000,
+             "decode_ms_per_token": 1000 * sum(times[1:]) / len(times[1:]), "misses": 0, "bytes_loaded": 0,
+             "load_wait_s": 0.0, "tokens": len(ids)}
+else:
+    from moectl.runtime.engine import Engine
+    eng = Engine.load(cfg["ckpt"], offload=cfg["offload"], cache_experts=cfg["n"], prefetch="none",
+                      emulate_device=cfg["mode"] == "emulate", progress=False)
+    load_s = time.perf_counter() - t0
+    res = eng.generate(input_ids=cfg["prompt"], max_new_tokens=cfg["tokens"], greedy=True, stop_at_eos=False)
+    ids, stats = res.token_ids, res.stats
+done[0] = True
+time.sleep(0.02)
+s = status()
+if s['VmRSS'] > peak['rss']:
+    peak.update(rss=s['VmRSS'], anon=s['RssAnon'], file=s['RssFile'] + s.get('RssShmem', 0))
+print(json.dumps({"ids": ids, "load_s": load_s, "stats": stats, "peak": peak}))
+"""
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_bytes(files: list[Path]) -> int:
+    """Bytes of `files` in the page cache (fincore), or -1 if fincore is missing."""
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                             capture_output=True, text=True, check=True).stdout
+        return sum(int(x) for x in out.split())
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return -1
+
+
+def warm(files: list[Path]) -> None:
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 * 2**20):
+                pass
+
+
+def sequential_read_gbps(files: list[Path]) -> float:
+    """Cold sequential read speed of the shards (64 MB reads after dropping them from the page cache)."""
+    drop_page_cache(files)
+    n, t0 = 0, time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            buf = bytearray(64 * 2**20)
+            while (k := fh.readinto(buf)):
+                n += k
+    return n / (time.perf_counter() - t0) / GB
+
+
+def memcpy_ms(nbytes: int, threads: int) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    b = torch.zeros_like(a)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1000
+
+
+def run_one(ckpt: Path, mode: str, offload: str, n: int, threads: int) -> dict:
+    cfg = {"ckpt": str(ckpt), "mode": mode, "offload": offload, "n": n, "threads": threads, "prompt": PROMPT,
+           "tokens": NEW_TOKENS}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", default="/work/realsize-ckpt")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma list of run names, e.g. ram-2-warm,disk-16-cold")
+    ap.add_argument("--json", default="", help="also write every figure to this file")
+    args = ap.parse_args()
+    ckpt = Path(args.ckpt)
+    t0 = time.perf_counter()
+    build(ckpt)
+    files = sorted(ckpt.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    print(f"checkpoint {ckpt}: {size / GB:.2f} GB in {len(files)} shards (ready in {time.perf_counter() - t0:.0f} s)")
+    expert = 3 * 4096 * 14336 * 2
+    dense = size - 16 * expert
+    seq = sequential_read_gbps(files)
+    mcpy = memcpy_ms(expert, args.threads)
+    print(f"expert {expert / 1e6:.0f} MB, dense {dense / GB:.2f} GB; memcpy of one expert {mcpy:.1f} ms; "
+          f"cold sequential read {seq:.2f} GB/s = {expert / seq / 1e6:.0f} ms per expert")
+    runs = [("transformers", "transformers", "ram", 16, "warm")]
+    for offload in ("ram", "disk"):
+        for cache in ("warm", "cold"):
+            for n in (2, 8, 16):
+                runs.append((f"{offload}-{n}-{cache}", "moectl", offload, n, cache))
+    runs += [(f"emulate-{n}-warm", "emulate", "ram", n, "warm") for n in (2, 8, 16)]
+    only = set(filter(None, args.only.split(",")))
+    results = {"checkpoint_gb": size / GB, "expert_mb": expert / 1e6, "dense_gb": dense / GB,
+               "memcpy_ms": mcpy, "seq_read_gbps": seq, "runs": {}}
+    print(f"{'run':<18} {'decode ms/tok':>13} {'prefill ms':>10} {'ttft ms':>8} {'peak RSS GB (anon+file)':>24} "
+          f"{'GB loaded/tok':>13} {'ms/expert load':>14} {'load s':>7} {'cached GB before':>16}  ids")
+    ref_ids = None
+    for name, mode, offload, n, cache in runs:
+        if only and name not in only:
+            continue
+        if cache == "cold":
+            drop_page_cache(files)
+        else:
+            warm(files)
+        before = cached_bytes(files)
+        r = run_one(ckpt, mode, offload, n, args.threads)
+        r["cached_before_gb"] = before / GB
+        results["runs"][name] = r
+        if "error" in r:
+            print(f"{name:<18} error: {r['error']}")
+            continue
+        st, pk = r["stats"], r["peak"]
+        if mode == "transformers":
+            ref_ids = r["ids"]
+        decode_tokens = max(1, st["tokens"] - 1)
+        per_load = 1000 * st["load_wait_s"] / st["misses"] if st["misses"] else float("nan")
+        r["ms_per_expert_load"] = per_load
+        r["gb_loaded_per_token"] = st["bytes_loaded"] / st["tokens"] / GB if st["tokens"] else 0.0
+        same = "=" if ref_ids is None or r["ids"] == ref_ids else "DIFFER"
+        print(f"{name:<18} {st['decode_ms_per_token']:>13.0f} {st['prefill_ms']:>10.0f} {st['ttft_ms']:>8.0f} "
+              f"{pk['rss'] / GB:>8.2f} ({pk['anon'] / GB:.2f} + {pk['file'] / GB:.2f}) "
+              f"{r['gb_loaded_per_token']:>13.2f} {per_load:>14.1f} {r['load_s']:>7.1f} {before / GB:>16.2f}  {same}"
+              f"{'' if decode_tokens else ''}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
