@@ -122,6 +122,7 @@ if cfg["mode"] == "transformers":
     stats = {"prefill_ms": times[0] * 1000, "ttft_ms": times[0] * 1000,
              "decode_ms_per_token": 1000 * sum(times[1:]) / len(times[1:]), "misses": 0, "bytes_loaded": 0,
              "load_wait_s": 0.0, "tokens": len(ids)}
+    step_ms = [t * 1000 for t in times]
 else:
     from moectl.runtime.engine import Engine
     eng = Engine.load(cfg["ckpt"], offload=cfg["offload"], cache_experts=cfg["n"], prefetch="none",
@@ -129,12 +130,15 @@ else:
     load_s = time.perf_counter() - t0
     res = eng.generate(input_ids=cfg["prompt"], max_new_tokens=cfg["tokens"], greedy=True, stop_at_eos=False)
     ids, stats = res.token_ids, res.stats
+    step_ms = [p["ms"] for p in res.per_token]
 done[0] = True
 time.sleep(0.02)
 s = status()
 if s['VmRSS'] > peak['rss']:
     peak.update(rss=s['VmRSS'], anon=s['RssAnon'], file=s['RssFile'] + s.get('RssShmem', 0))
-print(json.dumps({"ids": ids, "load_s": load_s, "stats": stats, "peak": peak}))
+decode = sorted(step_ms[1:])
+stats["decode_ms_median"] = decode[len(decode) // 2]
+print(json.dumps({"ids": ids, "load_s": load_s, "stats": stats, "peak": peak, "step_ms": step_ms}))
 """
 
 
@@ -178,6 +182,7 @@ def sequential_read_gbps(files: list[Path]) -> float:
 
 
 def memcpy_ms(nbytes: int, threads: int) -> float:
+    """Median time of a same-size copy between two touched buffers with `threads` torch threads."""
     import torch
 
     torch.set_num_threads(threads)
@@ -217,8 +222,9 @@ def main() -> None:
     expert = 3 * 4096 * 14336 * 2
     dense = size - 16 * expert
     seq = sequential_read_gbps(files)
-    mcpy = memcpy_ms(expert, args.threads)
-    print(f"expert {expert / 1e6:.0f} MB, dense {dense / GB:.2f} GB; memcpy of one expert {mcpy:.1f} ms; "
+    mcpy, mcpy1 = memcpy_ms(expert, args.threads), memcpy_ms(expert, 1)
+    print(f"expert {expert / 1e6:.0f} MB, dense {dense / GB:.2f} GB; memcpy of one expert {mcpy:.1f} ms with "
+          f"{args.threads} threads, {mcpy1:.1f} ms with 1; "
           f"cold sequential read {seq:.2f} GB/s = {expert / seq / 1e6:.0f} ms per expert")
     runs = [("transformers", "transformers", "ram", 16, "warm")]
     for offload in ("ram", "disk"):
@@ -228,8 +234,8 @@ def main() -> None:
     runs += [(f"emulate-{n}-warm", "emulate", "ram", n, "warm") for n in (2, 8, 16)]
     only = set(filter(None, args.only.split(",")))
     results = {"checkpoint_gb": size / GB, "expert_mb": expert / 1e6, "dense_gb": dense / GB,
-               "memcpy_ms": mcpy, "seq_read_gbps": seq, "runs": {}}
-    print(f"{'run':<18} {'decode ms/tok':>13} {'prefill ms':>10} {'ttft ms':>8} {'peak RSS GB (anon+file)':>24} "
+               "memcpy_ms": mcpy, "memcpy_1thread_ms": mcpy1, "seq_read_gbps": seq, "runs": {}}
+    print(f"{'run':<18} {'decode ms/tok (median)':>22} {'prefill ms':>10} {'ttft ms':>8} {'peak RSS GB (anon+file)':>24} "
           f"{'GB loaded/tok':>13} {'ms/expert load':>14} {'load s':>7} {'cached GB before':>16}  ids")
     ref_ids = None
     for name, mode, offload, n, cache in runs:
@@ -249,15 +255,14 @@ def main() -> None:
         st, pk = r["stats"], r["peak"]
         if mode == "transformers":
             ref_ids = r["ids"]
-        decode_tokens = max(1, st["tokens"] - 1)
         per_load = 1000 * st["load_wait_s"] / st["misses"] if st["misses"] else float("nan")
         r["ms_per_expert_load"] = per_load
         r["gb_loaded_per_token"] = st["bytes_loaded"] / st["tokens"] / GB if st["tokens"] else 0.0
         same = "=" if ref_ids is None or r["ids"] == ref_ids else "DIFFER"
-        print(f"{name:<18} {st['decode_ms_per_token']:>13.0f} {st['prefill_ms']:>10.0f} {st['ttft_ms']:>8.0f} "
+        print(f"{name:<18} {st['decode_ms_per_token']:>13.0f} ({st['decode_ms_median']:>5.0f}) {st['prefill_ms']:>10.0f} {st['ttft_ms']:>8.0f} "
               f"{pk['rss'] / GB:>8.2f} ({pk['anon'] / GB:.2f} + {pk['file'] / GB:.2f}) "
-              f"{r['gb_loaded_per_token']:>13.2f} {per_load:>14.1f} {r['load_s']:>7.1f} {before / GB:>16.2f}  {same}"
-              f"{'' if decode_tokens else ''}")
+              f"{r['gb_loaded_per_token']:>13.2f} {per_load:>14.1f} {r['load_s']:>7.1f} {before / GB:>16.2f}  {same}",
+              flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

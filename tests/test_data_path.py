@@ -215,3 +215,20 @@ def test_generate_timings(mixtral, monkeypatch, capsys):
               "prefill_ms", "ttft_ms", "decode_ms_per_token", "host_rss_gb"):
         assert k in js, k
     assert js["prefill_ms"] <= js["ttft_ms"] and js["misses"] == 0 and js["host_rss_gb"] > 0.05
+
+
+def test_a_big_demand_read_is_split_over_threads_each_byte_once(mixtral, monkeypatch):
+    from moectl.store import expert_store
+
+    monkeypatch.setattr(expert_store, "PARALLEL_READ_MIN", 1)          # tiny experts count as big here
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    ram = Engine.load(str(mixtral), progress=False)
+    disk = Engine.load(str(mixtral), cache_experts=8, offload="disk", progress=False)
+    reads = _record_reads(monkeypatch)
+    disk.cache.acquire(1, 6)
+    dst = disk.cache.pool[1][disk.cache.slot_of[1][6]]
+    spans = sorted((a - dst.data_ptr(), n) for a, n, _, _ in reads)
+    assert len({t for *_, t in reads}) == 2                             # two threads shared the read
+    assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))   # no gap, no overlap
+    assert spans[-1][0] + spans[-1][1] == disk.store.expert_nbytes
+    assert torch.equal(dst, ram.store.host(1, 6))

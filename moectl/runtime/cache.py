@@ -144,7 +144,7 @@ class DeviceCache:
             if background:
                 self.pending[(layer, slot)] = self.store.load_async(layer, expert, dst)
             else:
-                self.store.load_into(layer, expert, dst)
+                self.store.load_into(layer, expert, dst, parallel=True)
             return
         if self.staging is None:
             self._to_device(layer, slot, self.store.host(layer, expert), stream)
@@ -157,7 +157,7 @@ class DeviceCache:
             self.pending[(layer, slot)] = self.store.load_async(
                 layer, expert, staging, then=lambda: self._to_device(layer, slot, staging, stream))
         else:
-            self.store.load_into(layer, expert, staging)
+            self.store.load_into(layer, expert, staging, parallel=True)
             self._to_device(layer, slot, staging, stream)
 
     def _to_device(self, layer: int, slot: int, src: torch.Tensor, stream) -> None:

@@ -267,6 +267,7 @@ class Engine:
             now = self.cache.stats.as_dict()
             per_token.append({k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")})
             nxt = sample(logits[0, -1].float().cpu(), greedy, temperature, top_p, gen)
+            per_token[-1]["ms"] = (time.perf_counter() - t_step) * 1000
             if self.phase == "prefill":
                 times["ttft"] = time.perf_counter() - t_step
             else:

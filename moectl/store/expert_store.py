@@ -6,7 +6,10 @@ Each expert is a few byte ranges of the shards (its tensors, or its rows of fuse
 found once from the headers; concatenated they are the packed buffer. Filling any flat [P] host
 buffer (a RAM-tier buffer, a CPU cache slot, a pinned staging buffer) is one `preadv` per range,
 straight into it, when the on-disk dtype is the store dtype (adjacent ranges merged); otherwise each
-tensor is read and cast into place (one temporary per tensor).
+tensor is read and cast into place (one temporary per tensor). A demand load of a big expert is split
+into equal byte spans read by as many threads as torch computes with (the compute is waiting anyway,
+and one thread's copy out of the page cache is slower than the memory allows); every byte is still
+read exactly once, straight into the buffer.
 
 `ram` tier: one [E, P] host tensor per layer (pinned when CUDA is present), filled at load; the
 shard files are closed afterwards, nothing stays mapped. On a CPU device these buffers are what the
@@ -18,7 +21,7 @@ experts are computed on (`runtime/in_place.py`).
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 from tqdm import tqdm
@@ -27,6 +30,8 @@ from ..errors import MoectlError
 from ..models.base import ExpertLayout, FamilyAdapter
 from .checkpoint import ByteRange, Checkpoint, byte_view
 from .memory import host_empty
+
+PARALLEL_READ_MIN = 16 * 2**20      # demand loads at least this big are read by several threads
 
 
 class ExpertStore:
@@ -41,16 +46,19 @@ class ExpertStore:
         # [L][E] byte ranges of each expert, in packed order (checked against the layout once, here).
         self.ranges = [[self._ranges(layer, e) for e in range(self.num_experts)] for layer in range(self.num_layers)]
         self.raw = all(r.dtype == dtype for row in self.ranges for rs in row for r in rs)
-        self._reader: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None       # the background (prefetch) reader
+        self._helpers: ThreadPoolExecutor | None = None      # threads that split one demand read
         self.buffers: list[torch.Tensor] | None = None       # [L] of [E, P] (ram tier)
         if offload == "ram":
             buffers = []
             bar = tqdm(total=self.num_layers * self.num_experts, desc="reading experts", unit="expert",
                        disable=not progress, leave=False)
             for layer in range(self.num_layers):
-                buf = host_empty((self.num_experts, self.layout.numel), dtype, "reading experts into RAM", pin=pin)
+                # touch=True: with huge pages, zeroing then reading beats faulting pages in during the read
+                buf = host_empty((self.num_experts, self.layout.numel), dtype, "reading experts into RAM", pin=pin,
+                                 touch=True)
                 for e in range(self.num_experts):
-                    self.load_into(layer, e, buf[e])
+                    self.load_into(layer, e, buf[e], parallel=True)
                     bar.update(1)
                 buffers.append(buf)
             bar.close()
@@ -95,17 +103,32 @@ class ExpertStore:
                 merged.append(r)
         return merged
 
-    def load_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
+    def load_into(self, layer: int, expert: int, dst: torch.Tensor, parallel: bool = False) -> None:
         """Fill the flat [P] host buffer `dst` with (MoE layer `layer`, expert): a copy of the RAM-tier buffer,
-        or the shard bytes read straight into it."""
+        or the shard bytes read straight into it (`parallel`: by several threads, for a demand load)."""
         if self.buffers is not None and dst.data_ptr() != self.buffers[layer][expert].data_ptr():
             dst.copy_(self.buffers[layer][expert])
             return
         if self.raw:
-            view, pos = byte_view(dst), 0
-            for r in self.ranges[layer][expert]:
-                self.ckpt.read_into(r, view[pos:pos + r.nbytes])
-                pos += r.nbytes
+            spans = self._spans(self.ranges[layer][expert], torch.get_num_threads() if parallel else 1)
+            view = byte_view(dst)
+
+            def read(span):
+                for r, pos in span:
+                    self.ckpt.read_into(r, view[pos:pos + r.nbytes])
+
+            if len(spans) == 1:
+                read(spans[0])
+                return
+            if self._helpers is None:
+                self._helpers = ThreadPoolExecutor(max_workers=len(spans) - 1, thread_name_prefix="moectl-read")
+            helped = [self._helpers.submit(read, sp) for sp in spans[1:]]
+            try:
+                read(spans[0])                          # this thread reads the first span itself
+            finally:
+                wait(helped)
+            for f in helped:
+                f.result()                              # re-raise a helper's read error here
             return
         pos = 0
         for r in self.ranges[layer][expert]:            # another dtype on disk: read, then cast into place
@@ -114,6 +137,24 @@ class ExpertStore:
             self.ckpt.read_into(r, byte_view(t))
             dst[pos:pos + n].copy_(t)
             pos += n
+
+    def _spans(self, ranges: list[ByteRange], workers: int) -> list[list[tuple[ByteRange, int]]]:
+        """The ranges cut into `workers` spans of equal bytes: [(piece, offset in the packed buffer)] each."""
+        total = sum(r.nbytes for r in ranges)
+        if workers <= 1 or total < PARALLEL_READ_MIN:
+            workers = 1
+        step = -(-total // workers)
+        spans: list[list[tuple[ByteRange, int]]] = [[] for _ in range(workers)]
+        pos = 0
+        for r in ranges:
+            done = 0
+            while done < r.nbytes:
+                w = (pos + done) // step
+                n = min(r.nbytes - done, (w + 1) * step - (pos + done))
+                spans[w].append((ByteRange(r.file, r.offset + done, n, r.dtype, (n // r.dtype.itemsize,)), pos + done))
+                done += n
+            pos += r.nbytes
+        return [sp for sp in spans if sp]
 
     def load_async(self, layer: int, expert: int, dst: torch.Tensor, then=None) -> Future:
         """`load_into` on the background reader thread (then `then()` there); the Future re-raises its errors."""

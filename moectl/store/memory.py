@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,11 +135,30 @@ def host_alloc(make, what: str, nbytes: int = 0):
         raise
 
 
+HUGE_PAGE = 2 * 2**20
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages under a big host buffer (THP 'madvise' mode): 512x fewer page
+    faults when it is first written, fewer TLB misses when experts are computed on or copied from it."""
+    n = t.numel() * t.element_size()
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + n) // HUGE_PAGE * HUGE_PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)      # MADV_HUGEPAGE; advisory only
+
+
 def host_empty(shape, dtype: torch.dtype, what: str, pin: bool = False, touch: bool = False) -> torch.Tensor:
-    """torch.empty on the host; `touch` writes every page now, so the memory is paid for at start-up and
-    never as page faults on the first use of a slot (pinned pages are resident already)."""
+    """torch.empty on the host (huge pages asked for); `touch` writes every page now, so the memory is paid for
+    at start-up and never as page faults on the first use of a slot (pinned pages are resident already)."""
     def make():
         t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        if not pin:
+            advise_huge_pages(t)
         return t.zero_() if touch and not pin else t
 
     return host_alloc(make, what, math.prod(shape) * dtype.itemsize)
