@@ -212,6 +212,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="", help="comma list of run names, e.g. ram-2-warm,disk-16-cold")
     ap.add_argument("--json", default="", help="also write every figure to this file")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the list this many times round-robin and keep each run's fastest decode (the machine "
+                         "is shared: the minimum is the least disturbed figure)")
     args = ap.parse_args()
     ckpt = Path(args.ckpt)
     t0 = time.perf_counter()
@@ -238,9 +241,11 @@ def main() -> None:
     print(f"{'run':<18} {'decode ms/tok (median)':>22} {'prefill ms':>10} {'ttft ms':>8} {'peak RSS GB (anon+file)':>24} "
           f"{'GB loaded/tok':>13} {'ms/expert load':>14} {'load s':>7} {'cached GB before':>16}  ids")
     ref_ids = None
-    for name, mode, offload, n, cache in runs:
+    for rnd, (name, mode, offload, n, cache) in enumerate(runs * args.repeat):
         if only and name not in only:
             continue
+        if rnd >= len(runs) and cache == "cold":
+            continue                                  # repeats are for decode noise; cold runs once
         if cache == "cold":
             drop_page_cache(files)
         else:
@@ -248,6 +253,13 @@ def main() -> None:
         before = cached_bytes(files)
         r = run_one(ckpt, mode, offload, n, args.threads)
         r["cached_before_gb"] = before / GB
+        old = results["runs"].get(name)
+        if old and "error" not in old and "error" not in r:
+            r["decode_ms_runs"] = old["decode_ms_runs"] + [r["stats"]["decode_ms_median"]]
+            if old["stats"]["decode_ms_median"] < r["stats"]["decode_ms_median"]:
+                r = old | {"decode_ms_runs": r["decode_ms_runs"]}
+        elif "error" not in r:
+            r["decode_ms_runs"] = [r["stats"]["decode_ms_median"]]
         results["runs"][name] = r
         if "error" in r:
             print(f"{name:<18} error: {r['error']}")
@@ -263,8 +275,54 @@ def main() -> None:
               f"{pk['rss'] / GB:>8.2f} ({pk['anon'] / GB:.2f} + {pk['file'] / GB:.2f}) "
               f"{r['gb_loaded_per_token']:>13.2f} {per_load:>14.1f} {r['load_s']:>7.1f} {before / GB:>16.2f}  {same}",
               flush=True)
+    results["targets"] = targets(results)
+    for line in results["targets"]:
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def targets(res: dict) -> list[str]:
+    """The issue's targets, each with its figures and met / NOT met."""
+    runs = {k: v for k, v in res["runs"].items() if "error" not in v}
+    out, ck, ex, dense = [], res["checkpoint_gb"], res["expert_mb"] / 1000, res["dense_gb"]
+
+    def line(ok: bool, text: str):
+        out.append(f"[{'met' if ok else 'NOT met'}] {text}")
+
+    dec = {k: v["stats"]["decode_ms_median"] for k, v in runs.items()}
+    for k, v in runs.items():
+        if k.startswith("ram-"):
+            line(v["peak"]["rss"] / GB <= 1.15 * ck, f"{k}: peak RSS {v['peak']['rss'] / GB:.2f} GB <= 1.15 x "
+                 f"{ck:.2f} GB checkpoint")
+    base = dec.get("emulate-16-warm")
+    if base:
+        for k in sorted(dec):
+            if k.startswith("ram-") and k.endswith("warm"):
+                line(dec[k] <= 1.1 * base, f"{k}: decode {dec[k]:.0f} ms/token <= 1.1 x all-resident "
+                     f"(emulate-16-warm) {base:.0f}")
+    for k, v in runs.items():
+        if k.startswith("disk-") and v.get("ms_per_expert_load") == v.get("ms_per_expert_load"):
+            ms = v["ms_per_expert_load"]
+            if k.endswith("warm"):
+                line(ms <= 1.5 * res["memcpy_ms"], f"{k}: {ms:.0f} ms per expert load <= 1.5 x memcpy "
+                     f"{res['memcpy_ms']:.0f} ms ({res['memcpy_1thread_ms']:.0f} ms with one thread)")
+            else:
+                seq_ms = res["expert_mb"] / res["seq_read_gbps"]                 # MB / (GB/s) = ms
+                line(ms <= 1.2 * seq_ms, f"{k}: {ms:.0f} ms per expert load <= 1.2 x sequential read {seq_ms:.0f} ms")
+        if k.startswith(("disk-", "ram-")):
+            n = int(k.split("-")[1])
+            cache = n * ex if k.startswith("disk-") else 16 * ex      # in place the store is the cache
+            anon = v["peak"]["anon"] / GB
+            line(anon <= cache + dense + 0.5, f"{k}: anon {anon:.2f} GB <= cache {cache:.2f} + dense {dense:.2f} + 0.5")
+    for mode in ("ram", "disk", "emulate"):
+        for cache in ("warm", "cold"):
+            seq = [dec.get(f"{mode}-{n}-{cache}") for n in (2, 8, 16)]
+            if None not in seq:
+                line(seq[0] * 1.05 >= seq[1] and seq[1] * 1.05 >= seq[2],
+                     f"{mode} {cache}: decode ms/token at N=2/8/16 = {seq[0]:.0f} / {seq[1]:.0f} / {seq[2]:.0f} "
+                     f"never rises with N (5% noise allowed)")
+    return out
 
 
 if __name__ == "__main__":
