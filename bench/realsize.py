@@ -142,6 +142,59 @@ print(json.dumps({"ids": ids, "load_s": load_s, "stats": stats, "peak": peak, "s
 """
 
 
+# Decode of several caches over ONE model and store, in one process, steps interleaved (order rotating), so
+# all see the same moments of a shared machine: ram = in place vs every expert in its own slot
+# (`--emulate-device`, N = all); disk = N = 2 / 8 / 16. Each variant keeps its own KV cache and tokens.
+PAIRED = r"""
+import json, sys, time
+cfg = json.loads(sys.argv[1])
+import torch
+torch.set_num_threads(cfg["threads"])
+from moectl.policies.base import LRU
+from moectl.runtime.cache import DeviceCache, split_slots
+from moectl.runtime.engine import Engine
+eng = Engine.load(cfg["ckpt"], offload=cfg["offload"], cache_experts=2, prefetch="none", progress=False)
+L, E = eng.store.num_layers, eng.store.num_experts
+if cfg["offload"] == "ram":
+    slots = DeviceCache(eng.store, [E] * L, eng.device, LRU())
+    for l in range(L):
+        for e in range(E):
+            slots.acquire(l, e)                                               # all resident, copied once
+    caches = {"in_place": eng.cache, "slots_all": slots}
+else:
+    caches = {f"disk_{n}": DeviceCache(eng.store, split_slots(n, L, E), eng.device, LRU()) for n in (2, 8, 16)}
+runtime = eng.adapter.moe_blocks(eng.model)[0][1].experts.runtime
+names = list(caches)
+state = {k: [torch.tensor([cfg["prompt"]]), None, [], []] for k in names}
+for i in range(cfg["tokens"]):
+    for name in names[i % len(names):] + names[:i % len(names)]:
+        st = state[name]
+        eng.cache = runtime.cache = caches[name]
+        t0 = time.perf_counter()
+        logits, st[1] = eng.forward(st[0], st[1])
+        nxt = int(logits[0, -1].argmax())
+        st[2].append((time.perf_counter() - t0) * 1000)
+        st[3].append(nxt)
+        st[0] = torch.tensor([[nxt]])
+med = lambda v: sorted(v)[len(v) // 2]
+first = names[0]
+out = {"decode_ms_median": {k: med(state[k][2][1:]) for k in names},
+       "ratio_to_first_median": {k: med([x / y for x, y in zip(state[k][2][1:], state[first][2][1:])]) for k in names},
+       "same_ids": all(state[k][3] == state[first][3] for k in names),
+       "misses": {k: caches[k].snapshot()["misses"] for k in names}}
+print(json.dumps(out))
+"""
+
+
+def run_paired(ckpt: Path, offload: str, threads: int, tokens: int) -> dict:
+    cfg = {"ckpt": str(ckpt), "offload": offload, "threads": threads, "prompt": PROMPT, "tokens": tokens}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", PAIRED, json.dumps(cfg)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def drop_page_cache(files: list[Path]) -> None:
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -212,6 +265,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="", help="comma list of run names, e.g. ram-2-warm,disk-16-cold")
     ap.add_argument("--json", default="", help="also write every figure to this file")
+    ap.add_argument("--paired", type=int, default=0, metavar="TOKENS",
+                    help="only the paired runs (decode steps interleaved in one process, TOKENS tokens): in place vs "
+                         "all experts in slots (needs the checkpoint twice in RAM), and disk N=2/8/16")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the list this many times round-robin and keep each run's fastest decode (the machine "
                          "is shared: the minimum is the least disturbed figure)")
@@ -224,6 +280,12 @@ def main() -> None:
     print(f"checkpoint {ckpt}: {size / GB:.2f} GB in {len(files)} shards (ready in {time.perf_counter() - t0:.0f} s)")
     expert = 3 * 4096 * 14336 * 2
     dense = size - 16 * expert
+    if args.paired:
+        warm(files)
+        for offload in ("ram", "disk"):
+            r = run_paired(ckpt, offload, args.threads, args.paired)
+            print(f"paired {offload}: {json.dumps(r)}", flush=True)
+        return
     seq = sequential_read_gbps(files)
     mcpy, mcpy1 = memcpy_ms(expert, args.threads), memcpy_ms(expert, 1)
     print(f"expert {expert / 1e6:.0f} MB, dense {dense / GB:.2f} GB; memcpy of one expert {mcpy:.1f} ms with "
