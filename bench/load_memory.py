@@ -1,7 +1,7 @@
 """Peak host memory while loading: moectl vs transformers from_pretrained.
 
 Builds a ~400 MB (fp32) Mixtral checkpoint in 2 shards, then loads it in fresh processes and samples
-anonymous RSS (heap, not the page cache of the memory-mapped shards) every few ms.
+anonymous RSS (heap; transformers' memory-mapped shards count as file pages, not here) every few ms.
 Goal: moectl's peak stays near the model size (+ at most one shard), never 2x.
 Usage: python bench/load_memory.py [--hidden 512 --layers 8]
 """

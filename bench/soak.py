@@ -107,7 +107,7 @@ def main() -> int:
 
         print("building the small tiny model ...", flush=True)
         a.model = str(build_tiny(tmp / "tiny", small=True, progress=False))
-    engine = Engine.load(a.model, cache_experts=6, progress=False)
+    engine = Engine.load(a.model, cache_experts=6, emulate_device=True, progress=False)
     expected = {("chat", p): greedy_chat(engine, p, a.max_tokens)[1] for p in PROMPTS}
     expected |= {("completion", p): engine.generate(p, max_new_tokens=a.max_tokens, greedy=True).text for p in PROMPTS}
 
@@ -116,7 +116,7 @@ def main() -> int:
     lock = threading.Lock()
     next_index = iter(range(len(work)))
     rss: dict[str, float] = {}
-    with cli_server(Path(a.model), tmp, "--api-key", API_KEY, "--cache-experts", "6", "--max-queue", "32") as live:
+    with cli_server(Path(a.model), tmp, "--api-key", API_KEY, "--cache-experts", "6", "--emulate-device", "--max-queue", "32") as live:
         server = psutil.Process(live.proc.pid)
         t0 = time.time()
 

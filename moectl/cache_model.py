@@ -116,6 +116,13 @@ class CacheState:
         arr = self.counts[precision][phase]
         return {k: arr[:, i].tolist() for i, k in enumerate(COUNTERS)}
 
+    def fill(self, precision: str = FULL) -> None:
+        """Every expert resident in the slot of its own id, for good (a store computed in place: pools as big
+        as the layer, so no access ever misses or evicts)."""
+        for pools in self.pools:
+            pool = pools[precision]
+            pool.slot_of, pool.free = {e: e for e in range(pool.capacity)}, []
+
     # --- events -------------------------------------------------------------------------
     def _count(self, layer: int, precision: str, name: str) -> None:
         self.counts[precision][self.phase][layer, COUNTERS.index(name)] += 1

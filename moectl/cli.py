@@ -61,6 +61,10 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
+    except MemoryError:                      # an allocation the runtime did not wrap: still one line, exit 2
+        err_console.print("[bold red]error:[/] out of host memory; use --offload disk, or a smaller --cache-experts "
+                          "/ --budget", highlight=False, soft_wrap=True)
+        sys.exit(2)
     except SystemExit:
         raise
     except Exception as e:  # click usage errors and aborts come through here in standalone_mode=False

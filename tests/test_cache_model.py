@@ -124,7 +124,7 @@ def recorded(tiny_small, tmp_path_factory):
     torch.set_num_threads(1)
     texts = builtin_corpus("validation")[:3]
     root = tmp_path_factory.mktemp("agree")
-    probe = Engine.load(str(tiny_small), progress=False)
+    probe = Engine.load(str(tiny_small), emulate_device=True, progress=False)
     L, E = len(probe.cache.slots_per_layer), probe.adapter.num_experts
     runs = {}
     for slots in ("one", "half"):
@@ -132,7 +132,7 @@ def recorded(tiny_small, tmp_path_factory):
         for prefetch in ("none", "gate-reuse"):
             for repl in POLICIES:
                 eng = Engine.load(str(tiny_small), replacement=repl, prefetch=prefetch, progress=False,
-                                  cache_experts=n)
+                                  cache_experts=n, emulate_device=True)          # the CPU with its own slots
                 out = root / f"{slots}-{prefetch}-{repl}"
                 run_profile(eng, texts, out, model_name="tiny", dataset="builtin:validation", max_tokens=40,
                             generate=12, hidden_samples="all")
@@ -179,7 +179,7 @@ def test_profile_json_cache_counts_equal_simulate_json(tiny_small, tmp_path, mon
                     "A trace records every token's routing.")
     out = tmp_path / "trace"
     r = CliRunner().invoke(app, ["profile", "--model", str(tiny_small), "--dataset", str(data), "--max-tokens", "24",
-                                 "--generate", "10", "--hidden-samples", "all", "--cache-experts", "4",
+                                 "--generate", "10", "--hidden-samples", "all", "--cache-experts", "4", "--emulate-device",
                                  "--replacement", "lfu", "--prefetch", "gate-reuse", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     cache = json.loads(r.stdout.strip().splitlines()[-1])["cache"]

@@ -108,7 +108,7 @@ def test_a_bad_budget_fails_before_any_weight_is_read(family, tied, tmp_path, mo
         raise AssertionError("a weight was read before the cache was sized")
 
     monkeypatch.setattr(Checkpoint, "get", no_reads)
-    monkeypatch.setattr(Checkpoint, "get_row", no_reads)
+    monkeypatch.setattr(Checkpoint, "read_into", no_reads)
     with pytest.raises(MoectlError, match="minimum"):
         engine.Engine.load(str(d), budget="100KB", progress=False)
     with pytest.raises(MoectlError, match="minimum of one slot per MoE layer"):

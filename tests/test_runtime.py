@@ -75,7 +75,7 @@ def test_lossless_against_transformers(family, family_dirs):
     probe = Engine.load(str(path), progress=False)
     L, E = len(probe.moe_layer_ids), probe.adapter.num_experts
     for slots in (1, E // 2, E):
-        eng = Engine.load(str(path), cache_experts=slots * L, progress=False)
+        eng = Engine.load(str(path), cache_experts=slots * L, emulate_device=True, progress=False)
         assert eng.cache.slots_per_layer == [slots] * L
         logits, ids = _engine_run(eng, prompt, DECODE_STEPS)
         assert ids == ref_ids, f"{family} at {slots} slots/layer: greedy ids differ"
@@ -106,7 +106,7 @@ def test_fused_checkpoint_same_result(family, family_dirs):
 def test_disk_offload_matches_ram(family_dirs):
     path = str(family_dirs[("mixtral", False)])
     prompt = torch.randint(2, 512, (1, 6), generator=torch.Generator().manual_seed(3))
-    ram = Engine.load(path, cache_experts=4, progress=False)
+    ram = Engine.load(path, cache_experts=4, emulate_device=True, progress=False)
     disk = Engine.load(path, cache_experts=4, offload="disk", progress=False)
     assert disk.store.buffers is None                  # nothing copied up front
     a, b = _engine_run(ram, prompt, 5), _engine_run(disk, prompt, 5)
@@ -131,7 +131,7 @@ def test_budget_option_on_a_model(family_dirs):
         Engine.load(path, budget="100KB", progress=False)
     from moectl.runtime.engine import dense_nbytes, kv_reserve_nbytes
     need = dense_nbytes(eng.model) + kv_reserve_nbytes(eng.config, torch.float32) + 8 * eng.store.expert_nbytes
-    assert Engine.load(path, budget=need, progress=False).cache.slots_per_layer == [2, 2, 2, 2]
+    assert Engine.load(path, budget=need, emulate_device=True, progress=False).cache.slots_per_layer == [2, 2, 2, 2]
 
 
 # --- generation -------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_generate_matches_transformers_greedy(text_model):
     ref = AutoModelForCausalLM.from_pretrained(text_model).eval()
     ids = tok("def forward(self, input):", return_tensors="pt")["input_ids"]
     want = ref.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
-    eng = Engine.load(str(text_model), cache_experts=4, progress=False)
+    eng = Engine.load(str(text_model), cache_experts=4, emulate_device=True, progress=False)
     streamed = []
     res = eng.generate("def forward(self, input):", max_new_tokens=12, greedy=True, stop_at_eos=False,
                        on_token=lambda t, piece: streamed.append(t))
@@ -220,7 +220,8 @@ def run_cli(args, capsys):
 
 def test_cli_generate_json(text_model, capsys):
     code, out, err = run_cli(["generate", "--model", str(text_model), "--prompt", "x = ", "--greedy",
-                              "--max-new-tokens", "5", "--cache-experts", "4", "--prefetch", "none", "--json"],
+                              "--max-new-tokens", "5", "--cache-experts", "4", "--prefetch", "none", "--emulate-device",
+                              "--json"],
                              capsys)
     assert code == 0, err
     obj = json.loads(out)
@@ -289,7 +290,7 @@ def test_prefetch_hides_demand_loads_and_stays_lossless(text_model):
     from moectl.policies.base import PrefetchPolicy
 
     prompt = torch.tensor([[5, 9, 13, 40]])
-    base = Engine.load(str(text_model), cache_experts=8, progress=False)       # 2 slots per layer
+    base = Engine.load(str(text_model), cache_experts=8, emulate_device=True, progress=False)   # 2 slots/layer
     routes: list[list[int]] = []
 
     class Rec:
@@ -316,7 +317,7 @@ def test_prefetch_hides_demand_loads_and_stays_lossless(text_model):
                 return []
             return [(layer + 1, e, 1.0) for e in routes[nxt]]
 
-    eng = Engine.load(str(text_model), cache_experts=8, prefetch=Oracle(), progress=False)
+    eng = Engine.load(str(text_model), cache_experts=8, prefetch=Oracle(), emulate_device=True, progress=False)
     logits, ids = _engine_run(eng, prompt, 8)
     st = eng.cache.snapshot()
     assert ids == want_ids
@@ -330,8 +331,8 @@ def test_prefetch_hides_demand_loads_and_stays_lossless(text_model):
 
 
 def test_gate_reuse_prefetch_runs_lossless(text_model):
-    base = Engine.load(str(text_model), cache_experts=8, progress=False)
-    eng = Engine.load(str(text_model), cache_experts=8, prefetch="gate-reuse", progress=False)
+    base = Engine.load(str(text_model), cache_experts=8, emulate_device=True, progress=False)
+    eng = Engine.load(str(text_model), cache_experts=8, prefetch="gate-reuse", emulate_device=True, progress=False)
     prompt = torch.tensor([[7, 8, 9]])
     a, b = _engine_run(base, prompt, 6), _engine_run(eng, prompt, 6)
     assert a[1] == b[1]
@@ -358,8 +359,8 @@ def test_every_replacement_policy_is_lossless_in_the_runtime(text_model, policy)
     orig_route, orig_start = pol.on_route, pol.on_request_start
     pol.on_route = lambda l, c, w=None: (routes.append(l), orig_route(l, c, w))
     pol.on_request_start = lambda r: (requests.append(r), orig_start(r))
-    base = Engine.load(str(text_model), cache_experts=8, progress=False)
-    eng = Engine.load(str(text_model), cache_experts=8, replacement=pol, progress=False)
+    base = Engine.load(str(text_model), cache_experts=8, emulate_device=True, progress=False)
+    eng = Engine.load(str(text_model), cache_experts=8, replacement=pol, emulate_device=True, progress=False)
     a = base.generate("def f(x):", max_new_tokens=8, greedy=True, stop_at_eos=False)
     b = eng.generate("def f(x):", max_new_tokens=8, greedy=True, stop_at_eos=False)
     assert a.token_ids == b.token_ids
@@ -380,15 +381,16 @@ def test_learned_prefetch_from_trained_predictors(tiny_small, tmp_path):
     run_train_predictor(model=str(tiny_small), traces=[str(tmp_path / "traces")], kind="all", lookahead="1", epochs=20, out=str(tmp_path / "pred"),
                         max_minutes=0.5, workdir=str(tmp_path))
     L = len(eng.moe_layer_ids)
-    base = Engine.load(str(tiny_small), cache_experts=2 * L, progress=False)
+    base = Engine.load(str(tiny_small), cache_experts=2 * L, emulate_device=True, progress=False)
     want = base.generate("The list", max_new_tokens=10, greedy=True, stop_at_eos=False)
     for kind in ("mlp", "aux-gate"):
         e = Engine.load(str(tiny_small), cache_experts=2 * L, prefetch=kind, predictor=str(tmp_path / "pred"),
-                        progress=False)
+                        emulate_device=True, progress=False)
         got = e.generate("The list", max_new_tokens=10, greedy=True, stop_at_eos=False)
         assert got.token_ids == want.token_ids
         assert got.stats["prefetches"] > 0, kind
-    auto = Engine.load(str(tiny_small), prefetch="auto", predictor=str(tmp_path / "pred"), progress=False)
+    auto = Engine.load(str(tiny_small), prefetch="auto", predictor=str(tmp_path / "pred"), emulate_device=True,
+                       progress=False)
     assert (auto.prefetch.name, auto.prefetch.inner.name) == ("aux-gate", "mlp")      # trained predictors win
     other = tmp_path / "other"                                  # predictors of another model: clear error
     shutil.copytree(tmp_path / "pred", other)
@@ -403,9 +405,10 @@ def test_cli_generate_auto_prefetch_falls_back_to_gate_reuse(text_model, tmp_pat
     """No predictors in the workdir: auto prefetch is gate reuse, and bytes loaded count the prefetches."""
     code, out, err = run_cli(["generate", "--model", str(text_model), "--prompt", "x = ", "--greedy",
                               "--max-new-tokens", "6", "--cache-experts", "8", "--workdir", str(tmp_path),
-                              "--json"], capsys)
+                              "--emulate-device", "--json"], capsys)
     assert code == 0, err
     st = json.loads(out)["stats"]
-    eng = Engine.load(str(text_model), cache_experts=8, prefetch="auto", workdir=str(tmp_path), progress=False)
+    eng = Engine.load(str(text_model), cache_experts=8, prefetch="auto", workdir=str(tmp_path), emulate_device=True,
+                      progress=False)
     assert eng.prefetch.name == "gate-reuse"
     assert st["bytes_loaded"] >= st["misses"] * 98304

@@ -28,12 +28,12 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def engine(tiny_small):
     from moectl.runtime.engine import Engine
 
-    return Engine.load(str(tiny_small), cache_experts=6, progress=False)
+    return Engine.load(str(tiny_small), cache_experts=6, emulate_device=True, progress=False)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_small, tmp_path_factory):
-    with cli_server(tiny_small, tmp_path_factory.mktemp("serve"), "--api-key", API_KEY, "--cache-experts", "6",
+    with cli_server(tiny_small, tmp_path_factory.mktemp("serve"), "--api-key", API_KEY, "--cache-experts", "6", "--emulate-device",
                     "--max-queue", "16") as live:
         yield live
 

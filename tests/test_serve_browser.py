@@ -40,7 +40,7 @@ def test_page_streams_an_answer_and_the_cache_panel_moves(tiny_small, browser):
 
     from moectl.runtime.engine import Engine
 
-    engine = Engine.load(str(tiny_small), cache_experts=6, progress=False)
+    engine = Engine.load(str(tiny_small), cache_experts=6, emulate_device=True, progress=False)
     _ids, expected = greedy_chat(engine, "What does bisect_left do?", 24)
     with thread_server(engine) as live:
         browser.get(live.url + "/")

@@ -20,11 +20,20 @@ class CacheOpts:
 
     @staticmethod
     def device():
-        return typer.Option("cpu", "--device", help="cpu or cuda.")
+        return typer.Option("cpu", "--device",
+                            help="cpu or cuda. On cpu with --offload ram (the default) experts are computed in place "
+                                 "from host RAM: no slots, no copies, --cache-experts has no effect.")
+
+    @staticmethod
+    def emulate_device():
+        return typer.Option(False, "--emulate-device",
+                            help="cpu only: make the CPU act as a device with its own expert slots that misses copy "
+                                 "into (the cache behaviour a GPU has; for testing policies). Off by default.")
 
     @staticmethod
     def offload():
-        return typer.Option("ram", "--offload", help="Where experts live: ram (host memory) or disk (memory-mapped).")
+        return typer.Option("ram", "--offload", help="Where experts live: ram (host memory) or disk (each miss reads the expert's bytes from the "
+                                 "shards straight into its cache slot).")
 
     @staticmethod
     def replacement():

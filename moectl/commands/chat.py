@@ -20,6 +20,7 @@ def chat(
     cache_experts: Optional[int] = CacheOpts.cache_experts(),
     budget: Optional[str] = CacheOpts.budget(),
     device: str = CacheOpts.device(),
+    emulate_device: bool = CacheOpts.emulate_device(),
     offload: str = CacheOpts.offload(),
     replacement: str = CacheOpts.replacement(),
     prefetch: str = CacheOpts.prefetch(),
@@ -40,6 +41,7 @@ def chat(
     prepare_model(model, workdir)
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                      emulate_device=emulate_device,
                       progress=interactive)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                           top_p=top_p, seed=seed, system=system)

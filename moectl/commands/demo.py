@@ -128,7 +128,7 @@ def demo(
     from ..serve.chat import ChatSession
 
     eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
-                      prefetch="auto", progress=False)
+                      prefetch="auto", emulate_device=True, progress=False)   # the cache at work, on a CPU
     console.print(f"[dim]{prefetch_note(eng)}[/]")
     session = ChatSession(eng, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)
     console.print(f"[bold green]you>[/] {question}")

@@ -22,13 +22,16 @@ def generate(
     cache_experts: Optional[int] = CacheOpts.cache_experts(),
     budget: Optional[str] = CacheOpts.budget(),
     device: str = CacheOpts.device(),
+    emulate_device: bool = CacheOpts.emulate_device(),
     offload: str = CacheOpts.offload(),
     replacement: str = CacheOpts.replacement(),
     prefetch: str = CacheOpts.prefetch(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats (tokens/s, "
+                                 "cache hits, bytes loaded, load wait, prefill_ms, ttft_ms, decode_ms_per_token, "
+                                 "host RSS)."),
 ):
     """Generate text from a prompt, experts streamed through the device cache."""
     import sys
@@ -38,6 +41,7 @@ def generate(
     prepare_model(model, workdir)
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                      emulate_device=emulate_device,
                       progress=not as_json)
     stream = None
     if not as_json:
@@ -47,7 +51,8 @@ def generate(
     res = eng.generate(prompt, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                        top_p=top_p, seed=seed, on_token=stream, chat=chat)
     stats = {k: res.stats[k] for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token",
-                                       "load_wait_s")} | {"hits": res.stats["hits"], "tokens": res.stats["tokens"]}
+                                       "load_wait_s", "hits", "tokens", "prefill_ms", "ttft_ms",
+                                       "decode_ms_per_token", "host_rss_gb", "host_peak_rss_gb")}
     if as_json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
     else:

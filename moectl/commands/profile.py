@@ -29,6 +29,7 @@ def profile(
     device: str = typer.Option(None, "--device", help="cuda / cpu [default: cuda when available]"),
     budget: str = typer.Option(None, "--budget", help="device memory for the expert cache, e.g. 2GB"),
     cache_experts: int = typer.Option(None, "--cache-experts", help="expert cache size in experts"),
+    emulate_device: bool = CacheOpts.emulate_device(),
     replacement: str = CacheOpts.replacement(),
     prefetch: str = typer.Option("none", "--prefetch",
                                  help="runtime prefetch while recording, as in `generate` [default: none]"),
@@ -40,7 +41,8 @@ def profile(
     """Record routing traces (expert ids, gate weights, optional hidden states) on a calibration set.
 
     The run goes through the offloading runtime with the given cache size and policies; --json reports
-    its cache hits and misses per phase, which `moectl simulate` on the recorded trace reproduces."""
+    its cache hits and misses per phase, which `moectl simulate` on the recorded trace reproduces. On a
+    CPU the experts are computed in place (every access a hit) unless --emulate-device gives it slots."""
     from rich.console import Console
 
     from ..calib.dataset import load_calibration
@@ -73,7 +75,7 @@ def profile(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
                       budget=budget, cache_experts=cache_experts, replacement=replacement, prefetch=prefetch,
-                      predictor=predictor)
+                      predictor=predictor, emulate_device=emulate_device and device == "cpu")
 
     def show_plan(info: dict) -> None:
         msg = (f"profiling [bold]{ref.name}[/] on {info['samples']} samples (~{info['tokens_planned']} tokens) "

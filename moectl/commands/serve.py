@@ -28,6 +28,7 @@ def serve(
     cache_experts: Optional[int] = CacheOpts.cache_experts(),
     budget: Optional[str] = CacheOpts.budget(),
     device: str = CacheOpts.device(),
+    emulate_device: bool = CacheOpts.emulate_device(),
     offload: str = CacheOpts.offload(),
     replacement: str = CacheOpts.replacement(),
     prefetch: str = CacheOpts.prefetch(),
@@ -63,7 +64,7 @@ def serve(
             torch.set_num_threads(threads)
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
-                          predictor=predictor, progress=err.is_terminal)
+                          predictor=predictor, emulate_device=emulate_device, progress=err.is_terminal)
         app = create_app(eng, served_name or eng.ref.name, api_key=api_key, max_queue=max_queue,
                          default_max_tokens=max_tokens)
         bound_host, bound_port = sock.getsockname()[:2]

@@ -108,13 +108,13 @@ class FamilyAdapter:
         raise MoectlError(f"checkpoint {ckpt.path} has no experts for layer {layer} under "
                           f"{[p.format(l=layer) for p in self.disk_prefixes]} (is it a {self.family} checkpoint?)")
 
-    def read_expert(self, ckpt, layer: int, expert: int) -> list[torch.Tensor]:
-        """This expert's tensors in `layout()` order, read without touching other experts."""
+    def expert_parts(self, ckpt, layer: int, expert: int) -> list[tuple[str, int | None]]:
+        """(on-disk key, row or None) of this expert's tensors; their bytes, concatenated in this order, are
+        the packed `layout()` buffer (gate rows then up rows, then down), so a load is plain reads."""
         prefix, fused = self._prefix(ckpt, layer)
         if fused:
-            return [ckpt.get_row(f"{prefix}.{k}", expert) for k in self.fused]
-        gate, up, down = (ckpt.get(f"{prefix}.{k.format(e=expert)}") for k in self.per_expert)
-        return [torch.cat([gate, up], dim=0), down]            # fused row order: gate rows, then up rows
+            return [(f"{prefix}.{k}", expert) for k in self.fused]
+        return [(f"{prefix}.{k.format(e=expert)}", None) for k in self.per_expert]
 
     # --- running one expert -------------------------------------------------------------
     def expert_forward(self, w: dict[str, torch.Tensor], x: torch.Tensor, apply_gate) -> torch.Tensor:

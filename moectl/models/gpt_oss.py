@@ -31,10 +31,6 @@ class GptOssAdapter(FamilyAdapter):
                               f"and save_pretrained the result")
         raise MoectlError(f"checkpoint {ckpt.path} has no experts for layer {layer} under {p}")
 
-    def read_expert(self, ckpt, layer, expert):
-        prefix, _ = self._prefix(ckpt, layer)
-        return [ckpt.get_row(f"{prefix}.{k}", expert) for k in self.fused]
-
     def expert_forward(self, w, x, apply_gate):
         h = apply_gate(x @ w["gate_up"] + w["gate_up_bias"])
         return h @ w["down"] + w["down_bias"]

@@ -8,6 +8,11 @@ copies the expert's packed host buffer into the slot the state chose; a hit retu
 On CUDA, prefetches run on a separate copy stream and each slot carries a ready event that the
 compute stream waits on; on CPU every copy is synchronous and the same bookkeeping runs, so the logic
 the tests exercise is the logic the GPU runs.
+Slots are allocated and written once at start-up, so the cache costs its memory once and a first use
+is never a page-fault storm. A disk-tier load reads the shard bytes straight into the slot (CUDA: into
+the slot's pinned staging buffer, then one async copy); prefetch reads run on the store's background
+thread, and any wait for them is counted as load wait. (On a CPU without `--emulate-device` the runtime
+uses `InPlaceExperts` instead: no slots, no copies.)
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from ..cache_model import PHASES, CacheState, split_slots
 from ..errors import MoectlError
 from ..policies.base import ReplacementPolicy
 from ..store.expert_store import ExpertStore
+from ..store.memory import host_empty
 
-__all__ = ["CacheStats", "DeviceCache", "split_slots"]
+__all__ = ["CacheFront", "CacheStats", "DeviceCache", "split_slots"]
 
 
 class CacheStats:
@@ -56,22 +62,12 @@ class CacheStats:
                    for ph in PHASES}}
 
 
-class DeviceCache:
-    def __init__(self, store: ExpertStore, slots_per_layer: list[int], device: torch.device,
-                 policy: ReplacementPolicy):
-        if len(slots_per_layer) != store.num_layers:
-            raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
-        self.store, self.device, self.policy = store, torch.device(device), policy
-        self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
-        self.state = CacheState(self.slots_per_layer, policy)
-        P = store.layout.numel
-        self.pool = [torch.empty(s, P, dtype=store.dtype, device=self.device) for s in self.slots_per_layer]
-        self.stats = CacheStats(self.state, store.expert_nbytes)
-        self.cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.ready: dict[tuple[int, int], torch.cuda.Event] = {}            # (layer, slot) -> copy done
-        # Named views (gate_up, down, ...) of every slot, made once: the hot path only indexes them.
-        self.views = [[store.layout.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
+class CacheFront:
+    """The calls the runtime makes on its expert cache, answered by the shared `CacheState` (`state`);
+    subclasses add where the weights are (`acquire`, `prefetch`)."""
+
+    state: CacheState
+    stats: CacheStats
 
     # --- bookkeeping: the shared state --------------------------------------------------
     def resident(self, layer: int) -> list[int]:
@@ -101,20 +97,80 @@ class DeviceCache:
     def end_token(self) -> None:
         self.state.end_step()
 
-    # --- copies -------------------------------------------------------------------------
-    def _copy_in(self, layer: int, expert: int, slot: int, stream) -> None:
-        dst = self.pool[layer][slot]
+    def snapshot(self) -> dict:
+        """Stats as a dict; on CUDA this resolves the timed demand-load events (a sync)."""
+        if self.stats._pending_events:
+            torch.cuda.synchronize(self.device)
+            for start, end in self.stats._pending_events:
+                self.stats.load_wait_s += start.elapsed_time(end) / 1000.0
+            self.stats._pending_events.clear()
+        return self.stats.as_dict()
+
+
+class DeviceCache(CacheFront):
+    def __init__(self, store: ExpertStore, slots_per_layer: list[int], device: torch.device,
+                 policy: ReplacementPolicy):
+        if len(slots_per_layer) != store.num_layers:
+            raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
+        self.store, self.device, self.policy = store, torch.device(device), policy
+        self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
+        self.state = CacheState(self.slots_per_layer, policy)
+        P = store.layout.numel
+        self.cuda = self.device.type == "cuda"
         if self.cuda:
-            old = self.ready.pop((layer, slot), None)
-            if old is not None:                     # an earlier copy into this slot may still be in flight
-                stream.wait_event(old)
-            with torch.cuda.stream(stream):
-                dst.copy_(self.store.host(layer, expert), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            self.ready[(layer, slot)] = ev
+            self.pool = [torch.empty(s, P, dtype=store.dtype, device=self.device) for s in self.slots_per_layer]
         else:
-            dst.copy_(self.store.host(layer, expert))
+            self.pool = [host_empty((s, P), store.dtype, "allocating cache slots", touch=True)
+                         for s in self.slots_per_layer]
+        # CUDA + disk tier: each slot's pinned host buffer, the target of its shard reads.
+        self.staging = [host_empty((s, P), store.dtype, "allocating pinned staging buffers", pin=True)
+                        for s in self.slots_per_layer] if self.cuda and store.buffers is None else None
+        self.pending: dict = {}                                             # (layer, slot) -> Future of a read
+        self.stats = CacheStats(self.state, store.expert_nbytes)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.ready: dict[tuple[int, int], torch.cuda.Event] = {}            # (layer, slot) -> copy done
+        # Named views (gate_up, down, ...) of every slot, made once: the hot path only indexes them.
+        self.views = [[store.layout.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
+
+    # --- copies -------------------------------------------------------------------------
+    def _settle(self, layer: int, slot: int) -> None:
+        """Wait for a background read into `slot` (and, CUDA, for its last copy out of the staging buffer)."""
+        fut = self.pending.pop((layer, slot), None)
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()
+            self.stats.load_wait_s += time.perf_counter() - t0
+
+    def _copy_in(self, layer: int, expert: int, slot: int, stream, background: bool = False) -> None:
+        """Fill `slot` with the expert: a copy of its RAM-tier buffer, or its shard bytes read into the slot."""
+        self._settle(layer, slot)
+        dst = self.pool[layer][slot]
+        if not self.cuda:
+            if background:
+                self.pending[(layer, slot)] = self.store.load_async(layer, expert, dst)
+            else:
+                self.store.load_into(layer, expert, dst, parallel=True)
+            return
+        if self.staging is None:
+            self._to_device(layer, slot, self.store.host(layer, expert), stream)
+            return
+        staging = self.staging[layer][slot]
+        last = self.ready.pop((layer, slot), None)
+        if last is not None:                # the previous copy out of this staging buffer must be done
+            last.synchronize()
+        if background:
+            self.pending[(layer, slot)] = self.store.load_async(
+                layer, expert, staging, then=lambda: self._to_device(layer, slot, staging, stream))
+        else:
+            self.store.load_into(layer, expert, staging, parallel=True)
+            self._to_device(layer, slot, staging, stream)
+
+    def _to_device(self, layer: int, slot: int, src: torch.Tensor, stream) -> None:
+        with torch.cuda.stream(stream):
+            self.pool[layer][slot].copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        self.ready[(layer, slot)] = ev
 
     def acquire(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """Weights of (layer, expert) on the device, loading on a miss. The caller pins it first."""
@@ -131,6 +187,8 @@ class DeviceCache:
             else:
                 self._copy_in(layer, expert, a.slot, None)
                 self.stats.load_wait_s += time.perf_counter() - t0
+        else:
+            self._settle(layer, a.slot)             # a prefetch read into this slot may still be running
         ev = self.ready.pop((layer, a.slot), None)
         if ev is not None:                          # a prefetch into this slot may still be in flight
             torch.cuda.current_stream(self.device).wait_event(ev)
@@ -142,14 +200,5 @@ class DeviceCache:
         a = self.state.prefetch(layer, expert)
         if a is None:
             return False
-        self._copy_in(layer, expert, a.slot, self.copy_stream)
+        self._copy_in(layer, expert, a.slot, self.copy_stream, background=True)
         return True
-
-    def snapshot(self) -> dict:
-        """Stats as a dict; on CUDA this resolves the timed demand-load events (a sync)."""
-        if self.stats._pending_events:
-            torch.cuda.synchronize(self.device)
-            for start, end in self.stats._pending_events:
-                self.stats.load_wait_s += start.elapsed_time(end) / 1000.0
-            self.stats._pending_events.clear()
-        return self.stats.as_dict()

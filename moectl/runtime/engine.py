@@ -1,13 +1,17 @@
 """Engine: load an MoE checkpoint without materialising its experts, and generate.
 
-Load: config -> family adapter -> skeleton under `init_empty_weights` -> each MoE block's experts
-swapped for `OffloadedExperts` -> non-expert tensors read from the shards onto the device ->
-routed experts read into the `ExpertStore` (host RAM or memory-mapped disk) -> `DeviceCache`.
-Generate: a plain loop over the model with a transformers KV cache; greedy or sampling.
+Load: config -> family adapter -> cache plan and host-memory check from the shard headers (a clear
+error before anything is read if it does not fit) -> skeleton under `init_empty_weights` -> each MoE
+block's experts swapped for `OffloadedExperts` -> non-expert tensors read from the shards onto the
+device -> routed experts read into the `ExpertStore` (host RAM, or left on disk) -> the cache:
+`InPlaceExperts` on a CPU with experts in RAM (nothing copied), else `DeviceCache` slots.
+Generate: a plain loop over the model with a transformers KV cache; greedy or sampling; prefill,
+time to first token and decode time per token measured apart.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +25,13 @@ from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
+from ..store.memory import check_host_memory, host_alloc, host_need, rss_bytes
 from .cache import DeviceCache, split_slots
+from .in_place import InPlaceExperts
 from .offloaded import OffloadedExperts
 
 KV_RESERVE_TOKENS = 4096     # --budget keeps room for this many tokens of KV cache
+PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
 
 @dataclass
@@ -37,8 +44,9 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, model, config, adapter, ckpt: Checkpoint, store: ExpertStore, cache: DeviceCache,
-                 device: torch.device, dtype: torch.dtype, ref, prefetch: PrefetchPolicy | None = None):
+    def __init__(self, model, config, adapter, ckpt: Checkpoint, store: ExpertStore,
+                 cache: DeviceCache | InPlaceExperts, device: torch.device, dtype: torch.dtype, ref,
+                 prefetch: PrefetchPolicy | None = None, progress: bool = False):
         self.model, self.config, self.adapter, self.ckpt = model, config, adapter, ckpt
         self.store, self.cache, self.device, self.dtype = store, cache, device, dtype
         self.ref = ref
@@ -47,6 +55,9 @@ class Engine:
         self.observers: list = []
         self._tokenizer = None
         self._requests = 0
+        self.progress = progress
+        self._prefill_bar = None
+        self._prefill_t0 = 0.0
         self.model.model.norm.register_forward_hook(self._on_final_norm)
 
     # --- loading ------------------------------------------------------------------------
@@ -55,7 +66,11 @@ class Engine:
              offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
-             predictor: str | None = None) -> "Engine":
+             predictor: str | None = None, emulate_device: bool = False) -> "Engine":
+        """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
+        the default on a CPU with experts in RAM computes them in place (no slots, no copies)."""
+        if emulate_device and device != "cpu":
+            raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         ref = _built(resolve_model(model, workdir))
         dev = _device(device)
         config, adapter = load_config(ref.path)
@@ -63,6 +78,7 @@ class Engine:
         dt = _dtype(dtype, config)
         if offload not in ("ram", "disk"):
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {offload!r}")
+        in_place = dev.type == "cpu" and offload == "ram" and not emulate_device
 
         hf, blocks = _skeleton(config, adapter, dt, ref.path)
         moe_layer_ids = [i for i, _ in blocks]
@@ -70,11 +86,24 @@ class Engine:
         for moe_idx, (layer_idx, block) in enumerate(blocks):
             old = block.experts
             block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, old._apply_gate, adapter.num_experts)
-        # Sizing from the config and the skeleton only: a bad budget fails before any weight is read.
+        # Sizing from the config, the skeleton and the shard headers: a bad budget, or a configuration the
+        # host RAM cannot hold, fails before any weight is read.
         L, E = len(moe_layer_ids), adapter.num_experts
-        expert_nbytes = adapter.layout().numel * torch.empty((), dtype=dt).element_size()
-        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config),
-                                      kv_reserve_nbytes(config, dt), cache_experts, budget, slots_per_layer)
+        expert_nbytes = adapter.layout().numel * dt.itemsize
+        kv = kv_reserve_nbytes(config, dt)
+        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config), kv, cache_experts, budget,
+                                      slots_per_layer)
+        dense = header_dense_nbytes(ckpt, adapter, dt)              # what is read into host RAM
+        on_host = dev.type == "cpu"
+        need = host_need(offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L * E, dense, kv)
+
+        def fits(free: int) -> list[str]:
+            return host_options(free, offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L, E,
+                                dense, kv)
+
+        what = (f"--offload {offload} on {dev.type}" + (" (experts in place)" if in_place else
+                                                         f" with {sum(slots_per_layer)} expert slots"))
+        check_host_memory(need, what, fits)
 
         # Non-expert weights straight from the shards onto the device, one tensor at a time.
         # Each tensor takes the dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32).
@@ -83,7 +112,7 @@ class Engine:
         for key in ckpt.keys():
             name = adapter.skeleton_key(key)
             if name is not None:
-                t = ckpt.get(key)
+                t = host_alloc(lambda: ckpt.get(key), "reading dense weights", ckpt.range(key).nbytes)
                 state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
         missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -98,13 +127,15 @@ class Engine:
             if t.is_meta:
                 raise MoectlError(f"weight {name} was not found in {ref.path}")
 
+        if in_place and prefetch == "auto":
+            prefetch = None                          # in place every expert is resident: nothing to prefetch
         policy, prefetch = _policies(replacement, prefetch, hf, adapter, predictor or ref.workdir,
                                      config_fingerprint(config), L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
-        cache = DeviceCache(store, slots_per_layer, dev, policy)
+        cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy)
         runtime.cache = cache
-        eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch)
+        eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, progress=progress)
         runtime.engine = eng
         return eng
 
@@ -167,9 +198,30 @@ class Engine:
                     self.cache.prefetch(target, int(expert))
         if past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        out = self.model(input_ids=input_ids.to(self.device), past_key_values=past_key_values, use_cache=True)
+        self._prefill_t0 = time.perf_counter()
+        try:
+            out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device), past_key_values=past_key_values,
+                                                use_cache=True), f"running the model on {input_ids.shape[-1]} tokens")
+        finally:
+            if self._prefill_bar is not None:
+                self._prefill_bar[0].__exit__(None, None, None)
+                self._prefill_bar = None
         self.cache.end_token()
         return out.logits, out.past_key_values
+
+    def _prefill_progress(self, layer: int, tokens: int) -> None:
+        """A per-MoE-layer bar for a multi-token forward, shown once it has taken over a second."""
+        if not self.progress or tokens < 2:
+            return
+        if self._prefill_bar is None:
+            if time.perf_counter() - self._prefill_t0 < PREFILL_PROGRESS_AFTER_S:
+                return
+            from ..progress import ProgressBar
+
+            bar = ProgressBar(True).__enter__()          # stays: a long prefill is worth a line
+            self._prefill_bar = bar, bar.add(f"prefill ({tokens} tokens), MoE layers", total=len(self.moe_layer_ids))
+        bar, task = self._prefill_bar
+        bar.update(task, completed=layer + 1)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         tok = self.tokenizer
@@ -201,12 +253,23 @@ class Engine:
         self._requests += 1
         self.begin_request(f"generate-{self._requests}")
         per_token = []
+        times = {}                      # prefill forward, first token out, each decode step (seconds)
+        decode_s: list[float] = []
         for _ in range(max_new_tokens):
             mark = self.cache.stats.as_dict()
+            t_step = time.perf_counter()
+            first = not new                                 # the prompt's forward (prefill)
             logits, pkv = self.forward(step, pkv)
+            if first:
+                times["prefill"] = time.perf_counter() - t_step
             now = self.cache.stats.as_dict()
             per_token.append({k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")})
             nxt = sample(logits[0, -1].float().cpu(), greedy, temperature, top_p, gen)
+            per_token[-1]["ms"] = (time.perf_counter() - t_step) * 1000
+            if first:
+                times["ttft"] = time.perf_counter() - t_step
+            else:
+                decode_s.append(time.perf_counter() - t_step)
             new.append(nxt)
             if on_token is not None:
                 piece = ""
@@ -220,7 +283,11 @@ class Engine:
         elapsed = time.perf_counter() - t0
         after = self.cache.snapshot()
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
-        return GenerationResult(text, new, ids, run_stats(before, after, len(new), elapsed), per_token)
+        stats = run_stats(before, after, len(new), elapsed) | {
+            "prefill_ms": times["prefill"] * 1000, "ttft_ms": times["ttft"] * 1000,
+            "decode_ms_per_token": 1000 * sum(decode_s) / len(decode_s) if decode_s else 0.0,
+            "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9}
+        return GenerationResult(text, new, ids, stats, per_token)
 
 
 class _Runtime:
@@ -233,6 +300,7 @@ class _Runtime:
 
     def on_route(self, layer, top_k_index, top_k_weights, hidden):
         eng = self.engine
+        eng._prefill_progress(layer, top_k_index.shape[0])
         for obs in eng.observers:
             obs.on_route(layer, top_k_index, top_k_weights, hidden)
         pf = eng.prefetch
@@ -368,6 +436,29 @@ def cache_slots(num_layers: int, num_experts: int, expert_nbytes: int, dense: in
                        num_layers, num_experts)
 
 
+def header_dense_nbytes(ckpt: Checkpoint, adapter, dtype: torch.dtype) -> int:
+    """Bytes of the non-expert weights once loaded (floating tensors in `dtype`), from the shard headers."""
+    return sum(math.prod(r.shape) * (dtype.itemsize if r.dtype.is_floating_point else r.dtype.itemsize)
+               for key, r in ckpt.ranges.items() if adapter.skeleton_key(key) is not None)
+
+
+def host_options(free: int, offload: str, on_host: bool, in_place: bool, slots: int, expert_nbytes: int,
+                 num_layers: int, num_experts: int, dense: int, kv: int) -> list[str]:
+    """Configurations of this model that fit `free` bytes of host RAM, for the not-enough-memory error."""
+    out = []
+    total = num_layers * num_experts
+    if on_host and offload == "ram" and not in_place:
+        need = host_need("ram", True, True, 0, expert_nbytes, total, dense, kv).total
+        if need <= free:
+            out.append(f"drop --emulate-device (experts computed in place: {format_bytes(need)})")
+    fixed = host_need("disk", on_host, False, 0, expert_nbytes, total, dense, kv).total
+    n = min(total, (free - fixed) // expert_nbytes) if free > fixed else 0
+    if n >= num_layers and (offload == "ram" or n < slots):
+        need = host_need("disk", on_host, False, int(n), expert_nbytes, total, dense, kv).total
+        out.append(f"--offload disk --cache-experts {int(n)} ({format_bytes(need)})")
+    return out
+
+
 def kv_reserve_nbytes(config, dtype: torch.dtype, tokens: int = KV_RESERVE_TOKENS) -> int:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -413,7 +504,7 @@ def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "bytes_loaded": loaded, "bytes_per_token": loaded / tokens if tokens else 0.0,
-            "load_wait_s": after["load_wait_s"] - before["load_wait_s"],
+            "load_wait_s": after["load_wait_s"] - before["load_wait_s"],   # every wait for a copy or read
             "prefetches": after["prefetches"] - before["prefetches"]}
 
 

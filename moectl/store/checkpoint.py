@@ -1,22 +1,83 @@
-"""Read a Hugging Face checkpoint directory's safetensors shards, one tensor at a time.
+"""Read a Hugging Face checkpoint directory's safetensors shards, one tensor (or byte range) at a time.
 
-Nothing here loads a whole shard: `safe_open` memory-maps the file and `get_tensor` / `get_slice`
-copy out only what is asked for, so peak host memory stays near what the caller keeps.
+The shard headers are parsed once (8-byte length + JSON: dtype, shape, byte offsets of every tensor),
+so every tensor is a known byte range of a known file. Reads are `os.preadv` straight into the
+caller's buffer: nothing is memory-mapped, so no shard stays in the process's RSS after its bytes
+have been copied to where they are used, and an expert can be read into a cache slot in one pass.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import MoectlError
 
+# safetensors dtype names -> torch dtypes (the ones the families use).
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+MAX_HEADER = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Where one tensor (or one row of a fused [E, ...] tensor) lies: absolute file offset and length."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_at(fd: int, buf: memoryview, offset: int) -> int:
+    """One positioned read of len(buf) bytes into `buf` (module-level so tests can count reads)."""
+    return os.preadv(fd, [buf], offset)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def parse_header(f: Path) -> dict[str, ByteRange]:
+    """Every tensor's byte range in one shard, from its header only; a clear error if it is damaged."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            header = json.loads(fh.read(n))
+        base, out = 8 + n, {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            shape = tuple(int(s) for s in info["shape"])
+            dtype = DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {key} has dtype {info['dtype']}, which moectl does not read")
+            if end < start or base + end > size or end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"tensor {key} has byte range {start}..{end} beyond the data or of the wrong size")
+            out[key] = ByteRange(f, base + start, end - start, dtype, shape)
+        return out
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise MoectlError(f"cannot read shard {f}: {e} (the file is corrupt or truncated)") from None
+
 
 class Checkpoint:
-    """Key -> shard index over a checkpoint directory (`model.safetensors[.index.json]`)."""
+    """Key -> byte range over a checkpoint directory (`model.safetensors[.index.json]`)."""
 
     @staticmethod
     def check_dir(path: str | Path) -> Path:
@@ -38,70 +99,84 @@ class Checkpoint:
                 raise MoectlError(f"{self.path} has only PyTorch .bin weights; moectl reads safetensors checkpoints "
                                   f"(convert with `model.save_pretrained(dir)` once)")
             raise MoectlError(f"{self.path} has no *.safetensors weight files")
-        self._handles: dict[Path, object] = {}
-        self.key_to_file: dict[str, Path] = {}
+        self._fds: dict[Path, int] = {}
+        self.ranges: dict[str, ByteRange] = {}
         index = self.path / "model.safetensors.index.json"
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise MoectlError(f"{index} is not a valid safetensors index ({e})") from None
-            for key, fname in weight_map.items():
-                f = self.path / fname
-                if not f.exists():
-                    raise MoectlError(f"shard {f.name} named in {index.name} is missing from {self.path}")
-                self.key_to_file[key] = f
-        else:
-            for f in shards:
-                for key in self._open(f).keys():
-                    self.key_to_file[key] = f
-
-    def _open(self, f: Path):
-        h = self._handles.get(f)
-        if h is None:
-            try:
-                h = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises SafetensorError / OSError on a corrupt header
-                raise MoectlError(f"cannot read shard {f}: {e} (the file is corrupt or truncated)") from None
-            self._handles[f] = h
-        return h
+            for fname in sorted(set(weight_map.values())):
+                if not (self.path / fname).exists():
+                    raise MoectlError(f"shard {fname} named in {index.name} is missing from {self.path}")
+            shards = [self.path / fname for fname in sorted(set(weight_map.values()))]
+        for f in shards:
+            self.ranges.update(parse_header(f))
 
     def keys(self) -> list[str]:
-        return list(self.key_to_file)
+        return list(self.ranges)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.key_to_file
+        return key in self.ranges
 
-    def _file(self, key: str) -> Path:
+    def files(self) -> list[Path]:
+        return sorted({r.file for r in self.ranges.values()})
+
+    def range(self, key: str, row: int | None = None) -> ByteRange:
+        """Byte range of `key`, or of `key[row]` for a fused [E, ...] tensor (rows are contiguous)."""
         try:
-            return self.key_to_file[key]
+            r = self.ranges[key]
         except KeyError:
             raise MoectlError(f"checkpoint {self.path} has no tensor {key!r}") from None
+        if row is None:
+            return r
+        if not r.shape or not 0 <= row < r.shape[0]:
+            raise MoectlError(f"{key} in {r.file.name} has shape {r.shape}: no row {row}")
+        step = r.nbytes // r.shape[0]
+        return ByteRange(r.file, r.offset + row * step, step, r.dtype, r.shape[1:])
 
-    def get(self, key: str) -> torch.Tensor:
-        f = self._file(key)
-        try:
-            return self._open(f).get_tensor(key)
-        except MoectlError:
-            raise
-        except Exception as e:
-            raise MoectlError(f"cannot read {key} from shard {f}: {e} (the file is corrupt or truncated)") from None
+    def read_into(self, r: ByteRange, buf: memoryview) -> None:
+        """The bytes of `r` into `buf` (len(buf) == r.nbytes) with as few positioned reads as the OS allows."""
+        fd = self._fds.get(r.file)
+        if fd is None:
+            try:
+                fd = self._fds[r.file] = os.open(r.file, os.O_RDONLY)
+            except OSError as e:
+                raise MoectlError(f"cannot open shard {r.file}: {e}") from None
+        done = 0
+        while done < r.nbytes:                  # preadv may return short counts (signals, >2 GB requests)
+            try:
+                n = read_at(fd, buf[done:], r.offset + done)
+            except OSError as e:
+                raise MoectlError(f"cannot read shard {r.file}: {e}") from None
+            if n <= 0:
+                raise MoectlError(f"cannot read shard {r.file}: it ended at byte {r.offset + done} "
+                                  f"(the file is corrupt or truncated)")
+            done += n
 
-    def get_row(self, key: str, index: int) -> torch.Tensor:
-        """`tensor[index]` of a fused [E, ...] tensor, reading only that expert's bytes."""
-        f = self._file(key)
-        try:
-            return self._open(f).get_slice(key)[index]
-        except MoectlError:
-            raise
-        except Exception as e:
-            raise MoectlError(f"cannot read {key}[{index}] from shard {f}: {e} (corrupt or truncated?)") from None
+    def get(self, key: str, row: int | None = None) -> torch.Tensor:
+        """A fresh tensor with the contents of `key` (or `key[row]`), in its on-disk dtype."""
+        r = self.range(key, row)
+        t = torch.empty(r.shape, dtype=r.dtype)
+        if r.nbytes:
+            self.read_into(r, byte_view(t))
+        return t
 
     def shape(self, key: str) -> list[int]:
-        return list(self._open(self._file(key)).get_slice(key).get_shape())
+        return list(self.range(key).shape)
 
-    def dtype(self, key: str) -> str:
-        return self._open(self._file(key)).get_slice(key).get_dtype()
+    def close(self) -> None:
+        """Close the shard files (reads reopen them)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def nbytes_by_file(self) -> dict[Path, int]:
-        return {f: f.stat().st_size for f in set(self.key_to_file.values())}
+        return {f: f.stat().st_size for f in self.files()}

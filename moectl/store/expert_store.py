@@ -1,21 +1,37 @@
-"""ExpertStore: every routed expert's weights in host memory (or on disk), one flat buffer each.
+"""ExpertStore: where every routed expert's bytes lie, and how to put one into a buffer.
 
 Legend: L = MoE layers, E = experts per layer, P = numel of one packed expert (`ExpertLayout`).
 
-`ram` tier: experts are read from the checkpoint one tensor at a time into one packed buffer per
-expert (pinned when CUDA is present, so device copies can run asynchronously). The checkpoint is
-memory-mapped, so peak host memory while loading stays near the model size plus one expert.
-`disk` tier: nothing is copied up front; each fetch reads the expert's tensors straight from the
-memory-mapped safetensors shards (the OS page cache is the only host copy).
+Each expert is a few byte ranges of the shards (its tensors, or its rows of fused [E, ...] tensors),
+found once from the headers; concatenated they are the packed buffer. Filling any flat [P] host
+buffer (a RAM-tier buffer, a CPU cache slot, a pinned staging buffer) is one `preadv` per range,
+straight into it, when the on-disk dtype is the store dtype (adjacent ranges merged); otherwise each
+tensor is read and cast into place (one temporary per tensor). A demand load of a big expert is split
+into equal byte spans read by as many threads as torch computes with (the compute is waiting anyway,
+and one thread's copy out of the page cache is slower than the memory allows); every byte is still
+read exactly once, straight into the buffer.
+
+`ram` tier: one [E, P] host tensor per layer (pinned when CUDA is present), filled at load; the
+shard files are closed afterwards, nothing stays mapped. On a CPU device these buffers are what the
+experts are computed on (`runtime/in_place.py`).
+`disk` tier: nothing up front; `load_into` reads an expert into the buffer it is given (a slot), and
+`load_async` does it on one background thread (preadv releases the GIL, so reads overlap compute).
 """
 
 from __future__ import annotations
 
+import math
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
 import torch
 
+from ..errors import MoectlError
 from ..models.base import ExpertLayout, FamilyAdapter
 from ..progress import ProgressBar
-from .checkpoint import Checkpoint
+from .checkpoint import ByteRange, Checkpoint, byte_view
+from .memory import host_empty
+
+PARALLEL_READ_MIN = 16 * 2**20      # demand loads at least this big are read by several threads
 
 
 class ExpertStore:
@@ -26,42 +42,129 @@ class ExpertStore:
         self.layout: ExpertLayout = adapter.layout()
         self.num_experts = adapter.num_experts
         self.offload = offload
-        self.expert_nbytes = self.layout.numel * torch.empty((), dtype=dtype).element_size()
-        self.buffers: list[list[torch.Tensor]] | None = None   # [L][E] flat [P] tensors (ram tier)
+        self.expert_nbytes = self.layout.numel * dtype.itemsize
+        # [L][E] byte ranges of each expert, in packed order (checked against the layout once, here).
+        self.ranges = [[self._ranges(layer, e) for e in range(self.num_experts)] for layer in range(self.num_layers)]
+        self.raw = all(r.dtype == dtype for row in self.ranges for rs in row for r in rs)
+        self._reader: ThreadPoolExecutor | None = None       # the background (prefetch) reader
+        self._helpers: ThreadPoolExecutor | None = None      # threads that split one demand read
+        self.buffers: list[torch.Tensor] | None = None       # [L] of [E, P] (ram tier)
         if offload == "ram":
-            self.buffers = []
-            total = len(self.moe_layer_ids) * self.num_experts
+            buffers = []
             with ProgressBar(progress, transient=True) as bar:
-                task = bar.add("reading experts", total)
-                for layer in self.moe_layer_ids:
-                    row = []
+                task = bar.add("reading experts", self.num_layers * self.num_experts)
+                for layer in range(self.num_layers):
+                    # touch=True: with huge pages, zeroing then reading beats faulting pages in during the read
+                    buf = host_empty((self.num_experts, self.layout.numel), dtype, "reading experts into RAM",
+                                     pin=pin, touch=True)
                     for e in range(self.num_experts):
-                        flat = torch.empty(self.layout.numel, dtype=dtype, pin_memory=pin)
-                        self._read_into(layer, e, flat)
-                        row.append(flat)
+                        self.load_into(layer, e, buf[e], parallel=True)
                         bar.update(task, advance=1)
-                    self.buffers.append(row)
+                    buffers.append(buf)
+            self.buffers = buffers
+            ckpt.close()
 
     @property
     def num_layers(self) -> int:
         return len(self.moe_layer_ids)
 
-    def _read_into(self, model_layer: int, expert: int, flat: torch.Tensor) -> None:
-        start = 0
-        for t, shape in zip(self.adapter.read_expert(self.ckpt, model_layer, expert), self.layout.shapes):
-            if tuple(t.shape) != tuple(shape):
-                from ..errors import MoectlError
+    def _ranges(self, layer: int, expert: int) -> list[ByteRange]:
+        """The expert's byte ranges in packed order, each checked to fit its layout entry; adjacent ones merged."""
+        model_layer = self.moe_layer_ids[layer]
+        parts = [self.ckpt.range(k, row) for k, row in self.adapter.expert_parts(self.ckpt, model_layer, expert)]
+        bounds, start = [], 0
+        for shape in self.layout.shapes:
+            bounds.append((start, start + math.prod(shape), shape))
+            start += math.prod(shape)
+        pos = 0
+        for r in parts:
+            n = math.prod(r.shape)
+            entry = next((b for b in bounds if b[0] <= pos < b[1]), None)
+            if entry is None or pos + n > entry[1] or tuple(r.shape[1:]) != tuple(entry[2][1:]):
+                want = entry[2] if entry else ()
+                raise MoectlError(f"expert {expert} of layer {model_layer} in {self.ckpt.path} has a tensor of shape "
+                                  f"{tuple(r.shape)}, config says {tuple(want)}")
+            pos += n
+        if pos != self.layout.numel:
+            raise MoectlError(f"expert {expert} of layer {model_layer} in {self.ckpt.path} has {pos} weights, "
+                              f"config says {self.layout.numel}")
+        merged = [parts[0]]
+        for r in parts[1:]:
+            m = merged[-1]
+            if r.file == m.file and r.dtype == m.dtype and r.offset == m.offset + m.nbytes:
+                merged[-1] = ByteRange(m.file, m.offset, m.nbytes + r.nbytes, m.dtype, (math.prod(m.shape) +
+                                                                                       math.prod(r.shape),))
+            else:
+                merged.append(r)
+        return merged
 
-                raise MoectlError(f"expert {expert} of layer {model_layer} in {self.ckpt.path} has shape "
-                                  f"{tuple(t.shape)}, config says {tuple(shape)}")
-            n = t.numel()
-            flat[start:start + n].copy_(t.reshape(-1))      # casts to the store dtype
-            start += n
+    def load_into(self, layer: int, expert: int, dst: torch.Tensor, parallel: bool = False) -> None:
+        """Fill the flat [P] host buffer `dst` with (MoE layer `layer`, expert): a copy of the RAM-tier buffer,
+        or the shard bytes read straight into it (`parallel`: by several threads, for a demand load)."""
+        if self.buffers is not None and dst.data_ptr() != self.buffers[layer][expert].data_ptr():
+            dst.copy_(self.buffers[layer][expert])
+            return
+        if self.raw:
+            spans = self._spans(self.ranges[layer][expert], torch.get_num_threads() if parallel else 1)
+            view = byte_view(dst)
+
+            def read(span):
+                for r, pos in span:
+                    self.ckpt.read_into(r, view[pos:pos + r.nbytes])
+
+            if len(spans) == 1:
+                read(spans[0])
+                return
+            if self._helpers is None:
+                self._helpers = ThreadPoolExecutor(max_workers=len(spans) - 1, thread_name_prefix="moectl-read")
+            helped = [self._helpers.submit(read, sp) for sp in spans[1:]]
+            try:
+                read(spans[0])                          # this thread reads the first span itself
+            finally:
+                wait(helped)
+            for f in helped:
+                f.result()                              # re-raise a helper's read error here
+            return
+        pos = 0
+        for r in self.ranges[layer][expert]:            # another dtype on disk: read, then cast into place
+            n = math.prod(r.shape)
+            t = torch.empty(n, dtype=r.dtype)
+            self.ckpt.read_into(r, byte_view(t))
+            dst[pos:pos + n].copy_(t)
+            pos += n
+
+    def _spans(self, ranges: list[ByteRange], workers: int) -> list[list[tuple[ByteRange, int]]]:
+        """The ranges cut into `workers` spans of equal bytes: [(piece, offset in the packed buffer)] each."""
+        total = sum(r.nbytes for r in ranges)
+        if workers <= 1 or total < PARALLEL_READ_MIN:
+            workers = 1
+        step = -(-total // workers)
+        spans: list[list[tuple[ByteRange, int]]] = [[] for _ in range(workers)]
+        pos = 0
+        for r in ranges:
+            done = 0
+            while done < r.nbytes:
+                w = (pos + done) // step
+                n = min(r.nbytes - done, (w + 1) * step - (pos + done))
+                spans[w].append((ByteRange(r.file, r.offset + done, n, r.dtype, (n // r.dtype.itemsize,)), pos + done))
+                done += n
+            pos += r.nbytes
+        return [sp for sp in spans if sp]
+
+    def load_async(self, layer: int, expert: int, dst: torch.Tensor, then=None) -> Future:
+        """`load_into` on the background reader thread (then `then()` there); the Future re-raises its errors."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moectl-reader")
+
+        def job():
+            self.load_into(layer, expert, dst)
+            if then is not None:
+                then()
+
+        return self._reader.submit(job)
 
     def host(self, layer: int, expert: int) -> torch.Tensor:
-        """The packed host buffer [P] of (MoE layer `layer`, expert). Disk tier: read it now."""
-        if self.buffers is not None:
-            return self.buffers[layer][expert]
-        flat = torch.empty(self.layout.numel, dtype=self.dtype)
-        self._read_into(self.moe_layer_ids[layer], expert, flat)
-        return flat
+        """The packed RAM-tier buffer [P] of (MoE layer `layer`, expert); a view, never a copy."""
+        if self.buffers is None:
+            raise MoectlError("the disk tier keeps no host copy of the experts; load one into a buffer with load_into")
+        return self.buffers[layer][expert]
