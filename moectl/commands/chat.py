@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts
+from ._common import CacheOpts, GatingOpts
 
 
 def register(app: typer.Typer) -> None:
@@ -28,6 +28,9 @@ def register(app: typer.Typer) -> None:
         predictor: Optional[str] = CacheOpts.predictor(),
         workdir: Optional[str] = CacheOpts.workdir(),
         dtype: Optional[str] = CacheOpts.dtype(),
+        gating_threshold: Optional[float] = GatingOpts.threshold(),
+        gating: Optional[str] = GatingOpts.spec(),
+        gate_prefill: bool = GatingOpts.prefill(),
     ):
         """Chat with a model. On a pipe: one message per input line, answers and status lines on stdout."""
         import sys
@@ -41,6 +44,7 @@ def register(app: typer.Typer) -> None:
         interactive = sys.stdin.isatty() and console.is_terminal
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                          gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
                           progress=interactive)
         session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                               top_p=top_p, seed=seed, system=system)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, print_stats_line
+from ._common import CacheOpts, GatingOpts, print_stats_line
 
 
 def register(app: typer.Typer) -> None:
@@ -30,6 +30,9 @@ def register(app: typer.Typer) -> None:
         predictor: Optional[str] = CacheOpts.predictor(),
         workdir: Optional[str] = CacheOpts.workdir(),
         dtype: Optional[str] = CacheOpts.dtype(),
+        gating_threshold: Optional[float] = GatingOpts.threshold(),
+        gating: Optional[str] = GatingOpts.spec(),
+        gate_prefill: bool = GatingOpts.prefill(),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
     ):
         """Generate text from a prompt, experts streamed through the device cache."""
@@ -39,6 +42,7 @@ def register(app: typer.Typer) -> None:
 
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                          gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
                           progress=not as_json)
         stream = None
         if not as_json:
@@ -48,7 +52,7 @@ def register(app: typer.Typer) -> None:
         res = eng.generate(prompt, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                            top_p=top_p, seed=seed, on_token=stream, chat=chat)
         stats = {k: res.stats[k] for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token",
-                                           "load_wait_s")} | {"hits": res.stats["hits"], "tokens": res.stats["tokens"]}
+                                           "load_wait_s", "experts_per_token")} | {"hits": res.stats["hits"], "tokens": res.stats["tokens"]}
         if as_json:
             print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
         else:

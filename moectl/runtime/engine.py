@@ -20,6 +20,7 @@ from ..fingerprint import model_fingerprint
 from ..models import adapter_for
 from ..policies.aux_gate import AFTER_TOKEN, AuxGatePrefetch
 from ..policies.base import LRU, PrefetchPolicy, ReplacementPolicy
+from ..policies.gating import GatingPolicy, gate_rows
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
@@ -58,7 +59,8 @@ class Engine:
              offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
-             predictor: str | None = None) -> "Engine":
+             predictor: str | None = None, gating: GatingPolicy | str | None = None,
+             gating_threshold: float | None = None, gate_prefill: bool = False) -> "Engine":
         ref = resolve_model(model, workdir)
         dev = _device(device)
         config, adapter = load_config(ref.path)
@@ -79,7 +81,9 @@ class Engine:
             if name is not None:
                 t = ckpt.get(key)
                 state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
-        runtime = _Runtime(adapter)
+        gating = _gating(gating, gating_threshold, ref.workdir, model_fingerprint(config.to_dict(), adapter.family),
+                         len(moe_layer_ids))
+        runtime = _Runtime(adapter, gating, gate_prefill)
         for moe_idx, (layer_idx, block) in enumerate(blocks):
             old = block.experts
             block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, old._apply_gate, adapter.num_experts)
@@ -114,6 +118,7 @@ class Engine:
         runtime.cache = cache
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch)
         runtime.engine = eng
+        eng.runtime = runtime
         return eng
 
     # --- facts --------------------------------------------------------------------------
@@ -194,6 +199,7 @@ class Engine:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = _eos_ids(self.config, self._tokenizer)
         before = self.cache.snapshot()
+        calls0 = self.runtime.expert_calls
         new: list[int] = []
         text_so_far = ""
         t0 = time.perf_counter()
@@ -226,16 +232,39 @@ class Engine:
         self.phase = "prefill"
         after = self.cache.snapshot()
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
-        return GenerationResult(text, new, ids, run_stats(before, after, len(new), elapsed), per_token)
+        stats = run_stats(before, after, len(new), elapsed)
+        computed = (len(ids) + len(new) - 1) * len(self.moe_layer_ids)           # tokens x layers run
+        stats["experts_per_token"] = (self.runtime.expert_calls - calls0) / max(computed, 1)
+        if self.runtime.gating is not None:
+            g = self.runtime.gating
+            stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
+        return GenerationResult(text, new, ids, stats, per_token)
 
 
 class _Runtime:
-    """What every OffloadedExperts module shares: the adapter, the cache, observers, prefetch."""
+    """What every OffloadedExperts module shares: the adapter, the cache, observers, prefetch, gating."""
 
-    def __init__(self, adapter):
+    def __init__(self, adapter, gating: GatingPolicy | None = None, gate_prefill: bool = False):
         self.adapter = adapter
         self.cache: DeviceCache | None = None
         self.engine: Engine | None = None
+        self.gating = gating                # adaptive top-k (None: every chosen expert runs)
+        self.gate_prefill = gate_prefill    # gate every row of a multi-token forward too, not only decode's one
+        self.expert_calls = 0               # (token, expert) FFN computations, all layers, since load
+
+    def gate(self, layer: int, idx: torch.Tensor, w: torch.Tensor):
+        """The routing `idx`, `w` [T,K] after gating: decode drops the tail (fewer columns); a gated multi-token
+        forward marks dropped entries -1 with weight 0. Unchanged when nothing is dropped."""
+        if self.gating is None or (idx.shape[0] > 1 and not self.gate_prefill):
+            return idx, w
+        idx_np = idx.cpu().numpy()
+        e, g = gate_rows(self.gating, layer, idx_np, w.detach().float().cpu().numpy())
+        if (e == idx_np).all():
+            return idx, w
+        if idx.shape[0] == 1:
+            keep = torch.from_numpy(e[0] >= 0)
+            return idx[:, keep], torch.from_numpy(g[:, keep.numpy()]).to(w.device, w.dtype)
+        return torch.from_numpy(e).to(idx.device, idx.dtype), torch.from_numpy(g).to(w.device, w.dtype)
 
     def on_route(self, layer, top_k_index, top_k_weights, hidden):
         eng = self.engine
@@ -352,6 +381,28 @@ def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> Prefet
         inner = MLPPrefetch(preds.mlp, depth=max(preds.mlp.lookaheads), per_layer=K) if preds.mlp else None
         return AuxGatePrefetch(preds.aux_gate, inner, per_layer=K)
     raise MoectlError(f"unknown prefetch {prefetch!r}; use auto, none, gate-reuse, mlp, routing or aux-gate")
+
+
+def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_layers: int) -> GatingPolicy | None:
+    """A GatingPolicy object, None (off), or a spec: 'auto' (the T_g stored by `moectl sensitivity --target-ppl-delta`
+    in the workdir's sensitivity.json, when there is one), 'score:TAU', 'sensitivity:T_G', 'none';
+    `threshold` (--gating-threshold T_g, 0 = off) overrides the stored T_g."""
+    if isinstance(gating, GatingPolicy):
+        return gating
+    from ..calib.sensitivity import JSON_NAME, load_sensitivity
+    from ..policies.gating import parse_gating
+
+    spec = None if gating in (None, "auto") else gating
+    if gating is None and threshold is None:
+        return None
+    f = Path(workdir) / JSON_NAME
+    needs = threshold is not None or gating == "auto" or (spec or "").startswith("sensitivity")
+    meta = load_sensitivity(f, fingerprint, num_layers) if needs and f.exists() else None
+    policy = parse_gating(threshold, spec, meta["sensitivities"] if meta else None,
+                          meta.get("threshold") if meta and gating == "auto" else None)
+    if policy is not None and gating == "auto" and threshold is None:
+        policy.source = str(f)          # on by default: the status lines say where it came from
+    return policy
 
 
 def dense_nbytes(model) -> int:
