@@ -60,24 +60,41 @@ def gating_as(eng, gating, gate_all: bool):
         rt.gating, rt.gate_prefill = old
 
 
+class _SingleExpertRows:
+    """Runtime observer: routed rows, and those left with a single expert (after gating)."""
+
+    def __init__(self):
+        self.rows = self.single = 0
+
+    def on_route(self, layer, top_k_index, top_k_weights, hidden) -> None:
+        self.rows += top_k_index.shape[0]
+        self.single += int(((top_k_index >= 0).sum(-1) == 1).sum())
+
+
 @torch.inference_mode()
 def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
     """Summed next-token NLL over the windows, with the tokens scored, experts computed and bytes loaded."""
     rt, cache = eng.runtime, eng.cache
     calls0, bytes0 = rt.expert_calls, cache.stats.bytes_loaded
     nll, scored, computed = 0.0, 0, 0
-    for ids in windows:
-        x = torch.tensor([ids], device=eng.device)                       # [1,W]
-        logits = eng.model(input_ids=x, use_cache=False).logits[0, :-1].float()   # [W-1,V]
-        cache.end_token()
-        nll += float(F.cross_entropy(logits, x[0, 1:], reduction="sum"))
-        scored += len(ids) - 1
-        computed += len(ids)
-        if progress is not None:
-            progress()
+    rows = _SingleExpertRows()
+    eng.add_observer(rows)
+    try:
+        for ids in windows:
+            x = torch.tensor([ids], device=eng.device)                       # [1,W]
+            logits = eng.model(input_ids=x, use_cache=False).logits[0, :-1].float()   # [W-1,V]
+            cache.end_token()
+            nll += float(F.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            scored += len(ids) - 1
+            computed += len(ids)
+            if progress is not None:
+                progress()
+    finally:
+        eng.remove_observer(rows)
     L = len(eng.moe_layer_ids)
     return {"nll": nll, "scored": scored, "tokens": computed,
             "experts_per_token": (rt.expert_calls - calls0) / (computed * L),
+            "single_expert_fraction": rows.single / max(rows.rows, 1),
             "bytes_per_token": (cache.stats.bytes_loaded - bytes0) / computed}
 
 
@@ -146,6 +163,7 @@ def evaluate(eng, windows: list[list[int]], prompts: list[list[int]], n: int, wo
     return {"ppl": ppl, "ppl_lossless": ppl0, "ppl_delta_rel": ppl / ppl0 - 1.0,
             "greedy_agreement": same / total if total else 1.0,
             "experts_per_token": stats["experts_per_token"], "bytes_per_token": stats["bytes_per_token"],
+            "single_expert_fraction": stats["single_expert_fraction"],
             "tokens": stats["scored"], "greedy_tokens": total,
             "gating": gating.describe() if gating is not None else "gating: off",
             "reference_cached": ref["cached"]}
