@@ -209,3 +209,22 @@ def test_gate_trace_marks_dropped_experts_in_decode_only():
     assert g.experts[:, 0].tolist() == [[0, 1], [2, -1]] and float(g.weights[1, 0, 0]) == 1.0
     assert gate_trace(t, ScoreGating(0.2), gate_prefill=True).experts[0, 0].tolist() == [0, -1]
     assert t.experts[1, 0, 1] == 3                                          # the input is not changed
+
+
+def test_eval_reference_is_invalidated_by_new_weights(tmp_path, families):
+    """Same config (same fingerprint), other weights: the cached lossless reference must not be reused."""
+    import shutil
+
+    from moectl.calib.fidelity import lossless_reference
+    from moectl.runtime.engine import Engine
+
+    path = tmp_path / "m"
+    shutil.copytree(families["mixtral"], path)
+    windows = torch.randint(2, 500, (2, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    a = lossless_reference(Engine.load(str(path), progress=False), windows, [], 0, tmp_path / "wd")
+    assert not a["cached"]
+    assert lossless_reference(Engine.load(str(path), progress=False), windows, [], 0, tmp_path / "wd")["cached"]
+    build_family("mixtral", path, seed=7)                                # retrained: same config, new weights
+    c = lossless_reference(Engine.load(str(path), progress=False), windows, [], 0, tmp_path / "wd")
+    assert not c["cached"] and c["nll"] != a["nll"]
+

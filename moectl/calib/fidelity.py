@@ -10,8 +10,8 @@ Legend: W = window length (tokens), V = vocabulary, L = MoE layers.
   how often its next-token argmax equals the lossless token. Feeding the lossless tokens keeps one early
   difference from counting as N.
 - The lossless side (same engine, gating off) is computed once and kept in `<workdir>/eval/`, keyed by the
-  model fingerprint, the dtype, the exact token ids and the settings: another model or other text is a
-  different key.
+  model fingerprint, the shards' names, sizes and mtimes (retrained weights under the same config), the dtype,
+  the exact token ids and the settings: another model, other weights or other text is a different key.
 """
 
 from __future__ import annotations
@@ -118,15 +118,21 @@ def agreement(eng, prompts: list[list[int]], continuations: list[list[int]]) -> 
     return same, total
 
 
-def reference_key(fingerprint: str, dtype, windows, prompts, n: int) -> str:
-    h = hashlib.sha256(json.dumps({"fp": fingerprint, "dtype": str(dtype), "windows": windows, "prompts": prompts,
-                                   "n": n}).encode()).hexdigest()
+def weights_id(checkpoint: Path) -> list:
+    """Which weights these are, cheaply: each shard's name, size and modification time. The fingerprint hashes
+    the config only, so a model retrained with the same config (or a re-downloaded checkpoint) keeps it."""
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(checkpoint).glob("*.safetensors"))]
+
+
+def reference_key(fingerprint: str, weights: list, dtype, windows, prompts, n: int) -> str:
+    h = hashlib.sha256(json.dumps({"fp": fingerprint, "weights": weights, "dtype": str(dtype), "windows": windows,
+                                   "prompts": prompts, "n": n}).encode()).hexdigest()
     return h[:16]
 
 
 def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, progress=None) -> dict:
     """The lossless perplexity and greedy continuations, from `<workdir>/eval/` when computed before."""
-    key = reference_key(eng.fingerprint, eng.dtype, windows, prompts, n)
+    key = reference_key(eng.fingerprint, weights_id(eng.ref.path), eng.dtype, windows, prompts, n)
     path = Path(workdir) / "eval" / f"reference-{key}.json" if workdir is not None else None
     if path is not None and path.exists():
         try:
