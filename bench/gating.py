@@ -64,6 +64,7 @@ def main() -> None:
     tails = TailRecorder(len(eng.moe_layer_ids))
     eng.add_observer(tails)
     sens = fisher_sensitivity(eng.model, [b for _, b in eng.adapter.moe_blocks(eng.model)], fit,
+                              before_window=lambda: eng.cache.begin_step("prefill"),
                               after_window=eng.cache.end_token)["sensitivities"]
     eng.remove_observer(tails)
     held = token_windows(eng.tokenizer, load_calibration("default"), args.window, args.max_tokens)

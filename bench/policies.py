@@ -197,7 +197,7 @@ def tiny_checkpoint(tmp: Path) -> Path:
     from moectl.recipes import resolve_model
     from moectl.tiny import _built, build_tiny
 
-    wd = resolve_model("tiny", None, build=False).workdir
+    wd = resolve_model("tiny", None).workdir
     if _built(wd):
         return wd / "checkpoint"
     print(f"  (no full tiny model in {wd}: building the small variant; `moectl build-tiny` for the full one)")

@@ -1,7 +1,9 @@
 """The `moectl` command line. One thin module per command under `moectl/commands/`.
 
-Each `moectl/commands/<name>.py` defines `register(app)`; this file discovers them, so adding a
-command never touches this file. `MoectlError` becomes one red line and exit code 2.
+Each `moectl/commands/<name>.py` defines the command as a plain top-level function named like the
+module (`generate`, `train_predictor` -> `moectl train-predictor`), or a `typer.Typer` called `app` for a
+command group (`trace import|export`); this file discovers them, so adding a command never touches this
+file. `MoectlError` becomes one red line and exit code 2.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ def _register_commands() -> None:
         if mod.name.startswith("_"):
             continue
         module = importlib.import_module(f"{commands.__name__}.{mod.name}")
-        module.register(app)
+        name = mod.name.replace("_", "-")
+        if isinstance(getattr(module, "app", None), typer.Typer):
+            app.add_typer(module.app, name=name)
+        elif hasattr(module, "register"):            # the older style, for branches written before issue 9
+            module.register(app)
+        else:
+            app.command(name)(getattr(module, mod.name, None) or getattr(module, mod.name + "_"))   # eval_: a builtin
 
 
 _register_commands()
@@ -55,20 +63,32 @@ def main() -> None:
         sys.exit(130)
     except SystemExit:
         raise
-    except Exception as e:  # click usage errors come through here in standalone_mode=False
-        import click
-
-        try:                                 # typer >= 0.29 vendors click as typer._click: other classes
-            from typer._click import exceptions as typer_click
-        except ImportError:
-            typer_click = click.exceptions
-        if isinstance(e, (click.exceptions.ClickException, typer_click.ClickException)):
+    except Exception as e:  # click usage errors and aborts come through here in standalone_mode=False
+        shown, aborts = _click_exception_types()
+        if isinstance(e, shown):
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, (click.exceptions.Abort, typer_click.Abort)):
+        if isinstance(e, aborts):
+            err_console.print("[yellow]aborted[/]")
             sys.exit(1)
         raise
 
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(exceptions with .show() and .exit_code, abort exceptions) of click and of the click typer vendors
+    (typer >= 0.29 ships its own copy as typer._click, and its Abort is `typer.Abort`)."""
+    import click
+
+    shown: list[type] = [click.exceptions.ClickException]
+    aborts: list[type] = [click.exceptions.Abort, typer.Abort]
+    try:
+        from typer._click import exceptions as vendored
+
+        shown.append(vendored.ClickException)
+        aborts += [c for c in (getattr(vendored, "Abort", None),) if c is not None]
+    except ImportError:
+        pass
+    return tuple(shown), tuple(aborts)
 
 if __name__ == "__main__":
     main()

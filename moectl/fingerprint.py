@@ -26,6 +26,20 @@ def model_fingerprint(config: dict, family: str) -> str:
     return f"{family}:{digest[:12]}"
 
 
+def config_fingerprint(config) -> str:
+    """The fingerprint of a model from its transformers config (what every artifact records)."""
+    from .models import adapter_for
+
+    return model_fingerprint(config.to_dict(), adapter_for(config).family)
+
+
+def checkpoint_fingerprint(path) -> str:
+    """The fingerprint of the checkpoint directory `path` (reads config.json only)."""
+    from transformers import AutoConfig
+
+    return config_fingerprint(AutoConfig.from_pretrained(str(path)))
+
+
 def check_fingerprint(artifact_fp: str | None, model_fp: str, what: str, path: object = "") -> None:
     """Raise a clear error when an artifact was made for another model."""
     if artifact_fp is None:

@@ -64,8 +64,10 @@ def _looks_like_path(spec: str) -> bool:
     return "/" in spec or spec.startswith((".", "~")) or os.sep in spec
 
 
-def resolve_model(spec: str, workdir: str | Path | None = None, build: bool = True) -> ModelRef:
-    """A recipe name or checkpoint directory -> where the checkpoint and the artifacts are."""
+def resolve_model(spec: str, workdir: str | Path | None = None) -> ModelRef:
+    """A recipe name or checkpoint directory -> where the checkpoint and the artifacts are. Builds nothing:
+    the built-in tiny model's checkpoint is `<workdir>/checkpoint`, made by the commands that need it
+    (`moectl/commands/_common.py: prepare_model`) or `moectl build-tiny`."""
     if not spec:
         raise MoectlError("--model is required (a recipe name or a checkpoint directory)")
     p = Path(spec).expanduser()
@@ -81,10 +83,7 @@ def resolve_model(spec: str, workdir: str | Path | None = None, build: bool = Tr
     recipe = load_recipe(spec)
     wd = Path(workdir).expanduser() if workdir else moectl_home() / recipe["name"]
     if recipe.get("builtin") == "tiny":
-        from .tiny import ensure_tiny
-
-        path = ensure_tiny(wd) if build else wd / "checkpoint"
-        return ModelRef(recipe["name"], Path(path), recipe.get("family"), wd, recipe)
+        return ModelRef(recipe["name"], wd / "checkpoint", recipe.get("family"), wd, recipe)
     env = recipe.get("path_env")
     raw = os.environ.get(env) if env and os.environ.get(env) else recipe.get("path")
     if not raw:

@@ -280,9 +280,11 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
             starts = starts[torch.randint(0, len(starts), (n,), generator=gen)]
         return torch.stack([stream[s:s + spec.seq_len + 1] for s in starts.tolist()])
 
-    bar = _progress(progress, planned_steps, "training tiny" + (" (small)" if small else ""))
+    from .progress import ProgressBar
+
     done, losses, t_train = 0, [], time.perf_counter()
-    with bar as update:
+    with ProgressBar(progress) as bar:
+        task = bar.add("training tiny" + (" (small)" if small else ""), planned_steps)
         for step in range(planned_steps):
             # progress drives the schedule: steps done, or wall time used when the time cap binds first, so a
             # busy machine still warms up and anneals fully (just over fewer steps)
@@ -302,7 +304,7 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
             opt.zero_grad(set_to_none=True)
             done = step + 1
             losses.append(out.loss.item())
-            update(loss=losses[-1], aux=out.aux_loss.item())
+            bar.update(task, advance=1, info=f"loss {losses[-1]:.3f} aux {out.aux_loss.item():.3f}")
     train_seconds = time.perf_counter() - t_train
 
     # 4. evaluation and save
@@ -357,31 +359,3 @@ def _say(msg: str) -> None:
     from rich.console import Console
 
     Console(stderr=True).print(f"[dim]{msg}[/]", highlight=False)
-
-
-class _progress:
-    """A rich progress bar when asked, else nothing; `with _progress(...) as update: update(loss=...)`."""
-
-    def __init__(self, enabled: bool, total: int, label: str):
-        self.enabled, self.total, self.label = enabled, total, label
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda **kw: None
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                            console=Console(stderr=True), transient=False)   # stderr: keeps --json stdout clean
-        self.bar.__enter__()
-        task = self.bar.add_task(self.label, total=self.total, info="")
-
-        def update(**kw):
-            self.bar.update(task, advance=1, info=" ".join(f"{k} {v:.3f}" for k, v in kw.items()))
-        return update
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.__exit__(*exc)
-        return False

@@ -147,44 +147,93 @@ def write_jsonl(trace: Trace, path: str | Path, header: dict | None = None,
     return path
 
 
+MAX_EXPERTS = 32767                  # expert ids are stored as int16
+
+
+def _jsonl_header(head, path) -> tuple[int, int, int]:
+    from .artifact import require_int, where
+
+    if not isinstance(head, dict):
+        raise MoectlError(f"{where(path, 1)}: the header line must be a JSON object, not {type(head).__name__}")
+    if head.get("format") != "moe-routing-v1":
+        raise MoectlError(f"{where(path, 1)}: first line says format {head.get('format')!r}, expected 'moe-routing-v1'")
+    L, E, K = (require_int(head, k, path, minimum=1, line=1) for k in ("num_layers", "num_experts", "top_k"))
+    if E > MAX_EXPERTS:
+        raise MoectlError(f"{where(path, 1)}: num_experts {E} is above the {MAX_EXPERTS} moectl supports")
+    if K > E:
+        raise MoectlError(f"{where(path, 1)}: top_k {K} is above num_experts {E}")
+    return L, E, K
+
+
+def _jsonl_row(r, n: int, path, L: int, E: int, K: int) -> tuple[list[list[int]], list | None]:
+    """Validated (experts per layer, weights per layer or None) of row `r` at line `n`."""
+    from .artifact import is_int, where
+
+    at = where(path, n)
+    if not isinstance(r, dict):
+        raise MoectlError(f"{at}: a row must be a JSON object, not {type(r).__name__}")
+    for key in ("request", "pos", "experts"):
+        if key not in r:
+            raise MoectlError(f"{at}: the row has no `{key}`")
+    if not is_int(r["pos"]) or r["pos"] < 0:
+        raise MoectlError(f"{at}: `pos` must be an integer >= 0, not {r['pos']!r}")
+    if r.get("phase", "decode") not in PHASES:
+        raise MoectlError(f"{at}: unknown phase {r.get('phase')!r}; expected 'prefill' or 'decode'")
+    ex = r["experts"]
+    if not isinstance(ex, list) or len(ex) != L:
+        got = f"{len(ex)} layers" if isinstance(ex, list) else type(ex).__name__
+        raise MoectlError(f"{at}: `experts` must be a list of {L} layers (the header's num_layers), got {got}")
+    for l, ids in enumerate(ex):
+        if not isinstance(ids, list) or not all(is_int(e) for e in ids):
+            raise MoectlError(f"{at}: layer {l}: expert ids must be a list of integers, not {ids!r}")
+        if len(ids) > K:
+            raise MoectlError(f"{at}: layer {l} has {len(ids)} experts, more than top_k {K}")
+        bad = [e for e in ids if not 0 <= e < E]
+        if bad:
+            raise MoectlError(f"{at}: layer {l}: expert id {bad[0]} is outside 0..{E - 1} (num_experts {E})")
+    w = r.get("weights")
+    if w is not None:
+        if (not isinstance(w, list) or len(w) != L
+                or any(not isinstance(wl, list) or len(wl) != len(ids) for wl, ids in zip(w, ex))
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for wl in w for x in wl)):
+            raise MoectlError(f"{at}: `weights` must be numbers shaped like `experts`")
+    return ex, w
+
+
 def read_jsonl(path: Path) -> Trace:
-    """Read a `moe-routing-v1` JSONL file."""
+    """Read a `moe-routing-v1` JSONL file; anything malformed is one error naming the file and line."""
+    from .artifact import parse_text
+
     lines = path.read_text().splitlines()
     if not lines:
         raise MoectlError(f"{path} is empty; expected a moe-routing-v1 JSONL trace")
-    try:
-        head = json.loads(lines[0])
-    except json.JSONDecodeError as e:
-        raise MoectlError(f"{path}: first line is not JSON ({e})") from None
-    if head.get("format") != "moe-routing-v1":
-        raise MoectlError(f"{path}: first line says format {head.get('format')!r}, expected 'moe-routing-v1'")
-    L, E, K = int(head["num_layers"]), int(head["num_experts"]), int(head["top_k"])
-    rows = []
+    head = parse_text(lines[0], path)
+    L, E, K = _jsonl_header(head, path)
+    rows, numbers = [], []
     for n, line in enumerate(lines[1:], start=2):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise MoectlError(f"{path}:{n}: not valid JSON ({e}); is the file truncated?") from None
+            raise MoectlError(f"{path}:{n}: not valid JSON ({e.msg}); is the file truncated?") from None
+        numbers.append(n)
+    if not rows:
+        raise MoectlError(f"{path}: the trace has a header but no token rows")
     N = len(rows)
     experts = np.full((N, L, K), -1, dtype=np.int16)
-    has_w = N > 0 and all("weights" in r for r in rows)
+    checked = [_jsonl_row(r, n, path, L, E, K) for r, n in zip(rows, numbers)]
+    has_w = all(w is not None for _, w in checked)
     weights = np.zeros((N, L, K), dtype=np.float16) if has_w else None
-    for i, r in enumerate(rows):
-        if len(r["experts"]) != L:
-            raise MoectlError(f"{path}: token {i} has {len(r['experts'])} layers, header says {L}")
-        for l, ids in enumerate(r["experts"]):
+    for i, (ex, w) in enumerate(checked):
+        for l, ids in enumerate(ex):
             experts[i, l, : len(ids)] = ids
             if has_w:
-                experts_w = r["weights"][l]
-                weights[i, l, : len(experts_w)] = experts_w
-    if N and (experts.max() >= E):
-        raise MoectlError(f"{path}: expert id {int(experts.max())} >= num_experts {E}")
+                weights[i, l, : len(ids)] = w[l]
     return Trace(
         model=str(head.get("model", path.stem)), num_layers=L, num_experts=E, top_k=K,
         request=[str(r["request"]) for r in rows],
-        pos=np.array([int(r["pos"]) for r in rows], dtype=np.int32),
+        pos=np.array([r["pos"] for r in rows], dtype=np.int32),
         phase=np.array([PHASES[r.get("phase", "decode")] for r in rows], dtype=np.uint8),
         experts=experts, weights=weights, fingerprint=None, source=str(head.get("source", "")),
         extra={k: v for k, v in head.items()

@@ -97,7 +97,7 @@ def test_sensitivity_through_runtime_equals_transformers(family, families):
     eng = Engine.load(str(path), cache_experts=L, progress=False)
     assert eng.cache.slots_per_layer == [1] * L
     got = fisher_sensitivity(eng.model, [b for _, b in eng.adapter.moe_blocks(eng.model)], windows,
-                             after_window=eng.cache.end_token)
+                             before_window=lambda: eng.cache.begin_step("prefill"), after_window=eng.cache.end_token)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     want = fisher_sensitivity(ref, [b for _, b in eng.adapter.moe_blocks(ref)], windows)
     assert got["tokens"] == want["tokens"] == 3 * 23

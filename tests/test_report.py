@@ -55,7 +55,7 @@ def test_report_on_olmoe_writes_pngs_and_belady_beats_lru_everywhere(tmp_path):
 
 def test_hit_rates_by_hand():
     t = _trace([[0], [1], [2], [0], [1], [2]])                 # cyclic: LRU's worst case
-    from moectl.calib.report import _belady
+    from moectl.policies import Belady as _belady
 
     assert hit_rates(t, LRU, [1, 2, 3]).tolist() == [[0.0, 0.0, 0.5]]
     # MIN with 2 slots: miss 0, 1, 2 (evicts 1, used last), hit 0, miss 1 (evicts 0), hit 2

@@ -75,13 +75,14 @@ class _SingleExpertRows:
 def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
     """Summed next-token NLL over the windows, with the tokens scored, experts computed and bytes loaded."""
     rt, cache = eng.runtime, eng.cache
-    calls0, bytes0 = rt.expert_calls, cache.stats.bytes_loaded
+    calls0, bytes0 = rt.expert_calls, cache.stats.as_dict()["bytes_loaded"]
     nll, scored, computed = 0.0, 0, 0
     rows = _SingleExpertRows()
     eng.add_observer(rows)
     try:
         for ids in windows:
             x = torch.tensor([ids], device=eng.device)                       # [1,W]
+            cache.begin_step("prefill")                                      # a teacher-forced window
             logits = eng.model(input_ids=x, use_cache=False).logits[0, :-1].float()   # [W-1,V]
             cache.end_token()
             nll += float(F.cross_entropy(logits, x[0, 1:], reduction="sum"))
@@ -95,7 +96,7 @@ def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
     return {"nll": nll, "scored": scored, "tokens": computed,
             "experts_per_token": (rt.expert_calls - calls0) / (computed * L),
             "single_expert_fraction": rows.single / max(rows.rows, 1),
-            "bytes_per_token": (cache.stats.bytes_loaded - bytes0) / computed}
+            "bytes_per_token": (cache.stats.as_dict()["bytes_loaded"] - bytes0) / computed}
 
 
 @torch.inference_mode()

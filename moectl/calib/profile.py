@@ -221,11 +221,10 @@ def run_profile(eng, texts: list[str], out_dir, *, model_name: str, dataset: str
             for i in range(start, len(seqs)):
                 ids = seqs[i]
                 rec.start_request(wanted[i])
-                _set_phase(eng, "prefill")
+                eng.begin_request(f"sample-{i:06d}")
                 logits, past = eng.forward(torch.tensor([ids], dtype=torch.long))
                 done += len(ids)
                 tokens, phases = list(ids), [0] * len(ids)
-                _set_phase(eng, "decode")
                 for _ in range(generate):
                     if progress is not None:
                         progress(done, total)
@@ -260,13 +259,6 @@ def _eos_ids(config, tok) -> set[int]:
     for src in (getattr(config, "eos_token_id", None), getattr(tok, "eos_token_id", None)):
         ids.update([src] if isinstance(src, int) else [int(i) for i in (src or [])])
     return ids
-
-
-def _set_phase(eng, phase: str) -> None:
-    try:
-        eng.phase = phase
-    except AttributeError:
-        pass
 
 
 def _write_request(writer: TraceWriter, name: str, req: _Request, tokens: list[int], phases: list[int]) -> None:

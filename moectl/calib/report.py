@@ -5,9 +5,9 @@ Legend: N = tokens, L = MoE layers, K = top-k, E = experts, C = cache sizes (exp
 - usage: [L, E] share of each layer's routing that went to each expert (heatmap), and its entropy;
 - reuse: for every (token, layer, expert) access, was that expert used before by the same request
   (within-request reuse, with its distance in tokens), only by an earlier request (across), or never (cold);
-- hit rate vs cache size: a per-layer pool of C experts, driven token by token with the replacement
-  policy objects the runtime uses (`LRU`, and `Belady`/MIN, which knows the future: the upper bound).
-  The experts of the current token are pinned (never victims), as in the runtime; so C >= K.
+- hit rate vs cache size: a per-layer pool of C experts, the trace replayed through the simulator (the
+  runtime's cache rules, `moectl/cache_model.py`) with the replacement policy objects the runtime uses
+  (`LRU`, and `Belady`/MIN, which knows the future: the upper bound); C >= K.
 """
 
 from __future__ import annotations
@@ -67,88 +67,23 @@ def cache_sizes(trace: Trace, n: int = 8) -> list[int]:
 
 
 def hit_rates(trace: Trace, policy_factory, sizes: list[int]) -> np.ndarray:
-    """[L, C] hit rate of a per-layer pool of each size, replaying `trace` token by token through a fresh
-    replacement policy from `policy_factory()` (same events as the runtime's DeviceCache)."""
-    L = trace.num_layers
-    steps = [[[int(e) for e in trace.experts[t, l] if e >= 0] for l in range(L)] for t in range(trace.num_tokens)]
-    starts = {rows.start: req for req, rows in trace.request_slices()}
-    out = np.zeros((L, len(sizes)))
+    """[L, C] hit rate (prefill and decode accesses) of a per-layer pool of each size: `trace` replayed
+    through the simulator (the runtime's cache rules) with a fresh policy from `policy_factory()`."""
+    from ..sim.simulator import Simulator, trace_steps
+
+    steps = trace_steps(trace)
+    out = np.zeros((trace.num_layers, len(sizes)))
     for c_i, cap in enumerate(sizes):
-        policy = policy_factory()
-        if getattr(policy, "needs_future", False):
-            policy.set_future(steps)
-        resident: list[set[int]] = [set() for _ in range(L)]
-        hits = np.zeros(L, dtype=np.int64)
-        total = np.zeros(L, dtype=np.int64)
-        now = 0
-        for t, layers in enumerate(steps):
-            if t in starts:
-                policy.on_request_start(starts[t])
-            for l, chosen in enumerate(layers):
-                if hasattr(policy, "on_route"):
-                    policy.on_route(l, chosen, None)
-                pinned = set(chosen)
-                for e in chosen:
-                    now += 1
-                    total[l] += 1
-                    if e in resident[l]:
-                        hits[l] += 1
-                        policy.on_hit(l, e, now)
-                        continue
-                    if len(resident[l]) >= cap:
-                        cands = [x for x in resident[l] if x not in pinned]
-                        v = policy.victim(l, cands, now)
-                        resident[l].discard(v)
-                        policy.on_evict(l, v, now)
-                    resident[l].add(e)
-                    policy.on_insert(l, e, now)
-            policy.on_token_end(now)
-        out[:, c_i] = hits / np.maximum(total, 1)
+        c = Simulator([cap] * trace.num_layers, policy_factory()).run(steps)["cache"]
+        hits = np.add(c["prefill"]["hits"], c["decode"]["hits"])
+        misses = np.add(c["prefill"]["misses"], c["decode"]["misses"])
+        out[:, c_i] = hits / np.maximum(hits + misses, 1)
     return out
-
-
-def _belady():
-    try:
-        from ..policies.replacement import Belady
-
-        return Belady()
-    except ImportError:
-        return _MIN()
-
-
-class _MIN:
-    """Fallback exact MIN (used only if the policies package has no Belady)."""
-
-    needs_future = True
-
-    def set_future(self, steps):
-        self.uses: dict[tuple[int, int], list[int]] = {}
-        for s, layers in enumerate(steps):
-            for l, ex in enumerate(layers):
-                for e in ex:
-                    self.uses.setdefault((l, e), []).append(s)
-        self.step = 0
-
-    def victim(self, layer, candidates, now):
-        import bisect
-
-        def nxt(e):
-            u = self.uses.get((layer, e), [])
-            i = bisect.bisect_left(u, self.step)
-            return u[i] if i < len(u) else float("inf")
-        return max(candidates, key=nxt)
-
-    def on_token_end(self, now):
-        self.step += 1
-
-    def on_request_start(self, request): ...
-    def on_hit(self, *a): ...
-    on_insert = on_evict = on_hit
 
 
 def analyze(trace: Trace, sizes: list[int] | None = None) -> dict:
     """Everything the report shows, as plain numbers."""
-    from ..policies.base import LRU
+    from ..policies import LRU, Belady
 
     if trace.num_tokens == 0:
         raise MoectlError("the trace has no tokens")
@@ -160,7 +95,7 @@ def analyze(trace: Trace, sizes: list[int] | None = None) -> dict:
     ent = usage_entropy(eam)
     reuse = reuse_stats(trace)
     lru = hit_rates(trace, LRU, sizes)                                      # [L, C]
-    bel = hit_rates(trace, _belady, sizes)
+    bel = hit_rates(trace, Belady, sizes)
     acc = reuse["within"] + reuse["across"] + reuse["cold"]
     share = eam / np.maximum(eam.sum(1, keepdims=True), 1)
     return {

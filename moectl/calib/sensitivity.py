@@ -30,9 +30,10 @@ FORMAT_VERSION = 1
 JSON_NAME = "sensitivity.json"
 
 
-def fisher_sensitivity(model, moe_blocks: list, windows: list[list[int]], device="cpu", after_window=None) -> dict:
-    """S_l for each block of `moe_blocks` (in MoE layer order) over the windows; `after_window()` runs after
-    each (the runtime ends its token there; a progress bar advances)."""
+def fisher_sensitivity(model, moe_blocks: list, windows: list[list[int]], device="cpu", before_window=None,
+                       after_window=None) -> dict:
+    """S_l for each block of `moe_blocks` (in MoE layer order) over the windows; `before_window()` / `after_window()`
+    run around each (the runtime's cache begins and ends a step there; a progress bar advances)."""
     for p in model.parameters():
         p.requires_grad_(False)
     outs: dict[int, torch.Tensor] = {}
@@ -53,6 +54,8 @@ def fisher_sensitivity(model, moe_blocks: list, windows: list[list[int]], device
         for ids in windows:
             x = torch.tensor([ids], device=device)                                       # [1,W]
             outs.clear()
+            if before_window is not None:
+                before_window()
             with torch.enable_grad():
                 h = emb(x).detach().requires_grad_()                                       # [1,W,D]
                 logits = model(inputs_embeds=h, use_cache=False).logits[0, :-1].float()  # [W-1,V]

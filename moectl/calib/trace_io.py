@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact import read_descriptor, require_int, require_list
 from ..errors import MoectlError
 from ..fingerprint import check_fingerprint
 from ..trace import HiddenSamples, Trace
@@ -191,15 +192,11 @@ def read_meta(path: str | Path) -> dict:
         hint = f"; did you mean {d / 'traces'}?" if (d / "traces" / META).exists() else ""
         raise MoectlError(f"{d} is not a trace directory: {META} is missing (make one with `moectl profile` "
                           f"or `moectl trace import`){hint}")
-    try:
-        meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise MoectlError(f"{f} is corrupt ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise MoectlError(f"{f}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    if int(meta.get("version", 0)) > VERSION:
-        raise MoectlError(f"{f}: trace format version {meta.get('version')} is newer than this moectl "
-                          f"reads ({VERSION}); upgrade moectl")
+    meta = read_descriptor(f, FORMAT, what="trace", version_key="version", max_version=VERSION)
+    for key in ("num_layers", "num_experts", "top_k"):
+        require_int(meta, key, f, minimum=1)
+    for key in ("shards", "requests"):
+        require_list(meta, key, f)
     return meta
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from ..policies import PREFETCH_NAMES, REPLACEMENT_NAMES
+
 
 class CacheOpts:
     @staticmethod
@@ -26,13 +28,15 @@ class CacheOpts:
 
     @staticmethod
     def replacement():
-        return typer.Option("lru", "--replacement", help="Cache replacement policy (lru, lfu, moe-infinity, hobbit, ...).")
+        names = ", ".join(n for n in REPLACEMENT_NAMES if n != "belady")        # belady needs the future
+        return typer.Option("lru", "--replacement", help=f"Cache replacement policy: {names}.")
 
     @staticmethod
     def prefetch():
+        names = ", ".join(n for n in PREFETCH_NAMES)
         return typer.Option("auto", "--prefetch",
                             help="Runtime prefetch: auto (the workdir's trained predictors: aux gate for layer 0 + MLP; "
-                                 "gate-reuse when there are none), none, gate-reuse, mlp, routing, aux-gate.")
+                                 f"gate-reuse when there are none), {names}.")
 
     @staticmethod
     def predictor():
@@ -45,6 +49,17 @@ class CacheOpts:
     @staticmethod
     def dtype():
         return typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's).")
+
+
+def prepare_model(model: str, workdir=None) -> None:
+    """Build the built-in tiny model on first use (the runtime itself never builds or trains anything)."""
+    from ..recipes import resolve_model
+
+    ref = resolve_model(model, str(workdir) if workdir else None)
+    if (ref.recipe or {}).get("builtin") == "tiny" and not ref.path.exists():
+        from ..tiny import ensure_tiny
+
+        ensure_tiny(ref.workdir)
 
 
 class GatingOpts:

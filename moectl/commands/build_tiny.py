@@ -27,35 +27,33 @@ def print_tiny_report(report: dict, ckpt, console) -> None:
     console.print(table)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("build-tiny")
-    def build_tiny_cmd(
-        steps: Optional[int] = typer.Option(None, "--steps", min=1,
-                                            help="Training steps (default: 600, or fewer if 120 s of training run out; "
-                                                 "an explicit --steps has no time cap)."),
-        force: bool = typer.Option(False, "--force", help="Rebuild even if the workdir has a build."),
-        small: bool = typer.Option(False, "--small", help="The small test variant (seconds)."),
-        workdir: Optional[str] = typer.Option(None, "--workdir",
-                                              help="Where to build (default ~/.cache/moectl/tiny, or tiny-small)."),
-        as_json: bool = typer.Option(False, "--json", help="Print tiny.json as one JSON object."),
-    ):
-        """Build the built-in tiny MoE: corpus, tokenizer, training, checkpoint, tiny.json."""
-        import json
-        from pathlib import Path
+def build_tiny(
+    steps: Optional[int] = typer.Option(None, "--steps", min=1,
+                                        help="Training steps (default: 600, or fewer if 120 s of training run out; "
+                                             "an explicit --steps has no time cap)."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if the workdir has a build."),
+    small: bool = typer.Option(False, "--small", help="The small test variant (seconds)."),
+    workdir: Optional[str] = typer.Option(None, "--workdir",
+                                          help="Where to build (default ~/.cache/moectl/tiny, or tiny-small)."),
+    as_json: bool = typer.Option(False, "--json", help="Print tiny.json as one JSON object."),
+):
+    """Build the built-in tiny MoE: corpus, tokenizer, training, checkpoint, tiny.json."""
+    import json
+    from pathlib import Path
 
-        from rich.console import Console
+    from rich.console import Console
 
-        from ..recipes import moectl_home
-        from ..tiny import build_tiny, tiny_report
+    from ..recipes import moectl_home
+    from .. import tiny
 
-        console = Console(stderr=as_json)
-        wd = Path(workdir).expanduser() if workdir else moectl_home() / ("tiny-small" if small else "tiny")
-        existed = (wd / "tiny.json").exists() and not force
-        ckpt = build_tiny(wd, steps=steps, force=force, small=small, progress=not as_json)
-        report = tiny_report(wd)
-        if as_json:
-            print(json.dumps(report | {"checkpoint": str(ckpt), "reused": existed}))
-            return
-        if existed:
-            console.print(f"[dim]already built in {wd} (--force rebuilds)[/]")
-        print_tiny_report(report, ckpt, console)
+    console = Console(stderr=as_json)
+    wd = Path(workdir).expanduser() if workdir else moectl_home() / ("tiny-small" if small else "tiny")
+    existed = (wd / "tiny.json").exists() and not force
+    ckpt = tiny.build_tiny(wd, steps=steps, force=force, small=small, progress=not as_json)
+    report = tiny.tiny_report(wd)
+    if as_json:
+        print(json.dumps(report | {"checkpoint": str(ckpt), "reused": existed}))
+        return
+    if existed:
+        console.print(f"[dim]already built in {wd} (--force rebuilds)[/]")
+    print_tiny_report(report, ckpt, console)

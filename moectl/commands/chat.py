@@ -6,46 +6,45 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts
+from ._common import CacheOpts, GatingOpts, prepare_model
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("chat")
-    def chat(
-        model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
-        max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, help="Most tokens per answer."),
-        greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (default: sampling)."),
-        temperature: float = typer.Option(0.8, "--temperature", min=0.0),
-        top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
-        seed: Optional[int] = typer.Option(0, "--seed", help="Sampling seed (turn i uses seed+i)."),
-        system: Optional[str] = typer.Option(None, "--system", help="System message at the start of the conversation."),
-        cache_experts: Optional[int] = CacheOpts.cache_experts(),
-        budget: Optional[str] = CacheOpts.budget(),
-        device: str = CacheOpts.device(),
-        offload: str = CacheOpts.offload(),
-        replacement: str = CacheOpts.replacement(),
-        prefetch: str = CacheOpts.prefetch(),
-        predictor: Optional[str] = CacheOpts.predictor(),
-        workdir: Optional[str] = CacheOpts.workdir(),
-        dtype: Optional[str] = CacheOpts.dtype(),
-        gating_threshold: Optional[float] = GatingOpts.threshold(),
-        gating: Optional[str] = GatingOpts.spec(),
-        gate_prefill: bool = GatingOpts.prefill(),
-    ):
-        """Chat with a model. On a pipe: one message per input line, answers and status lines on stdout."""
-        import sys
+def chat(
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, help="Most tokens per answer."),
+    greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (default: sampling)."),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
+    seed: Optional[int] = typer.Option(0, "--seed", help="Sampling seed (turn i uses seed+i)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message at the start of the conversation."),
+    cache_experts: Optional[int] = CacheOpts.cache_experts(),
+    budget: Optional[str] = CacheOpts.budget(),
+    device: str = CacheOpts.device(),
+    offload: str = CacheOpts.offload(),
+    replacement: str = CacheOpts.replacement(),
+    prefetch: str = CacheOpts.prefetch(),
+    predictor: Optional[str] = CacheOpts.predictor(),
+    workdir: Optional[str] = CacheOpts.workdir(),
+    dtype: Optional[str] = CacheOpts.dtype(),
+    gating_threshold: Optional[float] = GatingOpts.threshold(),
+    gating: Optional[str] = GatingOpts.spec(),
+    gate_prefill: bool = GatingOpts.prefill(),
+):
+    """Chat with a model. On a pipe: one message per input line, answers and status lines on stdout."""
+    import sys
 
-        from rich.console import Console
+    from rich.console import Console
 
-        from ..runtime.engine import Engine
-        from ..serve.chat import ChatSession, run_chat
+    from ..runtime.engine import Engine
+    from ..serve.chat import ChatSession, run_chat
 
-        console = Console()
-        interactive = sys.stdin.isatty() and console.is_terminal
-        eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
-                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
-                          gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
-                          progress=interactive)
-        session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
-                              top_p=top_p, seed=seed, system=system)
-        raise typer.Exit(run_chat(session, console=console, interactive=interactive))
+    console = Console()
+    interactive = sys.stdin.isatty() and console.is_terminal
+    prepare_model(model, workdir)
+    eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                      workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                      gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
+                      progress=interactive)
+    session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
+                          top_p=top_p, seed=seed, system=system)
+    raise typer.Exit(run_chat(session, console=console, interactive=interactive))

@@ -78,87 +78,85 @@ def run_step(group, step: Step, workdir: Path, console) -> tuple[str, str]:
     return "[green]ok[/]", _made(workdir, step.makes)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("demo")
-    def demo(
-        workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/tiny)."),
-        question: str = typer.Option(DEMO_QUESTION, "--question", help="What to ask the tiny model at the end."),
-        cache_experts: Optional[int] = typer.Option(None, "--cache-experts", min=1,
-                                                    help="Expert slots for the chat step (default: half the experts)."),
-    ):
-        """Run the whole pipeline on the built-in tiny model: build, calibrate, chat, summary."""
-        from rich.console import Console
-        from rich.table import Table
+def demo(
+    workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/tiny)."),
+    question: str = typer.Option(DEMO_QUESTION, "--question", help="What to ask the tiny model at the end."),
+    cache_experts: Optional[int] = typer.Option(None, "--cache-experts", min=1,
+                                                help="Expert slots for the chat step (default: half the experts)."),
+):
+    """Run the whole pipeline on the built-in tiny model: build, calibrate, chat, summary."""
+    from rich.console import Console
+    from rich.table import Table
 
-        from ..cli import app as cli_app
-        from ..recipes import format_bytes, resolve_model
-        from .build_tiny import print_tiny_report
+    from ..cli import app as cli_app
+    from ..recipes import format_bytes, resolve_model
+    from .build_tiny import print_tiny_report
 
-        console = Console()
-        group = typer.main.get_command(cli_app)
-        ref = resolve_model("tiny", workdir, build=False)
-        wd = ref.workdir
-        rows: list[tuple[str, str, str, float]] = []
+    console = Console()
+    group = typer.main.get_command(cli_app)
+    ref = resolve_model("tiny", workdir)
+    wd = ref.workdir
+    rows: list[tuple[str, str, str, float]] = []
 
-        # 1. the model
-        console.rule("[bold]build the tiny model")
+    # 1. the model
+    console.rule("[bold]build the tiny model")
+    t0 = time.perf_counter()
+    from ..tiny import build_tiny, tiny_report
+
+    existed = (wd / "tiny.json").exists()
+    ckpt = build_tiny(wd)
+    report = tiny_report(wd)
+    print_tiny_report(report, ckpt, console)
+    rows.append(("build-tiny", "[green]reused[/]" if existed else "[green]ok[/]",
+                 f"checkpoint/ ({format_bytes(_size(ckpt))}), val ppl {report['val_ppl']:.1f} vs unigram "
+                 f"{report['unigram_ppl']:.1f}", time.perf_counter() - t0))
+
+    # 2. the calibration pipeline, as far as this version has it
+    for step in PIPELINE:
         t0 = time.perf_counter()
-        from ..tiny import build_tiny, tiny_report
+        if step.command not in group.commands:
+            rows.append((step.command, "[dim]skipped[/]", "not in this version of moectl", 0.0))
+            continue
+        status, made = run_step(group, step, wd, console)
+        rows.append((step.command, status, made, time.perf_counter() - t0))
 
-        existed = (wd / "tiny.json").exists()
-        ckpt = build_tiny(wd)
-        report = tiny_report(wd)
-        print_tiny_report(report, ckpt, console)
-        rows.append(("build-tiny", "[green]reused[/]" if existed else "[green]ok[/]",
-                     f"checkpoint/ ({format_bytes(_size(ckpt))}), val ppl {report['val_ppl']:.1f} vs unigram "
-                     f"{report['unigram_ppl']:.1f}", time.perf_counter() - t0))
+    # 3. one chat answer through the offloading runtime
+    console.rule("[bold]chat")
+    t0 = time.perf_counter()
+    from ..commands._common import prefetch_note, print_stats_line
+    from ..runtime.engine import Engine
+    from ..serve.chat import ChatSession
 
-        # 2. the calibration pipeline, as far as this version has it
-        for step in PIPELINE:
-            t0 = time.perf_counter()
-            if step.command not in group.commands:
-                rows.append((step.command, "[dim]skipped[/]", "not in this version of moectl", 0.0))
-                continue
-            status, made = run_step(group, step, wd, console)
-            rows.append((step.command, status, made, time.perf_counter() - t0))
+    eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
+                      prefetch="auto", gating="auto", progress=False)
+    console.print(f"[dim]{prefetch_note(eng)}[/]")
+    session = ChatSession(eng, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)
+    console.print(f"[bold green]you>[/] {question}")
+    console.print("[bold blue]assistant>[/] ", end="")
 
-        # 3. one chat answer through the offloading runtime
-        console.rule("[bold]chat")
-        t0 = time.perf_counter()
-        from ..commands._common import prefetch_note, print_stats_line
-        from ..runtime.engine import Engine
-        from ..serve.chat import ChatSession
+    def stream(_token_id: int, piece: str) -> None:
+        console.file.write(piece)
+        console.file.flush()
 
-        eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
-                          prefetch="auto", gating="auto", progress=False)
-        console.print(f"[dim]{prefetch_note(eng)}[/]")
-        session = ChatSession(eng, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)
-        console.print(f"[bold green]you>[/] {question}")
-        console.print("[bold blue]assistant>[/] ", end="")
+    result = session.ask(question, on_token=stream)
+    console.file.write("\n")
+    print_stats_line(result.stats, console)
+    s = result.stats
+    slots = sum(eng.cache.slots_per_layer)
+    rows.append(("chat", "[green]ok[/]", f"{s['tokens']} tokens at {s['tokens_per_s']:.1f} tok/s, hit rate "
+                 f"{s['hit_rate']:.0%} with {slots} expert slots, {format_bytes(s['bytes_loaded'])} loaded, "
+                 f"{prefetch_note(eng)}",
+                 time.perf_counter() - t0))
 
-        def stream(_token_id: int, piece: str) -> None:
-            console.file.write(piece)
-            console.file.flush()
-
-        result = session.ask(question, on_token=stream)
-        console.file.write("\n")
-        print_stats_line(result.stats, console)
-        s = result.stats
-        slots = sum(eng.cache.slots_per_layer)
-        rows.append(("chat", "[green]ok[/]", f"{s['tokens']} tokens at {s['tokens_per_s']:.1f} tok/s, hit rate "
-                     f"{s['hit_rate']:.0%} with {slots} expert slots, {format_bytes(s['bytes_loaded'])} loaded, "
-                     f"{prefetch_note(eng)}",
-                     time.perf_counter() - t0))
-
-        # 4. summary
-        table = Table(title=f"moectl demo — artifacts in {wd}")
-        table.add_column("step")
-        table.add_column("status")
-        table.add_column("what it made")
-        table.add_column("time", justify="right")
-        for name, status, made, seconds in rows:
-            table.add_row(name, status, made, f"{seconds:.1f} s")
-        console.print(table)
+    # 4. summary
+    table = Table(title=f"moectl demo — artifacts in {wd}")
+    table.add_column("step")
+    table.add_column("status")
+    table.add_column("what it made")
+    table.add_column("time", justify="right")
+    for name, status, made, seconds in rows:
+        table.add_row(name, status, made, f"{seconds:.1f} s")
+    console.print(table)
 
 
 def _half_the_experts(ckpt: Path) -> int:

@@ -7,54 +7,53 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, print_stats_line
+from ._common import CacheOpts, GatingOpts, prepare_model, print_stats_line
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("generate")
-    def generate(
-        model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
-        prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
-        max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
-        greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (default: sampling)."),
-        temperature: float = typer.Option(0.8, "--temperature", min=0.0),
-        top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
-        seed: Optional[int] = typer.Option(0, "--seed", help="Sampling seed."),
-        chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-        cache_experts: Optional[int] = CacheOpts.cache_experts(),
-        budget: Optional[str] = CacheOpts.budget(),
-        device: str = CacheOpts.device(),
-        offload: str = CacheOpts.offload(),
-        replacement: str = CacheOpts.replacement(),
-        prefetch: str = CacheOpts.prefetch(),
-        predictor: Optional[str] = CacheOpts.predictor(),
-        workdir: Optional[str] = CacheOpts.workdir(),
-        dtype: Optional[str] = CacheOpts.dtype(),
-        gating_threshold: Optional[float] = GatingOpts.threshold(),
-        gating: Optional[str] = GatingOpts.spec(),
-        gate_prefill: bool = GatingOpts.prefill(),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
-    ):
-        """Generate text from a prompt, experts streamed through the device cache."""
-        import sys
+def generate(
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
+    greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (default: sampling)."),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
+    seed: Optional[int] = typer.Option(0, "--seed", help="Sampling seed."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    cache_experts: Optional[int] = CacheOpts.cache_experts(),
+    budget: Optional[str] = CacheOpts.budget(),
+    device: str = CacheOpts.device(),
+    offload: str = CacheOpts.offload(),
+    replacement: str = CacheOpts.replacement(),
+    prefetch: str = CacheOpts.prefetch(),
+    predictor: Optional[str] = CacheOpts.predictor(),
+    workdir: Optional[str] = CacheOpts.workdir(),
+    dtype: Optional[str] = CacheOpts.dtype(),
+    gating_threshold: Optional[float] = GatingOpts.threshold(),
+    gating: Optional[str] = GatingOpts.spec(),
+    gate_prefill: bool = GatingOpts.prefill(),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats."),
+):
+    """Generate text from a prompt, experts streamed through the device cache."""
+    import sys
 
-        from ..runtime.engine import Engine
+    from ..runtime.engine import Engine
 
-        eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
-                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
-                          gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
-                          progress=not as_json)
-        stream = None
-        if not as_json:
-            def stream(_tok, piece):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        res = eng.generate(prompt, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
-                           top_p=top_p, seed=seed, on_token=stream, chat=chat)
-        stats = {k: res.stats[k] for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token",
-                                           "load_wait_s", "experts_per_token")} | {"hits": res.stats["hits"], "tokens": res.stats["tokens"]}
-        if as_json:
-            print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
-        else:
-            print()
-            print_stats_line(res.stats)
+    prepare_model(model, workdir)
+    eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                      workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                      gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
+                      progress=not as_json)
+    stream = None
+    if not as_json:
+        def stream(_tok, piece):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    res = eng.generate(prompt, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
+                       top_p=top_p, seed=seed, on_token=stream, chat=chat)
+    stats = {k: res.stats[k] for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token",
+                                       "load_wait_s", "experts_per_token")} | {"hits": res.stats["hits"], "tokens": res.stats["tokens"]}
+    if as_json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
+    else:
+        print()
+        print_stats_line(res.stats)

@@ -7,30 +7,31 @@ from typing import Optional
 
 import typer
 
+from ._common import prepare_model
 
-def register(app: typer.Typer) -> None:
-    @app.command("inspect")
-    def inspect(
-        model: str = typer.Option(..., "--model", "-m", help="Recipe name or checkpoint directory."),
-        workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>)."),
-        dtype: Optional[str] = typer.Option(None, "--dtype", help="Size the experts in this dtype (default: the checkpoint's)."),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    ):
-        """Family, layers, MoE layers, experts, top-k, bytes per expert, dense and total bytes."""
-        from rich.console import Console
-        from rich.table import Table
 
-        from ..recipes import format_bytes
-        from ..runtime.engine import inspect_model
+def inspect(
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name or checkpoint directory."),
+    workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Size the experts in this dtype (default: the checkpoint's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Family, layers, MoE layers, experts, top-k, bytes per expert, dense and total bytes."""
+    from rich.console import Console
+    from rich.table import Table
 
-        info = inspect_model(model, workdir, dtype)
-        if as_json:
-            print(json.dumps(info))
-            return
-        t = Table(title=f"{info['model']} ({info['path']})", show_header=False)
-        for k in ("family", "fingerprint", "dtype", "layers", "moe_layers", "experts", "top_k", "hidden_size",
-                  "expert_intermediate_size"):
-            t.add_row(k, str(info[k]))
-        for k in ("bytes_per_expert", "dense_bytes", "expert_bytes", "total_bytes"):
-            t.add_row(k, format_bytes(info[k]))
-        Console().print(t)
+    from ..recipes import format_bytes
+    from ..runtime.engine import inspect_model
+
+    prepare_model(model, workdir)
+    info = inspect_model(model, workdir, dtype)
+    if as_json:
+        print(json.dumps(info))
+        return
+    t = Table(title=f"{info['model']} ({info['path']})", show_header=False)
+    for k in ("family", "fingerprint", "dtype", "layers", "moe_layers", "experts", "top_k", "hidden_size",
+              "expert_intermediate_size"):
+        t.add_row(k, str(info[k]))
+    for k in ("bytes_per_expert", "dense_bytes", "expert_bytes", "total_bytes"):
+        t.add_row(k, format_bytes(info[k]))
+    Console().print(t)

@@ -7,103 +7,112 @@ from pathlib import Path
 
 import typer
 
+from ._common import CacheOpts, prepare_model
 
-def register(app: typer.Typer) -> None:
-    @app.command("profile")
-    def profile(
-        model: str = typer.Option(..., "--model", "-m", help="recipe name or checkpoint directory"),
-        dataset: str = typer.Option(None, "--dataset", "-d",
-                                    help="calibration YAML (name or path), local text/JSONL/Parquet file or "
-                                         "directory, saved `datasets` directory, or 'builtin' "
-                                         "[default: the recipe's calibration set, else 'default']"),
-        max_tokens: int = typer.Option(512, "--max-tokens", help="prompt tokens per sample (longer texts are cut)"),
-        max_samples: int = typer.Option(None, "--max-samples", help="at most this many calibration texts"),
-        generate: int = typer.Option(0, "--generate", help="greedy decode tokens after each sample (decode phase)"),
-        hidden_samples: str = typer.Option("0", "--hidden-samples",
-                                           help="tokens with hidden-state samples: a count, or 'all'"),
-        router_logits: bool = typer.Option(False, "--router-logits", help="also store the full router logits"),
-        workdir: Path = typer.Option(None, "--workdir", help="artifact directory [default: $MOECTL_HOME/<model>]"),
-        out: Path = typer.Option(None, "--out", help="trace directory [default: <workdir>/traces]"),
-        resume: bool = typer.Option(False, "--resume", help="continue an interrupted run after its last complete sample"),
-        split: str = typer.Option(None, "--split", help="dataset split (default: the calibration set's)"),
-        device: str = typer.Option(None, "--device", help="cuda / cpu [default: cuda when available]"),
-        budget: str = typer.Option(None, "--budget", help="device memory for the expert cache, e.g. 2GB"),
-        cache_experts: int = typer.Option(None, "--cache-experts", help="expert cache size in experts"),
-        shard_rows: int = typer.Option(4096, "--shard-rows", help="rows per shard file"),
-        seed: int = typer.Option(0, "--seed", help="seed of the hidden-sample draw"),
-        as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
-    ) -> None:
-        """Record routing traces (expert ids, gate weights, optional hidden states) on a calibration set."""
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from ..calib.dataset import load_calibration
-        from ..calib.profile import run_profile
-        from ..errors import MoectlError
-        from ..recipes import format_bytes, resolve_model
-        from ..runtime.engine import Engine
+def profile(
+    model: str = typer.Option(..., "--model", "-m", help="recipe name or checkpoint directory"),
+    dataset: str = typer.Option(None, "--dataset", "-d",
+                                help="calibration YAML (name or path), local text/JSONL/Parquet file or "
+                                     "directory, saved `datasets` directory, or 'builtin' "
+                                     "[default: the recipe's calibration set, else 'default']"),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="prompt tokens per sample (longer texts are cut)"),
+    max_samples: int = typer.Option(None, "--max-samples", help="at most this many calibration texts"),
+    generate: int = typer.Option(0, "--generate", help="greedy decode tokens after each sample (decode phase)"),
+    hidden_samples: str = typer.Option("0", "--hidden-samples",
+                                       help="tokens with hidden-state samples: a count, or 'all'"),
+    router_logits: bool = typer.Option(False, "--router-logits", help="also store the full router logits"),
+    workdir: Path = typer.Option(None, "--workdir", help="artifact directory [default: $MOECTL_HOME/<model>]"),
+    out: Path = typer.Option(None, "--out", help="trace directory [default: <workdir>/traces]"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run after its last complete sample"),
+    split: str = typer.Option(None, "--split", help="dataset split (default: the calibration set's)"),
+    device: str = typer.Option(None, "--device", help="cuda / cpu [default: cuda when available]"),
+    budget: str = typer.Option(None, "--budget", help="device memory for the expert cache, e.g. 2GB"),
+    cache_experts: int = typer.Option(None, "--cache-experts", help="expert cache size in experts"),
+    replacement: str = CacheOpts.replacement(),
+    prefetch: str = typer.Option("none", "--prefetch",
+                                 help="runtime prefetch while recording, as in `generate` [default: none]"),
+    predictor: str = CacheOpts.predictor(),
+    shard_rows: int = typer.Option(4096, "--shard-rows", help="rows per shard file"),
+    seed: int = typer.Option(0, "--seed", help="seed of the hidden-sample draw"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
+) -> None:
+    """Record routing traces (expert ids, gate weights, optional hidden states) on a calibration set.
 
-        console = Console(stderr=as_json)
-        hs = hidden_samples.strip().lower()
-        if hs not in ("all", "none") and not hs.isdigit():
-            raise MoectlError(f"--hidden-samples takes a count or 'all', not {hidden_samples!r}")
-        hs_mode = "all" if hs == "all" else (int(hs) if hs.isdigit() and int(hs) > 0 else None)
-        if generate < 0 or max_tokens < 1:
-            raise MoectlError("--generate must be >= 0 and --max-tokens >= 1")
-        ref = resolve_model(model, str(workdir) if workdir else None)
-        if dataset is None:
-            from ..recipes import REPO_ROOT
+    The run goes through the offloading runtime with the given cache size and policies; --json reports
+    its cache hits and misses per phase, which `moectl simulate` on the recorded trace reproduces."""
+    from rich.console import Console
 
-            dataset = ((ref.recipe or {}).get("defaults") or {}).get("calibration") or "default"
-            if not Path(dataset).exists() and (REPO_ROOT / dataset).exists():
-                dataset = str(REPO_ROOT / dataset)             # recipe paths are relative to the repo
-        out_dir = out or ref.workdir / "traces"
-        texts = load_calibration(dataset, split=split, max_samples=max_samples)
-        if device is None:
-            import torch
+    from ..calib.dataset import load_calibration
+    from ..progress import ProgressBar
+    from ..calib.profile import run_profile
+    from ..errors import MoectlError
+    from ..recipes import format_bytes, resolve_model
+    from ..runtime.engine import Engine
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
-                          budget=budget, cache_experts=cache_experts)
+    console = Console(stderr=as_json)
+    hs = hidden_samples.strip().lower()
+    if hs not in ("all", "none") and not hs.isdigit():
+        raise MoectlError(f"--hidden-samples takes a count or 'all', not {hidden_samples!r}")
+    hs_mode = "all" if hs == "all" else (int(hs) if hs.isdigit() and int(hs) > 0 else None)
+    if generate < 0 or max_tokens < 1:
+        raise MoectlError("--generate must be >= 0 and --max-tokens >= 1")
+    prepare_model(model, workdir)
+    ref = resolve_model(model, str(workdir) if workdir else None)
+    if dataset is None:
+        from ..recipes import REPO_ROOT
 
-        def show_plan(info: dict) -> None:
-            msg = (f"profiling [bold]{ref.name}[/] on {info['samples']} samples (~{info['tokens_planned']} tokens) "
-                   f"-> {out_dir}\nhidden samples: {info['hidden_samples']} x "
-                   f"{format_bytes(info['hidden_bytes_per_sample'])} = [bold]{format_bytes(info['hidden_bytes'])}[/]")
-            if info["router_logits_bytes"]:
-                msg += f"; router logits: {format_bytes(info['router_logits_bytes'])}"
-            console.print(msg)
+        dataset = ((ref.recipe or {}).get("defaults") or {}).get("calibration") or "default"
+        if not Path(dataset).exists() and (REPO_ROOT / dataset).exists():
+            dataset = str(REPO_ROOT / dataset)             # recipe paths are relative to the repo
+    out_dir = out or ref.workdir / "traces"
+    texts = load_calibration(dataset, split=split, max_samples=max_samples)
+    if device is None:
+        import torch
 
-        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total} tok"), TextColumn("{task.fields[rate]}"),
-                      TimeElapsedColumn(), console=console, transient=as_json) as bar:
-            task = bar.add_task("profile", total=None, rate="")
-            t_start = [None]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
+                      budget=budget, cache_experts=cache_experts, replacement=replacement, prefetch=prefetch,
+                      predictor=predictor)
 
-            def progress(done: int, total: int) -> None:
-                import time
+    def show_plan(info: dict) -> None:
+        msg = (f"profiling [bold]{ref.name}[/] on {info['samples']} samples (~{info['tokens_planned']} tokens) "
+               f"-> {out_dir}\nhidden samples: {info['hidden_samples']} x "
+               f"{format_bytes(info['hidden_bytes_per_sample'])} = [bold]{format_bytes(info['hidden_bytes'])}[/]")
+        if info["router_logits_bytes"]:
+            msg += f"; router logits: {format_bytes(info['router_logits_bytes'])}"
+        console.print(msg)
 
-                t_start[0] = t_start[0] or time.perf_counter()
-                dt = time.perf_counter() - t_start[0]
-                bar.update(task, completed=done, total=total, rate=f"{done / dt:.0f} tok/s" if dt > 0 else "")
+    with ProgressBar(console=console, transient=as_json) as bar:
+        task = bar.add("profile (tokens)")
+        t_start = [None]
 
-            res = run_profile(eng, texts, out_dir, model_name=ref.name, dataset=dataset, max_tokens=max_tokens,
-                              generate=generate, hidden_samples=hs_mode, router_logits=router_logits,
-                              resume=resume, shard_rows=shard_rows, seed=seed, progress=progress,
-                              on_plan=show_plan)
-        summary = {"out": str(out_dir), "samples": res.samples, "skipped_resumed": res.skipped,
-                   "tokens": res.tokens, "prefill_tokens": res.prefill_tokens, "decode_tokens": res.decode_tokens,
-                   "hidden_samples": res.hidden_samples, "seconds": round(res.seconds, 3),
-                   "tokens_per_s": round(res.tokens_per_s, 1), "interrupted": res.interrupted}
-        stats = getattr(getattr(eng, "cache", None), "stats", None)
-        if isinstance(stats, dict):
-            summary["cache"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
-        if as_json:
-            print(json.dumps(summary))
-        else:
-            console.print(f"wrote {res.samples} samples ({res.prefill_tokens} prefill + {res.decode_tokens} decode "
-                          f"tokens, {res.hidden_samples} hidden samples) to {out_dir} "
-                          f"at {res.tokens_per_s:.0f} tok/s")
-        if res.interrupted:
-            console.print("[yellow]interrupted[/]: complete samples are saved; run again with --resume to continue")
-            raise KeyboardInterrupt          # the CLI prints "interrupted" and exits 130
+        def progress(done: int, total: int) -> None:
+            import time
+
+            t_start[0] = t_start[0] or time.perf_counter()
+            dt = time.perf_counter() - t_start[0]
+            bar.update(task, completed=done, total=total, info=f"{done / dt:.0f} tok/s" if dt > 0 else "")
+
+        res = run_profile(eng, texts, out_dir, model_name=ref.name, dataset=dataset, max_tokens=max_tokens,
+                          generate=generate, hidden_samples=hs_mode, router_logits=router_logits,
+                          resume=resume, shard_rows=shard_rows, seed=seed, progress=progress,
+                          on_plan=show_plan)
+    summary = {"out": str(out_dir), "samples": res.samples, "skipped_resumed": res.skipped,
+               "tokens": res.tokens, "prefill_tokens": res.prefill_tokens, "decode_tokens": res.decode_tokens,
+               "hidden_samples": res.hidden_samples, "seconds": round(res.seconds, 3),
+               "tokens_per_s": round(res.tokens_per_s, 1), "interrupted": res.interrupted}
+    # the cache statistics of the recorded run: `moectl simulate` on the trace with the same sizes and
+    # policies gives the same counts (the shared rules of moectl/cache_model.py)
+    summary["cache"] = {ph: {k: v for k, v in eng.cache.state.totals(ph).items() if k in ("hits", "misses")}
+                        for ph in ("prefill", "decode")}
+    summary["cache"].update(replacement=replacement, prefetch=prefetch, slots=sum(eng.cache.slots_per_layer))
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        console.print(f"wrote {res.samples} samples ({res.prefill_tokens} prefill + {res.decode_tokens} decode "
+                      f"tokens, {res.hidden_samples} hidden samples) to {out_dir} "
+                      f"at {res.tokens_per_s:.0f} tok/s")
+    if res.interrupted:
+        console.print("[yellow]interrupted[/]: complete samples are saved; run again with --resume to continue")
+        raise KeyboardInterrupt          # the CLI prints "interrupted" and exits 130

@@ -6,114 +6,120 @@ from pathlib import Path
 
 import typer
 
+from ..policies import PREFETCH_NAMES, REPLACEMENT_NAMES
+
 COMPARE = [("lru", "none", "mixtral-offloading"), ("lfu", "none", "sequence LFU"),
            ("moe-infinity", "eam", "MoE-Infinity"), ("hobbit", "gate-reuse", "HOBBIT"), ("ours", None, "ours")]
 FIELDS = ["hit_rate", "belady_hit_rate", "demand_loads_per_token", "prefetch_loads_per_token",
           "wasted_prefetch_fraction", "bytes_per_token", "stall_ms_per_token", "ms_per_token",
-          "lower_bound_ms_per_token", "tokens"]
+          "lower_bound_ms_per_token", "tokens", "prefill_misses"]
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("simulate")
-    def simulate(
-        trace: list[Path] = typer.Option(..., "--trace", "-t", help="trace directory or moe-routing-v1 JSONL (repeatable; one model)"),
-        cache_fraction: float = typer.Option(None, "--cache-fraction", help="fraction of each layer's experts cached"),
-        cache_experts: int = typer.Option(None, "--cache-experts", help="expert slots in total, split evenly over layers"),
-        plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml with per-layer slot counts"),
-        replacement: str = typer.Option("lru", "--replacement", "-r", help="lru, lfu, moe-infinity, hobbit, belady, ours"),
-        prefetch: str = typer.Option("none", "--prefetch", "-p", help="none, gate-reuse, eam, routing, mlp, aux-gate (aux gate for layer 0 + mlp)"),
-        predictor: Path = typer.Option(None, "--predictor", help="predictors dir/json from `moectl train-predictor`"),
-        train_on: list[Path] = typer.Option(None, "--train-on", help="train the routing predictor (and seed EAM "
-                                            "collections) on these traces of the same model; never the simulated ones"),
-        hardware: str = typer.Option("rtx4090-pcie4", "--hardware", help="recipes/hardware/<name>.yaml"),
-        model_shape: str = typer.Option(None, "--model-shape", help="recipe whose shape: block sizes the experts, or a checkpoint directory"),
-        depth: int = typer.Option(None, "--depth", min=1, help="prefetch lookahead in layers (default: 1 for gate-reuse, else 2)"),
-        per_layer: int = typer.Option(None, "--per-layer", min=1, help="experts prefetched per layer (default top-k)"),
-        bits: float = typer.Option(None, "--bits", help="expert precision in bits (default: the model's dtype)"),
-        compare: bool = typer.Option(False, "--compare", help="run the policy matrix of the papers and ours"),
-        gating_threshold: float = typer.Option(None, "--gating-threshold",
-                                               help="adaptive top-k on the trace's gate weights: drop a decode token's "
-                                                    "lower-ranked experts while (dropped weight)^2 x S_layer <= T_g "
-                                                    "(sensitivities from --sensitivity)"),
-        gating: str = typer.Option(None, "--gating", help="score:TAU (score-only rule: drop the tail while its weight "
-                                                          "sum <= TAU), sensitivity:T_G, or none"),
-        gate_prefill: bool = typer.Option(False, "--gate-prefill", help="gate prefill rows too"),
-        sensitivity: Path = typer.Option(None, "--sensitivity", help="sensitivity.json of the traced model "
-                                                                   "(for --gating-threshold)"),
-        as_json: bool = typer.Option(False, "--json", help="print JSON (one object, or a list with --compare)"),
-    ) -> None:
-        """Simulate expert caching + prefetch on real routing: hit rate vs Belady, demand loads, ms/token."""
-        import json
+def simulate(
+    trace: list[Path] = typer.Option(..., "--trace", "-t", help="trace directory or moe-routing-v1 JSONL (repeatable; one model)"),
+    cache_fraction: float = typer.Option(None, "--cache-fraction", help="fraction of each layer's experts cached"),
+    cache_experts: int = typer.Option(None, "--cache-experts", help="expert slots in total, split evenly over layers"),
+    plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml with per-layer slot counts"),
+    replacement: str = typer.Option("lru", "--replacement", "-r", help=f"{', '.join(REPLACEMENT_NAMES)}. moe-infinity "
+                                     "matches the request against earlier ones: on a single request without "
+                                     "--train-on it is sequence LFU"),
+    prefetch: str = typer.Option("none", "--prefetch", "-p", help=f"{', '.join(PREFETCH_NAMES)} (aux-gate: the aux gate "
+                                  "for layer 0 + mlp)"),
+    predictor: Path = typer.Option(None, "--predictor", help="predictors dir/json from `moectl train-predictor`"),
+    train_on: list[Path] = typer.Option(None, "--train-on", help="train the routing predictor (and seed EAM "
+                                        "collections) on these traces of the same model; never the simulated ones"),
+    hardware: str = typer.Option("rtx4090-pcie4", "--hardware", help="recipes/hardware/<name>.yaml"),
+    model_shape: str = typer.Option(None, "--model-shape", help="recipe whose shape: block sizes the experts, or a checkpoint directory"),
+    depth: int = typer.Option(None, "--depth", min=1, help="prefetch lookahead in layers (default: 1 for gate-reuse, else 2)"),
+    per_layer: int = typer.Option(None, "--per-layer", min=1, help="experts prefetched per layer (default top-k)"),
+    bits: float = typer.Option(None, "--bits", help="expert precision in bits (default: the model's dtype)"),
+    compare: bool = typer.Option(False, "--compare", help="run the policy matrix of the papers and ours"),
+    gating_threshold: float = typer.Option(None, "--gating-threshold",
+                                           help="adaptive top-k on the trace's gate weights: drop a decode token's "
+                                                "lower-ranked experts while (dropped weight)^2 x S_layer <= T_g "
+                                                "(sensitivities from --sensitivity)"),
+    gating: str = typer.Option(None, "--gating", help="score:TAU (score-only rule: drop the tail while its weight "
+                                                      "sum <= TAU), sensitivity:T_G, or none"),
+    gate_prefill: bool = typer.Option(False, "--gate-prefill", help="gate prefill rows too"),
+    sensitivity: Path = typer.Option(None, "--sensitivity", help="sensitivity.json of the traced model "
+                                                               "(for --gating-threshold)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON (one object, or a list with --compare)"),
+) -> None:
+    """Simulate expert caching + prefetch on real routing: hit rate vs Belady, demand loads, ms/token."""
+    import json
 
-        from rich.console import Console
+    from rich.console import Console
 
-        from ..errors import MoectlError
-        from ..sim import run as sim
-        from ..policies.gating import experts_per_token
-        from ..trace import load_trace
+    from ..errors import MoectlError
+    from ..sim import run as sim
+    from ..policies.gating import experts_per_token
+    from ..trace import load_trace
 
-        console = Console(stderr=True)
-        traces = [load_trace(p) for p in trace]
-        tr = sim.concat(traces)
-        caps = sim.capacities(tr, cache_fraction, cache_experts, plan)
-        gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)
-        if gated is not None:
-            tr = gated
-        cost = sim.cost_for(tr, hardware, model_shape, bits)
-        train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
-        if train_on:
-            sim_paths = {Path(p).expanduser().resolve() for p in trace}
-            clash = [p for p in train_on if Path(p).expanduser().resolve() in sim_paths]
-            if clash:
-                raise MoectlError(f"--train-on {clash[0]} is also simulated: a predictor must never be trained "
-                                  f"on the trace it is measured on")
-            train_traces = [load_trace(p) for p in train_on]
-            for t in train_traces:
-                if (t.num_layers, t.num_experts) != (tr.num_layers, tr.num_experts):
-                    raise MoectlError(f"--train-on trace {t.model} is not of the simulated model {tr.model}")
-        if predictor is not None:
-            from ..predict.artifact import load_predictors
+    console = Console(stderr=True)
+    traces = [load_trace(p) for p in trace]
+    tr = sim.concat(traces)
+    caps = sim.capacities(tr, cache_fraction, cache_experts, plan)
+    gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)
+    if gated is not None:
+        tr = gated
+    cost = sim.cost_for(tr, hardware, model_shape, bits)
+    train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
+    if train_on:
+        sim_paths = {Path(p).expanduser().resolve() for p in trace}
+        clash = [p for p in train_on if Path(p).expanduser().resolve() in sim_paths]
+        if clash:
+            raise MoectlError(f"--train-on {clash[0]} is also simulated: a predictor must never be trained "
+                              f"on the trace it is measured on")
+        train_traces = [load_trace(p) for p in train_on]
+        for t in train_traces:
+            if (t.num_layers, t.num_experts) != (tr.num_layers, tr.num_experts):
+                raise MoectlError(f"--train-on trace {t.model} is not of the simulated model {tr.model}")
+    if predictor is not None:
+        from ..predict.artifact import load_predictors
 
-            ps = load_predictors(predictor, expect_fingerprint=tr.fingerprint)
-            routing_pred, mlp_pred, aux_pred = ps.routing, ps.mlp, ps.aux_gate
-            if routing_pred is not None and (routing_pred.L, routing_pred.E) != (tr.num_layers, tr.num_experts):
-                raise MoectlError(f"the routing predictor in {predictor} is for {routing_pred.L} layers x "
-                                  f"{routing_pred.E} experts, the trace has {tr.num_layers} x {tr.num_experts}")
-        wants_routing = prefetch == "routing" or compare
-        if wants_routing and routing_pred is None and train_traces:
-            from ..predict.routing import train_routing_predictor
+        ps = load_predictors(predictor, expect_fingerprint=tr.fingerprint)
+        routing_pred, mlp_pred, aux_pred = ps.routing, ps.mlp, ps.aux_gate
+        if routing_pred is not None and (routing_pred.L, routing_pred.E) != (tr.num_layers, tr.num_experts):
+            raise MoectlError(f"the routing predictor in {predictor} is for {routing_pred.L} layers x "
+                              f"{routing_pred.E} experts, the trace has {tr.num_layers} x {tr.num_experts}")
+    wants_routing = prefetch == "routing" or compare
+    if wants_routing and routing_pred is None and train_traces:
+        from ..predict.routing import train_routing_predictor
 
-            with console.status("training the routing predictor on --train-on traces"):
-                routing_pred, _ = train_routing_predictor(train_traces, lookahead=list(range(1, (depth or 2) + 1)))
+        with console.status("training the routing predictor on --train-on traces"):
+            routing_pred, _ = train_routing_predictor(train_traces, lookahead=list(range(1, (depth or 2) + 1)))
 
-        if compare:
-            has_hidden = sim.hidden_lookup(tr) is not None and bool(tr.routers)
-            best = ("routing" if routing_pred is not None
-                    else "aux-gate" if aux_pred is not None and mlp_pred is not None and has_hidden
-                    else "mlp" if mlp_pred is not None and has_hidden
-                    else "gate-reuse" if has_hidden else "eam")
-            configs = [(r, p or best, label) for r, p, label in COMPARE if p != "gate-reuse" or has_hidden]
-        else:
-            configs = [(replacement, prefetch, f"{replacement}/{prefetch}")]
+    if compare:
+        has_hidden = sim.hidden_lookup(tr) is not None and bool(tr.routers)
+        best = ("routing" if routing_pred is not None
+                else "aux-gate" if aux_pred is not None and mlp_pred is not None and has_hidden
+                else "mlp" if mlp_pred is not None and has_hidden
+                else "gate-reuse" if has_hidden else "eam")
+        configs = [(r, p or best, label) for r, p, label in COMPARE if p != "gate-reuse" or has_hidden]
+    else:
+        configs = [(replacement, prefetch, f"{replacement}/{prefetch}")]
 
-        results = []
-        from rich.progress import Progress
+    results = []
+    from ..progress import ProgressBar
 
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("simulating", total=len(configs))
-            for r, p, label in configs:
-                pred = routing_pred if p == "routing" else mlp_pred if p in ("mlp", "aux-gate") else None
-                res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
-                                   depth=depth, per_layer=per_layer, aux_gate=aux_pred)
-                d = {k: getattr(res, k) for k in FIELDS}
-                d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
-                         experts_per_token=experts_per_token(tr))
-                results.append(d)
-                bar.advance(task)
-        if as_json:
-            print(json.dumps(results if compare else results[0], indent=1))
-            return
-        _table(results, tr, caps, cost, hardware)
+    with ProgressBar(console=console, transient=True) as bar:
+        task = bar.add("simulating", total=len(configs))
+        for r, p, label in configs:
+            pred = routing_pred if p == "routing" else mlp_pred if p in ("mlp", "aux-gate") else None
+            res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
+                               depth=depth, per_layer=per_layer, aux_gate=aux_pred)
+            d = {k: getattr(res, k) for k in FIELDS}
+            d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
+                     experts_per_token=experts_per_token(tr))
+            if res.note:
+                d["note"] = res.note
+                console.print(f"[yellow]note[/] ({label}): {res.note}")
+            results.append(d)
+            bar.update(task, advance=1)
+    if as_json:
+        print(json.dumps(results if compare else results[0], indent=1))
+        return
+    _table(results, tr, caps, cost, hardware)
 
 
 def _gated(tr, threshold, spec, gate_prefill, sensitivity):

@@ -6,42 +6,42 @@ from pathlib import Path
 
 import typer
 
-def register(app: typer.Typer) -> None:
-    @app.command("train-predictor")
-    def train_predictor(
-        model: str = typer.Option(None, "--model", "-m", help="recipe name or checkpoint directory"),
-        traces: list[Path] = typer.Option(None, "--traces", "-t",
-                                          help="trace directory or moe-routing-v1 JSONL (repeatable) "
-                                               "(default: <workdir>/traces of --model)"),
-        kind: str = typer.Option("all", "--kind", "-k", help="mlp | aux-gate | routing | all"),
-        lookahead: str = typer.Option("1,2,3", "--lookahead", help="layers ahead to predict, e.g. 1,2,3"),
-        epochs: int = typer.Option(100, "--epochs", min=1, help="maximum epochs (early stopping ends most sooner)"),
-        out: Path = typer.Option(None, "--out", "-o", help="output directory (default: the model's workdir, "
-                                                              "or $MOECTL_HOME/<trace model name>)"),
-        device: str = typer.Option("cpu", "--device", help="cpu or cuda (training only; predictors run on CPU)"),
-        max_minutes: float = typer.Option(10.0, "--max-minutes", help="wall-time bound for all training"),
-        width: int = typer.Option(128, "--width", min=1,
-                                  help="hidden width of the mlp predictors (their CPU cost grows with it: "
-                                       "128 is ~0.2 ms per layer on one core at D=4096)"),
-        workdir: Path = typer.Option(None, "--workdir", help="artifact directory (default: $MOECTL_HOME/<model>)"),
-        seed: int = typer.Option(0, "--seed"),
-        as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
-    ) -> None:
-        """Train per-layer MLP predictors (ProMoE), the first-layer aux gate (AdapMoE) and the routing predictor."""
-        import json
+def train_predictor(
+    model: str = typer.Option(None, "--model", "-m", help="recipe name or checkpoint directory"),
+    traces: list[Path] = typer.Option(None, "--traces", "-t",
+                                      help="trace directory or moe-routing-v1 JSONL (repeatable) "
+                                           "(default: <workdir>/traces of --model)"),
+    kind: str = typer.Option("all", "--kind", "-k", help="mlp | aux-gate | routing | all"),
+    lookahead: str = typer.Option("1,2,3", "--lookahead", help="layers ahead to predict, e.g. 1,2,3"),
+    epochs: int = typer.Option(None, "--epochs", min=1,
+                               help="maximum epochs of every kind [default: 100 for mlp and aux gate (early stopping "
+                                    "ends most sooner), 20 for routing (~150 weights per head: more passes overfit)]"),
+    out: Path = typer.Option(None, "--out", "-o", help="output directory (default: the model's workdir, "
+                                                          "or $MOECTL_HOME/<trace model name>)"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (training only; predictors run on CPU)"),
+    max_minutes: float = typer.Option(10.0, "--max-minutes", help="wall-time bound for all training"),
+    width: int = typer.Option(128, "--width", min=1,
+                              help="hidden width of the mlp predictors (their CPU cost grows with it: "
+                                   "128 is ~0.2 ms per layer on one core at D=4096)"),
+    workdir: Path = typer.Option(None, "--workdir", help="artifact directory (default: $MOECTL_HOME/<model>)"),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
+) -> None:
+    """Train per-layer MLP predictors (ProMoE), the first-layer aux gate (AdapMoE) and the routing predictor."""
+    import json
 
-        from rich.console import Console
+    from rich.console import Console
 
-        from ..predict.train import run_train_predictor
+    from ..predict.train import run_train_predictor
 
-        console = Console(stderr=as_json)
-        result = run_train_predictor(model=model, traces=traces or [], kind=kind, lookahead=lookahead, epochs=epochs,
-                                     out=out, device=device, max_minutes=max_minutes, width=width,
-                                     workdir=workdir, seed=seed, console=console, progress=True)
-        if as_json:
-            print(json.dumps(result, indent=1))
-        else:
-            print_report(result, console)
+    console = Console(stderr=as_json)
+    result = run_train_predictor(model=model, traces=traces or [], kind=kind, lookahead=lookahead, epochs=epochs,
+                                 out=out, device=device, max_minutes=max_minutes, width=width,
+                                 workdir=workdir, seed=seed, console=console, progress=True)
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_report(result, console)
 
 
 def print_report(result: dict, console) -> None:

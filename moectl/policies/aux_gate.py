@@ -2,8 +2,9 @@
 
 Nothing inside a token can predict its first MoE layer: the aux gate predicts it from the previous
 token's final hidden state. At `end_token(final_hidden)` it scores layer 0's experts for the next
-token; the driver asks for them with `predict(-1)` ("after the token ended"). Every other layer is
-left to `inner` (e.g. the MLP or routing predictor), so `aux-gate` never costs a layer coverage.
+token; the driver asks for them with `predict_after_token()` when the next decode step begins. Every
+other layer is left to `inner` (e.g. the MLP or routing predictor), so `aux-gate` never costs a layer
+coverage.
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from .base import PrefetchPolicy
-
-AFTER_TOKEN = -1          # predict(AFTER_TOKEN): what to load before the next token's first layer
-
 
 class AuxGatePrefetch(PrefetchPolicy):
     name = "aux-gate"
@@ -36,8 +34,9 @@ class AuxGatePrefetch(PrefetchPolicy):
         self.first = None if final_hidden is None else np.asarray(self.gate.predict_scores(final_hidden))
 
     def predict(self, layer):
-        if layer != AFTER_TOKEN:
-            return self.inner.predict(layer)
+        return self.inner.predict(layer)
+
+    def predict_after_token(self):
         if self.first is None:
             return []
         order = np.argsort(-self.first)[: self.per_layer]

@@ -1,8 +1,10 @@
 """Policy interfaces. No device code here: the runtime and the simulator drive the same objects.
 
 Events carry (layer, expert, now). `layer` is the trace/MoE layer index (0..L-1, MoE layers only),
-`now` a monotonically increasing logical clock supplied by the driver (the runtime uses its access
-counter; the simulator the same counter, so policies behave identically in both).
+`now` the logical clock of `moectl/cache_model.py: CacheState` (one tick per access and per prefetch
+insert), which the runtime and the simulator share, so policies behave identically in both. That
+module's docstring is the rule set: event order, phases, counting, when predicted experts may go.
+Prefetch policies see decode steps only (observe, predict, end_token, predict_after_token).
 """
 
 from __future__ import annotations
@@ -73,3 +75,8 @@ class PrefetchPolicy:
 
     def end_token(self, final_hidden=None) -> None:
         """The token is done; `final_hidden` [D] is its final hidden state when known."""
+
+    def predict_after_token(self) -> list[tuple[int, int, float]]:
+        """After `end_token`: (target layer, expert, score) to load before the next token's first layer
+        (AdapMoE's aux gate); the driver issues them when the next decode step of the request begins."""
+        return []

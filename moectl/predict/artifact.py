@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..fingerprint import check_fingerprint
+from ..artifact import read_descriptor, require_list
 
 FORMAT = "moectl-predictors"
 FORMAT_VERSION = 1
@@ -128,17 +128,15 @@ def load_predictors(path: str | Path, expect_fingerprint: str | None = None) -> 
     if not json_path.exists():
         raise MoectlError(f"no predictors at {json_path.parent} ({JSON_NAME} missing); "
                           f"run `moectl train-predictor` first")
-    try:
-        meta = json.loads(json_path.read_text())
-    except json.JSONDecodeError as e:
-        raise MoectlError(f"{json_path} is not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise MoectlError(f"{json_path} is not a predictors artifact (format {meta.get('format')!r})")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise MoectlError(f"{json_path} has format version {meta.get('format_version')}, newer than this moectl "
-                          f"reads ({FORMAT_VERSION}); upgrade moectl or re-train the predictors")
-    if expect_fingerprint is not None:
-        check_fingerprint(meta.get("fingerprint"), expect_fingerprint, "predictors", json_path)
+    meta = read_descriptor(json_path, FORMAT, what="predictors artifact", version_key="format_version",
+                           max_version=FORMAT_VERSION, expect_fingerprint=expect_fingerprint)
+    kinds = require_list(meta, "kinds", json_path)
+    arch = meta.get("architecture")
+    for kind in kinds:
+        if kind not in KINDS:
+            raise MoectlError(f"{json_path}: unknown predictor kind {kind!r}; known: {', '.join(KINDS)}")
+        if not isinstance(arch, dict) or not isinstance(arch.get(kind), dict):
+            raise MoectlError(f"{json_path}: `architecture` has no {kind} entry; re-run `moectl train-predictor`")
     if not w_path.exists():
         raise MoectlError(f"{w_path} is missing (its {JSON_NAME} is there); re-run `moectl train-predictor`")
     from safetensors import SafetensorError
@@ -149,8 +147,11 @@ def load_predictors(path: str | Path, expect_fingerprint: str | None = None) -> 
     except (SafetensorError, OSError) as e:
         raise MoectlError(f"{w_path} is unreadable ({e}); re-run `moectl train-predictor`") from None
     out = PredictorSet(meta=meta, path=json_path)
-    for kind in meta.get("kinds", []):
-        obj = _build(kind, meta["architecture"][kind])
+    for kind in kinds:
+        try:
+            obj = _build(kind, arch[kind])
+        except (KeyError, TypeError, ValueError) as e:
+            raise MoectlError(f"{json_path}: the {kind} architecture is malformed ({e!r})") from None
         sd = {n[len(kind) + 1:]: t for n, t in tensors.items() if n.startswith(kind + ".")}
         try:
             obj.load_state_dict(sd)

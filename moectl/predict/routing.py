@@ -258,9 +258,11 @@ def _train(traces, lookahead, epochs, max_minutes, seed, hidden, val_fraction, b
             keep = torch.randperm(len(Xt), generator=g)[:max_rows]
             Xt, Yt = Xt[keep], Yt[keep]
         loss = torch.tensor(float("nan"))
-        for _ in range(min(epochs, 20)):            # ~150 weights per head: more passes only overfit
+        run = 0
+        for _ in range(epochs):
             if time.time() - t0 > max_minutes * 60 or not len(Xt):
                 break
+            run += 1
             for idx in torch.randperm(len(Xt), generator=g).split(batch):
                 opt.zero_grad()
                 loss = loss_fn(model(Xt[idx], hi), Yt[idx])
@@ -276,6 +278,7 @@ def _train(traces, lookahead, epochs, max_minutes, seed, hidden, val_fraction, b
             "recall_prev_token": _recall_at_k(Xv[..., FEATURES.index("prev1")] + 1e-3 * Xv[..., FEATURES.index("pop")], Yv, model.K),
             "recall_popularity": _recall_at_k(Xv[..., FEATURES.index("pop")], Yv, model.K),
             "train_loss": float(loss.detach()),
+            "epochs_run": run,
         }
     metrics["train_seconds"] = time.time() - t0
     model._np = None

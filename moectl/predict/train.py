@@ -268,6 +268,9 @@ def evaluate_aux_gate(gate: AuxGate, data: HiddenData, rows: np.ndarray | None =
             "frequency": set_metrics(freq, truth, ks)}
 
 
+ROUTING_EPOCHS = 20           # default passes of the routing predictor: ~150 weights per head, more only overfit
+
+
 def train_routing(traces: list[Trace], lookaheads: list[int], epochs: int, max_minutes: float | None,
                   seed: int = 0):
     """The routing-only predictor (moectl.predict.routing): inputs are expert choices, no hidden states."""
@@ -350,25 +353,15 @@ def parse_kinds(kind: str) -> list[str]:
     return names[kind]
 
 
-def checkpoint_fingerprint(path: Path) -> str:
-    """The fingerprint the runtime computes for the checkpoint at `path` (config.json only)."""
-    from transformers import AutoConfig
-
-    from ..fingerprint import model_fingerprint
-    from ..models import adapter_for
-
-    config = AutoConfig.from_pretrained(str(path))
-    return model_fingerprint(config.to_dict(), adapter_for(config).family)
-
-
 def _resolve(model: str | None, workdir):
     """(workdir or None, model fingerprint or None, model name or None) for --model."""
     if not model:
         return (Path(workdir).expanduser() if workdir else None), None, None
+    from ..fingerprint import checkpoint_fingerprint
     from ..recipes import load_recipe, moectl_home, resolve_model
 
     try:
-        ref = resolve_model(model, workdir, build=False)
+        ref = resolve_model(model, workdir)
     except MoectlError:
         # training needs the traces, not the weights: a recipe whose checkpoint is not downloaded still has a workdir
         recipe = load_recipe(model)              # not a recipe either: its error says what --model takes
@@ -381,7 +374,7 @@ def _resolve(model: str | None, workdir):
 
 
 def run_train_predictor(model: str | None = None, traces: list | None = None, kind: str = "all",
-                        lookahead="1,2,3", epochs: int = 100, out=None, device: str = "cpu",
+                        lookahead="1,2,3", epochs: int | None = None, out=None, device: str = "cpu",
                         max_minutes: float | None = 10.0, width: int = 128, workdir=None, seed: int = 0,
                         console=None, progress: bool = False) -> dict:
     """What `moectl train-predictor` does; returns the result dict its --json prints."""
@@ -452,22 +445,24 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
     results: dict = {}
     metrics: dict = {}
     data = gather_hidden(loaded) if any(k in ("mlp", "aux_gate") for k in kinds) else None
-    bar = _Bar(progress and console is not None, console)
+    from ..progress import ProgressBar
+
+    bar = ProgressBar(progress and console is not None, console)
     with bar:
         if "mlp" in kinds:
             n_src = sum(1 for l in range(t0.num_layers) if any(l + d < t0.num_layers for d in ds))
             task = bar.add("mlp (per layer)", n_src)
-            results["mlp"], metrics["mlp"] = train_mlp(loaded, ds, epochs, minutes["mlp"], device, seed, width,
-                                                       progress=lambda i, n: bar.update(task, i), data=data)
+            results["mlp"], metrics["mlp"] = train_mlp(loaded, ds, epochs or 100, minutes["mlp"], device, seed, width,
+                                                       progress=lambda i, n: bar.update(task, completed=i), data=data)
         if "aux_gate" in kinds:
             task = bar.add("aux gate", 1)
-            results["aux_gate"], metrics["aux_gate"] = train_aux_gate(loaded, epochs, minutes["aux_gate"], device,
+            results["aux_gate"], metrics["aux_gate"] = train_aux_gate(loaded, epochs or 100, minutes["aux_gate"], device,
                                                                       seed, data=data)
-            bar.update(task, 1)
+            bar.update(task, completed=1)
         if "routing" in kinds:
             task = bar.add("routing", 1)
-            results["routing"], metrics["routing"] = train_routing(loaded, ds, epochs, minutes["routing"], seed)
-            bar.update(task, 1)
+            results["routing"], metrics["routing"] = train_routing(loaded, ds, epochs or ROUTING_EPOCHS, minutes["routing"], seed)
+            bar.update(task, completed=1)
 
     if out is None:
         out = wd if wd is not None else moectl_home() / _safe_name(t0.model)
@@ -484,31 +479,3 @@ def _safe_name(name: str) -> str:
     import re
 
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name.split("/")[-1]).strip("-") or "model"
-
-
-class _Bar:
-    """A rich progress display (one task per kind), or nothing when progress is off."""
-
-    def __init__(self, enabled: bool, console) -> None:
-        self.p = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), console=console, transient=False)
-
-    def __enter__(self):
-        if self.p:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.p:
-            self.p.__exit__(*exc)
-
-    def add(self, name: str, total: int):
-        return self.p.add_task(name, total=total) if self.p else None
-
-    def update(self, task, completed: int) -> None:
-        if self.p:
-            self.p.update(task, completed=completed)

@@ -1,56 +1,59 @@
-"""DeviceCache: a fixed pool of expert slots per MoE layer on the compute device.
+"""DeviceCache: the shared cache bookkeeping (`moectl/cache_model.py`) + the tensor copies it implies.
 
 Legend: L = MoE layers, S_l = slots of layer l, P = numel of one packed expert.
 
-A miss copies the expert's packed host buffer into a slot (evicting the replacement policy's
-victim); a hit returns the slot as it is. Experts in use by the running layer and experts a
-prefetch policy predicted are pinned: the policy only ever sees unpinned candidates.
+Which expert sits in which slot, what is pinned or protected, which one goes, and every hit/miss
+counter live in `CacheState`, whose rules the simulator obeys too. This file only moves bytes: a miss
+copies the expert's packed host buffer into the slot the state chose; a hit returns the slot as it is.
 On CUDA, prefetches run on a separate copy stream and each slot carries a ready event that the
-compute stream waits on; on CPU every copy is synchronous and the same bookkeeping runs, so the
-logic the tests exercise is the logic the GPU runs.
+compute stream waits on; on CPU every copy is synchronous and the same bookkeeping runs, so the logic
+the tests exercise is the logic the GPU runs.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from ..cache_model import PHASES, CacheState, split_slots
 from ..errors import MoectlError
 from ..policies.base import ReplacementPolicy
 from ..store.expert_store import ExpertStore
 
+__all__ = ["CacheStats", "DeviceCache", "split_slots"]
 
-@dataclass
+
 class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_loaded: int = 0           # demand loads and prefetches together
-    load_wait_s: float = 0.0        # time the forward waited for demand loads
-    prefetches: int = 0
-    prefetch_bytes: int = 0
-    prefetch_used: int = 0          # prefetched experts later hit before eviction
-    _pending_events: list = field(default_factory=list, repr=False)
+    """Byte and wait-time counters of the copies; hit/miss/prefetch counts come from the state."""
+
+    def __init__(self, state: CacheState, expert_nbytes: int):
+        self.state, self.expert_nbytes = state, expert_nbytes
+        self.load_wait_s = 0.0          # time the forward waited for demand loads
+        self._pending_events: list = []
 
     @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
+    def hits(self) -> int:
+        return self.state.totals()["hits"]
+
+    @property
+    def misses(self) -> int:
+        return self.state.totals()["misses"]
+
+    @property
+    def prefetches(self) -> int:
+        return self.state.totals()["prefetches"]
 
     def as_dict(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
-                "bytes_loaded": self.bytes_loaded, "load_wait_s": self.load_wait_s,
-                "prefetches": self.prefetches, "prefetch_bytes": self.prefetch_bytes,
-                "prefetch_used": self.prefetch_used}
-
-
-def split_slots(total: int, num_layers: int, num_experts: int) -> list[int]:
-    """`total` slots split evenly over the layers (earlier layers get the remainder), capped at E."""
-    if total < num_layers:
-        raise MoectlError(f"--cache-experts {total} is below the minimum of one slot per MoE layer ({num_layers})")
-    base, extra = divmod(total, num_layers)
-    return [min(num_experts, base + (1 if i < extra else 0)) for i in range(num_layers)]
+        t = self.state.totals()
+        n = t["hits"] + t["misses"]
+        return {"hits": t["hits"], "misses": t["misses"], "hit_rate": t["hits"] / n if n else 0.0,
+                "bytes_loaded": (t["misses"] + t["prefetches"]) * self.expert_nbytes,   # demand + prefetch
+                "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
+                "prefetch_bytes": t["prefetches"] * self.expert_nbytes,
+                "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
+                **{ph: {k: v for k, v in self.state.totals(ph).items() if k in ("hits", "misses", "evictions")}
+                   for ph in PHASES}}
 
 
 class DeviceCache:
@@ -60,64 +63,51 @@ class DeviceCache:
             raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
         self.store, self.device, self.policy = store, torch.device(device), policy
         self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
+        self.state = CacheState(self.slots_per_layer, policy)
         P = store.layout.numel
         self.pool = [torch.empty(s, P, dtype=store.dtype, device=self.device) for s in self.slots_per_layer]
-        self.slot_of: list[dict[int, int]] = [{} for _ in self.pool]        # expert -> slot
-        self.free: list[list[int]] = [list(range(s))[::-1] for s in self.slots_per_layer]
-        self.pinned: set[tuple[int, int]] = set()
-        self.prefetched: set[tuple[int, int]] = set()                       # loaded by prefetch, not yet used
-        self.stats = CacheStats()
-        self.clock = 0.0
+        self.stats = CacheStats(self.state, store.expert_nbytes)
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.ready: dict[tuple[int, int], torch.cuda.Event] = {}            # (layer, slot) -> copy done
         # Named views (gate_up, down, ...) of every slot, made once: the hot path only indexes them.
         self.views = [[store.layout.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
 
-    # --- bookkeeping --------------------------------------------------------------------
-    @property
-    def num_slots(self) -> int:
-        return sum(self.slots_per_layer)
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_slots * self.store.expert_nbytes
-
+    # --- bookkeeping: the shared state --------------------------------------------------
     def resident(self, layer: int) -> list[int]:
-        return list(self.slot_of[layer])
+        return self.state.resident(layer)
 
     def contains(self, layer: int, expert: int) -> bool:
-        return expert in self.slot_of[layer]
+        return self.state.contains(layer, expert)
 
     def pin(self, layer: int, experts) -> None:
-        self.pinned.update((layer, int(e)) for e in experts)
+        self.state.pin(layer, experts)
 
     def unpin(self, layer: int, experts) -> None:
-        self.pinned.difference_update((layer, int(e)) for e in experts)
+        self.state.unpin(layer, experts)
 
-    def _tick(self) -> float:
-        self.clock += 1.0
-        return self.clock
+    def begin_request(self, name: str) -> None:
+        self.state.begin_request(name)
 
-    def _take_slot(self, layer: int) -> int | None:
-        """A free slot of `layer`, evicting the policy's victim if needed; None if all are pinned."""
-        if self.free[layer]:
-            return self.free[layer].pop()
-        candidates = [e for e in self.slot_of[layer] if (layer, e) not in self.pinned]
-        # Predicted experts are protected until their layer runs, unless nothing else can go.
-        unpredicted = [e for e in candidates if (layer, e) not in self.prefetched]
-        candidates = unpredicted or candidates
-        if not candidates:
-            return None
-        victim = self.policy.victim(layer, candidates, self.clock)
-        slot = self.slot_of[layer].pop(victim)
-        self.prefetched.discard((layer, victim))
-        self.policy.on_evict(layer, victim, self.clock)
-        return slot
+    def begin_step(self, phase: str) -> None:
+        self.state.begin_step(phase)
 
+    def route(self, layer: int, chosen: list[int], weights: list[float] | None = None) -> None:
+        self.state.route(layer, chosen, weights)
+
+    def chunks(self, layer: int, experts: list[int]) -> list[list[int]]:
+        return self.state.chunks(layer, experts)
+
+    def end_token(self) -> None:
+        self.state.end_step()
+
+    # --- copies -------------------------------------------------------------------------
     def _copy_in(self, layer: int, expert: int, slot: int, stream) -> None:
         dst = self.pool[layer][slot]
         if self.cuda:
+            old = self.ready.pop((layer, slot), None)
+            if old is not None:                     # an earlier copy into this slot may still be in flight
+                stream.wait_event(old)
             with torch.cuda.stream(stream):
                 dst.copy_(self.store.host(layer, expert), non_blocking=True)
                 ev = torch.cuda.Event()
@@ -126,67 +116,34 @@ class DeviceCache:
         else:
             dst.copy_(self.store.host(layer, expert))
 
-    # --- the two entry points -----------------------------------------------------------
     def acquire(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """Weights of (layer, expert) on the device, loading on a miss. The caller pins it first."""
-        now = self._tick()
-        slot = self.slot_of[layer].get(expert)
-        if slot is not None:
-            self.stats.hits += 1
-            if (layer, expert) in self.prefetched:
-                self.prefetched.discard((layer, expert))
-                self.stats.prefetch_used += 1
-            self.policy.on_hit(layer, expert, now)
-        else:
-            slot = self._take_slot(layer)
-            if slot is None:
-                raise RuntimeError(f"layer {layer}: every slot is pinned; the runtime pins at most the slot count")
-            self.stats.misses += 1
-            self.stats.bytes_loaded += self.store.expert_nbytes
+        a = self.state.access(layer, expert)
+        if not a.hit:
             t0 = time.perf_counter()
             if self.cuda:
                 cur = torch.cuda.current_stream(self.device)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(cur)
-                self._copy_in(layer, expert, slot, cur)
+                self._copy_in(layer, expert, a.slot, cur)
                 end.record(cur)
                 self.stats._pending_events.append((start, end))
             else:
-                self._copy_in(layer, expert, slot, None)
+                self._copy_in(layer, expert, a.slot, None)
                 self.stats.load_wait_s += time.perf_counter() - t0
-            self.slot_of[layer][expert] = slot
-            self.policy.on_insert(layer, expert, now)
-        ev = self.ready.pop((layer, slot), None)
+        ev = self.ready.pop((layer, a.slot), None)
         if ev is not None:                          # a prefetch into this slot may still be in flight
             torch.cuda.current_stream(self.device).wait_event(ev)
-        return self.views[layer][slot]
+        return self.views[layer][a.slot]
 
     def prefetch(self, layer: int, expert: int) -> bool:
         """Start loading (layer, expert) off the critical path. False if resident or no slot can be
         freed without evicting an in-use or another predicted expert."""
-        if expert in self.slot_of[layer]:
+        a = self.state.prefetch(layer, expert)
+        if a is None:
             return False
-        if not self.free[layer] and all((layer, e) in self.pinned or (layer, e) in self.prefetched
-                                        for e in self.slot_of[layer]):
-            return False
-        slot = self._take_slot(layer)
-        if slot is None:
-            return False
-        self._copy_in(layer, expert, slot, self.copy_stream)
-        self.slot_of[layer][expert] = slot
-        self.prefetched.add((layer, expert))
-        self.stats.prefetches += 1
-        self.stats.prefetch_bytes += self.store.expert_nbytes
-        self.stats.bytes_loaded += self.store.expert_nbytes
-        self.policy.on_insert(layer, expert, self._tick())
+        self._copy_in(layer, expert, a.slot, self.copy_stream)
         return True
-
-    def layer_done(self, layer: int) -> None:
-        """Layer `layer` ran: its predictions are spent, unused prefetches become ordinary residents."""
-        self.prefetched = {(l, e) for (l, e) in self.prefetched if l != layer}
-
-    def end_token(self) -> None:
-        self.policy.on_token_end(self.clock)
 
     def snapshot(self) -> dict:
         """Stats as a dict; on CUDA this resolves the timed demand-load events (a sync)."""

@@ -8,7 +8,6 @@ Generate: a plain loop over the model with a transformers KV cache; greedy or sa
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +15,9 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..fingerprint import model_fingerprint
+from ..fingerprint import config_fingerprint
 from ..models import adapter_for
-from ..policies.aux_gate import AFTER_TOKEN, AuxGatePrefetch
-from ..policies.base import LRU, PrefetchPolicy, ReplacementPolicy
+from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..policies.gating import GatingPolicy, gate_rows
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
@@ -45,10 +43,9 @@ class Engine:
         self.model, self.config, self.adapter, self.ckpt = model, config, adapter, ckpt
         self.store, self.cache, self.device, self.dtype = store, cache, device, dtype
         self.ref = ref
-        self.fingerprint = model_fingerprint(config.to_dict(), adapter.family)
+        self.fingerprint = config_fingerprint(config)
         self.prefetch = prefetch
         self.observers: list = []
-        self.phase = "prefill"
         self._tokenizer = None
         self._requests = 0
         self.model.model.norm.register_forward_hook(self._on_final_norm)
@@ -61,7 +58,7 @@ class Engine:
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, gating: GatingPolicy | str | None = None,
              gating_threshold: float | None = None, gate_prefill: bool = False) -> "Engine":
-        ref = resolve_model(model, workdir)
+        ref = _built(resolve_model(model, workdir))
         dev = _device(device)
         config, adapter = load_config(ref.path)
         ckpt = Checkpoint(ref.path)
@@ -71,6 +68,16 @@ class Engine:
 
         hf, blocks = _skeleton(config, adapter, dt, ref.path)
         moe_layer_ids = [i for i, _ in blocks]
+        gating = _gating(gating, gating_threshold, ref.workdir, config_fingerprint(config), len(moe_layer_ids))
+        runtime = _Runtime(adapter, gating, gate_prefill)
+        for moe_idx, (layer_idx, block) in enumerate(blocks):
+            old = block.experts
+            block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, old._apply_gate, adapter.num_experts)
+        # Sizing from the config and the skeleton only: a bad budget fails before any weight is read.
+        L, E = len(moe_layer_ids), adapter.num_experts
+        expert_nbytes = adapter.layout().numel * torch.empty((), dtype=dt).element_size()
+        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config),
+                                      kv_reserve_nbytes(config, dt), cache_experts, budget, slots_per_layer)
 
         # Non-expert weights straight from the shards onto the device, one tensor at a time.
         # Each tensor takes the dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32).
@@ -81,12 +88,6 @@ class Engine:
             if name is not None:
                 t = ckpt.get(key)
                 state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
-        gating = _gating(gating, gating_threshold, ref.workdir, model_fingerprint(config.to_dict(), adapter.family),
-                         len(moe_layer_ids))
-        runtime = _Runtime(adapter, gating, gate_prefill)
-        for moe_idx, (layer_idx, block) in enumerate(blocks):
-            old = block.experts
-            block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, old._apply_gate, adapter.num_experts)
         missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         missing = [k for k in missing if k not in tied]
@@ -100,20 +101,10 @@ class Engine:
             if t.is_meta:
                 raise MoectlError(f"weight {name} was not found in {ref.path}")
 
+        policy, prefetch = _policies(replacement, prefetch, hf, adapter, predictor or ref.workdir,
+                                     config_fingerprint(config), L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
-        L, E = len(moe_layer_ids), adapter.num_experts
-        dense = dense_nbytes(hf)
-        if slots_per_layer is None:
-            if cache_experts is not None and budget is not None:
-                raise MoectlError("give --cache-experts or --budget, not both")
-            if budget is not None:
-                slots_per_layer = budget_slots(parse_size(budget) if isinstance(budget, str) else int(budget),
-                                               dense, kv_reserve_nbytes(config, dt), store.expert_nbytes, L, E)
-            else:
-                slots_per_layer = split_slots(L * E if cache_experts is None else int(cache_experts), L, E)
-        policy = _replacement(replacement, L, E)
-        prefetch = _prefetch(prefetch, hf, adapter, predictor or ref.workdir, config, adapter.family)
         cache = DeviceCache(store, slots_per_layer, dev, policy)
         runtime.cache = cache
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch)
@@ -141,11 +132,6 @@ class Engine:
     def moe_layer_ids(self) -> list[int]:
         return self.store.moe_layer_ids
 
-    def describe(self) -> dict:
-        return describe(self.config, self.adapter, self.store.expert_nbytes, dense_nbytes(self.model),
-                        len(self.moe_layer_ids)) | {"fingerprint": self.fingerprint,
-                                                    "cache_slots": self.cache.slots_per_layer}
-
     # --- observers ----------------------------------------------------------------------
     def add_observer(self, obs) -> None:
         self.observers.append(obs)
@@ -161,18 +147,28 @@ class Engine:
             fn = getattr(obs, "on_final_hidden", None)
             if fn is not None:
                 fn(h2)
-        if self.prefetch is not None:
+        if self.prefetch is not None and self.cache.state.phase == "decode":
             self.prefetch.end_token(h2[-1].float().cpu().numpy())
-            if isinstance(self.prefetch, AuxGatePrefetch):      # the aux gate: next token's first layer
-                for target, expert, _score in self.prefetch.predict(AFTER_TOKEN):
-                    self.cache.prefetch(target, int(expert))
 
     # --- forward and generate -----------------------------------------------------------
+    def begin_request(self, name: str) -> None:
+        """A new request: sequence-level policy statistics and the prefetch state reset."""
+        self.cache.begin_request(name)
+        if self.prefetch is not None:
+            self.prefetch.reset()
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values=None):
-        """Logits [1,T,V] and the KV cache, for `input_ids` [1,T] after `past_key_values`."""
+        """Logits [1,T,V] and the KV cache, for `input_ids` [1,T] after `past_key_values`.
+        A forward without a KV cache, or of several tokens, is a prefill step, else a decode step."""
         from transformers import DynamicCache
 
+        decode = past_key_values is not None and input_ids.shape[-1] == 1
+        self.cache.begin_step("decode" if decode else "prefill")
+        if decode and self.prefetch is not None:      # the aux gate: this token's first layer
+            for target, expert, _score in self.prefetch.predict_after_token():
+                if 0 <= target < len(self.cache.slots_per_layer):
+                    self.cache.prefetch(target, int(expert))
         if past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         out = self.model(input_ids=input_ids.to(self.device), past_key_values=past_key_values, use_cache=True)
@@ -188,7 +184,9 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt: str | None = None, input_ids=None, max_new_tokens: int = 64, greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, on_token=None,
-                 stop_at_eos: bool = True, chat: bool = False) -> GenerationResult:
+                 stop_at_eos: bool = True, chat: bool = False, should_stop=None) -> GenerationResult:
+        """`on_token(id, text_piece)` after each token; `should_stop()` (checked after it) ends the answer early:
+        a cancelled request, a stop string. The runtime is left clean for the next call either way."""
         if input_ids is None:
             if prompt is None:
                 raise MoectlError("generate needs a prompt or input_ids")
@@ -205,11 +203,8 @@ class Engine:
         t0 = time.perf_counter()
         pkv = None
         step = torch.tensor([ids], dtype=torch.long)
-        self.phase = "prefill"
         self._requests += 1
-        self.cache.policy.on_request_start(f"generate-{self._requests}")
-        if self.prefetch is not None:
-            self.prefetch.reset()
+        self.begin_request(f"generate-{self._requests}")
         per_token = []
         for _ in range(max_new_tokens):
             mark = self.cache.stats.as_dict()
@@ -224,12 +219,10 @@ class Engine:
                     full = self._tokenizer.decode(new, skip_special_tokens=True)
                     piece, text_so_far = full[len(text_so_far):], full
                 on_token(nxt, piece)
-            if stop_at_eos and nxt in eos:
+            if (stop_at_eos and nxt in eos) or (should_stop is not None and should_stop()):
                 break
-            self.phase = "decode"
             step = torch.tensor([[nxt]], dtype=torch.long)
         elapsed = time.perf_counter() - t0
-        self.phase = "prefill"
         after = self.cache.snapshot()
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
         stats = run_stats(before, after, len(new), elapsed)
@@ -271,15 +264,22 @@ class _Runtime:
         for obs in eng.observers:
             obs.on_route(layer, top_k_index, top_k_weights, hidden)
         pf = eng.prefetch
-        if pf is not None and top_k_index.shape[0] == 1:       # decode: one token, predict ahead
+        if pf is not None and self.cache.state.phase == "decode":      # predict ahead in decode steps only
             pf.observe(layer, top_k_index[0].tolist(), top_k_weights[0].float().tolist(),
                        hidden[0].float().cpu().numpy())
             for target, expert, _score in pf.predict(layer):
-                if 0 <= target < len(self.cache.slots_per_layer):
+                if layer < target < len(self.cache.slots_per_layer):     # later layers of this token
                     self.cache.prefetch(target, int(expert))
 
 
 # --- helpers (pure functions; the CLI and tests use them too) -----------------------------
+
+def _built(ref):
+    """`ref`, or a clear error when it is the built-in tiny model and nobody built it yet."""
+    if (ref.recipe or {}).get("builtin") == "tiny" and not ref.path.exists():
+        raise MoectlError(f"the built-in tiny model is not built in {ref.workdir} yet: run `moectl build-tiny`")
+    return ref
+
 
 def load_config(path: Path):
     """(HF config, family adapter) of a checkpoint directory, with clear errors."""
@@ -326,61 +326,39 @@ def _dtype(dtype, config) -> torch.dtype:
     return table[name]
 
 
-def _replacement(replacement, num_layers: int, num_experts: int) -> ReplacementPolicy:
-    if isinstance(replacement, ReplacementPolicy):
-        return replacement
-    if replacement == "lru":
-        return LRU()
+def _policies(replacement, prefetch, model, adapter, predictor_dir, fingerprint: str,
+              num_layers: int) -> tuple[ReplacementPolicy, PrefetchPolicy | None]:
+    """Replacement and prefetch policies by name (or given objects), through the policy builder the
+    simulator uses. Prefetch 'auto': the calibrated predictors when the workdir has them (aux gate + mlp,
+    or mlp), else gate reuse; 'gate-reuse' reads the model's routers; 'mlp', 'routing', 'aux-gate' load the
+    predictors artifact in `predictor_dir` (the model workdir unless --predictor says)."""
+    from ..policies import PolicyInputs, build_prefetch, build_replacement
+
+    inputs = PolicyInputs(num_layers, adapter.num_experts, adapter.top_k,
+                          predictor_hint=f" in {predictor_dir}: run `moectl train-predictor --kind {prefetch}`")
     if replacement == "belady":
         raise MoectlError("belady needs the future: it exists in `moectl simulate` only")
-    from .. import policies
-
-    if not hasattr(policies, "make_replacement"):
-        raise MoectlError(f"unknown replacement policy {replacement!r}")
-    return policies.make_replacement(replacement, num_layers=num_layers, num_experts=num_experts)
-
-
-def _prefetch(prefetch, model, adapter, predictor_dir, config, family) -> PrefetchPolicy | None:
-    """None/'none', a PrefetchPolicy object, 'gate-reuse' (next routers on the current hidden state), or a
-    learned one ('mlp', 'routing', 'aux-gate' = aux gate for layer 0 + mlp for the rest) loaded from the
-    predictors artifact in `predictor_dir` (the model workdir unless --predictor says)."""
+    policy = replacement if isinstance(replacement, ReplacementPolicy) else build_replacement(replacement, inputs)
     if prefetch is None or isinstance(prefetch, PrefetchPolicy):
-        return prefetch
-    if prefetch == "none":
-        return None
-    K = adapter.top_k
-    if prefetch == "auto":       # the calibrated predictors when the workdir has them, else gate reuse
-        from ..predict.artifact import JSON_NAME
+        return policy, prefetch
+    from ..predict.artifact import JSON_NAME, load_predictors
 
-        f = Path(predictor_dir) / JSON_NAME
-        kinds = json.loads(f.read_text()).get("kinds", []) if f.exists() else []
-        prefetch = "aux-gate" if {"mlp", "aux_gate"} <= set(kinds) else "mlp" if "mlp" in kinds else "gate-reuse"
+    if prefetch == "auto":
+        preds = load_predictors(predictor_dir, fingerprint) if (Path(predictor_dir) / JSON_NAME).exists() else None
+        kinds = set(preds.kinds) if preds else set()
+        prefetch = "aux-gate" if {"mlp", "aux_gate"} <= kinds else "mlp" if "mlp" in kinds else "gate-reuse"
+        inputs.predictor_hint = ""
     if prefetch == "gate-reuse":
-        from ..policies.prefetch import GateReuse
-
-        routers, bias = {}, {}
+        inputs.routers, inputs.router_bias = {}, {}
         for moe_idx, (_, block) in enumerate(adapter.moe_blocks(model)):
             r = adapter.router(block)
-            routers[moe_idx] = r.weight.detach().float().cpu().numpy()
+            inputs.routers[moe_idx] = r.weight.detach().float().cpu().numpy()
             if getattr(r, "bias", None) is not None:
-                bias[moe_idx] = r.bias.detach().float().cpu().numpy()
-        return GateReuse(routers, bias, depth=1, per_layer=K)
-    if prefetch in ("mlp", "routing", "aux-gate"):
-        from ..policies import MLPPrefetch, RoutingPrefetch
-        from ..predict.artifact import load_predictors
-
-        preds = load_predictors(predictor_dir, expect_fingerprint=model_fingerprint(config.to_dict(), family))
-        need = {"mlp": "mlp", "routing": "routing", "aux-gate": "aux_gate"}[prefetch]
-        if getattr(preds, need) is None:
-            raise MoectlError(f"the predictors in {predictor_dir} have no {need} predictor; "
-                              f"run `moectl train-predictor --kind {prefetch}`")
-        if prefetch == "mlp":
-            return MLPPrefetch(preds.mlp, depth=max(preds.mlp.lookaheads), per_layer=K)
-        if prefetch == "routing":
-            return RoutingPrefetch(preds.routing, per_layer=K)
-        inner = MLPPrefetch(preds.mlp, depth=max(preds.mlp.lookaheads), per_layer=K) if preds.mlp else None
-        return AuxGatePrefetch(preds.aux_gate, inner, per_layer=K)
-    raise MoectlError(f"unknown prefetch {prefetch!r}; use auto, none, gate-reuse, mlp, routing or aux-gate")
+                inputs.router_bias[moe_idx] = r.bias.detach().float().cpu().numpy()
+    elif prefetch in ("mlp", "routing", "aux-gate"):
+        preds = load_predictors(predictor_dir, expect_fingerprint=fingerprint)
+        inputs.mlp, inputs.routing, inputs.aux_gate = preds.mlp, preds.routing, preds.aux_gate
+    return policy, build_prefetch(prefetch, inputs)
 
 
 def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_layers: int) -> GatingPolicy | None:
@@ -405,14 +383,39 @@ def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_laye
     return policy
 
 
-def dense_nbytes(model) -> int:
-    """Bytes of everything resident besides the expert cache (OffloadedExperts own no parameters)."""
+def dense_nbytes(model, config=None) -> int:
+    """Bytes of everything resident besides the expert cache (OffloadedExperts own no parameters). Works on
+    the skeleton before loading too (meta parameters count by shape and dtype): tied output embeddings
+    count once."""
     seen, n = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen and not t.is_meta:
+        if id(t) not in seen:
             seen.add(id(t))
             n += t.numel() * t.element_size()
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None and emb is not None and out.weight is not emb.weight:     # not tied yet
+            n -= out.weight.numel() * out.weight.element_size()
     return n
+
+
+def cache_slots(num_layers: int, num_experts: int, expert_nbytes: int, dense: int, kv: int,
+                cache_experts: int | None = None, budget: str | int | None = None,
+                slots_per_layer: list[int] | None = None) -> list[int]:
+    """Slots per MoE layer from exactly one of --cache-experts, --budget, a plan (default: every expert)."""
+    if sum(x is not None for x in (cache_experts, budget, slots_per_layer)) > 1:
+        raise MoectlError("give one of --cache-experts, --budget or a plan, not several")
+    if slots_per_layer is not None:
+        if len(slots_per_layer) != num_layers:
+            raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {num_layers} MoE layers")
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in slots_per_layer):
+            raise MoectlError(f"cache plan slots must be integers >= 1, got {slots_per_layer}")
+        return [min(s, num_experts) for s in slots_per_layer]
+    if budget is not None:
+        return budget_slots(parse_size(budget) if isinstance(budget, str) else int(budget), dense, kv,
+                            expert_nbytes, num_layers, num_experts)
+    return split_slots(num_layers * num_experts if cache_experts is None else int(cache_experts),
+                       num_layers, num_experts)
 
 
 def kv_reserve_nbytes(config, dtype: torch.dtype, tokens: int = KV_RESERVE_TOKENS) -> int:
@@ -487,17 +490,15 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None) -> dict:
     """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only."""
-    ref = resolve_model(model, workdir)
+    ref = _built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
     Checkpoint(ref.path)                               # validates the shards (headers only)
     dt = _dtype(dtype, config)
     hf, blocks = _skeleton(config, adapter, dt, ref.path)
-    size = torch.empty((), dtype=dt).element_size()
-    dense = sum(t.numel() * size for k, t in hf.state_dict().items() if adapter.skeleton_key(k) is not None)
-    if getattr(config, "tie_word_embeddings", False):
-        dense -= hf.get_output_embeddings().weight.numel() * size
-    expert_nbytes = adapter.layout().numel * size
-    info = describe(config, adapter, expert_nbytes, dense, len(blocks))
+    for moe_idx, (layer_idx, block) in enumerate(blocks):   # the runtime's stand-ins: experts are not dense
+        block.experts = OffloadedExperts(moe_idx, layer_idx, None, None, adapter.num_experts)
+    expert_nbytes = adapter.layout().numel * torch.empty((), dtype=dt).element_size()
+    info = describe(config, adapter, expert_nbytes, dense_nbytes(hf, config), len(blocks))
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "moe_layer_ids": [i for i, _ in blocks],
-                   "fingerprint": model_fingerprint(config.to_dict(), adapter.family)}
+                   "fingerprint": config_fingerprint(config)}

@@ -3,9 +3,10 @@
 Legend: T = tokens in this forward, K = top-k, H = hidden size.
 
 The MoE block calls `experts(x [T,H], top_k_index [T,K], top_k_weights [T,K])` exactly as it
-calls the stock module; we gate the routing (adaptive top-k, when a gating policy is set), tell the
-runtime what was routed (observers, prefetch), then compute the experts already on the device first
-and the missing ones as they arrive, at most as many at once as the layer has slots.
+calls the stock module; we gate the routing (adaptive top-k, when a gating policy is set), give the cache
+the router's choice, tell the runtime (observers, prefetch), then compute the experts in the cache's
+order (resident first, chunks of the slot count): the rule set of `moectl/cache_model.py`, which the
+simulator follows too.
 
 Outputs are summed in ascending expert id, as transformers' own loop does, whatever order the cache
 computed them in: the result does not depend on what was resident.
@@ -30,13 +31,17 @@ class OffloadedExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         rt, layer = self.runtime, self.layer
         top_k_index, top_k_weights = rt.gate(layer, top_k_index, top_k_weights)
-        rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
         cache = rt.cache
         if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
             # Decode fast path: one token, K distinct experts; no gather/scatter needed.
             rt.expert_calls += sum(0 <= e < self.num_experts for e in ids)
-            cache.policy.on_route(layer, ids, top_k_weights[0].float().tolist())   # frequency policies count
             pos = {e: j for j, e in enumerate(ids)}
+            if cache.state.phase == "decode":                                       # the cache rules' step 1
+                cache.route(layer, ids, top_k_weights[0].float().tolist())
+            else:                                                                   # a one-token prompt
+                ids = sorted(ids)
+                cache.route(layer, ids, None)
+            rt.on_route(layer, top_k_index, top_k_weights, hidden_states)           # observers, prefetch
             ys: dict[int, torch.Tensor] = {}
 
             def one(e, expert):
@@ -47,9 +52,10 @@ class OffloadedExperts(nn.Module):
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
             return out
-        needed = top_k_index.unique().tolist()                                      # one host sync per layer
+        needed = [e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts]   # one host sync
         rt.expert_calls += int((top_k_index >= 0).sum())
-        cache.policy.on_route(layer, [e for e in needed if 0 <= e < self.num_experts], None)   # batched: once each
+        cache.route(layer, needed, None)                                            # batched: once each
+        rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def batch(e, expert):
@@ -64,20 +70,15 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _each_expert(self, experts: list[int], compute) -> None:
-        """`compute(e, expert)` for each valid expert, `expert(x [t,H]) -> y [t,H]` its FFN: resident ones first (on
-        a GPU their compute overlaps the loads of the rest), missing ones as they arrive, pinning at most the
-        layer's slot count at once."""
+        """`compute(e, expert)` for each valid expert in the cache's order, `expert(x [t,H]) -> y [t,H]` its FFN:
+        resident ones first (on a GPU their compute overlaps the loads of the rest), then the missing ones,
+        pinning at most the layer's slot count at once."""
         cache, layer = self.runtime.cache, self.layer
-        experts = [e for e in experts if 0 <= e < self.num_experts]
-        order = sorted(experts, key=lambda e: not cache.contains(layer, e))      # stable: resident first
-        width = cache.slots_per_layer[layer]
-        for i in range(0, len(order), width):
-            chunk = order[i:i + width]
+        for chunk in cache.chunks(layer, [e for e in experts if 0 <= e < self.num_experts]):
             cache.pin(layer, chunk)
             for e in chunk:
                 compute(e, self._expert_fn(e, cache.acquire(layer, e)))
             cache.unpin(layer, chunk)
-        cache.layer_done(layer)
 
     def _expert_fn(self, e: int, w: dict[str, torch.Tensor]):
         if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)

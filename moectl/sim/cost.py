@@ -116,6 +116,8 @@ def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -
     """Bytes of one routed expert (gate, up, down projections). `bits` None = the model's dtype;
     quantized copies add one fp16 scale and one zero point per `group_size` weights."""
     n = 3 * shape["hidden_size"] * shape["intermediate_size"]
+    if bits is not None and not (0 < bits <= 32):
+        raise MoectlError(f"--bits must be a precision between 0 and 32 bits (e.g. 16, 8, 4), not {bits:g}")
     if bits is None:
         return n * DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
     if bits >= 16:

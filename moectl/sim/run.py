@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ..artifact import is_int, read_descriptor, require_list, where
+from ..cache_model import split_slots
 from ..errors import MoectlError
-from ..policies import eams_from_traces, make_prefetch, make_replacement
+from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_from_traces, make_replacement
 from ..trace import Trace
 from .cost import CostModel, load_hardware, load_shape, shape_for_trace_model, shape_from_hf_config
 from .simulator import SimResult, Simulator, trace_steps
@@ -34,18 +36,15 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
         return [min(E, max(K, round(fraction * E)))] * L
     if experts is not None:
-        if experts < L:
-            raise MoectlError(f"--cache-experts {experts} is less than one slot per layer ({L} layers)")
-        base, extra = divmod(min(experts, L * E), L)
-        return [base + (1 if l < extra else 0) for l in range(L)]
+        return split_slots(experts, L, E)
     d = plan if isinstance(plan, dict) else load_plan(plan)
-    slots = [int(s) for s in d["slots"]]
+    slots = plan_slots(d, None if isinstance(plan, dict) else plan)
     if len(slots) != L:
         raise MoectlError(f"plan has {len(slots)} layers of slots, the trace has {L} MoE layers")
     fp = d.get("fingerprint")
     if fp and trace.fingerprint and fp != trace.fingerprint:
         raise MoectlError(f"plan was made for model {fp}, the trace is of {trace.fingerprint}")
-    return [max(1, min(E, s)) for s in slots]
+    return [min(E, s) for s in slots]
 
 
 def load_plan(path: str | Path) -> dict:
@@ -54,10 +53,38 @@ def load_plan(path: str | Path) -> dict:
         p = p / "plan.yaml"
     if not p.is_file():
         raise MoectlError(f"plan {p} does not exist")
-    d = yaml.safe_load(p.read_text()) or {}
-    if d.get("format") != PLAN_FORMAT or "slots" not in d:
-        raise MoectlError(f"{p} is not a {PLAN_FORMAT} plan (needs format: {PLAN_FORMAT} and slots: [per layer])")
+    d = read_descriptor(p, PLAN_FORMAT, what=f"{PLAN_FORMAT} plan (format: {PLAN_FORMAT}, slots: [per layer])")
+    d["_path"] = str(p)
     return d
+
+
+def plan_slots(d: dict, path) -> list[int]:
+    """The plan's per-layer slot counts, each an integer >= 1; errors name the file and the entry's line."""
+    path = d.get("_path", path)
+    slots = require_list(d, "slots", path or "plan")
+    lines = _yaml_item_lines(path, "slots")
+    for i, s in enumerate(slots):
+        line = lines[i] if i < len(lines) else None
+        if not is_int(s):
+            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] must be an integer, not {s!r}")
+        if s < 1:
+            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] is {s}; every MoE layer needs at least "
+                              f"one slot")
+    return list(slots)
+
+
+def _yaml_item_lines(path, key: str) -> list[int]:
+    """1-based line of each item of the top-level list `key` of a YAML file ([] if unknown)."""
+    if path is None:
+        return []
+    try:
+        node = yaml.compose(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    for k, v in node.value if isinstance(node, yaml.MappingNode) else []:
+        if k.value == key and isinstance(v, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in v.value]
+    return []
 
 
 def model_shape(trace: Trace, name: str | None = None) -> dict:
@@ -88,7 +115,7 @@ def _shape_from_checkpoint(model: str) -> dict | None:
     try:
         from ..recipes import resolve_model
 
-        ref = resolve_model(model, None, build=False)
+        ref = resolve_model(model, None)
         cfg = Path(ref.path) / "config.json"
         return shape_from_hf_config(json.loads(cfg.read_text())) if cfg.is_file() else None
     except Exception:          # unknown model name: the caller asks for --model-shape
@@ -153,57 +180,35 @@ def final_hidden_lookup(trace: Trace):
     return final_hidden_of
 
 
-def build_prefetch(name: str, trace: Trace, predictor=None, train_traces: list[Trace] | None = None,
-                   depth: int | None = None, per_layer: int | None = None, min_score: float | None = None,
-                   aux_gate=None):
-    """A prefetch policy by name; depth None = the policy's best default (gate-reuse 1 layer: deeper
-    router reuse is less accurate and its loads queue ahead of the next layer's; others 2).
-    'aux-gate': AdapMoE's first-layer gate (`aux_gate`) for layer 0, the mlp `predictor` for the rest."""
-    K = trace.top_k
-    if name == "aux-gate":
-        if aux_gate is None:
-            raise MoectlError("--prefetch aux-gate needs --predictor with an aux gate "
-                              "(`moectl train-predictor --kind all`)")
-        if final_hidden_lookup(trace) is None:
-            raise MoectlError("aux-gate prefetch needs the trace's hidden states for every token")
-        inner = build_prefetch("mlp", trace, predictor, None, depth, per_layer, min_score) if predictor else None
-        return make_prefetch("aux-gate", predictor=aux_gate, inner=inner, per_layer=per_layer or K)
-    if depth is None:
-        depth = 1 if name == "gate-reuse" else 2
-    kw = dict(num_layers=trace.num_layers, num_experts=trace.num_experts, depth=depth,
-              per_layer=per_layer or K, min_score=min_score)
-    if name == "gate-reuse":
-        if not trace.routers or hidden_lookup(trace) is None:
-            raise MoectlError("gate-reuse prefetch needs the trace's hidden states for every token and its router "
-                              "weights (profile a small model with every token's MoE inputs kept); "
-                              "routing-only traces can use --prefetch routing or eam")
-        kw.update(routers=trace.routers, bias=trace.router_bias)
-    elif name == "eam":
-        kw["eamc"] = eams_from_traces(train_traces or [])
-    elif name in ("routing", "mlp"):
-        if predictor is None:
-            raise MoectlError(f"--prefetch {name} needs --predictor FILE" +
-                              (" or --train-on PATH (other traces of the same model)" if name == "routing" else ""))
-        if name == "mlp" and hidden_lookup(trace) is None:
-            raise MoectlError("mlp prefetch needs the trace's hidden states for every token")
-        kw["predictor"] = predictor
-    return make_prefetch(name, **kw)
+def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=None, routing=None,
+                  aux_gate=None) -> PolicyInputs:
+    """What the simulator knows for the policy builder: the trace's routers and hidden states, trained
+    predictors, and the request EAMs of `train_traces` (MoE-Infinity's collection)."""
+    return PolicyInputs(trace.num_layers, trace.num_experts, trace.top_k, routers=trace.routers,
+                        router_bias=trace.router_bias, hidden_states=hidden_lookup(trace) is not None,
+                        mlp=mlp, routing=routing, aux_gate=aux_gate, eamc=eams_from_traces(train_traces or []),
+                        predictor_hint=" (--predictor DIR from `moectl train-predictor`; a routing predictor "
+                                       "can also be trained on other traces of the model with --train-on PATH)")
 
 
 def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cost: CostModel,
              predictor=None, train_traces: list[Trace] | None = None, depth: int | None = None,
              per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
              replacement_kw: dict | None = None, aux_gate=None) -> SimResult:
-    """One configuration on one (possibly concatenated) trace."""
+    """One configuration on one (possibly concatenated) trace. `predictor`: the routing predictor for
+    --prefetch routing, else the mlp one."""
     steps = trace_steps(trace)
-    kw = dict(num_layers=trace.num_layers, num_experts=trace.num_experts, **(replacement_kw or {}))
-    if replacement == "moe-infinity":
-        kw["eamc"] = eams_from_traces(train_traces or [])
-    repl = make_replacement(replacement, **kw)
-    pf = build_prefetch(prefetch, trace, predictor, train_traces, depth, per_layer, min_score, aux_gate)
+    inputs = policy_inputs(trace, train_traces, mlp=None if prefetch == "routing" else predictor,
+                           routing=predictor if prefetch == "routing" else None, aux_gate=aux_gate)
+    repl = build_replacement(replacement, inputs, **(replacement_kw or {}))
+    pf = build_prefetch(prefetch, inputs, depth, per_layer, min_score)
     hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
     final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
     r = Simulator(caps, repl, pf, cost).run(steps, hidden_of=hidden_of, final_hidden_of=final_of)
+    note = ""
+    if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:
+        note = ("moe-infinity without --train-on on a single-request trace has an empty request collection: "
+                "its pEAM is the live request's own, i.e. sequence LFU; seed it with --train-on TRACES")
     bel = None
     if belady:
         bel = Simulator(caps, make_replacement("belady"), None, cost).run(steps)["hit_rate"]
@@ -213,7 +218,8 @@ def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cos
         bytes_per_token=r["bytes_per_token"], stall_ms_per_token=r["stall_ms_per_token"],
         ms_per_token=r["ms_per_token"], lower_bound_ms_per_token=r["lower_bound_ms_per_token"],
         tokens=r["decode_tokens"], late_prefetches_per_token=r["late_prefetches_per_token"],
-        prefill_ms=r["prefill_ms"], replacement=replacement, prefetch=prefetch)
+        prefill_ms=r["prefill_ms"], replacement=replacement, prefetch=prefetch, misses=r["misses"],
+        prefill_misses=r["prefill_misses"], cache=r["cache"], note=note)
 
 
 def cost_for(trace: Trace, hardware: str, model_shape_name: str | None = None, bits: float | None = None) -> CostModel:

@@ -1,6 +1,9 @@
 """Trace-driven discrete-event simulator of an expert cache with prefetch.
 
-Two timelines:
+What is resident, what is evicted and every hit/miss count come from `moectl/cache_model.py:
+CacheState`, driven by the rule set in its docstring exactly as the runtime drives it (a prefill's
+experts in chunks of the slot count, resident first; prefetch in decode steps only; predictions
+spent when their layer routes). This file adds time. Two timelines:
   compute  - per step (one decode token, or a whole prefill) and layer: attention/router, then the
              layer's experts, resident ones first, arriving ones as they land.
   copy     - one host->GPU transfer at a time. Demand loads (an expert the router chose that is not
@@ -8,7 +11,9 @@ Two timelines:
 A prefetch is issued right after a router runs, for later layers of the same token. It helps only
 if it lands before its layer's experts run: a late one (in flight when needed) is not a demand load,
 but the wait for it is stall. A prefetch still queued (not started) when its expert is needed is
-promoted to a demand load. Prefetched experts are pinned until their layer ran.
+promoted to a demand-priority copy (counted in `demand`, not as a miss: the cache state holds it).
+Timing-only counters (`hits` on time, `late`, `demand` copies, `prefetch` copies started) live here;
+`misses` and the per-layer, per-phase counters are the cache state's.
 
 The simulator drives the same ReplacementPolicy / PrefetchPolicy objects as the runtime.
 
@@ -22,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..policies.aux_gate import AFTER_TOKEN, AuxGatePrefetch
+from ..cache_model import PHASES, CacheState
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
@@ -84,18 +89,21 @@ class SimResult:
     prefill_ms: float = 0.0
     replacement: str = ""
     prefetch: str = ""
+    misses: int = 0                        # decode misses (= demand_loads_per_token x tokens)
+    prefill_misses: int = 0
+    cache: dict | None = None              # {phase: {counter: [per layer]}} of the cache state
+    note: str = ""                         # what the configuration cannot do on this input, if anything
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-class _Slot:
-    __slots__ = ("ready", "prefetched", "used")
+class _Copy:
+    __slots__ = ("ready", "prefetched")
 
     def __init__(self, ready: float | None, prefetched: bool):
         self.ready = ready            # arrival time; None = prefetch queued, not started
         self.prefetched = prefetched
-        self.used = False
 
 
 class Simulator:
@@ -115,12 +123,11 @@ class Simulator:
     def _advance(self, t: float) -> None:
         """Start every queued prefetch the copy engine reaches before time t."""
         while self.queue and self.free_at < t:
-            l, e, t_enq = self.queue.popleft()
-            slot = self.pools[l].get(e)
-            if slot is None or slot.ready is not None:      # evicted or promoted meanwhile
+            l, e, t_enq, copy = self.queue.popleft()
+            if self.copies.get((l, e)) is not copy or copy.ready is not None:   # evicted or promoted meanwhile
                 continue
             start = max(self.free_at, t_enq)
-            slot.ready = self.free_at = start + self.load_s
+            copy.ready = self.free_at = start + self.load_s
             self.n_prefetch += 1
 
     def _demand(self, t: float) -> float:
@@ -129,58 +136,46 @@ class Simulator:
         self.n_demand += 1
         return self.free_at
 
-    def _make_room(self, l: int, protected: set[int], now: float) -> bool:
-        pool = self.pools[l]
-        if len(pool) < self.cap[l]:
-            return True
-        cands = [e for e in pool if e not in protected]
-        if not cands:
-            return False
-        v = self.repl.victim(l, cands, now)
-        slot = pool.pop(v)
-        if slot.prefetched and not slot.used:
-            self.n_wasted += 1
-        self.repl.on_evict(l, v, now)
-        return True
-
-    def _issue(self, tl: int, e: int, protected: set[int], now: int, clock: float) -> None:
-        """Queue a prefetch of expert e of layer tl (pinned via `protected`) unless it is resident."""
-        protected.add(e)
-        if e in self.pools[tl] or not self._make_room(tl, protected, now):
+    def _issue(self, tl: int, e: int, t: float) -> None:
+        """Prefetch expert e of layer tl: the cache state protects/inserts it, the copy is queued at time t."""
+        a = self.state.prefetch(tl, e)
+        if a is None:
             return
-        self.pools[tl][e] = _Slot(None, True)
-        self.repl.on_insert(tl, e, now)
-        self.queue.append((tl, e, clock))
+        if a.victim is not None:
+            self.copies.pop((tl, a.victim), None)
+        copy = self.copies[(tl, e)] = _Copy(None, True)
+        self.queue.append((tl, e, t, copy))
 
     # ------------------------------------------------------------------ main loop
     def run(self, steps: list[Step], hidden_of=None, final_hidden_of=None) -> dict:
         """Simulate; `hidden_of(row, layer)` / `final_hidden_of(row)` give hidden states for
-        prefetch policies that need them (gate reuse, MLP)."""
+        prefetch policies that need them (gate reuse, MLP, aux gate)."""
         L, cost = self.L, self.cost
         self.load_s = cost.load_s()
-        self.pools: list[dict[int, _Slot]] = [dict() for _ in range(L)]
+        self.state = state = CacheState(self.cap, self.repl)
+        self.copies: dict[tuple[int, int], _Copy] = {}          # resident (layer, expert) -> its copy
         self.queue: deque = deque()
         self.free_at = 0.0
-        self.n_demand = self.n_prefetch = self.n_wasted = 0
+        self.n_demand = self.n_prefetch = 0
         if self.repl.needs_future:
             self.repl.set_future([s.chosen for s in steps])
         hits = accesses = late = 0
         clock = stall = compute_only = prefill_time = 0.0
         decode_tokens = 0
         demand_decode = 0
-        now = 0
         context = 0
-        next_first: set[int] = set()      # layer-0 experts the aux gate prefetched for the next token
-        for i_step, step in enumerate(steps):
+        t_final = 0.0                     # when the previous step's final hidden state was ready
+        for step in steps:
             if step.first_of_request:
-                self.repl.on_request_start(step.request)
+                state.begin_request(step.request)
                 self.pf.reset()
                 context = 0
+            state.begin_step("prefill" if step.prefill else "decode")
+            if not step.prefill:          # the aux gate: loads issued while the previous lm_head ran
+                for tl, e, _score in self.pf.predict_after_token():
+                    if 0 <= tl < L:
+                        self._issue(tl, e, min(t_final, clock))
             t_step = clock
-            protected: list[set[int]] = [set() for _ in range(L)]   # predicted for later layers
-            if not step.first_of_request:
-                protected[0] |= next_first
-            next_first = set()
             n_tok = len(step.rows)
             demand_before = self.n_demand
             step_stall = step_compute = 0.0
@@ -189,41 +184,9 @@ class Simulator:
                 clock += attn
                 step_compute += attn
                 chosen = step.chosen[l]
-                self.repl.on_route(l, chosen, step.weights[l])
+                state.route(l, chosen, step.weights[l])
                 self._advance(clock)
-                pinned = set(chosen) | protected[l]
-                ready: list[tuple[float, float]] = []      # (ready time, compute time)
-                pool = self.pools[l]
-                for e in chosen:
-                    now += 1
-                    c = cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1)
-                    step_compute += c
-                    if not step.prefill:
-                        accesses += 1
-                    slot = pool.get(e)
-                    if slot is not None and slot.ready is not None:
-                        if slot.ready <= clock:
-                            hits += not step.prefill
-                        else:
-                            late += not step.prefill
-                        slot.used = True
-                        self.repl.on_hit(l, e, now)
-                        ready.append((slot.ready, c))
-                    elif slot is not None:                   # queued prefetch, not started: promote
-                        slot.ready = self._demand(clock)
-                        slot.prefetched = False
-                        slot.used = True
-                        self.repl.on_hit(l, e, now)
-                        ready.append((slot.ready, c))
-                    else:
-                        t_ready = self._demand(clock)
-                        if self._make_room(l, pinned, now):
-                            s = _Slot(t_ready, False)
-                            s.used = True
-                            pool[e] = s
-                            self.repl.on_insert(l, e, now)
-                        ready.append((t_ready, c))            # no free slot: streamed, not kept
-                # prefetch decisions: right after the router, behind this layer's demand loads
+                # prefetch decisions: right after the router; their copies queue behind this layer's demand loads
                 if not step.prefill:
                     h = hidden_of(step.rows[0], l) if hidden_of else None
                     self.pf.observe(l, chosen, step.weights[l], h)
@@ -234,20 +197,38 @@ class Simulator:
                         if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
                             continue
                         per_layer[tl] = per_layer.get(tl, 0) + 1
-                        self._issue(tl, e, protected[tl], now, clock)
-                # queued prefetches for this layer that never started are useless now: cancel them
-                for e in protected[l]:
-                    slot = pool.get(e)
-                    if slot is not None and slot.ready is None:
-                        del pool[e]
-                        self.repl.on_evict(l, e, now)
-                # experts run: resident first, arrivals in order of landing
+                        self._issue(tl, e, clock)
+                # experts run in the cache's chunks: resident first; a chunk's loads start when the last one ran
                 t = clock
-                for r, c in sorted(ready):
-                    t = max(t, r) + c
-                step_stall += (t - clock) - sum(c for _, c in ready)
+                for chunk in state.chunks(l, chosen):
+                    state.pin(l, chunk)
+                    ready: list[tuple[float, float]] = []      # (ready time, compute time)
+                    for e in chunk:
+                        c = cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1)
+                        step_compute += c
+                        accesses += not step.prefill
+                        a = state.access(l, e)
+                        copy = self.copies.get((l, e)) if a.hit else None
+                        if copy is not None and copy.ready is not None:
+                            if copy.ready <= t:
+                                hits += not step.prefill
+                            else:
+                                late += not step.prefill
+                        elif copy is not None:                   # queued prefetch, not started: promote
+                            copy.ready = self._demand(t)
+                        else:
+                            if a.victim is not None:
+                                self.copies.pop((l, a.victim), None)
+                            copy = self.copies[(l, e)] = _Copy(self._demand(t), False)
+                        ready.append((copy.ready, c))
+                    state.unpin(l, chunk)
+                    t0 = t
+                    for r, c in sorted(ready):                 # arrivals in order of landing
+                        t = max(t, r) + c
+                    step_stall += (t - t0) - sum(c for _, c in ready)
                 clock = t
             head = cost.lm_head_s(1)
+            t_final = clock
             clock += head
             step_compute += head
             if step.prefill:
@@ -257,28 +238,24 @@ class Simulator:
                 stall += step_stall
                 compute_only += step_compute
                 demand_decode += self.n_demand - demand_before
-            context += n_tok
-            if not step.prefill:
                 self.pf.end_token(final_hidden_of(step.rows[0]) if final_hidden_of else None)
-                # AdapMoE aux gate: the next token's first layer, loaded while this token's lm_head runs
-                nxt = steps[i_step + 1] if i_step + 1 < len(steps) else None
-                if isinstance(self.pf, AuxGatePrefetch) and nxt is not None and not nxt.first_of_request:
-                    for tl, e, _score in self.pf.predict(AFTER_TOKEN):
-                        if tl == 0:
-                            self._issue(0, e, next_first, now, clock - head)   # final hidden: before lm_head
-            self.repl.on_token_end(now)
-        for pool in self.pools:                             # prefetched, never used: wasted
-            self.n_wasted += sum(1 for s in pool.values() if s.prefetched and not s.used)
+            context += n_tok
+            state.end_step()
         n = max(decode_tokens, 1)
         ms = 1e3
+        dec, pre = state.totals("decode"), state.totals("prefill")
+        issued = dec["prefetches"] + pre["prefetches"]
+        wasted = issued - dec["prefetch_used"] - pre["prefetch_used"]      # spent unused, or never reached
         return dict(
             hits=hits, accesses=accesses, late=late, demand=demand_decode, decode_tokens=decode_tokens,
-            prefetch=self.n_prefetch, wasted=self.n_wasted,
+            misses=dec["misses"], prefill_misses=pre["misses"],
+            prefetch=self.n_prefetch, prefetches_issued=issued, wasted=wasted,
+            cache={ph: state.per_layer(ph) for ph in PHASES},
             hit_rate=hits / max(accesses, 1),
-            demand_loads_per_token=demand_decode / n,
+            demand_loads_per_token=dec["misses"] / n,
             prefetch_loads_per_token=self.n_prefetch / n,
             late_prefetches_per_token=late / n,
-            wasted_prefetch_fraction=self.n_wasted / max(self.n_prefetch, 1),
+            wasted_prefetch_fraction=wasted / max(issued, 1),
             bytes_per_token=(demand_decode + self.n_prefetch) * (cost.expert_bytes) / n,
             stall_ms_per_token=stall * ms / n,
             stall_s=stall, decode_s=clock - prefill_time, prefill_s=prefill_time, compute_only_s=compute_only,

@@ -12,9 +12,9 @@ memory-mapped safetensors shards (the OS page cache is the only host copy).
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from ..models.base import ExpertLayout, FamilyAdapter
+from ..progress import ProgressBar
 from .checkpoint import Checkpoint
 
 
@@ -31,24 +31,20 @@ class ExpertStore:
         if offload == "ram":
             self.buffers = []
             total = len(self.moe_layer_ids) * self.num_experts
-            bar = tqdm(total=total, desc="reading experts", unit="expert", disable=not progress, leave=False)
-            for layer in self.moe_layer_ids:
-                row = []
-                for e in range(self.num_experts):
-                    flat = torch.empty(self.layout.numel, dtype=dtype, pin_memory=pin)
-                    self._read_into(layer, e, flat)
-                    row.append(flat)
-                    bar.update(1)
-                self.buffers.append(row)
-            bar.close()
+            with ProgressBar(progress, transient=True) as bar:
+                task = bar.add("reading experts", total)
+                for layer in self.moe_layer_ids:
+                    row = []
+                    for e in range(self.num_experts):
+                        flat = torch.empty(self.layout.numel, dtype=dtype, pin_memory=pin)
+                        self._read_into(layer, e, flat)
+                        row.append(flat)
+                        bar.update(task, advance=1)
+                    self.buffers.append(row)
 
     @property
     def num_layers(self) -> int:
         return len(self.moe_layer_ids)
-
-    @property
-    def total_nbytes(self) -> int:
-        return self.expert_nbytes * self.num_layers * self.num_experts
 
     def _read_into(self, model_layer: int, expert: int, flat: torch.Tensor) -> None:
         start = 0

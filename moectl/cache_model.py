@@ -1,0 +1,210 @@
+"""The expert cache's bookkeeping, shared by the runtime and the simulator (numpy/stdlib only).
+
+`runtime/cache.py: DeviceCache` = this state + tensor copies; `sim/simulator.py: Simulator` = this
+state + a cost-model clock and one copy engine. Both drive it with the same calls in the same order,
+so a simulated trace gives the hits, misses and evictions the runtime had (tests/test_cache_model.py).
+
+Legend: L = MoE layers, E = experts, S = slots of one pool.
+
+Pools. Every MoE layer has one slot pool per precision (`FULL` today; low-bit copies get their own
+pools later). A pool holds at most its capacity of experts; each precision has its own replacement
+policy object (policy state is keyed by (layer, expert)).
+
+The rules, in the order a driver applies them:
+  requests  `begin_request(name)` -> policy.on_request_start (sequence statistics reset).
+  steps     a forward is a step: a request's first forward (its prompt, all tokens at once, or any
+            forward of more than one token) is `prefill`, every later one-token forward `decode`;
+            `begin_step(phase)` ... `end_step()`. `end_step` calls policy.on_token_end(clock).
+  per layer, in this order:
+    1. `route(l, chosen, weights)`: the router's choice (prefill: the step's distinct experts, ascending,
+       no weights; decode: top-k order with gate weights). policy.on_route. The predictions for layer l
+       are spent now and no longer protected: an expert a prefetch loaded counts `prefetch_used` if
+       chosen, `prefetch_wasted` if not.
+    2. decode steps only: the prefetch policy observes the layer and its predictions for later layers
+       go to `prefetch(target, e)`.
+    3. the layer's experts run in `chunks(l, experts)`: resident ones first (stable order), then the
+       missing ones, in chunks of at most the pool's slot count; a chunk is pinned while it runs
+       (`pin` / `unpin`) and each expert is one `access(l, e)`.
+  after-token predictions (the aux gate: the next token's first layer, from this token's final hidden
+  state) are issued when the next decode step of the same request begins, before its layer 0.
+  clock     ticks once per access (hit or miss) and once per prefetch that inserts; it is the `now`
+            every policy event carries.
+  counting  every access counts in its step's phase (prefill and decode alike): a hit if the expert is
+            resident (a prefetched expert whose copy is still in flight is a hit; the simulator
+            reports the wait as stall), else a miss (one demand load). Evictions count in the phase
+            and layer of the pool they happen in.
+  eviction  the victim is the policy's choice among residents that are neither pinned (the running
+            chunk) nor protected (predicted for a layer whose router has not run yet, whether the
+            prediction loaded it or found it resident). A miss always
+            finds one (a chunk is at most the slot count, so at most S - 1 others are pinned, and a
+            layer's own predictions are spent before it runs). A prefetch that finds none is dropped:
+            predictions never evict each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FULL = "full"                             # the one precision today
+PHASES = ("prefill", "decode")
+COUNTERS = ("hits", "misses", "evictions", "prefetches", "prefetch_used", "prefetch_wasted")
+
+
+@dataclass
+class Access:
+    slot: int                             # the pool slot holding the expert now
+    hit: bool
+    victim: int | None = None             # expert evicted to make room, if any
+
+
+class Pool:
+    """One layer's slots of one precision: expert -> slot, and the free slots."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.slot_of: dict[int, int] = {}
+        self.free = list(range(capacity))[::-1]
+
+
+class CacheState:
+    """Per-layer slot pools with pinning, protection of predicted experts and per-phase counters.
+
+    `slots`: per layer slot counts of the full-precision pools, or {precision: per layer counts}.
+    `policy`: the replacement policy, or {precision: policy}."""
+
+    def __init__(self, slots, policy):
+        slots = slots if isinstance(slots, dict) else {FULL: list(slots)}
+        self.policies = policy if isinstance(policy, dict) else {FULL: policy}
+        self.num_layers = len(next(iter(slots.values())))
+        self.pools = [{p: Pool(int(s[l])) for p, s in slots.items()} for l in range(self.num_layers)]
+        self.pinned: set[tuple[int, str, int]] = set()          # (layer, precision, expert) in the running chunk
+        # predicted for a layer that has not routed yet -> True if the prediction loaded it (a prefetch)
+        self.predicted: dict[tuple[int, str, int], bool] = {}
+        self.clock = 0
+        self.phase = "decode"
+        self.counts = {p: {ph: np.zeros((self.num_layers, len(COUNTERS)), dtype=np.int64) for ph in PHASES}
+                       for p in slots}
+
+    # --- queries ------------------------------------------------------------------------
+    def capacity(self, layer: int, precision: str = FULL) -> int:
+        return self.pools[layer][precision].capacity
+
+    def contains(self, layer: int, expert: int, precision: str = FULL) -> bool:
+        return expert in self.pools[layer][precision].slot_of
+
+    def resident(self, layer: int, precision: str = FULL) -> list[int]:
+        return list(self.pools[layer][precision].slot_of)
+
+    def slot(self, layer: int, expert: int, precision: str = FULL) -> int | None:
+        return self.pools[layer][precision].slot_of.get(expert)
+
+    def chunks(self, layer: int, experts: list[int], precision: str = FULL) -> list[list[int]]:
+        """The order the layer's experts run in: resident first (stable), chunks of the slot count."""
+        order = sorted(experts, key=lambda e: not self.contains(layer, e, precision))
+        width = self.capacity(layer, precision)
+        return [order[i:i + width] for i in range(0, len(order), width)]
+
+    def totals(self, phase: str | None = None, precision: str = FULL) -> dict[str, int]:
+        """Counters summed over layers (and phases when `phase` is None)."""
+        c = self.counts[precision]
+        arr = sum(c[ph] for ph in PHASES) if phase is None else c[phase]
+        return {k: int(v) for k, v in zip(COUNTERS, arr.sum(0))}
+
+    def per_layer(self, phase: str, precision: str = FULL) -> dict[str, list[int]]:
+        arr = self.counts[precision][phase]
+        return {k: arr[:, i].tolist() for i, k in enumerate(COUNTERS)}
+
+    # --- events -------------------------------------------------------------------------
+    def _count(self, layer: int, precision: str, name: str) -> None:
+        self.counts[precision][self.phase][layer, COUNTERS.index(name)] += 1
+
+    def begin_request(self, name: str) -> None:
+        for pol in self.policies.values():
+            pol.on_request_start(name)
+
+    def begin_step(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, not {phase!r}")
+        self.phase = phase
+
+    def end_step(self) -> None:
+        for pol in self.policies.values():
+            pol.on_token_end(self.clock)
+
+    def route(self, layer: int, chosen: list[int], weights: list[float] | None = None,
+              precision: str = FULL) -> None:
+        self.policies[precision].on_route(layer, chosen, weights)
+        chosen_set = set(chosen)
+        for key in [k for k in self.predicted if k[0] == layer and k[1] == precision]:
+            if self.predicted.pop(key):
+                self._count(layer, precision, "prefetch_used" if key[2] in chosen_set else "prefetch_wasted")
+
+    def pin(self, layer: int, experts, precision: str = FULL) -> None:
+        self.pinned.update((layer, precision, int(e)) for e in experts)
+
+    def unpin(self, layer: int, experts, precision: str = FULL) -> None:
+        self.pinned.difference_update((layer, precision, int(e)) for e in experts)
+
+    def _take_slot(self, layer: int, precision: str) -> tuple[int, int | None] | None:
+        """(free slot, evicted expert or None), or None when every resident is pinned or protected."""
+        pool = self.pools[layer][precision]
+        if pool.free:
+            return pool.free.pop(), None
+        cands = [e for e in pool.slot_of
+                 if (layer, precision, e) not in self.pinned and (layer, precision, e) not in self.predicted]
+        if not cands:
+            return None
+        victim = self.policies[precision].victim(layer, cands, self.clock)
+        slot = pool.slot_of.pop(victim)
+        self.policies[precision].on_evict(layer, victim, self.clock)
+        self._count(layer, precision, "evictions")
+        return slot, victim
+
+    def access(self, layer: int, expert: int, precision: str = FULL) -> Access:
+        """The running layer needs (layer, expert): a hit, or a miss that takes a slot (evicting)."""
+        self.clock += 1
+        pool, pol = self.pools[layer][precision], self.policies[precision]
+        slot = pool.slot_of.get(expert)
+        if slot is not None:
+            self._count(layer, precision, "hits")
+            pol.on_hit(layer, expert, self.clock)
+            return Access(slot, True)
+        taken = self._take_slot(layer, precision)
+        if taken is None:
+            raise RuntimeError(f"layer {layer}: every slot is pinned; a chunk is at most the slot count")
+        slot, victim = taken
+        pool.slot_of[expert] = slot
+        self._count(layer, precision, "misses")
+        pol.on_insert(layer, expert, self.clock)
+        return Access(slot, False, victim)
+
+    def prefetch(self, layer: int, expert: int, precision: str = FULL) -> Access | None:
+        """A predicted expert of a later layer: protected until that layer routes, inserted if missing.
+        None when it is already resident (then only protected) or no slot can be freed without evicting
+        a pinned or another predicted expert."""
+        pool, key = self.pools[layer][precision], (layer, precision, expert)
+        if expert in pool.slot_of:
+            self.predicted.setdefault(key, False)
+            return None
+        taken = self._take_slot(layer, precision)
+        if taken is None:
+            return None
+        self.clock += 1
+        slot, victim = taken
+        pool.slot_of[expert] = slot
+        self.predicted[key] = True
+        self._count(layer, precision, "prefetches")
+        self.policies[precision].on_insert(layer, expert, self.clock)
+        return Access(slot, False, victim)
+
+
+def split_slots(total: int, num_layers: int, num_experts: int, flag: str = "--cache-experts") -> list[int]:
+    """`total` slots split evenly over the layers (earlier layers get the remainder), each capped at E."""
+    from .errors import MoectlError
+
+    if total < num_layers:
+        raise MoectlError(f"{flag} {total} is below the minimum of one slot per MoE layer ({num_layers})")
+    base, extra = divmod(min(total, num_layers * num_experts), num_layers)
+    return [min(num_experts, base + (1 if i < extra else 0)) for i in range(num_layers)]

@@ -1,0 +1,78 @@
+"""`moectl serve`: an OpenAI-compatible HTTP server over the offloading runtime, with a live cache page."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+from ._common import CacheOpts
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve(
+        model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface; set --api-key)."),
+        port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0: any free port)."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOECTL_API_KEY",
+                                              help="Require 'Authorization: Bearer KEY' on /v1/* (or $MOECTL_API_KEY)."),
+        max_queue: int = typer.Option(16, "--max-queue", min=1,
+                                      help="Requests that may wait behind the running one; more get 429 + Retry-After."),
+        max_tokens: int = typer.Option(256, "--max-tokens", min=1,
+                                       help="Answer length when a request gives no max_tokens (capped by the context)."),
+        served_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                  help="Model id clients must send (default: the recipe/directory name)."),
+        threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's)."),
+        cache_experts: Optional[int] = CacheOpts.cache_experts(),
+        budget: Optional[str] = CacheOpts.budget(),
+        device: str = CacheOpts.device(),
+        offload: str = CacheOpts.offload(),
+        replacement: str = CacheOpts.replacement(),
+        prefetch: str = CacheOpts.prefetch(),
+        predictor: Optional[str] = CacheOpts.predictor(),
+        workdir: Optional[str] = CacheOpts.workdir(),
+        dtype: Optional[str] = CacheOpts.dtype(),
+    ):
+        """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with /health,
+        /metrics (Prometheus) and a live expert-cache page at /. Requests are served one at a time."""
+        from rich.console import Console
+
+        from ..errors import MoectlError
+        from ..serve.listen import bind
+
+        try:
+            import uvicorn
+
+            from ..serve.app import create_app
+        except ImportError as e:
+            raise MoectlError(f"`moectl serve` needs the serve extra: pip install 'moectl[serve]' ({e.name} is missing)")
+        err = Console(stderr=True)
+        if host not in LOOPBACK and not api_key:
+            err.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who can reach this machine "
+                      f"can use the model", highlight=False)
+        sock = bind(host, port)                                  # a port in use fails here, before the model loads
+        try:
+            import torch
+
+            from ..runtime.engine import Engine
+
+            if threads:
+                torch.set_num_threads(threads)
+            eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                              workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
+                              predictor=predictor, progress=err.is_terminal)
+            app = create_app(eng, served_name or eng.ref.name, api_key=api_key, max_queue=max_queue,
+                             default_max_tokens=max_tokens)
+            bound_host, bound_port = sock.getsockname()[:2]
+            url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
+            err.print(f"serving [cyan]{served_name or eng.ref.name}[/] on {url}  (OpenAI API: {url}/v1, cache view: "
+                      f"{url}/, metrics: {url}/metrics)", highlight=False, soft_wrap=True)
+            server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("MOECTL_LOG_LEVEL", "warning"),
+                                                   timeout_graceful_shutdown=5))
+            server.run(sockets=[sock])
+        finally:
+            sock.close()
