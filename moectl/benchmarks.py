@@ -22,9 +22,11 @@ def _best_of(fn, repeat: int) -> float:
 
 
 def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512, experts: int = 8,
-                     prompt: int = 128, decode: int = 32, threads: int | None = None) -> dict:
+                     prompt: int = 128, decode: int = 32, threads: int | None = None, gating: str | None = None,
+                     gating_threshold: float | None = None) -> dict:
     """A random tiny Mixtral, all experts cached: moectl forward time / transformers forward time
-    for a prefill, and decode tokens/s of both (greedy, KV cache)."""
+    for a prefill, and decode tokens/s of both (greedy, KV cache). `gating` / `gating_threshold` gate moectl's
+    decode steps (a random model has no sensitivities: only the score-only rule applies)."""
     from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig, MixtralForCausalLM
 
     from .runtime.engine import Engine
@@ -40,7 +42,7 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
             torch.manual_seed(0)
             MixtralForCausalLM(cfg).save_pretrained(path)
             ref = AutoModelForCausalLM.from_pretrained(path).eval()
-            eng = Engine.load(path, progress=False)          # every expert cached
+            eng = Engine.load(path, progress=False, gating=gating, gating_threshold=gating_threshold)   # all cached
             ids = torch.randint(0, 4096, (1, prompt), generator=torch.Generator().manual_seed(0))
 
             def ref_step(step, pkv):

@@ -41,10 +41,8 @@ def _register_commands() -> None:
         name = mod.name.replace("_", "-")
         if isinstance(getattr(module, "app", None), typer.Typer):
             app.add_typer(module.app, name=name)
-        elif hasattr(module, "register"):            # the older style, for branches written before issue 9
-            module.register(app)
         else:
-            app.command(name)(getattr(module, mod.name))
+            app.command(name)(getattr(module, mod.name, None) or getattr(module, mod.name + "_"))   # eval_: a builtin
 
 
 _register_commands()

@@ -71,6 +71,26 @@ def prepare_model(model: str, workdir=None) -> None:
         ensure_tiny(ref.workdir)
 
 
+class GatingOpts:
+    @staticmethod
+    def threshold():
+        return typer.Option(None, "--gating-threshold",
+                            help="Adaptive top-k (AdapMoE): in decode, drop a token's lower-ranked experts while "
+                                 "(dropped gate weight)^2 x S_layer <= T_g (needs `moectl sensitivity`). Default: the "
+                                 "T_g that `moectl sensitivity --target-ppl-delta` stored in the workdir, if any; "
+                                 "0 turns gating off.")
+
+    @staticmethod
+    def spec():
+        return typer.Option(None, "--gating",
+                            help="score:TAU = the score-only baseline (drop the tail while its weight sum <= TAU, "
+                                 "same TAU in every layer); sensitivity:T_G = --gating-threshold T_G; none = off.")
+
+    @staticmethod
+    def prefill():
+        return typer.Option(False, "--gate-prefill", help="Gate the prompt's tokens too (default: decode steps only).")
+
+
 def print_stats_line(stats: dict, console=None) -> None:
     """One status line: tokens/s, hit rate, bytes loaded, load wait."""
     from rich.console import Console
@@ -81,7 +101,9 @@ def print_stats_line(stats: dict, console=None) -> None:
         f"[dim]{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s | cache hit rate {stats['hit_rate']:.1%} "
         f"({stats['hits']} hits, {stats['misses']} misses) | loaded {format_bytes(stats['bytes_loaded'])} "
         f"({format_bytes(stats['bytes_per_token'])}/token) | load wait {stats['load_wait_s'] * 1000:.1f} ms"
-        + (f" | {stats['prefetches']} prefetched" if stats.get("prefetches") else "") + "[/]",
+        + (f" | {stats['prefetches']} prefetched" if stats.get("prefetches") else "")
+        + (f" | {stats['gating']}, {stats['experts_per_token']:.2f} experts/token/layer" if stats.get("gating") else "")
+        + "[/]",
         highlight=False)
 
 

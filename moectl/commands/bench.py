@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from ._common import GatingOpts
+
 
 def bench(
     what: str = typer.Option("overhead,predictor", "--what",
@@ -14,6 +16,8 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads for the overhead run."),
     model_shape: str = typer.Option("mixtral", "--model-shape",
                                     help="Recipe whose shape sizes the predictor-cost run (default Mixtral-8x7B)."),
+    gating_threshold: Optional[float] = GatingOpts.threshold(),
+    gating: Optional[str] = GatingOpts.spec(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Measure the runtime's overhead and the prefetch predictor's cost per layer."""
@@ -30,7 +34,7 @@ def bench(
         raise MoectlError(f"--what: unknown part(s) {sorted(unknown)}; use overhead, predictor")
     out = {}
     if "overhead" in parts:
-        out["overhead"] = runtime_overhead(threads=threads)
+        out["overhead"] = runtime_overhead(threads=threads, gating=gating, gating_threshold=gating_threshold)
     if "predictor" in parts:
         s = recipe_shape(model_shape)
         out["predictor"] = predictor_cost(s["hidden_size"], s["num_experts"], s["top_k"], s["moe_layers"])

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model
+from ._common import CacheOpts, GatingOpts, prepare_model
 
 
 def chat(
@@ -27,6 +27,9 @@ def chat(
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
+    gating_threshold: Optional[float] = GatingOpts.threshold(),
+    gating: Optional[str] = GatingOpts.spec(),
+    gate_prefill: bool = GatingOpts.prefill(),
 ):
     """Chat with a model. On a pipe: one message per input line, answers and status lines on stdout."""
     import sys
@@ -42,6 +45,7 @@ def chat(
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       emulate_device=emulate_device,
+                      gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
                       progress=interactive)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                           top_p=top_p, seed=seed, system=system)

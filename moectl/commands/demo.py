@@ -30,7 +30,7 @@ PIPELINE = [
     Step("profile", ["--dataset", "default", "--max-samples", "24", "--max-tokens", "384", "--generate", "8",
                      "--hidden-samples", "all", "--device", "cpu"], ["traces"]),
     Step("train-predictor", ["--max-minutes", "0.5"], ["predictors.safetensors", "predictors.json"]),
-    Step("sensitivity", [], ["sensitivity.json"]),
+    Step("sensitivity", ["--max-tokens", "4096", "--target-ppl-delta", "0.01"], ["sensitivity.json"]),
     Step("quantize", ["--bits", "4", "--group-size", "64"], ["experts-q4.safetensors"]),
     Step("plan-cache", ["--budget", "40MB"], ["plan.yaml"]),
 ]
@@ -128,7 +128,8 @@ def demo(
     from ..serve.chat import ChatSession
 
     eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
-                      prefetch="auto", emulate_device=True, progress=False)   # the cache at work, on a CPU
+                      prefetch="auto", emulate_device=True, gating="auto",
+                      progress=False)   # the cache at work, on a CPU
     console.print(f"[dim]{prefetch_note(eng)}[/]")
     session = ChatSession(eng, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)
     console.print(f"[bold green]you>[/] {question}")

@@ -34,6 +34,15 @@ def simulate(
     per_layer: int = typer.Option(None, "--per-layer", min=1, help="experts prefetched per layer (default top-k)"),
     bits: float = typer.Option(None, "--bits", help="expert precision in bits (default: the model's dtype)"),
     compare: bool = typer.Option(False, "--compare", help="run the policy matrix of the papers and ours"),
+    gating_threshold: float = typer.Option(None, "--gating-threshold",
+                                           help="adaptive top-k on the trace's gate weights: drop a decode token's "
+                                                "lower-ranked experts while (dropped weight)^2 x S_layer <= T_g "
+                                                "(sensitivities from --sensitivity)"),
+    gating: str = typer.Option(None, "--gating", help="score:TAU (score-only rule: drop the tail while its weight "
+                                                      "sum <= TAU), sensitivity:T_G, or none"),
+    gate_prefill: bool = typer.Option(False, "--gate-prefill", help="gate prefill rows too"),
+    sensitivity: Path = typer.Option(None, "--sensitivity", help="sensitivity.json of the traced model "
+                                                               "(for --gating-threshold)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON (one object, or a list with --compare)"),
 ) -> None:
     """Simulate expert caching + prefetch on real routing: hit rate vs Belady, demand loads, ms/token."""
@@ -43,12 +52,16 @@ def simulate(
 
     from ..errors import MoectlError
     from ..sim import run as sim
+    from ..policies.gating import experts_per_token
     from ..trace import load_trace
 
     console = Console(stderr=True)
     traces = [load_trace(p) for p in trace]
     tr = sim.concat(traces)
     caps = sim.capacities(tr, cache_fraction, cache_experts, plan)
+    gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)
+    if gated is not None:
+        tr = gated
     cost = sim.cost_for(tr, hardware, model_shape, bits)
     train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
     if train_on:
@@ -96,7 +109,8 @@ def simulate(
             res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
                                depth=depth, per_layer=per_layer, aux_gate=aux_pred)
             d = {k: getattr(res, k) for k in FIELDS}
-            d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token)
+            d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
+                     experts_per_token=experts_per_token(tr))
             if res.note:
                 d["note"] = res.note
                 console.print(f"[yellow]note[/] ({label}): {res.note}")
@@ -106,6 +120,23 @@ def simulate(
         print(json.dumps(results if compare else results[0], indent=1))
         return
     _table(results, tr, caps, cost, hardware)
+
+
+def _gated(tr, threshold, spec, gate_prefill, sensitivity):
+    """The trace with the asked gating applied, or None when none was asked."""
+    from ..calib.sensitivity import load_sensitivity
+    from ..errors import MoectlError
+    from ..policies.gating import gate_trace, parse_gating
+
+    if threshold is None and spec is None:
+        return None
+    sens = None
+    if sensitivity is not None:
+        sens = load_sensitivity(sensitivity, tr.fingerprint, tr.num_layers)["sensitivities"]
+    elif threshold is not None or (spec or "").startswith("sensitivity"):
+        raise MoectlError("--gating-threshold needs the traced model's sensitivities: --sensitivity <workdir>/sensitivity.json")
+    policy = parse_gating(threshold, spec, sens)
+    return gate_trace(tr, policy, gate_prefill) if policy is not None else None
 
 
 def _table(results: list[dict], tr, caps, cost, hardware) -> None:

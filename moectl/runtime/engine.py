@@ -22,6 +22,7 @@ from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..models import adapter_for
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
+from ..policies.gating import GatingPolicy, gate_rows
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
@@ -66,7 +67,8 @@ class Engine:
              offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
-             predictor: str | None = None, emulate_device: bool = False) -> "Engine":
+             predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
+             gating_threshold: float | None = None, gate_prefill: bool = False) -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
         the default on a CPU with experts in RAM computes them in place (no slots, no copies)."""
         if emulate_device and device != "cpu":
@@ -82,7 +84,8 @@ class Engine:
 
         hf, blocks = _skeleton(config, adapter, dt, ref.path)
         moe_layer_ids = [i for i, _ in blocks]
-        runtime = _Runtime(adapter)
+        gating = _gating(gating, gating_threshold, ref.workdir, config_fingerprint(config), len(moe_layer_ids))
+        runtime = _Runtime(adapter, gating, gate_prefill)
         for moe_idx, (layer_idx, block) in enumerate(blocks):
             old = block.experts
             block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, old._apply_gate, adapter.num_experts)
@@ -137,6 +140,7 @@ class Engine:
         runtime.cache = cache
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, progress=progress)
         runtime.engine = eng
+        eng.runtime = runtime
         return eng
 
     # --- facts --------------------------------------------------------------------------
@@ -245,6 +249,7 @@ class Engine:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = _eos_ids(self.config, self._tokenizer)
         before = self.cache.snapshot()
+        calls0 = self.runtime.expert_calls
         new: list[int] = []
         text_so_far = ""
         t0 = time.perf_counter()
@@ -283,20 +288,42 @@ class Engine:
         elapsed = time.perf_counter() - t0
         after = self.cache.snapshot()
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
+        computed = (len(ids) + len(new) - 1) * len(self.moe_layer_ids)           # tokens x layers run
         stats = run_stats(before, after, len(new), elapsed) | {
             "prefill_ms": times["prefill"] * 1000, "ttft_ms": times["ttft"] * 1000,
             "decode_ms_per_token": 1000 * sum(decode_s) / len(decode_s) if decode_s else 0.0,
-            "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9}
+            "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
+            "experts_per_token": (self.runtime.expert_calls - calls0) / max(computed, 1)}
+        if self.runtime.gating is not None:
+            g = self.runtime.gating
+            stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
         return GenerationResult(text, new, ids, stats, per_token)
 
 
 class _Runtime:
-    """What every OffloadedExperts module shares: the adapter, the cache, observers, prefetch."""
+    """What every OffloadedExperts module shares: the adapter, the cache, observers, prefetch, gating."""
 
-    def __init__(self, adapter):
+    def __init__(self, adapter, gating: GatingPolicy | None = None, gate_prefill: bool = False):
         self.adapter = adapter
         self.cache: DeviceCache | None = None
         self.engine: Engine | None = None
+        self.gating = gating                # adaptive top-k (None: every chosen expert runs)
+        self.gate_prefill = gate_prefill    # gate every row of a multi-token forward too, not only decode's one
+        self.expert_calls = 0               # (token, expert) FFN computations, all layers, since load
+
+    def gate(self, layer: int, idx: torch.Tensor, w: torch.Tensor):
+        """The routing `idx`, `w` [T,K] after gating: decode drops the tail (fewer columns); a gated multi-token
+        forward marks dropped entries -1 with weight 0. Unchanged when nothing is dropped."""
+        if self.gating is None or (idx.shape[0] > 1 and not self.gate_prefill):
+            return idx, w
+        idx_np = idx.cpu().numpy()
+        e, g = gate_rows(self.gating, layer, idx_np, w.detach().float().cpu().numpy())
+        if (e == idx_np).all():
+            return idx, w
+        if idx.shape[0] == 1:
+            keep = torch.from_numpy(e[0] >= 0)
+            return idx[:, keep], torch.from_numpy(g[:, keep.numpy()]).to(w.device, w.dtype)
+        return torch.from_numpy(e).to(idx.device, idx.dtype), torch.from_numpy(g).to(w.device, w.dtype)
 
     def on_route(self, layer, top_k_index, top_k_weights, hidden):
         eng = self.engine
@@ -399,6 +426,28 @@ def _policies(replacement, prefetch, model, adapter, predictor_dir, fingerprint:
         preds = load_predictors(predictor_dir, expect_fingerprint=fingerprint)
         inputs.mlp, inputs.routing, inputs.aux_gate = preds.mlp, preds.routing, preds.aux_gate
     return policy, build_prefetch(prefetch, inputs)
+
+
+def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_layers: int) -> GatingPolicy | None:
+    """A GatingPolicy object, None (off), or a spec: 'auto' (the T_g stored by `moectl sensitivity --target-ppl-delta`
+    in the workdir's sensitivity.json, when there is one), 'score:TAU', 'sensitivity:T_G', 'none';
+    `threshold` (--gating-threshold T_g, 0 = off) overrides the stored T_g."""
+    if isinstance(gating, GatingPolicy):
+        return gating
+    from ..calib.sensitivity import JSON_NAME, load_sensitivity
+    from ..policies.gating import parse_gating
+
+    spec = None if gating in (None, "auto") else gating
+    if gating is None and threshold is None:
+        return None
+    f = Path(workdir) / JSON_NAME
+    needs = threshold is not None or gating == "auto" or (spec or "").startswith("sensitivity")
+    meta = load_sensitivity(f, fingerprint, num_layers) if needs and f.exists() else None
+    policy = parse_gating(threshold, spec, meta["sensitivities"] if meta else None,
+                          meta.get("threshold") if meta and gating == "auto" else None)
+    if policy is not None and gating == "auto" and threshold is None:
+        policy.source = str(f)          # on by default: the status lines say where it came from
+    return policy
 
 
 def dense_nbytes(model, config=None) -> int:

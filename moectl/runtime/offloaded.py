@@ -3,9 +3,13 @@
 Legend: T = tokens in this forward, K = top-k, H = hidden size.
 
 The MoE block calls `experts(x [T,H], top_k_index [T,K], top_k_weights [T,K])` exactly as it
-calls the stock module; we give the cache the router's choice, tell the runtime (observers,
-prefetch), then compute the experts in the cache's order (resident first, chunks of the slot
-count): the rule set of `moectl/cache_model.py`, which the simulator follows too.
+calls the stock module; we gate the routing (adaptive top-k, when a gating policy is set), give the cache
+the router's choice, tell the runtime (observers, prefetch), then compute the experts in the cache's
+order (resident first, chunks of the slot count): the rule set of `moectl/cache_model.py`, which the
+simulator follows too.
+
+Outputs are summed in ascending expert id, as transformers' own loop does, whatever order the cache
+computed them in: the result does not depend on what was resident.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ class OffloadedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         rt, layer = self.runtime, self.layer
+        top_k_index, top_k_weights = rt.gate(layer, top_k_index, top_k_weights)
         cache = rt.cache
         if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
             # Decode fast path: one token, K distinct experts; no gather/scatter needed.
+            rt.expert_calls += sum(0 <= e < self.num_experts for e in ids)
             pos = {e: j for j, e in enumerate(ids)}
             if cache.state.phase == "decode":                                       # the cache rules' step 1
                 cache.route(layer, ids, top_k_weights[0].float().tolist())
@@ -36,34 +42,71 @@ class OffloadedExperts(nn.Module):
                 ids = sorted(ids)
                 cache.route(layer, ids, None)
             rt.on_route(layer, top_k_index, top_k_weights, hidden_states)           # observers, prefetch
-            out = torch.zeros_like(hidden_states)                                   # [1,H]
+            ys: dict[int, torch.Tensor] = {}
 
-            def one(e, w):
-                y = rt.adapter.expert_forward(w, hidden_states, self.apply_gate)     # [1,H]
-                out.add_((y * top_k_weights[0, pos[e]]).to(out.dtype))
+            def one(e, expert):
+                ys[e] = expert(hidden_states) * top_k_weights[0, pos[e]]              # [1,H]
 
             self._each_expert(ids, one)
+            out = torch.zeros_like(hidden_states)                                   # [1,H]
+            for e in sorted(ys):
+                out = out + ys[e].to(out.dtype)
             return out
-        out = torch.zeros_like(hidden_states)                                       # [T,H]
         needed = [e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts]   # one host sync
+        rt.expert_calls += int((top_k_index >= 0).sum())
         cache.route(layer, needed, None)                                            # batched: once each
         rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
+        parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def batch(e, w):
+        def batch(e, expert):
             tok, slot = (top_k_index == e).nonzero(as_tuple=True)                  # tokens routed to e
-            y = rt.adapter.expert_forward(w, hidden_states[tok], self.apply_gate)  # [t,H]
-            out.index_add_(0, tok, (y * top_k_weights[tok, slot, None]).to(out.dtype))
+            parts[e] = tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None]   # [t,H]
 
         self._each_expert(needed, batch)
+        out = torch.zeros_like(hidden_states)                                       # [T,H]
+        for e in sorted(parts):
+            tok, y = parts[e]
+            out = out.index_add(0, tok, y.to(out.dtype))
         return out
 
     def _each_expert(self, experts: list[int], compute) -> None:
-        """`compute(e, weights)` for each valid expert in the cache's order: resident ones first (on a GPU
-        their compute overlaps the loads of the rest), then the missing ones, pinning at most the layer's
-        slot count at once."""
+        """`compute(e, expert)` for each valid expert in the cache's order, `expert(x [t,H]) -> y [t,H]` its FFN:
+        resident ones first (on a GPU their compute overlaps the loads of the rest), then the missing ones,
+        pinning at most the layer's slot count at once."""
         cache, layer = self.runtime.cache, self.layer
         for chunk in cache.chunks(layer, [e for e in experts if 0 <= e < self.num_experts]):
             cache.pin(layer, chunk)
             for e in chunk:
-                compute(e, cache.acquire(layer, e))
+                compute(e, self._expert_fn(e, cache.acquire(layer, e)))
             cache.unpin(layer, chunk)
+
+    def _expert_fn(self, e: int, w: dict[str, torch.Tensor]):
+        if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)
+            return lambda x: _ExpertRecompute.apply(x, self, e, w)
+        return lambda x: self.runtime.adapter.expert_forward(w, x, self.apply_gate)
+
+
+class _ExpertRecompute(torch.autograd.Function):
+    """An expert's FFN whose backward fetches the expert again through the cache: by the time the backward
+    runs, its slot may hold another expert (1 slot per layer), so its weights are never saved for it."""
+
+    @staticmethod
+    def forward(ctx, x, module: OffloadedExperts, expert: int, w):
+        ctx.module, ctx.expert = module, expert
+        ctx.save_for_backward(x)
+        return module.runtime.adapter.expert_forward(w, x, module.apply_gate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        m, e = ctx.module, ctx.expert
+        cache = m.runtime.cache
+        cache.pin(m.layer, [e])
+        try:
+            w = cache.acquire(m.layer, e)
+            with torch.enable_grad():
+                xr = x.detach().requires_grad_()
+                (gx,) = torch.autograd.grad(m.runtime.adapter.expert_forward(w, xr, m.apply_gate), xr, grad)
+        finally:
+            cache.unpin(m.layer, [e])
+        return gx, None, None, None

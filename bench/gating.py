@@ -1,0 +1,110 @@
+"""Adaptive top-k on the trained tiny model: the sensitivity rule (AdapMoE) against the score-only rule.
+
+For a sweep of T_g: fraction of single-expert decisions, experts computed per token and MoE layer, bytes
+loaded per token (half the experts cached), relative perplexity delta and greedy agreement on held-out
+text (`moectl eval`'s yardstick). Next to each, the score-only rule with its tau bisected so that it computes
+the same experts per token; the columns "Δppl score" and "agree score" are that matched point.
+
+Sensitivities come from the built-in corpus' train split; everything measured is on the held-out
+validation documents (calibration/default.yaml). Uses the full tiny model of $MOECTL_HOME/tiny (built
+on first use, ~2-3 minutes).
+
+Run: .venv/bin/python bench/gating.py [--max-tokens 4096] [--threads 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moectl.calib.dataset import load_calibration  # noqa: E402
+from moectl.calib.fidelity import evaluate, gating_as, token_windows, window_nll  # noqa: E402
+from moectl.calib.sensitivity import TailRecorder, fisher_sensitivity, threshold_grid  # noqa: E402
+from moectl.policies.gating import ScoreGating, SensitivityGating  # noqa: E402
+from moectl.recipes import moectl_home  # noqa: E402
+from moectl.runtime.engine import Engine  # noqa: E402
+from moectl.tiny import ensure_tiny  # noqa: E402
+
+
+def matched_tau(eng, windows, target_ept: float, iters: int = 12) -> float:
+    """The score-only tau whose experts per token (on `windows`) is closest to `target_ept` (bisection: more tau,
+    fewer experts)."""
+    lo, hi = 0.0, 0.5
+    best = (float("inf"), 0.0)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        with gating_as(eng, ScoreGating(mid), True):
+            ept = window_nll(eng, windows)["experts_per_token"]
+        best = min(best, (abs(ept - target_ept), mid))
+        lo, hi = (mid, hi) if ept > target_ept else (lo, mid)
+    return best[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens scored")
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+
+    workdir = moectl_home() / "tiny"
+    ensure_tiny(workdir)
+    eng = Engine.load("tiny", workdir=str(workdir), cache_experts=24, prefetch="none", emulate_device=True,
+                      progress=False)
+    fit = token_windows(eng.tokenizer, load_calibration("builtin", split="train", max_samples=64), args.window, 4096)
+    tails = TailRecorder(len(eng.moe_layer_ids))
+    eng.add_observer(tails)
+    sens = fisher_sensitivity(eng.model, [b for _, b in eng.adapter.moe_blocks(eng.model)], fit,
+                              before_window=lambda: eng.cache.begin_step("prefill"),
+                              after_window=eng.cache.end_token)["sensitivities"]
+    eng.remove_observer(tails)
+    held = token_windows(eng.tokenizer, load_calibration("default"), args.window, args.max_tokens)
+    prompts = [w[:32] for w in held[:8]]
+    print(f"tiny: {len(eng.moe_layer_ids)} MoE layers, top-{eng.adapter.top_k}; S_l = "
+          + ", ".join(f"{s:.3g}" for s in sens) + f"; {sum(len(w) - 1 for w in held)} held-out tokens", flush=True)
+
+    rows = []
+    for t in threshold_grid(sens, tails.tails):
+        eng.runtime.gating = SensitivityGating(t, sens)
+        a = evaluate(eng, held, prompts, 32, workdir)
+        tau = matched_tau(eng, held, a["experts_per_token"])
+        eng.runtime.gating = ScoreGating(tau)
+        b = evaluate(eng, held, prompts, 32, workdir)
+        rows.append({"T_g": t, "single": a["single_expert_fraction"], "experts_per_token": a["experts_per_token"],
+                     "bytes_per_token": a["bytes_per_token"], "ppl_delta": a["ppl_delta_rel"],
+                     "agreement": a["greedy_agreement"], "tau": tau, "score_experts_per_token": b["experts_per_token"],
+                     "score_ppl_delta": b["ppl_delta_rel"], "score_agreement": b["greedy_agreement"]})
+        r = rows[-1]
+        print(f"T_g {t:9.3g} single {r['single']:.3f} experts/tok {r['experts_per_token']:.3f} "
+              f"KB/tok {r['bytes_per_token'] / 1e3:7.1f} Δppl {r['ppl_delta']:+.4f} agree {r['agreement']:.3f} | "
+              f"score tau {tau:.3f} experts/tok {r['score_experts_per_token']:.3f} "
+              f"Δppl {r['score_ppl_delta']:+.4f} agree {r['score_agreement']:.3f}", flush=True)
+
+    print()
+    print("| T_g | single-expert | experts/token | KB/token | Δppl sensitivity | agreement | tau (score) "
+          "| experts/token (score) | Δppl score | agreement score |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['T_g']:.3g} | {r['single']:.3f} | {r['experts_per_token']:.3f} | {r['bytes_per_token'] / 1e3:.1f} "
+              f"| {r['ppl_delta']:+.2%} | {r['agreement']:.3f} | {r['tau']:.3f} | {r['score_experts_per_token']:.3f} "
+              f"| {r['score_ppl_delta']:+.2%} | {r['score_agreement']:.3f} |")
+    no_worse = sum(r["ppl_delta"] <= r["score_ppl_delta"] + 1e-9 for r in rows)
+    better = sum(r["ppl_delta"] < r["score_ppl_delta"] - 1e-9 for r in rows)
+    print(f"\nsensitivity rule no worse in perplexity at {no_worse}/{len(rows)} matched points, better at {better}; "
+          f"{time.perf_counter() - t0:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"sensitivities": sens, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

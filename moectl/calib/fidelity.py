@@ -1,0 +1,176 @@
+"""The fidelity yardstick (`moectl eval`): what a lossy runtime option costs, on held-out text.
+
+Legend: W = window length (tokens), V = vocabulary, L = MoE layers.
+
+- Perplexity: teacher-forced next-token loss over fixed windows of the held-out text. Every token is
+  computed as decode would compute it: a gating policy applies to every row (`gate_prefill`), because in
+  a decode every token is a one-token step.
+- Greedy agreement: from held-out prompts, the lossless runtime greedily generates N tokens; the lossy one
+  is fed the same tokens one decode step at a time (its prompt is a prefill, as in a real run) and we count
+  how often its next-token argmax equals the lossless token. Feeding the lossless tokens keeps one early
+  difference from counting as N.
+- The lossless side (same engine, gating off) is computed once and kept in `<workdir>/eval/`, keyed by the
+  model fingerprint, the shards' names, sizes and mtimes (retrained weights under the same config), the dtype,
+  the exact token ids and the settings: another model, other weights or other text is a different key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import MoectlError
+
+REFERENCE_FORMAT = "moectl-eval-reference"
+REFERENCE_VERSION = 1
+
+
+def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int | None = None) -> list[list[int]]:
+    """The texts' tokens, joined with EOS, cut into windows of `window` tokens (the ragged tail dropped)."""
+    if window < 2:
+        raise MoectlError(f"--window must be >= 2 tokens, not {window}")
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer(t, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    ids = ids[:max_tokens] if max_tokens is not None else ids
+    if len(ids) < window:
+        raise MoectlError(f"the dataset gives {len(ids)} tokens, fewer than one window of {window}; "
+                          f"use more text, a larger --max-tokens or a smaller --window")
+    return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
+
+
+@contextmanager
+def gating_as(eng, gating, gate_all: bool):
+    """Run `eng` with another gating policy for a while (the lossless side uses None)."""
+    rt = eng.runtime
+    old = rt.gating, rt.gate_prefill
+    rt.gating, rt.gate_prefill = gating, gate_all and gating is not None
+    try:
+        yield
+    finally:
+        rt.gating, rt.gate_prefill = old
+
+
+class _SingleExpertRows:
+    """Runtime observer: routed rows, and those left with a single expert (after gating)."""
+
+    def __init__(self):
+        self.rows = self.single = 0
+
+    def on_route(self, layer, top_k_index, top_k_weights, hidden) -> None:
+        self.rows += top_k_index.shape[0]
+        self.single += int(((top_k_index >= 0).sum(-1) == 1).sum())
+
+
+@torch.inference_mode()
+def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
+    """Summed next-token NLL over the windows, with the tokens scored, experts computed and bytes loaded."""
+    rt, cache = eng.runtime, eng.cache
+    calls0, bytes0 = rt.expert_calls, cache.stats.as_dict()["bytes_loaded"]
+    nll, scored, computed = 0.0, 0, 0
+    rows = _SingleExpertRows()
+    eng.add_observer(rows)
+    try:
+        for ids in windows:
+            x = torch.tensor([ids], device=eng.device)                       # [1,W]
+            cache.begin_step("prefill")                                      # a teacher-forced window
+            logits = eng.model(input_ids=x, use_cache=False).logits[0, :-1].float()   # [W-1,V]
+            cache.end_token()
+            nll += float(F.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            scored += len(ids) - 1
+            computed += len(ids)
+            if progress is not None:
+                progress()
+    finally:
+        eng.remove_observer(rows)
+    L = len(eng.moe_layer_ids)
+    return {"nll": nll, "scored": scored, "tokens": computed,
+            "experts_per_token": (rt.expert_calls - calls0) / (computed * L),
+            "single_expert_fraction": rows.single / max(rows.rows, 1),
+            "bytes_per_token": (cache.stats.as_dict()["bytes_loaded"] - bytes0) / computed}
+
+
+@torch.inference_mode()
+def greedy_continuations(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The engine's greedy continuation of each prompt, n tokens (no EOS stop: the lengths stay comparable)."""
+    return [eng.generate(input_ids=p, max_new_tokens=n, greedy=True, stop_at_eos=False).token_ids for p in prompts]
+
+
+@torch.inference_mode()
+def agreement(eng, prompts: list[list[int]], continuations: list[list[int]]) -> tuple[int, int]:
+    """(matches, steps): the engine's next-token argmax against each given continuation, fed one decode step
+    at a time after a prefill of the prompt."""
+    same = total = 0
+    for prompt, cont in zip(prompts, continuations):
+        logits, pkv = eng.forward(torch.tensor([prompt]))
+        for tok in cont:
+            same += int(int(logits[0, -1].argmax()) == tok)
+            total += 1
+            logits, pkv = eng.forward(torch.tensor([[tok]]), pkv)
+    return same, total
+
+
+def weights_id(checkpoint: Path) -> list:
+    """Which weights these are, cheaply: each shard's name, size and modification time. The fingerprint hashes
+    the config only, so a model retrained with the same config (or a re-downloaded checkpoint) keeps it."""
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(checkpoint).glob("*.safetensors"))]
+
+
+def reference_key(fingerprint: str, weights: list, dtype, windows, prompts, n: int) -> str:
+    h = hashlib.sha256(json.dumps({"fp": fingerprint, "weights": weights, "dtype": str(dtype), "windows": windows,
+                                   "prompts": prompts, "n": n}).encode()).hexdigest()
+    return h[:16]
+
+
+def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, progress=None) -> dict:
+    """The lossless perplexity and greedy continuations, from `<workdir>/eval/` when computed before."""
+    key = reference_key(eng.fingerprint, weights_id(eng.ref.path), eng.dtype, windows, prompts, n)
+    path = Path(workdir) / "eval" / f"reference-{key}.json" if workdir is not None else None
+    if path is not None and path.exists():
+        try:
+            ref = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            ref = {}
+        if ref.get("format") == REFERENCE_FORMAT and ref.get("format_version") == REFERENCE_VERSION \
+                and ref.get("fingerprint") == eng.fingerprint and ref.get("key") == key:
+            return ref | {"cached": True}
+    with gating_as(eng, None, False):
+        nll = window_nll(eng, windows, progress)
+        conts = greedy_continuations(eng, prompts, n)
+    ref = {"format": REFERENCE_FORMAT, "format_version": REFERENCE_VERSION, "fingerprint": eng.fingerprint,
+           "key": key, "nll": nll["nll"], "scored": nll["scored"], "continuations": conts}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ref))
+        tmp.replace(path)
+    return ref | {"cached": False}
+
+
+def evaluate(eng, windows: list[list[int]], prompts: list[list[int]], n: int, workdir: Path | None,
+             progress=None) -> dict:
+    """Perplexity with the engine's gating (every token gated as in decode) vs lossless, greedy agreement,
+    experts computed and bytes loaded per token."""
+    ref = lossless_reference(eng, windows, prompts, n, workdir, progress)
+    gating = eng.runtime.gating
+    with gating_as(eng, gating, True):
+        stats = window_nll(eng, windows, progress)
+    with gating_as(eng, gating, False):
+        same, total = agreement(eng, prompts, ref["continuations"])
+    ppl, ppl0 = math.exp(stats["nll"] / stats["scored"]), math.exp(ref["nll"] / ref["scored"])
+    return {"ppl": ppl, "ppl_lossless": ppl0, "ppl_delta_rel": ppl / ppl0 - 1.0,
+            "greedy_agreement": same / total if total else 1.0,
+            "experts_per_token": stats["experts_per_token"], "bytes_per_token": stats["bytes_per_token"],
+            "single_expert_fraction": stats["single_expert_fraction"],
+            "tokens": stats["scored"], "greedy_tokens": total,
+            "gating": gating.describe() if gating is not None else "gating: off",
+            "reference_cached": ref["cached"]}

@@ -1,0 +1,154 @@
+"""Per-layer Fisher sensitivity of the loss to each MoE block's output (AdapMoE §4.2), and the choice of T_g.
+
+Legend: W = window length, D = hidden size, L = MoE layers.
+
+S_l = (1/N) sum over scored tokens t of ||dL/dO_l[t]||^2, where L is the summed next-token cross-entropy of a
+window, O_l [W,D] the output of MoE block l and N the tokens that have a next token (W-1 per window; the
+last position's output reaches no loss). Weights are frozen; the gradient flows from the input embeddings.
+Run through the offloading runtime, each expert is fetched again for the backward (a cache of one slot per
+layer works); run on a plain transformers model it gives the same numbers (tested).
+
+`sensitivity.json` (format `moectl-sensitivity` v1): fingerprint, model, dataset, window, windows, tokens,
+moe_layer_ids, sensitivities [L], and, after a search, threshold (the stored default T_g) with the search grid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import MoectlError
+from ..fingerprint import check_fingerprint
+
+FORMAT = "moectl-sensitivity"
+FORMAT_VERSION = 1
+JSON_NAME = "sensitivity.json"
+
+
+def fisher_sensitivity(model, moe_blocks: list, windows: list[list[int]], device="cpu", before_window=None,
+                       after_window=None) -> dict:
+    """S_l for each block of `moe_blocks` (in MoE layer order) over the windows; `before_window()` / `after_window()`
+    run around each (the runtime's cache begins and ends a step there; a progress bar advances)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    outs: dict[int, torch.Tensor] = {}
+
+    def keep(layer):
+        def hook(_module, _args, output):
+            o = output[0] if isinstance(output, tuple) else output
+            if o.requires_grad:
+                o.retain_grad()
+                outs[layer] = o
+        return hook
+
+    handles = [blk.register_forward_hook(keep(l)) for l, blk in enumerate(moe_blocks)]
+    total = torch.zeros(len(moe_blocks), dtype=torch.float64)
+    scored = 0
+    emb = model.get_input_embeddings()
+    try:
+        for ids in windows:
+            x = torch.tensor([ids], device=device)                                       # [1,W]
+            outs.clear()
+            if before_window is not None:
+                before_window()
+            with torch.enable_grad():
+                h = emb(x).detach().requires_grad_()                                       # [1,W,D]
+                logits = model(inputs_embeds=h, use_cache=False).logits[0, :-1].float()  # [W-1,V]
+                F.cross_entropy(logits, x[0, 1:], reduction="sum").backward()
+            for l, o in outs.items():
+                g = o.grad.reshape(-1, o.shape[-1])[:-1].double()                          # [W-1,D]
+                total[l] += g.pow(2).sum().item()
+            scored += len(ids) - 1
+            if after_window is not None:
+                after_window()
+    finally:
+        for hd in handles:
+            hd.remove()
+    if len(outs) != len(moe_blocks):
+        raise MoectlError(f"only {len(outs)} of {len(moe_blocks)} MoE blocks were reached by the gradient")
+    return {"sensitivities": (total / scored).tolist(), "tokens": scored}
+
+
+def save_sensitivity(workdir: Path, meta: dict) -> Path:
+    path = Path(workdir) / JSON_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": FORMAT, "format_version": FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | meta
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_sensitivity(path: Path, expect_fingerprint: str | None = None, num_layers: int | None = None) -> dict:
+    """A sensitivity.json (or its directory), checked: format, version, fingerprint, one value per layer."""
+    path = Path(path)
+    f = path / JSON_NAME if path.is_dir() else path
+    if not f.exists():
+        raise MoectlError(f"no sensitivities at {f}; run `moectl sensitivity` first")
+    try:
+        meta = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise MoectlError(f"{f} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise MoectlError(f"{f} is not a sensitivity artifact (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise MoectlError(f"{f} has format version {meta.get('format_version')}, newer than this moectl reads "
+                          f"({FORMAT_VERSION}); upgrade moectl or re-run `moectl sensitivity`")
+    if expect_fingerprint is not None:
+        check_fingerprint(meta.get("fingerprint"), expect_fingerprint, "sensitivities", f)
+    s = meta.get("sensitivities")
+    if not isinstance(s, list) or not all(isinstance(v, (int, float)) and v >= 0 and math.isfinite(v) for v in s):
+        raise MoectlError(f"{f}: 'sensitivities' must be a list of non-negative numbers")
+    if num_layers is not None and len(s) != num_layers:
+        raise MoectlError(f"{f} has {len(s)} sensitivities, the model has {num_layers} MoE layers")
+    t = meta.get("threshold")
+    if t is not None and (not isinstance(t, (int, float)) or t < 0):
+        raise MoectlError(f"{f}: 'threshold' must be a non-negative number or null")
+    return meta | {"path": str(f)}
+
+
+class TailRecorder:
+    """Runtime observer: for each routed row, the normalised weight of its lowest-ranked chosen expert (the first
+    one gating would drop), per layer. With S_l, these give the T_g at which each row starts to drop one."""
+
+    def __init__(self, num_layers: int):
+        self.tails: list[list[float]] = [[] for _ in range(num_layers)]
+
+    def on_route(self, layer, top_k_index, top_k_weights, hidden) -> None:
+        w = top_k_weights.detach().float()
+        w = w.where(top_k_index >= 0, torch.zeros_like(w))
+        self.tails[layer] += (w.min(-1).values / w.sum(-1).clamp_min(1e-30)).tolist()
+
+
+def threshold_grid(sensitivities: list[float], tails: list[list[float]],
+                   quantiles=(0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8)) -> list[float]:
+    """Candidate T_g where the fraction of rows that drop an expert passes each quantile: a row of layer l with
+    lowest normalised weight w starts dropping at T_g = w^2 x S_l."""
+    import numpy as np
+
+    at = np.concatenate([np.square(np.asarray(t, np.float64)) * s for t, s in zip(tails, sensitivities) if t])
+    at = at[at > 0]
+    if at.size == 0:
+        return []
+    return sorted(set(float(v) for v in np.quantile(at, quantiles)))
+
+
+def search_threshold(score, grid: list[float], target: float) -> dict:
+    """The largest T_g of the grid, walking up from the smallest, whose relative perplexity delta stays within
+    `target` (a T_g past the first one over it is not taken, even if noise brings it back under).
+    `score(T_g)` -> eval dict (ppl_delta_rel, experts_per_token, ...)."""
+    best, rows = None, []
+    for t in grid:
+        r = score(t)
+        rows.append({"threshold": t, "ppl_delta_rel": r["ppl_delta_rel"],
+                     "experts_per_token": r["experts_per_token"], "bytes_per_token": r["bytes_per_token"]})
+        if r["ppl_delta_rel"] > target:
+            break
+        best = rows[-1]
+    return {"threshold": best["threshold"] if best else None, "chosen": best, "grid": rows, "target_ppl_delta": target}

@@ -1,0 +1,67 @@
+"""`moectl eval`: the fidelity yardstick of every lossy runtime option (perplexity, greedy agreement, loads)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from ._common import CacheOpts, GatingOpts, prepare_model
+
+
+def eval_(
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    dataset: str = typer.Option("default", "--dataset", "-d",
+                                help="Held-out text: calibration YAML name or path, local file, or 'builtin'."),
+    max_tokens: int = typer.Option(2048, "--max-tokens", min=2, help="Tokens of held-out text scored."),
+    window: int = typer.Option(256, "--window", min=2, help="Tokens per teacher-forced window."),
+    prompts: int = typer.Option(4, "--prompts", min=1, help="Held-out prompts for greedy agreement."),
+    generate: int = typer.Option(32, "--generate", min=1, help="Greedy tokens compared per prompt."),
+    cache_experts: Optional[int] = CacheOpts.cache_experts(),
+    budget: Optional[str] = CacheOpts.budget(),
+    device: str = CacheOpts.device(),
+    emulate_device: bool = CacheOpts.emulate_device(),
+    offload: str = CacheOpts.offload(),
+    replacement: str = CacheOpts.replacement(),
+    prefetch: str = CacheOpts.prefetch(),
+    predictor: Optional[str] = CacheOpts.predictor(),
+    workdir: Optional[str] = CacheOpts.workdir(),
+    dtype: Optional[str] = CacheOpts.dtype(),
+    gating_threshold: Optional[float] = GatingOpts.threshold(),
+    gating: Optional[str] = GatingOpts.spec(),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Perplexity with the given runtime options vs lossless on the same tokens, greedy-continuation agreement,
+    experts computed and bytes loaded per token. Every scored token is computed as a decode step would be
+    (gating applies to all of them); the lossless side is computed once and kept in <workdir>/eval/."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..calib.dataset import load_calibration
+    from ..calib.fidelity import evaluate, token_windows
+    from ..progress import ProgressBar
+    from ..runtime.engine import Engine
+
+    prepare_model(model, workdir)
+    eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                      workdir=workdir, dtype=dtype, emulate_device=emulate_device, replacement=replacement, prefetch=prefetch, predictor=predictor,
+                      gating=gating or "auto", gating_threshold=gating_threshold, progress=not as_json)
+    windows = token_windows(eng.tokenizer, load_calibration(dataset), window, max_tokens)
+    starts = [w[: max(2, window // 4)] for w in windows[:prompts]]
+    with ProgressBar(not as_json, transient=True) as bar:
+        task = bar.add("eval", total=2 * len(windows))
+        r = evaluate(eng, windows, starts, generate, eng.ref.workdir, progress=lambda: bar.update(task, advance=1))
+    if as_json:
+        print(json.dumps(r))
+        return
+    t = Table(title=f"{eng.ref.name}: {r['tokens']} held-out tokens of {dataset}; {r['gating']}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("perplexity", f"{r['ppl']:.4f}")
+    t.add_row("perplexity, lossless" + (" (cached)" if r["reference_cached"] else ""), f"{r['ppl_lossless']:.4f}")
+    t.add_row("relative perplexity delta", f"{r['ppl_delta_rel']:+.4%}")
+    t.add_row(f"greedy agreement ({r['greedy_tokens']} tokens)", f"{r['greedy_agreement']:.4f}")
+    t.add_row("experts computed per token and MoE layer", f"{r['experts_per_token']:.3f}")
+    t.add_row("bytes loaded per token", f"{r['bytes_per_token']:.0f}")
+    Console().print(t)
