@@ -64,7 +64,8 @@ def serve(
             torch.set_num_threads(threads)
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
-                          predictor=predictor, emulate_device=emulate_device, progress=err.is_terminal)
+                          predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any
+                          progress=err.is_terminal)
         app = create_app(eng, served_name or eng.ref.name, api_key=api_key, max_queue=max_queue,
                          default_max_tokens=max_tokens)
         bound_host, bound_port = sock.getsockname()[:2]
