@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MoectlError
-from ..fingerprint import check_fingerprint
 
 FORMAT = "moectl-sensitivity"
 FORMAT_VERSION = 1
@@ -86,22 +85,16 @@ def save_sensitivity(workdir: Path, meta: dict) -> Path:
 
 
 def load_sensitivity(path: Path, expect_fingerprint: str | None = None, num_layers: int | None = None) -> dict:
-    """A sensitivity.json (or its directory), checked: format, version, fingerprint, one value per layer."""
+    """A sensitivity.json (or its directory), checked (format, version, fingerprint through the shared artifact
+    reader), with one non-negative value per MoE layer."""
+    from ..artifact import read_descriptor
+
     path = Path(path)
     f = path / JSON_NAME if path.is_dir() else path
     if not f.exists():
         raise MoectlError(f"no sensitivities at {f}; run `moectl sensitivity` first")
-    try:
-        meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise MoectlError(f"{f} is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise MoectlError(f"{f} is not a sensitivity artifact (format {meta.get('format') if isinstance(meta, dict) else None!r})")
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise MoectlError(f"{f} has format version {meta.get('format_version')}, newer than this moectl reads "
-                          f"({FORMAT_VERSION}); upgrade moectl or re-run `moectl sensitivity`")
-    if expect_fingerprint is not None:
-        check_fingerprint(meta.get("fingerprint"), expect_fingerprint, "sensitivities", f)
+    meta = read_descriptor(f, FORMAT, what="sensitivity artifact", version_key="format_version",
+                           max_version=FORMAT_VERSION, expect_fingerprint=expect_fingerprint)
     s = meta.get("sensitivities")
     if not isinstance(s, list) or not all(isinstance(v, (int, float)) and v >= 0 and math.isfinite(v) for v in s):
         raise MoectlError(f"{f}: 'sensitivities' must be a list of non-negative numbers")

@@ -84,7 +84,8 @@ class Engine:
 
         hf, blocks = _skeleton(config, adapter, dt, ref.path)
         moe_layer_ids = [i for i, _ in blocks]
-        gating = _gating(gating, gating_threshold, ref.workdir, config_fingerprint(config), len(moe_layer_ids))
+        fingerprint = config_fingerprint(config)
+        gating = _gating(gating, gating_threshold, ref.workdir, fingerprint, len(moe_layer_ids))
         runtime = _Runtime(adapter, gating, gate_prefill)
         for moe_idx, (layer_idx, block) in enumerate(blocks):
             old = block.experts
@@ -133,7 +134,7 @@ class Engine:
         if in_place and prefetch == "auto":
             prefetch = None                          # in place every expert is resident: nothing to prefetch
         policy, prefetch = _policies(replacement, prefetch, hf, adapter, predictor or ref.workdir,
-                                     config_fingerprint(config), L)
+                                     fingerprint, L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
         cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy)
