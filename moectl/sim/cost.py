@@ -164,9 +164,10 @@ class CostModel:
     def lm_head_s(self, tokens: int = 1) -> float:
         return self._gemm_s(self.shape["hidden_size"] * (self.shape.get("vocab_size") or 32000), tokens)
 
-    def cpu_expert_s(self, tokens: int = 1) -> float:
-        """One expert computed on the CPU from host RAM (Fiddler-style alternative to a copy)."""
-        return self.expert_params * self.dtype_bytes / (self.hw.cpu_mem_gbps * 1e9)
+    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+        """One expert computed on the CPU from host RAM (Fiddler-style alternative to a copy): its bytes
+        (`nbytes`, default the full-precision expert) read at host memory bandwidth."""
+        return (self.expert_bytes if nbytes is None else nbytes) / (self.hw.cpu_mem_gbps * 1e9)
 
 
 class FixedCost:
@@ -174,9 +175,12 @@ class FixedCost:
     Mixtral-8x7B-like (an expert copy ~30x its compute)."""
 
     def __init__(self, load: float = 1.0, attention: float = 0.01, expert: float = 0.03, head: float = 0.0,
-                 expert_bytes: float = 1.0):
+                 expert_bytes: float = 1.0, cpu_expert: float = 0.3):
         self.load, self.attention, self.expert, self.head = load, attention, expert, head
-        self.expert_bytes = expert_bytes
+        self.expert_bytes, self.cpu_expert = expert_bytes, cpu_expert
+
+    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+        return self.cpu_expert if nbytes is None else self.cpu_expert * nbytes / self.expert_bytes
 
     def load_s(self, nbytes: float | None = None) -> float:
         return self.load if nbytes is None else self.load * nbytes / self.expert_bytes
