@@ -106,6 +106,40 @@ def test_sensitivity_through_runtime_equals_transformers(family, families):
     assert eng.cache.snapshot()["misses"] > 3 * L                    # experts really were reloaded
 
 
+def test_ablation_sensitivity_sees_a_harmless_tail(tiny_small, tmp_path):
+    """A layer whose experts are all the same: dropping its tail (and renormalising) changes nothing, so its
+    ablation cost is ~0 and it gets the floor (1e-3 x the largest), while Fisher's S_l, blind to what the
+    dropped experts compute, stays of the same order as the other layers'."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moectl.calib.dataset import load_calibration
+    from moectl.calib.fidelity import token_windows
+    from moectl.calib.sensitivity import ablation_sensitivity, fisher_sensitivity
+    from moectl.runtime.engine import Engine
+
+    path = tmp_path / "same-experts"
+    shutil.copytree(tiny_small, path)
+    for f in path.glob("*.safetensors"):
+        t = load_file(f)
+        for k, v in t.items():
+            if ".layers.1." in k and ".experts." in k:
+                if v.dim() == 3:                                             # fused [E, ...]
+                    t[k] = v[:1].expand_as(v).contiguous()
+                elif ".experts.0." not in k:                                 # per-expert: a copy of expert 0's
+                    t[k] = t[k.replace(f".experts.{k.split('.experts.')[1].split('.')[0]}.", ".experts.0.")].clone()
+        save_file(t, f, metadata={"format": "pt"})
+    eng = Engine.load(str(path), progress=False)
+    windows = token_windows(eng.tokenizer, load_calibration("small"), 64, 640)
+    got = ablation_sensitivity(eng, windows)
+    assert got["tokens"] == len(windows) * 63 and len(got["ablation"]) == 2
+    assert abs(got["ablation_dnll"][1]) < 1e-3 < got["ablation_dnll"][0]
+    assert got["ablation"][1] == pytest.approx(1e-3 * got["ablation"][0])
+    fisher = fisher_sensitivity(eng.model, [b for _, b in eng.adapter.moe_blocks(eng.model)], windows)["sensitivities"]
+    assert fisher[1] > 0.1 * fisher[0]
+
+
 # ------------------------------------------------------------------------------- runtime, eval, CLI (tiny)
 def _cli(*args):
     r = CliRunner().invoke(app, list(args))
@@ -143,6 +177,7 @@ def test_cli_sensitivity_default_threshold_and_errors(tiny_small, tmp_path):
     saved = json.loads((wd / "sensitivity.json").read_text())
     assert saved["format"] == "moectl-sensitivity" and saved["fingerprint"] == d["fingerprint"]
     assert len(saved["sensitivities"]) == 2 and all(s > 0 for s in saved["sensitivities"])
+    assert saved["rule"] == "ablation" and len(saved["ablation"]) == 2 and all(a > 0 for a in saved["ablation"])
     assert saved["threshold"] is not None and saved["search"]["chosen"]["ppl_delta_rel"] <= 0.01
 
     # the runtime gates by default with the stored T_g, and says so; --gating-threshold 0 turns it off
@@ -156,6 +191,7 @@ def test_cli_sensitivity_default_threshold_and_errors(tiny_small, tmp_path):
 
     eng = Engine.load(str(tiny_small), workdir=str(wd), gating="auto", progress=False)
     assert eng.runtime.gating.threshold == saved["threshold"] and "sensitivity.json" in eng.runtime.gating.source
+    assert eng.runtime.gating.sensitivities == saved["ablation"]                  # the rule uses the ablation costs
     assert "sensitivity.json" in eng.generate("The list", max_new_tokens=3).stats["gating"]
 
     # eval with the stored gating vs off
@@ -220,7 +256,7 @@ def test_eval_reference_is_invalidated_by_new_weights(tmp_path, families):
     from moectl.runtime.engine import Engine
 
     path = tmp_path / "m"
-    shutil.copytree(families["mixtral"], path)
+    shutil.copytree(tiny_small, path)
     windows = torch.randint(2, 500, (2, 16), generator=torch.Generator().manual_seed(1)).tolist()
     a = lossless_reference(Engine.load(str(path), progress=False), windows, [], 0, tmp_path / "wd")
     assert not a["cached"]

@@ -76,7 +76,7 @@ def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
     """Summed next-token NLL over the windows, with the tokens scored, experts computed and bytes loaded."""
     rt, cache = eng.runtime, eng.cache
     calls0, bytes0 = rt.expert_calls, cache.stats.as_dict()["bytes_loaded"]
-    nll, scored, computed = 0.0, 0, 0
+    nll, scored, computed, per_window = 0.0, 0, 0, []
     rows = _SingleExpertRows()
     eng.add_observer(rows)
     try:
@@ -85,7 +85,8 @@ def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
             cache.begin_step("prefill")                                      # a teacher-forced window
             logits = eng.model(input_ids=x, use_cache=False).logits[0, :-1].float()   # [W-1,V]
             cache.end_token()
-            nll += float(F.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            per_window.append(float(F.cross_entropy(logits, x[0, 1:], reduction="sum")))
+            nll += per_window[-1]
             scored += len(ids) - 1
             computed += len(ids)
             if progress is not None:
@@ -93,7 +94,7 @@ def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
     finally:
         eng.remove_observer(rows)
     L = len(eng.moe_layer_ids)
-    return {"nll": nll, "scored": scored, "tokens": computed,
+    return {"nll": nll, "scored": scored, "tokens": computed, "per_window": per_window,
             "experts_per_token": (rt.expert_calls - calls0) / (computed * L),
             "single_expert_fraction": rows.single / max(rows.rows, 1),
             "bytes_per_token": (cache.stats.as_dict()["bytes_loaded"] - bytes0) / computed}

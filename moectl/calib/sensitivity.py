@@ -8,8 +8,14 @@ last position's output reaches no loss). Weights are frozen; the gradient flows 
 Run through the offloading runtime, each expert is fetched again for the backward (a cache of one slot per
 layer works); run on a plain transformers model it gives the same numbers (tested).
 
+`ablation_sensitivity` measures the same thing directly: per layer, the loss of keeping only the top-1 there,
+per unit of squared dropped mass. `--rule ablation` (the default) makes the gating rule use it; Fisher's S_l is
+always computed and stored.
+
 `sensitivity.json` (format `moectl-sensitivity` v1): fingerprint, model, dataset, window, windows, tokens,
-moe_layer_ids, sensitivities [L], and, after a search, threshold (the stored default T_g) with the search grid.
+moe_layer_ids, sensitivities [L] (Fisher), rule ("fisher" | "ablation"), ablation [L] and ablation_dnll [L]
+(with rule ablation), and, after a search, threshold (the stored default T_g) with the search grid.
+`rule_sensitivities(meta)` is what the gating uses.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MoectlError
+from ..policies.gating import GatingPolicy
 
 FORMAT = "moectl-sensitivity"
 FORMAT_VERSION = 1
 JSON_NAME = "sensitivity.json"
+RULES = ("fisher", "ablation")
 
 
 def fisher_sensitivity(model, moe_blocks: list, windows: list[list[int]], device="cpu", before_window=None,
@@ -100,10 +108,69 @@ def load_sensitivity(path: Path, expect_fingerprint: str | None = None, num_laye
         raise MoectlError(f"{f}: 'sensitivities' must be a list of non-negative numbers")
     if num_layers is not None and len(s) != num_layers:
         raise MoectlError(f"{f} has {len(s)} sensitivities, the model has {num_layers} MoE layers")
+    if meta.get("rule", "fisher") not in RULES:
+        raise MoectlError(f"{f}: 'rule' must be one of {', '.join(RULES)}, not {meta.get('rule')!r}")
+    a = meta.get("ablation")
+    if meta.get("rule") == "ablation" and (not isinstance(a, list) or len(a) != len(s) or not all(
+            isinstance(v, (int, float)) and v >= 0 and math.isfinite(v) for v in a)):
+        raise MoectlError(f"{f}: rule 'ablation' needs 'ablation': one non-negative number per MoE layer")
     t = meta.get("threshold")
     if t is not None and (not isinstance(t, (int, float)) or t < 0):
         raise MoectlError(f"{f}: 'threshold' must be a non-negative number or null")
     return meta | {"path": str(f)}
+
+
+class LayerAblation(GatingPolicy):
+    """Keeps only the top-1 in MoE layer `layer` (every token), all chosen experts elsewhere."""
+
+    name = "ablation"
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+    def budget(self, layer: int) -> float:
+        return 1.0 if layer == self.layer else -1.0
+
+
+def ablation_sensitivity(eng, windows: list[list[int]], progress=None) -> dict:
+    """The measured cost of dropping gate mass, per MoE layer, in the rule's own units:
+
+        A_l = (NLL with only the top-1 kept in layer l  -  NLL) / sum over tokens of m_t^2
+
+    m_t the normalised mass a token's tail holds in layer l. The rule `m^2 x A_l <= T_g` then spends the same
+    measured loss per dropped unit everywhere. Why next to Fisher's S_l: S_l = E||dL/dO_l||^2 assumes every
+    layer's dropped experts move the output by the same amount per unit of weight; on the tiny model the
+    ablation costs per unit m^2 differ from S_l's ratios by up to 100x between layers (docs/benchmarks.md).
+    A layer whose tail costs nothing (or helps) gets 1e-3 x the largest A_l: it drops first, not for free.
+    `eng` is a loaded Engine; L + 1 teacher-forced passes over `windows`."""
+    from .fidelity import gating_as, window_nll
+
+    L = len(eng.moe_layer_ids)
+    tails = TailRecorder(L)
+    eng.add_observer(tails)
+    try:
+        with gating_as(eng, None, True):
+            base = window_nll(eng, windows)["nll"]
+    finally:
+        eng.remove_observer(tails)
+    if progress is not None:
+        progress()
+    cost = []
+    for l in range(L):
+        with gating_as(eng, LayerAblation(l), True):
+            cost.append(window_nll(eng, windows)["nll"] - base)
+        if progress is not None:
+            progress()
+    mass2 = [sum(m * m for m in ms) for ms in tails.heads]
+    raw = [c / m2 if m2 > 0 else 0.0 for c, m2 in zip(cost, mass2)]
+    floor = 1e-3 * max(max(raw), 0.0)
+    return {"ablation": [max(a, floor) for a in raw], "ablation_dnll": cost, "tokens": sum(len(w) - 1 for w in windows)}
+
+
+def rule_sensitivities(meta: dict) -> list[float]:
+    """The per-layer values the gating rule uses from a sensitivity.json: the ablation costs when it was made
+    with `--rule ablation`, else Fisher's S_l."""
+    return meta["ablation"] if meta.get("rule") == "ablation" and meta.get("ablation") else meta["sensitivities"]
 
 
 class TailRecorder:
@@ -112,11 +179,14 @@ class TailRecorder:
 
     def __init__(self, num_layers: int):
         self.tails: list[list[float]] = [[] for _ in range(num_layers)]
+        self.heads: list[list[float]] = [[] for _ in range(num_layers)]     # mass outside the top-1
 
     def on_route(self, layer, top_k_index, top_k_weights, hidden) -> None:
         w = top_k_weights.detach().float()
         w = w.where(top_k_index >= 0, torch.zeros_like(w))
-        self.tails[layer] += (w.min(-1).values / w.sum(-1).clamp_min(1e-30)).tolist()
+        total = w.sum(-1).clamp_min(1e-30)
+        self.tails[layer] += (w.min(-1).values / total).tolist()
+        self.heads[layer] += (1 - w.max(-1).values / total).tolist()
 
 
 def threshold_grid(sensitivities: list[float], tails: list[list[float]],

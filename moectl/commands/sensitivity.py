@@ -20,6 +20,11 @@ def sensitivity(
         None, "--target-ppl-delta",
         help="Also search T_g: the largest whose relative perplexity cost stays within this (e.g. 0.01), "
              "measured on held-out windows of the dataset; stored as the runtime's default gating."),
+    rule: str = typer.Option(
+        "ablation", "--rule",
+        help="What the gating rule m^2 x S_l <= T_g uses per layer: 'ablation' (measured: the loss of keeping only "
+             "the top-1 in that layer, per unit of squared dropped mass; L+1 extra forward passes) or 'fisher' "
+             "(AdapMoE's S_l = E||dL/dO_l||^2). Fisher's S_l is computed and stored either way."),
     cache_experts: Optional[int] = CacheOpts.cache_experts(),
     budget: Optional[str] = CacheOpts.budget(),
     device: str = CacheOpts.device(),
@@ -29,7 +34,8 @@ def sensitivity(
     dtype: Optional[str] = CacheOpts.dtype(),
     as_json: bool = typer.Option(False, "--json", help="Print sensitivity.json's content as one JSON object."),
 ):
-    """S_l = mean over calibration tokens of ||dL/dO_l||^2 (O_l: MoE block l's output), through the runtime.
+    """S_l = mean over calibration tokens of ||dL/dO_l||^2 (O_l: MoE block l's output), through the runtime;
+    with --rule ablation (default) also the measured per-layer cost the gating rule then uses.
 
     Writes <workdir>/sensitivity.json. With --target-ppl-delta, the first half of the windows gives the
     sensitivities and the second half (other tokens) chooses T_g."""
@@ -38,13 +44,15 @@ def sensitivity(
 
     from ..calib.dataset import load_calibration
     from ..calib.fidelity import evaluate, token_windows
-    from ..calib.sensitivity import (TailRecorder, fisher_sensitivity, save_sensitivity, search_threshold,
-                                     threshold_grid)
+    from ..calib.sensitivity import (RULES, TailRecorder, ablation_sensitivity, fisher_sensitivity, rule_sensitivities,
+                                     save_sensitivity, search_threshold, threshold_grid)
     from ..errors import MoectlError
     from ..policies.gating import SensitivityGating
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
 
+    if rule not in RULES:
+        raise MoectlError(f"unknown --rule {rule!r}; choose one of {', '.join(RULES)}")
     if target_ppl_delta is not None and target_ppl_delta < 0:
         raise MoectlError(f"--target-ppl-delta must be >= 0, not {target_ppl_delta}")
     prepare_model(model, workdir)
@@ -67,14 +75,20 @@ def sensitivity(
     eng.remove_observer(tails)
     meta = {"fingerprint": eng.fingerprint, "model": eng.ref.name, "dataset": dataset, "window": window,
             "windows": len(fit), "tokens": res["tokens"], "moe_layer_ids": eng.moe_layer_ids,
-            "sensitivities": res["sensitivities"], "threshold": None}
+            "sensitivities": res["sensitivities"], "rule": rule, "threshold": None}
+    if rule == "ablation":
+        with ProgressBar(not as_json, transient=True) as bar:
+            task = bar.add("ablation (one pass per MoE layer)", total=len(eng.moe_layer_ids) + 1)
+            meta |= ablation_sensitivity(eng, fit, lambda: bar.update(task, advance=1))
+            meta["tokens"] = res["tokens"]
+    sens = rule_sensitivities(meta)
     if search:
         held = windows[len(fit):]
-        grid = threshold_grid(res["sensitivities"], tails.tails)
+        grid = threshold_grid(sens, tails.tails)
         with ProgressBar(not as_json, transient=True) as bar:
             task = bar.add("searching T_g", total=len(grid))
             def score(t):
-                eng.runtime.gating = SensitivityGating(t, res["sensitivities"])
+                eng.runtime.gating = SensitivityGating(t, sens)
                 r = evaluate(eng, held, [], 0, eng.ref.workdir)          # perplexity only
                 bar.update(task, advance=1)
                 return r
@@ -85,14 +99,19 @@ def sensitivity(
     if as_json:
         print(json.dumps(meta | {"path": str(path)}))
         return
-    t = Table(title=f"{eng.ref.name}: Fisher sensitivity per MoE layer ({res['tokens']} tokens of {dataset})")
+    t = Table(title=f"{eng.ref.name}: sensitivity per MoE layer ({res['tokens']} tokens of {dataset}; "
+                    f"the gating rule uses {rule})")
     t.add_column("MoE layer", justify="right")
     t.add_column("model layer", justify="right")
-    t.add_column("S_l", justify="right")
+    t.add_column("Fisher S_l", justify="right")
     t.add_column("S_l / max", justify="right")
-    top = max(res["sensitivities"]) or 1.0
+    if rule == "ablation":
+        t.add_column("ablation A_l", justify="right")
+        t.add_column("A_l / max", justify="right")
+    top, atop = max(res["sensitivities"]) or 1.0, max(sens) or 1.0
     for l, (mid, s) in enumerate(zip(eng.moe_layer_ids, res["sensitivities"])):
-        t.add_row(str(l), str(mid), f"{s:.4g}", f"{s / top:.3f}")
+        extra = [f"{sens[l]:.4g}", f"{sens[l] / atop:.3f}"] if rule == "ablation" else []
+        t.add_row(str(l), str(mid), f"{s:.4g}", f"{s / top:.3f}", *extra)
     console = Console()
     console.print(t)
     if search:

@@ -124,7 +124,7 @@ def simulate(
 
 def _gated(tr, threshold, spec, gate_prefill, sensitivity):
     """The trace with the asked gating applied, or None when none was asked."""
-    from ..calib.sensitivity import load_sensitivity
+    from ..calib.sensitivity import load_sensitivity, rule_sensitivities
     from ..errors import MoectlError
     from ..policies.gating import gate_trace, parse_gating
 
@@ -132,7 +132,7 @@ def _gated(tr, threshold, spec, gate_prefill, sensitivity):
         return None
     sens = None
     if sensitivity is not None:
-        sens = load_sensitivity(sensitivity, tr.fingerprint, tr.num_layers)["sensitivities"]
+        sens = rule_sensitivities(load_sensitivity(sensitivity, tr.fingerprint, tr.num_layers))
     elif threshold is not None or (spec or "").startswith("sensitivity"):
         raise MoectlError("--gating-threshold needs the traced model's sensitivities: --sensitivity <workdir>/sensitivity.json")
     policy = parse_gating(threshold, spec, sens)

@@ -435,7 +435,7 @@ def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_laye
     `threshold` (--gating-threshold T_g, 0 = off) overrides the stored T_g."""
     if isinstance(gating, GatingPolicy):
         return gating
-    from ..calib.sensitivity import JSON_NAME, load_sensitivity
+    from ..calib.sensitivity import JSON_NAME, load_sensitivity, rule_sensitivities
     from ..policies.gating import parse_gating
 
     spec = None if gating in (None, "auto") else gating
@@ -444,7 +444,7 @@ def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_laye
     f = Path(workdir) / JSON_NAME
     needs = threshold is not None or gating == "auto" or (spec or "").startswith("sensitivity")
     meta = load_sensitivity(f, fingerprint, num_layers) if needs and f.exists() else None
-    policy = parse_gating(threshold, spec, meta["sensitivities"] if meta else None,
+    policy = parse_gating(threshold, spec, rule_sensitivities(meta) if meta else None,
                           meta.get("threshold") if meta and gating == "auto" else None)
     if policy is not None and gating == "auto" and threshold is None:
         policy.source = str(f)          # on by default: the status lines say where it came from
