@@ -256,7 +256,7 @@ def test_eval_reference_is_invalidated_by_new_weights(tmp_path, families):
     from moectl.runtime.engine import Engine
 
     path = tmp_path / "m"
-    shutil.copytree(tiny_small, path)
+    shutil.copytree(families["mixtral"], path)
     windows = torch.randint(2, 500, (2, 16), generator=torch.Generator().manual_seed(1)).tolist()
     a = lossless_reference(Engine.load(str(path), progress=False), windows, [], 0, tmp_path / "wd")
     assert not a["cached"]
