@@ -19,11 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MoectlError
+from .formats import DenseFormat, ExpertFormat
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """How one expert's tensors sit in one flat buffer (one host buffer, one device slot)."""
+    """The matrices one expert computes with (names and shapes, in on-disk packed order). How they are
+    stored as bytes is an `ExpertFormat` (`moectl/models/formats.py`): `DenseFormat(layout, dtype)` for the
+    checkpoint's own tensors, a quantized format for low-bit copies."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -80,6 +83,10 @@ class FamilyAdapter:
         H, I = self.config.hidden_size, self.expert_intermediate
         return ExpertLayout(("gate_up", "down"), ((2 * I, H), (H, I)))
 
+    def format(self, dtype: torch.dtype) -> ExpertFormat:
+        """The full-precision packed format of one expert: the layout's tensors in `dtype`."""
+        return DenseFormat(self.layout(), dtype)
+
     # --- the model in memory ------------------------------------------------------------
     def moe_blocks(self, model) -> list[tuple[int, torch.nn.Module]]:
         """(model layer index, MoE block) for every sparse layer; dense layers are skipped."""
@@ -118,5 +125,6 @@ class FamilyAdapter:
 
     # --- running one expert -------------------------------------------------------------
     def expert_forward(self, w: dict[str, torch.Tensor], x: torch.Tensor, apply_gate) -> torch.Tensor:
-        """y [T,H] of one expert on its tokens x [T,H]; `apply_gate` is the family's act(gate)*up."""
+        """y [T,H] of one expert on its tokens x [T,H]; `apply_gate` is the family's act(gate)*up. `w` is
+        `ExpertFormat.weights(views)`: the layout's matrices, dequantised if the copy was low-bit."""
         return F.linear(apply_gate(F.linear(x, w["gate_up"])), w["down"])

@@ -93,7 +93,7 @@ class Engine:
         # Sizing from the config, the skeleton and the shard headers: a bad budget, or a configuration the
         # host RAM cannot hold, fails before any weight is read.
         L, E = len(moe_layer_ids), adapter.num_experts
-        expert_nbytes = adapter.layout().numel * dt.itemsize
+        expert_nbytes = adapter.format(dt).nbytes
         kv = kv_reserve_nbytes(config, dt)
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config), kv, cache_experts, budget,
                                       slots_per_layer)
@@ -588,7 +588,7 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     hf, blocks = _skeleton(config, adapter, dt, ref.path)
     for moe_idx, (layer_idx, block) in enumerate(blocks):   # the runtime's stand-ins: experts are not dense
         block.experts = OffloadedExperts(moe_idx, layer_idx, None, None, adapter.num_experts)
-    expert_nbytes = adapter.layout().numel * torch.empty((), dtype=dt).element_size()
+    expert_nbytes = adapter.format(dt).nbytes
     info = describe(config, adapter, expert_nbytes, dense_nbytes(hf, config), len(blocks))
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "moe_layer_ids": [i for i, _ in blocks],

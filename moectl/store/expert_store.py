@@ -1,9 +1,10 @@
 """ExpertStore: where every routed expert's bytes lie, and how to put one into a buffer.
 
-Legend: L = MoE layers, E = experts per layer, P = numel of one packed expert (`ExpertLayout`).
+Legend: L = MoE layers, E = experts per layer, N = bytes of one packed expert (`ExpertFormat.nbytes`).
 
 Each expert is a few byte ranges of the shards (its tensors, or its rows of fused [E, ...] tensors),
-found once from the headers; concatenated they are the packed buffer. Filling any flat [P] host
+found once from the headers; concatenated they are the packed buffer (`DenseFormat`: the layout's tensors in
+the store dtype, no padding). Every buffer is uint8 [N]; the format gives typed views. Filling any [N] host
 buffer (a RAM-tier buffer, a CPU cache slot, a pinned staging buffer) is one `preadv` per range,
 straight into it, when the on-disk dtype is the store dtype (adjacent ranges merged); otherwise each
 tensor is read and cast into place (one temporary per tensor). A demand load of a big expert is split
@@ -11,7 +12,7 @@ into equal byte spans read by as many threads as torch computes with (the comput
 and one thread's copy out of the page cache is slower than the memory allows); every byte is still
 read exactly once, straight into the buffer.
 
-`ram` tier: one [E, P] host tensor per layer (pinned when CUDA is present), filled at load; the
+`ram` tier: one uint8 [E, N] host tensor per layer (pinned when CUDA is present), filled at load; the
 shard files are closed afterwards, nothing stays mapped. On a CPU device these buffers are what the
 experts are computed on (`runtime/in_place.py`).
 `disk` tier: nothing up front; `load_into` reads an expert into the buffer it is given (a slot), and
@@ -27,6 +28,7 @@ import torch
 
 from ..errors import MoectlError
 from ..models.base import ExpertLayout, FamilyAdapter
+from ..models.formats import ExpertFormat
 from ..progress import ProgressBar
 from .checkpoint import ByteRange, Checkpoint, byte_view
 from .memory import host_empty
@@ -40,22 +42,23 @@ class ExpertStore:
         self.ckpt, self.adapter, self.dtype = ckpt, adapter, dtype
         self.moe_layer_ids = list(moe_layer_ids)              # trace layer -> model layer
         self.layout: ExpertLayout = adapter.layout()
+        self.format: ExpertFormat = adapter.format(dtype)
         self.num_experts = adapter.num_experts
         self.offload = offload
-        self.expert_nbytes = self.layout.numel * dtype.itemsize
+        self.expert_nbytes = self.format.nbytes
         # [L][E] byte ranges of each expert, in packed order (checked against the layout once, here).
         self.ranges = [[self._ranges(layer, e) for e in range(self.num_experts)] for layer in range(self.num_layers)]
         self.raw = all(r.dtype == dtype for row in self.ranges for rs in row for r in rs)
         self._reader: ThreadPoolExecutor | None = None       # the background (prefetch) reader
         self._helpers: ThreadPoolExecutor | None = None      # threads that split one demand read
-        self.buffers: list[torch.Tensor] | None = None       # [L] of [E, P] (ram tier)
+        self.buffers: list[torch.Tensor] | None = None       # [L] of uint8 [E, N] (ram tier)
         if offload == "ram":
             buffers = []
             with ProgressBar(progress, transient=True) as bar:
                 task = bar.add("reading experts", self.num_layers * self.num_experts)
                 for layer in range(self.num_layers):
                     # touch=True: with huge pages, zeroing then reading beats faulting pages in during the read
-                    buf = host_empty((self.num_experts, self.layout.numel), dtype, "reading experts into RAM",
+                    buf = host_empty((self.num_experts, self.expert_nbytes), torch.uint8, "reading experts into RAM",
                                      pin=pin, touch=True)
                     for e in range(self.num_experts):
                         self.load_into(layer, e, buf[e], parallel=True)
@@ -99,7 +102,7 @@ class ExpertStore:
         return merged
 
     def load_into(self, layer: int, expert: int, dst: torch.Tensor, parallel: bool = False) -> None:
-        """Fill the flat [P] host buffer `dst` with (MoE layer `layer`, expert): a copy of the RAM-tier buffer,
+        """Fill the uint8 [N] host buffer `dst` with (MoE layer `layer`, expert): a copy of the RAM-tier buffer,
         or the shard bytes read straight into it (`parallel`: by several threads, for a demand load)."""
         if self.buffers is not None and dst.data_ptr() != self.buffers[layer][expert].data_ptr():
             dst.copy_(self.buffers[layer][expert])
@@ -125,12 +128,12 @@ class ExpertStore:
             for f in helped:
                 f.result()                              # re-raise a helper's read error here
             return
-        pos = 0
+        pos, typed = 0, dst.view(self.dtype)
         for r in self.ranges[layer][expert]:            # another dtype on disk: read, then cast into place
             n = math.prod(r.shape)
             t = torch.empty(n, dtype=r.dtype)
             self.ckpt.read_into(r, byte_view(t))
-            dst[pos:pos + n].copy_(t)
+            typed[pos:pos + n].copy_(t)
             pos += n
 
     def _spans(self, ranges: list[ByteRange], workers: int) -> list[list[tuple[ByteRange, int]]]:
@@ -164,7 +167,7 @@ class ExpertStore:
         return self._reader.submit(job)
 
     def host(self, layer: int, expert: int) -> torch.Tensor:
-        """The packed RAM-tier buffer [P] of (MoE layer `layer`, expert); a view, never a copy."""
+        """The packed RAM-tier buffer uint8 [N] of (MoE layer `layer`, expert); a view, never a copy."""
         if self.buffers is None:
             raise MoectlError("the disk tier keeps no host copy of the experts; load one into a buffer with load_into")
         return self.buffers[layer][expert]
