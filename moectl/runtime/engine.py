@@ -116,7 +116,7 @@ class Engine:
         for key in ckpt.keys():
             name = adapter.skeleton_key(key)
             if name is not None:
-                t = host_alloc(lambda: ckpt.get(key), "reading dense weights", ckpt.range(key).nbytes)
+                t = host_alloc(lambda: adapter.read_dense(ckpt, key), "reading dense weights", ckpt.range(key).nbytes)
                 state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
         missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
