@@ -1,0 +1,183 @@
+"""Checkpoints as released quantized: GPT-OSS's MXFP4 experts and block-scaled FP8 (Qwen3-MoE) are served
+packed, as they ship, and equal transformers' own dequantised load of the same files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quantized_checkpoints import (fp8_block_quantize, reference_dequantized, write_fp8_qwen3_moe,  # noqa: E402
+                                   write_mxfp4_gpt_oss)
+from test_runtime import LOSSLESS_ATOL, _engine_run  # noqa: E402
+
+from moectl.errors import MoectlError  # noqa: E402
+from moectl.quant import fp8_block, mxfp4  # noqa: E402
+from moectl.runtime.engine import Engine  # noqa: E402
+
+DECODE_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    root = tmp_path_factory.mktemp("released")
+    return {"mxfp4": write_mxfp4_gpt_oss(root / "gpt-oss-mxfp4"), "fp8": write_fp8_qwen3_moe(root / "qwen3-fp8")}
+
+
+def _reference(path, prompt, steps):
+    """Logits per step and greedy ids of transformers' dequantising load (Mxfp4Config / FineGrainedFP8Config)."""
+    from transformers import DynamicCache
+
+    ref = reference_dequantized(path)
+    logits, ids, step = [], [], prompt
+    with torch.no_grad():
+        pkv = DynamicCache(config=ref.config)
+        for _ in range(steps + 1):
+            out = ref(input_ids=step, past_key_values=pkv, use_cache=True)
+            pkv = out.past_key_values
+            logits.append(out.logits[0])
+            ids.append(int(out.logits[0, -1].argmax()))
+            step = torch.tensor([[ids[-1]]])
+    return logits, ids
+
+
+def _file_tensor(path, key, row):
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return f.get_slice(key)[row]
+
+
+# --- the dequantisers against transformers' --------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantize_equals_transformers(dtype):
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 48, 4, 16), dtype=torch.uint8, generator=g)    # every code, both nibbles
+    scales = torch.randint(100, 150, (3, 48, 4), dtype=torch.uint8, generator=g)
+    ref = _convert_moe_packed_tensors(blocks, scales, dtype=dtype)                     # [E, in, out]
+    ours = mxfp4.dequantize(blocks, scales, dtype)                                     # [E, out, in]
+    assert ours.dtype == dtype and torch.equal(ours.transpose(1, 2), ref)
+
+
+@pytest.mark.parametrize("shape,block", [((256, 384), (128, 128)), ((200, 300), (128, 128)), ((48, 64), (16, 32))])
+def test_fp8_block_dequantize_equals_transformers(shape, block):
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    q, s = fp8_block_quantize(w, block[0]) if block[0] == block[1] else _quantize_rect(w, block)
+    assert s.shape == fp8_block.scale_shape(shape, block)
+    ours = fp8_block.dequantize(q, s, block, torch.float32)
+    assert (ours - w).abs().max() < 0.07 * w.abs().max()                # it is the weight, at FP8 precision
+    if shape[0] % block[0] == 0 and shape[1] % block[1] == 0:          # transformers needs whole blocks
+        assert torch.equal(Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=torch.float32), ours)
+
+
+def _quantize_rect(w, block):
+    b0, b1 = block
+    R, C = w.shape
+    scale = w.reshape(R // b0, b0, C // b1, b1).abs().amax(dim=(1, 3)) / 448.0
+    q = (w.reshape(R // b0, b0, C // b1, b1) / scale[:, None, :, None]).reshape(R, C).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+# --- lossless against transformers' dequantised load -------------------------------------
+
+@pytest.mark.parametrize("method", ["mxfp4", "fp8"])
+def test_released_checkpoint_equals_transformers_dequantised(method, released):
+    path = released[method]
+    prompt = torch.randint(2, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_ids = _reference(path, prompt, DECODE_STEPS)
+    runs = {"1 slot/layer (device slots)": dict(cache_experts=4, emulate_device=True),
+            "1 slot/layer, disk tier": dict(cache_experts=4, offload="disk"),
+            "everything cached (in place)": dict()}
+    for what, kw in runs.items():
+        eng = Engine.load(str(path), dtype="float32", progress=False, **kw)
+        assert eng.store.format.name.startswith(method)
+        logits, ids = _engine_run(eng, prompt, DECODE_STEPS)
+        assert ids == ref_ids, what
+        for a, b in zip(logits, ref_logits):
+            torch.testing.assert_close(a, b, rtol=0, atol=LOSSLESS_ATOL)
+        if "1 slot" in what:
+            st = eng.cache.snapshot()
+            assert eng.cache.slots_per_layer == [1] * 4 and st["misses"] > 0
+            assert st["bytes_loaded"] == (st["misses"] + st["prefetches"]) * eng.store.expert_nbytes
+
+
+def test_gpt_oss_expert_is_held_as_mxfp4(released):
+    """The bytes held per expert are the release's: 4.25 bits per weight plus the biases, in the RAM tier and
+    in each device slot; in the checkpoint's bf16 they are the file's bytes exactly."""
+    path = released["mxfp4"]
+    cfg = json.loads((path / "config.json").read_text())
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    weights = 3 * H * I                                                   # gate, up, down
+    eng = Engine.load(str(path), progress=False)                         # the checkpoint's dtype: bf16
+    fmt = eng.store.format
+    assert eng.store.raw and eng.dtype == torch.bfloat16
+    assert eng.store.expert_nbytes == fmt.nbytes == weights * 4.25 / 8 + (2 * I + H) * 2
+    assert eng.store.buffers[0].dtype == torch.uint8 and eng.store.buffers[0].shape == (8, fmt.nbytes)
+    bits = sum(p.nbytes for p in fmt.parts if not p.name.endswith("bias")) * 8 / weights
+    assert bits == mxfp4.BITS_PER_WEIGHT == 4.25
+    e, layer = 5, 2
+    buf, views = eng.store.host(layer, e), fmt.views(eng.store.host(layer, e))
+    pre = f"model.layers.{layer}.mlp.experts."
+    for part, key in (("gate_up.blocks", "gate_up_proj_blocks"), ("gate_up.scales", "gate_up_proj_scales"),
+                      ("gate_up_bias", "gate_up_proj_bias"), ("down.blocks", "down_proj_blocks"),
+                      ("down.scales", "down_proj_scales"), ("down_bias", "down_proj_bias")):
+        assert torch.equal(views[part], _file_tensor(path, pre + key, e)), part
+    assert buf.numel() == fmt.nbytes                      # nothing else: no dequantised copy is kept anywhere
+    slots = Engine.load(str(path), cache_experts=8, emulate_device=True, progress=False).cache
+    assert slots.pool[0].dtype == torch.uint8 and slots.pool[0].shape == (2, fmt.nbytes)
+    assert slots.stats.expert_nbytes == fmt.nbytes
+
+
+def test_fp8_expert_is_held_as_fp8(released):
+    path = released["fp8"]
+    cfg = json.loads((path / "config.json").read_text())
+    H, I, b = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["quantization_config"]["weight_block_size"][0]
+    eng = Engine.load(str(path), progress=False)
+    scales = 2 * (I // b) * (H // b) + (H // b) * (I // b)
+    assert eng.store.expert_nbytes == 3 * H * I + scales * 4                  # 1 byte per weight + F32 block scales
+    views = eng.store.format.views(eng.store.host(1, 3))
+    pre = "model.layers.1.mlp.experts.3."
+    assert views["up.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(views["up.weight"].view(torch.uint8),
+                       _file_tensor(path, pre + "up_proj.weight", slice(None)).view(torch.uint8))
+    assert torch.equal(views["down.scale_inv"], _file_tensor(path, pre + "down_proj.weight_scale_inv", slice(None)))
+    # the attention projections (FP8 on disk too) were dequantised into the model once
+    q = eng.model.model.layers[0].self_attn.q_proj.weight
+    assert q.dtype == torch.bfloat16 and not q.is_meta
+
+
+# --- clear errors -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("qc,words", [
+    ({"quant_method": "gptq", "bits": 4}, ["'gptq'", "mxfp4", "fp8"]),
+    ({"quant_method": "awq"}, ["'awq'"]),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, ["weight_block_size"]),
+])
+def test_other_quantization_is_a_clear_error(qc, words, released, tmp_path):
+    d = tmp_path / "other"
+    shutil.copytree(released["fp8"], d)
+    cfg = json.loads((d / "config.json").read_text()) | {"quantization_config": qc}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MoectlError) as err:
+        Engine.load(str(d), progress=False)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_mxfp4_blocks_without_quantization_config_is_a_clear_error(released, tmp_path):
+    d = tmp_path / "noqc"
+    shutil.copytree(released["mxfp4"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MoectlError, match="quantization_config"):
+        Engine.load(str(d), progress=False)
