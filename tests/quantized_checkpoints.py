@@ -18,6 +18,7 @@ back is the quantized values, so the comparison between them is exact.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -124,3 +125,47 @@ def reference_dequantized(path: Path):
     qc = Mxfp4Config(dequantize=True) if method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=qc)
     return model.float().eval()     # the FP8 loader leaves unquantized tensors in the file's bf16 (exact in fp32)
+
+
+GPT_OSS_120B = dict(num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4, hidden_size=2880,
+                    intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    vocab_size=201088, sliding_window=128, tie_word_embeddings=False)
+
+
+def write_headers_only_gpt_oss(out: Path, **shape) -> Path:
+    """A GPT-OSS checkpoint of real size (default gpt-oss-120b's config) whose shard is only its header: the
+    tensor names, dtypes, shapes and byte offsets of the MXFP4 release, in a sparse file of the full length
+    (no data written, no disk used). What `inspect` and the sizing read; never loaded."""
+    import struct
+
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    cfg = GptOssConfig(**(GPT_OSS_120B | shape))
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    names = {torch.uint8: "U8", torch.bfloat16: "BF16"}
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            E, cin, cout = v.shape
+            tensors[f"{k}_blocks"] = (torch.uint8, (E, cout, cin // 32, 16))
+            tensors[f"{k}_scales"] = (torch.uint8, (E, cout, cin // 32))
+        else:
+            tensors[k] = (torch.bfloat16, tuple(v.shape))
+    header, pos = {}, 0
+    for k, (dt, shp) in tensors.items():
+        n = math.prod(shp) * dt.itemsize
+        header[k] = {"dtype": names[dt], "shape": list(shp), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + pos)
+    d = cfg.to_dict() | {"architectures": ["GptOssForCausalLM"], "torch_dtype": "bfloat16",
+                         "quantization_config": {"quant_method": "mxfp4"}}
+    d.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(d, indent=2))
+    return out

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from quantized_checkpoints import (fp8_block_quantize, reference_dequantized, write_fp8_qwen3_moe,  # noqa: E402
-                                   write_mxfp4_gpt_oss)
-from test_runtime import LOSSLESS_ATOL, _engine_run  # noqa: E402
+                                   write_headers_only_gpt_oss, write_mxfp4_gpt_oss)
+from test_runtime import LOSSLESS_ATOL, _engine_run, run_cli  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.quant import fp8_block, mxfp4  # noqa: E402
@@ -181,3 +181,49 @@ def test_mxfp4_blocks_without_quantization_config_is_a_clear_error(released, tmp
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(MoectlError, match="quantization_config"):
         Engine.load(str(d), progress=False)
+
+
+# --- sizes: inspect from the shard headers, the simulator's cost model ---------------------
+
+MXFP4_EXPERT = 3 * 2880 * 2880 * 17 // 32 + (2 * 2880 + 2880) * 2      # gpt-oss: codes + scales + bf16 biases
+
+
+def test_inspect_gpt_oss_120b_at_mxfp4_size(tmp_path, capsys, monkeypatch):
+    """`inspect --model gpt-oss-120b` on a checkpoint of the release's real shapes (headers only, sparse file):
+    the experts at MXFP4 size (~61 GB, not ~230 GB of bf16) and the memory a GPU run needs."""
+    path = write_headers_only_gpt_oss(tmp_path / "gpt-oss-120b")
+    monkeypatch.setenv("MOECTL_GPT_OSS_120B_PATH", str(path))
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    code, out, err = run_cli(["inspect", "--model", "gpt-oss-120b", "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    assert (info["layers"], info["experts"], info["top_k"], info["expert_format"]) == (36, 128, 4, "mxfp4")
+    assert info["bytes_per_expert"] == MXFP4_EXPERT == 13_236_480
+    assert info["expert_bytes"] == 36 * 128 * MXFP4_EXPERT                        # 60.99 GB
+    assert 4.25 < info["bits_per_weight"] < 4.26                                  # biases included
+    # dense: embeddings + head (untied) + attention, bf16 (the release's dense tensors, ~4.3 GB)
+    assert 4.2e9 < info["dense_bytes"] < 4.3e9
+    assert info["total_bytes"] == info["dense_bytes"] + info["expert_bytes"]
+    assert info["host_ram_bytes"] == info["expert_bytes"]                         # --offload ram: experts pinned
+    assert info["device_min_bytes"] == info["dense_bytes"] + info["kv_reserve_bytes"] + 36 * MXFP4_EXPERT
+    code, out, _ = run_cli(["inspect", "--model", "gpt-oss-120b"], capsys)
+    assert code == 0 and "mxfp4" in out and "60.99 GB" in out
+
+
+def test_cost_model_prices_released_experts():
+    from moectl.sim.cost import expert_bytes, load_shape, shape_from_hf_config
+
+    for name, experts in (("gpt-oss-20b", 24 * 32), ("gpt-oss-120b", 36 * 128)):
+        shape = load_shape(name)
+        assert expert_bytes(shape) == MXFP4_EXPERT                           # the recipe: as released
+        assert expert_bytes(shape, bits=16) == 3 * 2880 * 2880 * 2 + 8640 * 2  # a bf16 copy: 3.8x the bytes
+    assert round(36 * 128 * MXFP4_EXPERT / 1e9, 1) == 61.0
+    # a checkpoint's config.json says the same (simulate --model-shape DIR, profiled traces)
+    cfg = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+           "num_local_experts": 128, "num_experts_per_tok": 4, "num_attention_heads": 64, "head_dim": 64,
+           "vocab_size": 201088, "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "mxfp4"}}
+    assert expert_bytes(shape_from_hf_config(cfg)) == MXFP4_EXPERT
+    qwen = {"model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+            "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32, "head_dim": 128,
+            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert expert_bytes(shape_from_hf_config(qwen)) == 3 * 2048 * 768 * (1 + 4 / (128 * 128))
