@@ -25,9 +25,12 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     """weight F8 [R, C], scale_inv [ceil(R/b0), ceil(C/b1)] -> [R, C] in `dtype` (the product is taken in fp32,
     as transformers' dequantising loader does, then rounded once)."""
     R, C = weight.shape
-    s = scale_inv.float().repeat_interleave(block[0], 0)[:R].repeat_interleave(block[1], 1)[:, :C]   # [R, C]
+    (r, c), (b0, b1) = scale_inv.shape, block
+    s = scale_inv.float()
+    if R == r * b0 and C == c * b1:                    # whole blocks: one broadcast multiply, no expanded scales
+        return (weight.float().view(r, b0, c, b1) * s[:, None, :, None]).view(R, C).to(dtype)
+    s = s.repeat_interleave(b0, 0)[:R].repeat_interleave(b1, 1)[:, :C]                              # [R, C]
     return (weight.float() * s).to(dtype)
-
 
 class Fp8BlockFormat(ExpertFormat):
     """An expert packed as a block-FP8 checkpoint stores it: gate, up and down weights (F8_E4M3, [out, in]) each
