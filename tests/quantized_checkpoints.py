@@ -82,12 +82,12 @@ def fp8_block_quantize(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     return q.contiguous(), scale.contiguous()
 
 
-def write_fp8_qwen3_moe(out: Path, block: int = 16, seed: int = 0) -> Path:
-    """A tiny random Qwen3-MoE saved with block-scaled FP8 linear layers, as released."""
+def write_fp8_qwen3_moe(out: Path, block: int = 16, seed: int = 0, family: str = "qwen3_moe") -> Path:
+    """A tiny random Qwen3-MoE (or `family`: deepseek_v3) saved with block-scaled FP8 linear layers, as released."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    cfg = family_configs()["qwen3_moe"]
+    cfg = family_configs()[family]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -100,7 +100,7 @@ def write_fp8_qwen3_moe(out: Path, block: int = 16, seed: int = 0) -> Path:
 
     tensors = {}
     for k, v in load_file(tmp / "model.safetensors").items():
-        linear = k.endswith("proj.weight")                            # q/k/v/o and every expert projection
+        linear = k.endswith(("proj.weight", "proj_with_mqa.weight"))  # attention, dense MLP, every expert projection
         if linear:
             tensors[k], tensors[k.removesuffix("weight") + "weight_scale_inv"] = fp8_block_quantize(v, block)
         else:
@@ -109,7 +109,7 @@ def write_fp8_qwen3_moe(out: Path, block: int = 16, seed: int = 0) -> Path:
         f.unlink()
     tmp.rmdir()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    d = cfg.to_dict() | {"architectures": ["Qwen3MoeForCausalLM"], "torch_dtype": "bfloat16",
+    d = cfg.to_dict() | {"architectures": [type(model).__name__], "torch_dtype": "bfloat16",
                          "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                                  "weight_block_size": [block, block]}}
     d.pop("dtype", None)

@@ -26,7 +26,9 @@ DECODE_STEPS = 8
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     root = tmp_path_factory.mktemp("released")
-    return {"mxfp4": write_mxfp4_gpt_oss(root / "gpt-oss-mxfp4"), "fp8": write_fp8_qwen3_moe(root / "qwen3-fp8")}
+    return {"mxfp4": write_mxfp4_gpt_oss(root / "gpt-oss-mxfp4"), "fp8": write_fp8_qwen3_moe(root / "qwen3-fp8"),
+            # DeepSeek-V3 as released: MLA projections, the dense first layer and the shared experts FP8 too
+            "fp8-deepseek_v3": write_fp8_qwen3_moe(root / "dsv3-fp8", block=8, family="deepseek_v3")}
 
 
 def _reference(path, prompt, steps):
@@ -90,24 +92,25 @@ def _quantize_rect(w, block):
 
 # --- lossless against transformers' dequantised load -------------------------------------
 
-@pytest.mark.parametrize("method", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("method", ["mxfp4", "fp8", "fp8-deepseek_v3"])
 def test_released_checkpoint_equals_transformers_dequantised(method, released):
     path = released[method]
     prompt = torch.randint(2, 512, (1, 9), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_ids = _reference(path, prompt, DECODE_STEPS)
-    runs = {"1 slot/layer (device slots)": dict(cache_experts=4, emulate_device=True),
-            "1 slot/layer, disk tier": dict(cache_experts=4, offload="disk"),
+    L = 3 if "deepseek" in method else 4                                  # DeepSeek's first layer is dense
+    runs = {"1 slot/layer (device slots)": dict(cache_experts=L, emulate_device=True),
+            "1 slot/layer, disk tier": dict(cache_experts=L, offload="disk"),
             "everything cached (in place)": dict()}
     for what, kw in runs.items():
         eng = Engine.load(str(path), dtype="float32", progress=False, **kw)
-        assert eng.store.format.name.startswith(method)
+        assert eng.store.format.name.startswith(method.split("-")[0])
         logits, ids = _engine_run(eng, prompt, DECODE_STEPS)
         assert ids == ref_ids, what
         for a, b in zip(logits, ref_logits):
             torch.testing.assert_close(a, b, rtol=0, atol=LOSSLESS_ATOL)
         if "1 slot" in what:
             st = eng.cache.snapshot()
-            assert eng.cache.slots_per_layer == [1] * 4 and st["misses"] > 0
+            assert eng.cache.slots_per_layer == [1] * L and st["misses"] > 0
             assert st["bytes_loaded"] == (st["misses"] + st["prefetches"]) * eng.store.expert_nbytes
 
 
