@@ -17,6 +17,7 @@ from quantized_checkpoints import (fp8_block_quantize, reference_dequantized, wr
 from test_runtime import LOSSLESS_ATOL, _engine_run, run_cli  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
+from moectl.models.base import ExpertLayout  # noqa: E402
 from moectl.quant import fp8_block, mxfp4  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
 
@@ -230,3 +231,7 @@ def test_cost_model_prices_released_experts():
             "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32, "head_dim": 128,
             "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     assert expert_bytes(shape_from_hf_config(qwen)) == 3 * 2048 * 768 * (1 + 4 / (128 * 128))
+    # the recipe prices exactly what the runtime holds: the packed Fp8BlockFormat of that expert
+    fmt = fp8_block.Fp8BlockFormat(ExpertLayout(("gate_up", "down"), ((1536, 2048), (2048, 768))), torch.bfloat16,
+                                   (128, 128))
+    assert expert_bytes(load_shape("qwen3-moe-fp8")) == fmt.nbytes == 3 * 2048 * 768 + 288 * 4
