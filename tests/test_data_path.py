@@ -135,7 +135,8 @@ def test_slots_are_allocated_and_touched_at_start_up(mixtral):
     eng = Engine.load(str(mixtral), cache_experts=32, emulate_device=True, progress=False)
     cache = eng.cache
     ptrs = [p.data_ptr() for p in cache.pool]
-    assert [tuple(p.shape) for p in cache.pool] == [(8, eng.store.layout.numel)] * 4
+    assert [tuple(p.shape) for p in cache.pool] == [(8, eng.store.expert_nbytes)] * 4   # uint8 [S, N]
+    assert eng.store.expert_nbytes == eng.store.layout.numel * 4                        # fp32, no padding
     pages = sum(p.numel() * p.element_size() for p in cache.pool) // resource.getpagesize()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for layer in range(4):
@@ -180,7 +181,7 @@ def test_allocation_failure_while_loading_is_not_a_corrupt_file(mixtral, monkeyp
     real = torch.empty
 
     def failing(*a, **k):
-        if a and a[0] == (8, 3 * 64 * 128):                 # the RAM tier's [E, P] buffers
+        if a and a[0] == (8, 3 * 64 * 128 * 4):             # the RAM tier's uint8 [E, N] buffers (fp32)
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
                                "you tried to allocate 786432 bytes")
         return real(*a, **k)

@@ -16,7 +16,10 @@ def inspect(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Size the experts in this dtype (default: the checkpoint's)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """Family, layers, MoE layers, experts, top-k, bytes per expert, dense and total bytes."""
+    """Family, layers, MoE layers, experts, top-k, the experts' format (as released: MXFP4 / block FP8 stay
+    packed) and bytes per expert, dense and total bytes, and the memory a GPU run needs: host RAM with
+    --offload ram, device memory at the minimum (one expert slot per layer) and with every expert resident.
+    Read from config.json and the shard headers only."""
     from rich.console import Console
     from rich.table import Table
 
@@ -30,8 +33,12 @@ def inspect(
         return
     t = Table(title=f"{info['model']} ({info['path']})", show_header=False)
     for k in ("family", "fingerprint", "dtype", "layers", "moe_layers", "experts", "top_k", "hidden_size",
-              "expert_intermediate_size"):
+              "expert_intermediate_size", "expert_format"):
         t.add_row(k, str(info[k]))
-    for k in ("bytes_per_expert", "dense_bytes", "expert_bytes", "total_bytes"):
+    t.add_row("bits_per_weight", f"{info['bits_per_weight']:.2f}")
+    for k in ("bytes_per_expert", "dense_bytes", "expert_bytes", "total_bytes", "kv_reserve_bytes"):
         t.add_row(k, format_bytes(info[k]))
+    t.add_row("host RAM (--offload ram)", format_bytes(info["host_ram_bytes"]))
+    t.add_row("device, 1 slot/layer", format_bytes(info["device_min_bytes"]))
+    t.add_row("device, all experts", format_bytes(info["device_all_bytes"]))
     Console().print(t)

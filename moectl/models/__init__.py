@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import MoectlError
 from .base import ExpertLayout, FamilyAdapter
+from .formats import DenseFormat, ExpertFormat, Part
 from .deepseek_v2 import DeepseekV2Adapter
 from .deepseek_v3 import DeepseekV3Adapter
 from .gpt_oss import GptOssAdapter
@@ -30,4 +31,4 @@ def adapter_for(config) -> FamilyAdapter:
     raise MoectlError(f"unsupported model family {mt!r}; supported: {', '.join(sorted(FAMILIES))}")
 
 
-__all__ = ["ADAPTERS", "FAMILIES", "ExpertLayout", "FamilyAdapter", "adapter_for"]
+__all__ = ["ADAPTERS", "FAMILIES", "DenseFormat", "ExpertFormat", "ExpertLayout", "FamilyAdapter", "Part", "adapter_for"]

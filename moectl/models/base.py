@@ -19,11 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import MoectlError
+from ..quant.released import released_quant
+from .formats import DenseFormat, ExpertFormat
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """How one expert's tensors sit in one flat buffer (one host buffer, one device slot)."""
+    """The matrices one expert computes with (names and shapes, in on-disk packed order). How they are
+    stored as bytes is an `ExpertFormat` (`moectl/models/formats.py`): `DenseFormat(layout, dtype)` for the
+    checkpoint's own tensors, a quantized format for low-bit copies."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -57,6 +61,9 @@ class FamilyAdapter:
 
     def __init__(self, config):
         self.config = config
+        # How the checkpoint was released: None (float tensors), or quantized (MXFP4, block FP8), which the
+        # experts stay in (their "full" precision) and the dense weights are dequantised from when read.
+        self.quant = released_quant(config, self.family)
 
     # --- config facts -------------------------------------------------------------------
     @property
@@ -80,6 +87,14 @@ class FamilyAdapter:
         H, I = self.config.hidden_size, self.expert_intermediate
         return ExpertLayout(("gate_up", "down"), ((2 * I, H), (H, I)))
 
+    def format(self, dtype: torch.dtype) -> ExpertFormat:
+        """The full-precision packed format of one expert, at the checkpoint's own precision: the layout's
+        tensors in `dtype`, or the parts of a checkpoint released quantized (dequantised to `dtype` where
+        the expert is computed)."""
+        if self.quant is not None:
+            return self.quant.expert_format(self.layout(), dtype)
+        return DenseFormat(self.layout(), dtype)
+
     # --- the model in memory ------------------------------------------------------------
     def moe_blocks(self, model) -> list[tuple[int, torch.nn.Module]]:
         """(model layer index, MoE block) for every sparse layer; dense layers are skipped."""
@@ -90,20 +105,31 @@ class FamilyAdapter:
 
     def skeleton_key(self, disk_key: str) -> str | None:
         """The model's state-dict key for a non-expert tensor on disk; None for expert tensors."""
-        if self.expert_key_re.search(disk_key):
+        if self.expert_key_re.search(disk_key) or (self.quant is not None and self.quant.is_scale(disk_key)):
             return None
         for old, new in self.key_renames:
             disk_key = disk_key.replace(old, new)
         return disk_key
 
+    def read_dense(self, ckpt, key: str) -> torch.Tensor:
+        """A non-expert tensor as stored (dequantised if the checkpoint was released quantized)."""
+        return ckpt.get(key) if self.quant is None else self.quant.read_dense(ckpt, key)
+
     # --- reading one expert -------------------------------------------------------------
+    def _disk_keys(self, keys) -> list[str]:
+        """The on-disk names of expert tensors `keys` (a quantized release stores values and scales)."""
+        return list(keys) if self.quant is None else [q for k in keys for q in self.quant.disk_keys(k)]
+
     def _prefix(self, ckpt, layer: int) -> tuple[str, bool]:
         """(prefix, fused?) of layer `layer`'s experts in this checkpoint."""
         for p in self.disk_prefixes:
             p = p.format(l=layer)
-            if f"{p}.{self.per_expert[0].format(e=0)}" in ckpt:
+            if self.per_expert and f"{p}.{self._disk_keys(self.per_expert)[0].format(e=0)}" in ckpt:
                 return p, False
-            if f"{p}.{self.fused[0]}" in ckpt:
+            if f"{p}.{self._disk_keys(self.fused)[0]}" in ckpt:
+                if self.quant is not None and self.quant.method == "fp8":
+                    raise MoectlError(f"{ckpt.path} stores FP8 experts fused ({p}.{self.fused[0]}); moectl reads "
+                                      f"block-FP8 experts per expert, as they are released")
                 return p, True
         raise MoectlError(f"checkpoint {ckpt.path} has no experts for layer {layer} under "
                           f"{[p.format(l=layer) for p in self.disk_prefixes]} (is it a {self.family} checkpoint?)")
@@ -113,10 +139,11 @@ class FamilyAdapter:
         the packed `layout()` buffer (gate rows then up rows, then down), so a load is plain reads."""
         prefix, fused = self._prefix(ckpt, layer)
         if fused:
-            return [(f"{prefix}.{k}", expert) for k in self.fused]
-        return [(f"{prefix}.{k.format(e=expert)}", None) for k in self.per_expert]
+            return [(f"{prefix}.{k}", expert) for k in self._disk_keys(self.fused)]
+        return [(f"{prefix}.{k.format(e=expert)}", None) for k in self._disk_keys(self.per_expert)]
 
     # --- running one expert -------------------------------------------------------------
     def expert_forward(self, w: dict[str, torch.Tensor], x: torch.Tensor, apply_gate) -> torch.Tensor:
-        """y [T,H] of one expert on its tokens x [T,H]; `apply_gate` is the family's act(gate)*up."""
+        """y [T,H] of one expert on its tokens x [T,H]; `apply_gate` is the family's act(gate)*up. `w` is
+        `ExpertFormat.weights(views)`: the layout's matrices, dequantised if the copy was low-bit."""
         return F.linear(apply_gate(F.linear(x, w["gate_up"])), w["down"])

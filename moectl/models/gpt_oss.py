@@ -1,6 +1,8 @@
 """GPT-OSS: router with bias, softmax over the top-k logits; experts are stored fused and
 transposed with biases: gate_up [E,H,2I] with gate = [..., ::2] and up = [..., 1::2] interleaved,
-down [E,I,H]; the activation is a clamped SwiGLU (the experts module's own `_apply_gate`)."""
+down [E,I,H]; the activation is a clamped SwiGLU (the experts module's own `_apply_gate`).
+As released (openai/gpt-oss-*) the projections are MXFP4 `*_blocks` / `*_scales` ([E, out, in/32, 16] /
+[E, out, in/32]); they stay packed (`moectl/quant/mxfp4.py`)."""
 
 from __future__ import annotations
 
@@ -23,13 +25,13 @@ class GptOssAdapter(FamilyAdapter):
 
     def _prefix(self, ckpt, layer):
         p = f"model.layers.{layer}.mlp"
-        if f"{p}.experts.gate_up_proj" in ckpt:
+        if f"{p}.{self._disk_keys(self.fused)[0]}" in ckpt:
             return p, True
-        if f"{p}.experts.gate_up_proj_blocks" in ckpt:
-            raise MoectlError(f"{ckpt.path} stores GPT-OSS experts in MXFP4 (`*_blocks`/`*_scales`); moectl reads "
-                              f"bf16 experts: dequantise once with transformers (Mxfp4Config(dequantize=True)) "
-                              f"and save_pretrained the result")
-        raise MoectlError(f"checkpoint {ckpt.path} has no experts for layer {layer} under {p}")
+        if self.quant is None and f"{p}.experts.gate_up_proj_blocks" in ckpt:
+            raise MoectlError(f"{ckpt.path} stores GPT-OSS experts in MXFP4 (`*_blocks`/`*_scales`) but its "
+                              f"config.json has no quantization_config {{quant_method: mxfp4}}")
+        raise MoectlError(f"checkpoint {ckpt.path} has no experts for layer {layer} under {p}"
+                          + (f" ({self.quant.method}: {self._disk_keys(self.fused)[0]})" if self.quant else ""))
 
     def expert_forward(self, w, x, apply_gate):
         h = apply_gate(x @ w["gate_up"] + w["gate_up_bias"])

@@ -1,6 +1,6 @@
 """DeviceCache: the shared cache bookkeeping (`moectl/cache_model.py`) + the tensor copies it implies.
 
-Legend: L = MoE layers, S_l = slots of layer l, P = numel of one packed expert.
+Legend: L = MoE layers, S_l = slots of layer l, N = bytes of one packed expert (`ExpertFormat.nbytes`).
 
 Which expert sits in which slot, what is pinned or protected, which one goes, and every hit/miss
 counter live in `CacheState`, whose rules the simulator obeys too. This file only moves bytes: a miss
@@ -115,22 +115,22 @@ class DeviceCache(CacheFront):
         self.store, self.device, self.policy = store, torch.device(device), policy
         self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
         self.state = CacheState(self.slots_per_layer, policy)
-        P = store.layout.numel
+        N, self.format = store.expert_nbytes, store.format
         self.cuda = self.device.type == "cuda"
         if self.cuda:
-            self.pool = [torch.empty(s, P, dtype=store.dtype, device=self.device) for s in self.slots_per_layer]
+            self.pool = [torch.empty(s, N, dtype=torch.uint8, device=self.device) for s in self.slots_per_layer]
         else:
-            self.pool = [host_empty((s, P), store.dtype, "allocating cache slots", touch=True)
+            self.pool = [host_empty((s, N), torch.uint8, "allocating cache slots", touch=True)
                          for s in self.slots_per_layer]
         # CUDA + disk tier: each slot's pinned host buffer, the target of its shard reads.
-        self.staging = [host_empty((s, P), store.dtype, "allocating pinned staging buffers", pin=True)
+        self.staging = [host_empty((s, N), torch.uint8, "allocating pinned staging buffers", pin=True)
                         for s in self.slots_per_layer] if self.cuda and store.buffers is None else None
         self.pending: dict = {}                                             # (layer, slot) -> Future of a read
         self.stats = CacheStats(self.state, store.expert_nbytes)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.ready: dict[tuple[int, int], torch.cuda.Event] = {}            # (layer, slot) -> copy done
-        # Named views (gate_up, down, ...) of every slot, made once: the hot path only indexes them.
-        self.views = [[store.layout.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
+        # Typed views of every slot's parts, made once: the hot path only indexes them.
+        self.views = [[self.format.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
 
     # --- copies -------------------------------------------------------------------------
     def _settle(self, layer: int, slot: int) -> None:
@@ -173,7 +173,8 @@ class DeviceCache(CacheFront):
         self.ready[(layer, slot)] = ev
 
     def acquire(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Weights of (layer, expert) on the device, loading on a miss. The caller pins it first."""
+        """Weights of (layer, expert) on the device (`ExpertFormat.weights`: dequantised on the device for a
+        low-bit copy), loading on a miss. The caller pins it first."""
         a = self.state.access(layer, expert)
         if not a.hit:
             t0 = time.perf_counter()
@@ -192,7 +193,7 @@ class DeviceCache(CacheFront):
         ev = self.ready.pop((layer, a.slot), None)
         if ev is not None:                          # a prefetch into this slot may still be in flight
             torch.cuda.current_stream(self.device).wait_event(ev)
-        return self.views[layer][a.slot]
+        return self.format.weights(self.views[layer][a.slot])
 
     def prefetch(self, layer: int, expert: int) -> bool:
         """Start loading (layer, expert) off the critical path. False if resident or no slot can be

@@ -93,7 +93,7 @@ class Engine:
         # Sizing from the config, the skeleton and the shard headers: a bad budget, or a configuration the
         # host RAM cannot hold, fails before any weight is read.
         L, E = len(moe_layer_ids), adapter.num_experts
-        expert_nbytes = adapter.layout().numel * dt.itemsize
+        expert_nbytes = adapter.format(dt).nbytes
         kv = kv_reserve_nbytes(config, dt)
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config), kv, cache_experts, budget,
                                       slots_per_layer)
@@ -116,7 +116,7 @@ class Engine:
         for key in ckpt.keys():
             name = adapter.skeleton_key(key)
             if name is not None:
-                t = host_alloc(lambda: ckpt.get(key), "reading dense weights", ckpt.range(key).nbytes)
+                t = host_alloc(lambda: adapter.read_dense(ckpt, key), "reading dense weights", ckpt.range(key).nbytes)
                 state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
         missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -580,16 +580,29 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None) -> dict:
-    """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only."""
+    """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only. Experts are
+    sized in their packed format (as released: MXFP4 / block FP8, else `dtype`); the memory needs are the
+    GPU runtime's: host RAM with `--offload ram` (experts, pinned) and device memory for the dense weights +
+    KV reserve + one expert slot per layer (the minimum), or + every expert (all resident)."""
     ref = _built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
-    Checkpoint(ref.path)                               # validates the shards (headers only)
+    ckpt = Checkpoint(ref.path)                        # validates the shards (headers only)
     dt = _dtype(dtype, config)
     hf, blocks = _skeleton(config, adapter, dt, ref.path)
     for moe_idx, (layer_idx, block) in enumerate(blocks):   # the runtime's stand-ins: experts are not dense
         block.experts = OffloadedExperts(moe_idx, layer_idx, None, None, adapter.num_experts)
-    expert_nbytes = adapter.layout().numel * torch.empty((), dtype=dt).element_size()
-    info = describe(config, adapter, expert_nbytes, dense_nbytes(hf, config), len(blocks))
+    fmt = adapter.format(dt)
+    expert_nbytes = fmt.nbytes
+    L, E = len(blocks), adapter.num_experts
+    dense, kv = dense_nbytes(hf, config), kv_reserve_nbytes(config, dt)
+    info = describe(config, adapter, expert_nbytes, dense, L)
+    weights = sum(math.prod(s) for s in adapter.layout().shapes if len(s) == 2)      # biases are not weights
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
+                   "expert_format": fmt.name, "bits_per_weight": expert_nbytes * 8 / weights,
+                   "quantization": adapter.quant.describe() if adapter.quant else None,
+                   "host_ram_bytes": host_need("ram", False, False, 0, expert_nbytes, L * E,
+                                               header_dense_nbytes(ckpt, adapter, dt), kv).total,
+                   "device_min_bytes": dense + kv + L * expert_nbytes,
+                   "device_all_bytes": dense + kv + L * E * expert_nbytes, "kv_reserve_bytes": kv,
                    "moe_layer_ids": [i for i, _ in blocks],
                    "fingerprint": config_fingerprint(config)}

@@ -1,9 +1,10 @@
 """InPlaceExperts: no GPU, experts in RAM -- the host store is the device, nothing is copied.
 
-Legend: L = MoE layers, E = experts per layer, P = numel of one packed expert.
+Legend: L = MoE layers, E = experts per layer, N = bytes of one packed expert.
 
 With `--device cpu --offload ram` (the default there) the experts are computed where they lie: each
-(layer, expert) is a view of the RAM-tier buffer [E, P], made once. Every acquire is a hit, no slot
+(layer, expert) is a view of the RAM-tier buffer uint8 [E, N], made once (a low-bit copy is dequantised from
+its packed bytes where they lie, `ExpertFormat.weights`). Every acquire is a hit, no slot
 memory exists, so RSS is the checkpoint and decode runs as fast at any --cache-experts as with all
 experts resident. It answers the `DeviceCache` calls the runtime makes; `--emulate-device` gives the
 CPU its own slots instead (the cache logic the tests and simulator checks exercise).
@@ -27,12 +28,13 @@ class InPlaceExperts(CacheFront):
         self.slots_per_layer = [store.num_experts] * store.num_layers
         self.state = CacheState(self.slots_per_layer, policy)
         self.state.fill()                           # every expert resident from the start: accesses only hit
-        self.views = [[store.layout.views(buf[e]) for e in range(store.num_experts)] for buf in store.buffers]
+        self.format = store.format
+        self.views = [[self.format.views(buf[e]) for e in range(store.num_experts)] for buf in store.buffers]
         self.stats = CacheStats(self.state, store.expert_nbytes)
 
     def acquire(self, layer: int, expert: int) -> dict:
         self.state.access(layer, expert)            # counts the hit (and ticks the policies' clock)
-        return self.views[layer][expert]
+        return self.format.weights(self.views[layer][expert])
 
     def prefetch(self, layer: int, expert: int) -> bool:
         return False                                # always resident

@@ -12,6 +12,7 @@ All times are in seconds, bandwidths in GB/s (1e9 bytes/s).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,10 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 HARDWARE_DIR = RECIPES_DIR / "hardware"
 DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "bf16": 2.0, "fp16": 2.0, "float32": 4.0, "fp32": 4.0,
                "int8": 1.0, "float8": 1.0, "fp8": 1.0}
+# Bits per weight of experts kept as a checkpoint released them (a shape's `expert_format`): MXFP4 = a 4-bit
+# e2m1 code + one 8-bit scale per 32 weights; block FP8 = 8 bits + one fp32 scale per weight_block_size block.
+FORMAT_BITS = {"mxfp4": lambda shape: 4 + 8 / 32,
+               "fp8": lambda shape: 8 + 32 / math.prod(shape.get("weight_block_size") or (128, 128))}
 
 
 @dataclass
@@ -109,20 +114,38 @@ def shape_from_hf_config(cfg: dict) -> dict:
         "dtype": str(g("torch_dtype") or g("dtype") or "float32"),
         "shared_experts": g("n_shared_experts") or 0,
         "shared_expert_intermediate_size": g("shared_expert_intermediate_size") or 0,
-    }
+    } | released_format(cfg)
+
+
+def released_format(cfg: dict) -> dict:
+    """`expert_format` (+ `weight_block_size`) of a checkpoint released quantized, `expert_bias` for GPT-OSS."""
+    qc = cfg.get("quantization_config") or {}
+    out = {"expert_bias": True} if cfg.get("model_type") == "gpt_oss" else {}
+    if qc.get("quant_method") in FORMAT_BITS:
+        out["expert_format"] = qc["quant_method"]
+        if qc.get("weight_block_size"):
+            out["weight_block_size"] = list(qc["weight_block_size"])
+    return out
 
 
 def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -> float:
-    """Bytes of one routed expert (gate, up, down projections). `bits` None = the model's dtype;
+    """Bytes of one routed expert (gate, up, down projections; + biases with `expert_bias`, GPT-OSS). `bits`
+    None = the checkpoint's own precision: its `expert_format` as released (mxfp4, fp8), else the dtype;
     quantized copies add one fp16 scale and one zero point per `group_size` weights."""
     n = 3 * shape["hidden_size"] * shape["intermediate_size"]
+    dtype_bytes = DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
+    bias = (2 * shape["intermediate_size"] + shape["hidden_size"]) * dtype_bytes if shape.get("expert_bias") else 0
     if bits is not None and not (0 < bits <= 32):
         raise MoectlError(f"--bits must be a precision between 0 and 32 bits (e.g. 16, 8, 4), not {bits:g}")
     if bits is None:
-        return n * DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
+        fmt = shape.get("expert_format")
+        if fmt is not None and fmt not in FORMAT_BITS:
+            raise MoectlError(f"shape {shape.get('name', '?')}: unknown expert_format {fmt!r}; known: "
+                              f"{', '.join(FORMAT_BITS)}")
+        return n * (FORMAT_BITS[fmt](shape) / 8 if fmt else dtype_bytes) + bias
     if bits >= 16:
-        return n * bits / 8
-    return n * bits / 8 + (n / group_size) * 4
+        return n * bits / 8 + bias
+    return n * bits / 8 + (n / group_size) * 4 + bias
 
 
 class CostModel:
