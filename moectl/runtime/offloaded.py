@@ -14,6 +14,8 @@ computed them in: the result does not depend on what was resident.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -47,7 +49,7 @@ class OffloadedExperts(nn.Module):
             def one(e, expert):
                 ys[e] = expert(hidden_states) * top_k_weights[0, pos[e]]              # [1,H]
 
-            self._each_expert(ids, one)
+            self._each_expert(ids, one, None)
             out = torch.zeros_like(hidden_states)                                   # [1,H]
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
@@ -62,23 +64,37 @@ class OffloadedExperts(nn.Module):
             tok, slot = (top_k_index == e).nonzero(as_tuple=True)                  # tokens routed to e
             parts[e] = tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None]   # [t,H]
 
-        self._each_expert(needed, batch)
+        counts = torch.bincount(top_k_index[top_k_index >= 0].reshape(-1), minlength=self.num_experts).tolist() \
+            if rt.placement is not None else None
+        self._each_expert(needed, batch, {e: counts[e] for e in needed} if counts else None)
         out = torch.zeros_like(hidden_states)                                       # [T,H]
         for e in sorted(parts):
             tok, y = parts[e]
             out = out.index_add(0, tok, y.to(out.dtype))
         return out
 
-    def _each_expert(self, experts: list[int], compute) -> None:
-        """`compute(e, expert)` for each valid expert in the cache's order, `expert(x [t,H]) -> y [t,H]` its FFN:
-        resident ones first (on a GPU their compute overlaps the loads of the rest), then the missing ones,
-        pinning at most the layer's slot count at once."""
-        cache, layer = self.runtime.cache, self.layer
-        for chunk in cache.chunks(layer, [e for e in experts if 0 <= e < self.num_experts]):
+    def _each_expert(self, experts: list[int], compute, tokens: dict[int, int] | None = None) -> None:
+        """`compute(e, expert)` for each valid expert, `expert(x [t,H]) -> y [t,H]` its FFN. Missed experts the
+        placement sends to the CPU (`--cpu-experts`) run on the runtime's CPU worker thread from host RAM while
+        this thread runs the rest in the cache's order (resident first, chunks of the slot count, each chunk
+        pinned; the chunk's accesses in the cache model's order), computing within a chunk what has landed, then
+        what a prefetch is still copying, then what this layer's demand loads bring. The layer ends when both
+        sides have (`tokens`: tokens per expert, for the placement's cost; default 1)."""
+        rt, cache, layer = self.runtime, self.runtime.cache, self.layer
+        valid = [e for e in experts if 0 <= e < self.num_experts]
+        on_cpu = rt.cpu_side(layer, valid, tokens or {})
+        side = rt.start_cpu(layer, on_cpu, compute, self.apply_gate) if on_cpu else None
+        t0 = time.perf_counter()
+        order = getattr(cache, "landing", None)
+        for chunk in cache.chunks(layer, [e for e in valid if e not in on_cpu]):
             cache.pin(layer, chunk)
-            for e in chunk:
-                compute(e, self._expert_fn(e, cache.acquire(layer, e)))
+            ws = {e: cache.acquire(layer, e) for e in chunk}
+            for e in (sorted(chunk, key=lambda e: order(layer, e)) if order else chunk):
+                compute(e, self._expert_fn(e, ws[e]))
             cache.unpin(layer, chunk)
+        rt.device_side_s += time.perf_counter() - t0
+        if side is not None:
+            rt.finish_cpu(side)
 
     def _expert_fn(self, e: int, w: dict[str, torch.Tensor]):
         if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)
