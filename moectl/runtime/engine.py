@@ -339,6 +339,7 @@ class _Runtime:
         self.device_side_s = 0.0            # time this thread spent fetching + computing a layer's other experts
         self.cpu_side_s = 0.0               # time the worker spent computing CPU experts
         self.cpu_wait_s = 0.0               # time a layer waited for the worker after its own side was done
+        self.expert_stage_s = 0.0           # wall time of the layers' expert stages (both sides, overlapped)
 
     # --- CPU compute of missed experts (Fiddler / llama.cpp --n-cpu-moe) -------------------
     def cpu_side(self, layer: int, experts: list[int], tokens: dict[int, int]) -> list[int]:

@@ -82,9 +82,9 @@ class OffloadedExperts(nn.Module):
         sides have (`tokens`: tokens per expert, for the placement's cost; default 1)."""
         rt, cache, layer = self.runtime, self.runtime.cache, self.layer
         valid = [e for e in experts if 0 <= e < self.num_experts]
+        t0 = time.perf_counter()
         on_cpu = rt.cpu_side(layer, valid, tokens or {})
         side = rt.start_cpu(layer, on_cpu, compute, self.apply_gate) if on_cpu else None
-        t0 = time.perf_counter()
         order = getattr(cache, "landing", None)
         for chunk in cache.chunks(layer, [e for e in valid if e not in on_cpu]):
             cache.pin(layer, chunk)
@@ -95,6 +95,7 @@ class OffloadedExperts(nn.Module):
         rt.device_side_s += time.perf_counter() - t0
         if side is not None:
             rt.finish_cpu(side)
+        rt.expert_stage_s += time.perf_counter() - t0
 
     def _expert_fn(self, e: int, w: dict[str, torch.Tensor]):
         if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)
