@@ -212,3 +212,36 @@ def test_machine_figures_are_cached_per_machine(tmp_path, monkeypatch):
     assert calls == ["cpu"] and not a["cached"] and b["cached"] and b["cpu_expert_gbps"] == 4.0
     hw = machine.machine_hardware(b)
     assert hw.pcie_gbps == 6.0 and hw.cpu_mem_gbps == 4.0
+
+
+def test_make_synthetic_writes_a_loadable_checkpoint_shard_by_shard(tmp_path, monkeypatch):
+    import json as _json
+
+    import yaml
+
+    from moectl.commands.make_synthetic import make_synthetic
+
+    shape = {"num_layers": 4, "moe_layers": 4, "hidden_size": 64, "intermediate_size": 96, "num_experts": 8,
+             "top_k": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
+             "dtype": "float32"}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({"name": "small", "family": "mixtral", "shape": shape}))
+    made = []
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: made.append(a[0]) or randn(*a, **k))
+    make_synthetic(shape=str(tmp_path / "s.yaml"), out=str(tmp_path / "ck"), layers=2, dtype=None, seed=0,
+                   as_json=False)
+    monkeypatch.undo()
+    files = sorted(p.name for p in (tmp_path / "ck").glob("*.safetensors"))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]      # head shard + one per layer
+    assert max(np.prod(s) for s in made) == 300 * 64                                 # one tensor at a time
+    cfg = _json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["intermediate_size"] == 96
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    ref_logits, ref_ids = _reference_run(tmp_path / "ck", prompt, 3)
+    logits, ids = _engine_run(Engine.load(str(tmp_path / "ck"), cache_experts=2, emulate_device=True,
+                                          progress=False), prompt, 3)
+    assert ids == ref_ids
+    assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits)) <= LOSSLESS_ATOL
+    with pytest.raises(MoectlError, match="not empty"):
+        make_synthetic(shape=str(tmp_path / "s.yaml"), out=str(tmp_path / "ck"), layers=1, dtype=None, seed=0,
+                       as_json=True)
