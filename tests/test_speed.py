@@ -245,3 +245,47 @@ def test_make_synthetic_writes_a_loadable_checkpoint_shard_by_shard(tmp_path, mo
     with pytest.raises(MoectlError, match="not empty"):
         make_synthetic(shape=str(tmp_path / "s.yaml"), out=str(tmp_path / "ck"), layers=1, dtype=None, seed=0,
                        as_json=True)
+
+
+def test_bench_model_json_reports_every_field_and_baseline(tiny_small, tmp_path, capsys, monkeypatch):
+    import json as _json
+
+    import yaml
+
+    from moectl import machine
+    from test_runtime import run_cli
+
+    monkeypatch.setattr(machine, "measure", lambda device: {"mem_read_gbps": 20.0, "cpu_expert_gbps": 5.0,
+                                                            "copy_gbps": 10.0, "device": device})
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "plan.yaml").write_text(yaml.safe_dump({"format": "moectl-plan-v1", "fingerprint": None, "slots": [3, 5]}))
+    code, out, err = run_cli(["bench", "--model", str(tiny_small), "--workdir", str(wd), "--prompt-len", "8",
+                              "--gen-len", "5", "--repeat", "1", "--cache-experts", "8", "--json"], capsys)
+    assert code == 0, err
+    js = _json.loads(out)
+    assert set(js["runs"]) == {"moectl", "moectl-plan", "all-resident", "transformers", "on-demand", "lru"}
+    fields = ("ttft_ms", "prefill_tokens_per_s", "decode_ms_per_token")
+    cached = ("hit_rate", "bytes_per_token", "stall_ms_per_token", "predictor_ms_per_token", "cpu_experts_per_token")
+    for name, r in js["runs"].items():
+        assert all(r[f] > 0 for f in fields), name
+        assert r["prefill_tokens_per_s"] == pytest.approx(8 / (r["prefill_ms"] / 1e3))
+        if name != "transformers":
+            assert all(f in r for f in cached), name
+    runs = js["runs"]
+    assert runs["moectl-plan"]["slots_per_layer"] == [3, 5] and runs["moectl"]["slots_per_layer"] == [4, 4]
+    assert runs["on-demand"]["slots_per_layer"] == [1, 1] and runs["on-demand"]["prefetch"] == "none"
+    assert runs["all-resident"]["hit_rate"] == 1.0 and runs["all-resident"]["bytes_per_token"] == 0
+    # fewer slots, no prefetch: no better hit rate than the same cache with LRU; bytes follow the misses
+    assert runs["on-demand"]["hit_rate"] <= runs["lru"]["hit_rate"]
+    assert runs["lru"]["bytes_per_token"] == pytest.approx(
+        runs["lru"]["decode_misses"] * js["bytes_per_expert"] / runs["lru"]["decode_steps"])
+    for name in ("moectl", "moectl-plan"):
+        p = js["predicted"][name]
+        assert js["measured_over_predicted"][name] == pytest.approx(runs[name]["decode_ms_per_token"]
+                                                                    / p["decode_ms_per_token"])
+        assert p["hit_rate"] == pytest.approx(runs[name]["hit_rate"])    # same routing, same cache rules
+    assert js["all_resident_over_transformers"] == pytest.approx(runs["all-resident"]["decode_ms_per_token"]
+                                                                 / runs["transformers"]["decode_ms_per_token"])
+    assert js["machine"]["copy_gbps"] == 10.0

@@ -195,7 +195,9 @@ class Engine:
             if fn is not None:
                 fn(h2)
         if self.prefetch is not None and self.cache.state.phase == "decode":
+            t0 = time.perf_counter()
             self.prefetch.end_token(h2[-1].float().cpu().numpy())
+            self.runtime.predictor_s += time.perf_counter() - t0
 
     # --- forward and generate -----------------------------------------------------------
     def begin_request(self, name: str) -> None:
@@ -213,7 +215,10 @@ class Engine:
         decode = past_key_values is not None and input_ids.shape[-1] == 1
         self.cache.begin_step("decode" if decode else "prefill")
         if decode and self.prefetch is not None:      # the aux gate: this token's first layer
-            for target, expert, _score in self.prefetch.predict_after_token():
+            t0 = time.perf_counter()
+            after = self.prefetch.predict_after_token()
+            self.runtime.predictor_s += time.perf_counter() - t0
+            for target, expert, _score in after:
                 if 0 <= target < len(self.cache.slots_per_layer):
                     self.cache.prefetch(target, int(expert))
         if past_key_values is None:
@@ -340,6 +345,7 @@ class _Runtime:
         self.cpu_side_s = 0.0               # time the worker spent computing CPU experts
         self.cpu_wait_s = 0.0               # time a layer waited for the worker after its own side was done
         self.expert_stage_s = 0.0           # wall time of the layers' expert stages (both sides, overlapped)
+        self.predictor_s = 0.0              # time the prefetch policy took to observe and predict
 
     # --- CPU compute of missed experts (Fiddler / llama.cpp --n-cpu-moe) -------------------
     def cpu_side(self, layer: int, experts: list[int], tokens: dict[int, int]) -> list[int]:
@@ -411,9 +417,12 @@ class _Runtime:
             obs.on_route(layer, top_k_index, top_k_weights, hidden)
         pf = eng.prefetch
         if pf is not None and self.cache.state.phase == "decode":      # predict ahead in decode steps only
+            t0 = time.perf_counter()
             pf.observe(layer, top_k_index[0].tolist(), top_k_weights[0].float().tolist(),
                        hidden[0].float().cpu().numpy())
-            for target, expert, _score in pf.predict(layer):
+            preds = pf.predict(layer)
+            self.predictor_s += time.perf_counter() - t0
+            for target, expert, _score in preds:
                 if layer < target < len(self.cache.slots_per_layer):     # later layers of this token
                     self.cache.prefetch(target, int(expert))
 
