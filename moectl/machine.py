@@ -85,6 +85,30 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
         return _best_s(run, repeat) * 1e3
 
 
+def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) -> tuple[float, int]:
+    """(milliseconds, bytes read) of one expert FFN on one token from 4-bit packed weights with torch's CPU int4
+    kernel (`aten._weight_int4pack_mm_for_cpu`: bf16 activations, one bf16 scale and zero per `group` weights).
+    Random codes: speed only, no runtime path uses it (the quantized copies are the quantize issue's)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+
+    def pack(n: int, k: int):                            # an [n, k] weight: packed codes + [k/group, n, 2] scales
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+        return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
+                (torch.randn(k // group, n, 2, generator=g) * 0.01).to(torch.bfloat16))
+    gate_up, down = pack(2 * inter, hidden), pack(hidden, inter)
+    x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    nbytes = sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in (gate_up, down))
+
+    def run():
+        gu = mm(x, gate_up[0], group, gate_up[1])                                # [1, 2I]
+        mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[0], group, down[1])       # [1, H]
+    with torch.inference_mode():
+        return _best_s(run, repeat) * 1e3, nbytes
+
+
 def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -> float:
     """Host -> device copy bandwidth: pinned RAM -> GPU on CUDA, a plain memcpy on the CPU."""
     if device.startswith("cuda"):
