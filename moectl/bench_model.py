@@ -176,7 +176,8 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
                 cache_experts: int | None = None, prompt_len: int = 64, gen_len: int = 32,
                 replay_trace: str | None = None, threads: int | None = None, replacement: str = "lru",
                 prefetch: str = "auto", cpu_experts: str = "never", dtype: str | None = None,
-                baselines: tuple[str, ...] = BASELINES, repeat: int = 3, progress: bool = True) -> dict:
+                baselines: tuple[str, ...] = BASELINES, repeat: int = 3, prefill: str = "cache",
+                progress: bool = True) -> dict:
     from .machine import machine_figures
     from .progress import ProgressBar
     from .runtime.engine import Engine
@@ -207,11 +208,13 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
         if plan.get("fingerprint") and plan["fingerprint"] != fp:
             raise MoectlError(f"{ref.workdir / 'plan.yaml'} was made for model {plan['fingerprint']}, not {fp}")
     cached = dict(common, emulate_device=emulate, replay_trace=replay_trace)
-    configs = [("moectl", dict(cached, **size, replacement=replacement, prefetch=prefetch, cpu_experts=cpu_experts))]
+    configs = [("moectl", dict(cached, **size, replacement=replacement, prefetch=prefetch, cpu_experts=cpu_experts,
+                                  prefill=prefill))]
     if plan is not None:
         configs.append(("moectl-plan", dict(cached, slots_per_layer=plan_slots(plan, plan.get("_path")),
                                              replacement=plan.get("replacement", replacement),
-                                             prefetch=plan.get("prefetch", prefetch), cpu_experts=cpu_experts)))
+                                             prefetch=plan.get("prefetch", prefetch), cpu_experts=cpu_experts,
+                                             prefill=prefill)))
     if "all-resident" in baselines:
         configs.append(("all-resident", dict(common, replay_trace=replay_trace, prefetch="none")
                         if device == "cpu" else dict(cached, prefetch="none")))

@@ -289,3 +289,34 @@ def test_bench_model_json_reports_every_field_and_baseline(tiny_small, tmp_path,
     assert js["all_resident_over_transformers"] == pytest.approx(runs["all-resident"]["decode_ms_per_token"]
                                                                  / runs["transformers"]["decode_ms_per_token"])
     assert js["machine"]["copy_gbps"] == 10.0
+
+
+def test_streamed_prefill_equals_the_reference_and_leaves_the_cache_alone(mixtral):
+    prompt = torch.randint(2, 512, (1, 24), generator=torch.Generator().manual_seed(6))
+    ref_logits, ref_ids = _reference_run(mixtral, prompt, 4)
+    eng = Engine.load(str(mixtral), cache_experts=8, emulate_device=True, prefill="stream", prefetch="none",
+                      progress=False)
+    eng.cache.loader.keep_log = True
+    used = {}
+
+    class Obs:
+        def on_route(self, layer, idx, w, hidden):
+            if idx.shape[0] > 1:
+                used[layer] = sorted(set(idx.reshape(-1).tolist()))
+    eng.add_observer(Obs())
+    out, pkv = eng.forward(prompt)                                          # the prefill alone
+    st = eng.cache.snapshot()
+    assert st["prefill"]["misses"] == sum(len(v) for v in used.values()) and st["prefill"]["evictions"] == 0
+    assert all(eng.cache.resident(l) == [] for l in range(4))              # nothing entered the cache
+    log = eng.cache.loader.log                      # every used expert streamed, layer by layer, ascending ids
+    assert [(l, e) for l, e, c in log if c == "gate_up"] == [(l, e) for l in range(4) for e in used[l]]
+    logits, ids, step = [out[0]], [int(out[0, -1].argmax())], None
+    for _ in range(4):
+        out, pkv = eng.forward(torch.tensor([[ids[-1]]]), pkv)
+        logits.append(out[0])
+        ids.append(int(out[0, -1].argmax()))
+    assert ids == ref_ids
+    assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits)) <= LOSSLESS_ATOL
+    assert eng.cache.snapshot()["decode"]["misses"] > 0
+    with pytest.raises(MoectlError, match="--prefill"):
+        Engine.load(str(mixtral), prefill="fast", progress=False)

@@ -69,6 +69,13 @@ class CacheOpts:
                                  "cheaper, per expert; figures measured once and cached in $MOECTL_HOME/machine.json).")
 
     @staticmethod
+    def prefill():
+        return typer.Option("cache", "--prefill",
+                            help="cache: a prompt's missed experts load into the expert cache; stream: they stream "
+                                 "through two staging buffers while the previous one computes and never enter the cache "
+                                 "(DuoServe; the budget pays for the two buffers).")
+
+    @staticmethod
     def replay_trace():
         return typer.Option(None, "--replay-trace",
                             help="A moe-routing-v1 trace (JSONL or trace directory) whose routing replaces the router's "

@@ -25,6 +25,7 @@ def bench(
     replacement: str = CacheOpts.replacement(),
     prefetch: str = CacheOpts.prefetch(),
     cpu_experts: str = CacheOpts.cpu_experts(),
+    prefill: str = CacheOpts.prefill(),
     baselines: str = typer.Option(",".join(("all-resident", "transformers", "on-demand", "lru", "moectl-plan")),
                                   "--baselines", help="Comma list of baselines to run besides moectl."),
     workdir: Optional[str] = CacheOpts.workdir(),
@@ -50,7 +51,7 @@ def bench(
         prepare_model(model, workdir)
         out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
                           replacement, prefetch, cpu_experts, dtype,
-                          tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat,
+                          tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
                           progress=not as_json)
         if as_json:
             print(json.dumps(out))

@@ -36,6 +36,7 @@ def serve(
     dtype: Optional[str] = CacheOpts.dtype(),
     threads: Optional[int] = CacheOpts.threads(),
     cpu_experts: str = CacheOpts.cpu_experts(),
+    prefill: str = CacheOpts.prefill(),
 ):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with /health,
     /metrics (Prometheus) and a live expert-cache page at /. Requests are served one at a time."""
@@ -60,7 +61,7 @@ def serve(
         from ..runtime.engine import Engine
 
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
-                          threads=threads, cpu_experts=cpu_experts,
+                          threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
                           predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any
                           progress=err.is_terminal)

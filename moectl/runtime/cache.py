@@ -111,7 +111,7 @@ class CacheFront:
 
 class DeviceCache(CacheFront):
     def __init__(self, store: ExpertStore, slots_per_layer: list[int], device: torch.device,
-                 policy: ReplacementPolicy):
+                 policy: ReplacementPolicy, stream_prefill: bool = False):
         if len(slots_per_layer) != store.num_layers:
             raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
         self.store, self.device, self.policy = store, torch.device(device), policy
@@ -135,6 +135,13 @@ class DeviceCache(CacheFront):
         self.jobs: dict[tuple[int, int], CopyJob] = {}                      # (layer, slot) -> its last copy
         # Named views (gate_up, down, ...) of every slot, made once: the hot path only indexes them.
         self.views = [[store.layout.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
+        # Streamed prefill: two staging buffers (double buffering), RAM tier only (they are filled by copies).
+        self.streaming = stream_prefill and store.buffers is not None
+        self.stage_views = []
+        if self.streaming:
+            stage = (torch.empty(2, P, dtype=store.dtype, device=self.device) if self.cuda else
+                     host_empty((2, P), store.dtype, "allocating staging buffers", touch=True))
+            self.stage_views = [store.layout.views(stage[i]) for i in range(2)]
 
     def landing(self, layer: int, expert: int) -> int:
         """0 landed, 1 a prefetch's copy issued earlier (in flight, or queued), 2 a demand load of this layer."""
@@ -162,9 +169,13 @@ class DeviceCache(CacheFront):
                 ev.synchronize()
         self._settle(layer, slot)
 
-    def _copy_job(self, layer: int, expert: int, slot: int, src: torch.Tensor, priority: int) -> CopyJob:
-        """The copy of a packed host buffer `src` [P] into `slot`, one chunk per weight matrix, queued."""
-        dst, srcv = self.views[layer][slot], self.store.layout.views(src)
+    def _copy_job(self, layer: int, expert: int, slot: int, src: torch.Tensor, priority: int,
+                  dst: dict | None = None) -> CopyJob:
+        """The copy of a packed host buffer `src` [P] into `slot` (or the views `dst`: a staging buffer), one chunk
+        per weight matrix, queued."""
+        srcv = self.store.layout.views(src)
+        staged = dst is not None
+        dst = dst if staged else self.views[layer][slot]
         stream = self.copy_stream
 
         def run(job, i, name):
@@ -183,8 +194,24 @@ class DeviceCache(CacheFront):
                       [(n, lambda j, i, n=n: run(j, i, n)) for n in self.store.layout.names])
         if self.cuda:
             job.after = torch.cuda.current_stream(self.device).record_event()
-        self.jobs[(layer, slot)] = job
+        if not staged:
+            self.jobs[(layer, slot)] = job
         return self.loader.submit(job)
+
+    # --- streamed prefill (DuoServe) ---------------------------------------------------------
+    def stream(self, layer: int, experts: list[int]):
+        """Yield (expert, weights) for a prefill's missed `experts`, streamed through two staging buffers: the
+        next expert's copy is queued before the current one is computed, so (CUDA) it lands while that computes.
+        Nothing enters the cache; each is one miss (`CacheState.stream`)."""
+        def issue(i: int) -> CopyJob:
+            self.state.stream(layer, experts[i])
+            return self._copy_job(layer, experts[i], -1, self.store.host(layer, experts[i]), DEMAND,
+                                  dst=self.stage_views[i % 2])
+        nxt = issue(0) if experts else None
+        for i, e in enumerate(experts):
+            job = nxt
+            nxt = issue(i + 1) if i + 1 < len(experts) else None
+            yield e, _Landing(self, job, self.stage_views[i % 2])
 
     def _copy_in(self, layer: int, expert: int, slot: int, priority: int) -> None:
         """Fill `slot` with the expert: its RAM-tier buffer copied through the loader; disk tier: its shard bytes

@@ -70,13 +70,17 @@ class Engine:
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
              gating_threshold: float | None = None, gate_prefill: bool = False, threads: int | None = None,
-             cpu_experts: str = "never", cost=None, replay_trace=None) -> "Engine":
+             cpu_experts: str = "never", cost=None, replay_trace=None, prefill: str = "cache") -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
         the default on a CPU with experts in RAM computes them in place (no slots, no copies).
         `threads`: torch intra-op threads (default `machine.default_threads` for the model's size).
         `cpu_experts` auto|never|always: a missed expert computed on the CPU from host RAM instead of fetched;
         auto prices both with `cost` (a `sim/cost.py` CostModel; default: this machine's measured figures, cached).
-        `replay_trace`: a moe-routing-v1 trace (path or Trace) whose routing replaces the router's."""
+        `replay_trace`: a moe-routing-v1 trace (path or Trace) whose routing replaces the router's.
+        `prefill` cache|stream: a prompt's missed experts load into the cache (the simulator's rule), or stream
+        through two staging buffers without entering it (DuoServe; RAM tier; the budget pays for the two)."""
+        if prefill not in ("cache", "stream"):
+            raise MoectlError(f"--prefill must be cache or stream, not {prefill!r}")
         if emulate_device and device != "cpu":
             raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         ref = _built(resolve_model(model, workdir))
@@ -104,8 +108,9 @@ class Engine:
         L, E = len(moe_layer_ids), adapter.num_experts
         expert_nbytes = adapter.layout().numel * dt.itemsize
         kv = kv_reserve_nbytes(config, dt)
-        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config), kv, cache_experts, budget,
-                                      slots_per_layer)
+        staging = 2 * expert_nbytes if prefill == "stream" else 0        # the streamed prefill's two buffers
+        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
+                                      budget, slots_per_layer)
         dense = header_dense_nbytes(ckpt, adapter, dt)              # what is read into host RAM
         on_host = dev.type == "cpu"
         need = host_need(offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L * E, dense, kv)
@@ -146,7 +151,8 @@ class Engine:
                                      fingerprint, L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
-        cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy)
+        cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy,
+                                                                              stream_prefill=prefill == "stream")
         runtime.cache = cache
         runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
         if replay_trace is not None:

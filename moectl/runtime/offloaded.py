@@ -64,11 +64,21 @@ class OffloadedExperts(nn.Module):
             tok, slot = (top_k_index == e).nonzero(as_tuple=True)                  # tokens routed to e
             parts[e] = tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None]   # [t,H]
 
+        if getattr(cache, "streaming", False) and cache.state.phase == "prefill" and not torch.is_grad_enabled():
+            missing = [e for e in needed if not cache.contains(layer, e)]
+            self._each_expert([e for e in needed if e not in missing], batch, None)
+            for e, w in cache.stream(layer, missing):            # DuoServe: misses through the staging buffers
+                batch(e, self._expert_fn(e, w))
+            return self._combine(hidden_states, parts)
         counts = torch.bincount(top_k_index[top_k_index >= 0].reshape(-1), minlength=self.num_experts).tolist() \
             if rt.placement is not None else None
         self._each_expert(needed, batch, {e: counts[e] for e in needed} if counts else None)
+        return self._combine(hidden_states, parts)
+
+    @staticmethod
+    def _combine(hidden_states: torch.Tensor, parts: dict) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)                                       # [T,H]
-        for e in sorted(parts):
+        for e in sorted(parts):                                                     # ascending id: transformers' order
             tok, y = parts[e]
             out = out.index_add(0, tok, y.to(out.dtype))
         return out
