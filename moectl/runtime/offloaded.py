@@ -109,6 +109,7 @@ class OffloadedExperts(nn.Module):
 
     def _expert_fn(self, e: int, w: dict[str, torch.Tensor]):
         if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)
+            w = _all_landed(w)
             return lambda x: _ExpertRecompute.apply(x, self, e, w)
         return lambda x: self.runtime.adapter.expert_forward(w, x, self.apply_gate)
 
@@ -130,10 +131,17 @@ class _ExpertRecompute(torch.autograd.Function):
         cache = m.runtime.cache
         cache.pin(m.layer, [e])
         try:
-            w = cache.acquire(m.layer, e)
+            w = _all_landed(cache.acquire(m.layer, e))
             with torch.enable_grad():
                 xr = x.detach().requires_grad_()
                 (gx,) = torch.autograd.grad(m.runtime.adapter.expert_forward(w, xr, m.apply_gate), xr, grad)
         finally:
             cache.unpin(m.layer, [e])
         return gx, None, None, None
+
+
+def _all_landed(w) -> dict:
+    """Every matrix of a slot whose copy may be pending, landed now. Autograd needs this: the matrices are views
+    of one slot and share its version counter, so a chunk landing after another matrix was saved for backward
+    would look like an in-place change of the saved one."""
+    return w if isinstance(w, dict) else {k: w[k] for k in w.keys()}
