@@ -270,6 +270,9 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
             notes[name + " prediction"] = str(e)
             continue
         ratio[name] = runs[name]["decode_ms_per_token"] / predicted[name]["decode_ms_per_token"]
+        if runs[name]["cpu_experts_per_token"] > 0:
+            notes[name + " prediction"] = ("the simulator here models fetches only: this run computed "
+                                           f"{runs[name]['cpu_experts_per_token']:.2f} experts/token on the CPU")
     for r in runs.values():
         r.pop("tokens", None)
     vs = None
