@@ -147,7 +147,7 @@ class DeviceCache(CacheFront):
         """0 landed, 1 a prefetch's copy issued earlier (in flight, or queued), 2 a demand load of this layer."""
         s = self.state.slot(layer, expert)
         job = self.jobs.get((layer, s)) if s is not None else None
-        if job is None or job.finished:
+        if job is None or (job.finished and all(ev.query() for ev in job.events)):   # CUDA: issued is not landed
             return 0
         return 1 if job.prefetch else 2
 
@@ -162,12 +162,12 @@ class DeviceCache(CacheFront):
 
     def _free(self, layer: int, slot: int) -> None:
         """`slot` gets a new expert: a queued copy of its old one is dropped, a read into it finished first."""
+        self._settle(layer, slot)               # first: a finished disk read may queue its copy (CUDA)
         job = self.jobs.pop((layer, slot), None)
         if job is not None:
             self.loader.cancel(job)
             for ev in job.events:               # CUDA: an issued copy out of the staging buffer must land first
                 ev.synchronize()
-        self._settle(layer, slot)
 
     def _copy_job(self, layer: int, expert: int, slot: int, src: torch.Tensor, priority: int,
                   dst: dict | None = None) -> CopyJob:
