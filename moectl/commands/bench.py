@@ -16,7 +16,9 @@ def bench(
                                         help="Benchmark this model against the baselines (recipe name or checkpoint "
                                              "directory). Without it: --what overhead,predictor."),
     budget: Optional[str] = CacheOpts.budget(),
-    cache_experts: Optional[int] = CacheOpts.cache_experts(),
+    cache_experts: Optional[int] = typer.Option(None, "--cache-experts", min=1,
+                                                help="Expert slots in total, split evenly over MoE layers (default: "
+                                                     "half the experts)."),
     prompt_len: int = typer.Option(64, "--prompt-len", min=1, help="Prompt tokens (seeded random ids)."),
     gen_len: int = typer.Option(32, "--gen-len", min=2, help="Tokens generated (greedy)."),
     repeat: int = typer.Option(3, "--repeat", min=1, help="Requests per configuration (median request reported)."),
