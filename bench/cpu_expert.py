@@ -1,23 +1,30 @@
-"""One expert on the CPU, packed as released vs a bf16 copy: what computing where it lies costs.
+"""One expert on this machine's CPU: what `--cpu-experts` costs per missed expert, and what computing a released
+packed checkpoint where it lies costs.
 
-A GPT-OSS expert (default gpt-oss-20b's, H = I = 2880) kept MXFP4 (13.2 MB) is dequantised by
-`Mxfp4Format.weights` at every use, then multiplied; a bf16 copy (49.8 MB) is only multiplied. Prints, per
-token count, the milliseconds of: dequantising alone, MXFP4 dequantise + FFN, bf16 FFN, and the bytes each
-reads. The same for a block-FP8 expert (Qwen3-30B-A3B's, H = 2048, I = 768). Usage:
-  python bench/cpu_expert.py [--threads N] [--tokens 1 16] [--repeat 5]
+1. A Mixtral-sized expert (H 4096, I 14336) applied to one token: ms and GB/s of weights read, next to the
+   measured memory read bandwidth. bf16: F.linear on bf16 weights (the runtime's CPU path). q4: torch's CPU int4
+   kernel (`aten._weight_int4pack_mm_for_cpu`, group 64) on packed random codes. The measurement code is
+   `moectl/machine.py`'s, the same the runtime's cost model is fed from.
+2. Released formats: a GPT-OSS expert (gpt-oss-20b's, H = I = 2880) kept MXFP4 (13.2 MB) is dequantised by
+   `Mxfp4Format.weights` at every use, then multiplied; a bf16 copy (49.8 MB) is only multiplied. Per token
+   count, ms of dequantising alone, MXFP4 dequantise + FFN, bf16 FFN. The same for a block-FP8 expert
+   (Qwen3-30B-A3B's, H = 2048, I = 768).
+
+    PYTHONPATH=. python bench/cpu_expert.py [--threads N] [--hidden 4096 --inter 14336] [--tokens 1 16] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 
+from moectl.machine import cpu_expert_ms, cpu_expert_q4_ms, default_threads, mem_read_gbps
 from moectl.models.base import ExpertLayout
 from moectl.quant.fp8_block import Fp8BlockFormat
 from moectl.quant.mxfp4 import Mxfp4Format
-
 
 def _ms(fn, repeat: int) -> float:
     fn()
@@ -57,16 +64,9 @@ def measure(fmt, forward, hidden: int, tokens: list[int], repeat: int, dtype=tor
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--hidden", type=int, default=2880)
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    H = a.hidden
+def released(tokens: list[int], repeat: int, show: bool) -> list[dict]:
+    """Table 2: MXFP4 (GPT-OSS) and block-FP8 (Qwen3-MoE) experts, packed vs a bf16 copy."""
+    H = 2880
     gpt = Mxfp4Format(ExpertLayout(("gate_up", "gate_up_bias", "down", "down_bias"),
                                    ((H, 2 * H), (2 * H,), (H, H), (H,))), torch.bfloat16)
 
@@ -80,12 +80,50 @@ def main() -> None:
         g, u = (x @ w["gate_up"].T).chunk(2, dim=-1)
         return (torch.nn.functional.silu(g) * u) @ w["down"].T
 
-    print(f"CPU, {torch.get_num_threads()} threads; times in ms per expert call")
-    print(f"{'format':14s} {'tokens':>6s} {'packed MB':>9s} {'bf16 MB':>8s} {'dequant':>8s} {'packed':>8s} {'bf16':>8s}")
-    for fmt, fwd, hidden in ((gpt, gpt_forward, H), (qwen, qwen_forward, 2048)):
-        for r in measure(fmt, fwd, hidden, a.tokens, a.repeat):
+    rows = [r for fmt, fwd, hidden in ((gpt, gpt_forward, H), (qwen, qwen_forward, 2048))
+            for r in measure(fmt, fwd, hidden, tokens, repeat)]
+    if show:
+        print(f"\nreleased formats, {torch.get_num_threads()} threads; times in ms per expert call")
+        print(f"{'format':14s} {'tokens':>6s} {'packed MB':>9s} {'bf16 MB':>8s} {'dequant':>8s} {'packed':>8s} "
+              f"{'bf16':>8s}")
+        for r in rows:
             print(f"{r['format']:14s} {r['tokens']:6d} {r['packed_mb']:9.2f} {r['dense_mb']:8.2f} "
                   f"{r['dequantise_ms']:8.1f} {r['packed_ffn_ms']:8.1f} {r['dense_ffn_ms']:8.1f}")
+    return rows
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core we may use)")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=14336)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16], help="token counts of table 2")
+    ap.add_argument("--no-released", action="store_true", help="skip table 2 (MXFP4 / FP8 experts)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads or default_threads())
+    H, I = a.hidden, a.inter
+    mem = mem_read_gbps(1024 * 2**20, a.repeat)
+    bf16_bytes = 3 * H * I * 2
+    bf16_ms = cpu_expert_ms(H, I, torch.bfloat16, repeat=a.repeat)
+    q4_ms, q4_bytes = cpu_expert_q4_ms(H, I, 64, a.repeat)
+    out = {"threads": torch.get_num_threads(), "hidden": H, "intermediate": I, "mem_read_gbps": mem,
+           "bf16": {"ms": bf16_ms, "bytes": bf16_bytes, "gbps": bf16_bytes / bf16_ms / 1e6,
+                    "fraction_of_mem_bw": bf16_bytes / bf16_ms / 1e6 / mem},
+           "q4g64": {"ms": q4_ms, "bytes": q4_bytes, "gbps": q4_bytes / q4_ms / 1e6,
+                     "fraction_of_mem_bw": q4_bytes / q4_ms / 1e6 / mem}}
+    if not a.json:
+        print(f"memory read bandwidth: {mem:.1f} GB/s ({out['threads']} threads)")
+        for k in ("bf16", "q4g64"):
+            r = out[k]
+            print(f"{k:6s} expert {H}x{I}, 1 token: {r['ms']:7.2f} ms  {r['bytes'] / 1e6:6.0f} MB  "
+                  f"{r['gbps']:5.1f} GB/s = {r['fraction_of_mem_bw']:.0%} of memory bandwidth")
+    if not a.no_released:
+        out["released"] = released(a.tokens, a.repeat, not a.json)
+    if a.json:
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
             torch.manual_seed(0)
             MixtralForCausalLM(cfg).save_pretrained(path)
             ref = AutoModelForCausalLM.from_pretrained(path).eval()
-            eng = Engine.load(path, progress=False, gating=gating, gating_threshold=gating_threshold)   # all cached
+            eng = Engine.load(path, progress=False, gating=gating, gating_threshold=gating_threshold,
+                              threads=threads)                                              # all cached
             ids = torch.randint(0, 4096, (1, prompt), generator=torch.Generator().manual_seed(0))
 
             def ref_step(step, pkv):

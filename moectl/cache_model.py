@@ -187,6 +187,12 @@ class CacheState:
         pol.on_insert(layer, expert, self.clock)
         return Access(slot, False, victim)
 
+    def stream(self, layer: int, expert: int, precision: str = FULL) -> None:
+        """A prefill miss streamed through a staging buffer (DuoServe) instead of the cache: one demand load,
+        counted as a miss, nothing inserted or evicted (the decode cache is left as it was)."""
+        self.clock += 1
+        self._count(layer, precision, "misses")
+
     def prefetch(self, layer: int, expert: int, precision: str = FULL) -> Access | None:
         """A predicted expert of a later layer: protected until that layer routes, inserted if missing.
         None when it is already resident (then only protected) or no slot can be freed without evicting

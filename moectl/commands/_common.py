@@ -56,6 +56,32 @@ class CacheOpts:
         return typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>).")
 
     @staticmethod
+    def threads():
+        return typer.Option(None, "--threads", min=1,
+                            help="torch intra-op CPU threads (default: 1 for small models, whose ops are dispatch "
+                                 "bound, else every core this process may use).")
+
+    @staticmethod
+    def cpu_experts():
+        return typer.Option("never", "--cpu-experts",
+                            help="Where a missed expert runs: never (fetch it to the device), always (compute it on the "
+                                 "CPU from host RAM), auto (whichever this machine's measured copy and CPU speeds make "
+                                 "cheaper, per expert; figures measured once and cached in $MOECTL_HOME/machine.json).")
+
+    @staticmethod
+    def prefill():
+        return typer.Option("cache", "--prefill",
+                            help="cache: a prompt's missed experts load into the expert cache; stream: they stream "
+                                 "through two staging buffers while the previous one computes and never enter the cache "
+                                 "(DuoServe; the budget pays for the two buffers).")
+
+    @staticmethod
+    def replay_trace():
+        return typer.Option(None, "--replay-trace",
+                            help="A moe-routing-v1 trace (JSONL or trace directory) whose routing replaces the router's "
+                                 "choice: real routing on (synthetic) real-size experts.")
+
+    @staticmethod
     def dtype():
         return typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's).")
 

@@ -1,4 +1,5 @@
-"""`moectl bench`: runtime overhead vs transformers and predictor cost, as printed figures."""
+"""`moectl bench`: the runtime on a model against its baselines (`--model`), or the runtime's overhead vs
+transformers and the predictor's cost at real sizes (`--what`, without --model)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,87 @@ from typing import Optional
 
 import typer
 
-from ._common import GatingOpts
+from ._common import CacheOpts, GatingOpts, prepare_model
 
 
 def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Benchmark this model against the baselines (recipe name or checkpoint "
+                                             "directory). Without it: --what overhead,predictor."),
+    budget: Optional[str] = CacheOpts.budget(),
+    cache_experts: Optional[int] = typer.Option(None, "--cache-experts", min=1,
+                                                help="Expert slots in total, split evenly over MoE layers (default: "
+                                                     "half the experts)."),
+    prompt_len: int = typer.Option(64, "--prompt-len", min=1, help="Prompt tokens (seeded random ids)."),
+    gen_len: int = typer.Option(32, "--gen-len", min=2, help="Tokens generated (greedy)."),
+    repeat: int = typer.Option(3, "--repeat", min=1, help="Requests per configuration (median request reported)."),
+    replay_trace: Optional[str] = CacheOpts.replay_trace(),
+    device: str = typer.Option("cpu", "--device", help="cpu (the cached runs emulate a device) or cuda."),
+    replacement: str = CacheOpts.replacement(),
+    prefetch: str = CacheOpts.prefetch(),
+    cpu_experts: str = CacheOpts.cpu_experts(),
+    prefill: str = CacheOpts.prefill(),
+    baselines: str = typer.Option(",".join(("all-resident", "transformers", "on-demand", "lru", "moectl-plan")),
+                                  "--baselines", help="Comma list of baselines to run besides moectl."),
+    workdir: Optional[str] = CacheOpts.workdir(),
+    dtype: Optional[str] = CacheOpts.dtype(),
     what: str = typer.Option("overhead,predictor", "--what",
-                             help="Comma list: overhead (moectl vs transformers forward), predictor (MLP cost/layer)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads for the overhead run."),
+                             help="Without --model: comma list of overhead (moectl vs transformers forward), predictor "
+                                  "(MLP cost/layer)."),
+    threads: Optional[int] = CacheOpts.threads(),
     model_shape: str = typer.Option("mixtral", "--model-shape",
                                     help="Recipe whose shape sizes the predictor-cost run (default Mixtral-8x7B)."),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """Measure the runtime's overhead and the prefetch predictor's cost per layer."""
+    """Measure a model's TTFT, prefill tokens/s, decode ms/token, hit rate, bytes/token, stall and predictor time
+    against all-resident, transformers, on-demand and LRU baselines (and the workdir's plan), with the simulator's
+    prediction; or, without --model, the runtime's overhead and the predictor's cost."""
+    from rich.console import Console
+
+    if model is not None:
+        from ..bench_model import bench_model
+
+        prepare_model(model, workdir)
+        out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
+                          replacement, prefetch, cpu_experts, dtype,
+                          tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
+                          progress=not as_json)
+        if as_json:
+            print(json.dumps(out))
+        else:
+            Console().print(_model_table(out))
+            for k, v in out["notes"].items():
+                Console().print(f"[dim]{k}: {v}[/]", highlight=False)
+        return
+    _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json)
+
+
+def _model_table(out: dict):
+    from rich.table import Table
+
+    from ..recipes import format_bytes
+
+    t = Table(title=f"moectl bench {out['model']} ({out['device']}, {out['threads']} threads, prompt "
+                    f"{out['prompt_len']}, {out['gen_len']} tokens)")
+    for col in ("run", "TTFT ms", "prefill tok/s", "decode ms/tok", "hit rate", "bytes/tok", "stall ms/tok",
+                "predictor ms/tok", "predicted ms/tok", "measured/predicted"):
+        t.add_column(col, justify="left" if col == "run" else "right")
+    f = lambda v, fmt: "" if v is None else format(v, fmt)          # noqa: E731
+    for name, r in out["runs"].items():
+        p = out["predicted"].get(name, {})
+        t.add_row(name, f(r["ttft_ms"], ".1f"), f(r["prefill_tokens_per_s"], ".0f"), f(r["decode_ms_per_token"], ".2f"),
+                  f(r.get("hit_rate"), ".1%"), format_bytes(r["bytes_per_token"]) if "bytes_per_token" in r else "",
+                  f(r.get("stall_ms_per_token"), ".2f"), f(r.get("predictor_ms_per_token"), ".3f"),
+                  f(p.get("decode_ms_per_token"), ".2f"), f(out["measured_over_predicted"].get(name), ".2f"))
+    if out["all_resident_over_transformers"] is not None:
+        t.caption = (f"all-resident / transformers decode time: {out['all_resident_over_transformers']:.3f} "
+                     f"(goal <= {out['goal_all_resident_ratio']})")
+    return t
+
+
+def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json) -> None:
     from rich.console import Console
     from rich.table import Table
 

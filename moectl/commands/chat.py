@@ -27,6 +27,9 @@ def chat(
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
+    threads: Optional[int] = CacheOpts.threads(),
+    cpu_experts: str = CacheOpts.cpu_experts(),
+    prefill: str = CacheOpts.prefill(),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
     gate_prefill: bool = GatingOpts.prefill(),
@@ -43,6 +46,7 @@ def chat(
     interactive = sys.stdin.isatty() and console.is_terminal
     prepare_model(model, workdir)
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                      threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       emulate_device=emulate_device,
                       gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,

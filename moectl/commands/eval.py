@@ -28,6 +28,8 @@ def eval_(
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
+    threads: Optional[int] = CacheOpts.threads(),
+    cpu_experts: str = CacheOpts.cpu_experts(),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -45,6 +47,7 @@ def eval_(
 
     prepare_model(model, workdir)
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                      threads=threads, cpu_experts=cpu_experts,
                       workdir=workdir, dtype=dtype, emulate_device=emulate_device, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       gating=gating or "auto", gating_threshold=gating_threshold, progress=not as_json)
     windows = token_windows(eng.tokenizer, load_calibration(dataset), window, max_tokens)

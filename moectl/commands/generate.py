@@ -29,6 +29,10 @@ def generate(
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
+    threads: Optional[int] = CacheOpts.threads(),
+    cpu_experts: str = CacheOpts.cpu_experts(),
+    prefill: str = CacheOpts.prefill(),
+    replay_trace: Optional[str] = CacheOpts.replay_trace(),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
     gate_prefill: bool = GatingOpts.prefill(),
@@ -43,6 +47,7 @@ def generate(
 
     prepare_model(model, workdir)
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                      threads=threads, cpu_experts=cpu_experts, prefill=prefill, replay_trace=replay_trace,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       emulate_device=emulate_device,
                       gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
@@ -56,7 +61,8 @@ def generate(
                        top_p=top_p, seed=seed, on_token=stream, chat=chat)
     stats = {k: res.stats[k] for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token",
                                        "load_wait_s", "hits", "tokens", "prefill_ms", "ttft_ms",
-                                       "decode_ms_per_token", "host_rss_gb", "host_peak_rss_gb", "experts_per_token")}
+                                       "decode_ms_per_token", "host_rss_gb", "host_peak_rss_gb", "experts_per_token",
+                                       "cpu_experts", "prefill_tokens_per_s", "threads")}
     if as_json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
     else:

@@ -24,7 +24,6 @@ def serve(
                                    help="Answer length when a request gives no max_tokens (capped by the context)."),
     served_name: Optional[str] = typer.Option(None, "--served-model-name",
                                               help="Model id clients must send (default: the recipe/directory name)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's)."),
     cache_experts: Optional[int] = CacheOpts.cache_experts(),
     budget: Optional[str] = CacheOpts.budget(),
     device: str = CacheOpts.device(),
@@ -35,6 +34,9 @@ def serve(
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
+    threads: Optional[int] = CacheOpts.threads(),
+    cpu_experts: str = CacheOpts.cpu_experts(),
+    prefill: str = CacheOpts.prefill(),
 ):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with /health,
     /metrics (Prometheus) and a live expert-cache page at /. Requests are served one at a time."""
@@ -56,13 +58,10 @@ def serve(
     sock = bind(host, port)                                  # a port in use fails here, before the model loads
     prepare_model(model, workdir)                            # the built-in tiny model is built on first use
     try:
-        import torch
-
         from ..runtime.engine import Engine
 
-        if threads:
-            torch.set_num_threads(threads)
         eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+                          threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
                           predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any
                           progress=err.is_terminal)

@@ -57,6 +57,7 @@ class Engine:
         self._tokenizer = None
         self._requests = 0
         self.progress = progress
+        self.threads = torch.get_num_threads()
         self._prefill_bar = None
         self._prefill_t0 = 0.0
         self.model.model.norm.register_forward_hook(self._on_final_norm)
@@ -68,9 +69,18 @@ class Engine:
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
-             gating_threshold: float | None = None, gate_prefill: bool = False) -> "Engine":
+             gating_threshold: float | None = None, gate_prefill: bool = False, threads: int | None = None,
+             cpu_experts: str = "never", cost=None, replay_trace=None, prefill: str = "cache") -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
-        the default on a CPU with experts in RAM computes them in place (no slots, no copies)."""
+        the default on a CPU with experts in RAM computes them in place (no slots, no copies).
+        `threads`: torch intra-op threads (default `machine.default_threads` for the model's size).
+        `cpu_experts` auto|never|always: a missed expert computed on the CPU from host RAM instead of fetched;
+        auto prices both with `cost` (a `sim/cost.py` CostModel; default: this machine's measured figures, cached).
+        `replay_trace`: a moe-routing-v1 trace (path or Trace) whose routing replaces the router's.
+        `prefill` cache|stream: a prompt's missed experts load into the cache (the simulator's rule), or stream
+        through two staging buffers without entering it (DuoServe; RAM tier; the budget pays for the two)."""
+        if prefill not in ("cache", "stream"):
+            raise MoectlError(f"--prefill must be cache or stream, not {prefill!r}")
         if emulate_device and device != "cpu":
             raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         ref = _built(resolve_model(model, workdir))
@@ -82,6 +92,9 @@ class Engine:
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {offload!r}")
         in_place = dev.type == "cpu" and offload == "ram" and not emulate_device
 
+        from ..machine import set_threads
+
+        n_threads = set_threads(threads, config.hidden_size, adapter.expert_intermediate)
         hf, blocks = _skeleton(config, adapter, dt, ref.path)
         moe_layer_ids = [i for i, _ in blocks]
         fingerprint = config_fingerprint(config)
@@ -95,8 +108,9 @@ class Engine:
         L, E = len(moe_layer_ids), adapter.num_experts
         expert_nbytes = adapter.format(dt).nbytes
         kv = kv_reserve_nbytes(config, dt)
-        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config), kv, cache_experts, budget,
-                                      slots_per_layer)
+        staging = 2 * expert_nbytes if prefill == "stream" else 0        # the streamed prefill's two buffers
+        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
+                                      budget, slots_per_layer)
         dense = header_dense_nbytes(ckpt, adapter, dt)              # what is read into host RAM
         on_host = dev.type == "cpu"
         need = host_need(offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L * E, dense, kv)
@@ -137,9 +151,16 @@ class Engine:
                                      fingerprint, L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
-        cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy)
+        cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy,
+                                                                              stream_prefill=prefill == "stream")
         runtime.cache = cache
+        runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
+        if replay_trace is not None:
+            from .replay import RoutingReplay
+
+            runtime.replay = RoutingReplay(replay_trace, L, E)
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, progress=progress)
+        eng.threads = n_threads
         runtime.engine = eng
         eng.runtime = runtime
         return eng
@@ -180,7 +201,9 @@ class Engine:
             if fn is not None:
                 fn(h2)
         if self.prefetch is not None and self.cache.state.phase == "decode":
+            t0 = time.perf_counter()
             self.prefetch.end_token(h2[-1].float().cpu().numpy())
+            self.runtime.predictor_s += time.perf_counter() - t0
 
     # --- forward and generate -----------------------------------------------------------
     def begin_request(self, name: str) -> None:
@@ -198,7 +221,10 @@ class Engine:
         decode = past_key_values is not None and input_ids.shape[-1] == 1
         self.cache.begin_step("decode" if decode else "prefill")
         if decode and self.prefetch is not None:      # the aux gate: this token's first layer
-            for target, expert, _score in self.prefetch.predict_after_token():
+            t0 = time.perf_counter()
+            after = self.prefetch.predict_after_token()
+            self.runtime.predictor_s += time.perf_counter() - t0
+            for target, expert, _score in after:
                 if 0 <= target < len(self.cache.slots_per_layer):
                     self.cache.prefetch(target, int(expert))
         if past_key_values is None:
@@ -212,6 +238,8 @@ class Engine:
                 self._prefill_bar[0].__exit__(None, None, None)
                 self._prefill_bar = None
         self.cache.end_token()
+        if self.runtime.replay is not None:
+            self.runtime.replay.advance(input_ids.shape[-1])
         return out.logits, out.past_key_values
 
     def _prefill_progress(self, layer: int, tokens: int) -> None:
@@ -250,7 +278,7 @@ class Engine:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = _eos_ids(self.config, self._tokenizer)
         before = self.cache.snapshot()
-        calls0 = self.runtime.expert_calls
+        calls0, cpu0 = self.runtime.expert_calls, self.runtime.cpu_experts
         new: list[int] = []
         text_so_far = ""
         t0 = time.perf_counter()
@@ -294,7 +322,9 @@ class Engine:
             "prefill_ms": times["prefill"] * 1000, "ttft_ms": times["ttft"] * 1000,
             "decode_ms_per_token": 1000 * sum(decode_s) / len(decode_s) if decode_s else 0.0,
             "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
-            "experts_per_token": (self.runtime.expert_calls - calls0) / max(computed, 1)}
+            "experts_per_token": (self.runtime.expert_calls - calls0) / max(computed, 1),
+            "cpu_experts": self.runtime.cpu_experts - cpu0, "threads": self.threads,
+            "prefill_tokens_per_s": len(ids) / times["prefill"] if times.get("prefill") else 0.0}
         if self.runtime.gating is not None:
             g = self.runtime.gating
             stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
@@ -302,7 +332,8 @@ class Engine:
 
 
 class _Runtime:
-    """What every OffloadedExperts module shares: the adapter, the cache, observers, prefetch, gating."""
+    """What every OffloadedExperts module shares: the adapter, the cache, observers, prefetch, gating, where
+    missed experts run (placement + the CPU worker), forced routing (replay)."""
 
     def __init__(self, adapter, gating: GatingPolicy | None = None, gate_prefill: bool = False):
         self.adapter = adapter
@@ -311,10 +342,69 @@ class _Runtime:
         self.gating = gating                # adaptive top-k (None: every chosen expert runs)
         self.gate_prefill = gate_prefill    # gate every row of a multi-token forward too, not only decode's one
         self.expert_calls = 0               # (token, expert) FFN computations, all layers, since load
+        self.placement = None               # ComputePlacement: a missed expert fetched or computed on the CPU
+        self.replay = None                  # RoutingReplay: the router's choice replaced by a trace's
+        self._cpu_pool = None               # the CPU-experts worker thread
+        self._host_views: dict = {}
+        self.cpu_experts = 0                # experts computed on the CPU (missed, placed there)
+        self.device_side_s = 0.0            # time this thread spent fetching + computing a layer's other experts
+        self.cpu_side_s = 0.0               # time the worker spent computing CPU experts
+        self.cpu_wait_s = 0.0               # time a layer waited for the worker after its own side was done
+        self.expert_stage_s = 0.0           # wall time of the layers' expert stages (both sides, overlapped)
+        self.predictor_s = 0.0              # time the prefetch policy took to observe and predict
+
+    # --- CPU compute of missed experts (Fiddler / llama.cpp --n-cpu-moe) -------------------
+    def cpu_side(self, layer: int, experts: list[int], tokens: dict[int, int]) -> list[int]:
+        """The missed experts the placement computes on the CPU (from host RAM) instead of fetching."""
+        cache = self.cache
+        if self.placement is None or self.placement.mode == "never" or getattr(cache, "jobs", None) is None \
+                or cache.store.buffers is None or torch.is_grad_enabled():
+            return []
+        nbytes = cache.store.expert_nbytes
+        return [e for e in experts if not cache.contains(layer, e)
+                and self.placement.decide(tokens.get(e, 1), nbytes) == "cpu"]
+
+    def host_views(self, layer: int, expert: int) -> dict:
+        key = (layer, expert)
+        if key not in self._host_views:
+            store = self.cache.store
+            self._host_views[key] = store.format.views(store.host(layer, expert))     # typed parts, no copy
+        return self._host_views[key]
+
+    def cpu_forward(self, w: dict, x: torch.Tensor, apply_gate) -> torch.Tensor:
+        """One expert on the CPU: x [t,H] from the device, the weights in host RAM, y back on x's device."""
+        return self.adapter.expert_forward(w, x.to("cpu"), apply_gate).to(x.device)
+
+    def start_cpu(self, layer: int, experts: list[int], compute, gate):
+        """Run `compute(e, expert)` for `experts` on the CPU worker thread; torch ops release the GIL, so it runs
+        while this thread fetches and computes the device's experts."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._cpu_pool is None:
+            self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moectl-cpu-experts")
+        inference = torch.is_inference_mode_enabled()
+        self.cpu_experts += len(experts)
+
+        def work() -> float:
+            t0 = time.perf_counter()
+            with torch.inference_mode(inference):
+                for e in experts:
+                    w = self.cache.store.format.weights(self.host_views(layer, e))   # low-bit: dequantised here
+                    compute(e, lambda x, w=w: self.cpu_forward(w, x, gate))
+            return time.perf_counter() - t0
+        return self._cpu_pool.submit(work)
+
+    def finish_cpu(self, fut) -> None:
+        t0 = time.perf_counter()
+        self.cpu_side_s += fut.result()
+        self.cpu_wait_s += time.perf_counter() - t0
 
     def gate(self, layer: int, idx: torch.Tensor, w: torch.Tensor):
         """The routing `idx`, `w` [T,K] after gating: decode drops the tail (fewer columns); a gated multi-token
-        forward marks dropped entries -1 with weight 0. Unchanged when nothing is dropped."""
+        forward marks dropped entries -1 with weight 0. Unchanged when nothing is dropped. With a replay, the
+        trace's routing first replaces the router's."""
+        if self.replay is not None:
+            idx, w = self.replay.route(layer, idx, w)
         if self.gating is None or (idx.shape[0] > 1 and not self.gate_prefill):
             return idx, w
         idx_np = idx.cpu().numpy()
@@ -333,9 +423,12 @@ class _Runtime:
             obs.on_route(layer, top_k_index, top_k_weights, hidden)
         pf = eng.prefetch
         if pf is not None and self.cache.state.phase == "decode":      # predict ahead in decode steps only
+            t0 = time.perf_counter()
             pf.observe(layer, top_k_index[0].tolist(), top_k_weights[0].float().tolist(),
                        hidden[0].float().cpu().numpy())
-            for target, expert, _score in pf.predict(layer):
+            preds = pf.predict(layer)
+            self.predictor_s += time.perf_counter() - t0
+            for target, expert, _score in preds:
                 if layer < target < len(self.cache.slots_per_layer):     # later layers of this token
                     self.cache.prefetch(target, int(expert))
 
@@ -427,6 +520,23 @@ def _policies(replacement, prefetch, model, adapter, predictor_dir, fingerprint:
         preds = load_predictors(predictor_dir, expect_fingerprint=fingerprint)
         inputs.mlp, inputs.routing, inputs.aux_gate = preds.mlp, preds.routing, preds.aux_gate
     return policy, build_prefetch(prefetch, inputs)
+
+
+def _placement(mode: str, cost, config, dev: torch.device, in_place: bool):
+    """The ComputePlacement behind --cpu-experts (None when nothing can miss: experts computed in place). `auto`
+    without a cost model prices with this machine's measured figures (`moectl/machine.py`, cached per machine)."""
+    from ..policies.placement import CPU_EXPERT_MODES, ComputePlacement
+
+    if mode not in CPU_EXPERT_MODES:
+        ComputePlacement(mode)                                   # the clear error naming the choices
+    if mode == "never" or in_place:
+        return None
+    if mode == "auto" and cost is None:
+        from ..machine import machine_figures, machine_hardware
+        from ..sim.cost import CostModel, shape_from_hf_config
+
+        cost = CostModel(machine_hardware(machine_figures(dev.type)), shape_from_hf_config(config.to_dict()))
+    return ComputePlacement(mode, cost)
 
 
 def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_layers: int) -> GatingPolicy | None:

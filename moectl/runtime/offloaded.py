@@ -14,6 +14,8 @@ computed them in: the result does not depend on what was resident.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -47,7 +49,7 @@ class OffloadedExperts(nn.Module):
             def one(e, expert):
                 ys[e] = expert(hidden_states) * top_k_weights[0, pos[e]]              # [1,H]
 
-            self._each_expert(ids, one)
+            self._each_expert(ids, one, None)
             out = torch.zeros_like(hidden_states)                                   # [1,H]
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
@@ -62,26 +64,52 @@ class OffloadedExperts(nn.Module):
             tok, slot = (top_k_index == e).nonzero(as_tuple=True)                  # tokens routed to e
             parts[e] = tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None]   # [t,H]
 
-        self._each_expert(needed, batch)
+        if getattr(cache, "streaming", False) and cache.state.phase == "prefill" and not torch.is_grad_enabled():
+            missing = [e for e in needed if not cache.contains(layer, e)]
+            self._each_expert([e for e in needed if e not in missing], batch, None)
+            for e, w in cache.stream(layer, missing):            # DuoServe: misses through the staging buffers
+                batch(e, self._expert_fn(e, w))
+            return self._combine(hidden_states, parts)
+        counts = torch.bincount(top_k_index[top_k_index >= 0].reshape(-1), minlength=self.num_experts).tolist() \
+            if rt.placement is not None else None
+        self._each_expert(needed, batch, {e: counts[e] for e in needed} if counts else None)
+        return self._combine(hidden_states, parts)
+
+    @staticmethod
+    def _combine(hidden_states: torch.Tensor, parts: dict) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)                                       # [T,H]
-        for e in sorted(parts):
+        for e in sorted(parts):                                                     # ascending id: transformers' order
             tok, y = parts[e]
             out = out.index_add(0, tok, y.to(out.dtype))
         return out
 
-    def _each_expert(self, experts: list[int], compute) -> None:
-        """`compute(e, expert)` for each valid expert in the cache's order, `expert(x [t,H]) -> y [t,H]` its FFN:
-        resident ones first (on a GPU their compute overlaps the loads of the rest), then the missing ones,
-        pinning at most the layer's slot count at once."""
-        cache, layer = self.runtime.cache, self.layer
-        for chunk in cache.chunks(layer, [e for e in experts if 0 <= e < self.num_experts]):
+    def _each_expert(self, experts: list[int], compute, tokens: dict[int, int] | None = None) -> None:
+        """`compute(e, expert)` for each valid expert, `expert(x [t,H]) -> y [t,H]` its FFN. Missed experts the
+        placement sends to the CPU (`--cpu-experts`) run on the runtime's CPU worker thread from host RAM while
+        this thread runs the rest in the cache's order (resident first, chunks of the slot count, each chunk
+        pinned; the chunk's accesses in the cache model's order), computing within a chunk what has landed, then
+        what a prefetch is still copying, then what this layer's demand loads bring. The layer ends when both
+        sides have (`tokens`: tokens per expert, for the placement's cost; default 1)."""
+        rt, cache, layer = self.runtime, self.runtime.cache, self.layer
+        valid = [e for e in experts if 0 <= e < self.num_experts]
+        t0 = time.perf_counter()
+        on_cpu = rt.cpu_side(layer, valid, tokens or {})
+        side = rt.start_cpu(layer, on_cpu, compute, self.apply_gate) if on_cpu else None
+        order = getattr(cache, "landing", None)
+        for chunk in cache.chunks(layer, [e for e in valid if e not in on_cpu]):
             cache.pin(layer, chunk)
-            for e in chunk:
-                compute(e, self._expert_fn(e, cache.acquire(layer, e)))
+            ws = {e: cache.acquire(layer, e) for e in chunk}
+            for e in (sorted(chunk, key=lambda e: order(layer, e)) if order else chunk):
+                compute(e, self._expert_fn(e, ws[e]))
             cache.unpin(layer, chunk)
+        rt.device_side_s += time.perf_counter() - t0
+        if side is not None:
+            rt.finish_cpu(side)
+        rt.expert_stage_s += time.perf_counter() - t0
 
     def _expert_fn(self, e: int, w: dict[str, torch.Tensor]):
         if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)
+            w = _all_landed(w)
             return lambda x: _ExpertRecompute.apply(x, self, e, w)
         return lambda x: self.runtime.adapter.expert_forward(w, x, self.apply_gate)
 
@@ -103,10 +131,17 @@ class _ExpertRecompute(torch.autograd.Function):
         cache = m.runtime.cache
         cache.pin(m.layer, [e])
         try:
-            w = cache.acquire(m.layer, e)
+            w = _all_landed(cache.acquire(m.layer, e))
             with torch.enable_grad():
                 xr = x.detach().requires_grad_()
                 (gx,) = torch.autograd.grad(m.runtime.adapter.expert_forward(w, xr, m.apply_gate), xr, grad)
         finally:
             cache.unpin(m.layer, [e])
         return gx, None, None, None
+
+
+def _all_landed(w) -> dict:
+    """Every matrix of a slot whose copy may be pending, landed now. Autograd needs this: the matrices are views
+    of one slot and share its version counter, so a chunk landing after another matrix was saved for backward
+    would look like an in-place change of the saved one."""
+    return w if isinstance(w, dict) else {k: w[k] for k in w.keys()}

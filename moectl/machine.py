@@ -1,0 +1,189 @@
+"""This machine's speeds, measured once and cached: what the runtime's cost model and `bench/cpu_expert.py` use.
+
+Legend: H = hidden size, I = expert intermediate size.
+
+Three figures decide fetch vs CPU compute of a missed expert (`policies/placement.py`):
+  mem_read_gbps   host memory read bandwidth: a sum over a buffer far larger than the caches
+  cpu_expert_gbps a one-token expert FFN (gate/up [2I,H], down [H,I]) computed on the CPU from host RAM, as
+                  GB/s of weights read (a GEMV reads every weight once; this is what an expert costs the CPU)
+  copy_gbps       host -> device copy: pinned RAM -> GPU on CUDA; on a CPU-only machine the memcpy an
+                  emulated device's slot fill does
+A 16 MB-per-matrix expert is big enough to leave the caches and small enough to measure in well under a second;
+the result is cached in `$MOECTL_HOME/machine.json` under a key of host, CPU, torch version, threads and
+device, so a later start reads the file instead of measuring.
+
+The figures become a `Hardware` for `sim/cost.py: CostModel` (`machine_hardware`), so the runtime and the
+simulator price a miss the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+FORMAT = "moectl-machine-v1"
+
+
+def default_threads(hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
+    """The runtime's intra-op thread count when --threads is not given. Small matrices are dispatch bound:
+    more threads only add synchronisation (and on a loaded 2-core machine a waiting thread can slow a small op
+    100x), so models whose expert matrices are under ~4M weights get 1 thread; larger ones get every core this
+    process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if hidden_size is not None and intermediate_size is not None and hidden_size * intermediate_size < 4 * 2**20:
+        return 1
+    return max(1, cores)
+
+
+def set_threads(n: int | None, hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
+    """Set torch's intra-op threads to `n` (--threads) or the default above; returns the count set."""
+    from .errors import MoectlError
+
+    if n is not None and n < 1:
+        raise MoectlError(f"--threads must be >= 1, not {n}")
+    n = n or default_threads(hidden_size, intermediate_size)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def _best_s(fn, repeat: int) -> float:
+    fn()                                              # warm-up (page faults, kernel choice)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def mem_read_gbps(nbytes: int = 512 * 2**20, repeat: int = 5) -> float:
+    """Host memory read bandwidth: a float32 sum over `nbytes` (reads every byte once)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / _best_s(lambda: x.sum(), repeat) / 1e9
+
+
+def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, tokens: int = 1,
+                  repeat: int = 5) -> float:
+    """Milliseconds of one expert FFN (act(x W_gate) * (x W_up)) W_down on `tokens` tokens on the CPU."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.02).to(dtype)      # [2I, H]
+    down = (torch.randn(hidden, inter, generator=g) * 0.02).to(dtype)             # [H, I]
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)                        # [T, H]
+
+    def run():
+        gu = F.linear(x, gate_up)                                                 # [T, 2I]
+        F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+    with torch.inference_mode():
+        return _best_s(run, repeat) * 1e3
+
+
+def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) -> tuple[float, int]:
+    """(milliseconds, bytes read) of one expert FFN on one token from 4-bit packed weights with torch's CPU int4
+    kernel (`aten._weight_int4pack_mm_for_cpu`: bf16 activations, one bf16 scale and zero per `group` weights).
+    Random codes: speed only, no runtime path uses it (the quantized copies are the quantize issue's)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+
+    def pack(n: int, k: int):                            # an [n, k] weight: packed codes + [k/group, n, 2] scales
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+        return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
+                (torch.randn(k // group, n, 2, generator=g) * 0.01).to(torch.bfloat16))
+    gate_up, down = pack(2 * inter, hidden), pack(hidden, inter)
+    x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    nbytes = sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in (gate_up, down))
+
+    def run():
+        gu = mm(x, gate_up[0], group, gate_up[1])                                # [1, 2I]
+        mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[0], group, down[1])       # [1, H]
+    with torch.inference_mode():
+        return _best_s(run, repeat) * 1e3, nbytes
+
+
+def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -> float:
+    """Host -> device copy bandwidth: pinned RAM -> GPU on CUDA, a plain memcpy on the CPU."""
+    if device.startswith("cuda"):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def run():
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+    else:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+
+        def run():
+            dst.copy_(src)
+    return nbytes / _best_s(run, repeat) / 1e9
+
+
+def measure(device: str = "cpu", hidden: int = 2048, inter: int = 4096) -> dict:
+    """The three figures (GB/s) plus the expert time they came from; about a second on 2 cores."""
+    ms = cpu_expert_ms(hidden, inter, torch.bfloat16)
+    return {"mem_read_gbps": mem_read_gbps(), "cpu_expert_gbps": 3 * hidden * inter * 2 / (ms * 1e-3) / 1e9,
+            "cpu_expert_ms": ms, "cpu_expert_shape": [hidden, inter], "copy_gbps": copy_gbps(device=device),
+            "device": device}
+
+
+def _key(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}|{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|{device}"
+
+
+def machine_figures(device: str = "cpu", cache_file: str | Path | None = None, refresh: bool = False) -> dict:
+    """`measure(device)`, cached per machine key in `cache_file` (default `$MOECTL_HOME/machine.json`)."""
+    from .recipes import moectl_home
+
+    path = Path(cache_file) if cache_file else moectl_home() / "machine.json"
+    key = _key(device)
+    try:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        cached = {}                                   # a damaged cache is measured again, not an error
+    if cached.get("format") != FORMAT:
+        cached = {"format": FORMAT, "machines": {}}
+    if not refresh and key in cached["machines"]:
+        return cached["machines"][key] | {"cached": True}
+    figs = measure(device)
+    cached["machines"][key] = figs
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass                                          # read-only home: measured every start, still correct
+    return figs | {"cached": False}
+
+
+def machine_hardware(figs: dict, layer_overhead_ms: float = 0.02):
+    """A `sim/cost.py: Hardware` from measured figures. With no GPU the 'device' is this CPU: its memory
+    bandwidth is the host's and a 'copy' is a memcpy."""
+    from .sim.cost import Hardware
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    on_cuda = str(figs.get("device", "cpu")).startswith("cuda")
+    # expert GEMV rate on the device: on a CPU-only machine the same measured rate; on CUDA left to the profile's
+    # efficiency (mem_efficiency x peak, peak unknown here: 1000 GB/s stands for a current GPU)
+    gpu_mem = 1000.0 if on_cuda else figs["cpu_expert_gbps"]
+    return Hardware(name=f"measured-{platform.node()}", pcie_gbps=figs["copy_gbps"], gpu_mem_gbps=gpu_mem,
+                    gpu_tflops=100.0 if on_cuda else 0.05 * cores, cpu_mem_gbps=figs["cpu_expert_gbps"],
+                    cpu_cores=cores, mem_efficiency=0.75 if on_cuda else 1.0, flops_efficiency=0.5 if on_cuda else 1.0,
+                    layer_overhead_ms=layer_overhead_ms)
