@@ -8,7 +8,10 @@ the compute time of the layers in between, minus the copies already queued ahead
 
 For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
 
-    window  = layers_ahead x (compute time of one layer whose experts are resident)
+    window  = layers_ahead x (attention + q x top-k expert compute)    the engine's idle time per layer:
+                                                  attention always (a layer's demand loads start after its
+                                                  router), its experts' compute only in layers without a demand
+                                                  load (q: the running share of such layers, `layer_done`)
     hidden  = clamp(window - backlog, 0, c)       load time it hides if right; backlog = copy-engine time
                                                   committed ahead of it (in-flight copies, earlier prefetches)
     saving  = p x hidden
@@ -22,9 +25,10 @@ before the target layer runs, nothing more is admitted for it. A candidate alrea
 the driver protects it without asking.
 
 Confidence: predictors' scores are not all probabilities (gate-reuse and EAM give a distribution over
-experts, of which top-k are chosen). So `confidence(score)` is calibrated online: the driver reports, for
-every prediction (admitted or not), whether its layer then chose it (`outcome`), and the confidence of a
-score is the smoothed hit ratio of its score bucket (prior: the score itself).
+experts, of which top-k are chosen), and a prediction of an expert that is not resident is right far less
+often than the predictor's average. So `confidence(score)` is calibrated online: the driver reports, for
+every prediction of a missing expert (admitted or not), whether its layer then chose it (`outcome`), and the
+confidence of a score is the smoothed hit ratio of its score bucket (prior: the score itself).
 
 No device code: the driver supplies times from the cost model (`moectl/sim/cost.py`).
 """
@@ -47,21 +51,35 @@ class AdmitAll:
     def outcome(self, score: float, chosen: bool) -> None:
         pass
 
+    def layer_done(self, demand_loads: int) -> None:
+        pass
+
     def describe(self) -> str:
         return "prefetch admission: off"
 
 
 class PrefetchAdmission(AdmitAll):
-    """The expected-saving vs expected-cost rule above. `layer_s`: compute time of one decode layer whose
-    experts are resident (attention + top-k experts), from the cost model; `victim`: the chance an evicted
-    resident is needed again before it would have left anyway."""
+    """The expected-saving vs expected-cost rule above. `attention_s` / `experts_s`: a decode layer's
+    attention time and its top-k resident experts' compute time, from the cost model; `victim`: the chance an
+    evicted resident is needed again before it would have left anyway."""
 
     name = "on"
 
-    def __init__(self, layer_s: float, victim: float = 0.5, buckets: int = 10, prior: float = 4.0):
-        self.layer_s, self.victim, self.prior = layer_s, victim, prior
+    def __init__(self, attention_s: float, experts_s: float, victim: float = 0.5, buckets: int = 10,
+                 prior: float = 4.0, decay: float = 0.99, fit: float = 1.0):
+        self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
+        self.q, self.decay = 0.5, decay            # running share of layers without a demand load
+        self.fit = fit                             # share of the copy that must fit in the time left
+
+    @property
+    def layer_s(self) -> float:
+        return self.attention_s + self.q * self.experts_s
+
+    def layer_done(self, demand_loads: int) -> None:
+        """A decode layer ran with `demand_loads` copies it waited for."""
+        self.q = self.decay * self.q + (1 - self.decay) * (demand_loads == 0)
 
     def _bucket(self, score: float) -> int:
         return int(min(max(score, 0.0), 1.0 - 1e-9) * len(self.n))
@@ -79,7 +97,7 @@ class PrefetchAdmission(AdmitAll):
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True) -> bool:
         p = self.confidence(score)
         hidden = min(max(layers_ahead * self.layer_s - backlog_s, 0.0), copy_s)
-        if hidden <= 0.0:
+        if hidden < self.fit * copy_s:
             return False
         cost = (1 - p) * ((copy_s - hidden) + (self.victim * copy_s if evicts else 0.0))
         return p * hidden > cost
@@ -88,13 +106,14 @@ class PrefetchAdmission(AdmitAll):
         return "prefetch admission: on (expected saving > expected copy-engine cost, capped by time left)"
 
 
-def make_admission(mode: str, layer_s: float | None = None, **kw) -> AdmitAll:
+def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, **kw) -> AdmitAll:
+    """The rule behind `--admission on|off`; times from `cost` (moectl/sim/cost.py)."""
     from ..errors import MoectlError
 
     if mode == "off":
         return AdmitAll()
     if mode == "on":
-        if layer_s is None:
+        if cost is None:
             raise MoectlError("--admission on needs a cost model (the compute time of a layer)")
-        return PrefetchAdmission(layer_s, **kw)
+        return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1), **kw)
     raise MoectlError(f"unknown --admission {mode!r}; choose one of {', '.join(ADMISSION_MODES)}")

@@ -196,11 +196,13 @@ class Simulator:
             if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
                 continue
             per_layer[tl] = per_layer.get(tl, 0) + 1
-            self.pending.setdefault(tl, []).append((e, score))
             held = next((p for p in self.pools if state.contains(tl, e, p)), None)
             if held is not None:
                 state.prefetch(tl, e, held)               # protect only: no copy
                 continue
+            # calibrate on the candidates admission judges: a predicted expert that is not resident is right
+            # far less often than one that is
+            self.pending.setdefault(tl, []).append((e, score))
             p = self.pf_prec
             dur = self.cost.load_s(self.nbytes[p])
             full = len(state.resident(tl, p)) >= state.capacity(tl, p)
@@ -267,6 +269,7 @@ class Simulator:
                     h = hidden_of(step.rows[0], l) if hidden_of else None
                     self.pf.observe(l, chosen, weights, h)
                     self._predicted(l, self.pf.predict(l), clock)
+                layer_demand = self.n_demand
                 # where each chosen expert runs: a resident copy of either precision; else the precision
                 # policy's choice (full / low / skip), fetched or computed on the CPU
                 scores = rank_scores(weights) if weights and not step.prefill else [0.0] * len(chosen)
@@ -349,6 +352,8 @@ class Simulator:
                     fills += not step.prefill
                     self._advance(clock + 1e-12)
                 clock = max(t, t_cpu)
+                if not step.prefill:
+                    self.admission.layer_done(self.n_demand - layer_demand)
             head = cost.lm_head_s(1)
             t_final = clock
             clock += head
