@@ -18,6 +18,8 @@ For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
     cost    = (1 - p) x (c - hidden)              if wrong, the part of its copy that does not fit in idle
             + (1 - p) x victim x c                engine time delays demand loads; and it evicted a resident
                                                   expert that may be needed again (`victim`, a reuse guess)
+            + p x co_chosen x c                   if right, its victim may still be another expert the same
+                                                  layer is about to choose (a demand load's chunk is pinned)
     admit   <=> hidden > 0 and saving > cost
 
 `hidden > 0` is the cap on in-flight prefetches: once the copies queued for the engine fill the time left
@@ -28,7 +30,8 @@ Confidence: predictors' scores are not all probabilities (gate-reuse and EAM giv
 experts, of which top-k are chosen), and a prediction of an expert that is not resident is right far less
 often than the predictor's average. So `confidence(score)` is calibrated online: the driver reports, for
 every prediction of a missing expert (admitted or not), whether its layer then chose it (`outcome`), and the
-confidence of a score is the smoothed hit ratio of its score bucket (prior: the score itself).
+confidence of a score is the smoothed hit ratio of its score bucket (prior: half the score, worth 8
+outcomes, so the first copies wait for evidence).
 
 No device code: the driver supplies times from the cost model (`moectl/sim/cost.py`).
 """
@@ -45,7 +48,8 @@ class AdmitAll:
 
     name = "off"
 
-    def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True) -> bool:
+    def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
+              co_chosen: float = 0.0) -> bool:
         return True
 
     def outcome(self, score: float, chosen: bool) -> None:
@@ -65,13 +69,14 @@ class PrefetchAdmission(AdmitAll):
 
     name = "on"
 
-    def __init__(self, attention_s: float, experts_s: float, victim: float = 0.5, buckets: int = 10,
-                 prior: float = 4.0, decay: float = 0.99, fit: float = 1.0):
+    def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
+                 prior: float = 8.0, decay: float = 0.99, fit: float = 0.0, trust: float = 0.5):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
         self.q, self.decay = 0.5, decay            # running share of layers without a demand load
         self.fit = fit                             # share of the copy that must fit in the time left
+        self.trust = trust                         # prior confidence = trust x score, until outcomes come in
 
     @property
     def layer_s(self) -> float:
@@ -86,7 +91,7 @@ class PrefetchAdmission(AdmitAll):
 
     def confidence(self, score: float) -> float:
         b = self._bucket(score)
-        prior = min(max(score, 0.0), 1.0)
+        prior = min(max(score, 0.0), 1.0) * self.trust
         return float((self.hit[b] + self.prior * prior) / (self.n[b] + self.prior))
 
     def outcome(self, score: float, chosen: bool) -> None:
@@ -94,12 +99,16 @@ class PrefetchAdmission(AdmitAll):
         self.n[b] += 1
         self.hit[b] += bool(chosen)
 
-    def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True) -> bool:
+    def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
+              co_chosen: float = 0.0) -> bool:
         p = self.confidence(score)
         hidden = min(max(layers_ahead * self.layer_s - backlog_s, 0.0), copy_s)
-        if hidden < self.fit * copy_s:
+        if hidden <= 0.0 or hidden < self.fit * copy_s:
             return False
-        cost = (1 - p) * ((copy_s - hidden) + (self.victim * copy_s if evicts else 0.0))
+        # a right copy evicts too: unlike a demand load (its chunk pinned) it may take the slot of an expert
+        # the same layer is about to choose (`co_chosen`: that chance, from the driver)
+        victim = ((1 - p) * self.victim + p * co_chosen) * copy_s if evicts else 0.0
+        cost = (1 - p) * (copy_s - hidden) + victim
         return p * hidden > cost
 
     def describe(self) -> str:

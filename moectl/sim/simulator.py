@@ -190,7 +190,7 @@ class Simulator:
         a resident one is protected, a missing one is copied if the admission rule admits it."""
         state, per_layer = self.state, {}
         backlog = self._backlog(t)
-        for tl, e, score in preds:
+        for tl, e, score in state.resident_first(preds):
             if not (l < tl < self.L):
                 continue
             if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
@@ -206,7 +206,11 @@ class Simulator:
             p = self.pf_prec
             dur = self.cost.load_s(self.nbytes[p])
             full = len(state.resident(tl, p)) >= state.capacity(tl, p)
-            if not self.admission.admit(score, dur, max(tl - max(l, 0), 1), backlog, evicts=full):
+            # the chance its victim is another expert this layer then chooses: (k - 1) of S slots, quartered as
+            # replacement evicts the coldest resident and a token's other experts are mostly hot ones
+            co_chosen = min(1.0, 0.25 * (self.top_k - 1) / state.capacity(tl, p))
+            if not self.admission.admit(score, dur, max(tl - max(l, 0), 1), backlog, evicts=full,
+                                        co_chosen=co_chosen):
                 continue
             if self._issue(tl, e, t, p):
                 backlog += dur
@@ -231,6 +235,7 @@ class Simulator:
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
         self.bytes_copied = 0.0
+        self.top_k = max((len(c) for s in steps if not s.prefill for c in s.chosen), default=1)
         for p in self.pools:
             if self.repl[p].needs_future:
                 self.repl[p].set_future([s.chosen for s in steps])
