@@ -70,13 +70,15 @@ class PrefetchAdmission(AdmitAll):
     name = "on"
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
-                 prior: float = 8.0, decay: float = 0.99, fit: float = 0.0, trust: float = 0.5):
+                 prior: float = 8.0, decay: float = 0.99, fit: float = 0.0, trust: float = 0.5,
+                 margin: float = 1.0):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
         self.q, self.decay = 0.5, decay            # running share of layers without a demand load
         self.fit = fit                             # share of the copy that must fit in the time left
         self.trust = trust                         # prior confidence = trust x score, until outcomes come in
+        self.margin = margin                       # the saving must beat the cost this many times
 
     @property
     def layer_s(self) -> float:
@@ -109,7 +111,7 @@ class PrefetchAdmission(AdmitAll):
         # the same layer is about to choose (`co_chosen`: that chance, from the driver)
         victim = ((1 - p) * self.victim + p * co_chosen) * copy_s if evicts else 0.0
         cost = (1 - p) * (copy_s - hidden) + victim
-        return p * hidden > cost
+        return p * hidden > self.margin * cost
 
     def describe(self) -> str:
         return "prefetch admission: on (expected saving > expected copy-engine cost, capped by time left)"
