@@ -15,7 +15,11 @@ promoted to a demand-priority copy (counted in `demand`, not as a miss: the cach
 Timing-only counters (`hits` on time, `late`, `demand` copies, `prefetch` copies started) live here;
 `misses` and the per-layer, per-phase counters are the cache state's.
 
-The simulator drives the same ReplacementPolicy / PrefetchPolicy objects as the runtime.
+The simulator drives the same ReplacementPolicy / PrefetchPolicy objects as the runtime, and the same
+PrecisionPolicy (full / low-bit / skip on a miss, one cache pool per precision, copies timed by their bytes),
+ComputePlacement (a miss computed on the CPU: serial on the CPU, beside the device's experts; the layer ends
+at the later of the two; the expert is copied into the cache in the background while the engine idles) and
+prefetch admission (policies/admission.py: a prediction is copied only when it pays for itself).
 
 Legend: N = trace rows, L = MoE layers, K = top-k, E = experts, D = hidden size.
 """
