@@ -20,7 +20,9 @@ For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
                                                   expert that may be needed again (`victim`, a reuse guess)
             + p x co_chosen x c                   if right, its victim may still be another expert the same
                                                   layer is about to choose (a demand load's chunk is pinned)
-    admit   <=> hidden > 0 and saving > cost
+    admit   <=> hidden > 0 and saving > cost + floor x c
+                                                  (floor 0.1: a marginal copy changes the cache's trajectory
+                                                  by +-0.1 % either way; it is not worth that noise)
 
 `hidden > 0` is the cap on in-flight prefetches: once the copies queued for the engine fill the time left
 before the target layer runs, nothing more is admitted for it. A candidate already resident costs no copy:
@@ -71,7 +73,7 @@ class PrefetchAdmission(AdmitAll):
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
                  prior: float = 8.0, decay: float = 0.99, fit: float = 0.0, trust: float = 0.5,
-                 margin: float = 1.0):
+                 margin: float = 1.0, floor: float = 0.1):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
@@ -79,6 +81,7 @@ class PrefetchAdmission(AdmitAll):
         self.fit = fit                             # share of the copy that must fit in the time left
         self.trust = trust                         # prior confidence = trust x score, until outcomes come in
         self.margin = margin                       # the saving must beat the cost this many times
+        self.floor = floor                         # ... and by at least this share of the copy time
 
     @property
     def layer_s(self) -> float:
@@ -111,7 +114,7 @@ class PrefetchAdmission(AdmitAll):
         # the same layer is about to choose (`co_chosen`: that chance, from the driver)
         victim = ((1 - p) * self.victim + p * co_chosen) * copy_s if evicts else 0.0
         cost = (1 - p) * (copy_s - hidden) + victim
-        return p * hidden > self.margin * cost
+        return p * hidden > self.margin * cost + self.floor * copy_s
 
     def describe(self) -> str:
         return "prefetch admission: on (expected saving > expected copy-engine cost, capped by time left)"
