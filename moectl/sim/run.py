@@ -262,6 +262,8 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
     if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:
         note = ("moe-infinity without --train-on on a single-request trace has an empty request collection: "
                 "its pEAM is the live request's own, i.e. sequence LFU; seed it with --train-on TRACES")
+    if precision.name == "hobbit" and trace.weights is None:
+        note = "the trace has no gate weights: every miss scores 0, so HOBBIT loads every one in full precision"
     bel = None
     if belady and list(pools) == [FULL]:
         bel = Simulator(caps, make_replacement("belady"), None, cost).run(steps)["hit_rate"]
