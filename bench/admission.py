@@ -6,7 +6,7 @@ trace supports with `--admission off` and `--admission on`. The claim checked: w
 slower than no prefetch, and most are faster.
 
 Prefetch kinds per trace: eam always; routing when a sibling trace of the same model exists to train the
-predictor on (never the simulated trace); gate-reuse / mlp when the trace has hidden states (the tiny
+predictor on (never the simulated trace; the single Mixtral file: each request, trained on the other); gate-reuse / mlp when the trace has hidden states (the tiny
 model's profiled traces; mlp needs --tiny-train).
 
     python bench/admission.py [--shared /work/shared/traces] [--tiny VAL_TRACE --tiny-train TRAIN_TRACE]
@@ -34,7 +34,12 @@ def cases(shared: Path, tiny: Path | None, tiny_train: Path | None, tiny_model: 
     for f in sorted(shared.glob("*.jsonl")):
         tr = load_trace(f)
         sib = SIBLING.get(f.stem)
-        yield f.stem, tr, load_trace(shared / f"{sib}.jsonl") if sib else None, sim.cost_for(tr, "rtx4090-pcie4")
+        cost = sim.cost_for(tr, "rtx4090-pcie4")
+        yield f.stem, tr, load_trace(shared / f"{sib}.jsonl") if sib else None, cost
+        reqs = [tr.select(sl) for _, sl in tr.request_slices()]
+        if sib is None and len(reqs) >= 2:          # one file (Mixtral): each request, routing trained on the others
+            for i, r in enumerate(reqs):
+                yield f"{f.stem} request {i}", r, sim.concat([o for j, o in enumerate(reqs) if j != i]), cost
     if tiny is not None:
         tr = load_trace(tiny)
         yield "tiny", tr, load_trace(tiny_train) if tiny_train else None, sim.cost_for(tr, "rtx4090-pcie4", tiny_model)
