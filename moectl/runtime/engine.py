@@ -224,7 +224,7 @@ class Engine:
             t0 = time.perf_counter()
             after = self.prefetch.predict_after_token()
             self.runtime.predictor_s += time.perf_counter() - t0
-            for target, expert, _score in after:
+            for target, expert, _score in self.cache.state.resident_first(after):
                 if 0 <= target < len(self.cache.slots_per_layer):
                     self.cache.prefetch(target, int(expert))
         if past_key_values is None:
@@ -428,7 +428,7 @@ class _Runtime:
                        hidden[0].float().cpu().numpy())
             preds = pf.predict(layer)
             self.predictor_s += time.perf_counter() - t0
-            for target, expert, _score in preds:
+            for target, expert, _score in self.cache.state.resident_first(preds):
                 if layer < target < len(self.cache.slots_per_layer):     # later layers of this token
                     self.cache.prefetch(target, int(expert))
 
