@@ -42,7 +42,7 @@ class CacheOpts:
 
     @staticmethod
     def prefetch():
-        names = ", ".join(n for n in PREFETCH_NAMES)
+        names = ", ".join(n for n in PREFETCH_NAMES if n != "oracle")      # oracle knows the future
         return typer.Option("auto", "--prefetch",
                             help="Runtime prefetch: auto (the workdir's trained predictors: aux gate for layer 0 + MLP; "
                                  f"gate-reuse when there are none), {names}.")

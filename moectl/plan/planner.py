@@ -51,6 +51,7 @@ class Replay:
     predictor: object = None         # mlp or routing predictor (by policies.prefetch)
     aux_gate: object = None
     train_traces: list | None = None
+    raw: object = None               # the trace before gating (presets gate their own way)
 
     def run(self, caps: list[int], pol: Policies, belady: bool = False, replacement: str | None = None,
             prefetch: str | None = None):

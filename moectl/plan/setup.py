@@ -73,6 +73,7 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     if gated is not None:
         pol.gating, replay.trace = gated
     pol.prefetch = _prefetch(prefetch, replay, wd, facts)
+    replay.raw = raw
     return Setup(facts, split, cost, replay, pol, wd, hardware, budget, raw)
 
 

@@ -187,6 +187,7 @@ def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=Non
     return PolicyInputs(trace.num_layers, trace.num_experts, trace.top_k, routers=trace.routers,
                         router_bias=trace.router_bias, hidden_states=hidden_lookup(trace) is not None,
                         mlp=mlp, routing=routing, aux_gate=aux_gate, eamc=eams_from_traces(train_traces or []),
+                        future=[s.chosen for s in trace_steps(trace) if not s.prefill],
                         predictor_hint=" (--predictor DIR from `moectl train-predictor`; a routing predictor "
                                        "can also be trained on other traces of the model with --train-on PATH)")
 
