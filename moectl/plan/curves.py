@@ -8,7 +8,7 @@ time (or its CPU compute time where misses run on the CPU), is its point of the 
 and policies keep per-layer state, so a layer's misses depend on its own slots: one uniform run measures
 every layer at once. Stall from late prefetches is not split by layer (the simulator reports it per token),
 so the curves count demand loads; the plan's full simulation (`predicted` in plan.yaml) counts everything.
-Large E is measured on a grid (every count up to 16, then ~16 points spaced geometrically) and linearly
+Large E is measured on a grid (every count when E <= 16, else ~12 points spaced geometrically) and linearly
 interpolated in between.
 
 Analytic (no traces): AdapMoE's model (seed_adapmoe.md §4.2), experts uniform and independent:
@@ -31,7 +31,7 @@ DEFAULT_BETA = 0.9
 MAX_EXACT = 16              # every slot count measured up to here, a grid beyond
 
 
-def slot_grid(num_experts: int, points: int = 16, start: int = 1) -> list[int]:
+def slot_grid(num_experts: int, points: int = 12, start: int = 1) -> list[int]:
     """Slot counts to measure: all of start..E when E <= MAX_EXACT, else ~`points` spread geometrically."""
     if num_experts <= MAX_EXACT:
         return list(range(start, num_experts + 1))

@@ -65,13 +65,17 @@ class Replay:
 
 
 def layer_runner(replay: Replay, pol: Policies):
-    """run_uniform(n_hi, n_lo) for measure_curves: per-layer demand loads per decode token x copy time."""
+    """run_uniform(n_hi, n_lo) for measure_curves: per-layer (demand loads + wasted prefetches) per decode token x
+    copy time: the copy-engine time of the layer that hid no load."""
     L = replay.trace.num_layers
 
     def run(n_hi: int, n_lo: int):
         r = replay.run([n_hi] * L, pol)
-        loads = np.array(r.cache["decode"]["misses"], dtype=np.float64) / max(r.tokens, 1)
-        return loads * replay.cost.load_s(), loads
+        dec = r.cache["decode"]
+        n = max(r.tokens, 1)
+        loads = np.array(dec["misses"], dtype=np.float64) / n
+        wasted = np.array(dec["prefetch_wasted"], dtype=np.float64) / n      # copy-engine time that hid nothing
+        return (loads + wasted) * replay.cost.load_s(), loads
     return run
 
 
@@ -94,6 +98,38 @@ def dp_slots(curves: Curves, num_layers: int, num_experts: int, budget_slots: in
     costs = curves.table([(t, 0) for t in choices])
     idx, _ = allocate(costs, np.array(choices), C)
     return [choices[i] for i in idx]
+
+
+REFINE_ROUNDS, REFINE_TRIES = 6, 6
+
+
+def refine(replay: Replay, pol: Policies, curves: Curves, slots: list[int], res, target: float, E: int):
+    """When the replayed plan does not beat the even split (layers interact through prefetch, policy clocks and
+    the copy engine, which the per-layer curves leave out): move one slot at a time from the layer that loses
+    least by the curves to the one that gains most, keeping a move only if the replay's stall drops; at most
+    REFINE_ROUNDS rounds of REFINE_TRIES candidate moves. Returns (slots, result, moves kept)."""
+    L = len(slots)
+    moves = 0
+    for _ in range(REFINE_ROUNDS):
+        gain = [curves.at(l, s) - curves.at(l, s + 1) if s < E else -np.inf for l, s in enumerate(slots)]
+        loss = [curves.at(l, s - 1) - curves.at(l, s) if s > 1 else np.inf for l, s in enumerate(slots)]
+        pairs = sorted(((gain[b] - loss[a], a, b) for a in range(L) for b in range(L) if a != b), reverse=True)
+        best = None
+        for _, a, b in pairs[:REFINE_TRIES]:
+            if not (np.isfinite(gain[b]) and np.isfinite(loss[a])):
+                continue
+            cand = list(slots)
+            cand[a], cand[b] = cand[a] - 1, cand[b] + 1
+            r = replay.run(cand, pol)
+            if r.stall_ms_per_token < (best[1].stall_ms_per_token if best else res.stall_ms_per_token):
+                best = (cand, r)
+        if best is None:
+            break
+        slots, res = best
+        moves += 1
+        if res.stall_ms_per_token < target:
+            break
+    return slots, res, moves
 
 
 def summary(res, cost) -> dict:
@@ -127,9 +163,16 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
         "timing_s": {"curves": round(t_curves, 3), "dp": round(t_dp, 3)},
     }
     if replay is not None:
-        plan["predicted"] = summary(replay.run(slots, pol), cost)
-        plan["uniform"] = summary(replay.run(uniform, pol), cost)
+        uni = replay.run(uniform, pol)
+        res = replay.run(slots, pol)
+        if res.stall_ms_per_token >= uni.stall_ms_per_token:
+            slots, res, moves = refine(replay, pol, curves, slots, res, uni.stall_ms_per_token, facts.num_experts)
+            plan["slots"], plan["refined_moves"] = slots, moves
+            plan["curve_ms_per_token"]["plan"] = 1e3 * float(sum(curves.at(l, s) for l, s in enumerate(slots)))
+        plan["predicted"] = summary(res, cost)
+        plan["uniform"] = summary(uni, cost)
         plan["traces"] = replay.trace.source or replay.trace.model
+        plan["timing_s"]["replay"] = round(time.perf_counter() - t0 - t_curves - t_dp, 3)
     else:
         plan["predicted"] = {"stall_ms_per_token": plan["curve_ms_per_token"]["plan"],
                              "misses_per_token": float(sum(curves.misses[l, curves.hi.index(s), 0]

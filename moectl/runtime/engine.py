@@ -68,9 +68,13 @@ class Engine:
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
-             gating_threshold: float | None = None, gate_prefill: bool = False) -> "Engine":
+             gating_threshold: float | None = None, gate_prefill: bool = False,
+             plan: str | Path | None = None) -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
-        the default on a CPU with experts in RAM computes them in place (no slots, no copies)."""
+        the default on a CPU with experts in RAM computes them in place (no slots, no copies).
+        `plan`: "auto" = the workdir's plan.yaml when there is one and neither --cache-experts nor --budget is
+        given; a path = that plan; None = no plan. A plan sets the slots per layer and, when `replacement` is
+        None, the replacement policy (`eng.plan_note` says what was applied)."""
         if emulate_device and device != "cpu":
             raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         ref = _built(resolve_model(model, workdir))
@@ -94,6 +98,11 @@ class Engine:
         # host RAM cannot hold, fails before any weight is read.
         L, E = len(moe_layer_ids), adapter.num_experts
         expert_nbytes = adapter.layout().numel * dt.itemsize
+        plan_d, plan_note = _load_plan(plan, ref.workdir, fingerprint, L, E, cache_experts, budget, slots_per_layer)
+        if plan_d is not None:
+            slots_per_layer = [int(s) for s in plan_d["slots"]]
+            replacement = replacement or plan_d.get("policies", {}).get("replacement") or "lru"
+        replacement = replacement or "lru"
         kv = kv_reserve_nbytes(config, dt)
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config), kv, cache_experts, budget,
                                       slots_per_layer)
@@ -140,6 +149,7 @@ class Engine:
         cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy)
         runtime.cache = cache
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, progress=progress)
+        eng.plan, eng.plan_note = plan_d, plan_note
         runtime.engine = eng
         eng.runtime = runtime
         return eng
@@ -449,6 +459,33 @@ def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_laye
     if policy is not None and gating == "auto" and threshold is None:
         policy.source = str(f)          # on by default: the status lines say where it came from
     return policy
+
+
+def _load_plan(plan, workdir, fingerprint: str, num_layers: int, num_experts: int, cache_experts, budget,
+               slots_per_layer) -> tuple[dict | None, str]:
+    """The plan to apply (read by `sim/run.py: load_plan`, checked against this model) and one line saying so."""
+    from ..plan.artifact import PLAN_NAME, check_plan_model
+    from ..sim.run import load_plan, plan_slots
+
+    if plan is None:
+        return None, "plan: none (--no-plan)"
+    explicit = plan != "auto"
+    path = Path(plan).expanduser() if explicit else Path(workdir) / PLAN_NAME
+    if not explicit and not path.exists():
+        return None, ""
+    given = [f for f, v in (("--cache-experts", cache_experts), ("--budget", budget), ("slots", slots_per_layer))
+             if v is not None]
+    if given:
+        if explicit:
+            raise MoectlError(f"give a plan or {given[0]}, not both")
+        return None, f"plan: {path} not used ({given[0]} given)"
+    d = load_plan(path)
+    plan_slots(d, d["_path"])
+    check_plan_model(d, fingerprint, num_layers, num_experts, "the model loaded")
+    pred = d.get("predicted") or {}
+    ms = pred.get("ms_per_token")
+    return d, (f"plan: {d['_path']} ({sum(d['slots'])} expert slots, {min(d['slots'])}-{max(d['slots'])} per layer"
+               + (f"; predicted {ms:.1f} ms/token on {d.get('hardware')}" if ms else "") + "; --no-plan ignores it)")
 
 
 def dense_nbytes(model, config=None) -> int:
