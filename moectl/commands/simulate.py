@@ -12,7 +12,8 @@ COMPARE = [("lru", "none", "mixtral-offloading"), ("lfu", "none", "sequence LFU"
            ("moe-infinity", "eam", "MoE-Infinity"), ("hobbit", "gate-reuse", "HOBBIT"), ("ours", None, "ours")]
 FIELDS = ["hit_rate", "belady_hit_rate", "demand_loads_per_token", "prefetch_loads_per_token",
           "wasted_prefetch_fraction", "bytes_per_token", "stall_ms_per_token", "ms_per_token",
-          "lower_bound_ms_per_token", "tokens", "prefill_misses"]
+          "lower_bound_ms_per_token", "tokens", "prefill_misses", "full_loads_per_token", "lowbit_loads_per_token",
+          "skipped_per_token", "cpu_experts_per_token", "cpu_ms_per_token", "fill_copies_per_token", "slots"]
 
 
 def simulate(
@@ -20,6 +21,8 @@ def simulate(
     cache_fraction: float = typer.Option(None, "--cache-fraction", help="fraction of each layer's experts cached"),
     cache_experts: int = typer.Option(None, "--cache-experts", help="expert slots in total, split evenly over layers"),
     plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml with per-layer slot counts"),
+    budget: str = typer.Option(None, "--budget", help="device memory, e.g. 20GB: the model's dense weights and a "
+                               "4096-token KV reserve come off first, experts fill the rest"),
     replacement: str = typer.Option("lru", "--replacement", "-r", help=f"{', '.join(REPLACEMENT_NAMES)}. moe-infinity "
                                      "matches the request against earlier ones: on a single request without "
                                      "--train-on it is sequence LFU"),
@@ -33,6 +36,21 @@ def simulate(
     depth: int = typer.Option(None, "--depth", min=1, help="prefetch lookahead in layers (default: 1 for gate-reuse, else 2)"),
     per_layer: int = typer.Option(None, "--per-layer", min=1, help="experts prefetched per layer (default top-k)"),
     bits: float = typer.Option(None, "--bits", help="expert precision in bits (default: the model's dtype)"),
+    precision: str = typer.Option("full", "--precision", help="on a miss: full (always the full copy), hobbit "
+                                  "(full / low-bit / skip by the expert's rank score, --t1 --t2), lowbit-only "
+                                  "(every expert from its low-bit copy)"),
+    lowbit: str = typer.Option(None, "--lowbit", help="the low-bit copy set, q<bits>g<group>, e.g. q4g64 "
+                               "(bytes and copy time of a low-bit expert)"),
+    t1: float = typer.Option(0.6, "--t1", help="HOBBIT: a missed expert whose rank score <= T1 loads in full precision"),
+    t2: float = typer.Option(0.9, "--t2", help="HOBBIT: ... <= T2 loads its low-bit copy, above T2 is skipped"),
+    lowbit_fraction: float = typer.Option(None, "--lowbit-fraction", help="HOBBIT: share of the expert budget "
+                                          "holding low-bit copies (default 0.25; lowbit-only uses all of it)"),
+    cpu_experts: str = typer.Option("never", "--cpu-experts", help="a miss computed on the CPU from host RAM "
+                                    "instead of fetched: auto (whichever the cost model says is faster), never, "
+                                    "always; the CPU's experts overlap the device's within a layer"),
+    admission: str = typer.Option("off", "--admission", help="on: issue a prefetch only when its expected "
+                                  "saving (confidence x load time it hides) beats its expected cost (copy-engine "
+                                  "time it takes from demand loads), capped by the time left before its layer"),
     compare: bool = typer.Option(False, "--compare", help="run the policy matrix of the papers and ours"),
     gating_threshold: float = typer.Option(None, "--gating-threshold",
                                            help="adaptive top-k on the trace's gate weights: drop a decode token's "
@@ -58,11 +76,15 @@ def simulate(
     console = Console(stderr=True)
     traces = [load_trace(p) for p in trace]
     tr = sim.concat(traces)
-    caps = sim.capacities(tr, cache_fraction, cache_experts, plan)
+    from ..policies.precision import make_precision
+    from ..recipes import parse_size
+
+    cost = sim.cost_for(tr, hardware, model_shape, bits)
+    caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost)
     gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)
     if gated is not None:
         tr = gated
-    cost = sim.cost_for(tr, hardware, model_shape, bits)
+    prec = make_precision(precision, t1, t2)
     train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
     if train_on:
         sim_paths = {Path(p).expanduser().resolve() for p in trace}
@@ -107,10 +129,12 @@ def simulate(
         for r, p, label in configs:
             pred = routing_pred if p == "routing" else mlp_pred if p in ("mlp", "aux-gate") else None
             res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
-                               depth=depth, per_layer=per_layer, aux_gate=aux_pred)
+                               depth=depth, per_layer=per_layer, aux_gate=aux_pred, precision=prec, lowbit=lowbit,
+                               lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission)
             d = {k: getattr(res, k) for k in FIELDS}
             d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
-                     experts_per_token=experts_per_token(tr))
+                     experts_per_token=experts_per_token(tr), precision=prec.name, lowbit=lowbit,
+                     cpu_experts=cpu_experts, admission=admission)
             if res.note:
                 d["note"] = res.note
                 console.print(f"[yellow]note[/] ({label}): {res.note}")
@@ -119,7 +143,7 @@ def simulate(
     if as_json:
         print(json.dumps(results if compare else results[0], indent=1))
         return
-    _table(results, tr, caps, cost, hardware)
+    _table(results, tr, caps, cost, hardware, prec.describe() if prec.uses_lowbit else "")
 
 
 def _gated(tr, threshold, spec, gate_prefill, sensitivity):
@@ -139,22 +163,29 @@ def _gated(tr, threshold, spec, gate_prefill, sensitivity):
     return gate_trace(tr, policy, gate_prefill) if policy is not None else None
 
 
-def _table(results: list[dict], tr, caps, cost, hardware) -> None:
+def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
     out = Console()
+    slots = ", ".join(f"{p} {n}" for p, n in (results[0].get("slots") or {}).items())
     t = Table(title=f"{tr.model}: {tr.num_tokens} rows, {tr.num_layers}x{tr.num_experts} top-{tr.top_k}; "
                     f"{sum(caps)} slots ({sum(caps) / (tr.num_layers * tr.num_experts):.0%}); {hardware}, "
-                    f"expert {cost.expert_bytes / 1e6:.0f} MB")
+                    f"expert {cost.expert_bytes / 1e6:.0f} MB" + (f"; {precision}, slots {slots}" if precision else ""))
+    extra = [("full/tok", "full_loads_per_token"), ("low/tok", "lowbit_loads_per_token"),
+             ("skip/tok", "skipped_per_token"), ("cpu/tok", "cpu_experts_per_token"), ("cpu ms/tok", "cpu_ms_per_token"),
+             ("fill/tok", "fill_copies_per_token")]
+    extra = [(c, k) for c, k in extra if any(d[k] for d in results)]
     for col in ["policy", "hit rate", "/ Belady", "demand/tok", "prefetch/tok", "wasted", "MB/tok",
-                "stall ms/tok", "ms/tok", "bound ms/tok"]:
+                "stall ms/tok", "ms/tok", "bound ms/tok"] + [c for c, _ in extra]:
         t.add_column(col, justify="left" if col == "policy" else "right")
     for d in results:
+        bel = d["belady_hit_rate"]
         t.add_row(f"{d['label']} ({d['replacement']}/{d['prefetch']})" if d["label"] != f"{d['replacement']}/{d['prefetch']}"
                   else d["label"],
-                  f"{d['hit_rate']:.3f}", f"{d['hit_rate'] / max(d['belady_hit_rate'], 1e-9):.3f}",
+                  f"{d['hit_rate']:.3f}", "-" if bel is None else f"{d['hit_rate'] / max(bel, 1e-9):.3f}",
                   f"{d['demand_loads_per_token']:.2f}", f"{d['prefetch_loads_per_token']:.2f}",
                   f"{d['wasted_prefetch_fraction']:.2f}", f"{d['bytes_per_token'] / 1e6:.0f}",
-                  f"{d['stall_ms_per_token']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}")
+                  f"{d['stall_ms_per_token']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
+                  *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra])
     out.print(t)

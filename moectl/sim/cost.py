@@ -37,6 +37,7 @@ class Hardware:
     flops_efficiency: float = 0.5
     layer_overhead_ms: float = 0.02
     gpu_memory_gb: float = 24.0
+    cpu_gflops: float | None = None       # CPU GEMM speed; None = cpu_cores x 50 GFLOP/s (AVX2/AVX-512 FMA)
 
 
 def list_hardware() -> list[str]:
@@ -125,6 +126,37 @@ def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -
     return n * bits / 8 + (n / group_size) * 4
 
 
+def parse_lowbit(spec: str) -> tuple[int, int]:
+    """`--lowbit q4g64` -> (bits 4, group size 64); `q4` alone means group 64."""
+    import re
+
+    m = re.fullmatch(r"q(\d+)(?:g(\d+))?", str(spec).strip().lower())
+    if not m or int(m.group(1)) not in (1, 2, 3, 4, 8) or (m.group(2) and int(m.group(2)) < 1):
+        raise MoectlError(f"--lowbit {spec!r} is not a low-bit copy set: write q<bits>g<group size>, "
+                          f"bits 8, 4, 3, 2 or 1, e.g. q4g64 or q2g16")
+    return int(m.group(1)), int(m.group(2) or 64)
+
+
+def dense_bytes(shape: dict) -> float:
+    """Bytes of the weights that stay on the device besides the expert cache: attention, routers, shared
+    experts, norms, embeddings and the output head (untied), in the model's dtype."""
+    D, L = shape["hidden_size"], shape["num_layers"]
+    H = shape["num_attention_heads"]
+    kv, hd = shape.get("num_key_value_heads", H), shape.get("head_dim") or D // H
+    shared_i = (shape.get("shared_experts") or 0) and (shape.get("shared_expert_intermediate_size")
+                                                       or shape["intermediate_size"] * shape["shared_experts"])
+    per_layer = D * H * hd * 2 + D * kv * hd * 2 + D * shape["num_experts"] + 3 * D * shared_i + 2 * D
+    params = L * per_layer + 2 * D * (shape.get("vocab_size") or 32000) + D
+    return params * DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
+
+
+def kv_reserve_bytes(shape: dict, tokens: int = 4096) -> float:
+    """The KV cache `--budget` keeps room for (the runtime's KV_RESERVE_TOKENS, 4096 tokens)."""
+    H = shape["num_attention_heads"]
+    kv, hd = shape.get("num_key_value_heads", H), shape.get("head_dim") or shape["hidden_size"] // H
+    return 2 * shape["num_layers"] * kv * hd * tokens * DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
+
+
 class CostModel:
     """Times (seconds) for copies and compute of `shape` on `hw`."""
 
@@ -157,17 +189,22 @@ class CostModel:
         return (self._gemm_s(self.attn_params + self.shared_params, tokens) + kv_read
                 + self.hw.layer_overhead_ms * 1e-3)
 
-    def expert_s(self, tokens: int = 1) -> float:
-        """One resident expert applied to `tokens` tokens."""
-        return self._gemm_s(self.expert_params, tokens) * self.expert_bytes / (self.expert_params * self.dtype_bytes)
+    def expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+        """One resident expert applied to `tokens` tokens; `nbytes` the copy's size (a low-bit copy reads
+        fewer bytes: decode is memory bound; default the expert at the model's precision)."""
+        nbytes = self.expert_bytes if nbytes is None else nbytes
+        return max(nbytes / self.mem_bps, 2 * self.expert_params * tokens / self.flops)
 
     def lm_head_s(self, tokens: int = 1) -> float:
         return self._gemm_s(self.shape["hidden_size"] * (self.shape.get("vocab_size") or 32000), tokens)
 
     def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
         """One expert computed on the CPU from host RAM (Fiddler-style alternative to a copy): its bytes
-        (`nbytes`, default the full-precision expert) read at host memory bandwidth."""
-        return (self.expert_bytes if nbytes is None else nbytes) / (self.hw.cpu_mem_gbps * 1e9)
+        (`nbytes`, default the full-precision expert) read at host memory bandwidth, or its FLOPs at the
+        CPU's GEMM speed when many tokens make it compute bound (prefill)."""
+        nbytes = self.expert_bytes if nbytes is None else nbytes
+        gflops = self.hw.cpu_gflops or 50.0 * self.hw.cpu_cores
+        return max(nbytes / (self.hw.cpu_mem_gbps * 1e9), 2 * self.expert_params * tokens / (gflops * 1e9))
 
 
 class FixedCost:
@@ -188,8 +225,8 @@ class FixedCost:
     def attention_s(self, tokens: int = 1, context: int = 0) -> float:
         return self.attention
 
-    def expert_s(self, tokens: int = 1) -> float:
-        return self.expert
+    def expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+        return self.expert if nbytes is None else self.expert * nbytes / self.expert_bytes
 
     def lm_head_s(self, tokens: int = 1) -> float:
         return self.head

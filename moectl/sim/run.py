@@ -15,22 +15,36 @@ import numpy as np
 import yaml
 
 from ..artifact import is_int, read_descriptor, require_list, where
-from ..cache_model import split_slots
+from ..cache_model import FULL, split_slots
 from ..errors import MoectlError
 from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_from_traces, make_replacement
+from ..policies.admission import make_admission
+from ..policies.placement import ComputePlacement
+from ..policies.precision import LOW, PrecisionPolicy, make_precision
 from ..trace import Trace
-from .cost import CostModel, load_hardware, load_shape, shape_for_trace_model, shape_from_hf_config
+from .cost import (CostModel, dense_bytes, expert_bytes, kv_reserve_bytes, load_hardware, load_shape, parse_lowbit,
+                   shape_for_trace_model, shape_from_hf_config)
 from .simulator import SimResult, Simulator, trace_steps
 
 PLAN_FORMAT = "moectl-plan-v1"
 
 
 def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
-               plan: str | Path | dict | None = None) -> list[int]:
+               plan: str | Path | dict | None = None, budget: float | None = None,
+               cost: CostModel | None = None) -> list[int]:
+    """Full-precision slots per layer. `budget` (bytes of device memory) keeps the model's dense weights and a
+    KV reserve, as the runtime's --budget does, and fills the rest with experts of `cost`'s size."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    given = sum(x is not None for x in (fraction, experts, plan))
+    given = sum(x is not None for x in (fraction, experts, plan, budget))
     if given != 1:
-        raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan")
+        raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
+    if budget is not None:
+        left = budget - dense_bytes(cost.shape) - kv_reserve_bytes(cost.shape)
+        if left < L * cost.expert_bytes:
+            raise MoectlError(f"--budget {budget / 1e9:.1f} GB leaves {max(left, 0) / 1e9:.1f} GB after the dense "
+                              f"weights and KV reserve, below one expert slot per MoE layer "
+                              f"({L} x {cost.expert_bytes / 1e6:.0f} MB)")
+        return split_slots(int(left // cost.expert_bytes), L, E, "--budget")
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
@@ -192,26 +206,65 @@ def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=Non
                                        "can also be trained on other traces of the model with --train-on PATH)")
 
 
-def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cost: CostModel,
+DEFAULT_LOWBIT_FRACTION = 0.25     # HOBBIT mode: share of the expert budget that holds low-bit copies
+
+
+def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: float, low_bytes: float | None,
+                    num_experts: int, lowbit_fraction: float | None = None) -> dict[str, list[int]]:
+    """Per-precision pools from full-precision slots `caps`: the bytes they hold, split by `lowbit_fraction`
+    (lowbit-only: all of it low-bit; full: all full), each pool's slots split evenly over the layers."""
+    if not precision.uses_lowbit:
+        return {FULL: list(caps)}
+    if low_bytes is None:
+        raise MoectlError(f"--precision {precision.name} needs --lowbit (the low-bit copy set, e.g. q4g64)")
+    f = 1.0 if precision.name == "lowbit-only" else DEFAULT_LOWBIT_FRACTION if lowbit_fraction is None else lowbit_fraction
+    if not 0 <= f <= 1:
+        raise MoectlError(f"--lowbit-fraction must be in [0, 1], got {lowbit_fraction}")
+    L, total = len(caps), sum(caps) * full_bytes
+    pools = {}
+    for p, share, nbytes in ((FULL, 1 - f, full_bytes), (LOW, f, low_bytes)):
+        n = int(share * total // nbytes)
+        if share > 0 and n < L:
+            raise MoectlError(f"the {p} pool gets {n} slots from {share:.0%} of the expert budget, below one per "
+                              f"MoE layer ({L}); change --lowbit-fraction or give more memory")
+        if share > 0:
+            pools[p] = split_slots(n, L, num_experts)
+    return pools
+
+
+def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostModel,
              predictor=None, train_traces: list[Trace] | None = None, depth: int | None = None,
              per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
-             replacement_kw: dict | None = None, aux_gate=None) -> SimResult:
+             replacement_kw: dict | None = None, aux_gate=None, precision: PrecisionPolicy | None = None,
+             lowbit: str | None = None, lowbit_fraction: float | None = None, cpu_experts: str = "never",
+             admission: str = "off") -> SimResult:
     """One configuration on one (possibly concatenated) trace. `predictor`: the routing predictor for
-    --prefetch routing, else the mlp one."""
+    --prefetch routing, else the mlp one. `caps`: full-precision slots per layer; with a low-bit `precision`
+    their bytes are split into per-precision pools (`precision_pools`)."""
     steps = trace_steps(trace)
     inputs = policy_inputs(trace, train_traces, mlp=None if prefetch == "routing" else predictor,
                            routing=predictor if prefetch == "routing" else None, aux_gate=aux_gate)
-    repl = build_replacement(replacement, inputs, **(replacement_kw or {}))
+    precision = precision or PrecisionPolicy()
+    nbytes = {FULL: cost.expert_bytes}
+    if lowbit is not None:
+        bits, group = parse_lowbit(lowbit)
+        nbytes[LOW] = expert_bytes(cost.shape, bits, group)
+    pools = precision_pools(caps, precision, cost.expert_bytes, nbytes.get(LOW), trace.num_experts, lowbit_fraction)
+    repl = {p: build_replacement(replacement, inputs, **(replacement_kw or {})) for p in pools}
     pf = build_prefetch(prefetch, inputs, depth, per_layer, min_score)
     hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
     final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
-    r = Simulator(caps, repl, pf, cost).run(steps, hidden_of=hidden_of, final_hidden_of=final_of)
+    placement = ComputePlacement(cpu_experts, cost)
+    adm = make_admission(admission, layer_s=decode_layer_s(cost, trace.top_k))
+    r = Simulator(pools, repl, pf, cost, precision=precision, nbytes=nbytes,
+                  placement=placement if cpu_experts != "never" else None, admission=adm).run(
+        steps, hidden_of=hidden_of, final_hidden_of=final_of)
     note = ""
     if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:
         note = ("moe-infinity without --train-on on a single-request trace has an empty request collection: "
                 "its pEAM is the live request's own, i.e. sequence LFU; seed it with --train-on TRACES")
     bel = None
-    if belady:
+    if belady and list(pools) == [FULL]:
         bel = Simulator(caps, make_replacement("belady"), None, cost).run(steps)["hit_rate"]
     return SimResult(
         hit_rate=r["hit_rate"], belady_hit_rate=bel, demand_loads_per_token=r["demand_loads_per_token"],
@@ -220,7 +273,15 @@ def simulate(trace: Trace, caps: list[int], replacement: str, prefetch: str, cos
         ms_per_token=r["ms_per_token"], lower_bound_ms_per_token=r["lower_bound_ms_per_token"],
         tokens=r["decode_tokens"], late_prefetches_per_token=r["late_prefetches_per_token"],
         prefill_ms=r["prefill_ms"], replacement=replacement, prefetch=prefetch, misses=r["misses"],
-        prefill_misses=r["prefill_misses"], cache=r["cache"], note=note)
+        prefill_misses=r["prefill_misses"], cache=r["cache"], note=note,
+        full_loads_per_token=r["full_loads_per_token"], lowbit_loads_per_token=r["lowbit_loads_per_token"],
+        skipped_per_token=r["skipped_per_token"], cpu_experts_per_token=r["cpu_experts_per_token"],
+        cpu_ms_per_token=r["cpu_ms_per_token"], fill_copies_per_token=r["fill_copies_per_token"], slots={p: sum(c) for p, c in pools.items()})
+
+
+def decode_layer_s(cost: CostModel, top_k: int, context: int = 512) -> float:
+    """Compute time of one decode layer whose experts are all resident (the copy engine's idle window)."""
+    return cost.attention_s(1, context) + top_k * cost.expert_s(1)
 
 
 def cost_for(trace: Trace, hardware: str, model_shape_name: str | None = None, bits: float | None = None) -> CostModel:

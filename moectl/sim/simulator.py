@@ -27,8 +27,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..cache_model import PHASES, CacheState
-from ..policies.base import PrefetchPolicy, ReplacementPolicy
+from ..cache_model import COUNTERS, FULL, PHASES, CacheState
+from ..policies.admission import AdmitAll
+from ..policies.base import PrefetchPolicy
+from ..policies.placement import CPU, ComputePlacement
+from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
 from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
 
@@ -93,140 +96,259 @@ class SimResult:
     prefill_misses: int = 0
     cache: dict | None = None              # {phase: {counter: [per layer]}} of the cache state
     note: str = ""                         # what the configuration cannot do on this input, if anything
+    full_loads_per_token: float = 0.0      # decode misses loaded in full precision
+    lowbit_loads_per_token: float = 0.0    # ... loaded as low-bit copies
+    skipped_per_token: float = 0.0         # ... skipped (precision policy)
+    cpu_experts_per_token: float = 0.0     # ... computed on the CPU from host RAM
+    cpu_ms_per_token: float = 0.0          # CPU busy time (overlaps the device's)
+    fill_copies_per_token: float = 0.0     # CPU-computed misses copied into the cache while the engine idled
+    slots: dict | None = None              # {precision: slots in all}
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class _Copy:
-    __slots__ = ("ready", "prefetched")
+    __slots__ = ("ready", "prefetched", "dur", "nbytes")
 
-    def __init__(self, ready: float | None, prefetched: bool):
+    def __init__(self, ready: float | None, prefetched: bool, dur: float, nbytes: float):
         self.ready = ready            # arrival time; None = prefetch queued, not started
         self.prefetched = prefetched
+        self.dur, self.nbytes = dur, nbytes     # copy time and size (per precision)
 
 
 class Simulator:
-    """One run of `steps` through per-layer pools of `capacities[l]` slots."""
+    """One run of `steps` through per-layer pools of `capacities[l]` slots.
 
-    def __init__(self, capacities: list[int], replacement: ReplacementPolicy,
-                 prefetch: PrefetchPolicy | None = None, cost: CostModel | None = None,
-                 max_prefetch_per_layer: int | None = None):
-        self.cap = list(capacities)
-        self.L = len(capacities)
-        self.repl = replacement
+    `capacities` / `replacement`: one pool (full precision) or {precision: per-layer slots} / {precision: policy}.
+    `precision` (policies/precision.py) decides full / low-bit / skip on a miss; `nbytes` {precision: bytes of
+    one expert copy} (default: the cost model's expert); `placement` (policies/placement.py) computes a miss on
+    the CPU instead of fetching it; `admission` (policies/admission.py) filters prefetches."""
+
+    def __init__(self, capacities, replacement, prefetch: PrefetchPolicy | None = None,
+                 cost: CostModel | None = None, max_prefetch_per_layer: int | None = None,
+                 precision: PrecisionPolicy | None = None, nbytes: dict | None = None,
+                 placement: ComputePlacement | None = None, admission: AdmitAll | None = None):
+        self.caps = capacities if isinstance(capacities, dict) else {FULL: list(capacities)}
+        self.pools = [p for p in (FULL, LOW) if p in self.caps and sum(self.caps[p]) > 0]
+        self.L = len(self.caps[self.pools[0]])
+        self.repl = replacement if isinstance(replacement, dict) else {FULL: replacement}
         self.pf = prefetch if prefetch is not None else PrefetchPolicy()
         self.cost = cost if cost is not None else FixedCost()
         self.max_pf = max_prefetch_per_layer
+        self.precision = precision if precision is not None else PrecisionPolicy()
+        self.nbytes = dict(nbytes) if nbytes else {FULL: self.cost.expert_bytes}
+        self.placement = placement
+        self.admission = admission if admission is not None else AdmitAll()
+        self.pf_prec = FULL if FULL in self.pools else LOW      # prefetches load this precision
+
+    def _pool(self, want: str) -> str:
+        """The pool a load of precision `want` goes to (the other one when this run has no such pool)."""
+        return want if want in self.pools else self.pools[0]
 
     # ------------------------------------------------------------------ copy engine
     def _advance(self, t: float) -> None:
         """Start every queued prefetch the copy engine reaches before time t."""
         while self.queue and self.free_at < t:
-            l, e, t_enq, copy = self.queue.popleft()
-            if self.copies.get((l, e)) is not copy or copy.ready is not None:   # evicted or promoted meanwhile
+            key, t_enq, copy = self.queue.popleft()
+            if self.copies.get(key) is not copy or copy.ready is not None:   # evicted or promoted meanwhile
                 continue
             start = max(self.free_at, t_enq)
-            copy.ready = self.free_at = start + self.load_s
+            copy.ready = self.free_at = start + copy.dur
             self.n_prefetch += 1
+            self.bytes_copied += copy.nbytes
 
-    def _demand(self, t: float) -> float:
+    def _demand(self, t: float, copy: _Copy) -> float:
         start = max(t, self.free_at)
-        self.free_at = start + self.load_s
+        self.free_at = start + copy.dur
         self.n_demand += 1
+        self.bytes_copied += copy.nbytes
         return self.free_at
 
-    def _issue(self, tl: int, e: int, t: float) -> None:
-        """Prefetch expert e of layer tl: the cache state protects/inserts it, the copy is queued at time t."""
-        a = self.state.prefetch(tl, e)
+    def _backlog(self, t: float) -> float:
+        """Copy-engine time committed at time t: the copy in flight plus the queued prefetches."""
+        queued = sum(c.dur for key, _, c in self.queue if self.copies.get(key) is c and c.ready is None)
+        return max(self.free_at - t, 0.0) + queued
+
+    def _new_copy(self, p: str, prefetched: bool) -> _Copy:
+        return _Copy(None, prefetched, self.cost.load_s(self.nbytes[p]), self.nbytes[p])
+
+    def _issue(self, tl: int, e: int, t: float, p: str) -> bool:
+        """Prefetch expert e of layer tl into pool p: the cache state protects/inserts it, the copy is queued
+        at time t. True when a copy was queued."""
+        a = self.state.prefetch(tl, e, p)
         if a is None:
-            return
+            return False
         if a.victim is not None:
-            self.copies.pop((tl, a.victim), None)
-        copy = self.copies[(tl, e)] = _Copy(None, True)
-        self.queue.append((tl, e, t, copy))
+            self.copies.pop((tl, p, a.victim), None)
+        copy = self.copies[(tl, p, e)] = self._new_copy(p, True)
+        self.queue.append(((tl, p, e), t, copy))
+        return True
+
+    def _predicted(self, l: int, preds, t: float) -> None:
+        """Candidates (target layer, expert, score) predicted after layer l (-1: after the previous token):
+        a resident one is protected, a missing one is copied if the admission rule admits it."""
+        state, per_layer = self.state, {}
+        backlog = self._backlog(t)
+        for tl, e, score in preds:
+            if not (l < tl < self.L):
+                continue
+            if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
+                continue
+            per_layer[tl] = per_layer.get(tl, 0) + 1
+            self.pending.setdefault(tl, []).append((e, score))
+            held = next((p for p in self.pools if state.contains(tl, e, p)), None)
+            if held is not None:
+                state.prefetch(tl, e, held)               # protect only: no copy
+                continue
+            p = self.pf_prec
+            dur = self.cost.load_s(self.nbytes[p])
+            full = len(state.resident(tl, p)) >= state.capacity(tl, p)
+            if not self.admission.admit(score, dur, max(tl - max(l, 0), 1), backlog, evicts=full):
+                continue
+            if self._issue(tl, e, t, p):
+                backlog += dur
+
+    def _cpu_beats_copy(self, copy: _Copy, t: float, p: str) -> bool:
+        """A resident expert whose copy has not landed yet: is computing it on the CPU faster than waiting?"""
+        if copy.ready is not None and copy.ready <= t:
+            return False
+        wait = copy.dur if copy.ready is None else copy.ready - t
+        return self.cost.cpu_expert_s(1, self.nbytes[p]) < wait + self.cost.expert_s(1, self.nbytes[p])
 
     # ------------------------------------------------------------------ main loop
     def run(self, steps: list[Step], hidden_of=None, final_hidden_of=None) -> dict:
         """Simulate; `hidden_of(row, layer)` / `final_hidden_of(row)` give hidden states for
         prefetch policies that need them (gate reuse, MLP, aux gate)."""
-        L, cost = self.L, self.cost
-        self.load_s = cost.load_s()
-        self.state = state = CacheState(self.cap, self.repl)
-        self.copies: dict[tuple[int, int], _Copy] = {}          # resident (layer, expert) -> its copy
+        L, cost, nbytes = self.L, self.cost, self.nbytes
+        self.state = state = CacheState({p: self.caps[p] for p in self.pools},
+                                        {p: self.repl[p] for p in self.pools})
+        self.copies: dict[tuple[int, str, int], _Copy] = {}     # resident (layer, precision, expert) -> its copy
         self.queue: deque = deque()
+        self.pending: dict[int, list[tuple[int, float]]] = {}   # target layer -> predictions (for admission)
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
-        if self.repl.needs_future:
-            self.repl.set_future([s.chosen for s in steps])
+        self.bytes_copied = 0.0
+        for p in self.pools:
+            if self.repl[p].needs_future:
+                self.repl[p].set_future([s.chosen for s in steps])
         hits = accesses = late = 0
-        clock = stall = compute_only = prefill_time = 0.0
-        decode_tokens = 0
-        demand_decode = 0
+        clock = stall = compute_only = prefill_time = cpu_busy = 0.0
+        decode_tokens = demand_decode = fills = 0
+        bytes_decode = 0.0
+        n_loads = {FULL: 0, LOW: 0, SKIP: 0, CPU: 0}            # decode misses by what was done
         context = 0
         t_final = 0.0                     # when the previous step's final hidden state was ready
         for step in steps:
             if step.first_of_request:
                 state.begin_request(step.request)
                 self.pf.reset()
+                self.pending.clear()
                 context = 0
             state.begin_step("prefill" if step.prefill else "decode")
             if not step.prefill:          # the aux gate: loads issued while the previous lm_head ran
-                for tl, e, _score in self.pf.predict_after_token():
-                    if 0 <= tl < L:
-                        self._issue(tl, e, min(t_final, clock))
+                self._predicted(-1, self.pf.predict_after_token(), min(t_final, clock))
             t_step = clock
             n_tok = len(step.rows)
-            demand_before = self.n_demand
+            demand_before, bytes_before = self.n_demand, self.bytes_copied
             step_stall = step_compute = 0.0
             for l in range(L):
                 attn = cost.attention_s(n_tok, context)
                 clock += attn
                 step_compute += attn
-                chosen = step.chosen[l]
-                state.route(l, chosen, step.weights[l])
+                chosen, weights = step.chosen[l], step.weights[l]
+                for p in self.pools:
+                    state.route(l, chosen, weights, p)
+                for e, score in self.pending.pop(l, []):
+                    self.admission.outcome(score, e in chosen)
                 self._advance(clock)
                 # prefetch decisions: right after the router; their copies queue behind this layer's demand loads
                 if not step.prefill:
                     h = hidden_of(step.rows[0], l) if hidden_of else None
-                    self.pf.observe(l, chosen, step.weights[l], h)
-                    per_layer: dict[int, int] = {}
-                    for tl, e, _score in self.pf.predict(l):
-                        if not (l < tl < L):
-                            continue
-                        if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
-                            continue
-                        per_layer[tl] = per_layer.get(tl, 0) + 1
-                        self._issue(tl, e, clock)
-                # experts run in the cache's chunks: resident first; a chunk's loads start when the last one ran
+                    self.pf.observe(l, chosen, weights, h)
+                    self._predicted(l, self.pf.predict(l), clock)
+                # where each chosen expert runs: a resident copy of either precision; else the precision
+                # policy's choice (full / low / skip), fetched or computed on the CPU
+                scores = rank_scores(weights) if weights and not step.prefill else [0.0] * len(chosen)
+                on_device: dict[str, list[int]] = {p: [] for p in self.pools}
+                on_cpu: list[tuple[int, str]] = []
+                for e, s in zip(chosen, scores):
+                    held = next((p for p in self.pools if state.contains(l, e, p)), None)
+                    copy = self.copies.get((l, held, e))
+                    if held is not None and not (self.placement is not None and copy is not None and
+                                                 self._cpu_beats_copy(copy, clock, held)):
+                        on_device[held].append(e)
+                        continue
+                    if held is not None:          # its copy is still on the way and the CPU is faster
+                        on_cpu.append((e, held))
+                        n_loads[CPU] += not step.prefill
+                        continue
+                    d = self.precision.decide(s)
+                    if d == SKIP:
+                        n_loads[SKIP] += not step.prefill
+                        continue
+                    p = self._pool(d)
+                    tok = step.tokens_per_expert[l][e] if step.prefill else 1
+                    if self.placement is not None and self.placement.decide(tok, nbytes[p]) == CPU:
+                        on_cpu.append((e, p))
+                        n_loads[CPU] += not step.prefill
+                        continue
+                    n_loads[p] += not step.prefill
+                    on_device[p].append(e)
+                # the CPU's experts run serially from host RAM, alongside the device's
+                t_cpu = clock
+                for e, p in on_cpu:
+                    tok = step.tokens_per_expert[l][e] if step.prefill else 1
+                    c = cost.cpu_expert_s(tok, nbytes[p])
+                    t_cpu += c
+                    cpu_busy += c * (not step.prefill)
+                    step_compute += cost.expert_s(tok, nbytes[p])    # the bound: as if resident
+                # the device's experts run in the cache's chunks: resident first; a chunk's loads start when
+                # the last one ran
                 t = clock
-                for chunk in state.chunks(l, chosen):
-                    state.pin(l, chunk)
-                    ready: list[tuple[float, float]] = []      # (ready time, compute time)
-                    for e in chunk:
-                        c = cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1)
-                        step_compute += c
-                        accesses += not step.prefill
-                        a = state.access(l, e)
-                        copy = self.copies.get((l, e)) if a.hit else None
-                        if copy is not None and copy.ready is not None:
-                            if copy.ready <= t:
-                                hits += not step.prefill
+                for p in self.pools:
+                    for chunk in state.chunks(l, on_device[p], p):
+                        state.pin(l, chunk, p)
+                        ready: list[tuple[float, float]] = []      # (ready time, compute time)
+                        for e in chunk:
+                            c = cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1, nbytes[p])
+                            step_compute += c
+                            accesses += not step.prefill
+                            a = state.access(l, e, p)
+                            copy = self.copies.get((l, p, e)) if a.hit else None
+                            if copy is not None and copy.ready is not None:
+                                if copy.ready <= t:
+                                    hits += not step.prefill
+                                else:
+                                    late += not step.prefill
+                            elif copy is not None:                   # queued prefetch, not started: promote
+                                copy.ready = self._demand(t, copy)
                             else:
-                                late += not step.prefill
-                        elif copy is not None:                   # queued prefetch, not started: promote
-                            copy.ready = self._demand(t)
-                        else:
-                            if a.victim is not None:
-                                self.copies.pop((l, a.victim), None)
-                            copy = self.copies[(l, e)] = _Copy(self._demand(t), False)
-                        ready.append((copy.ready, c))
-                    state.unpin(l, chunk)
-                    t0 = t
-                    for r, c in sorted(ready):                 # arrivals in order of landing
-                        t = max(t, r) + c
-                    step_stall += (t - t0) - sum(c for _, c in ready)
-                clock = t
+                                if a.victim is not None:
+                                    self.copies.pop((l, p, a.victim), None)
+                                copy = self.copies[(l, p, e)] = self._new_copy(p, False)
+                                copy.ready = self._demand(t, copy)
+                            ready.append((copy.ready, c))
+                        state.unpin(l, chunk, p)
+                        t0 = t
+                        for r, c in sorted(ready):                 # arrivals in order of landing
+                            t = max(t, r) + c
+                        step_stall += (t - t0) - sum(c for _, c in ready)
+                # a miss the CPU computed is copied into the cache in the background, when the copy engine is
+                # idle (a fill never delays a demand load or a prefetch; one at a time)
+                for e, p in on_cpu:
+                    if self._backlog(clock) > 0:
+                        break
+                    if state.contains(l, e, p):
+                        continue
+                    a = state.access(l, e, p)
+                    if a.victim is not None:
+                        self.copies.pop((l, p, a.victim), None)
+                    copy = self.copies[(l, p, e)] = self._new_copy(p, False)
+                    self.queue.append(((l, p, e), clock, copy))
+                    fills += not step.prefill
+                    self._advance(clock + 1e-12)
+                clock = max(t, t_cpu)
             head = cost.lm_head_s(1)
             t_final = clock
             clock += head
@@ -238,25 +360,33 @@ class Simulator:
                 stall += step_stall
                 compute_only += step_compute
                 demand_decode += self.n_demand - demand_before
+                bytes_decode += self.bytes_copied - bytes_before
                 self.pf.end_token(final_hidden_of(step.rows[0]) if final_hidden_of else None)
             context += n_tok
             state.end_step()
         n = max(decode_tokens, 1)
         ms = 1e3
-        dec, pre = state.totals("decode"), state.totals("prefill")
+        dec = {k: sum(state.totals("decode", p)[k] for p in self.pools) for k in COUNTERS}
+        pre = {k: sum(state.totals("prefill", p)[k] for p in self.pools) for k in COUNTERS}
         issued = dec["prefetches"] + pre["prefetches"]
         wasted = issued - dec["prefetch_used"] - pre["prefetch_used"]      # spent unused, or never reached
+        cache = {ph: state.per_layer(ph, self.pools[0]) for ph in PHASES}
         return dict(
             hits=hits, accesses=accesses, late=late, demand=demand_decode, decode_tokens=decode_tokens,
             misses=dec["misses"], prefill_misses=pre["misses"],
             prefetch=self.n_prefetch, prefetches_issued=issued, wasted=wasted,
-            cache={ph: state.per_layer(ph) for ph in PHASES},
+            cache=cache if len(self.pools) == 1 else {p: {ph: state.per_layer(ph, p) for ph in PHASES}
+                                                      for p in self.pools},
             hit_rate=hits / max(accesses, 1),
-            demand_loads_per_token=dec["misses"] / n,
+            demand_loads_per_token=(dec["misses"] - fills) / n, fill_copies_per_token=fills / n,
             prefetch_loads_per_token=self.n_prefetch / n,
             late_prefetches_per_token=late / n,
             wasted_prefetch_fraction=wasted / max(issued, 1),
-            bytes_per_token=(demand_decode + self.n_prefetch) * (cost.expert_bytes) / n,
+            # copies made in decode steps: demand loads and the prefetches started then
+            bytes_per_token=bytes_decode / n,
+            full_loads_per_token=n_loads[FULL] / n, lowbit_loads_per_token=n_loads[LOW] / n,
+            skipped_per_token=n_loads[SKIP] / n, cpu_experts_per_token=n_loads[CPU] / n,
+            cpu_ms_per_token=cpu_busy * ms / n,
             stall_ms_per_token=stall * ms / n,
             stall_s=stall, decode_s=clock - prefill_time, prefill_s=prefill_time, compute_only_s=compute_only,
             ms_per_token=(clock - prefill_time) * ms / n, lower_bound_ms_per_token=compute_only * ms / n,
