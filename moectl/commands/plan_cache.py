@@ -25,7 +25,12 @@ def plan_cache(
                                  "traces have hidden states, else none), or a prefetch policy name"),
     depth: int = typer.Option(None, "--depth", min=1, help="prefetch lookahead in layers"),
     lowbit: str = typer.Option(None, "--lowbit", help="low-bit copies, e.g. q4g64 (HQQ 4-bit, group 64)"),
-    precision: str = typer.Option(None, "--precision", help="full, hobbit (hi/lo/skip) or lowbit-only"),
+    precision: str = typer.Option(None, "--precision", help="full (default), hobbit (hi/lo/skip by rank score, "
+                                  "--t1/--t2; the default with --lowbit) or lowbit-only (every expert low-bit)"),
+    t1: float = typer.Option(0.6, "--t1", help="hobbit: a missed expert with rank score <= T1 loads in full precision"),
+    t2: float = typer.Option(0.9, "--t2", help="hobbit: <= T2 loads its low-bit copy, above is skipped"),
+    cpu_experts: str = typer.Option("never", "--cpu-experts", help="misses computed on the CPU from host RAM: auto "
+                                    "(when the cost model says it beats a copy), never, always"),
     out: Path = typer.Option(None, "--out", help="where to write the plan (default <workdir>/plan.yaml)"),
     png: Path = typer.Option(None, "--png", help="slots-per-layer figure (default beside the plan)"),
     compare: bool = typer.Option(False, "--compare", help="also print the scoreboard: every preset on the same "
@@ -45,16 +50,19 @@ def plan_cache(
     from ..plan.artifact import PLAN_NAME, write_plan
     from ..plan.setup import plan_setup
     from ..plan.planner import make_plan
+    from ..policies.precision import make_precision
     from ..progress import ProgressBar
     from ._common import prepare_model
 
     console = Console(stderr=True)
     if model == "tiny":
         prepare_model(model, workdir)
-    if precision not in (None, "full") or lowbit is not None:
-        raise MoectlError("--precision/--lowbit plans need low-bit pools in the simulator (issue 13); "
-                          "this build plans full-precision slots only")
+    if precision is None:
+        precision = "hobbit" if lowbit else "full"
     setup = plan_setup(model, budget, hardware, kv_tokens, traces, replacement, prefetch, depth, workdir)
+    setup.policies.precision, setup.policies.lowbit, setup.policies.t1, setup.policies.t2 = precision, lowbit, t1, t2
+    setup.policies.cpu_experts = cpu_experts
+    make_precision(precision, t1, t2)                      # a bad name or T1 > T2 fails here
     with ProgressBar(console=console, transient=True) as bar:
         task = bar.add("measuring per-layer curves", total=None)
         plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, hardware,

@@ -39,6 +39,12 @@ def slot_grid(num_experts: int, points: int = 12, start: int = 1) -> list[int]:
     return sorted({start, *g.tolist(), num_experts})
 
 
+def coarse_grid(num_experts: int, points: int = 5) -> list[int]:
+    """Fewer points for the two-precision grid (its runs multiply): 1..E-1 spaced geometrically."""
+    top = max(num_experts - 1, 1)
+    return sorted({int(x) for x in np.unique(np.round(np.geomspace(1, top, points)))})
+
+
 @dataclass
 class Curves:
     hi: list[int]                  # grid of n_hi

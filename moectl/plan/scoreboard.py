@@ -9,11 +9,8 @@ only traces; there the preset runs without prefetch and its row says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-
-from ..cache_model import split_slots
 from ..errors import MoectlError
 
 # AdapMoE's released per-layer sensitivities S_i of Mixtral-8x7B (seed_adapmoe.md §2.3) and its default T_g:
@@ -36,19 +33,21 @@ class Preset:
     gating: str | None = None          # "sensitivity" (AdapMoE)
     cpu_experts: str = "never"
     fidelity: str = "full"             # full | lower (all experts at 2 or 4 bits)
-    needs: list = field(default_factory=list)    # simulator features it needs beyond this build
 
 
 PRESETS = [
     Preset("mixtral-offloading", "Mixtral-offloading (Eliseev & Mazur)", "lru", "gate-reuse", precision="lowbit-only",
-           lowbit="q2g16", fidelity="lower (2-bit experts)", needs=["precision"]),
+           lowbit="q2g16", fidelity="lower (2-bit experts)"),
     Preset("moe-infinity", "MoE-Infinity", "moe-infinity", "eam"),
-    Preset("hobbit", "HOBBIT", "hobbit", "gate-reuse", precision="hobbit", lowbit="q4g64", needs=["precision"]),
+    Preset("hobbit", "HOBBIT", "hobbit", "gate-reuse", precision="hobbit", lowbit="q4g64",
+           fidelity="full (hi/lo/skip T1 0.6 T2 0.9)"),
     Preset("adapmoe", "AdapMoE", "lru", "gate-reuse", slots="adapmoe-dp", gating="sensitivity"),
-    Preset("llamacpp-cpu-moe", "llama.cpp --n-cpu-moe", "lru", "none", slots="layers-cpu", precision="lowbit-only",
-           lowbit="q4g64", cpu_experts="always", fidelity="lower (4-bit experts)", needs=["precision", "cpu"]),
+    Preset("llamacpp-cpu-moe", "llama.cpp --n-cpu-moe", "-", "none", slots="layers-cpu", precision="lowbit-only",
+           lowbit="q4g64", cpu_experts="always", fidelity="lower (4-bit experts)"),
     Preset("oracle", "limit: Belady + perfect prefetch", "belady", "oracle", slots="plan"),
     Preset("moectl", "moectl plan", "plan", "plan", slots="plan"),
+    Preset("moectl-q4", "moectl plan, q4 + CPU", "plan", "plan", slots="plan-q4", precision="lowbit-only",
+           lowbit="q4g64", cpu_experts="auto", fidelity="lower (4-bit experts)"),
 ]
 PRESET_NAMES = [p.name for p in PRESETS]
 
@@ -60,33 +59,39 @@ def get_preset(name: str) -> Preset:
     raise MoectlError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
 
 
-def simulator_features() -> set[str]:
-    """What the simulator in this build can replay: low-bit pools ('precision'), CPU compute ('cpu')."""
-    import inspect
+def q4_policies(plan_pol: dict):
+    from .planner import Policies
 
-    from ..sim.run import simulate
-
-    params = inspect.signature(simulate).parameters
-    return {f for f, p in (("precision", "precision"), ("cpu", "cpu_experts")) if p in params}
+    return Policies(**(plan_pol | {"precision": "lowbit-only", "lowbit": "q4g64", "cpu_experts": "auto"}))
 
 
-def run_preset(setup, preset: Preset, plan: dict | None, replay=None) -> dict:
-    """One scoreboard row: the preset simulated on `replay` (default the setup's) at the setup's budget."""
-    from .planner import Policies, summary
+def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: dict | None = None) -> dict:
+    """One scoreboard row: the preset simulated on `replay` (default the setup's) at the setup's budget.
+    `q4_plan`: moectl's plan at q4 with CPU compute (made on the setup's traces when not given)."""
+    from dataclasses import replace
+
+    from .planner import Policies, expert_nbytes, make_plan, pools_of, summary, uniform_pools
 
     replay = replay or setup.replay
-    missing = [n for n in preset.needs if n not in simulator_features()]
     row = {"preset": preset.name, "system": preset.system, "fidelity": preset.fidelity, "notes": []}
-    if missing:
-        return row | {"skipped": f"needs simulator features not in this build: {', '.join(missing)}"}
     L, E = setup.facts.num_layers, setup.facts.num_experts
     if preset.name == "moectl":
         pol = Policies(**plan["policies"])
+    elif preset.name == "moectl-q4":
+        if plan["policies"]["precision"] == "lowbit-only" and plan["policies"]["cpu_experts"] != "never":
+            q4_plan = plan
+        if q4_plan is None:
+            q4_plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, q4_policies(plan["policies"]),
+                                setup.hardware)
+        plan, pol = q4_plan, Policies(**q4_plan["policies"])
     else:
         pol = Policies(replacement=preset.replacement, prefetch=preset.prefetch, precision=preset.precision,
                        lowbit=preset.lowbit, cpu_experts=preset.cpu_experts)
         if preset.name == "oracle":
-            pol.precision, pol.lowbit = plan["policies"]["precision"], plan["policies"]["lowbit"]
+            for k in ("precision", "lowbit", "t1", "t2", "cpu_experts"):
+                setattr(pol, k, plan["policies"][k])
+    if preset.slots == "layers-cpu":
+        return row | _llamacpp(setup, replay.trace, pol)
     if pol.prefetch in ("gate-reuse", "mlp", "aux-gate") and not _has_hidden(replay):
         row["notes"].append(f"{pol.prefetch} prefetch needs hidden states the traces lack: replayed without prefetch")
         pol.prefetch = "none"
@@ -94,16 +99,14 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None) -> dict:
     if preset.gating == "sensitivity":
         trace, note = _adapmoe_gating(setup, replay.raw or trace)
         row["notes"].append(note)
-    B = setup.facts.expert_bytes()
-    C = int(setup.split.experts // B)
-    if preset.slots == "plan":
-        caps = list(plan["slots"])
+    nbytes = expert_nbytes(setup.facts, pol)
+    if preset.slots.startswith("plan"):
+        caps = pools_of(pol, plan["slots"], plan.get("slots_low") or [0] * L)
     elif preset.slots == "adapmoe-dp":
-        caps = _adapmoe_dp(trace, C, L, E, setup.cost.load_s(), pol.prefetch != "none")
+        caps = _adapmoe_dp(trace, int(setup.split.experts // nbytes["full"]), L, E, setup.cost.load_s(),
+                           pol.prefetch != "none")
     else:
-        caps = split_slots(max(C, L), L, E, "--budget")
-    from dataclasses import replace
-
+        caps = pools_of(pol, *uniform_pools(pol, L, E, setup.split.experts, nbytes))
     run = replace(replay, trace=trace)
     r = run.run(caps, pol, belady=False)
     if preset.name == "oracle":          # perfect prefetch can evict what a 1-2 slot layer needs: the better of the two
@@ -113,8 +116,39 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None) -> dict:
             row["notes"].append("Belady alone beat Belady + perfect prefetch at these slots")
     row.update(summary(r, setup.cost), slots=caps, replacement=pol.replacement, prefetch=pol.prefetch,
                precision=pol.precision + (f" ({pol.lowbit})" if pol.lowbit else ""),
-               gating=pol.gating if preset.name == "moectl" else preset.gating)
+               gating=pol.gating if preset.name.startswith("moectl") else preset.gating)
     return row
+
+
+def _llamacpp(setup, trace, pol) -> dict:
+    """llama.cpp's static placement, computed from the cost model: dense weights on the GPU, whole layers of q4
+    experts on the GPU as far as the expert budget holds them, every other expert computed on the CPU from host
+    RAM (the hardware profile's cpu_mem_gbps); nothing crosses PCIe per token. Layers run one after another."""
+    from ..trace import DECODE
+    from .planner import expert_nbytes
+
+    cost, L, E = setup.cost, setup.facts.num_layers, setup.facts.num_experts
+    q = expert_nbytes(setup.facts, pol)["low"]
+    gpu_layers = min(L, int(setup.split.experts // (E * q)))
+    dec = trace.phase == DECODE
+    uses = (trace.experts[dec] >= 0).sum(-1).mean(0)                    # [L] experts per token
+    context = float(trace.pos[dec].mean()) if dec.any() else 0.0
+    on_gpu = [l >= L - gpu_layers for l in range(L)]                   # --n-cpu-moe N: the first N layers on the CPU
+    gpu_s = sum(uses[l] * cost.expert_s(1, q) for l in range(L) if on_gpu[l])
+    cpu_s = sum(uses[l] * cost.cpu_expert_s(1, q) for l in range(L) if not on_gpu[l])
+    base = L * cost.attention_s(1, int(context)) + cost.lm_head_s(1)
+    ms = (base + gpu_s + cpu_s) * 1e3
+    hit = float(sum(uses[l] for l in range(L) if on_gpu[l]) / max(uses.sum(), 1e-9))
+    return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "hit_rate": hit, "stall_ms_per_token": 0.0,
+            "bytes_per_token": 0.0, "misses_per_token": 0.0, "cpu_ms_per_token": cpu_s * 1e3,
+            "cpu_experts_per_token": float(sum(uses[l] for l in range(L) if not on_gpu[l])),
+            "lower_bound_ms_per_token": (base + (gpu_s + sum(uses[l] * cost.expert_s(1, q) for l in range(L)
+                                                              if not on_gpu[l]))) * 1e3,
+            "full_loads_per_token": 0.0, "lowbit_loads_per_token": 0.0, "skipped_per_token": 0.0,
+            "slots": {"low": [E if g else 0 for g in on_gpu]}, "replacement": "-", "prefetch": "none",
+            "precision": f"lowbit-only ({pol.lowbit})", "gating": None,
+            "notes": [f"static: {gpu_layers} of {L} layers' q4 experts on the GPU, the rest on the CPU at "
+                      f"{cost.hw.cpu_mem_gbps:g} GB/s host memory (cost model)"]}
 
 
 def _has_hidden(replay) -> bool:
@@ -168,17 +202,19 @@ def print_scoreboard(rows: list[dict], setup, title: str = "") -> None:
 
     out = Console()
     t = Table(title=title or f"scoreboard: {setup.facts.name}, {setup.budget} on {setup.hardware}")
-    for col in ("preset", "fidelity", "ms/tok", "tok/s", "hit rate", "MB/tok", "stall ms/tok", "precision", "notes"):
-        t.add_column(col, justify="left" if col in ("preset", "fidelity", "precision", "notes") else "right")
+    for col in ("preset", "fidelity", "ms/tok", "tok/s", "hit rate", "MB/tok", "stall ms/tok", "mix /tok"):
+        t.add_column(col, justify="left" if col in ("preset", "fidelity", "mix /tok") else "right")
+    notes = []
     for r in rows:
-        if "skipped" in r:
-            t.add_row(r["preset"], r["fidelity"], "-", "-", "-", "-", "-", "-", r["skipped"])
-            continue
-        t.add_row(r["preset"], r["fidelity"], f"{r['ms_per_token']:.1f}", f"{r['tokens_per_s']:.2f}",
+        mark = "".join(f"[{len(notes) + i + 1}]" for i in range(len(r["notes"])))
+        notes += r["notes"]
+        t.add_row(r["preset"] + mark, r["fidelity"], f"{r['ms_per_token']:.1f}", f"{r['tokens_per_s']:.2f}",
                   f"{r['hit_rate']:.3f}", f"{r['bytes_per_token'] / 1e6:.0f}", f"{r['stall_ms_per_token']:.1f}",
-                  r["precision"], "; ".join(r["notes"]))
+                  mix(r))
     out.print(t)
-    ours = next((r for r in rows if r["preset"] == "moectl" and "skipped" not in r), None)
+    for i, n in enumerate(notes):
+        out.print(f"[{i + 1}] {n}", highlight=False)
+    ours = next((r for r in rows if r["preset"] == "moectl"), None)
     if ours is None:
         return
     for line in ratios(rows):
@@ -187,7 +223,7 @@ def print_scoreboard(rows: list[dict], setup, title: str = "") -> None:
 
 def ratios(rows: list[dict]) -> list[str]:
     """moectl's gap to the oracle and its speed ratio to the best same-fidelity peer and to the lower-fidelity ones."""
-    by = {r["preset"]: r for r in rows if "skipped" not in r}
+    by = {r["preset"]: r for r in rows}
     ours = by["moectl"]
     out = []
     if "oracle" in by:
@@ -202,4 +238,16 @@ def ratios(rows: list[dict]) -> list[str]:
         if n in by:
             out.append(f"{n} (lower fidelity) {by[n]['ms_per_token']:.1f} ms/token: moectl is "
                        f"{by[n]['ms_per_token'] / ours['ms_per_token']:.2f}x as fast")
+    if "moectl-q4" in by and "llamacpp-cpu-moe" in by:
+        q4, ll = by["moectl-q4"], by["llamacpp-cpu-moe"]
+        out.append(f"same fidelity (q4): moectl-q4 {q4['ms_per_token']:.1f} ms/token = "
+                   f"{q4['ms_per_token'] / ll['ms_per_token']:.2f}x llamacpp-cpu-moe's {ll['ms_per_token']:.1f}")
     return out
+
+
+def mix(r: dict) -> str:
+    """Experts per token by where they came from: resident hits aside, full / low-bit loads, skipped, CPU."""
+    parts = [(r.get("full_loads_per_token"), "full"), (r.get("lowbit_loads_per_token"), "low"),
+             (r.get("skipped_per_token"), "skip"), (r.get("cpu_experts_per_token"), "cpu")]
+    text = " ".join(f"{v:.1f} {k}" for v, k in parts if v)
+    return f"{r['precision']}: {text}" if text else r["precision"]

@@ -212,7 +212,10 @@ DEFAULT_LOWBIT_FRACTION = 0.25     # HOBBIT mode: share of the expert budget tha
 def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: float, low_bytes: float | None,
                     num_experts: int, lowbit_fraction: float | None = None) -> dict[str, list[int]]:
     """Per-precision pools from full-precision slots `caps`: the bytes they hold, split by `lowbit_fraction`
-    (lowbit-only: all of it low-bit; full: all full), each pool's slots split evenly over the layers."""
+    (lowbit-only: all of it low-bit; full: all full), each pool's slots split evenly over the layers.
+    `caps` already {precision: per-layer slots} (a plan's own split) is taken as it is."""
+    if isinstance(caps, dict):
+        return {p: list(c) for p, c in caps.items() if sum(c) > 0}
     if not precision.uses_lowbit:
         return {FULL: list(caps)}
     if low_bytes is None:
