@@ -8,7 +8,7 @@
 The minimum is dense + KV + workspace + one slot per MoE layer of the smallest precision served; below it
 is one clear error that states the minimum. The facts come from the checkpoint (the runtime's own sizing:
 `runtime/engine.py` dense_nbytes of the skeleton, kv_reserve_nbytes) or, for a recipe without a
-checkpoint, from its `shape:` block (`dense_from_shape`).
+checkpoint, from its `shape:` block (`sim/cost.py: dense_bytes, kv_reserve_bytes`, what `simulate --budget` uses).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import MoectlError
 from ..recipes import format_bytes, parse_size
-from ..sim.cost import DTYPE_BYTES, expert_bytes
+from ..sim.cost import dense_bytes, expert_bytes, kv_reserve_bytes
 
 WORKSPACE_TOKENS = 512          # a prefill chunk's activations and fp32 logits stay allocated while it runs
 
@@ -62,7 +62,7 @@ def model_facts(model: str, workdir=None) -> ModelFacts:
         raise MoectlError(f"--model {model}: no checkpoint at {ref.path if ref else '?'} and no recipe shape: block")
     shape = {"name": recipe.get("name", model), **recipe["shape"]}
     return ModelFacts(shape["name"], shape, shape.get("moe_layers", shape["num_layers"]), shape["num_experts"],
-                      shape["top_k"], dense_from_shape(shape), kv_per_token_from_shape(shape), None,
+                      shape["top_k"], int(dense_bytes(shape)), int(kv_reserve_bytes(shape, 1)), None,
                       f"recipe {shape['name']} (shape: block; no checkpoint)")
 
 
@@ -78,30 +78,6 @@ def _checkpoint_facts(model: str, workdir) -> ModelFacts:
     return ModelFacts(info["model"], shape, info["moe_layers"], info["experts"], info["top_k"],
                       int(info["dense_bytes"]), int(kv), info["fingerprint"], f"checkpoint {info['path']}",
                       int(info["bytes_per_expert"]))
-
-
-def dense_from_shape(shape: dict) -> int:
-    """Bytes of the non-expert weights of a recipe shape: embeddings and output head (untied), per layer
-    attention (q, k, v, o), router, shared expert, two norms, and dense MLPs of non-MoE layers."""
-    dt = DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
-    D, V = shape["hidden_size"], shape.get("vocab_size") or 32000
-    H = shape["num_attention_heads"]
-    kv, hd = shape.get("num_key_value_heads", H), shape.get("head_dim") or D // H
-    layers, moe = shape["num_layers"], shape.get("moe_layers", shape["num_layers"])
-    attn = D * H * hd * 2 + D * kv * hd * 2
-    shared = 3 * D * (shape.get("shared_expert_intermediate_size") or 0)
-    per_layer = attn + 2 * D
-    per_moe = D * shape["num_experts"] + shared
-    dense_mlp = 3 * D * (shape.get("dense_intermediate_size") or shape["intermediate_size"])
-    n = 2 * V * D + D + layers * per_layer + moe * per_moe + (layers - moe) * dense_mlp
-    return int(n * dt)
-
-
-def kv_per_token_from_shape(shape: dict) -> int:
-    dt = DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
-    H = shape["num_attention_heads"]
-    kv, hd = shape.get("num_key_value_heads", H), shape.get("head_dim") or shape["hidden_size"] // H
-    return int(2 * shape["num_layers"] * kv * hd * dt)
 
 
 def workspace_bytes(shape: dict, tokens: int = WORKSPACE_TOKENS) -> int:

@@ -32,6 +32,7 @@ class Policies:
     depth: int | None = None
     per_layer: int | None = None
     gating: float | None = None      # T_g of sensitivity gating (None: off)
+    sensitivities: list | None = None    # S_l the T_g applies to (so a plan's gating replays without the workdir)
     precision: str = "full"          # full | hobbit | lowbit-only (moectl/policies/precision.py)
     t1: float = 0.6
     t2: float = 0.9

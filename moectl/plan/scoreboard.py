@@ -251,3 +251,34 @@ def mix(r: dict) -> str:
              (r.get("skipped_per_token"), "skip"), (r.get("cpu_experts_per_token"), "cpu")]
     text = " ".join(f"{v:.1f} {k}" for v, k in parts if v)
     return f"{r['precision']}: {text}" if text else r["precision"]
+
+
+def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_shape: str | None, plan_path,
+                    as_json: bool) -> dict:
+    """`moectl simulate --trace T --preset NAME --budget SIZE`: one scoreboard row on one trace."""
+    import json
+
+    from ..sim.run import load_plan
+    from .setup import setup_from_trace
+
+    preset = get_preset(name)
+    if budget is None:
+        raise MoectlError("--preset needs --budget SIZE (the device memory every preset is given)")
+    setup = setup_from_trace(trace, budget, hardware, model_shape)
+    plan = None
+    if plan_path is not None:
+        plan = load_plan(plan_path)
+        from .artifact import apply_plan
+
+        apply_plan(plan, trace, {})
+    elif preset.slots.startswith("plan") or preset.name == "oracle":
+        from .planner import make_plan
+
+        plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, hardware)
+    row = run_preset(setup, preset, plan)
+    if as_json:
+        print(json.dumps(row, indent=1, default=str))
+    else:
+        print_scoreboard([row], setup, title=f"{preset.name} ({preset.system}) on {trace.source or trace.model}: "
+                                             f"{budget} on {hardware}")
+    return row

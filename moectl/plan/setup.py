@@ -68,12 +68,11 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     if facts.fingerprint and trace.fingerprint and facts.fingerprint != trace.fingerprint:
         raise MoectlError(f"the traces were profiled on model {trace.fingerprint}, --model {model} is {facts.fingerprint}")
     replay = Replay(trace, cost)
-    raw = trace
+    raw = replay.raw = trace
     gated = _stored_gating(wd, facts, trace)
     if gated is not None:
-        pol.gating, replay.trace = gated
+        pol.gating, pol.sensitivities, replay.trace = gated
     pol.prefetch = _prefetch(prefetch, replay, wd, facts)
-    replay.raw = raw
     return Setup(facts, split, cost, replay, pol, wd, hardware, budget, raw)
 
 
@@ -89,7 +88,7 @@ def _stored_gating(wd: Path, facts: ModelFacts, trace):
     if not meta.get("threshold"):
         return None
     policy = parse_gating(None, None, meta["sensitivities"], meta["threshold"])
-    return (float(meta["threshold"]), gate_trace(trace, policy)) if policy is not None else None
+    return (float(meta["threshold"]), list(meta["sensitivities"]), gate_trace(trace, policy)) if policy else None
 
 
 def _prefetch(name: str, replay: Replay, wd: Path, facts: ModelFacts) -> str:
@@ -111,3 +110,25 @@ def _prefetch(name: str, replay: Replay, wd: Path, facts: ModelFacts) -> str:
     elif name == "routing":
         replay.predictor = preds.routing if preds else None
     return name
+
+
+def setup_from_trace(trace, budget: str, hardware: str, model_shape: str | None = None, kv_tokens: int = 4096,
+                     replacement: str = "ours", prefetch: str = "auto") -> Setup:
+    """A setup for `simulate --preset`: the model's facts from the trace's shape (recipe or --model-shape)."""
+    from ..sim.cost import CostModel, load_hardware
+    from ..sim.run import model_shape as shape_of
+    from .budget import ModelFacts
+    from ..sim.cost import dense_bytes, kv_reserve_bytes
+
+    shape = shape_of(trace, model_shape)
+    facts = ModelFacts(shape.get("name", trace.model), shape, trace.num_layers, trace.num_experts, trace.top_k,
+                       int(dense_bytes(shape)), int(kv_reserve_bytes(shape, 1)), trace.fingerprint,
+                       f"shape {shape.get('name')}")
+    split = split_budget(budget, facts, kv_tokens)
+    cost = CostModel(load_hardware(hardware), shape)
+    replay = Replay(trace, cost)
+    replay.raw = trace
+    wd = Path(".")
+    pol = Policies(replacement=replacement)
+    pol.prefetch = _prefetch(prefetch, replay, wd / "__none__", facts)
+    return Setup(facts, split, cost, replay, pol, wd / "__none__", hardware, budget, trace)

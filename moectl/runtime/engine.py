@@ -481,6 +481,10 @@ def _load_plan(plan, workdir, fingerprint: str, num_layers: int, num_experts: in
         return None, f"plan: {path} not used ({given[0]} given)"
     d = load_plan(path)
     plan_slots(d, d["_path"])
+    if any(d.get("slots_low") or []):
+        raise MoectlError(f"plan {d['_path']} serves low-bit copies ({d.get('lowbit')}); this runtime holds "
+                          f"full-precision slots only: make a full-precision plan (`moectl plan-cache` without "
+                          f"--lowbit) or pass --no-plan")
     check_plan_model(d, fingerprint, num_layers, num_experts, "the model loaded")
     pred = d.get("predicted") or {}
     ms = pred.get("ms_per_token")

@@ -3,8 +3,9 @@
 Cache sizes per layer come from one of:
   fraction F       round(F * E) slots in every layer (at least top-k, so one token's experts fit)
   experts N        N slots in all, split evenly over the layers (the first N % L layers get one more)
-  plan.yaml        `{format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer]}`
-                   (written by `moectl plan-cache`; other keys are ignored here)
+  plan.yaml        `{format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer],
+                   slots_low: [per layer, optional]}` (written by `moectl plan-cache`: moectl/plan/artifact.py;
+                   `simulate --plan` also applies its policies there, `apply_plan`)
 """
 
 from __future__ import annotations
@@ -76,14 +77,18 @@ def plan_slots(d: dict, path) -> list[int]:
     """The plan's per-layer slot counts, each an integer >= 1; errors name the file and the entry's line."""
     path = d.get("_path", path)
     slots = require_list(d, "slots", path or "plan")
-    lines = _yaml_item_lines(path, "slots")
-    for i, s in enumerate(slots):
-        line = lines[i] if i < len(lines) else None
-        if not is_int(s):
-            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] must be an integer, not {s!r}")
-        if s < 1:
-            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] is {s}; every MoE layer needs at least "
-                              f"one slot")
+    low = require_list(d, "slots_low", path or "plan") if "slots_low" in d else None
+    if low is not None and len(low) != len(slots):
+        raise MoectlError(f"{path or 'plan'}: slots_low has {len(low)} layers, slots {len(slots)}")
+    for key, values in (("slots", slots), ("slots_low", low or [])):
+        lines = _yaml_item_lines(path, key)
+        for i, s in enumerate(values):
+            line = lines[i] if i < len(lines) else None
+            if not is_int(s):
+                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] must be an integer, not {s!r}")
+            if s < 0 or (s < 1 and not (low and low[i] >= 1)):
+                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] is {s}; every MoE layer needs at least "
+                                  f"one slot")
     return list(slots)
 
 
