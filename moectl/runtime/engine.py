@@ -65,7 +65,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, device: str = "cpu", cache_experts: int | None = None, budget: str | int | None = None,
              offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
-             replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
+             replacement: str | ReplacementPolicy | None = None, prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
              gating_threshold: float | None = None, gate_prefill: bool = False,
