@@ -189,7 +189,7 @@ def uniform_pools(pol: Policies, L: int, E: int, experts_bytes: int, nbytes: dic
     return hi, lo
 
 
-REFINE_ROUNDS, REFINE_TRIES = 6, 6
+REFINE_ROUNDS, REFINE_TRIES = 3, 4
 
 
 def refine(replay: Replay, pol: Policies, curves: Curves, hi: list[int], lo: list[int], res, target: float, E: int,
