@@ -103,7 +103,7 @@ def timing() -> list[dict]:
 
 def plan_vs_uniform(tiny: str | None) -> list[dict]:
     rows = []
-    jobs = [(m, f, "20GB" if m == "mixtral" else quarter_budget(m)) for m, fs in TRACES.items() for f in fs]
+    jobs = [(m, f, 20_000_000_000 if m == "mixtral" else quarter_budget(m)) for m, fs in TRACES.items() for f in fs]
     if tiny:
         jobs.append((str(Path(tiny) / "checkpoint"), None, None))
     for model, name, budget in jobs:
@@ -150,7 +150,7 @@ def board(model: str, budget, plan_trace: str, judge_trace: str | None, precisio
             replay = Replay(tr, s.cost, train_traces=[s.replay.raw])
             replay.raw = tr
         rows = [run_preset(s, p, plan, replay) for p in PRESETS if names is None or p.name in names]
-    title = (f"{model} {int(budget) / 1e9 if str(budget).isdigit() else budget} on {HW}: plan on {plan_trace}"
+    title = (f"{model} {budget if isinstance(budget, str) else f'{budget / 1e9:.2f}GB'} on {HW}: plan on {plan_trace}"
              + (f", judged on {judge_trace}" if judge_trace else ""))
     print_scoreboard(rows, s, title=title)
     return {"title": title, "rows": rows, "ratios": ratios(rows) if any(r["preset"] == "moectl" for r in rows) else [],

@@ -126,3 +126,28 @@ def _fill_empty(a: np.ndarray) -> None:
     interpolation near it stays finite."""
     if np.isnan(a[:, 0, 0]).all():
         a[:, 0, 0] = a[:, min(1, a.shape[1] - 1), 0] if a.shape[1] > 1 else a[:, 0, min(1, a.shape[2] - 1)]
+
+
+def extend_curves(curves: Curves, run_uniform, counts, low: bool = False) -> Curves:
+    """The curves with every slot count in `counts` measured (one run each) on the one-precision axis (`low`: the
+    low-bit one), so the DP's chosen points are measured, not interpolated."""
+    grid = curves.lo if low else curves.hi
+    new = sorted(set(int(c) for c in counts) - set(grid))
+    if not new:
+        return curves
+    merged = sorted(set(grid) | set(new))
+    shape = list(curves.stall.shape)
+    shape[2 if low else 1] = len(merged)
+    stall, loads = np.zeros(shape), np.zeros(shape)
+    for i, c in enumerate(merged):
+        if c in grid:
+            k = grid.index(c)
+            src = (slice(None), slice(None), k) if low else (slice(None), k, slice(None))
+            dst = (slice(None), slice(None), i) if low else (slice(None), i, slice(None))
+            stall[dst], loads[dst] = curves.stall[src], curves.misses[src]
+        else:
+            s, m = run_uniform(0, c) if low else run_uniform(c, 0)
+            dst = (slice(None), slice(None), i) if low else (slice(None), i, slice(None))
+            stall[dst], loads[dst] = s[:, None], m[:, None]
+    return Curves(merged if not low else curves.hi, curves.lo if not low else merged, stall,
+                  curves.source + f" + {len(new)} more measured", loads)

@@ -19,7 +19,7 @@ import numpy as np
 from ..cache_model import split_slots
 from ..errors import MoectlError
 from .budget import BudgetSplit, ModelFacts
-from .curves import Curves, analytic_curves, coarse_grid, measure_curves, slot_grid
+from .curves import Curves, analytic_curves, coarse_grid, extend_curves, measure_curves, slot_grid
 from .dp import allocate
 
 
@@ -154,6 +154,7 @@ def choices_for(pol: Policies, E: int) -> list[tuple[int, int]]:
     return [(h, w) for h in range(1, E) for w in range(1, E - h + 1)]
 
 
+MEASURE_ROUNDS = 3             # DP -> measure the chosen slot counts off the grid -> DP again, at most this often
 MAX_UNITS = 4000               # budget resolution of the DP (units per full slot grow with the budget's size)
 
 
@@ -264,10 +265,19 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
     L, E = facts.num_layers, facts.num_experts
     nbytes = expert_nbytes(facts, pol)
     curves = build_curves(facts, replay, pol, cost.load_s(), nbytes, progress)
+    u_hi, u_lo = uniform_pools(pol, L, E, split.experts, nbytes)
+    low = pol.precision == "lowbit-only"
+    if replay is not None and pol.precision != "hobbit":       # the even split's counts measured, not interpolated
+        curves = extend_curves(curves, layer_runner(replay, pol, nbytes), u_lo if low else u_hi, low)
     t_curves = time.perf_counter() - t0
     hi, lo = dp_plan(curves, pol, L, E, split.experts, nbytes)
+    for _ in range(MEASURE_ROUNDS if replay is not None and pol.precision != "hobbit" else 0):
+        before = curves
+        curves = extend_curves(curves, layer_runner(replay, pol, nbytes), lo if low else hi, low)
+        if curves is before:                                   # every chosen count is a measured point
+            break
+        hi, lo = dp_plan(curves, pol, L, E, split.experts, nbytes)
     t_dp = time.perf_counter() - t0 - t_curves
-    u_hi, u_lo = uniform_pools(pol, L, E, split.experts, nbytes)
 
     def curve_ms(h, w):
         return 1e3 * float(sum(curves.at(l, a, b) for l, (a, b) in enumerate(zip(h, w))))
