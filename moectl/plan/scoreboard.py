@@ -114,10 +114,20 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: d
         if plain.ms_per_token < r.ms_per_token:
             r, pol.prefetch = plain, "none"
             row["notes"].append("Belady alone beat Belady + perfect prefetch at these slots")
+    if preset.slots.startswith("plan"):               # the plan's precision policy sets the fidelity
+        row["fidelity"] = fidelity(pol)
     row.update(summary(r, setup.cost), slots=caps, replacement=pol.replacement, prefetch=pol.prefetch,
                precision=pol.precision + (f" ({pol.lowbit})" if pol.lowbit else ""),
                gating=pol.gating if preset.name.startswith("moectl") else preset.gating)
     return row
+
+
+def fidelity(pol) -> str:
+    if pol.precision == "full":
+        return "full"
+    if pol.precision == "hobbit":
+        return f"full (hi/lo/skip T1 {pol.t1:g} T2 {pol.t2:g})"
+    return f"lower ({pol.lowbit} experts)"
 
 
 def _llamacpp(setup, trace, pol) -> dict:
