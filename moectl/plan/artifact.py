@@ -56,7 +56,7 @@ def apply_plan(plan: dict, trace, opts: dict):
         if opts.get(k) is None and pol.get(k) is not None:
             opts[k] = pol[k]
     if pol.get("precision") == opts.get("precision") and pol.get("precision") == "hobbit":
-        opts["t1"], opts["t2"] = pol.get("t1", opts["t1"]), pol.get("t2", opts["t2"])
+        opts["t1"], opts["t2"] = pol.get("t1", opts.get("t1")), pol.get("t2", opts.get("t2"))
     caps = None
     if plan.get("slots_low"):
         from ..cache_model import FULL

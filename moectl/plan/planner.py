@@ -110,8 +110,7 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
             loads += m
             hits += np.array(d["hits"], dtype=np.float64) / n
         if pol.cpu_experts != "never":
-            p = next(iter(nbytes)) if pol.precision != "full" else "full"
-            b = nbytes.get("low" if pol.precision == "lowbit-only" else "full")
+            b = nbytes["low" if pol.precision == "lowbit-only" else "full"]
             per_miss = min(cost.cpu_expert_s(1, b), cost.load_s(b) + cost.expert_s(1, b))
             loads = np.maximum(uses / n - hits, 0.0)
             stall = loads * per_miss

@@ -172,8 +172,8 @@ def _adapmoe_gating(setup, trace):
     from ..calib.sensitivity import JSON_NAME, load_sensitivity
     from ..policies.gating import SensitivityGating, gate_trace
 
-    f = setup.workdir / JSON_NAME
-    if f.exists():
+    f = setup.workdir / JSON_NAME if setup.workdir is not None else None
+    if f is not None and f.exists():
         meta = load_sensitivity(f, setup.facts.fingerprint, setup.facts.num_layers)
         sens, tg, src = meta["sensitivities"], meta.get("threshold") or SEED_T_G, str(f)
     elif trace.num_layers == len(SEED_MIXTRAL_SENSITIVITY) and trace.num_experts == 8:
@@ -277,10 +277,10 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
     setup = setup_from_trace(trace, budget, hardware, model_shape)
     plan = None
     if plan_path is not None:
-        plan = load_plan(plan_path)
-        from .artifact import apply_plan
+        from .artifact import check_plan_model
 
-        apply_plan(plan, trace, {})
+        plan = load_plan(plan_path)
+        check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
     elif preset.slots.startswith("plan") or preset.name == "oracle":
         from .planner import make_plan
 

@@ -18,7 +18,7 @@ class Setup:
     cost: object
     replay: Replay | None
     policies: Policies
-    workdir: Path
+    workdir: Path | None          # None: a bare trace (simulate --preset), no workdir artifacts
     hardware: str
     budget: str
     raw_trace: object = None      # before gating (presets gate their own way)
@@ -91,14 +91,15 @@ def _stored_gating(wd: Path, facts: ModelFacts, trace):
     return (float(meta["threshold"]), list(meta["sensitivities"]), gate_trace(trace, policy)) if policy else None
 
 
-def _prefetch(name: str, replay: Replay, wd: Path, facts: ModelFacts) -> str:
-    """Resolve --prefetch auto the way the runtime does, on what the traces can replay."""
+def _prefetch(name: str, replay: Replay, wd: Path | None, facts: ModelFacts) -> str:
+    """Resolve --prefetch auto the way the runtime does, on what the traces can replay (`wd` None: no workdir,
+    no predictors)."""
     from ..predict.artifact import JSON_NAME, load_predictors
     from ..sim.run import hidden_lookup
 
     tr = replay.trace
     hidden = hidden_lookup(tr) is not None
-    preds = load_predictors(wd, facts.fingerprint) if (wd / JSON_NAME).exists() else None
+    preds = load_predictors(wd, facts.fingerprint) if wd is not None and (wd / JSON_NAME).exists() else None
     if preds is not None:
         replay.aux_gate = preds.aux_gate
     if name == "auto":
@@ -115,10 +116,9 @@ def _prefetch(name: str, replay: Replay, wd: Path, facts: ModelFacts) -> str:
 def setup_from_trace(trace, budget: str, hardware: str, model_shape: str | None = None, kv_tokens: int = 4096,
                      replacement: str = "ours", prefetch: str = "auto") -> Setup:
     """A setup for `simulate --preset`: the model's facts from the trace's shape (recipe or --model-shape)."""
-    from ..sim.cost import CostModel, load_hardware
+    from ..sim.cost import CostModel, dense_bytes, kv_reserve_bytes, load_hardware
     from ..sim.run import model_shape as shape_of
     from .budget import ModelFacts
-    from ..sim.cost import dense_bytes, kv_reserve_bytes
 
     shape = shape_of(trace, model_shape)
     facts = ModelFacts(shape.get("name", trace.model), shape, trace.num_layers, trace.num_experts, trace.top_k,
@@ -128,7 +128,6 @@ def setup_from_trace(trace, budget: str, hardware: str, model_shape: str | None 
     cost = CostModel(load_hardware(hardware), shape)
     replay = Replay(trace, cost)
     replay.raw = trace
-    wd = Path(".")
     pol = Policies(replacement=replacement)
-    pol.prefetch = _prefetch(prefetch, replay, wd / "__none__", facts)
-    return Setup(facts, split, cost, replay, pol, wd / "__none__", hardware, budget, trace)
+    pol.prefetch = _prefetch(prefetch, replay, None, facts)
+    return Setup(facts, split, cost, replay, pol, None, hardware, budget, trace)
