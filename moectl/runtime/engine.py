@@ -489,7 +489,7 @@ def _load_plan(plan, workdir, fingerprint: str, num_layers: int, num_experts: in
     pred = d.get("predicted") or {}
     ms = pred.get("ms_per_token")
     return d, (f"plan: {d['_path']} ({sum(d['slots'])} expert slots, {min(d['slots'])}-{max(d['slots'])} per layer"
-               + (f"; predicted {ms:.1f} ms/token on {d.get('hardware')}" if ms else "") + "; --no-plan ignores it)")
+               + (f"; predicted {ms:.3g} ms/token on {d.get('hardware')}" if ms else "") + "; --no-plan ignores it)")
 
 
 def dense_nbytes(model, config=None) -> int:
