@@ -6,7 +6,7 @@
     predicted             (the whole plan replayed through the simulator: hit rate, ms/token, stall)
     uniform               (the same bytes split evenly, replayed the same way: the margin the plan must beat)
 
-Legend: L = MoE layers, E = experts, C = budget units (full-precision expert slots).
+Legend: L = MoE layers, E = experts, C = budget units (slots of one precision, or 1/8 low-bit slot: dp_plan).
 """
 
 from __future__ import annotations
