@@ -21,7 +21,8 @@ The rules, in the order a driver applies them:
        are spent now and no longer protected: an expert a prefetch loaded counts `prefetch_used` if
        chosen, `prefetch_wasted` if not.
     2. decode steps only: the prefetch policy observes the layer and its predictions for later layers
-       go to `prefetch(target, e)`.
+       go to `prefetch(target, e)`, resident ones first (`resident_first`: a copy for one prediction must
+       not evict another of the same batch).
     3. the layer's experts run in `chunks(l, experts)`: resident ones first (stable order), then the
        missing ones, in chunks of at most the pool's slot count; a chunk is pinned while it runs
        (`pin` / `unpin`) and each expert is one `access(l, e)`.
@@ -186,6 +187,14 @@ class CacheState:
         self._count(layer, precision, "misses")
         pol.on_insert(layer, expert, self.clock)
         return Access(slot, False, victim)
+
+    def resident_first(self, predictions) -> list:
+        """One batch of predictions (target layer, expert, score), the ones resident (in any pool) first,
+        stable: a driver issues them in this order, so every resident prediction is protected before a missing
+        one takes a slot, and a copy never evicts an expert predicted in the same batch."""
+        def resident(p):
+            return 0 <= p[0] < self.num_layers and any(int(p[1]) in pool.slot_of for pool in self.pools[p[0]].values())
+        return sorted(predictions, key=lambda p: not resident(p))
 
     def prefetch(self, layer: int, expert: int, precision: str = FULL) -> Access | None:
         """A predicted expert of a later layer: protected until that layer routes, inserted if missing.

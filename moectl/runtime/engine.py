@@ -208,7 +208,7 @@ class Engine:
         decode = past_key_values is not None and input_ids.shape[-1] == 1
         self.cache.begin_step("decode" if decode else "prefill")
         if decode and self.prefetch is not None:      # the aux gate: this token's first layer
-            for target, expert, _score in self.prefetch.predict_after_token():
+            for target, expert, _score in self.cache.state.resident_first(self.prefetch.predict_after_token()):
                 if 0 <= target < len(self.cache.slots_per_layer):
                     self.cache.prefetch(target, int(expert))
         if past_key_values is None:
@@ -345,7 +345,7 @@ class _Runtime:
         if pf is not None and self.cache.state.phase == "decode":      # predict ahead in decode steps only
             pf.observe(layer, top_k_index[0].tolist(), top_k_weights[0].float().tolist(),
                        hidden[0].float().cpu().numpy())
-            for target, expert, _score in pf.predict(layer):
+            for target, expert, _score in self.cache.state.resident_first(pf.predict(layer)):
                 if layer < target < len(self.cache.slots_per_layer):     # later layers of this token
                     self.cache.prefetch(target, int(expert))
 

@@ -263,7 +263,7 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
     hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
     final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
     placement = ComputePlacement(cpu_experts, cost)
-    adm = make_admission(admission, layer_s=decode_layer_s(cost, trace.top_k))
+    adm = make_admission(admission, cost, trace.top_k)
     r = Simulator(pools, repl, pf, cost, precision=precision, nbytes=nbytes,
                   placement=placement if cpu_experts != "never" else None, admission=adm).run(
         steps, hidden_of=hidden_of, final_hidden_of=final_of)
@@ -271,6 +271,8 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
     if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:
         note = ("moe-infinity without --train-on on a single-request trace has an empty request collection: "
                 "its pEAM is the live request's own, i.e. sequence LFU; seed it with --train-on TRACES")
+    if precision.name == "hobbit" and trace.weights is None:
+        note = "the trace has no gate weights: every miss scores 0, so HOBBIT loads every one in full precision"
     bel = None
     if belady and list(pools) == [FULL]:
         bel = Simulator(caps, make_replacement("belady"), None, cost).run(steps)["hit_rate"]
@@ -286,10 +288,6 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
         skipped_per_token=r["skipped_per_token"], cpu_experts_per_token=r["cpu_experts_per_token"],
         cpu_ms_per_token=r["cpu_ms_per_token"], fill_copies_per_token=r["fill_copies_per_token"], slots={p: sum(c) for p, c in pools.items()})
 
-
-def decode_layer_s(cost: CostModel, top_k: int, context: int = 512) -> float:
-    """Compute time of one decode layer whose experts are all resident (the copy engine's idle window)."""
-    return cost.attention_s(1, context) + top_k * cost.expert_s(1)
 
 
 def cost_for(trace: Trace, hardware: str, model_shape_name: str | None = None, bits: float | None = None) -> CostModel:

@@ -15,7 +15,11 @@ promoted to a demand-priority copy (counted in `demand`, not as a miss: the cach
 Timing-only counters (`hits` on time, `late`, `demand` copies, `prefetch` copies started) live here;
 `misses` and the per-layer, per-phase counters are the cache state's.
 
-The simulator drives the same ReplacementPolicy / PrefetchPolicy objects as the runtime.
+The simulator drives the same ReplacementPolicy / PrefetchPolicy objects as the runtime, and the same
+PrecisionPolicy (full / low-bit / skip on a miss, one cache pool per precision, copies timed by their bytes),
+ComputePlacement (a miss computed on the CPU: serial on the CPU, beside the device's experts; the layer ends
+at the later of the two; the expert is copied into the cache in the background while the engine idles) and
+prefetch admission (policies/admission.py: a prediction is copied only when it pays for itself).
 
 Legend: N = trace rows, L = MoE layers, K = top-k, E = experts, D = hidden size.
 """
@@ -190,21 +194,27 @@ class Simulator:
         a resident one is protected, a missing one is copied if the admission rule admits it."""
         state, per_layer = self.state, {}
         backlog = self._backlog(t)
-        for tl, e, score in preds:
+        for tl, e, score in state.resident_first(preds):
             if not (l < tl < self.L):
                 continue
             if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
                 continue
             per_layer[tl] = per_layer.get(tl, 0) + 1
-            self.pending.setdefault(tl, []).append((e, score))
             held = next((p for p in self.pools if state.contains(tl, e, p)), None)
             if held is not None:
                 state.prefetch(tl, e, held)               # protect only: no copy
                 continue
+            # calibrate on the candidates admission judges: a predicted expert that is not resident is right
+            # far less often than one that is
+            self.pending.setdefault(tl, []).append((e, score))
             p = self.pf_prec
             dur = self.cost.load_s(self.nbytes[p])
             full = len(state.resident(tl, p)) >= state.capacity(tl, p)
-            if not self.admission.admit(score, dur, max(tl - max(l, 0), 1), backlog, evicts=full):
+            # the chance its victim is another expert this layer then chooses: (k - 1) of S slots, quartered as
+            # replacement evicts the coldest resident and a token's other experts are mostly hot ones
+            co_chosen = min(1.0, 0.25 * (self.top_k - 1) / state.capacity(tl, p))
+            if not self.admission.admit(score, dur, max(tl - max(l, 0), 1), backlog, evicts=full,
+                                        co_chosen=co_chosen):
                 continue
             if self._issue(tl, e, t, p):
                 backlog += dur
@@ -229,6 +239,7 @@ class Simulator:
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
         self.bytes_copied = 0.0
+        self.top_k = max((len(c) for s in steps if not s.prefill for c in s.chosen), default=1)
         for p in self.pools:
             if self.repl[p].needs_future:
                 self.repl[p].set_future([s.chosen for s in steps])
@@ -267,6 +278,7 @@ class Simulator:
                     h = hidden_of(step.rows[0], l) if hidden_of else None
                     self.pf.observe(l, chosen, weights, h)
                     self._predicted(l, self.pf.predict(l), clock)
+                layer_demand = self.n_demand
                 # where each chosen expert runs: a resident copy of either precision; else the precision
                 # policy's choice (full / low / skip), fetched or computed on the CPU
                 scores = rank_scores(weights) if weights and not step.prefill else [0.0] * len(chosen)
@@ -349,6 +361,8 @@ class Simulator:
                     fills += not step.prefill
                     self._advance(clock + 1e-12)
                 clock = max(t, t_cpu)
+                if not step.prefill:
+                    self.admission.layer_done(self.n_demand - layer_demand)
             head = cost.lm_head_s(1)
             t_final = clock
             clock += head

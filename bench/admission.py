@@ -1,0 +1,113 @@
+"""Prefetch admission (issue 13): every prefetch kind with and without the admission rule vs no prefetch.
+
+For every shared trace (and the tiny model's traces when given) at 25 % and 50 % of the experts cached on
+rtx4090-pcie4, with the same replacement (LRU): ms/token of `--prefetch none`, and of each prefetch kind the
+trace supports with `--admission off` and `--admission on`. The claim checked: with admission, no kind is
+slower than no prefetch, and most are faster.
+
+Prefetch kinds per trace: eam always; routing when a sibling trace of the same model exists to train the
+predictor on (never the simulated trace; the single Mixtral file: each request, trained on the other); gate-reuse / mlp when the trace has hidden states (the tiny
+model's profiled traces; mlp needs --tiny-train).
+
+    python bench/admission.py [--shared /work/shared/traces] [--tiny VAL_TRACE --tiny-train TRAIN_TRACE]
+                              [--fractions 0.25 0.5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moectl.sim import run as sim
+from moectl.trace import load_trace
+
+SIBLING = {"olmoe.math": "olmoe.code", "olmoe.code": "olmoe.math", "qwen.math": "qwen.code",
+           "qwen.code": "qwen.math", "gptoss.math": "gptoss.code", "gptoss.code": "gptoss.math",
+           "granite.math": "granite.code", "granite.code": "granite.math",
+           "qwen1.5-moe.cooking_1": "qwen.math"}
+
+
+def cases(shared: Path, tiny: Path | None, tiny_train: Path | None, tiny_model: str | None):
+    """(name, trace, train trace or None, cost model) for each trace."""
+    for f in sorted(shared.glob("*.jsonl")):
+        tr = load_trace(f)
+        sib = SIBLING.get(f.stem)
+        cost = sim.cost_for(tr, "rtx4090-pcie4")
+        yield f.stem, tr, load_trace(shared / f"{sib}.jsonl") if sib else None, cost
+        reqs = [tr.select(sl) for _, sl in tr.request_slices()]
+        if sib is None and len(reqs) >= 2:          # one file (Mixtral): each request, routing trained on the others
+            for i, r in enumerate(reqs):
+                yield f"{f.stem} request {i}", r, sim.concat([o for j, o in enumerate(reqs) if j != i]), cost
+    if tiny is not None:
+        tr = load_trace(tiny)
+        yield "tiny", tr, load_trace(tiny_train) if tiny_train else None, sim.cost_for(tr, "rtx4090-pcie4", tiny_model)
+
+
+def predictors(tr, train):
+    """{kind: predictor or None} the trace supports."""
+    out = {"eam": None}
+    if train is not None:
+        from moectl.predict.routing import train_routing_predictor
+
+        out["routing"], _ = train_routing_predictor([train], lookahead=[1, 2])
+    if sim.hidden_lookup(tr) is not None and tr.routers:
+        out["gate-reuse"] = None
+        if train is not None and sim.hidden_lookup(train) is not None:
+            from moectl.predict.train import train_mlp
+
+            out["mlp"], _ = train_mlp([train], [1, 2], epochs=40, max_minutes=0.5)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shared", type=Path, default=Path("/work/shared/traces"))
+    ap.add_argument("--tiny", type=Path, help="a profiled trace of the tiny model with hidden states")
+    ap.add_argument("--tiny-train", type=Path, help="another trace of the tiny model to train predictors on")
+    ap.add_argument("--tiny-model", help="the tiny model's checkpoint directory (its shape), e.g. "
+                                         "~/.cache/moectl/tiny/checkpoint")
+    ap.add_argument("--noise", type=float, default=0.0005, help="relative differences below this are 'equal': a "
+                    "few extra copies change the cache's trajectory by this much either way")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
+    ap.add_argument("--replacement", default="lru")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    rows, slower, faster, total = [], [], 0, 0
+    print("| trace | cached | none ms/tok | prefetch | off ms/tok (pf/tok, wasted) | on ms/tok (pf/tok, wasted) | on vs none |")
+    print("|---|---|---|---|---|---|---|")
+    equal = 0
+    for name, tr, train, cost in cases(a.shared, a.tiny, a.tiny_train, a.tiny_model):
+        preds = predictors(tr, train)
+        for f in a.fractions:
+            caps = sim.capacities(tr, fraction=f)
+            none = sim.simulate(tr, caps, a.replacement, "none", cost, belady=False)
+            for kind, pred in preds.items():
+                r = {adm: sim.simulate(tr, caps, a.replacement, kind, cost, predictor=pred, belady=False,
+                                       admission=adm) for adm in ("off", "on")}
+                on, off = r["on"], r["off"]
+                total += 1
+                d = on.ms_per_token / none.ms_per_token - 1
+                faster += d < -a.noise
+                equal += abs(d) <= a.noise
+                if d > a.noise:
+                    slower.append((name, f, kind, f"{d:+.3%}"))
+                row = dict(trace=name, fraction=f, prefetch=kind, none=none.ms_per_token, off=off.ms_per_token,
+                           on=on.ms_per_token, off_prefetch=off.prefetch_loads_per_token,
+                           on_prefetch=on.prefetch_loads_per_token, off_wasted=off.wasted_prefetch_fraction,
+                           on_wasted=on.wasted_prefetch_fraction)
+                rows.append(row)
+                print(f"| {name} | {f:.0%} | {none.ms_per_token:.4g} | {kind} | {off.ms_per_token:.4g} "
+                      f"({off.prefetch_loads_per_token:.2f}, {off.wasted_prefetch_fraction:.0%}) | {on.ms_per_token:.4g} "
+                      f"({on.prefetch_loads_per_token:.2f}, {on.wasted_prefetch_fraction:.0%}) | "
+                      f"{d:+.3%} |", flush=True)
+    print(f"\nwith admission, of {total}: {faster} faster than no prefetch, {equal} within +-{a.noise:.2%}, "
+          f"{len(slower)} slower {slower}")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 1 if slower else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

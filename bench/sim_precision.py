@@ -1,0 +1,50 @@
+"""Issue 11 / 18 figures from the simulator: precision on a miss and CPU compute of misses, on a real trace.
+
+On the shared Mixtral trace at a 20 GB budget on rtx4090-pcie4 (defaults), LRU replacement, no prefetch:
+bytes/token and ms/token for bf16 only, HOBBIT hi/lo/skip (T1 0.6, T2 0.9, q4g64 copies, 25 % of the expert
+budget low-bit), and lowbit-only at q2/q3/q4 (group 64); then the same with `--cpu-experts auto` (misses computed
+on the CPU from host RAM where the cost model says it beats the copy, overlapping the device's experts).
+
+    python bench/sim_precision.py [--trace T] [--budget 20GB] [--hardware rtx4090-pcie4] [--replacement lru]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moectl.policies.precision import make_precision
+from moectl.recipes import parse_size
+from moectl.sim import run as sim
+from moectl.trace import load_trace
+
+CONFIGS = [("bf16 only", "full", None), ("HOBBIT hi/lo/skip q4g64", "hobbit", "q4g64"),
+           ("lowbit-only q4g64", "lowbit-only", "q4g64"), ("lowbit-only q3g64", "lowbit-only", "q3g64"),
+           ("lowbit-only q2g64", "lowbit-only", "q2g64")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default="/work/shared/traces/mixtral-8x7b.gsm8k.jsonl")
+    ap.add_argument("--budget", default="20GB")
+    ap.add_argument("--hardware", default="rtx4090-pcie4")
+    ap.add_argument("--replacement", default="lru")
+    a = ap.parse_args()
+    tr = load_trace(a.trace)
+    cost = sim.cost_for(tr, a.hardware)
+    caps = sim.capacities(tr, budget=parse_size(a.budget), cost=cost)
+    print(f"{tr.model}, {tr.num_tokens} tokens, budget {a.budget} ({sum(caps)} bf16 expert slots), {a.hardware}, "
+          f"{a.replacement}, no prefetch\n")
+    print("| setup | cpu experts | slots | misses/tok (full / low / skip / cpu) | GB/tok copied | ms/tok | cpu ms/tok |")
+    print("|---|---|---|---|---|---|---|")
+    for cpu in ("never", "auto"):
+        for label, prec, lowbit in CONFIGS:
+            r = sim.simulate(tr, caps, a.replacement, "none", cost, belady=False, precision=make_precision(prec),
+                             lowbit=lowbit, cpu_experts=cpu)
+            slots = ", ".join(f"{p} {n}" for p, n in r.slots.items())
+            print(f"| {label} | {cpu} | {slots} | {r.full_loads_per_token:.1f} / {r.lowbit_loads_per_token:.1f} / "
+                  f"{r.skipped_per_token:.1f} / {r.cpu_experts_per_token:.1f} | {r.bytes_per_token / 1e9:.2f} | "
+                  f"{r.ms_per_token:.1f} | {r.cpu_ms_per_token:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Simulator: per-precision pools (HOBBIT hi/lo/skip, lowbit-only), CPU compute of misses overlapping the
+device, and prefetch admission, on hand-made traces with fixed costs; `moectl simulate`'s flags for them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moectl.cache_model import FULL
+from moectl.errors import MoectlError
+from moectl.policies import LRU, PrefetchPolicy
+from moectl.policies.admission import AdmitAll, PrefetchAdmission, make_admission
+from moectl.policies.placement import ComputePlacement
+from moectl.policies.precision import LOW, HobbitPrecision, LowbitOnly
+from moectl.sim.cost import CostModel, FixedCost, expert_bytes, load_hardware, load_shape, parse_lowbit
+from moectl.sim.run import capacities, precision_pools
+from moectl.sim.simulator import Simulator, trace_steps
+from moectl.trace import DECODE, Trace
+
+NBYTES = {FULL: 1.0, LOW: 0.25}            # a low-bit copy is a quarter of the full one
+
+
+def make_trace(rows, weights=None, E=8, K=2):
+    """rows: per token, per layer, expert ids (top-k order); weights alike (gate weights)."""
+    N, L = len(rows), len(rows[0])
+    ex = np.full((N, L, K), -1, dtype=np.int16)
+    w = np.zeros((N, L, K), dtype=np.float32)
+    for n, r in enumerate(rows):
+        for l, ids in enumerate(r):
+            ex[n, l, : len(ids)] = ids
+            if weights is not None:
+                w[n, l, : len(ids)] = weights[n][l]
+    return Trace("hand-made", L, E, K, ["r0"] * N, np.arange(N, dtype=np.int32),
+                 np.full(N, DECODE, dtype=np.uint8), ex, w if weights is not None else None)
+
+
+def sim(caps, precision=None, placement=None, cost=None, prefetch=None, admission=None):
+    pools = caps if isinstance(caps, dict) else {FULL: caps}
+    return Simulator(pools, {p: LRU() for p in pools}, prefetch, cost or FixedCost(load=1.0, attention=0.1, expert=0.0),
+                     precision=precision, nbytes=NBYTES, placement=placement, admission=admission)
+
+
+# ----------------------------------------------------------------------------- precision
+
+def test_hobbit_loads_full_low_or_skips_by_rank_score():
+    # one layer, three tokens; scores of the 2nd expert = top-1's normalised weight
+    tr = make_trace([[[0, 1]], [[2, 3]], [[4, 5]]], [[[0.5, 0.5]], [[0.7, 0.3]], [[0.95, 0.05]]])
+    r = sim({FULL: [2], LOW: [2]}, HobbitPrecision(0.6, 0.9)).run(trace_steps(tr))
+    # token 0: both full (s = 0, 0.5); token 1: 2 full, 3 low (s = 0.7); token 2: 4 full, 5 skipped (s = 0.95)
+    assert r["full_loads_per_token"] == pytest.approx(4 / 3)
+    assert r["lowbit_loads_per_token"] == pytest.approx(1 / 3)
+    assert r["skipped_per_token"] == pytest.approx(1 / 3)
+    assert r["bytes_per_token"] == pytest.approx((4 * 1.0 + 0.25) / 3)
+    # per token: attention 0.1, then the loads back to back on one copy engine
+    assert r["ms_per_token"] == pytest.approx(1e3 * (0.1 * 3 + 2.0 + 1.25 + 1.0) / 3)
+
+
+def test_a_resident_copy_of_either_precision_is_used():
+    # token 0 loads expert 1 low (s = 0.8); token 1 has expert 1 as its top-1 (would load full): the low copy
+    # is resident, so it is a hit, no copy
+    tr = make_trace([[[0, 1]], [[1, 0]]], [[[0.8, 0.2]], [[0.8, 0.2]]])
+    r = sim({FULL: [2], LOW: [2]}, HobbitPrecision(0.6, 0.9)).run(trace_steps(tr))
+    assert r["full_loads_per_token"] == pytest.approx(0.5) and r["lowbit_loads_per_token"] == pytest.approx(0.5)
+    assert r["hits"] == 2 and r["demand"] == 2
+
+
+def test_hobbit_with_t1_one_is_full_precision_only():
+    tr = make_trace([[[0, 1]], [[2, 3]]], [[[0.9, 0.1]], [[0.99, 0.01]]])
+    full = sim({FULL: [2]}).run(trace_steps(tr))
+    hobbit = sim({FULL: [2], LOW: [2]}, HobbitPrecision(1.0, 1.0)).run(trace_steps(tr))
+    for k in ("ms_per_token", "bytes_per_token", "full_loads_per_token"):
+        assert hobbit[k] == pytest.approx(full[k])
+    assert hobbit["lowbit_loads_per_token"] == 0 and hobbit["skipped_per_token"] == 0
+
+
+def test_lowbit_only_loads_every_miss_low():
+    tr = make_trace([[[0, 1], [2, 3]]], [[[0.5, 0.5], [0.9, 0.1]]])
+    r = sim({LOW: [2, 2]}, LowbitOnly()).run(trace_steps(tr))
+    assert r["lowbit_loads_per_token"] == 4 and r["full_loads_per_token"] == 0
+    assert r["bytes_per_token"] == pytest.approx(1.0)
+    assert r["ms_per_token"] == pytest.approx(1e3 * (0.1 + 0.5 + 0.1 + 0.5))
+
+
+def test_precision_pools_split_the_bytes():
+    # 4 layers x 4 full slots of 1 byte = 16 bytes; 25 % of it holds 0.25-byte copies
+    pools = precision_pools([4] * 4, HobbitPrecision(), 1.0, 0.25, num_experts=8, lowbit_fraction=0.25)
+    assert pools == {FULL: [3] * 4, LOW: [4] * 4}          # 12 bytes of full slots; 4 bytes of 0.25-byte slots
+    assert precision_pools([4] * 4, LowbitOnly(), 1.0, 0.5, 8) == {LOW: [8] * 4}
+    assert precision_pools([4] * 4, HobbitPrecision(), 1.0, 0.25, 8, 0.5)[FULL] == [2] * 4
+    assert precision_pools([4] * 4, HobbitPrecision(1.0, 1.0), 1.0, 0.25, 8, 0.5) == {FULL: [4] * 4}   # never low
+    with pytest.raises(MoectlError, match="--lowbit"):
+        precision_pools([4] * 4, LowbitOnly(), 1.0, None, 8)
+    with pytest.raises(MoectlError, match="below one per"):
+        precision_pools([1] * 4, HobbitPrecision(), 1.0, 0.25, 8, 0.01)
+
+
+def test_lowbit_spec_and_bytes():
+    assert parse_lowbit("q4g64") == (4, 64) and parse_lowbit("Q2G16") == (2, 16) and parse_lowbit("q3") == (3, 64)
+    for bad in ("q5g64", "int4", "q4g0", "4"):
+        with pytest.raises(MoectlError, match="q<bits>g<group size>"):
+            parse_lowbit(bad)
+    shape = load_shape("mixtral")
+    n = 3 * 4096 * 14336
+    assert expert_bytes(shape, 4, 64) == pytest.approx(n * 0.5 + n / 64 * 4)      # ~99 MB vs 352 MB bf16
+
+
+def test_budget_keeps_dense_weights_and_kv_reserve():
+    from moectl.sim.cost import dense_bytes, kv_reserve_bytes
+
+    shape = load_shape("mixtral")
+    cm = CostModel(load_hardware("rtx4090-pcie4"), shape)
+    assert 2.5e9 < dense_bytes(shape) < 3.5e9                # attention + embeddings + head of Mixtral-8x7B
+    assert kv_reserve_bytes(shape) == 2 * 32 * 8 * 128 * 4096 * 2
+    tr = make_trace([[[0, 1]] * 32])
+    caps = capacities(tr, budget=20e9, cost=cm)
+    left = 20e9 - dense_bytes(shape) - kv_reserve_bytes(shape)
+    assert sum(caps) == int(left // cm.expert_bytes)
+    with pytest.raises(MoectlError, match="below one expert slot"):
+        capacities(tr, budget=4e9, cost=cm)
+
+
+# ----------------------------------------------------------------------------- CPU compute of misses
+
+def test_cpu_experts_overlap_the_device_within_a_layer():
+    # layer 0: expert 0 resident after token 0; token 1 needs 0 (device, 0.03) and 1, 2 (misses on the CPU,
+    # 0.3 each, serial): the layer takes attention + max(0.03, 0.6)
+    cost = FixedCost(load=1.0, attention=0.1, expert=0.03, cpu_expert=0.3)
+    tr = make_trace([[[0]], [[0, 1, 2]]], K=3)
+    steps = trace_steps(tr)
+    r = Simulator({FULL: [4]}, {FULL: LRU()}, None, cost, nbytes=NBYTES,
+                  placement=ComputePlacement("always", cost)).run(steps[:1])
+    assert r["cpu_experts_per_token"] == 1 and r["ms_per_token"] == pytest.approx(1e3 * (0.1 + 0.3))
+    # the CPU computed expert 0 and, the copy engine being idle, a background copy puts it in the cache
+    assert r["fill_copies_per_token"] == 1 and r["bytes_per_token"] == pytest.approx(1.0)
+    # the copy lands 1 s later: the next token (after it landed) finds it resident
+    tr2 = make_trace([[[0]], [[]], [[]], [[]], [[]], [[]], [[]], [[]], [[]], [[0, 1, 2]]], K=3)
+    r = Simulator({FULL: [4]}, {FULL: LRU()}, None, cost, nbytes=NBYTES,
+                  placement=ComputePlacement("always", cost)).run(trace_steps(tr2))
+    last = 1e3 * (0.1 + max(0.03, 0.3 + 0.3))
+    first = 1e3 * 0.4
+    assert r["ms_per_token"] == pytest.approx((first + 8 * 100 + last) / 10)
+    assert r["cpu_ms_per_token"] == pytest.approx(1e3 * 0.9 / 10)
+
+
+def test_cpu_placement_auto_follows_the_cost_model():
+    tr = make_trace([[[0, 1]], [[2, 3]]])
+    slow_cpu = FixedCost(load=1.0, attention=0.1, expert=0.0, cpu_expert=2.0)
+    fast_cpu = FixedCost(load=1.0, attention=0.1, expert=0.0, cpu_expert=0.2)
+    fetch = Simulator({FULL: [2]}, {FULL: LRU()}, None, slow_cpu, placement=ComputePlacement("auto", slow_cpu)).run(
+        trace_steps(tr))
+    cpu = Simulator({FULL: [2]}, {FULL: LRU()}, None, fast_cpu, placement=ComputePlacement("auto", fast_cpu)).run(
+        trace_steps(tr))
+    assert fetch["cpu_experts_per_token"] == 0 and fetch["ms_per_token"] == pytest.approx(1e3 * 2.1)
+    # on the CPU: 2 x 0.2 serial, overlapped with nothing on the device
+    assert cpu["cpu_experts_per_token"] == 2 and cpu["ms_per_token"] == pytest.approx(1e3 * 0.5)
+
+
+def test_cpu_reads_a_lowbit_copy_faster():
+    tr = make_trace([[[0, 1]]], [[[0.5, 0.5]]])
+    cost = FixedCost(load=1.0, attention=0.1, expert=0.0, cpu_expert=0.4)
+    r = Simulator({LOW: [2]}, {LOW: LRU()}, None, cost, precision=LowbitOnly(), nbytes=NBYTES,
+                  placement=ComputePlacement("always", cost)).run(trace_steps(tr))
+    assert r["cpu_ms_per_token"] == pytest.approx(1e3 * 2 * 0.1)            # 0.4 x 0.25 bytes each
+
+
+# ----------------------------------------------------------------------------- prefetch admission
+
+class Fixed(PrefetchPolicy):
+    def __init__(self, plan, score=1.0):
+        self.plan, self.score = plan, score
+
+    def predict(self, layer):
+        return [(t, e, self.score) for t, e in self.plan.get(layer, [])]
+
+
+def test_admission_rule():
+    a = PrefetchAdmission(attention_s=0.1, experts_s=0.0)          # 0.1 s of idle copy engine per layer
+    assert a.confidence(1.0) == pytest.approx(0.5)                 # before any outcome: half the score
+    for _ in range(100):
+        a.outcome(0.95, True)
+        a.outcome(0.35, False)
+    assert a.confidence(0.95) == pytest.approx((100 + 8 * 0.475) / 108)
+    assert a.confidence(0.35) < 0.02
+    assert a.admit(0.95, copy_s=0.3, layers_ahead=4, backlog_s=0.0, evicts=False)   # lands in time, sure
+    assert not a.admit(0.95, copy_s=0.3, layers_ahead=1, backlog_s=0.1)            # no time left before it
+    # 0.1 s hidden of a 0.3 s copy: worth it when right 96 % of the time and the victim is cold
+    # (0.096 saved vs 0.02 cost + the floor of 10 % of the copy)...
+    assert a.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.1)
+    assert not a.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.15)           # 0.05 s: below the floor
+    # ... not when the slot it takes may hold an expert its layer is about to choose
+    assert not a.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.1, co_chosen=0.5)
+    assert not a.admit(0.35, copy_s=0.3, layers_ahead=4, backlog_s=0.0)             # mostly wrong: evicts
+    assert isinstance(make_admission("off"), AdmitAll) and AdmitAll().admit(0.0, 9, 1, 9)
+    with pytest.raises(MoectlError, match="--admission"):
+        make_admission("maybe")
+
+
+def test_admission_drops_a_late_prefetch_and_keeps_a_timely_one():
+    cost = FixedCost(load=1.0, attention=0.1, expert=0.0)
+    tr = make_trace([[[0], [5]]], K=1)
+    off, on = (Simulator([2, 2], LRU(), Fixed({0: [(1, 5)]}), cost, admission=adm).run(trace_steps(tr))
+               for adm in (AdmitAll(), make_admission("on", cost, 1)))
+    none = Simulator([2, 2], LRU(), None, cost).run(trace_steps(tr))
+    # the prefetch of 5 queues behind demand 0 and cannot land before layer 1 runs (0.1 s of compute for a
+    # 1 s copy): admission does not issue it
+    assert off["prefetch"] == 1 and off["late"] == 1
+    assert on["prefetch"] == 0 and on["ms_per_token"] == pytest.approx(none["ms_per_token"])
+    timely = make_trace([[[], [], [], [], [5]]], K=1)
+    c2 = FixedCost(load=0.3, attention=0.1, expert=0.0)
+    r = Simulator([2] * 5, LRU(), Fixed({0: [(4, 5)]}), c2, admission=make_admission("on", c2, 1)).run(
+        trace_steps(timely))
+    assert r["prefetch"] == 1 and r["hits"] == 1 and r["ms_per_token"] == pytest.approx(500.0)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def write_jsonl(path, rows, weights):
+    lines = [json.dumps({"format": "moe-routing-v1", "model": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+                         "num_layers": 32, "num_experts": 8, "top_k": 2})]
+    for n, (r, w) in enumerate(zip(rows, weights)):
+        lines.append(json.dumps({"request": "r0", "pos": n, "phase": "decode", "experts": r, "weights": w}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="module")
+def mixtral_weighted(tmp_path_factory):
+    rng = np.random.default_rng(1)
+    rows = [[[int(x) for x in rng.choice(8, 2, replace=False)] for _ in range(32)] for _ in range(16)]
+    weights = []
+    for _ in rows:
+        w = rng.uniform(0.5, 1.0, 32)
+        weights.append([[float(a), float(1 - a)] for a in w])
+    p = tmp_path_factory.mktemp("wtrace") / "m.jsonl"
+    write_jsonl(p, rows, weights)
+    return p
+
+
+def cli(args):
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+
+    return CliRunner().invoke(app, args)
+
+
+def test_simulate_precision_cpu_and_admission_flags(mixtral_weighted):
+    base = ["simulate", "-t", str(mixtral_weighted), "--budget", "20GB", "--json"]
+    out = {}
+    for name, extra in {"full": [], "hobbit": ["--precision", "hobbit", "--lowbit", "q4g64"],
+                        "q4": ["--precision", "lowbit-only", "--lowbit", "q4g64"],
+                        "q4cpu": ["--precision", "lowbit-only", "--lowbit", "q4g64", "--cpu-experts", "auto"],
+                        "eam": ["--prefetch", "eam", "--admission", "on"]}.items():
+        res = cli(base + extra)
+        assert res.exit_code == 0, res.output
+        out[name] = json.loads(res.stdout)
+    full, hobbit, q4, q4cpu = out["full"], out["hobbit"], out["q4"], out["q4cpu"]
+    assert full["bytes_per_token"] == pytest.approx(full["demand_loads_per_token"] * 352_321_536)
+    assert hobbit["lowbit_loads_per_token"] > 0 and hobbit["bytes_per_token"] < full["bytes_per_token"]
+    assert set(hobbit["slots"]) == {"full", "low"} and set(q4["slots"]) == {"low"}
+    assert q4["slots"]["low"] > 3 * full["slots"]["full"]                     # ~3.5x as many q4 experts fit
+    assert q4["ms_per_token"] < hobbit["ms_per_token"] < full["ms_per_token"]
+    assert q4cpu["cpu_experts_per_token"] > 0 and q4cpu["ms_per_token"] < q4["ms_per_token"]
+    assert out["eam"]["ms_per_token"] <= full["ms_per_token"] + 1e-9
+    for bad, msg in ((["--lowbit", "q5"], "q<bits>g<group size>"), (["--precision", "hobbit"], "--lowbit"),
+                     (["--cpu-experts", "sometimes"], "--cpu-experts"), (["--admission", "yes"], "--admission"),
+                     (["--precision", "int4"], "--precision")):
+        res = cli(base + bad)
+        assert isinstance(res.exception, MoectlError) and msg in str(res.exception), (bad, res.output)
+
+
+def test_a_prediction_batch_never_evicts_its_own_resident_experts():
+    from moectl.cache_model import CacheState
+
+    st = CacheState([2], LRU())
+    st.access(0, 0)                     # expert 0 least recently used, then 2
+    st.access(0, 2)
+    batch = [(0, 5, 0.9), (0, 0, 0.8)]  # 5 is missing, 0 resident: 0 is protected before 5 takes a slot
+    assert st.resident_first(batch) == [(0, 0, 0.8), (0, 5, 0.9)]
+    for tl, e, _ in st.resident_first(batch):
+        st.prefetch(tl, e)
+    assert sorted(st.resident(0)) == [0, 5]          # 2 went, not the predicted 0
+    # the simulator issues in that order: an oracle prefetch then saves the load it predicts
+    tr = make_trace([[[0], [1, 2]], [[0], [1, 3]]])
+    steps = trace_steps(tr)
+
+    class Oracle(PrefetchPolicy):
+        def __init__(self):
+            self.i = -1
+
+        def observe(self, layer, chosen, weights=None, hidden=None):
+            self.i += layer == 0
+
+        def predict(self, layer):
+            return [(1, e, 1.0) for e in steps[self.i].chosen[1]] if layer == 0 else []
+
+    cost = FixedCost(load=1.0, attention=0.1, expert=0.01)
+    none = Simulator([2, 2], LRU(), None, cost).run(steps)
+    oracle = Simulator([2, 2], LRU(), Oracle(), cost).run(steps)
+    assert oracle["demand"] + oracle["prefetch"] == none["demand"] == 4      # right predictions add no copy
+    assert oracle["ms_per_token"] < none["ms_per_token"]
