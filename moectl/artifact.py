@@ -97,3 +97,31 @@ def require_list(d: dict, key: str, path, *, line: int | None = None) -> list:
     if not isinstance(d[key], list):
         raise MoectlError(f"{where(path, line)}: `{key}` must be a list, not {type(d[key]).__name__}")
     return d[key]
+
+
+def write_descriptor(path, d: dict) -> Path:
+    """Write an artifact's descriptor atomically (a temp file renamed into place): YAML for .yaml/.yml, else
+    JSON. Numpy scalars become plain numbers."""
+    import os
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    clean = json.loads(json.dumps(d, default=_plain))
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        text = yaml.safe_dump(clean, sort_keys=False, default_flow_style=None, width=120)
+    else:
+        text = json.dumps(clean, indent=1)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+    return p
+
+
+def _plain(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"cannot write {type(x).__name__} into an artifact")

@@ -102,7 +102,7 @@ def test_registry():
     for name in REPLACEMENT_NAMES:
         assert make_replacement(name, num_layers=4, num_experts=8).name == name
     assert make_prefetch("none").predict(0) == []
-    assert set(PREFETCH_NAMES) == {"none", "gate-reuse", "eam", "routing", "mlp", "aux-gate"}
+    assert set(PREFETCH_NAMES) == {"none", "gate-reuse", "eam", "routing", "mlp", "aux-gate", "oracle"}
     with pytest.raises(MoectlError):
         make_replacement("fifo")
     with pytest.raises(MoectlError, match="predictor"):

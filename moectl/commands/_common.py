@@ -38,11 +38,18 @@ class CacheOpts:
     @staticmethod
     def replacement():
         names = ", ".join(n for n in REPLACEMENT_NAMES if n != "belady")        # belady needs the future
-        return typer.Option("lru", "--replacement", help=f"Cache replacement policy: {names}.")
+        return typer.Option(None, "--replacement", help=f"Cache replacement policy: {names} (default: the plan's, "
+                                                        "else lru).")
+
+    @staticmethod
+    def no_plan():
+        return typer.Option(False, "--no-plan", help="Ignore the workdir's plan.yaml (from `moectl plan-cache`), which "
+                                                     "otherwise sets the slots per layer when neither --cache-experts "
+                                                     "nor --budget is given.")
 
     @staticmethod
     def prefetch():
-        names = ", ".join(n for n in PREFETCH_NAMES)
+        names = ", ".join(n for n in PREFETCH_NAMES if n != "oracle")      # oracle knows the future
         return typer.Option("auto", "--prefetch",
                             help="Runtime prefetch: auto (the workdir's trained predictors: aux gate for layer 0 + MLP; "
                                  f"gate-reuse when there are none), {names}.")
@@ -115,6 +122,14 @@ class GatingOpts:
     @staticmethod
     def prefill():
         return typer.Option(False, "--gate-prefill", help="Gate the prompt's tokens too (default: decode steps only).")
+
+
+def print_plan_note(eng, console=None) -> None:
+    """The line that says which plan.yaml the runtime applied (stderr: JSON on stdout stays clean)."""
+    from rich.console import Console
+
+    if getattr(eng, "plan_note", ""):
+        (console or Console(stderr=True)).print(f"[dim]{eng.plan_note}[/]", highlight=False)
 
 
 def print_stats_line(stats: dict, console=None) -> None:

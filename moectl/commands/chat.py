@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, prepare_model
+from ._common import CacheOpts, GatingOpts, prepare_model, print_plan_note
 
 
 def chat(
@@ -22,7 +22,8 @@ def chat(
     device: str = CacheOpts.device(),
     emulate_device: bool = CacheOpts.emulate_device(),
     offload: str = CacheOpts.offload(),
-    replacement: str = CacheOpts.replacement(),
+    replacement: Optional[str] = CacheOpts.replacement(),
+    no_plan: bool = CacheOpts.no_plan(),
     prefetch: str = CacheOpts.prefetch(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
@@ -50,7 +51,8 @@ def chat(
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       emulate_device=emulate_device,
                       gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
-                      progress=interactive)
+                      plan=None if no_plan else "auto", progress=interactive)
+    print_plan_note(eng)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                           top_p=top_p, seed=seed, system=system)
     raise typer.Exit(run_chat(session, console=console, interactive=interactive))

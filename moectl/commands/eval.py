@@ -23,7 +23,7 @@ def eval_(
     device: str = CacheOpts.device(),
     emulate_device: bool = CacheOpts.emulate_device(),
     offload: str = CacheOpts.offload(),
-    replacement: str = CacheOpts.replacement(),
+    replacement: Optional[str] = CacheOpts.replacement(),
     prefetch: str = CacheOpts.prefetch(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, prepare_model, print_stats_line
+from ._common import CacheOpts, GatingOpts, prepare_model, print_plan_note, print_stats_line
 
 
 def generate(
@@ -24,7 +24,8 @@ def generate(
     device: str = CacheOpts.device(),
     emulate_device: bool = CacheOpts.emulate_device(),
     offload: str = CacheOpts.offload(),
-    replacement: str = CacheOpts.replacement(),
+    replacement: Optional[str] = CacheOpts.replacement(),
+    no_plan: bool = CacheOpts.no_plan(),
     prefetch: str = CacheOpts.prefetch(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
@@ -51,7 +52,8 @@ def generate(
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       emulate_device=emulate_device,
                       gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
-                      progress=not as_json)
+                      plan=None if no_plan else "auto", progress=not as_json)
+    print_plan_note(eng)
     stream = None
     if not as_json:
         def stream(_tok, piece):

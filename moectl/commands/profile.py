@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from typing import Optional
+
 import typer
 
 from ._common import CacheOpts, prepare_model
@@ -30,7 +32,7 @@ def profile(
     budget: str = typer.Option(None, "--budget", help="device memory for the expert cache, e.g. 2GB"),
     cache_experts: int = typer.Option(None, "--cache-experts", help="expert cache size in experts"),
     emulate_device: bool = CacheOpts.emulate_device(),
-    replacement: str = CacheOpts.replacement(),
+    replacement: Optional[str] = CacheOpts.replacement(),
     prefetch: str = typer.Option("none", "--prefetch",
                                  help="runtime prefetch while recording, as in `generate` [default: none]"),
     predictor: str = CacheOpts.predictor(),
@@ -74,7 +76,7 @@ def profile(
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
-                      budget=budget, cache_experts=cache_experts, replacement=replacement, prefetch=prefetch,
+                      budget=budget, cache_experts=cache_experts, replacement=replacement or "lru", prefetch=prefetch,
                       predictor=predictor, emulate_device=emulate_device and device == "cpu")
 
     def show_plan(info: dict) -> None:
@@ -108,7 +110,7 @@ def profile(
     # policies gives the same counts (the shared rules of moectl/cache_model.py)
     summary["cache"] = {ph: {k: v for k, v in eng.cache.state.totals(ph).items() if k in ("hits", "misses")}
                         for ph in ("prefill", "decode")}
-    summary["cache"].update(replacement=replacement, prefetch=prefetch, slots=sum(eng.cache.slots_per_layer))
+    summary["cache"].update(replacement=replacement or "lru", prefetch=prefetch, slots=sum(eng.cache.slots_per_layer))
     if as_json:
         print(json.dumps(summary))
     else:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model
+from ._common import CacheOpts, prepare_model, print_plan_note
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -29,7 +29,8 @@ def serve(
     device: str = CacheOpts.device(),
     emulate_device: bool = CacheOpts.emulate_device(),
     offload: str = CacheOpts.offload(),
-    replacement: str = CacheOpts.replacement(),
+    replacement: Optional[str] = CacheOpts.replacement(),
+    no_plan: bool = CacheOpts.no_plan(),
     prefetch: str = CacheOpts.prefetch(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
@@ -64,7 +65,8 @@ def serve(
                           threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
                           predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any
-                          progress=err.is_terminal)
+                          plan=None if no_plan else "auto", progress=err.is_terminal)
+        print_plan_note(eng)
         app = create_app(eng, served_name or eng.ref.name, api_key=api_key, max_queue=max_queue,
                          default_max_tokens=max_tokens)
         bound_host, bound_port = sock.getsockname()[:2]

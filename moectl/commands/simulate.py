@@ -20,13 +20,17 @@ def simulate(
     trace: list[Path] = typer.Option(..., "--trace", "-t", help="trace directory or moe-routing-v1 JSONL (repeatable; one model)"),
     cache_fraction: float = typer.Option(None, "--cache-fraction", help="fraction of each layer's experts cached"),
     cache_experts: int = typer.Option(None, "--cache-experts", help="expert slots in total, split evenly over layers"),
-    plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml with per-layer slot counts"),
+    plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml (`moectl plan-cache`): its slots per precision, "
+                              "and its policies and thresholds for every option not given here"),
+    preset: str = typer.Option(None, "--preset", help="a setup people use, on this trace at --budget: mixtral-offloading, "
+                               "moe-infinity, hobbit, adapmoe, llamacpp-cpu-moe, oracle, moectl (the plan: --plan, "
+                               "else one made on this trace), moectl-q4 (docs/benchmarks.md: where each comes from)"),
     budget: str = typer.Option(None, "--budget", help="device memory, e.g. 20GB: the model's dense weights and a "
                                "4096-token KV reserve come off first, experts fill the rest"),
-    replacement: str = typer.Option("lru", "--replacement", "-r", help=f"{', '.join(REPLACEMENT_NAMES)}. moe-infinity "
+    replacement: str = typer.Option(None, "--replacement", "-r", help=f"(default lru) {', '.join(REPLACEMENT_NAMES)}. moe-infinity "
                                      "matches the request against earlier ones: on a single request without "
                                      "--train-on it is sequence LFU"),
-    prefetch: str = typer.Option("none", "--prefetch", "-p", help=f"{', '.join(PREFETCH_NAMES)} (aux-gate: the aux gate "
+    prefetch: str = typer.Option(None, "--prefetch", "-p", help=f"(default none) {', '.join(PREFETCH_NAMES)} (aux-gate: the aux gate "
                                   "for layer 0 + mlp)"),
     predictor: Path = typer.Option(None, "--predictor", help="predictors dir/json from `moectl train-predictor`"),
     train_on: list[Path] = typer.Option(None, "--train-on", help="train the routing predictor (and seed EAM "
@@ -36,7 +40,7 @@ def simulate(
     depth: int = typer.Option(None, "--depth", min=1, help="prefetch lookahead in layers (default: 1 for gate-reuse, else 2)"),
     per_layer: int = typer.Option(None, "--per-layer", min=1, help="experts prefetched per layer (default top-k)"),
     bits: float = typer.Option(None, "--bits", help="expert precision in bits (default: the model's dtype)"),
-    precision: str = typer.Option("full", "--precision", help="on a miss: full (always the full copy), hobbit "
+    precision: str = typer.Option(None, "--precision", help="on a miss: full (the default: always the full copy), hobbit "
                                   "(full / low-bit / skip by the expert's rank score, --t1 --t2), lowbit-only "
                                   "(every expert from its low-bit copy)"),
     lowbit: str = typer.Option(None, "--lowbit", help="the low-bit copy set, q<bits>g<group>, e.g. q4g64 "
@@ -45,7 +49,7 @@ def simulate(
     t2: float = typer.Option(0.9, "--t2", help="HOBBIT: ... <= T2 loads its low-bit copy, above T2 is skipped"),
     lowbit_fraction: float = typer.Option(None, "--lowbit-fraction", help="HOBBIT: share of the expert budget "
                                           "holding low-bit copies (default 0.25; lowbit-only uses all of it)"),
-    cpu_experts: str = typer.Option("never", "--cpu-experts", help="a miss computed on the CPU from host RAM "
+    cpu_experts: str = typer.Option(None, "--cpu-experts", help="(default never) a miss computed on the CPU from host RAM "
                                     "instead of fetched: auto (whichever the cost model says is faster), never, "
                                     "always; the CPU's experts overlap the device's within a layer"),
     admission: str = typer.Option("off", "--admission", help="on: issue a prefetch only when its expected "
@@ -76,12 +80,33 @@ def simulate(
     console = Console(stderr=True)
     traces = [load_trace(p) for p in trace]
     tr = sim.concat(traces)
+    if preset is not None:
+        from ..plan.scoreboard import simulate_preset
+
+        simulate_preset(tr, preset, budget, hardware, model_shape, plan, as_json)
+        return
+    opts = dict(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1, t2=t2,
+                cpu_experts=cpu_experts)
+    plan_caps, plan_gating = None, None
+    if plan is not None:
+        from ..plan.artifact import apply_plan
+
+        plan_caps, plan_gating = apply_plan(sim.load_plan(plan), tr, opts)
+    replacement, prefetch, precision, lowbit, t1, t2, cpu_experts = (
+        opts["replacement"] or "lru", opts["prefetch"] or "none", opts["precision"] or "full", opts["lowbit"],
+        opts["t1"], opts["t2"], opts["cpu_experts"] or "never")
     from ..policies.precision import make_precision
     from ..recipes import parse_size
 
     cost = sim.cost_for(tr, hardware, model_shape, bits)
     caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost)
+    if plan_caps is not None:
+        caps = plan_caps
     gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)
+    if gated is None and plan_gating is not None and gating_threshold is None and gating is None:
+        from ..policies.gating import gate_trace
+
+        gated = gate_trace(tr, plan_gating, gate_prefill)
     if gated is not None:
         tr = gated
     prec = make_precision(precision, t1, t2)

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from ..errors import MoectlError
 from .aux_gate import AuxGatePrefetch
 from .base import LRU, PrefetchPolicy, ReplacementPolicy
-from .prefetch import EAMPrefetch, GateReuse, MLPPrefetch, RoutingPrefetch, eams_from_traces
+from .prefetch import EAMPrefetch, GateReuse, MLPPrefetch, OraclePrefetch, RoutingPrefetch, eams_from_traces
 from .replacement import LFU, Belady, Hobbit, MoEInfinity, Ours
 
 REPLACEMENTS = {"lru": LRU, "lfu": LFU, "moe-infinity": MoEInfinity, "hobbit": Hobbit, "belady": Belady,
                 "ours": Ours}
 PREFETCHES = {"none": PrefetchPolicy, "gate-reuse": GateReuse, "eam": EAMPrefetch, "routing": RoutingPrefetch,
-              "mlp": MLPPrefetch, "aux-gate": AuxGatePrefetch}
+              "mlp": MLPPrefetch, "aux-gate": AuxGatePrefetch, "oracle": OraclePrefetch}
 REPLACEMENT_NAMES = list(REPLACEMENTS)
 PREFETCH_NAMES = list(PREFETCHES)
 # keywords that describe the model rather than configure a policy: passed where a policy takes them
-FACTS = {"num_layers", "num_experts", "routers", "bias", "eamc", "predictor", "inner"}
+FACTS = {"num_layers", "num_experts", "routers", "bias", "eamc", "predictor", "inner", "future"}
 
 
 def _build(cls, kw: dict):
@@ -72,6 +72,7 @@ class PolicyInputs:
     aux_gate: object | None = None
     eamc: list | None = None             # request EAMs seeding MoE-Infinity's collection
     predictor_hint: str = ""             # how to get a missing predictor, for the error message
+    future: list | None = None           # simulation only: each decode step's experts per layer (oracle prefetch)
 
 
 def build_replacement(name: str, inputs: PolicyInputs, **options) -> ReplacementPolicy:
@@ -104,6 +105,11 @@ def build_prefetch(name: str, inputs: PolicyInputs, depth: int | None = None, pe
     elif name == "eam":
         kw.update(num_layers=inputs.num_layers, num_experts=inputs.num_experts, eamc=inputs.eamc or [],
                   depth=depth or 2)
+    elif name == "oracle":
+        if inputs.future is None:
+            raise MoectlError("oracle prefetch knows the future: it exists in `moectl simulate` only")
+        kw.update(future=inputs.future, depth=depth or 1)
+        kw.pop("min_score", None)
     elif name == "mlp" and inputs.mlp is not None:
         kw["depth"] = depth or max(getattr(inputs.mlp, "lookaheads", None) or [2])
     pred = {"mlp": inputs.mlp, "routing": inputs.routing, "aux-gate": inputs.aux_gate}.get(name)

@@ -202,3 +202,34 @@ def eams_from_traces(traces, chunk: int = 64) -> list[np.ndarray]:
                 if len(r):
                     out.append(expert_activation_matrix(tr, slice(int(r[0]), int(r[-1]) + 1)).astype(np.float64))
     return out
+
+
+class OraclePrefetch(PrefetchPolicy):
+    """Perfect prefetch (simulation only, the limit beside Belady): after layer l's router, exactly the experts
+    layers l+1..l+depth of this token will use; before a token's first layer, that layer's experts.
+
+    `future`: per decode step in replay order, the experts each layer uses (the simulator's decode steps)."""
+
+    name = "oracle"
+
+    def __init__(self, future: list[list[list[int]]], depth: int = 1, per_layer: int = 2) -> None:
+        self.future, self.depth, self.per_layer = future, depth, per_layer
+        self.step = 0
+        self.layer = -1
+
+    def observe(self, layer, chosen, weights=None, hidden=None):
+        self.layer = layer
+
+    def _at(self, layer: int) -> list[tuple[int, int, float]]:
+        if self.step >= len(self.future) or layer >= len(self.future[self.step]):
+            return []
+        return [(layer, int(e), 1.0) for e in self.future[self.step][layer][:self.per_layer]]
+
+    def predict(self, layer):
+        return [p for j in range(layer + 1, layer + 1 + self.depth) for p in self._at(j)]
+
+    def end_token(self, final_hidden=None):
+        self.step += 1
+
+    def predict_after_token(self):
+        return self._at(0)

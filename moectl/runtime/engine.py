@@ -66,11 +66,12 @@ class Engine:
     @classmethod
     def load(cls, model: str, device: str = "cpu", cache_experts: int | None = None, budget: str | int | None = None,
              offload: str = "ram", workdir: str | None = None, dtype: str | torch.dtype | None = None,
-             replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
+             replacement: str | ReplacementPolicy | None = None, prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
              gating_threshold: float | None = None, gate_prefill: bool = False, threads: int | None = None,
-             cpu_experts: str = "never", cost=None, replay_trace=None, prefill: str = "cache") -> "Engine":
+             cpu_experts: str = "never", cost=None, replay_trace=None, prefill: str = "cache",
+             plan: str | Path | None = None) -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
         the default on a CPU with experts in RAM computes them in place (no slots, no copies).
         `threads`: torch intra-op threads (default `machine.default_threads` for the model's size).
@@ -78,7 +79,10 @@ class Engine:
         auto prices both with `cost` (a `sim/cost.py` CostModel; default: this machine's measured figures, cached).
         `replay_trace`: a moe-routing-v1 trace (path or Trace) whose routing replaces the router's.
         `prefill` cache|stream: a prompt's missed experts load into the cache (the simulator's rule), or stream
-        through two staging buffers without entering it (DuoServe; RAM tier; the budget pays for the two)."""
+        through two staging buffers without entering it (DuoServe; RAM tier; the budget pays for the two).
+        `plan`: "auto" = the workdir's plan.yaml when there is one and neither --cache-experts nor --budget is
+        given; a path = that plan; None = no plan. A plan sets the slots per layer and, when `replacement` is
+        None, the replacement policy (`eng.plan_note` says what was applied)."""
         if prefill not in ("cache", "stream"):
             raise MoectlError(f"--prefill must be cache or stream, not {prefill!r}")
         if emulate_device and device != "cpu":
@@ -107,6 +111,11 @@ class Engine:
         # host RAM cannot hold, fails before any weight is read.
         L, E = len(moe_layer_ids), adapter.num_experts
         expert_nbytes = adapter.format(dt).nbytes
+        plan_d, plan_note = _load_plan(plan, ref.workdir, fingerprint, L, E, cache_experts, budget, slots_per_layer)
+        if plan_d is not None:
+            slots_per_layer = [int(s) for s in plan_d["slots"]]
+            replacement = replacement or plan_d.get("policies", {}).get("replacement") or "lru"
+        replacement = replacement or "lru"
         kv = kv_reserve_nbytes(config, dt)
         staging = 2 * expert_nbytes if prefill == "stream" else 0        # the streamed prefill's two buffers
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
@@ -161,6 +170,7 @@ class Engine:
             runtime.replay = RoutingReplay(replay_trace, L, E)
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, progress=progress)
         eng.threads = n_threads
+        eng.plan, eng.plan_note = plan_d, plan_note
         runtime.engine = eng
         eng.runtime = runtime
         return eng
@@ -559,6 +569,37 @@ def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_laye
     if policy is not None and gating == "auto" and threshold is None:
         policy.source = str(f)          # on by default: the status lines say where it came from
     return policy
+
+
+def _load_plan(plan, workdir, fingerprint: str, num_layers: int, num_experts: int, cache_experts, budget,
+               slots_per_layer) -> tuple[dict | None, str]:
+    """The plan to apply (read by `sim/run.py: load_plan`, checked against this model) and one line saying so."""
+    from ..plan.artifact import PLAN_NAME, check_plan_model
+    from ..sim.run import load_plan, plan_slots
+
+    if plan is None:
+        return None, "plan: none (--no-plan)"
+    explicit = plan != "auto"
+    path = Path(plan).expanduser() if explicit else Path(workdir) / PLAN_NAME
+    if not explicit and not path.exists():
+        return None, ""
+    given = [f for f, v in (("--cache-experts", cache_experts), ("--budget", budget), ("slots", slots_per_layer))
+             if v is not None]
+    if given:
+        if explicit:
+            raise MoectlError(f"give a plan or {given[0]}, not both")
+        return None, f"plan: {path} not used ({given[0]} given)"
+    d = load_plan(path)
+    plan_slots(d, d["_path"])
+    if any(d.get("slots_low") or []):
+        raise MoectlError(f"plan {d['_path']} serves low-bit copies ({d.get('lowbit')}); this runtime holds "
+                          f"full-precision slots only: make a full-precision plan (`moectl plan-cache` without "
+                          f"--lowbit) or pass --no-plan")
+    check_plan_model(d, fingerprint, num_layers, num_experts, "the model loaded")
+    pred = d.get("predicted") or {}
+    ms = pred.get("ms_per_token")
+    return d, (f"plan: {d['_path']} ({sum(d['slots'])} expert slots, {min(d['slots'])}-{max(d['slots'])} per layer"
+               + (f"; predicted {ms:.3g} ms/token on {d.get('hardware')}" if ms else "") + "; --no-plan ignores it)")
 
 
 def dense_nbytes(model, config=None) -> int:

@@ -3,8 +3,9 @@
 Cache sizes per layer come from one of:
   fraction F       round(F * E) slots in every layer (at least top-k, so one token's experts fit)
   experts N        N slots in all, split evenly over the layers (the first N % L layers get one more)
-  plan.yaml        `{format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer]}`
-                   (written by `moectl plan-cache`; other keys are ignored here)
+  plan.yaml        `{format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer],
+                   slots_low: [per layer, optional]}` (written by `moectl plan-cache`: moectl/plan/artifact.py;
+                   `simulate --plan` also applies its policies there, `apply_plan`)
 """
 
 from __future__ import annotations
@@ -76,14 +77,18 @@ def plan_slots(d: dict, path) -> list[int]:
     """The plan's per-layer slot counts, each an integer >= 1; errors name the file and the entry's line."""
     path = d.get("_path", path)
     slots = require_list(d, "slots", path or "plan")
-    lines = _yaml_item_lines(path, "slots")
-    for i, s in enumerate(slots):
-        line = lines[i] if i < len(lines) else None
-        if not is_int(s):
-            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] must be an integer, not {s!r}")
-        if s < 1:
-            raise MoectlError(f"{where(path or 'plan', line)}: slots[{i}] is {s}; every MoE layer needs at least "
-                              f"one slot")
+    low = require_list(d, "slots_low", path or "plan") if "slots_low" in d else None
+    if low is not None and len(low) != len(slots):
+        raise MoectlError(f"{path or 'plan'}: slots_low has {len(low)} layers, slots {len(slots)}")
+    for key, values in (("slots", slots), ("slots_low", low or [])):
+        lines = _yaml_item_lines(path, key)
+        for i, s in enumerate(values):
+            line = lines[i] if i < len(lines) else None
+            if not is_int(s):
+                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] must be an integer, not {s!r}")
+            if s < 0 or (s < 1 and not (low and low[i] >= 1)):
+                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] is {s}; every MoE layer needs at least "
+                                  f"one slot")
     return list(slots)
 
 
@@ -201,6 +206,7 @@ def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=Non
     return PolicyInputs(trace.num_layers, trace.num_experts, trace.top_k, routers=trace.routers,
                         router_bias=trace.router_bias, hidden_states=hidden_lookup(trace) is not None,
                         mlp=mlp, routing=routing, aux_gate=aux_gate, eamc=eams_from_traces(train_traces or []),
+                        future=[s.chosen for s in trace_steps(trace) if not s.prefill],
                         predictor_hint=" (--predictor DIR from `moectl train-predictor`; a routing predictor "
                                        "can also be trained on other traces of the model with --train-on PATH)")
 
@@ -211,7 +217,10 @@ DEFAULT_LOWBIT_FRACTION = 0.25     # HOBBIT mode: share of the expert budget tha
 def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: float, low_bytes: float | None,
                     num_experts: int, lowbit_fraction: float | None = None) -> dict[str, list[int]]:
     """Per-precision pools from full-precision slots `caps`: the bytes they hold, split by `lowbit_fraction`
-    (lowbit-only: all of it low-bit; full: all full), each pool's slots split evenly over the layers."""
+    (lowbit-only: all of it low-bit; full: all full), each pool's slots split evenly over the layers.
+    `caps` already {precision: per-layer slots} (a plan's own split) is taken as it is."""
+    if isinstance(caps, dict):
+        return {p: list(c) for p, c in caps.items() if sum(c) > 0}
     if not precision.uses_lowbit:
         return {FULL: list(caps)}
     if low_bytes is None:

@@ -1,0 +1,205 @@
+"""Cache planning figures: plan-cache time at real model shapes, the plan against the even split of the same bytes
+on every shared trace (and a profiled tiny trace), and the scoreboards of issues 12 and 18.
+
+  1. time: curves (simulator runs) + DP, at Mixtral-8x7B (the shared trace) and Qwen3-30B-A3B (48 x 128 top-8; no
+     shared trace of it, so a synthetic one: Zipf-popular experts with reuse between tokens) shapes.
+  2. plan vs uniform: full-precision plans (replacement ours, no prefetch: the shared traces have no hidden
+     states) at a budget holding ~25 % of the bf16 experts (Mixtral: 20 GB), stall ms/token of both, the margin.
+  3. scoreboards on rtx4090-pcie4: Mixtral-8x7B at 20 GB (one trace: plan and judgement on it); Qwen1.5-MoE and
+     OLMoE at 25 % of their bf16 experts, the plan made on the .math trace and judged on the .code one (and
+     MoE-Infinity's request collection seeded with the .math trace). moectl = a plan at moectl's default precision
+     policy (HOBBIT's T1 0.6 / T2 0.9 with q4g64 copies) with misses computed on the CPU where the cost model says
+     it beats a copy. Mixtral gets AdapMoE's released sensitivities (T_g 0.005) in its workdir, so moectl's plan and
+     the adapmoe preset gate alike.
+  4. issue 18: moectl-q4 (lowbit-only q4g64, CPU compute auto) against llamacpp-cpu-moe: Mixtral at 16/20/24 GB,
+     Qwen1.5-MoE and OLMoE at 25 % (plan on .math, judged on .code).
+
+Run: [MOECTL_SHARED=../shared] .venv/bin/python bench/plan.py [--only time,uniform,scoreboard,q4] [--tiny WORKDIR] [--json out.json]
+(--tiny: a workdir whose traces/ came from `moectl profile --model tiny ... --hidden-samples all`.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moectl.plan.budget import model_facts, split_budget  # noqa: E402
+from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
+from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
+                                    ratios, run_preset)
+from moectl.plan.setup import plan_setup  # noqa: E402
+from moectl.trace import DECODE, Trace, load_trace  # noqa: E402
+
+SHARED = Path(os.environ.get("MOECTL_SHARED") or Path(__file__).resolve().parents[2] / "shared") / "traces"
+HW = "rtx4090-pcie4"
+TRACES = {   # recipe -> shared trace files
+    "mixtral": ["mixtral-8x7b.gsm8k"],
+    "olmoe": ["olmoe.math", "olmoe.code"],
+    "qwen1.5-moe": ["qwen.math", "qwen.code", "qwen1.5-moe.cooking_1"],
+    "gpt-oss-20b": ["gptoss.math", "gptoss.code"],
+    "granite-moe": ["granite.math", "granite.code"],
+}
+
+
+def quarter_budget(model: str, fraction: float = 0.25) -> int:
+    """Bytes that hold dense + KV (4096 tokens) + workspace + `fraction` of the bf16 experts."""
+    f = model_facts(model)
+    s = split_budget(10**15, f)
+    return int(s.dense + s.kv + s.workspace + fraction * f.num_layers * f.num_experts * f.expert_bytes())
+
+
+def synthetic_trace(L: int, E: int, K: int, tokens: int, seed: int = 0) -> Trace:
+    """Decode rows with Zipf-popular experts per layer (a different order in every layer, the exponent rising from
+    0.4 in the first layer to 1.2 in the last: later layers concentrate more) and 50 % reuse of the previous
+    token's experts."""
+    rng = np.random.default_rng(seed)
+    perm = [rng.permutation(E) for _ in range(L)]
+    probs = [1.0 / np.arange(1, E + 1) ** (0.4 + 0.8 * l / max(L - 1, 1)) for l in range(L)]
+    probs = [q / q.sum() for q in probs]
+    ex = np.zeros((tokens, L, K), dtype=np.int16)
+    for n in range(tokens):
+        for l in range(L):
+            keep = list(ex[n - 1, l, : K // 2]) if n and rng.random() < 0.5 else []
+            rest = [int(perm[l][i]) for i in rng.choice(E, size=3 * K, p=probs[l]) if perm[l][i] not in keep]
+            ids = list(dict.fromkeys(keep + rest))[:K]
+            ex[n, l] = ids
+    return Trace("Qwen/Qwen3-30B-A3B (synthetic)", L, E, K, ["r0"] * tokens, np.arange(tokens, dtype=np.int32),
+                 np.full(tokens, DECODE, dtype=np.uint8), ex, source="synthetic Zipf routing")
+
+
+def timing() -> list[dict]:
+    out = []
+    with tempfile.TemporaryDirectory() as wd:
+        s = plan_setup("mixtral", "20GB", HW, 4096, [SHARED / "mixtral-8x7b.gsm8k.jsonl"], "ours", "auto", None, wd)
+        for pol in (s.policies, replace(s.policies, precision="hobbit", lowbit="q4g64")):
+            t = time.perf_counter()
+            p = make_plan(s.facts, s.split, s.cost, s.replay, pol, HW)
+            out.append({"shape": "Mixtral-8x7B (shared trace, 244 decode rows)", "precision": pol.precision,
+                        "seconds": time.perf_counter() - t} | p["timing_s"])
+        s = plan_setup("qwen3-moe", "20GB", HW, 4096, None, "ours", "auto", None, wd)
+        tr = synthetic_trace(48, 128, 8, 128)
+        replay = Replay(tr, s.cost)
+        replay.raw = tr
+        for pol in (replace(s.policies, prefetch="none"),):
+            t = time.perf_counter()
+            p = make_plan(s.facts, s.split, s.cost, replay, pol, HW)
+            out.append({"shape": "Qwen3-30B-A3B (synthetic trace, 128 decode rows)", "precision": pol.precision,
+                        "seconds": time.perf_counter() - t} | p["timing_s"])
+    for r in out:
+        print(f"plan-cache {r['shape']}, {r['precision']}: {r['seconds']:.1f} s (curves {r['curves']:.1f} s, DP "
+              f"{r['dp']:.3f} s, replay {r.get('replay', 0):.1f} s)", flush=True)
+    return out
+
+
+def plan_vs_uniform(tiny: str | None) -> list[dict]:
+    rows = []
+    jobs = [(m, f, 20_000_000_000 if m == "mixtral" else quarter_budget(m)) for m, fs in TRACES.items() for f in fs]
+    if tiny:
+        jobs.append((str(Path(tiny) / "checkpoint"), None, None))
+    for model, name, budget in jobs:
+        with tempfile.TemporaryDirectory() as wd:
+            traces = [SHARED / f"{name}.jsonl"] if name else None
+            if name is None:
+                wd = tiny
+                budget = quarter_budget(model)
+            s = plan_setup(model, str(budget), HW, 4096, traces, "ours", "auto", None, wd)
+            p = make_plan(s.facts, s.split, s.cost, s.replay, s.policies, HW)
+        pr, un = p["predicted"], p["uniform"]
+        rows.append({"trace": name or "tiny (profiled)", "model": p["model"], "budget_bytes": int(budget),
+                     "slots": sum(p["slots"]), "of_experts": sum(p["slots"]) / (p["num_layers"] * p["num_experts"]),
+                     "prefetch": p["policies"]["prefetch"], "stall_plan": pr["stall_ms_per_token"],
+                     "stall_uniform": un["stall_ms_per_token"], "ms_plan": pr["ms_per_token"],
+                     "ms_uniform": un["ms_per_token"], "margin": 1 - pr["stall_ms_per_token"] / un["stall_ms_per_token"],
+                     "refined_moves": p.get("refined_moves", 0), "seconds": sum(p["timing_s"].values())})
+        r = rows[-1]
+        print(f"{r['trace']:24s} {r['budget_bytes'] / 1e9:6.2f} GB {r['slots']:4d} slots ({r['of_experts']:.0%}) "
+              f"stall plan {r['stall_plan']:8.2f} uniform {r['stall_uniform']:8.2f} ms/tok: {r['margin']:+.1%} "
+              f"({r['seconds']:.0f} s)", flush=True)
+    return rows
+
+
+def _mixtral_workdir(wd: str) -> None:
+    """AdapMoE's released Mixtral sensitivities and T_g as the workdir's sensitivity.json (fingerprint unknown)."""
+    Path(wd, "sensitivity.json").write_text(json.dumps({
+        "format": "moectl-sensitivity", "format_version": 1, "fingerprint": None,
+        "sensitivities": SEED_MIXTRAL_SENSITIVITY, "threshold": SEED_T_G,
+        "source": "AdapMoE released weight list (seed_adapmoe.md 2.3)"}))
+
+
+def board(model: str, budget, plan_trace: str, judge_trace: str | None, precision: dict, names=None) -> dict:
+    with tempfile.TemporaryDirectory() as wd:
+        if model == "mixtral":
+            _mixtral_workdir(wd)
+        s = plan_setup(model, str(budget), HW, 4096, [SHARED / f"{plan_trace}.jsonl"], "ours", "auto", None, wd)
+        for k, v in precision.items():
+            setattr(s.policies, k, v)
+        plan = make_plan(s.facts, s.split, s.cost, s.replay, s.policies, HW)
+        replay = s.replay
+        if judge_trace:
+            tr = load_trace(SHARED / f"{judge_trace}.jsonl")
+            replay = Replay(tr, s.cost, train_traces=[s.replay.raw])
+            replay.raw = tr
+        rows = [run_preset(s, p, plan, replay) for p in PRESETS if names is None or p.name in names]
+    title = (f"{model} {budget if isinstance(budget, str) else f'{budget / 1e9:.2f}GB'} on {HW}: plan on {plan_trace}"
+             + (f", judged on {judge_trace}" if judge_trace else ""))
+    print_scoreboard(rows, s, title=title)
+    return {"title": title, "rows": rows, "ratios": ratios(rows) if any(r["preset"] == "moectl" for r in rows) else [],
+            "plan_slots": plan["slots"], "plan_slots_low": plan.get("slots_low")}
+
+
+def scoreboards() -> list[dict]:
+    moectl = {"precision": "hobbit", "lowbit": "q4g64", "cpu_experts": "auto"}
+    return [board("mixtral", "20GB", "mixtral-8x7b.gsm8k", None, moectl),
+            board("qwen1.5-moe", quarter_budget("qwen1.5-moe"), "qwen.math", "qwen.code", moectl),
+            board("olmoe", quarter_budget("olmoe"), "olmoe.math", "olmoe.code", moectl)]
+
+
+def q4() -> list[dict]:
+    q = {"precision": "lowbit-only", "lowbit": "q4g64", "cpu_experts": "auto"}
+    out = []
+    for gb in ("16GB", "20GB", "24GB"):
+        out.append(board("mixtral", gb, "mixtral-8x7b.gsm8k", None, q, names={"llamacpp-cpu-moe", "moectl-q4"}))
+    out.append(board("qwen1.5-moe", quarter_budget("qwen1.5-moe"), "qwen.math", "qwen.code", q,
+                     names={"llamacpp-cpu-moe", "moectl-q4"}))
+    out.append(board("olmoe", quarter_budget("olmoe"), "olmoe.math", "olmoe.code", q,
+                     names={"llamacpp-cpu-moe", "moectl-q4"}))
+    for b in out:
+        by = {r["preset"]: r for r in b["rows"]}
+        print(f"{b['title']}: moectl-q4 / llamacpp-cpu-moe = {by['moectl-q4']['ms_per_token']:.1f} / "
+              f"{by['llamacpp-cpu-moe']['ms_per_token']:.1f} ms/token = "
+              f"{by['moectl-q4']['ms_per_token'] / by['llamacpp-cpu-moe']['ms_per_token']:.2f}x", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="time,uniform,scoreboard,q4")
+    ap.add_argument("--tiny", default=None, help="tiny workdir with profiled traces/")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    parts = a.only.split(",")
+    res = {}
+    if "time" in parts:
+        res["time"] = timing()
+    if "uniform" in parts:
+        res["uniform"] = plan_vs_uniform(a.tiny)
+    if "scoreboard" in parts:
+        res["scoreboard"] = scoreboards()
+    if "q4" in parts:
+        res["q4"] = q4()
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""`moectl plan-cache`: split a device-memory budget into per-layer expert slots by DP on measured curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ..policies import REPLACEMENT_NAMES
+
+
+def plan_cache(
+    model: str = typer.Option(..., "--model", "-m", help="Checkpoint directory, recipe name, or tiny. A recipe whose "
+                              "checkpoint is absent plans from its shape: block and --traces."),
+    budget: str = typer.Option(..., "--budget", help="Device memory: 20GB, 20GiB, 20000MB or bytes. Dense weights, the "
+                               "KV cache for --kv-tokens and a workspace come off first; the rest holds experts."),
+    hardware: str = typer.Option("rtx4090-pcie4", "--hardware", help="recipes/hardware/<name>.yaml (or a yaml path)"),
+    kv_tokens: int = typer.Option(4096, "--kv-tokens", min=0, help="tokens of KV cache the budget keeps room for"),
+    traces: list[Path] = typer.Option(None, "--traces", help="trace directories or moe-routing-v1 JSONL files of the "
+                                      "model (default: the workdir's profiled traces/). Without any, the seed's "
+                                      "analytic model (AdapMoE §4.4) gives the curves."),
+    replacement: str = typer.Option("ours", "--replacement", help=f"replacement policy measured: "
+                                    f"{', '.join(n for n in REPLACEMENT_NAMES if n != 'belady')}"),
+    prefetch: str = typer.Option("auto", "--prefetch", help="auto (the workdir's predictors, else gate reuse when the "
+                                 "traces have hidden states, else none), or a prefetch policy name"),
+    depth: int = typer.Option(None, "--depth", min=1, help="prefetch lookahead in layers"),
+    lowbit: str = typer.Option(None, "--lowbit", help="low-bit copies, e.g. q4g64 (HQQ 4-bit, group 64)"),
+    precision: str = typer.Option(None, "--precision", help="full (default), hobbit (hi/lo/skip by rank score, "
+                                  "--t1/--t2; the default with --lowbit) or lowbit-only (every expert low-bit)"),
+    t1: float = typer.Option(0.6, "--t1", help="hobbit: a missed expert with rank score <= T1 loads in full precision"),
+    t2: float = typer.Option(0.9, "--t2", help="hobbit: <= T2 loads its low-bit copy, above is skipped"),
+    cpu_experts: str = typer.Option("never", "--cpu-experts", help="misses computed on the CPU from host RAM: auto "
+                                    "(when the cost model says it beats a copy), never, always"),
+    out: Path = typer.Option(None, "--out", help="where to write the plan (default <workdir>/plan.yaml)"),
+    png: Path = typer.Option(None, "--png", help="slots-per-layer figure (default beside the plan)"),
+    compare: bool = typer.Option(False, "--compare", help="also print the scoreboard: every preset on the same "
+                                 "traces, budget and hardware"),
+    workdir: Path = typer.Option(None, "--workdir", help="artifact directory (default ~/.cache/moectl/<model>)"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan (and scoreboard) as JSON"),
+) -> None:
+    """Plan the device expert cache: per-layer slots by dynamic programming on per-layer cost curves
+    measured by the simulator on the model's traces; writes plan.yaml (read by simulate --plan, generate,
+    chat, bench, serve) and a PNG of slots per layer."""
+    import json
+
+    from rich.console import Console
+
+    from ..errors import MoectlError
+    from ..plan import scoreboard as sb
+    from ..plan.artifact import PLAN_NAME, write_plan
+    from ..plan.setup import plan_setup
+    from ..plan.planner import make_plan
+    from ..policies.precision import make_precision
+    from ..progress import ProgressBar
+    from ._common import prepare_model
+
+    console = Console(stderr=True)
+    if model == "tiny":
+        prepare_model(model, workdir)
+    if precision is None:
+        precision = "hobbit" if lowbit else "full"
+    setup = plan_setup(model, budget, hardware, kv_tokens, traces, replacement, prefetch, depth, workdir)
+    setup.policies.precision, setup.policies.lowbit, setup.policies.t1, setup.policies.t2 = precision, lowbit, t1, t2
+    setup.policies.cpu_experts = cpu_experts
+    make_precision(precision, t1, t2)                      # a bad name or T1 > T2 fails here
+    with ProgressBar(console=console, transient=True) as bar:
+        task = bar.add("measuring per-layer curves", total=None)
+        plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, hardware,
+                         progress=lambda: bar.update(task, advance=1))
+    path = write_plan(out or setup.workdir / PLAN_NAME, plan, setup.facts.fingerprint)
+    figure = draw_slots(plan, png or path.with_suffix(".png"))
+    board = None
+    if compare:
+        if setup.replay is None:
+            raise MoectlError("--compare replays traces: give --traces (or profile the model first)")
+        with ProgressBar(console=console, transient=True) as bar:
+            task = bar.add("scoreboard", total=len(sb.PRESETS))
+            board = sb.scoreboard(setup, plan, progress=lambda: bar.update(task, advance=1))
+    if as_json:
+        print(json.dumps({"plan": plan, "path": str(path), "png": str(figure)}
+                         | ({"scoreboard": board} if board is not None else {}), indent=1, default=str))
+        return
+    print_plan(plan, path, figure)
+    if board is not None:
+        sb.print_scoreboard(board, setup)
+
+
+def print_plan(plan: dict, path, figure) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..recipes import format_bytes
+
+    out = Console()
+    b, pred, uni = plan["budget"], plan["predicted"], plan.get("uniform")
+    t = Table(title=f"{plan['model']}: {format_bytes(b['total'])} on {plan['hardware']} = dense "
+                    f"{format_bytes(b['dense'])} + KV {format_bytes(b['kv'])} ({b['kv_tokens']} tokens) + workspace "
+                    f"{format_bytes(b['workspace'])} + experts {format_bytes(b['experts'])}")
+    for col in ("layer", "slots", "uniform", "of experts"):
+        t.add_column(col, justify="right")
+    E = plan["num_experts"]
+    for l, (s, u) in enumerate(zip(plan["slots"], plan["uniform_slots"])):
+        t.add_row(str(l), str(s), str(u), f"{s / E:.0%}")
+    t.add_row("total", str(sum(plan["slots"])), str(sum(plan["uniform_slots"])),
+              f"{sum(plan['slots']) / (E * len(plan['slots'])):.0%}")
+    out.print(t)
+    pol = plan["policies"]
+    out.print(f"policies: {pol['replacement']} / prefetch {pol['prefetch']} / precision {pol['precision']}"
+              + (f" / gating T_g={pol['gating']:g}" if pol.get("gating") else "") + f"; curves: {plan['curves']}")
+    if uni is not None:
+        gain = 1 - pred["stall_ms_per_token"] / uni["stall_ms_per_token"] if uni["stall_ms_per_token"] else 0.0
+        out.print(f"predicted: {pred['ms_per_token']:.1f} ms/token ({pred['tokens_per_s']:.1f} tok/s), hit rate "
+                  f"{pred['hit_rate']:.1%}, stall {pred['stall_ms_per_token']:.1f} ms/token; uniform split of the same "
+                  f"bytes: {uni['ms_per_token']:.1f} ms/token, stall {uni['stall_ms_per_token']:.1f} "
+                  f"(plan {gain:+.1%} less stall)")
+    else:
+        out.print(f"predicted (analytic): stall {pred['stall_ms_per_token']:.1f} ms/token, "
+                  f"uniform {plan['curve_ms_per_token']['uniform']:.1f}")
+    out.print(f"wrote {path} and {figure} (curves {plan['timing_s']['curves']:.2f} s, DP {plan['timing_s']['dp']:.3f} s)")
+
+
+def draw_slots(plan: dict, path: Path) -> Path:
+    """Bar chart of slots per layer, the plan beside the even split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    L = len(plan["slots"])
+    x = np.arange(L)
+    fig, ax = plt.subplots(figsize=(max(6, L * 0.25), 3.2))
+    ax.bar(x - 0.2, plan["slots"], 0.4, label="plan (full precision)")
+    if plan.get("slots_low"):
+        ax.bar(x - 0.2, plan["slots_low"], 0.4, bottom=plan["slots"], label="plan (low-bit)")
+    ax.bar(x + 0.2, plan["uniform_slots"], 0.4, label="uniform", alpha=0.6)
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("expert slots")
+    ax.set_title(f"{plan['model']}: {plan['budget']['total'] / 1e9:.1f} GB on {plan['hardware']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

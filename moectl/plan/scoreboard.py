@@ -1,0 +1,294 @@
+"""Presets: the setups people would pick instead of moectl, modelled on the same traces, budget and hardware
+profile, and the scoreboard that puts them beside moectl's plan. Where each preset's parameters come from is in
+docs/benchmarks.md ("Scoreboard presets").
+
+A preset fixes slots (uniform split of the expert budget at its precision, its DP, or the plan), replacement,
+prefetch, precision and gating. Prefetchers that need hidden states (gate reuse) cannot be replayed on routing-
+only traces; there the preset runs without prefetch and its row says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MoectlError
+
+# AdapMoE's released per-layer sensitivities S_i of Mixtral-8x7B (seed_adapmoe.md §2.3) and its default T_g:
+# the adapmoe preset's gating on Mixtral traces when the workdir has no sensitivity.json of its own.
+SEED_MIXTRAL_SENSITIVITY = [46.69, 17.30, 13.02, 7.64, 4.17, 2.23, 1.26, 0.84, 0.68, 0.56, 0.51, 0.48, 0.45, 0.44,
+                            0.38, 0.31, 0.23, 0.18, 0.14, 0.11, 0.10, 0.10, 0.09, 0.08, 0.07, 0.06, 0.05, 0.04, 0.03,
+                            0.03, 0.02, 0.02]
+SEED_T_G = 0.005
+
+
+@dataclass
+class Preset:
+    name: str
+    system: str
+    replacement: str
+    prefetch: str                      # what the system uses (replayed when the traces allow)
+    slots: str = "uniform"             # uniform | adapmoe-dp | plan
+    precision: str = "full"
+    lowbit: str | None = None          # copy set of the low-bit precision
+    gating: str | None = None          # "sensitivity" (AdapMoE)
+    cpu_experts: str = "never"
+    fidelity: str = "full"             # full | lower (all experts at 2 or 4 bits)
+
+
+PRESETS = [
+    Preset("mixtral-offloading", "Mixtral-offloading (Eliseev & Mazur)", "lru", "gate-reuse", precision="lowbit-only",
+           lowbit="q2g16", fidelity="lower (2-bit experts)"),
+    Preset("moe-infinity", "MoE-Infinity", "moe-infinity", "eam"),
+    Preset("hobbit", "HOBBIT", "hobbit", "gate-reuse", precision="hobbit", lowbit="q4g64",
+           fidelity="full (hi/lo/skip T1 0.6 T2 0.9)"),
+    Preset("adapmoe", "AdapMoE", "lru", "gate-reuse", slots="adapmoe-dp", gating="sensitivity"),
+    Preset("llamacpp-cpu-moe", "llama.cpp --n-cpu-moe", "-", "none", slots="layers-cpu", precision="lowbit-only",
+           lowbit="q4g64", cpu_experts="always", fidelity="lower (4-bit experts)"),
+    Preset("oracle", "limit: Belady + perfect prefetch", "belady", "oracle", slots="plan"),
+    Preset("moectl", "moectl plan", "plan", "plan", slots="plan"),
+    Preset("moectl-q4", "moectl plan, q4 + CPU", "plan", "plan", slots="plan-q4", precision="lowbit-only",
+           lowbit="q4g64", cpu_experts="auto", fidelity="lower (4-bit experts)"),
+]
+PRESET_NAMES = [p.name for p in PRESETS]
+
+
+def get_preset(name: str) -> Preset:
+    for p in PRESETS:
+        if p.name == name:
+            return p
+    raise MoectlError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
+
+
+def q4_policies(plan_pol: dict):
+    from .planner import Policies
+
+    return Policies(**(plan_pol | {"precision": "lowbit-only", "lowbit": "q4g64", "cpu_experts": "auto"}))
+
+
+def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: dict | None = None) -> dict:
+    """One scoreboard row: the preset simulated on `replay` (default the setup's) at the setup's budget.
+    `q4_plan`: moectl's plan at q4 with CPU compute (made on the setup's traces when not given)."""
+    from dataclasses import replace
+
+    from .planner import Policies, expert_nbytes, make_plan, pools_of, summary, uniform_pools
+
+    replay = replay or setup.replay
+    row = {"preset": preset.name, "system": preset.system, "fidelity": preset.fidelity, "notes": []}
+    L, E = setup.facts.num_layers, setup.facts.num_experts
+    if preset.name == "moectl":
+        pol = Policies(**plan["policies"])
+    elif preset.name == "moectl-q4":
+        if plan["policies"]["precision"] == "lowbit-only" and plan["policies"]["cpu_experts"] != "never":
+            q4_plan = plan
+        if q4_plan is None:
+            q4_plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, q4_policies(plan["policies"]),
+                                setup.hardware)
+        plan, pol = q4_plan, Policies(**q4_plan["policies"])
+    else:
+        pol = Policies(replacement=preset.replacement, prefetch=preset.prefetch, precision=preset.precision,
+                       lowbit=preset.lowbit, cpu_experts=preset.cpu_experts)
+        if preset.name == "oracle":
+            for k in ("precision", "lowbit", "t1", "t2", "cpu_experts"):
+                setattr(pol, k, plan["policies"][k])
+    if preset.slots == "layers-cpu":
+        return row | _llamacpp(setup, replay.trace, pol)
+    if pol.prefetch in ("gate-reuse", "mlp", "aux-gate") and not _has_hidden(replay):
+        row["notes"].append(f"{pol.prefetch} prefetch needs hidden states the traces lack: replayed without prefetch")
+        pol.prefetch = "none"
+    trace = replay.trace
+    if preset.gating == "sensitivity":
+        trace, note = _adapmoe_gating(setup, replay.raw or trace)
+        row["notes"].append(note)
+    nbytes = expert_nbytes(setup.facts, pol)
+    if preset.slots.startswith("plan"):
+        caps = pools_of(pol, plan["slots"], plan.get("slots_low") or [0] * L)
+    elif preset.slots == "adapmoe-dp":
+        caps = _adapmoe_dp(trace, int(setup.split.experts // nbytes["full"]), L, E, setup.cost.load_s(),
+                           pol.prefetch != "none")
+    else:
+        caps = pools_of(pol, *uniform_pools(pol, L, E, setup.split.experts, nbytes))
+    run = replace(replay, trace=trace)
+    r = run.run(caps, pol, belady=False)
+    if preset.name == "oracle":          # perfect prefetch can evict what a 1-2 slot layer needs: the better of the two
+        plain = run.run(caps, pol, belady=False, prefetch="none")
+        if plain.ms_per_token < r.ms_per_token:
+            r, pol.prefetch = plain, "none"
+            row["notes"].append("Belady alone beat Belady + perfect prefetch at these slots")
+    if preset.slots.startswith("plan"):               # the plan's precision policy sets the fidelity
+        row["fidelity"] = fidelity(pol)
+    row.update(summary(r, setup.cost), slots=caps, replacement=pol.replacement, prefetch=pol.prefetch,
+               precision=pol.precision + (f" ({pol.lowbit})" if pol.lowbit else ""),
+               gating=pol.gating if preset.name.startswith("moectl") else preset.gating)
+    return row
+
+
+def fidelity(pol) -> str:
+    if pol.precision == "full":
+        return "full"
+    if pol.precision == "hobbit":
+        return f"full (hi/lo/skip T1 {pol.t1:g} T2 {pol.t2:g})"
+    return f"lower ({pol.lowbit} experts)"
+
+
+def _llamacpp(setup, trace, pol) -> dict:
+    """llama.cpp's static placement, computed from the cost model: dense weights on the GPU, whole layers of q4
+    experts on the GPU as far as the expert budget holds them, every other expert computed on the CPU from host
+    RAM (the hardware profile's cpu_mem_gbps); nothing crosses PCIe per token. Layers run one after another."""
+    from ..trace import DECODE
+    from .planner import expert_nbytes
+
+    cost, L, E = setup.cost, setup.facts.num_layers, setup.facts.num_experts
+    q = expert_nbytes(setup.facts, pol)["low"]
+    gpu_layers = min(L, int(setup.split.experts // (E * q)))
+    dec = trace.phase == DECODE
+    uses = (trace.experts[dec] >= 0).sum(-1).mean(0)                    # [L] experts per token
+    context = float(trace.pos[dec].mean()) if dec.any() else 0.0
+    on_gpu = [l >= L - gpu_layers for l in range(L)]                   # --n-cpu-moe N: the first N layers on the CPU
+    gpu_s = sum(uses[l] * cost.expert_s(1, q) for l in range(L) if on_gpu[l])
+    cpu_s = sum(uses[l] * cost.cpu_expert_s(1, q) for l in range(L) if not on_gpu[l])
+    base = L * cost.attention_s(1, int(context)) + cost.lm_head_s(1)
+    ms = (base + gpu_s + cpu_s) * 1e3
+    hit = float(sum(uses[l] for l in range(L) if on_gpu[l]) / max(uses.sum(), 1e-9))
+    return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "hit_rate": hit, "stall_ms_per_token": 0.0,
+            "bytes_per_token": 0.0, "misses_per_token": 0.0, "cpu_ms_per_token": cpu_s * 1e3,
+            "cpu_experts_per_token": float(sum(uses[l] for l in range(L) if not on_gpu[l])),
+            "lower_bound_ms_per_token": (base + (gpu_s + sum(uses[l] * cost.expert_s(1, q) for l in range(L)
+                                                              if not on_gpu[l]))) * 1e3,
+            "full_loads_per_token": 0.0, "lowbit_loads_per_token": 0.0, "skipped_per_token": 0.0,
+            "slots": {"low": [E if g else 0 for g in on_gpu]}, "replacement": "-", "prefetch": "none",
+            "precision": f"lowbit-only ({pol.lowbit})", "gating": None,
+            "notes": [f"static: {gpu_layers} of {L} layers' q4 experts on the GPU, the rest on the CPU at "
+                      f"{cost.hw.cpu_mem_gbps:g} GB/s host memory (cost model)"]}
+
+
+def _has_hidden(replay) -> bool:
+    from ..sim.run import hidden_lookup
+
+    return hidden_lookup(replay.trace) is not None and bool(replay.trace.routers)
+
+
+def _adapmoe_gating(setup, trace):
+    """AdapMoE's sensitivity gating on the trace: the workdir's sensitivity.json, or the seed's Mixtral S_i."""
+    from ..calib.sensitivity import JSON_NAME, load_sensitivity
+    from ..policies.gating import SensitivityGating, gate_trace
+
+    f = setup.workdir / JSON_NAME if setup.workdir is not None else None
+    if f is not None and f.exists():
+        meta = load_sensitivity(f, setup.facts.fingerprint, setup.facts.num_layers)
+        sens, tg, src = meta["sensitivities"], meta.get("threshold") or SEED_T_G, str(f)
+    elif trace.num_layers == len(SEED_MIXTRAL_SENSITIVITY) and trace.num_experts == 8:
+        sens, tg, src = SEED_MIXTRAL_SENSITIVITY, SEED_T_G, "AdapMoE's released Mixtral S_i"
+    else:
+        return trace, "no sensitivities for this model: gating off"
+    if trace.weights is None:
+        return trace, "the traces have no gate weights: gating off"
+    return gate_trace(trace, SensitivityGating(tg, sens)), f"sensitivity gating T_g={tg:g} ({src})"
+
+
+def _adapmoe_dp(trace, C: int, L: int, E: int, load_s: float, prefetch: bool) -> list[int]:
+    """AdapMoE's DP on its analytic model, a_i (single-expert ratio) profiled on the (gated) trace."""
+    from ..trace import DECODE
+    from .curves import analytic_curves
+    from .planner import dp_slots
+
+    dec = trace.experts[trace.phase == DECODE]
+    a = ((dec >= 0).sum(-1) == 1).mean(0).tolist() if len(dec) else [0.0] * L
+    curves = analytic_curves(L, E, trace.top_k, load_s, single_ratio=a, prefetch=prefetch)
+    return dp_slots(curves, L, E, C)
+
+
+def scoreboard(setup, plan: dict, progress=None, replay=None) -> list[dict]:
+    rows = []
+    for p in PRESETS:
+        rows.append(run_preset(setup, p, plan, replay))
+        if progress is not None:
+            progress()
+    return rows
+
+
+def print_scoreboard(rows: list[dict], setup, title: str = "") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    t = Table(title=title or f"scoreboard: {setup.facts.name}, {setup.budget} on {setup.hardware}")
+    for col in ("preset", "fidelity", "ms/tok", "tok/s", "hit rate", "MB/tok", "stall ms/tok", "mix /tok"):
+        t.add_column(col, justify="left" if col in ("preset", "fidelity", "mix /tok") else "right")
+    notes = []
+    for r in rows:
+        mark = "".join(f"[{len(notes) + i + 1}]" for i in range(len(r["notes"])))
+        notes += r["notes"]
+        t.add_row(r["preset"] + mark, r["fidelity"], f"{r['ms_per_token']:.1f}", f"{r['tokens_per_s']:.2f}",
+                  f"{r['hit_rate']:.3f}", f"{r['bytes_per_token'] / 1e6:.0f}", f"{r['stall_ms_per_token']:.1f}",
+                  mix(r))
+    out.print(t)
+    for i, n in enumerate(notes):
+        out.print(f"[{i + 1}] {n}", highlight=False)
+    ours = next((r for r in rows if r["preset"] == "moectl"), None)
+    if ours is None:
+        return
+    for line in ratios(rows):
+        out.print(line)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """moectl's gap to the oracle and its speed ratio to the best same-fidelity peer and to the lower-fidelity ones."""
+    by = {r["preset"]: r for r in rows}
+    ours = by["moectl"]
+    out = []
+    if "oracle" in by:
+        out.append(f"moectl {ours['ms_per_token']:.1f} ms/token vs oracle {by['oracle']['ms_per_token']:.1f}: "
+                   f"{ours['ms_per_token'] / by['oracle']['ms_per_token']:.2f}x the limit")
+    peers = [by[n] for n in ("moe-infinity", "adapmoe", "hobbit") if n in by]
+    if peers:
+        best = min(peers, key=lambda r: r["ms_per_token"])
+        out.append(f"best same-fidelity peer {best['preset']} {best['ms_per_token']:.1f} ms/token: moectl is "
+                   f"{best['ms_per_token'] / ours['ms_per_token']:.2f}x as fast")
+    for n in ("mixtral-offloading", "llamacpp-cpu-moe"):
+        if n in by:
+            out.append(f"{n} (lower fidelity) {by[n]['ms_per_token']:.1f} ms/token: moectl is "
+                       f"{by[n]['ms_per_token'] / ours['ms_per_token']:.2f}x as fast")
+    if "moectl-q4" in by and "llamacpp-cpu-moe" in by:
+        q4, ll = by["moectl-q4"], by["llamacpp-cpu-moe"]
+        out.append(f"same fidelity (q4): moectl-q4 {q4['ms_per_token']:.1f} ms/token = "
+                   f"{q4['ms_per_token'] / ll['ms_per_token']:.2f}x llamacpp-cpu-moe's {ll['ms_per_token']:.1f}")
+    return out
+
+
+def mix(r: dict) -> str:
+    """Experts per token by where they came from: resident hits aside, full / low-bit loads, skipped, CPU."""
+    parts = [(r.get("full_loads_per_token"), "full"), (r.get("lowbit_loads_per_token"), "low"),
+             (r.get("skipped_per_token"), "skip"), (r.get("cpu_experts_per_token"), "cpu")]
+    text = " ".join(f"{v:.1f} {k}" for v, k in parts if v)
+    return f"{r['precision']}: {text}" if text else r["precision"]
+
+
+def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_shape: str | None, plan_path,
+                    as_json: bool) -> dict:
+    """`moectl simulate --trace T --preset NAME --budget SIZE`: one scoreboard row on one trace."""
+    import json
+
+    from ..sim.run import load_plan
+    from .setup import setup_from_trace
+
+    preset = get_preset(name)
+    if budget is None:
+        raise MoectlError("--preset needs --budget SIZE (the device memory every preset is given)")
+    setup = setup_from_trace(trace, budget, hardware, model_shape)
+    plan = None
+    if plan_path is not None:
+        from .artifact import check_plan_model
+
+        plan = load_plan(plan_path)
+        check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
+    elif preset.slots.startswith("plan") or preset.name == "oracle":
+        from .planner import make_plan
+
+        plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, hardware)
+    row = run_preset(setup, preset, plan)
+    if as_json:
+        print(json.dumps(row, indent=1, default=str))
+    else:
+        print_scoreboard([row], setup, title=f"{preset.name} ({preset.system}) on {trace.source or trace.model}: "
+                                             f"{budget} on {hardware}")
+    return row

@@ -1,0 +1,267 @@
+"""Cache planning: the seed's DP reference vectors, the DP itself, budget sizes and the split, plan-cache on a real
+trace and on the tiny model (runtime misses = the plan's prediction, memory within the budget), presets and
+bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from moectl import cli
+from moectl.errors import MoectlError
+from moectl.plan.curves import seed_demand_loads
+from moectl.plan.dp import allocate, allocate_slots
+from tests.shared_data import SHARED_TRACES, needs_shared
+
+# AdapMoE's released DP inputs (PKU-SEC-Lab/AdapMoE src/dp.py: per-layer prefetch accuracy `accs` and single-expert
+# ratio `top1_ratios`, Mixtral-8x7B, 32 layers), and the outputs seed_adapmoe.md §4.4 records for them.
+BETA = [0, 0.5663265306122449, 0.7210884353741497, 0.7891156462585034, 0.8656462585034014, 0.858843537414966,
+        0.8299319727891157, 0.8401360544217688, 0.8486394557823129, 0.8010204081632653, 0.8979591836734694,
+        0.8979591836734694, 0.8928571428571429, 0.9098639455782312, 0.9251700680272109, 0.8809523809523809,
+        0.9149659863945578, 0.9387755102040817, 0.9047619047619048, 0.8792517006802721, 0.8758503401360545,
+        0.8928571428571429, 0.8792517006802721, 0.8758503401360545, 0.8877551020408163, 0.8843537414965986,
+        0.9217687074829932, 0.9132653061224489, 0.8860544217687075, 0.8996598639455783, 0.9030612244897959,
+        0.8503401360544217]
+SINGLE = [1.901311971939101e-05, 0.03475535161783361, 0.004884125918519905, 0.0009399270927619579,
+          0.0003762266347225816, 0.002507425069433102, 0.007886289458982268, 0.034134956771462194,
+          0.034509078817228075, 0.04913390811153893, 0.012986285530511104, 0.019571446563590767,
+          0.029581493074767616, 0.0054871764196417, 0.015524880500307208, 0.028414047587928246, 0.06388771550511758,
+          0.0709986002526634, 0.14071690014890662, 0.2802636362185971, 0.2986692745856989, 0.365106444317853,
+          0.4144767403128437, 0.35560653361774475, 0.4951908113054345, 0.5209842744834382, 0.5478910940291751,
+          0.6180380387530074, 0.7799792571119152, 0.8839920792738672, 0.9753751835420208, 0.8577125736121682]
+SEED_VECTORS = [   # (C, gating on, minimum slots per layer, expected t_i)
+    (128, True, 1, [8, 7, 6, 6, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1]),
+    (128, False, 1, [8, 5, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 3, 4, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 3, 3, 4, 4, 4, 4]),
+    (64, True, 1, [8, 4, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
+    (128, True, 0, [8, 8, 6, 6, 5, 5, 5, 5, 5, 6, 5, 5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 3, 3, 4, 2, 2, 2, 0, 0, 0, 0, 0]),
+    (64, True, 0, [8, 4, 4, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 1, 1] + [0] * 11),
+]
+MIXTRAL_TRACE = SHARED_TRACES / "mixtral-8x7b.gsm8k.jsonl"
+
+
+def seed_f(a, beta, t, N=8):
+    """The seed's eqs. 10-15 verbatim (top-2 of N)."""
+    t = min(t, N)
+    both = max((N - t) * (N - t - 1) / (N * (N - 1)), 0)
+    f1 = (1 - t / N) * (1 - beta)
+    return a * f1 + (1 - a) * (2 * both * (1 - beta) + both * beta + 2 * (N - t) * t / (N * (N - 1)) * (1 - beta))
+
+
+def test_generalised_cost_is_the_seeds_for_top2():
+    for a, beta, t in itertools.product([0, 0.3, 0.97], [0, 0.57, 0.9], range(0, 9)):
+        assert seed_demand_loads(8, 2, t, a, beta) == pytest.approx(seed_f(a, beta, t), abs=1e-12)
+    # top-k: no slots and no prefetch = k loads; every expert resident = none
+    assert seed_demand_loads(64, 8, 0, 0.0, 0.0) == pytest.approx(8.0)
+    assert seed_demand_loads(64, 8, 64, 0.0, 0.9) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("C,gating,min_slots,expected", SEED_VECTORS)
+def test_dp_reproduces_the_seed_reference_vectors(C, gating, min_slots, expected):
+    a = SINGLE if gating else [0.0] * 32
+    got = allocate_slots(lambda l, t: seed_demand_loads(8, 2, t, a[l], BETA[l]), 32, 8, C, min_slots)
+    assert got == expected
+    assert sum(got) <= C
+
+
+def test_dp_is_the_exhaustive_optimum_and_deterministic():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        L, M = 4, 4
+        costs = rng.random((L, M)).round(1)                         # ties on purpose
+        weights = np.array([1, 2, 3, 5])
+        C = int(rng.integers(4, 16))
+        idx, total = allocate(costs, weights, C)
+        best = min((sum(costs[l, c] for l, c in enumerate(combo)), combo)
+                   for combo in itertools.product(range(M), repeat=L) if sum(weights[list(combo)]) <= C)
+        assert total == pytest.approx(best[0])
+        assert sum(weights[idx]) <= C
+        assert allocate(costs, weights, C) == (idx, total)           # same input, same plan
+    with pytest.raises(MoectlError, match="no allocation fits"):
+        allocate(np.ones((3, 1)), np.array([2]), 5)
+
+
+@pytest.mark.parametrize("size,expected", [("20GB", 20_000_000_000), ("20GiB", 20 * 2**30),
+                                           ("20000MB", 20_000_000_000), ("21474836480", 21474836480)])
+def test_budget_sizes_and_split(size, expected):
+    from moectl.plan.budget import model_facts, split_budget
+
+    facts = model_facts("mixtral")
+    s = split_budget(size, facts, kv_tokens=4096)
+    assert s.total == expected
+    assert s.kv == 2 * 32 * 8 * 128 * 2 * 4096                     # K and V, every layer, bf16
+    assert s.dense + s.kv + s.workspace + s.experts == s.total
+    assert s.dense > 3e9                                            # Mixtral's attention + embeddings, bf16
+
+
+def test_budget_below_the_minimum_states_it():
+    from moectl.plan.budget import model_facts, split_budget
+
+    facts = model_facts("mixtral")
+    with pytest.raises(MoectlError, match=r"below the minimum 15\.\d\d GB") as e:
+        split_budget("8GB", facts)
+    assert "one expert slot per MoE layer (32 x 352.32 MB)" in str(e.value)
+
+
+def run_cli(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["moectl", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_error(code, err, *needles):
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@needs_shared
+def test_plan_cache_on_the_mixtral_trace_beats_the_even_split(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "plan.yaml"
+    code, stdout, err = run_cli(["plan-cache", "--model", "mixtral", "--budget", "20GB", "--traces", str(MIXTRAL_TRACE),
+                                 "--workdir", str(tmp_path), "--out", str(out), "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(stdout)["plan"]
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    plan = yaml.safe_load(out.read_text())
+    assert plan["format"] == "moectl-plan-v1" and plan["version"] == 1 and plan["model"] == "mixtral"
+    assert plan["budget"]["experts_used"] <= plan["budget"]["experts"]
+    assert sum(plan["slots"]) * 352_321_536 == plan["budget"]["experts_used"]
+    assert len(plan["slots"]) == 32 and min(plan["slots"]) >= 1
+    assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]
+    assert sum(plan["uniform_slots"]) == 45 == int(plan["budget"]["experts"] // 352_321_536)
+    assert d["slots"] == plan["slots"]
+    # simulate --plan replays exactly what the plan predicted (same policies, from the plan)
+    code, stdout, err = run_cli(["simulate", "--trace", str(MIXTRAL_TRACE), "--plan", str(out), "--json"],
+                                capsys, monkeypatch)
+    assert code == 0, err
+    sim = json.loads(stdout)
+    assert sim["replacement"] == plan["policies"]["replacement"]
+    assert sim["stall_ms_per_token"] == pytest.approx(plan["predicted"]["stall_ms_per_token"])
+    # a plan of another model: one clear error
+    code, _, err = run_cli(["simulate", "--trace", str(SHARED_TRACES / "olmoe.math.jsonl"), "--plan", str(out)],
+                           capsys, monkeypatch)
+    one_error(code, err, "plan", "32")
+
+
+@needs_shared
+def test_hobbit_plan_keeps_both_pools_and_beats_the_even_split(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "plan.yaml"
+    code, stdout, err = run_cli(["plan-cache", "--model", "mixtral", "--budget", "20GB", "--traces", str(MIXTRAL_TRACE),
+                                 "--lowbit", "q4g64", "--workdir", str(tmp_path), "--out", str(out), "--json"],
+                                capsys, monkeypatch)
+    assert code == 0, err
+    plan = yaml.safe_load(out.read_text())
+    assert plan["policies"]["precision"] == "hobbit" and plan["lowbit"] == "q4g64"
+    assert min(plan["slots"]) >= 1 and min(plan["slots_low"]) >= 1
+    low = plan["expert_bytes"]["low"]
+    assert low == pytest.approx(3 * 4096 * 14336 * (4 / 8 + 4 / 64))      # 4-bit + fp16 scale and zero per 64
+    assert sum(plan["slots"]) * plan["expert_bytes"]["full"] + sum(plan["slots_low"]) * low <= plan["budget"]["experts"]
+    assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]
+    code, stdout, err = run_cli(["simulate", "--trace", str(MIXTRAL_TRACE), "--plan", str(out), "--json"],
+                                capsys, monkeypatch)
+    assert code == 0, err
+    sim = json.loads(stdout)
+    assert sim["precision"] == "hobbit" and sim["lowbit_loads_per_token"] > 0
+    assert sim["ms_per_token"] == pytest.approx(plan["predicted"]["ms_per_token"])
+
+
+def test_analytic_fallback_without_traces(tmp_path, capsys, monkeypatch):
+    code, stdout, err = run_cli(["plan-cache", "--model", "mixtral", "--budget", "20GB", "--workdir", str(tmp_path),
+                                 "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(stdout)["plan"]
+    assert d["curves"].startswith("analytic") and sum(d["slots"]) == 45
+    assert d["curve_ms_per_token"]["plan"] <= d["curve_ms_per_token"]["uniform"]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["plan-cache", "--model", "mixtral", "--budget", "8GB"], ["below the minimum", "15."]),
+    (["plan-cache", "--model", "mixtral", "--budget", "lots"], ["cannot read size"]),
+    (["simulate", "--trace", str(MIXTRAL_TRACE), "--preset", "vllm", "--budget", "20GB"], ["unknown preset 'vllm'"]),
+])
+def test_bad_input_is_one_clear_error(args, needles, tmp_path, capsys, monkeypatch):
+    if "simulate" in args and not MIXTRAL_TRACE.exists():
+        pytest.skip("no shared traces")
+    code, _, err = run_cli(args + ["--workdir", str(tmp_path)] if args[0] == "plan-cache" else args,
+                           capsys, monkeypatch)
+    one_error(code, err, *needles)
+
+
+@needs_shared
+def test_scoreboard_presets_on_mixtral(tmp_path):
+    from moectl.plan.planner import make_plan
+    from moectl.plan.scoreboard import PRESET_NAMES, get_preset, run_preset
+    from moectl.plan.setup import setup_from_trace
+    from moectl.trace import load_trace
+
+    setup = setup_from_trace(load_trace(MIXTRAL_TRACE), "20GB", "rtx4090-pcie4")
+    plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, "rtx4090-pcie4")
+    rows = {n: run_preset(setup, get_preset(n), plan) for n in PRESET_NAMES}
+    assert rows["moectl"]["ms_per_token"] == pytest.approx(plan["predicted"]["ms_per_token"])
+    assert rows["oracle"]["stall_ms_per_token"] <= rows["moectl"]["stall_ms_per_token"] + 1e-9
+    assert rows["mixtral-offloading"]["lowbit_loads_per_token"] > 0 and rows["mixtral-offloading"]["full_loads_per_token"] == 0
+    assert rows["llamacpp-cpu-moe"]["bytes_per_token"] == 0 and rows["llamacpp-cpu-moe"]["cpu_experts_per_token"] > 0
+    assert rows["hobbit"]["skipped_per_token"] > 0
+    assert "sensitivity gating" in " ".join(rows["adapmoe"]["notes"])
+    assert rows["moectl-q4"]["precision"].startswith("lowbit-only")
+
+
+def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_small, tmp_path, capsys, monkeypatch):
+    """Profile the tiny model, plan its cache for a budget, run the runtime with the plan (CPU slots, as a device
+    has): decode misses per token = the plan's prediction for the profiled trace within 10 %, and weights + cache +
+    KV held stay within the budget (the runtime's own accounting on a CPU)."""
+    import torch
+
+    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.profile import run_profile
+    from moectl.runtime.engine import Engine, dense_nbytes
+
+    torch.set_num_threads(1)
+    texts = builtin_corpus("validation")[:3]
+    wd = tmp_path / "wd"
+    full = Engine.load(str(tiny_small), prefetch="gate-reuse", progress=False, workdir=str(wd))
+    run_profile(full, texts, wd / "traces", model_name="tiny", dataset="builtin:validation", max_tokens=40,
+                generate=12, hidden_samples="all")
+    L, E = len(full.moe_layer_ids), full.adapter.num_experts
+    from moectl.plan.budget import model_facts, split_budget
+
+    facts = model_facts(str(tiny_small), str(wd))
+    kv_tokens = 64
+    minimum = facts.dense_bytes + facts.kv_bytes_per_token * kv_tokens + split_budget(10**12, facts, kv_tokens).workspace
+    budget = minimum + (L * E // 3) * facts.expert_bytes()
+    code, stdout, err = run_cli(["plan-cache", "--model", str(tiny_small), "--workdir", str(wd), "--budget",
+                                 str(budget), "--kv-tokens", str(kv_tokens), "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    plan = json.loads(stdout)["plan"]
+    assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]
+    eng = Engine.load(str(tiny_small), prefetch=plan["policies"]["prefetch"], emulate_device=True, progress=False,
+                      workdir=str(wd), plan="auto")
+    assert eng.cache.slots_per_layer == plan["slots"] and "plan.yaml" in eng.plan_note
+    assert eng.cache.state.policies["full"].name == plan["policies"]["replacement"]
+    run_profile(eng, texts, tmp_path / "again", model_name="tiny", dataset="builtin:validation", max_tokens=40,
+                generate=12, hidden_samples="all")
+    dec = eng.cache.state.totals("decode")
+    measured = dec["misses"] / plan["predicted"]["tokens"]
+    assert measured == pytest.approx(plan["predicted"]["misses_per_token"], rel=0.10)
+    held = dense_nbytes(eng.model, eng.config) + sum(eng.cache.slots_per_layer) * facts.expert_bytes() \
+        + facts.kv_bytes_per_token * (40 + 12)
+    assert held <= budget
+    # --no-plan ignores it; a plan of another model is one clear error
+    assert Engine.load(str(tiny_small), emulate_device=True, progress=False, workdir=str(wd), plan=None).plan is None
+    other = tmp_path / "other.yaml"
+    other.write_text((wd / "plan.yaml").read_text().replace(plan_fp := yaml.safe_load((wd / "plan.yaml").read_text())
+                                                            ["fingerprint"], "mixtral:000000000000"))
+    assert plan_fp.startswith("mixtral:")
+    with pytest.raises(MoectlError, match="was made for model mixtral:000000000000"):
+        Engine.load(str(tiny_small), emulate_device=True, progress=False, workdir=str(wd), plan=str(other))
