@@ -14,26 +14,41 @@ from __future__ import annotations
 
 import torch
 
-from ..cache_model import CacheState
+from ..cache_model import FULL, LOW, CacheState
 from ..policies.base import ReplacementPolicy
+from ..policies.precision import PrecisionPolicy
 from ..store.expert_store import ExpertStore
 from .cache import CacheFront, CacheStats
 
 
 class InPlaceExperts(CacheFront):
-    def __init__(self, store: ExpertStore, policy: ReplacementPolicy):
+    """`precision`: a policy that uses low-bit copies (`--precision lowbit-only`) computes every expert from its
+    low-bit buffer in place; any other computes from the full copies, all resident (HOBBIT's choice only
+    matters on a miss, and in place there is none)."""
+
+    def __init__(self, store: ExpertStore, policy: ReplacementPolicy, precision: PrecisionPolicy | None = None):
         if store.buffers is None:
             raise ValueError("in-place experts need the RAM tier")
         self.store, self.policy, self.device = store, policy, torch.device("cpu")
+        self.serve = LOW if precision is not None and precision.name == "lowbit-only" else FULL
+        if precision is not None:
+            self.precision = precision
         self.slots_per_layer = [store.num_experts] * store.num_layers
-        self.state = CacheState(self.slots_per_layer, policy)
-        self.state.fill()                           # every expert resident from the start: accesses only hit
-        self.format = store.format
-        self.views = [[self.format.views(buf[e]) for e in range(store.num_experts)] for buf in store.buffers]
-        self.stats = CacheStats(self.state, store.expert_nbytes)
+        self.state = CacheState({self.serve: self.slots_per_layer}, {self.serve: policy})
+        self.state.fill(self.serve)                 # every expert resident from the start: accesses only hit
+        self.format = store.format_of(self.serve)
+        buffers = store.buffers if self.serve == FULL else store.lowbit.buffers
+        self.views = [[self.format.views(buf[e]) for e in range(store.num_experts)] for buf in buffers]
+        self.stats = CacheStats(self.state, {self.serve: store.nbytes(self.serve)} | {FULL: store.expert_nbytes})
 
-    def acquire(self, layer: int, expert: int) -> dict:
-        self.state.access(layer, expert)            # counts the hit (and ticks the policies' clock)
+    def plan(self, layer: int, expert: int, scores) -> str:
+        return self.serve
+
+    def contains(self, layer: int, expert: int, precision: str = FULL) -> bool:
+        return True
+
+    def acquire(self, layer: int, expert: int, precision: str = FULL) -> dict:
+        self.state.access(layer, expert, self.serve)     # counts the hit (and ticks the policies' clock)
         return self.format.weights(self.views[layer][expert])
 
     def prefetch(self, layer: int, expert: int) -> bool:
