@@ -79,7 +79,7 @@ class CacheStats:
                   for ph in PHASES}}
         if LOW in per:
             out |= {"low_hits": per[LOW]["hits"], "low_misses": per[LOW]["misses"], "skips": self.skips,
-                    "full_misses": per[FULL]["misses"]}
+                    "full_misses": per.get(FULL, {}).get("misses", 0)}
         return out
 
 

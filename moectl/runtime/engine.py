@@ -32,6 +32,9 @@ from .in_place import InPlaceExperts
 from .offloaded import OffloadedExperts
 
 KV_RESERVE_TOKENS = 4096     # --budget keeps room for this many tokens of KV cache
+# Share of the expert cache's bytes given to low-bit slots under `--precision hobbit` (`--lowbit-fraction`):
+# see docs/benchmarks.md (bench/precision.py) for why.
+DEFAULT_LOWBIT_FRACTION = 0.25
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
 
@@ -68,9 +71,14 @@ class Engine:
              replacement: str | ReplacementPolicy = "lru", prefetch: str | PrefetchPolicy | None = None,
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
-             gating_threshold: float | None = None, gate_prefill: bool = False) -> "Engine":
+             gating_threshold: float | None = None, gate_prefill: bool = False, lowbit: str | None = None,
+             precision: str | None = None, t1: float = 0.6, t2: float = 0.9,
+             lowbit_fraction: float | None = None) -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
-        the default on a CPU with experts in RAM computes them in place (no slots, no copies)."""
+        the default on a CPU with experts in RAM computes them in place (no slots, no copies).
+        `lowbit` (e.g. q4g64): also serve the `moectl quantize` copies from host RAM, with a low-bit slot pool
+        taking `lowbit_fraction` of the cache's bytes; `precision` full | hobbit (T1, T2) | lowbit-only says which
+        copy a miss loads (default: hobbit with --lowbit, else full)."""
         if emulate_device and device != "cpu":
             raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         ref = _built(resolve_model(model, workdir))
@@ -86,6 +94,8 @@ class Engine:
         moe_layer_ids = [i for i, _ in blocks]
         fingerprint = config_fingerprint(config)
         gating = _gating(gating, gating_threshold, ref.workdir, fingerprint, len(moe_layer_ids))
+        prec, low_fmt = _precision(precision, t1, t2, lowbit, lowbit_fraction, ref.workdir, fingerprint, adapter,
+                                   len(moe_layer_ids), dt)
         runtime = _Runtime(adapter, gating, gate_prefill)
         for moe_idx, (layer_idx, block) in enumerate(blocks):
             old = block.experts
@@ -97,9 +107,15 @@ class Engine:
         kv = kv_reserve_nbytes(config, dt)
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config), kv, cache_experts, budget,
                                       slots_per_layer)
+        low_slots = None
+        if low_fmt is not None and not in_place:
+            fraction = lowbit_fraction_for(prec, lowbit_fraction)
+            slots_per_layer, low_slots = split_pools(slots_per_layer, E, expert_nbytes, low_fmt.nbytes, fraction)
+        low_nbytes = low_fmt.nbytes if low_fmt is not None else 0
         dense = header_dense_nbytes(ckpt, adapter, dt)              # what is read into host RAM
         on_host = dev.type == "cpu"
-        need = host_need(offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L * E, dense, kv)
+        need = host_need(offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L * E, dense, kv,
+                         lowbit_nbytes=low_nbytes, low_slots=sum(low_slots or []))
 
         def fits(free: int) -> list[str]:
             return host_options(free, offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L, E,
@@ -137,7 +153,13 @@ class Engine:
                                      fingerprint, L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
-        cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy)
+        if low_fmt is not None:
+            from ..store.lowbit import LowbitCopies
+
+            store.lowbit = LowbitCopies(ref.workdir, lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
+                                        progress=progress)
+        cache = InPlaceExperts(store, policy, prec) if in_place else \
+            DeviceCache(store, slots_per_layer, dev, policy, low_slots=low_slots, precision=prec)
         runtime.cache = cache
         eng = cls(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, progress=progress)
         runtime.engine = eng
@@ -449,6 +471,51 @@ def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_laye
     if policy is not None and gating == "auto" and threshold is None:
         policy.source = str(f)          # on by default: the status lines say where it came from
     return policy
+
+
+def _precision(name, t1, t2, lowbit, fraction, workdir, fingerprint, adapter, num_layers, dtype):
+    """(precision policy, low-bit format or None) from --precision/--t1/--t2/--lowbit, checked before loading."""
+    from ..policies.precision import make_precision
+
+    if fraction is not None and not 0.0 <= fraction < 1.0:
+        raise MoectlError(f"--lowbit-fraction {fraction:g}: give a share of the cache's bytes in [0, 1)")
+    prec = make_precision(name or ("hobbit" if lowbit else "full"), t1, t2)
+    if prec.uses_lowbit and not lowbit:
+        raise MoectlError(f"--precision {prec.name} loads low-bit copies: give --lowbit q<bits>g<group> "
+                          f"(made by `moectl quantize`)")
+    if not lowbit:
+        return prec, None
+    from ..store.lowbit import lowbit_format, read_lowbit_meta
+
+    meta, path = read_lowbit_meta(workdir, lowbit, fingerprint, num_layers, adapter.num_experts)
+    return prec, lowbit_format(meta, adapter, dtype, path)
+
+
+def lowbit_fraction_for(precision, fraction: float | None) -> float:
+    """The low-bit pools' share of the cache bytes: none for full precision, all but one full slot per layer for
+    lowbit-only, `--lowbit-fraction` (default DEFAULT_LOWBIT_FRACTION) for HOBBIT."""
+    if not precision.uses_lowbit:
+        return 0.0
+    if precision.name == "lowbit-only":
+        return 1.0
+    return DEFAULT_LOWBIT_FRACTION if fraction is None else fraction
+
+
+def split_pools(full_slots: list[int], num_experts: int, full_nbytes: int, low_nbytes: int,
+                fraction: float) -> tuple[list[int], list[int]]:
+    """Each layer's cache bytes (its full slots x full bytes) split: `fraction` to low-bit slots, the rest to full
+    slots; at least one slot of each per layer, at most E. fraction 0: one low-bit slot per layer (a resident
+    low-bit copy is then only ever used by an explicit low decision)."""
+    full, low = [], []
+    for s in full_slots:
+        nbytes = s * full_nbytes
+        keep = max(1, min(num_experts, int(nbytes * (1 - fraction)) // full_nbytes))
+        if fraction >= 1:
+            keep = 1
+        n_low = max(1, min(num_experts, (nbytes - keep * full_nbytes) // low_nbytes))
+        full.append(keep)
+        low.append(int(n_low))
+    return full, low
 
 
 def dense_nbytes(model, config=None) -> int:

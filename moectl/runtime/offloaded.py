@@ -96,7 +96,7 @@ class OffloadedExperts(nn.Module):
             return {e: cache.plan(self.layer, e, [0.0]) for e in needed}, top_k_weights
         w = top_k_weights.float()
         norm = w / w.sum(-1, keepdim=True).clamp_min(1e-30)                        # [T,K]
-        order = norm.argsort(-1, descending=True, stable=True)
+        order = torch.sort(norm, dim=-1, descending=True, stable=True).indices
         ranked = norm.gather(-1, order)
         scores = torch.empty_like(norm).scatter_(-1, order, ranked.cumsum(-1) - ranked)   # s_i: mass ranked above
         idx, sc = top_k_index.tolist(), scores.tolist()
