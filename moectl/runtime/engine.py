@@ -622,7 +622,8 @@ def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
             "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "bytes_loaded": loaded, "bytes_per_token": loaded / tokens if tokens else 0.0,
             "load_wait_s": after["load_wait_s"] - before["load_wait_s"],   # every wait for a copy or read
-            "prefetches": after["prefetches"] - before["prefetches"]}
+            "prefetches": after["prefetches"] - before["prefetches"],
+            **{k: after[k] - before[k] for k in ("low_misses", "full_misses", "skips") if k in after}}
 
 
 def _eos_ids(config, tokenizer) -> set[int]:

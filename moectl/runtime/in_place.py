@@ -12,6 +12,8 @@ CPU its own slots instead (the cache logic the tests and simulator checks exerci
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..cache_model import FULL, LOW, CacheState
@@ -30,26 +32,26 @@ class InPlaceExperts(CacheFront):
         if store.buffers is None:
             raise ValueError("in-place experts need the RAM tier")
         self.store, self.policy, self.device = store, policy, torch.device("cpu")
-        self.serve = LOW if precision is not None and precision.name == "lowbit-only" else FULL
         if precision is not None:
             self.precision = precision
         self.slots_per_layer = [store.num_experts] * store.num_layers
-        self.state = CacheState({self.serve: self.slots_per_layer}, {self.serve: policy})
-        self.state.fill(self.serve)                 # every expert resident from the start: accesses only hit
-        self.format = store.format_of(self.serve)
-        buffers = store.buffers if self.serve == FULL else store.lowbit.buffers
-        self.views = [[self.format.views(buf[e]) for e in range(store.num_experts)] for buf in buffers]
-        self.stats = CacheStats(self.state, {self.serve: store.nbytes(self.serve)} | {FULL: store.expert_nbytes})
+        pools = [FULL] + ([LOW] if store.lowbit is not None else [])
+        self.state = CacheState({p: self.slots_per_layer for p in pools}, {p: copy.deepcopy(policy) for p in pools})
+        self.state.policies[FULL] = policy
+        self.views, self.formats = {}, {}
+        for p in pools:
+            self.state.fill(p)                      # every expert resident from the start: accesses only hit
+            self.formats[p] = store.format_of(p)
+            buffers = store.buffers if p == FULL else store.lowbit.buffers
+            self.views[p] = [[self.formats[p].views(buf[e]) for e in range(store.num_experts)] for buf in buffers]
+        self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in pools})
 
     def plan(self, layer: int, expert: int, scores) -> str:
-        return self.serve
-
-    def contains(self, layer: int, expert: int, precision: str = FULL) -> bool:
-        return True
+        return LOW if self.precision.name == "lowbit-only" else FULL
 
     def acquire(self, layer: int, expert: int, precision: str = FULL) -> dict:
-        self.state.access(layer, expert, self.serve)     # counts the hit (and ticks the policies' clock)
-        return self.format.weights(self.views[layer][expert])
+        self.state.access(layer, expert, precision)      # counts the hit (and ticks the policies' clock)
+        return self.formats[precision].weights(self.views[precision][layer][expert])
 
     def prefetch(self, layer: int, expert: int) -> bool:
         return False                                # always resident
