@@ -647,7 +647,39 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None) -> dict:
+def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers: int, lowbit: str | None = None,
+                offload: str = "ram", device: str = "cuda", budget: str | None = None,
+                lowbit_fraction: float | None = None, axis: int = 1) -> dict:
+    """Host RAM and device memory of one configuration, by part, from shapes alone (nothing read): dense weights,
+    copies per tier, KV reserve, cache slots. Without --budget the cache is the minimum, one slot per layer of
+    each pool. `lowbit` (e.g. q4g64) sizes the low-bit tier from the format (HQQ, `axis`, scales in `dtype`)."""
+    from ..quant.hqq_format import HqqFormat, parse_lowbit
+
+    L, E = num_moe_layers, adapter.num_experts
+    full = adapter.format(dtype).nbytes
+    low = HqqFormat(adapter.layout(), *parse_lowbit(lowbit), axis, dtype).nbytes if lowbit else 0
+    kv = kv_reserve_nbytes(config, dtype)
+    slots = cache_slots(L, E, full, dense, kv, budget=budget) if budget else [1] * L
+    low_slots = []
+    if lowbit:
+        f = DEFAULT_LOWBIT_FRACTION if lowbit_fraction is None else lowbit_fraction
+        slots, low_slots = split_pools(slots, E, full, low, f) if budget else (slots, [1] * L)
+    on_host = device == "cpu"
+    host = host_need(offload, on_host, False, sum(slots), full, L * E, dense, kv, lowbit_nbytes=low,
+                     low_slots=sum(low_slots))
+    dev = 0 if on_host else dense + kv + sum(slots) * full + sum(low_slots) * low
+    return {"offload": offload, "device": device, "lowbit": lowbit, "budget": budget,
+            "bytes_per_expert_full": full, "bytes_per_expert_lowbit": low, "full_copies_bytes": L * E * full,
+            "lowbit_copies_bytes": L * E * low, "dense_bytes": dense, "kv_reserve_bytes": kv,
+            "full_slots": sum(slots), "lowbit_slots": sum(low_slots),
+            "host": {"dense": host.dense, "full_copies": host.experts, "lowbit_copies": host.lowbit,
+                     "cache_buffers": host.cache, "kv_reserve": host.kv, "total": host.total},
+            "device_total": dev}
+
+
+def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None, lowbit: str | None = None,
+                  offload: str = "ram", device: str = "cuda", budget: str | None = None,
+                  lowbit_fraction: float | None = None) -> dict:
     """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only."""
     ref = _built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
@@ -658,6 +690,8 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
         block.experts = OffloadedExperts(moe_idx, layer_idx, None, None, adapter.num_experts)
     expert_nbytes = adapter.format(dt).nbytes
     info = describe(config, adapter, expert_nbytes, dense_nbytes(hf, config), len(blocks))
+    info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], len(blocks), lowbit, offload, device,
+                                 budget, lowbit_fraction)
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "moe_layer_ids": [i for i, _ in blocks],
                    "fingerprint": config_fingerprint(config)}
