@@ -7,6 +7,9 @@
    against `torch.ops.aten._weight_int4pack_mm_for_cpu` on the same codes repacked (tinygemm layout:
    w = (q - 8) * scale + zero', zero' = (8 - z) * scale), and the dense bf16 matmul for scale.
 
+3. `moectl inspect --lowbit`'s memory figures for Mixtral-8x7B itself (transformers' MixtralConfig defaults, bf16;
+   shapes only, no checkpoint needed): host RAM with bf16 in RAM vs bf16 on disk + q4g64/q3g64/q2g64 in RAM.
+
 Run: .venv/bin/python bench/quantize.py [--bits 4] [--group 64] [--threads 2] [--skip-quantize] [--json out.json]
 """
 
@@ -78,16 +81,45 @@ def cpu_compute(group: int = 64) -> dict:
     return out
 
 
+def mixtral_memory() -> list[dict]:
+    from transformers import MixtralConfig
+
+    from moectl.models import adapter_for
+    from moectl.runtime.engine import _skeleton, dense_nbytes, memory_plan
+    from moectl.runtime.offloaded import OffloadedExperts
+
+    config = MixtralConfig()                                     # the defaults are Mixtral-8x7B's shape
+    adapter = adapter_for(config)
+    hf, blocks = _skeleton(config, adapter, torch.bfloat16, "MixtralConfig()")
+    for i, (layer, block) in enumerate(blocks):                  # the runtime's stand-ins own no expert weights
+        block.experts = OffloadedExperts(i, layer, None, None, adapter.num_experts)
+    dense = dense_nbytes(hf, config)
+    rows = [memory_plan(config, adapter, torch.bfloat16, dense, len(blocks), None, "ram", "cuda", "20GB")]
+    for name in ("q4g64", "q3g64", "q2g64"):
+        rows.append(memory_plan(config, adapter, torch.bfloat16, dense, len(blocks), name, "disk", "cuda", "20GB"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-quantize", action="store_true")
+    ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    res = {"threads": a.threads, "cpu_q4_matrix_14336x4096": cpu_compute(a.group)}
+    res = {"mixtral_memory": mixtral_memory()}
+    for m in res["mixtral_memory"]:
+        print(f"Mixtral-8x7B bf16 {'in RAM' if m['offload'] == 'ram' else 'on disk'}"
+              + (f" + {m['lowbit']} in RAM" if m["lowbit"] else "") + f", GPU budget 20GB: host RAM "
+              f"{m['host']['total'] / 1e9:.1f} GB (low-bit copies {m['lowbit_copies_bytes'] / 1e9:.1f} GB, staging "
+              f"{m['host']['cache_buffers'] / 1e9:.1f} GB), device {m['device_total'] / 1e9:.1f} GB with "
+              f"{m['full_slots']} full + {m['lowbit_slots']} low-bit slots", flush=True)
+    if a.memory_only:
+        return
+    res |= {"threads": a.threads, "cpu_q4_matrix_14336x4096": cpu_compute(a.group)}
     for m, r in res["cpu_q4_matrix_14336x4096"].items():
         print(f"batch {m:2d}: dequant+matmul {r['dequant_matmul_ms']:.1f} ms (dequant alone {r['dequant_only_ms']:.1f}) | "
               f"int4pack_mm {r['int4pack_mm_ms']:.1f} ms | dense bf16 {r['dense_bf16_ms']:.1f} ms | "

@@ -503,19 +503,14 @@ def lowbit_fraction_for(precision, fraction: float | None) -> float:
 
 def split_pools(full_slots: list[int], num_experts: int, full_nbytes: int, low_nbytes: int,
                 fraction: float) -> tuple[list[int], list[int]]:
-    """Each layer's cache bytes (its full slots x full bytes) split: `fraction` to low-bit slots, the rest to full
-    slots; at least one slot of each per layer, at most E. fraction 0: one low-bit slot per layer (a resident
-    low-bit copy is then only ever used by an explicit low decision)."""
-    full, low = [], []
-    for s in full_slots:
-        nbytes = s * full_nbytes
-        keep = max(1, min(num_experts, int(nbytes * (1 - fraction)) // full_nbytes))
-        if fraction >= 1:
-            keep = 1
-        n_low = max(1, min(num_experts, (nbytes - keep * full_nbytes) // low_nbytes))
-        full.append(keep)
-        low.append(int(n_low))
-    return full, low
+    """The cache's bytes (`full_slots` x full bytes) split: `fraction` to low-bit slots, the rest to full slots,
+    each pool's total split evenly over the layers (`split_slots`); at least one slot of each per layer (the
+    only way the split exceeds the bytes), at most E. fraction 1 (lowbit-only): one full slot per layer."""
+    L = len(full_slots)
+    total = sum(full_slots) * full_nbytes
+    n_full = L if fraction >= 1 else max(L, min(L * num_experts, int(total * (1 - fraction)) // full_nbytes))
+    n_low = max(L, min(L * num_experts, (total - n_full * full_nbytes) // low_nbytes))
+    return split_slots(n_full, L, num_experts), split_slots(int(n_low), L, num_experts)
 
 
 def dense_nbytes(model, config=None) -> int:
