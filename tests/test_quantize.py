@@ -40,19 +40,40 @@ def test_stored_copy_dequantises_exactly_as_hqq(mixtral, q4):
     assert meta["format"] == "moectl-lowbit-copies" and meta["version"] == 1 and len(meta["fingerprint"]) > 8
     assert len(meta["layers"]) == 4 and all(0.05 < x["rel_error"] < 0.12 for x in meta["layers"])
     assert (wd / "experts-q4g64.safetensors").exists() and not (wd / "experts-q4g64.parts").exists()
-    eng = Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", precision="lowbit-only", progress=False)
+    from moectl.store.lowbit import LowbitCopies
+
+    eng = Engine.load(str(mixtral), workdir=str(wd), progress=False)
     store = eng.store
-    assert store.lowbit.expert_nbytes == meta["bytes_per_expert"] < store.expert_nbytes / 6    # fp32 -> 4 bit
+    copies = LowbitCopies(wd, "q4g64", eng.fingerprint, eng.adapter, 4, torch.float32, progress=False)
+    assert copies.expert_nbytes == meta["bytes_per_expert"] < store.expert_nbytes / 6    # fp32 -> 4 bit
     for layer, expert in [(0, 0), (3, 5)]:
         full = store.format.views(store.host(layer, expert))
-        low = store.format_of("low")
-        got = low.weights(low.views(store.host(layer, expert, "low")))
+        low = copies.format
+        got = low.weights(low.views(copies.host(layer, expert)))
         for name in ("gate_up", "down"):
             W_q, m = Quantizer.quantize(full[name], nbits=4, group_size=64, axis=1, device="cpu")
             m["compute_dtype"] = torch.float32
             ref = Quantizer.dequantize(W_q, m)
             assert torch.equal(got[name], ref)                    # bit for bit HQQ's own dequantisation
             assert got[name].shape == full[name].shape
+
+
+def test_cpu_int4_kernel_matches_hqq_dequantisation(mixtral, q4, monkeypatch):
+    """On a CPU the q4 copies are repacked for torch's int4 kernel; logits match the dequantise-then-matmul path."""
+    from moectl.quant.int4_cpu import Int4CpuFormat
+    from moectl.store import lowbit
+
+    wd, _ = q4
+    kw = dict(workdir=str(wd), lowbit="q4g64", precision="lowbit-only", progress=False)
+    eng = Engine.load(str(mixtral), **kw)
+    assert isinstance(eng.store.lowbit.format, Int4CpuFormat)
+    fast = _decode(eng)
+    monkeypatch.setattr(lowbit, "int4_cpu_ok", lambda fmt: False)
+    slow_eng = Engine.load(str(mixtral), **kw)
+    assert type(slow_eng.store.lowbit.format).__name__ == "HqqFormat"
+    slow = _decode(slow_eng)
+    assert torch.allclose(fast, slow, atol=1e-5, rtol=0) and not torch.equal(fast, _decode(Engine.load(
+        str(mixtral), workdir=str(wd), progress=False)))
 
 
 def test_interrupted_quantize_resumes_to_an_identical_file(mixtral, q4, tmp_path):

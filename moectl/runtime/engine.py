@@ -157,7 +157,7 @@ class Engine:
             from ..store.lowbit import LowbitCopies
 
             store.lowbit = LowbitCopies(ref.workdir, lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
-                                        progress=progress)
+                                        progress=progress, cpu_kernel=dev.type == "cpu")
         cache = InPlaceExperts(store, policy, prec) if in_place else \
             DeviceCache(store, slots_per_layer, dev, policy, low_slots=low_slots, precision=prec)
         runtime.cache = cache

@@ -21,6 +21,7 @@ from ..artifact import read_descriptor, require_int
 from ..errors import MoectlError
 from ..progress import ProgressBar
 from ..quant.hqq_format import HqqFormat, parse_lowbit
+from ..quant.int4_cpu import Int4CpuFormat, int4_cpu_ok
 from ..quant.quantize import FORMAT, KEY, VERSION, copy_paths
 from .checkpoint import byte_view, parse_header, read_at
 from .memory import host_empty
@@ -60,12 +61,15 @@ def read_lowbit_meta(workdir, name: str, fingerprint: str, num_layers: int, num_
 
 class LowbitCopies:
     def __init__(self, workdir, name: str, fingerprint: str, adapter, num_layers: int, compute_dtype: torch.dtype,
-                 pin: bool = False, progress: bool = True):
+                 pin: bool = False, progress: bool = True, cpu_kernel: bool = False):
+        # cpu_kernel: the experts will be computed on the CPU; q4 axis-1 copies are then repacked once, here,
+        # for torch's int4 CPU kernel (quant/int4_cpu.py).
         meta, path = read_lowbit_meta(workdir, name, fingerprint, num_layers, adapter.num_experts)
         self.meta, self.path = meta, path
         self.format = lowbit_format(meta, adapter, compute_dtype, path)
+        stored = self.format
         self.name, self.num_layers, self.num_experts = self.format.name, num_layers, adapter.num_experts
-        self.expert_nbytes = self.format.nbytes
+        self.expert_nbytes = stored.nbytes
         ranges = {}
         for fname in meta.get("shards", {}):
             f = path.parent / fname
@@ -94,6 +98,17 @@ class LowbitCopies:
                     os.close(fd)
                 self.buffers.append(buf)
                 bar.update(task, advance=1)
+        if cpu_kernel and adapter.linear_callables and int4_cpu_ok(stored):
+            self._repack(Int4CpuFormat(stored))
+
+    def _repack(self, fmt) -> None:
+        # Every expert converted into `fmt`, one layer at a time (the peak is one extra layer).
+        for layer, buf in enumerate(self.buffers):
+            out = host_empty((self.num_experts, fmt.nbytes), torch.uint8, f"repacking {self.name} copies")
+            for e in range(self.num_experts):
+                fmt.repack(buf[e], out[e])
+            self.buffers[layer] = out
+        self.format, self.expert_nbytes = fmt, fmt.nbytes
 
     @property
     def nbytes(self) -> int:
