@@ -47,10 +47,11 @@ def quantize_seconds(bits: int, group: int) -> dict:
     g = torch.Generator().manual_seed(0)
     w = {"gate_up": (torch.randn(2 * I, H, generator=g) * 0.02).bfloat16(),
          "down": (torch.randn(H, I, generator=g) * 0.02).bfloat16()}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fmt.quantize(w)
-    s = time.perf_counter() - t0
-    return {"bits": bits, "group": group, "seconds_per_expert": s, "mixtral_hours": s * EXPERTS / 3600,
+    s, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"bits": bits, "group": group, "seconds_per_expert": s, "cpu_seconds_per_expert": cpu,
+            "mixtral_hours": s * EXPERTS / 3600,
             "bytes_per_expert": fmt.nbytes, "bf16_bytes_per_expert": 3 * H * I * 2}
 
 
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-quantize", action="store_true")
     ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--skip-compute", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -119,8 +121,10 @@ def main() -> None:
               f"{m['full_slots']} full + {m['lowbit_slots']} low-bit slots", flush=True)
     if a.memory_only:
         return
-    res |= {"threads": a.threads, "cpu_q4_matrix_14336x4096": cpu_compute(a.group)}
-    for m, r in res["cpu_q4_matrix_14336x4096"].items():
+    res["threads"] = a.threads
+    if not a.skip_compute:
+        res["cpu_q4_matrix_14336x4096"] = cpu_compute(a.group)
+    for m, r in res.get("cpu_q4_matrix_14336x4096", {}).items():
         print(f"batch {m:2d}: dequant+matmul {r['dequant_matmul_ms']:.1f} ms (dequant alone {r['dequant_only_ms']:.1f}) | "
               f"int4pack_mm {r['int4pack_mm_ms']:.1f} ms | dense bf16 {r['dense_bf16_ms']:.1f} ms | "
               f"int4pack vs dequant rel err {r['int4pack_vs_dequant_rel_err']:.2e}")
@@ -128,8 +132,8 @@ def main() -> None:
         q = quantize_seconds(a.bits, a.group)
         res["quantize"] = q
         print(f"q{a.bits}g{a.group}: {q['seconds_per_expert']:.1f} s per Mixtral expert ({q['bytes_per_expert'] / 2**20:.1f} "
-              f"MiB, bf16 {q['bf16_bytes_per_expert'] / 2**20:.1f} MiB) -> {q['mixtral_hours']:.2f} h for all "
-              f"{EXPERTS} experts of Mixtral-8x7B on {a.threads} threads")
+              f"MiB, bf16 {q['bf16_bytes_per_expert'] / 2**20:.1f} MiB; {q['cpu_seconds_per_expert']:.1f} s of CPU time) "
+              f"-> {q['mixtral_hours']:.2f} h for all {EXPERTS} experts of Mixtral-8x7B on {a.threads} threads")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 
