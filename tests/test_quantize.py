@@ -59,12 +59,13 @@ def test_stored_copy_dequantises_exactly_as_hqq(mixtral, q4):
 
 
 def test_cpu_int4_kernel_matches_hqq_dequantisation(mixtral, q4, monkeypatch):
-    """On a CPU the q4 copies are repacked for torch's int4 kernel; logits match the dequantise-then-matmul path."""
+    """On a CPU the q4 copies of a bf16 model are repacked for torch's int4 kernel; its logits match the
+    dequantise-then-matmul path up to bf16 rounding (far closer than either is to lossless)."""
     from moectl.quant.int4_cpu import Int4CpuFormat
     from moectl.store import lowbit
 
     wd, _ = q4
-    kw = dict(workdir=str(wd), lowbit="q4g64", precision="lowbit-only", progress=False)
+    kw = dict(workdir=str(wd), lowbit="q4g64", precision="lowbit-only", progress=False, dtype="bfloat16")
     eng = Engine.load(str(mixtral), **kw)
     assert isinstance(eng.store.lowbit.format, Int4CpuFormat)
     fast = _decode(eng)
@@ -72,8 +73,8 @@ def test_cpu_int4_kernel_matches_hqq_dequantisation(mixtral, q4, monkeypatch):
     slow_eng = Engine.load(str(mixtral), **kw)
     assert type(slow_eng.store.lowbit.format).__name__ == "HqqFormat"
     slow = _decode(slow_eng)
-    assert torch.allclose(fast, slow, atol=1e-5, rtol=0) and not torch.equal(fast, _decode(Engine.load(
-        str(mixtral), workdir=str(wd), progress=False)))
+    lossless = _decode(Engine.load(str(mixtral), workdir=str(wd), progress=False, dtype="bfloat16"))
+    assert (fast - slow).abs().max() <= 0.25 * (slow - lossless).abs().max()   # bf16 rounding, not a different model
 
 
 def test_interrupted_quantize_resumes_to_an_identical_file(mixtral, q4, tmp_path):

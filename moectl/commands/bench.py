@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import GatingOpts
+from ._common import GatingOpts, PrecisionOpts
 
 
 def bench(
@@ -18,6 +18,10 @@ def bench(
                                     help="Recipe whose shape sizes the predictor-cost run (default Mixtral-8x7B)."),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
+    lowbit: Optional[str] = PrecisionOpts.lowbit(),
+    precision: Optional[str] = PrecisionOpts.precision(),
+    t1: float = PrecisionOpts.t1(),
+    t2: float = PrecisionOpts.t2(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Measure the runtime's overhead and the prefetch predictor's cost per layer."""
@@ -34,7 +38,8 @@ def bench(
         raise MoectlError(f"--what: unknown part(s) {sorted(unknown)}; use overhead, predictor")
     out = {}
     if "overhead" in parts:
-        out["overhead"] = runtime_overhead(threads=threads, gating=gating, gating_threshold=gating_threshold)
+        out["overhead"] = runtime_overhead(threads=threads, gating=gating, gating_threshold=gating_threshold,
+                                           lowbit=lowbit, precision=precision, t1=t1, t2=t2)
     if "predictor" in parts:
         s = recipe_shape(model_shape)
         out["predictor"] = predictor_cost(s["hidden_size"], s["num_experts"], s["top_k"], s["moe_layers"])
@@ -51,7 +56,8 @@ def bench(
         t.add_row(f"prefill {o['prefill_tokens']} tok: moectl / transformers time", f"{o['forward_time_ratio']:.3f}",
                   "<= 1.15")
         t.add_row("decode tok/s: transformers", f"{o['decode_tok_s_transformers']:.1f}", "")
-        t.add_row("decode tok/s: moectl (all experts cached)", f"{o['decode_tok_s_moectl']:.1f}", "")
+        t.add_row("decode tok/s: moectl (all experts cached)" + (f", {o['lowbit']} {o['precision']}" if o["lowbit"]
+                                                                     else ""), f"{o['decode_tok_s_moectl']:.1f}", "")
     if "predictor" in out:
         p = out["predictor"]
         t.add_row(f"MLP predictor ms/layer ({model_shape}: D={p['hidden_size']}, E={p['num_experts']}), median",

@@ -39,9 +39,10 @@ class Int4Linear:
 
 
 def int4_cpu_ok(fmt: HqqFormat) -> bool:
-    """Whether the CPU kernel can take this copy set's matrices."""
+    """Whether the CPU kernel can take this copy set's matrices, and is fast for them: bf16 only (with fp32
+    activations it measured 13x slower than a dense fp32 matmul on a 1024x256 matrix; bf16 as fast as dense)."""
     shapes = dict(zip(fmt.layout.names, fmt.layout.shapes))
-    return (fmt.bits == 4 and fmt.axis == 1 and fmt.group in KERNEL_GROUPS
+    return (fmt.bits == 4 and fmt.axis == 1 and fmt.group in KERNEL_GROUPS and fmt.compute_dtype == torch.bfloat16
             and all(shapes[m][1] % fmt.group == 0 and shapes[m][0] % 16 == 0 for m in fmt.matrices))
 
 
