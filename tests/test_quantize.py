@@ -190,3 +190,44 @@ def test_q8_copies_stay_near_lossless(tiny_small, tmp_path):
     ppl_a, ppl_b = math.exp(a["nll"] / a["scored"]), math.exp(b["nll"] / b["scored"])
     assert abs(ppl_b / ppl_a - 1) < 0.002, (ppl_a, ppl_b)
     assert ppl_b != ppl_a                                    # the q8 copies were really used
+
+
+def test_budget_split_and_inspect_memory_figures(mixtral, q4, capsys, monkeypatch):
+    from moectl.runtime.engine import split_pools
+
+    full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 0.25)        # 8000 bytes: 6 full slots + 20 low-bit slots
+    assert full == [2, 2, 1, 1] and low == [5, 5, 5, 5]
+    full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 1.0)         # lowbit-only: one full slot per layer
+    assert full == [1] * 4 and low == [8] * 4                        # 40 asked, capped at E
+    wd, meta = q4
+    eng = Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", cache_experts=8, emulate_device=True,
+                      lowbit_fraction=0.5, progress=False)
+    nf, nl = eng.store.expert_nbytes, eng.store.nbytes("low")
+    n_low = (8 * nf - 4 * nf) // nl                                  # half the bytes: 4 full slots, the rest low-bit
+    assert eng.cache.slots_per_layer == [1] * 4 and n_low == 25
+    assert [tuple(p.shape) for p in eng.cache.pools["low"]] == [(7, nl), (6, nl), (6, nl), (6, nl)]
+    with pytest.raises(MoectlError, match="--lowbit-fraction"):
+        Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", lowbit_fraction=1.5, progress=False)
+    code, out, err = run_cli(["inspect", "--model", str(mixtral), "--workdir", str(wd), "--lowbit", "q4g64",
+                              "--offload", "disk", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    m = json.loads(out)["memory"]
+    assert m["bytes_per_expert_full"] == nf and m["bytes_per_expert_lowbit"] == nl == meta["bytes_per_expert"]
+    assert m["host"]["full_copies"] == 0 and m["host"]["lowbit_copies"] == 32 * nl      # bf16 on disk, q4 in RAM
+    assert m["host"]["cache_buffers"] == 4 * nf                                         # pinned staging per full slot
+    assert m["device_total"] == m["dense_bytes"] + m["kv_reserve_bytes"] + 4 * nf + 4 * nl
+    code, out, err = run_cli(["inspect", "--model", str(mixtral), "--workdir", str(wd), "--json"], capsys, monkeypatch)
+    assert json.loads(out)["memory"]["host"]["full_copies"] == 32 * nf
+
+
+def test_generate_reports_low_bit_loads(mixtral, q4, capsys, monkeypatch):
+    wd, meta = q4
+    code, out, err = run_cli(["generate", "--model", str(mixtral), "--workdir", str(wd), "--prompt", "a b c", "-n", "6",
+                              "--greedy", "--lowbit", "q4g64", "--t1", "0", "--t2", "1", "--cache-experts", "8",
+                              "--emulate-device",
+                              "--prefetch", "none", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    st = json.loads(out)["stats"]
+    assert st["low_misses"] > 0 and st["full_misses"] + st["low_misses"] == st["misses"]
+    full = meta["full_bytes_per_expert"]
+    assert st["bytes_loaded"] == st["full_misses"] * full + st["low_misses"] * meta["bytes_per_expert"]
