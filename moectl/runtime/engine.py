@@ -3,7 +3,8 @@
 Load: config -> family adapter -> cache plan and host-memory check from the shard headers (a clear
 error before anything is read if it does not fit) -> skeleton under `init_empty_weights` -> each MoE
 block's experts swapped for `OffloadedExperts` -> non-expert tensors read from the shards onto the
-device -> routed experts read into the `ExpertStore` (host RAM, or left on disk) -> the cache:
+device -> routed experts read into the `ExpertStore` (host RAM, or left on disk; with `--lowbit`, the
+`moectl quantize` copies into host RAM too, and the cache bytes split into a full and a low-bit pool) -> the cache:
 `InPlaceExperts` on a CPU with experts in RAM (nothing copied), else `DeviceCache` slots.
 Generate: a plain loop over the model with a transformers KV cache; greedy or sampling; prefill,
 time to first token and decode time per token measured apart.
