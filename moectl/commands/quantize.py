@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import prepare_model
+from ._common import CacheOpts, prepare_model
 
 
 def quantize(
@@ -19,7 +19,7 @@ def quantize(
                              "default, what fast kernels want), 0 along the output dimension (better at 2-3 bits)."),
     device: Optional[str] = typer.Option(None, "--device", help="Where HQQ runs: cpu or cuda (default: cuda when "
                                          "present)."),
-    workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>)."),
+    workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="dtype of scales, zeros and the dequantised weights "
                                         "(default: the checkpoint's)."),
     as_json: bool = typer.Option(False, "--json", help="Print the copy set's JSON descriptor."),
@@ -44,8 +44,9 @@ def quantize(
               + (" -- already up to date" if meta.get("up_to_date") else f" in {meta['seconds']:.1f} s"),
               show_header=False)
     t.add_row("descriptor", meta["path"])
+    ratio = meta["bytes_per_expert"] / meta["full_bytes_per_expert"]
     t.add_row("bytes per expert", f"{format_bytes(meta['bytes_per_expert'])} (full precision "
-              f"{format_bytes(meta['full_bytes_per_expert'])}, x{meta['bytes_per_expert'] / meta['full_bytes_per_expert']:.3f})")
+              f"{format_bytes(meta['full_bytes_per_expert'])}, x{ratio:.3f})")
     t.add_row("copy set", format_bytes(meta["bytes_per_expert"] * meta["num_layers"] * meta["num_experts"]))
     t.add_row("relative weight error per layer", f"mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
     t.add_row("serve with", f"--lowbit {meta['name']} [--precision hobbit|lowbit-only]")
