@@ -23,10 +23,13 @@ def _best_of(fn, repeat: int) -> float:
 
 def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512, experts: int = 8,
                      prompt: int = 128, decode: int = 32, threads: int | None = None, gating: str | None = None,
-                     gating_threshold: float | None = None) -> dict:
+                     gating_threshold: float | None = None, lowbit: str | None = None, precision: str | None = None,
+                     t1: float = 0.6, t2: float = 0.9) -> dict:
     """A random tiny Mixtral, all experts cached: moectl forward time / transformers forward time
     for a prefill, and decode tokens/s of both (greedy, KV cache). `gating` / `gating_threshold` gate moectl's
-    decode steps (a random model has no sensitivities: only the score-only rule applies)."""
+    decode steps (a random model has no sensitivities: only the score-only rule applies). `lowbit` (e.g. q4g64):
+    the random model is quantized first and moectl runs with those copies and `precision` (all experts in place on
+    the CPU: lowbit-only computes every expert from its copy, HOBBIT has no misses to act on)."""
     from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig, MixtralForCausalLM
 
     from .runtime.engine import Engine
@@ -42,8 +45,13 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
             torch.manual_seed(0)
             MixtralForCausalLM(cfg).save_pretrained(path)
             ref = AutoModelForCausalLM.from_pretrained(path).eval()
-            eng = Engine.load(path, progress=False, gating=gating, gating_threshold=gating_threshold,
-                              threads=threads)                                              # all cached
+            if lowbit:
+                from .quant.hqq_format import parse_lowbit
+                from .quant.quantize import quantize_model
+
+                quantize_model(path, *parse_lowbit(lowbit), workdir=path, progress=False)
+            eng = Engine.load(path, progress=False, gating=gating, gating_threshold=gating_threshold,   # all cached
+                              workdir=path, lowbit=lowbit, precision=precision, t1=t1, t2=t2, threads=threads)
             ids = torch.randint(0, 4096, (1, prompt), generator=torch.Generator().manual_seed(0))
 
             def ref_step(step, pkv):
@@ -68,7 +76,8 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
     return {"layers": layers, "hidden": hidden, "experts": experts, "threads": torch.get_num_threads() if not threads
             else threads, "prefill_tokens": prompt, "prefill_ms_transformers": t_ref * 1e3,
             "prefill_ms_moectl": t_eng * 1e3, "forward_time_ratio": t_eng / t_ref, "goal_ratio": 1.15,
-            "decode_tok_s_transformers": decode / d_ref, "decode_tok_s_moectl": decode / d_eng}
+            "decode_tok_s_transformers": decode / d_ref, "decode_tok_s_moectl": decode / d_eng,
+            "lowbit": lowbit, "precision": precision or ("hobbit" if lowbit else "full")}
 
 
 def predictor_cost(hidden_size: int = 4096, num_experts: int = 8, top_k: int = 2, num_layers: int = 32) -> dict:

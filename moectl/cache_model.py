@@ -6,8 +6,8 @@ so a simulated trace gives the hits, misses and evictions the runtime had (tests
 
 Legend: L = MoE layers, E = experts, S = slots of one pool.
 
-Pools. Every MoE layer has one slot pool per precision (`FULL` today; low-bit copies get their own
-pools later). A pool holds at most its capacity of experts; each precision has its own replacement
+Pools. Every MoE layer has one slot pool per precision (`FULL`, and `LOW` when low-bit copies are served:
+`--lowbit`, `--lowbit-fraction` of the budget). A pool holds at most its capacity of experts; each precision has its own replacement
 policy object (policy state is keyed by (layer, expert)).
 
 The rules, in the order a driver applies them:
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FULL = "full"                             # the one precision today
+FULL, LOW = "full", "low"                 # the precisions a pool can hold (policies/precision.py's names)
 PHASES = ("prefill", "decode")
 COUNTERS = ("hits", "misses", "evictions", "prefetches", "prefetch_used", "prefetch_wasted")
 

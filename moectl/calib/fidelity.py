@@ -49,6 +49,21 @@ def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int | No
 
 
 @contextmanager
+def precision_as(eng, policy):
+    """The engine's cache with another precision policy for a while (None: full precision only -- the lossless
+    side of a comparison)."""
+    from ..policies.precision import PrecisionPolicy
+
+    cache = eng.cache
+    old = cache.precision
+    cache.precision = policy or PrecisionPolicy()
+    try:
+        yield
+    finally:
+        cache.precision = old
+
+
+@contextmanager
 def gating_as(eng, gating, gate_all: bool):
     """Run `eng` with another gating policy for a while (the lossless side uses None)."""
     rt = eng.runtime
@@ -144,7 +159,7 @@ def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, prog
         if ref.get("format") == REFERENCE_FORMAT and ref.get("format_version") == REFERENCE_VERSION \
                 and ref.get("fingerprint") == eng.fingerprint and ref.get("key") == key:
             return ref | {"cached": True}
-    with gating_as(eng, None, False):
+    with gating_as(eng, None, False), precision_as(eng, None):
         nll = window_nll(eng, windows, progress)
         conts = greedy_continuations(eng, prompts, n)
     ref = {"format": REFERENCE_FORMAT, "format_version": REFERENCE_VERSION, "fingerprint": eng.fingerprint,

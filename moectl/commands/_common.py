@@ -93,6 +93,43 @@ class CacheOpts:
         return typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's).")
 
 
+class PrecisionOpts:
+    """Low-bit copies and the precision a miss loads (`moectl quantize`, policies/precision.py)."""
+
+    @staticmethod
+    def lowbit():
+        return typer.Option(None, "--lowbit",
+                            help="Also serve the low-bit expert copies made by `moectl quantize`, e.g. q4g64 "
+                                 "(kept in host RAM; a pool of low-bit slots on the device).")
+
+    @staticmethod
+    def precision():
+        return typer.Option(None, "--precision",
+                            help="Which copy a miss loads: full; hobbit (rank score s <= T1 full, <= T2 low-bit, "
+                                 "else skipped and the rest renormalised); lowbit-only (every expert low-bit). "
+                                 "Default: hobbit with --lowbit, else full.")
+
+    @staticmethod
+    def t1():
+        return typer.Option(0.6, "--t1", min=0.0, max=1.0, help="HOBBIT T1: misses scoring <= T1 load in full "
+                                                                "precision (1 = never low-bit: lossless).")
+
+    @staticmethod
+    def t2():
+        return typer.Option(0.9, "--t2", min=0.0, max=1.0, help="HOBBIT T2: misses scoring in (T1, T2] load "
+                                                                "low-bit, above T2 are skipped.")
+
+    @staticmethod
+    def fraction():
+        return typer.Option(None, "--lowbit-fraction", min=0.0, max=0.99,
+                            help="Share of the expert cache's bytes given to low-bit slots under --precision hobbit "
+                                 "(default 0.25; lowbit-only gives them all but one full slot per layer).")
+
+
+def precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction) -> dict:
+    return {"lowbit": lowbit, "precision": precision, "t1": t1, "t2": t2, "lowbit_fraction": lowbit_fraction}
+
+
 def prepare_model(model: str, workdir=None) -> None:
     """Build the built-in tiny model on first use (the runtime itself never builds or trains anything)."""
     from ..recipes import resolve_model
@@ -144,6 +181,7 @@ def print_stats_line(stats: dict, console=None) -> None:
         f"({format_bytes(stats['bytes_per_token'])}/token) | load wait {stats['load_wait_s'] * 1000:.1f} ms"
         + (f" | {stats['prefetches']} prefetched" if stats.get("prefetches") else "")
         + (f" | {stats['gating']}, {stats['experts_per_token']:.2f} experts/token/layer" if stats.get("gating") else "")
+        + (f" | low-bit misses {stats['low_misses']}, skipped {stats['skips']}" if "low_misses" in stats else "")
         + "[/]",
         highlight=False)
 

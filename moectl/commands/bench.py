@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, prepare_model
+from ._common import CacheOpts, GatingOpts, PrecisionOpts, prepare_model
 
 
 def bench(
@@ -40,6 +40,10 @@ def bench(
                                     help="Recipe whose shape sizes the predictor-cost run (default Mixtral-8x7B)."),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
+    lowbit: Optional[str] = PrecisionOpts.lowbit(),
+    precision: Optional[str] = PrecisionOpts.precision(),
+    t1: float = PrecisionOpts.t1(),
+    t2: float = PrecisionOpts.t2(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Measure a model's TTFT, prefill tokens/s, decode ms/token, hit rate, bytes/token, stall and predictor time
@@ -62,7 +66,7 @@ def bench(
             for k, v in out["notes"].items():
                 Console().print(f"[dim]{k}: {v}[/]", highlight=False)
         return
-    _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json)
+    _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision, t1, t2)
 
 
 def _model_table(out: dict):
@@ -88,7 +92,8 @@ def _model_table(out: dict):
     return t
 
 
-def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json) -> None:
+def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision,
+                            t1, t2) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -102,7 +107,8 @@ def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold
         raise MoectlError(f"--what: unknown part(s) {sorted(unknown)}; use overhead, predictor")
     out = {}
     if "overhead" in parts:
-        out["overhead"] = runtime_overhead(threads=threads, gating=gating, gating_threshold=gating_threshold)
+        out["overhead"] = runtime_overhead(threads=threads, gating=gating, gating_threshold=gating_threshold,
+                                           lowbit=lowbit, precision=precision, t1=t1, t2=t2)
     if "predictor" in parts:
         s = recipe_shape(model_shape)
         out["predictor"] = predictor_cost(s["hidden_size"], s["num_experts"], s["top_k"], s["moe_layers"])
@@ -119,7 +125,8 @@ def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold
         t.add_row(f"prefill {o['prefill_tokens']} tok: moectl / transformers time", f"{o['forward_time_ratio']:.3f}",
                   "<= 1.15")
         t.add_row("decode tok/s: transformers", f"{o['decode_tok_s_transformers']:.1f}", "")
-        t.add_row("decode tok/s: moectl (all experts cached)", f"{o['decode_tok_s_moectl']:.1f}", "")
+        t.add_row("decode tok/s: moectl (all experts cached)" + (f", {o['lowbit']} {o['precision']}" if o["lowbit"]
+                                                                     else ""), f"{o['decode_tok_s_moectl']:.1f}", "")
     if "predictor" in out:
         p = out["predictor"]
         t.add_row(f"MLP predictor ms/layer ({model_shape}: D={p['hidden_size']}, E={p['num_experts']}), median",

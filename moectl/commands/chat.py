@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, prepare_model, print_plan_note
+from ._common import CacheOpts, GatingOpts, PrecisionOpts, precision_kwargs, prepare_model, print_plan_note
 
 
 def chat(
@@ -34,6 +34,11 @@ def chat(
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
     gate_prefill: bool = GatingOpts.prefill(),
+    lowbit: Optional[str] = PrecisionOpts.lowbit(),
+    precision: Optional[str] = PrecisionOpts.precision(),
+    t1: float = PrecisionOpts.t1(),
+    t2: float = PrecisionOpts.t2(),
+    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
 ):
     """Chat with a model. On a pipe: one message per input line, answers and status lines on stdout."""
     import sys
@@ -46,7 +51,8 @@ def chat(
     console = Console()
     interactive = sys.stdin.isatty() and console.is_terminal
     prepare_model(model, workdir)
-    eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+    eng = Engine.load(model, **precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction), device=device,
+                      cache_experts=cache_experts, budget=budget, offload=offload,
                       threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       emulate_device=emulate_device,

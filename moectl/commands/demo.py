@@ -31,7 +31,7 @@ PIPELINE = [
                      "--hidden-samples", "all", "--device", "cpu"], ["traces"]),
     Step("train-predictor", ["--max-minutes", "0.5"], ["predictors.safetensors", "predictors.json"]),
     Step("sensitivity", ["--max-tokens", "4096", "--target-ppl-delta", "0.01"], ["sensitivity.json"]),
-    Step("quantize", ["--bits", "4", "--group-size", "64"], ["experts-q4.safetensors"]),
+    Step("quantize", ["--bits", "4", "--group-size", "64"], ["experts-q4g64.safetensors", "experts-q4g64.json"]),
     Step("plan-cache", ["--budget", "40MB"], ["plan.yaml"]),
 ]
 
@@ -127,10 +127,12 @@ def demo(
     from ..runtime.engine import Engine
     from ..serve.chat import ChatSession
 
+    lowbit = "q4g64" if (wd / "experts-q4g64.json").exists() else None     # the quantize step's copies: HOBBIT
     eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),
-                      prefetch="auto", emulate_device=True, gating="auto",
+                      prefetch="auto", emulate_device=True, gating="auto", lowbit=lowbit,
                       progress=False)   # the cache at work, on a CPU
-    console.print(f"[dim]{prefetch_note(eng)}[/]")
+    console.print(f"[dim]{prefetch_note(eng)}; {eng.cache.precision.describe()}"
+                  + (f" with {lowbit} copies" if lowbit else "") + "[/]")
     session = ChatSession(eng, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)
     console.print(f"[bold green]you>[/] {question}")
     console.print("[bold blue]assistant>[/] ", end="")

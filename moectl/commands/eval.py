@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, prepare_model
+from ._common import CacheOpts, GatingOpts, PrecisionOpts, precision_kwargs, prepare_model
 
 
 def eval_(
@@ -32,6 +32,11 @@ def eval_(
     cpu_experts: str = CacheOpts.cpu_experts(),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
+    lowbit: Optional[str] = PrecisionOpts.lowbit(),
+    precision: Optional[str] = PrecisionOpts.precision(),
+    t1: float = PrecisionOpts.t1(),
+    t2: float = PrecisionOpts.t2(),
+    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Perplexity with the given runtime options vs lossless on the same tokens, greedy-continuation agreement,
@@ -46,7 +51,8 @@ def eval_(
     from ..runtime.engine import Engine
 
     prepare_model(model, workdir)
-    eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+    eng = Engine.load(model, **precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction), device=device,
+                      cache_experts=cache_experts, budget=budget, offload=offload,
                       threads=threads, cpu_experts=cpu_experts,
                       workdir=workdir, dtype=dtype, emulate_device=emulate_device, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       gating=gating or "auto", gating_threshold=gating_threshold, progress=not as_json)

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, prepare_model, print_plan_note, print_stats_line
+from ._common import (CacheOpts, GatingOpts, PrecisionOpts, precision_kwargs, prepare_model, print_plan_note,
+                      print_stats_line)
 
 
 def generate(
@@ -37,6 +38,11 @@ def generate(
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
     gate_prefill: bool = GatingOpts.prefill(),
+    lowbit: Optional[str] = PrecisionOpts.lowbit(),
+    precision: Optional[str] = PrecisionOpts.precision(),
+    t1: float = PrecisionOpts.t1(),
+    t2: float = PrecisionOpts.t2(),
+    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats (tokens/s, "
                                  "cache hits, bytes loaded, load wait, prefill_ms, ttft_ms, decode_ms_per_token, "
                                  "host RSS)."),
@@ -47,7 +53,8 @@ def generate(
     from ..runtime.engine import Engine
 
     prepare_model(model, workdir)
-    eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+    eng = Engine.load(model, **precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction), device=device,
+                      cache_experts=cache_experts, budget=budget, offload=offload,
                       threads=threads, cpu_experts=cpu_experts, prefill=prefill, replay_trace=replay_trace,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,
                       emulate_device=emulate_device,
@@ -64,7 +71,8 @@ def generate(
     stats = {k: res.stats[k] for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token",
                                        "load_wait_s", "hits", "tokens", "prefill_ms", "ttft_ms",
                                        "decode_ms_per_token", "host_rss_gb", "host_peak_rss_gb", "experts_per_token",
-                                       "cpu_experts", "prefill_tokens_per_s", "threads")}
+                                       "cpu_experts", "prefill_tokens_per_s", "threads",
+                                       "low_misses", "full_misses", "skips") if k in res.stats}
     if as_json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
     else:

@@ -14,12 +14,20 @@ def inspect(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name or checkpoint directory."),
     workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Size the experts in this dtype (default: the checkpoint's)."),
+    lowbit: Optional[str] = typer.Option(None, "--lowbit", help="Size a low-bit copy set too, e.g. q4g64 (HQQ; "
+                                         "need not exist yet)."),
+    offload: str = typer.Option("ram", "--offload", help="Where the full-precision copies would live: ram or disk."),
+    device: str = typer.Option("cuda", "--device", help="The device the memory figures are for: cuda or cpu."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Device budget the cache would get (default: the "
+                                         "minimum, one slot per layer of each pool)."),
+    lowbit_fraction: Optional[float] = typer.Option(None, "--lowbit-fraction", min=0.0, max=0.99,
+                                                    help="Share of the cache bytes for low-bit slots (default 0.25)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Family, layers, MoE layers, experts, top-k, the experts' format (as released: MXFP4 / block FP8 stay
-    packed) and bytes per expert, dense and total bytes, and the memory a GPU run needs: host RAM with
-    --offload ram, device memory at the minimum (one expert slot per layer) and with every expert resident.
-    Read from config.json and the shard headers only."""
+    packed) and bytes per expert, dense and total bytes; the host RAM and device memory a configuration needs
+    (dense weights, copies per tier, KV reserve, cache), before anything is loaded. Read from config.json and
+    the shard headers only."""
     from rich.console import Console
     from rich.table import Table
 
@@ -27,7 +35,11 @@ def inspect(
     from ..runtime.engine import inspect_model
 
     prepare_model(model, workdir)
-    info = inspect_model(model, workdir, dtype)
+    from ..errors import MoectlError
+
+    if offload not in ("ram", "disk") or device not in ("cuda", "cpu"):
+        raise MoectlError("--offload is ram or disk, --device is cuda or cpu")
+    info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction)
     if as_json:
         print(json.dumps(info))
         return
@@ -42,3 +54,28 @@ def inspect(
     t.add_row("device, 1 slot/layer", format_bytes(info["device_min_bytes"]))
     t.add_row("device, all experts", format_bytes(info["device_all_bytes"]))
     Console().print(t)
+    Console().print(memory_table(info["memory"]))
+
+
+def memory_table(m: dict):
+    from rich.table import Table
+
+    from ..recipes import format_bytes
+
+    what = (f"full copies in {'RAM' if m['offload'] == 'ram' else 'shards on disk'}"
+            + (f" + {m['lowbit']} copies in RAM" if m["lowbit"] else "") + f", on {m['device']}")
+    t = Table(title=f"memory: {what}", show_header=False)
+    t.add_row("bytes per expert", format_bytes(m["bytes_per_expert_full"]) + (
+        f" full, {format_bytes(m['bytes_per_expert_lowbit'])} {m['lowbit']}" if m["lowbit"] else ""))
+    for k, name in (("dense", "host: dense weights"), ("full_copies", "host: full-precision copies"),
+                    ("lowbit_copies", "host: low-bit copies"), ("cache_buffers", "host: cache buffers / staging"),
+                    ("kv_reserve", "host: KV reserve")):
+        if m["host"][k]:
+            t.add_row(name, format_bytes(m["host"][k]))
+    t.add_row("host RAM needed", format_bytes(m["host"]["total"]))
+    if m["device"] != "cpu":
+        t.add_row("device memory needed", f"{format_bytes(m['device_total'])} (dense {format_bytes(m['dense_bytes'])}"
+                  f" + KV reserve {format_bytes(m['kv_reserve_bytes'])} + {m['full_slots']} full"
+                  + (f" + {m['lowbit_slots']} low-bit" if m["lowbit"] else "") + " slots"
+                  + ("" if m["budget"] else ", the minimum") + ")")
+    return t

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model, print_plan_note
+from ._common import CacheOpts, PrecisionOpts, precision_kwargs, prepare_model, print_plan_note
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -38,6 +38,11 @@ def serve(
     threads: Optional[int] = CacheOpts.threads(),
     cpu_experts: str = CacheOpts.cpu_experts(),
     prefill: str = CacheOpts.prefill(),
+    lowbit: Optional[str] = PrecisionOpts.lowbit(),
+    precision: Optional[str] = PrecisionOpts.precision(),
+    t1: float = PrecisionOpts.t1(),
+    t2: float = PrecisionOpts.t2(),
+    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
 ):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with /health,
     /metrics (Prometheus) and a live expert-cache page at /. Requests are served one at a time."""
@@ -61,7 +66,8 @@ def serve(
     try:
         from ..runtime.engine import Engine
 
-        eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
+        eng = Engine.load(model, **precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction), device=device,
+                          cache_experts=cache_experts, budget=budget, offload=offload,
                           threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
                           predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any

@@ -146,4 +146,13 @@ class FamilyAdapter:
     def expert_forward(self, w: dict[str, torch.Tensor], x: torch.Tensor, apply_gate) -> torch.Tensor:
         """y [T,H] of one expert on its tokens x [T,H]; `apply_gate` is the family's act(gate)*up. `w` is
         `ExpertFormat.weights(views)`: the layout's matrices, dequantised if the copy was low-bit."""
-        return F.linear(apply_gate(F.linear(x, w["gate_up"])), w["down"])
+        return self.linear(apply_gate(self.linear(x, w["gate_up"])), w["down"])
+
+    # Formats whose `weights` may return a callable instead of a matrix (`moectl/quant/int4_cpu.py`) are only
+    # used with adapters whose expert_forward goes through `linear`.
+    linear_callables = True
+
+    @staticmethod
+    def linear(x: torch.Tensor, w) -> torch.Tensor:
+        """x @ w^T for a weight [N,K], or w(x) for a format's packed-weight operator."""
+        return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)

@@ -18,6 +18,7 @@ class GptOssAdapter(FamilyAdapter):
     per_expert = ()                       # released checkpoints are fused only
     fused = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
     router_attr = "router"
+    linear_callables = False              # its expert_forward multiplies x @ w directly
 
     def layout(self) -> ExpertLayout:
         H, I = self.config.hidden_size, self.config.intermediate_size

@@ -6,9 +6,12 @@ Which expert sits in which slot, what is pinned or protected, which one goes, an
 counter live in `CacheState`, whose rules the simulator obeys too. This file only moves bytes: a miss
 copies the expert's packed host buffer into the slot the state chose; a hit returns the slot as it is.
 Every copy, demand or prefetch, goes through one `Loader` (runtime/loader.py): two priorities, a demand
-load overtakes queued prefetches, one chunk per weight matrix. On CUDA its worker thread issues the chunks on a
-copy stream with one event per chunk and compute waits per matrix; on CPU the same queue runs synchronously
-(a copy runs when its expert is used), so the ordering the tests check is the ordering the GPU gets.
+load overtakes queued prefetches, one chunk per weight matrix (format part). On CUDA its worker thread issues the
+chunks on a copy stream with one event per chunk and compute waits per matrix; on CPU the same queue runs
+synchronously (a copy runs when its expert is used), so the ordering the tests check is the ordering the GPU gets.
+With low-bit copies (`--lowbit`) every layer has a second pool of smaller slots (`LOW`), filled from the
+store's low-bit tier; `plan` says which copy serves each routed expert (a resident copy of either precision,
+else the precision policy's choice: full, low or skip), and a low-bit slot is dequantised where it is computed.
 Slots are allocated and written once at start-up, so the cache costs its memory once and a first use
 is never a page-fault storm. A disk-tier load reads the shard bytes straight into the slot (CUDA: into
 the slot's pinned staging buffer, then one async copy); prefetch reads run on the store's background
@@ -18,13 +21,15 @@ uses `InPlaceExperts` instead: no slots, no copies.)
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 
-from ..cache_model import PHASES, CacheState, split_slots
+from ..cache_model import FULL, LOW, PHASES, CacheState, split_slots
 from ..errors import MoectlError
 from ..policies.base import ReplacementPolicy
+from ..policies.precision import SKIP, PrecisionPolicy
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_empty
 from .loader import DEMAND, PREFETCH, CopyJob, Loader
@@ -33,35 +38,51 @@ __all__ = ["CacheFront", "CacheStats", "DeviceCache", "split_slots"]
 
 
 class CacheStats:
-    """Byte and wait-time counters of the copies; hit/miss/prefetch counts come from the state."""
+    """Byte and wait-time counters of the copies; hit/miss/prefetch counts come from the state, summed over
+    its pools (`nbytes`: bytes of one copy per precision)."""
 
-    def __init__(self, state: CacheState, expert_nbytes: int):
-        self.state, self.expert_nbytes = state, expert_nbytes
+    def __init__(self, state: CacheState, expert_nbytes: int | dict):
+        self.state = state
+        self.nbytes = expert_nbytes if isinstance(expert_nbytes, dict) else {FULL: expert_nbytes}
+        self.expert_nbytes = self.nbytes[FULL]
         self.load_wait_s = 0.0          # time the forward waited for demand loads
+        self.skips = 0                  # routed experts the precision policy dropped on a miss
         self._pending_events: list = []
+
+    def _sum(self, phase: str | None = None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self.state.counts:
+            for k, v in self.state.totals(phase, p).items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     @property
     def hits(self) -> int:
-        return self.state.totals()["hits"]
+        return self._sum()["hits"]
 
     @property
     def misses(self) -> int:
-        return self.state.totals()["misses"]
+        return self._sum()["misses"]
 
     @property
     def prefetches(self) -> int:
-        return self.state.totals()["prefetches"]
+        return self._sum()["prefetches"]
 
     def as_dict(self) -> dict:
-        t = self.state.totals()
+        t = self._sum()
+        per = {p: self.state.totals(None, p) for p in self.state.counts}
         n = t["hits"] + t["misses"]
-        return {"hits": t["hits"], "misses": t["misses"], "hit_rate": t["hits"] / n if n else 0.0,
-                "bytes_loaded": (t["misses"] + t["prefetches"]) * self.expert_nbytes,   # demand + prefetch
-                "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
-                "prefetch_bytes": t["prefetches"] * self.expert_nbytes,
-                "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
-                **{ph: {k: v for k, v in self.state.totals(ph).items() if k in ("hits", "misses", "evictions")}
-                   for ph in PHASES}}
+        loaded = sum((c["misses"] + c["prefetches"]) * self.nbytes[p] for p, c in per.items())  # demand + prefetch
+        out = {"hits": t["hits"], "misses": t["misses"], "hit_rate": t["hits"] / n if n else 0.0,
+               "bytes_loaded": loaded, "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
+               "prefetch_bytes": sum(c["prefetches"] * self.nbytes[p] for p, c in per.items()),
+               "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
+               **{ph: {k: v for k, v in self._sum(ph).items() if k in ("hits", "misses", "evictions")}
+                  for ph in PHASES}}
+        if LOW in per:
+            out |= {"low_hits": per[LOW]["hits"], "low_misses": per[LOW]["misses"], "skips": self.skips,
+                    "full_misses": per.get(FULL, {}).get("misses", 0)}
+        return out
 
 
 class CacheFront:
@@ -70,19 +91,41 @@ class CacheFront:
 
     state: CacheState
     stats: CacheStats
+    precision: PrecisionPolicy = PrecisionPolicy()       # always full unless the runtime sets another
+
+    # --- precision: which copy serves each routed expert --------------------------------------
+    @property
+    def precisions(self) -> list[str]:
+        return list(self.state.counts)
+
+    def plan(self, layer: int, expert: int, scores: list[float]) -> str:
+        """FULL, LOW or SKIP for `expert` of `layer`, `scores` its rank scores for the tokens that chose it
+        (`policies/precision.py: rank_scores`). A resident copy of either precision is always used; else the
+        precision policy decides, per token, and the copy loaded is the best any token asks for (a token that
+        would skip it skips it only if every token does; the driver renormalises)."""
+        if self.state.contains(layer, expert, FULL):
+            return FULL
+        low = LOW in self.state.counts
+        if low and self.state.contains(layer, expert, LOW):
+            return LOW
+        ds = {self.precision.decide(s) for s in scores}
+        d = FULL if FULL in ds or not low else LOW if LOW in ds else SKIP
+        if d == SKIP:
+            self.stats.skips += 1
+        return d
 
     # --- bookkeeping: the shared state --------------------------------------------------
-    def resident(self, layer: int) -> list[int]:
-        return self.state.resident(layer)
+    def resident(self, layer: int, precision: str = FULL) -> list[int]:
+        return self.state.resident(layer, precision) if precision in self.state.counts else []
 
-    def contains(self, layer: int, expert: int) -> bool:
-        return self.state.contains(layer, expert)
+    def contains(self, layer: int, expert: int, precision: str = FULL) -> bool:
+        return self.state.contains(layer, expert, precision)
 
-    def pin(self, layer: int, experts) -> None:
-        self.state.pin(layer, experts)
+    def pin(self, layer: int, experts, precision: str = FULL) -> None:
+        self.state.pin(layer, experts, precision)
 
-    def unpin(self, layer: int, experts) -> None:
-        self.state.unpin(layer, experts)
+    def unpin(self, layer: int, experts, precision: str = FULL) -> None:
+        self.state.unpin(layer, experts, precision)
 
     def begin_request(self, name: str) -> None:
         self.state.begin_request(name)
@@ -91,10 +134,11 @@ class CacheFront:
         self.state.begin_step(phase)
 
     def route(self, layer: int, chosen: list[int], weights: list[float] | None = None) -> None:
-        self.state.route(layer, chosen, weights)
+        for p in self.state.counts:
+            self.state.route(layer, chosen, weights, p)
 
-    def chunks(self, layer: int, experts: list[int]) -> list[list[int]]:
-        return self.state.chunks(layer, experts)
+    def chunks(self, layer: int, experts: list[int], precision: str = FULL) -> list[list[int]]:
+        return self.state.chunks(layer, experts, precision)
 
     def end_token(self) -> None:
         self.state.end_step()
@@ -111,71 +155,92 @@ class CacheFront:
 
 class DeviceCache(CacheFront):
     def __init__(self, store: ExpertStore, slots_per_layer: list[int], device: torch.device,
-                 policy: ReplacementPolicy, stream_prefill: bool = False):
+                 policy: ReplacementPolicy, low_slots: list[int] | None = None,
+                 precision: PrecisionPolicy | None = None, stream_prefill: bool = False):
         if len(slots_per_layer) != store.num_layers:
             raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
         self.store, self.device, self.policy = store, torch.device(device), policy
         self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
-        self.state = CacheState(self.slots_per_layer, policy)
-        N, self.format = store.expert_nbytes, store.format
+        slots, policies = {FULL: self.slots_per_layer}, {FULL: policy}
+        if low_slots is not None:
+            if store.lowbit is None:
+                raise MoectlError("a low-bit cache pool needs the store's low-bit copies (--lowbit)")
+            slots[LOW] = [max(1, min(int(s), store.num_experts)) for s in low_slots]
+            policies[LOW] = copy.deepcopy(policy)           # the same kind of policy, its own state
+        if precision is not None:
+            if precision.uses_lowbit and LOW not in slots:
+                raise MoectlError(f"{precision.describe()} needs low-bit copies: give --lowbit (see moectl quantize)")
+            self.precision = precision
+        self.state = CacheState(slots, policies)
         self.cuda = self.device.type == "cuda"
-        if self.cuda:
-            self.pool = [torch.empty(s, N, dtype=torch.uint8, device=self.device) for s in self.slots_per_layer]
-        else:
-            self.pool = [host_empty((s, N), torch.uint8, "allocating cache slots", touch=True)
-                         for s in self.slots_per_layer]
-        # CUDA + disk tier: each slot's pinned host buffer, the target of its shard reads.
-        self.staging = [host_empty((s, N), torch.uint8, "allocating pinned staging buffers", pin=True)
+        # Per precision: [L] of uint8 [S_l, N] slot pools, and typed views of every slot made once.
+        self.pools: dict[str, list[torch.Tensor]] = {}
+        self.views: dict[str, list[list[dict]]] = {}
+        for p, per_layer in slots.items():
+            N = store.nbytes(p)
+            if self.cuda:
+                pool = [torch.empty(s, N, dtype=torch.uint8, device=self.device) for s in per_layer]
+            else:
+                pool = [host_empty((s, N), torch.uint8, "allocating cache slots", touch=True) for s in per_layer]
+            self.pools[p] = pool
+            self.views[p] = [[store.format_of(p).views(buf[s]) for s in range(len(buf))] for buf in pool]
+        self.pool = self.pools[FULL]                                        # the full-precision slots
+        # CUDA + disk tier: each full slot's pinned host buffer, the target of its shard reads (low-bit copies
+        # are in RAM: copied straight from there).
+        self.staging = [host_empty((s, store.expert_nbytes), torch.uint8, "allocating pinned staging buffers",
+                                   pin=True)
                         for s in self.slots_per_layer] if self.cuda and store.buffers is None else None
-        self.pending: dict = {}                                             # (layer, slot) -> Future of a read
-        self.stats = CacheStats(self.state, store.expert_nbytes)
+        self.pending: dict = {}                                 # (precision, layer, slot) -> Future of a read
+        self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in slots})
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.format = store.format                                          # the full-precision copy's
         # One copy engine for demand loads and prefetches (threaded on CUDA, synchronous on the CPU).
         self.loader = Loader(threaded=self.cuda, stream=self.copy_stream)
-        self.jobs: dict[tuple[int, int], CopyJob] = {}                      # (layer, slot) -> its last copy
-        # Typed views of every slot's parts (the format's), made once: the hot path only indexes them.
-        self.views = [[self.format.views(pool[s]) for s in range(len(pool))] for pool in self.pool]
+        self.jobs: dict[tuple, CopyJob] = {}                    # (precision, layer, slot) -> its last copy
         # Streamed prefill: two staging buffers (double buffering), RAM tier only (they are filled by copies).
         self.streaming = stream_prefill and store.buffers is not None
         self.stage_views = []
         if self.streaming:
+            N = store.expert_nbytes
             stage = (torch.empty(2, N, dtype=torch.uint8, device=self.device) if self.cuda else
                      host_empty((2, N), torch.uint8, "allocating staging buffers", touch=True))
             self.stage_views = [self.format.views(stage[i]) for i in range(2)]
 
-    def landing(self, layer: int, expert: int) -> int:
+    def landing(self, layer: int, expert: int, precision: str = FULL) -> int:
         """0 landed, 1 a prefetch's copy issued earlier (in flight, or queued), 2 a demand load of this layer."""
-        s = self.state.slot(layer, expert)
-        job = self.jobs.get((layer, s)) if s is not None else None
+        s = self.state.slot(layer, expert, precision)
+        job = self.jobs.get((precision, layer, s)) if s is not None else None
         if job is None or (job.finished and all(ev.query() for ev in job.events)):   # CUDA: issued is not landed
             return 0
         return 1 if job.prefetch else 2
 
     # --- copies -------------------------------------------------------------------------
-    def _settle(self, layer: int, slot: int) -> None:
-        """Wait for a background read into `slot` (disk tier: the reader thread fills the slot or its staging)."""
-        fut = self.pending.pop((layer, slot), None)
+    def _settle(self, key: tuple) -> None:
+        """Wait for a background read into slot `key` (precision, layer, slot)."""
+        fut = self.pending.pop(key, None)
         if fut is not None:
             t0 = time.perf_counter()
             fut.result()
             self.stats.load_wait_s += time.perf_counter() - t0
 
-    def _free(self, layer: int, slot: int) -> None:
-        """`slot` gets a new expert: a queued copy of its old one is dropped, a read into it finished first."""
-        self._settle(layer, slot)               # first: a finished disk read may queue its copy (CUDA)
-        job = self.jobs.pop((layer, slot), None)
+    def _free(self, key: tuple) -> None:
+        """Slot `key` (precision, layer, slot) gets a new expert: a queued copy of its old one is dropped, a read
+        into it finished first."""
+        self._settle(key)                       # first: a finished disk read may queue its copy (CUDA)
+        job = self.jobs.pop(key, None)
         if job is not None:
             self.loader.cancel(job)
             for ev in job.events:               # CUDA: an issued copy out of the staging buffer must land first
                 ev.synchronize()
 
-    def _copy_job(self, layer: int, expert: int, slot: int, src: torch.Tensor, priority: int,
+    def _copy_job(self, p: str, layer: int, expert: int, slot: int, src: torch.Tensor, priority: int,
                   dst: dict | None = None) -> CopyJob:
-        """The copy of a packed host buffer `src` [P] into `slot` (or the views `dst`: a staging buffer), one chunk
-        per weight matrix, queued."""
-        srcv = self.format.views(src)
+        """The copy of a packed host buffer `src` [N] into `slot` of pool `p` (or the views `dst`: a staging
+        buffer), one chunk per format part, queued."""
+        fmt = self.store.format_of(p)
+        srcv = fmt.views(src)
         staged = dst is not None
-        dst = dst if staged else self.views[layer][slot]
+        dst = dst if staged else self.views[p][layer][slot]
         stream = self.copy_stream
 
         def run(job, i, name):
@@ -191,21 +256,21 @@ class DeviceCache(CacheFront):
             return ev
 
         job = CopyJob(layer, expert, slot, priority,
-                      [(p.name, lambda j, i, n=p.name: run(j, i, n)) for p in self.format.parts])
+                      [(part.name, lambda j, i, n=part.name: run(j, i, n)) for part in fmt.parts])
         if self.cuda:
             job.after = torch.cuda.current_stream(self.device).record_event()
         if not staged:
-            self.jobs[(layer, slot)] = job
+            self.jobs[(p, layer, slot)] = job
         return self.loader.submit(job)
 
     # --- streamed prefill (DuoServe) ---------------------------------------------------------
     def stream(self, layer: int, experts: list[int]):
-        """Yield (expert, weights) for a prefill's missed `experts`, streamed through two staging buffers: the
-        next expert's copy is queued before the current one is computed, so (CUDA) it lands while that computes.
-        Nothing enters the cache; each is one miss (`CacheState.stream`)."""
+        """Yield (expert, weights) for a prefill's missed `experts` (full precision), streamed through two staging
+        buffers: the next expert's copy is queued before the current one is computed, so (CUDA) it lands while
+        that computes. Nothing enters the cache; each is one miss (`CacheState.stream`)."""
         def issue(i: int) -> CopyJob:
             self.state.stream(layer, experts[i])
-            return self._copy_job(layer, experts[i], -1, self.store.host(layer, experts[i]), DEMAND,
+            return self._copy_job(FULL, layer, experts[i], -1, self.store.host(layer, experts[i]), DEMAND,
                                   dst=self.stage_views[i % 2])
         nxt = issue(0) if experts else None
         for i, e in enumerate(experts):
@@ -213,49 +278,51 @@ class DeviceCache(CacheFront):
             nxt = issue(i + 1) if i + 1 < len(experts) else None
             yield e, self.format.weights(_Landing(self, job, self.stage_views[i % 2]))
 
-    def _copy_in(self, layer: int, expert: int, slot: int, priority: int) -> None:
-        """Fill `slot` with the expert: its RAM-tier buffer copied through the loader; disk tier: its shard bytes
-        read into the slot (CPU) or into the slot's pinned staging buffer and copied through the loader (CUDA).
-        Prefetch reads run on the store's background reader thread."""
-        self._free(layer, slot)
-        background = priority == PREFETCH
-        if self.store.buffers is not None:
-            self._copy_job(layer, expert, slot, self.store.host(layer, expert), priority)
+    def _copy_in(self, p: str, layer: int, expert: int, slot: int, priority: int) -> None:
+        """Fill `slot` of pool `p` with the expert: its host buffer (RAM tier, low-bit copies) copied through the
+        loader; disk tier: its shard bytes read into the slot (CPU) or into the slot's pinned staging buffer and
+        copied through the loader (CUDA). Prefetch reads run on the store's background reader thread."""
+        key = (p, layer, slot)
+        self._free(key)
+        if p != FULL or self.store.buffers is not None:
+            self._copy_job(p, layer, expert, slot, self.store.host(layer, expert, p), priority)
             return
-        dst = self.pool[layer][slot] if not self.cuda else self.staging[layer][slot]
-        if background:
-            then = None if not self.cuda else (lambda: self._copy_job(layer, expert, slot, dst, PREFETCH))
-            self.pending[(layer, slot)] = self.store.load_async(layer, expert, dst, then=then)
+        dst = self.pools[FULL][layer][slot] if not self.cuda else self.staging[layer][slot]
+        if priority == PREFETCH:
+            then = None if not self.cuda else (lambda: self._copy_job(FULL, layer, expert, slot, dst, PREFETCH))
+            self.pending[key] = self.store.load_async(layer, expert, dst, then=then)
         else:
             self.store.load_into(layer, expert, dst, parallel=True)
             if self.cuda:
-                self._copy_job(layer, expert, slot, dst, priority)
+                self._copy_job(FULL, layer, expert, slot, dst, priority)
 
-    def _landed(self, layer: int, slot: int):
-        """The slot's weights; while its copy is pending, views whose every matrix waits for its own chunk when
+    def _landed(self, key: tuple):
+        """Slot `key`'s typed views; while its copy is pending, views whose every part waits for its own chunk when
         read (CPU: runs the loader's queue up to it; CUDA: the compute stream waits for that chunk's event)."""
-        self._settle(layer, slot)
-        job = self.jobs.get((layer, slot))
+        self._settle(key)
+        p, layer, slot = key
+        job = self.jobs.get(key)
         if job is None or job.finished:
-            self.jobs.pop((layer, slot), None)
-            return self.views[layer][slot]
-        return _Landing(self, job, self.views[layer][slot])
+            self.jobs.pop(key, None)
+            return self.views[p][layer][slot]
+        return _Landing(self, job, self.views[p][layer][slot])
 
-    def acquire(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Weights of (layer, expert) on the device (`ExpertFormat.weights`: dequantised on the device for a
-        low-bit copy), loading on a miss. The caller pins it first."""
-        a = self.state.access(layer, expert)
+    def acquire(self, layer: int, expert: int, precision: str = FULL) -> dict[str, torch.Tensor]:
+        """Weights of (layer, expert) from pool `precision` on the device (`ExpertFormat.weights`: dequantised on
+        the device for a low-bit copy), loading on a miss. The caller pins it first."""
+        a = self.state.access(layer, expert, precision)
+        key = (precision, layer, a.slot)
         if not a.hit:
-            self._copy_in(layer, expert, a.slot, DEMAND)
-        return self.format.weights(self._landed(layer, a.slot))
+            self._copy_in(precision, layer, expert, a.slot, DEMAND)
+        return self.store.format_of(precision).weights(self._landed(key))
 
     def prefetch(self, layer: int, expert: int) -> bool:
-        """Start loading (layer, expert) off the critical path. False if resident or no slot can be
-        freed without evicting an in-use or another predicted expert."""
+        """Start loading (layer, expert) in full precision off the critical path. False if resident or no slot
+        can be freed without evicting an in-use or another predicted expert."""
         a = self.state.prefetch(layer, expert)
         if a is None:
             return False
-        self._copy_in(layer, expert, a.slot, PREFETCH)
+        self._copy_in(FULL, layer, expert, a.slot, PREFETCH)
         return True
 
 

@@ -3,7 +3,8 @@
 Load: config -> family adapter -> cache plan and host-memory check from the shard headers (a clear
 error before anything is read if it does not fit) -> skeleton under `init_empty_weights` -> each MoE
 block's experts swapped for `OffloadedExperts` -> non-expert tensors read from the shards onto the
-device -> routed experts read into the `ExpertStore` (host RAM, or left on disk) -> the cache:
+device -> routed experts read into the `ExpertStore` (host RAM, or left on disk; with `--lowbit`, the
+`moectl quantize` copies into host RAM too, and the cache bytes split into a full and a low-bit pool) -> the cache:
 `InPlaceExperts` on a CPU with experts in RAM (nothing copied), else `DeviceCache` slots.
 Generate: a plain loop over the model with a transformers KV cache; greedy or sampling; prefill,
 time to first token and decode time per token measured apart.
@@ -32,6 +33,9 @@ from .in_place import InPlaceExperts
 from .offloaded import OffloadedExperts
 
 KV_RESERVE_TOKENS = 4096     # --budget keeps room for this many tokens of KV cache
+# Share of the expert cache's bytes given to low-bit slots under `--precision hobbit` (`--lowbit-fraction`):
+# see docs/benchmarks.md (bench/precision.py) for why.
+DEFAULT_LOWBIT_FRACTION = 0.25
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
 
@@ -71,7 +75,9 @@ class Engine:
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
              gating_threshold: float | None = None, gate_prefill: bool = False, threads: int | None = None,
              cpu_experts: str = "never", cost=None, replay_trace=None, prefill: str = "cache",
-             plan: str | Path | None = None) -> "Engine":
+             plan: str | Path | None = None, lowbit: str | None = None,
+             precision: str | None = None, t1: float = 0.6, t2: float = 0.9,
+             lowbit_fraction: float | None = None) -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
         the default on a CPU with experts in RAM computes them in place (no slots, no copies).
         `threads`: torch intra-op threads (default `machine.default_threads` for the model's size).
@@ -82,7 +88,10 @@ class Engine:
         through two staging buffers without entering it (DuoServe; RAM tier; the budget pays for the two).
         `plan`: "auto" = the workdir's plan.yaml when there is one and neither --cache-experts nor --budget is
         given; a path = that plan; None = no plan. A plan sets the slots per layer and, when `replacement` is
-        None, the replacement policy (`eng.plan_note` says what was applied)."""
+        None, the replacement policy (`eng.plan_note` says what was applied).
+        `lowbit` (e.g. q4g64): also serve the `moectl quantize` copies from host RAM, with a low-bit slot pool
+        taking `lowbit_fraction` of the cache's bytes; `precision` full | hobbit (T1, T2) | lowbit-only says which
+        copy a miss loads (default: hobbit with --lowbit, else full)."""
         if prefill not in ("cache", "stream"):
             raise MoectlError(f"--prefill must be cache or stream, not {prefill!r}")
         if emulate_device and device != "cpu":
@@ -103,6 +112,8 @@ class Engine:
         moe_layer_ids = [i for i, _ in blocks]
         fingerprint = config_fingerprint(config)
         gating = _gating(gating, gating_threshold, ref.workdir, fingerprint, len(moe_layer_ids))
+        prec, low_fmt = _precision(precision, t1, t2, lowbit, lowbit_fraction, ref.workdir, fingerprint, adapter,
+                                   len(moe_layer_ids), dt)
         runtime = _Runtime(adapter, gating, gate_prefill)
         for moe_idx, (layer_idx, block) in enumerate(blocks):
             old = block.experts
@@ -120,9 +131,15 @@ class Engine:
         staging = 2 * expert_nbytes if prefill == "stream" else 0        # the streamed prefill's two buffers
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
                                       budget, slots_per_layer)
+        low_slots = None
+        if low_fmt is not None and not in_place:
+            fraction = lowbit_fraction_for(prec, lowbit_fraction)
+            slots_per_layer, low_slots = split_pools(slots_per_layer, E, expert_nbytes, low_fmt.nbytes, fraction)
+        low_nbytes = low_fmt.nbytes if low_fmt is not None else 0
         dense = header_dense_nbytes(ckpt, adapter, dt)              # what is read into host RAM
         on_host = dev.type == "cpu"
-        need = host_need(offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L * E, dense, kv)
+        need = host_need(offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L * E, dense, kv,
+                         lowbit_nbytes=low_nbytes, low_slots=sum(low_slots or []))
 
         def fits(free: int) -> list[str]:
             return host_options(free, offload, on_host, in_place, sum(slots_per_layer), expert_nbytes, L, E,
@@ -160,8 +177,14 @@ class Engine:
                                      fingerprint, L)
         store = ExpertStore(ckpt, adapter, moe_layer_ids, dt, offload=offload,
                             pin=(dev.type == "cuda"), progress=progress)
-        cache = InPlaceExperts(store, policy) if in_place else DeviceCache(store, slots_per_layer, dev, policy,
-                                                                              stream_prefill=prefill == "stream")
+        if low_fmt is not None:
+            from ..store.lowbit import LowbitCopies
+
+            store.lowbit = LowbitCopies(ref.workdir, lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
+                                        progress=progress, cpu_kernel=dev.type == "cpu")
+        cache = InPlaceExperts(store, policy, prec) if in_place else \
+            DeviceCache(store, slots_per_layer, dev, policy, low_slots=low_slots, precision=prec,
+                        stream_prefill=prefill == "stream")
         runtime.cache = cache
         runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
         if replay_trace is not None:
@@ -602,6 +625,46 @@ def _load_plan(plan, workdir, fingerprint: str, num_layers: int, num_experts: in
                + (f"; predicted {ms:.3g} ms/token on {d.get('hardware')}" if ms else "") + "; --no-plan ignores it)")
 
 
+def _precision(name, t1, t2, lowbit, fraction, workdir, fingerprint, adapter, num_layers, dtype):
+    """(precision policy, low-bit format or None) from --precision/--t1/--t2/--lowbit, checked before loading."""
+    from ..policies.precision import make_precision
+
+    if fraction is not None and not 0.0 <= fraction < 1.0:
+        raise MoectlError(f"--lowbit-fraction {fraction:g}: give a share of the cache's bytes in [0, 1)")
+    prec = make_precision(name or ("hobbit" if lowbit else "full"), t1, t2)
+    if prec.uses_lowbit and not lowbit:
+        raise MoectlError(f"--precision {prec.name} loads low-bit copies: give --lowbit q<bits>g<group> "
+                          f"(made by `moectl quantize`)")
+    if not lowbit:
+        return prec, None
+    from ..store.lowbit import lowbit_format, read_lowbit_meta
+
+    meta, path = read_lowbit_meta(workdir, lowbit, fingerprint, num_layers, adapter.num_experts)
+    return prec, lowbit_format(meta, adapter, dtype, path)
+
+
+def lowbit_fraction_for(precision, fraction: float | None) -> float:
+    """The low-bit pools' share of the cache bytes: none for full precision, all but one full slot per layer for
+    lowbit-only, `--lowbit-fraction` (default DEFAULT_LOWBIT_FRACTION) for HOBBIT."""
+    if not precision.uses_lowbit:
+        return 0.0
+    if precision.name == "lowbit-only":
+        return 1.0
+    return DEFAULT_LOWBIT_FRACTION if fraction is None else fraction
+
+
+def split_pools(full_slots: list[int], num_experts: int, full_nbytes: int, low_nbytes: int,
+                fraction: float) -> tuple[list[int], list[int]]:
+    """The cache's bytes (`full_slots` x full bytes) split: `fraction` to low-bit slots, the rest to full slots,
+    each pool's total split evenly over the layers (`split_slots`); at least one slot of each per layer (the
+    only way the split exceeds the bytes), at most E. fraction 1 (lowbit-only): one full slot per layer."""
+    L = len(full_slots)
+    total = sum(full_slots) * full_nbytes
+    n_full = L if fraction >= 1 else max(L, min(L * num_experts, int(total * (1 - fraction)) // full_nbytes))
+    n_low = max(L, min(L * num_experts, (total - n_full * full_nbytes) // low_nbytes))
+    return split_slots(n_full, L, num_experts), split_slots(int(n_low), L, num_experts)
+
+
 def dense_nbytes(model, config=None) -> int:
     """Bytes of everything resident besides the expert cache (OffloadedExperts own no parameters). Works on
     the skeleton before loading too (meta parameters count by shape and dtype): tied output embeddings
@@ -706,7 +769,8 @@ def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
             "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "bytes_loaded": loaded, "bytes_per_token": loaded / tokens if tokens else 0.0,
             "load_wait_s": after["load_wait_s"] - before["load_wait_s"],   # every wait for a copy or read
-            "prefetches": after["prefetches"] - before["prefetches"]}
+            "prefetches": after["prefetches"] - before["prefetches"],
+            **{k: after[k] - before[k] for k in ("low_misses", "full_misses", "skips") if k in after}}
 
 
 def _eos_ids(config, tokenizer) -> set[int]:
@@ -730,11 +794,44 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None) -> dict:
+def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers: int, lowbit: str | None = None,
+                offload: str = "ram", device: str = "cuda", budget: str | None = None,
+                lowbit_fraction: float | None = None, axis: int = 1) -> dict:
+    """Host RAM and device memory of one configuration, by part, from shapes alone (nothing read): dense weights,
+    copies per tier, KV reserve, cache slots. Without --budget the cache is the minimum, one slot per layer of
+    each pool. `lowbit` (e.g. q4g64) sizes the low-bit tier from the format (HQQ, `axis`, scales in `dtype`)."""
+    from ..quant.hqq_format import HqqFormat, parse_lowbit
+
+    L, E = num_moe_layers, adapter.num_experts
+    full = adapter.format(dtype).nbytes
+    low = HqqFormat(adapter.layout(), *parse_lowbit(lowbit), axis, dtype).nbytes if lowbit else 0
+    kv = kv_reserve_nbytes(config, dtype)
+    slots = cache_slots(L, E, full, dense, kv, budget=budget) if budget else [1] * L
+    low_slots = []
+    if lowbit:
+        f = DEFAULT_LOWBIT_FRACTION if lowbit_fraction is None else lowbit_fraction
+        slots, low_slots = split_pools(slots, E, full, low, f) if budget else (slots, [1] * L)
+    on_host = device == "cpu"
+    host = host_need(offload, on_host, False, sum(slots), full, L * E, dense, kv, lowbit_nbytes=low,
+                     low_slots=sum(low_slots))
+    dev = 0 if on_host else dense + kv + sum(slots) * full + sum(low_slots) * low
+    return {"offload": offload, "device": device, "lowbit": lowbit, "budget": budget,
+            "bytes_per_expert_full": full, "bytes_per_expert_lowbit": low, "full_copies_bytes": L * E * full,
+            "lowbit_copies_bytes": L * E * low, "dense_bytes": dense, "kv_reserve_bytes": kv,
+            "full_slots": sum(slots), "lowbit_slots": sum(low_slots),
+            "host": {"dense": host.dense, "full_copies": host.experts, "lowbit_copies": host.lowbit,
+                     "cache_buffers": host.cache, "kv_reserve": host.kv, "total": host.total},
+            "device_total": dev}
+
+
+def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None, lowbit: str | None = None,
+                  offload: str = "ram", device: str = "cuda", budget: str | None = None,
+                  lowbit_fraction: float | None = None) -> dict:
     """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only. Experts are
     sized in their packed format (as released: MXFP4 / block FP8, else `dtype`); the memory needs are the
     GPU runtime's: host RAM with `--offload ram` (experts, pinned) and device memory for the dense weights +
-    KV reserve + one expert slot per layer (the minimum), or + every expert (all resident)."""
+    KV reserve + one expert slot per layer (the minimum), or + every expert (all resident); `memory` is the
+    configuration given (--lowbit, --offload, --device, --budget) by part."""
     ref = _built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
     ckpt = Checkpoint(ref.path)                        # validates the shards (headers only)
@@ -748,6 +845,8 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     dense, kv = dense_nbytes(hf, config), kv_reserve_nbytes(config, dt)
     info = describe(config, adapter, expert_nbytes, dense, L)
     weights = sum(math.prod(s) for s in adapter.layout().shapes if len(s) == 2)      # biases are not weights
+    info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], L, lowbit, offload, device,
+                                 budget, lowbit_fraction)
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "expert_format": fmt.name, "bits_per_weight": expert_nbytes * 8 / weights,
                    "quantization": adapter.quant.describe() if adapter.quant else None,

@@ -12,29 +12,46 @@ CPU its own slots instead (the cache logic the tests and simulator checks exerci
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from ..cache_model import CacheState
+from ..cache_model import FULL, LOW, CacheState
 from ..policies.base import ReplacementPolicy
+from ..policies.precision import PrecisionPolicy
 from ..store.expert_store import ExpertStore
 from .cache import CacheFront, CacheStats
 
 
 class InPlaceExperts(CacheFront):
-    def __init__(self, store: ExpertStore, policy: ReplacementPolicy):
+    """`precision`: a policy that uses low-bit copies (`--precision lowbit-only`) computes every expert from its
+    low-bit buffer in place; any other computes from the full copies, all resident (HOBBIT's choice only
+    matters on a miss, and in place there is none)."""
+
+    def __init__(self, store: ExpertStore, policy: ReplacementPolicy, precision: PrecisionPolicy | None = None):
         if store.buffers is None:
             raise ValueError("in-place experts need the RAM tier")
         self.store, self.policy, self.device = store, policy, torch.device("cpu")
+        if precision is not None:
+            self.precision = precision
         self.slots_per_layer = [store.num_experts] * store.num_layers
-        self.state = CacheState(self.slots_per_layer, policy)
-        self.state.fill()                           # every expert resident from the start: accesses only hit
-        self.format = store.format
-        self.views = [[self.format.views(buf[e]) for e in range(store.num_experts)] for buf in store.buffers]
-        self.stats = CacheStats(self.state, store.expert_nbytes)
+        pools = [FULL] + ([LOW] if store.lowbit is not None else [])
+        self.state = CacheState({p: self.slots_per_layer for p in pools}, {p: copy.deepcopy(policy) for p in pools})
+        self.state.policies[FULL] = policy
+        self.views, self.formats = {}, {}
+        for p in pools:
+            self.state.fill(p)                      # every expert resident from the start: accesses only hit
+            self.formats[p] = store.format_of(p)
+            buffers = store.buffers if p == FULL else store.lowbit.buffers
+            self.views[p] = [[self.formats[p].views(buf[e]) for e in range(store.num_experts)] for buf in buffers]
+        self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in pools})
 
-    def acquire(self, layer: int, expert: int) -> dict:
-        self.state.access(layer, expert)            # counts the hit (and ticks the policies' clock)
-        return self.format.weights(self.views[layer][expert])
+    def plan(self, layer: int, expert: int, scores) -> str:
+        return LOW if self.precision.name == "lowbit-only" else FULL
+
+    def acquire(self, layer: int, expert: int, precision: str = FULL) -> dict:
+        self.state.access(layer, expert, precision)      # counts the hit (and ticks the policies' clock)
+        return self.formats[precision].weights(self.views[precision][layer][expert])
 
     def prefetch(self, layer: int, expert: int) -> bool:
         return False                                # always resident

@@ -25,8 +25,15 @@ def precision_name(dtype) -> str:
 
 
 def residency(cache) -> list[dict]:
-    """Per MoE layer: slot count and the resident experts with their precision (all experts share the
-    store's dtype today; a mixed-precision cache reports each slot's own)."""
-    precision = precision_name(cache.store.dtype)
-    return [{"slots": slots, "resident": {int(e): precision for e in sorted(cache.resident(layer))}}
-            for layer, slots in enumerate(cache.slots_per_layer)]
+    """Per MoE layer: slot count and the resident experts with the precision of their copy (the store's dtype,
+    or the low-bit copy set's name, e.g. q4g64); an expert resident in both pools reports the full copy."""
+    names = {"full": precision_name(cache.store.dtype)}
+    if getattr(cache.store, "lowbit", None) is not None:
+        names["low"] = cache.store.lowbit.name
+    out = []
+    for layer, slots in enumerate(cache.slots_per_layer):
+        resident = {}
+        for p in reversed(cache.precisions):
+            resident.update({int(e): names[p] for e in cache.resident(layer, p)})
+        out.append({"slots": slots, "resident": dict(sorted(resident.items()))})
+    return out

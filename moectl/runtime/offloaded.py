@@ -10,6 +10,11 @@ simulator follows too.
 
 Outputs are summed in ascending expert id, as transformers' own loop does, whatever order the cache
 computed them in: the result does not depend on what was resident.
+
+Precision (`--precision`, `policies/precision.py`): before any expert runs, the cache's `plan` says which copy
+serves each routed expert -- a resident one of either precision, else the policy's full / low-bit / skip for the
+expert's rank score -- and a skipped expert's weight is dropped with the token's others renormalised to the
+routed sum (HOBBIT). Full-precision experts run first, then low-bit ones, each from its own slot pool.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import time
 
 import torch
 from torch import nn
+
+from ..cache_model import FULL, LOW
+from ..policies.precision import SKIP, rank_scores
 
 
 class OffloadedExperts(nn.Module):
@@ -38,18 +46,25 @@ class OffloadedExperts(nn.Module):
             # Decode fast path: one token, K distinct experts; no gather/scatter needed.
             rt.expert_calls += sum(0 <= e < self.num_experts for e in ids)
             pos = {e: j for j, e in enumerate(ids)}
+            weights = top_k_weights[0].float().tolist()
             if cache.state.phase == "decode":                                       # the cache rules' step 1
-                cache.route(layer, ids, top_k_weights[0].float().tolist())
+                cache.route(layer, ids, weights)
             else:                                                                   # a one-token prompt
                 ids = sorted(ids)
                 cache.route(layer, ids, None)
             rt.on_route(layer, top_k_index, top_k_weights, hidden_states)           # observers, prefetch
+            scores = rank_scores(weights)
+            plan = {e: cache.plan(layer, e, [scores[pos[e]]]) for e in ids if 0 <= e < self.num_experts}
+            w = top_k_weights[0]
+            if SKIP in plan.values():                   # renormalise the kept weights to the routed sum
+                kept = torch.tensor([plan.get(e) != SKIP for e in top_k_index[0].tolist()], device=w.device)
+                w = w * (w.sum() / (w * kept).sum())
             ys: dict[int, torch.Tensor] = {}
 
             def one(e, expert):
-                ys[e] = expert(hidden_states) * top_k_weights[0, pos[e]]              # [1,H]
+                ys[e] = expert(hidden_states) * w[pos[e]]                           # [1,H]
 
-            self._each_expert(ids, one, None)
+            self._each_expert(plan, one)
             out = torch.zeros_like(hidden_states)                                   # [1,H]
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
@@ -58,21 +73,25 @@ class OffloadedExperts(nn.Module):
         rt.expert_calls += int((top_k_index >= 0).sum())
         cache.route(layer, needed, None)                                            # batched: once each
         rt.on_route(layer, top_k_index, top_k_weights, hidden_states)
+        plan, top_k_weights = self._plan_batch(needed, top_k_index, top_k_weights)
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def batch(e, expert):
             tok, slot = (top_k_index == e).nonzero(as_tuple=True)                  # tokens routed to e
+            keep = top_k_weights[tok, slot] != 0                                    # a token that skipped e
+            tok, slot = tok[keep], slot[keep]
             parts[e] = tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None]   # [t,H]
 
-        if getattr(cache, "streaming", False) and cache.state.phase == "prefill" and not torch.is_grad_enabled():
+        if (getattr(cache, "streaming", False) and cache.state.phase == "prefill" and not torch.is_grad_enabled()
+                and all(d == FULL for d in plan.values())):
             missing = [e for e in needed if not cache.contains(layer, e)]
-            self._each_expert([e for e in needed if e not in missing], batch, None)
+            self._each_expert({e: FULL for e in needed if e not in missing}, batch)
             for e, w in cache.stream(layer, missing):            # DuoServe: misses through the staging buffers
                 batch(e, self._expert_fn(e, w))
             return self._combine(hidden_states, parts)
         counts = torch.bincount(top_k_index[top_k_index >= 0].reshape(-1), minlength=self.num_experts).tolist() \
             if rt.placement is not None else None
-        self._each_expert(needed, batch, {e: counts[e] for e in needed} if counts else None)
+        self._each_expert(plan, batch, {e: counts[e] for e in needed} if counts else None)
         return self._combine(hidden_states, parts)
 
     @staticmethod
@@ -83,34 +102,61 @@ class OffloadedExperts(nn.Module):
             out = out.index_add(0, tok, y.to(out.dtype))
         return out
 
-    def _each_expert(self, experts: list[int], compute, tokens: dict[int, int] | None = None) -> None:
-        """`compute(e, expert)` for each valid expert, `expert(x [t,H]) -> y [t,H]` its FFN. Missed experts the
-        placement sends to the CPU (`--cpu-experts`) run on the runtime's CPU worker thread from host RAM while
-        this thread runs the rest in the cache's order (resident first, chunks of the slot count, each chunk
-        pinned; the chunk's accesses in the cache model's order), computing within a chunk what has landed, then
-        what a prefetch is still copying, then what this layer's demand loads bring. The layer ends when both
-        sides have (`tokens`: tokens per expert, for the placement's cost; default 1)."""
+    def _plan_batch(self, needed: list[int], top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The copy serving each needed expert ({e: FULL|LOW|SKIP}) and the weights [T,K] with each token's skipped
+        experts zeroed and the rest renormalised to the routed sum. With only full copies: all FULL, weights as
+        they are (no host sync)."""
+        cache = self.runtime.cache
+        if cache.precision.name == "full" and len(cache.precisions) == 1:
+            return {e: cache.plan(self.layer, e, [0.0]) for e in needed}, top_k_weights
+        w = top_k_weights.float()
+        norm = w / w.sum(-1, keepdim=True).clamp_min(1e-30)                        # [T,K]
+        order = torch.sort(norm, dim=-1, descending=True, stable=True).indices
+        ranked = norm.gather(-1, order)
+        scores = torch.empty_like(norm).scatter_(-1, order, ranked.cumsum(-1) - ranked)   # s_i: mass ranked above
+        idx, sc = top_k_index.tolist(), scores.tolist()
+        plan, drop = {}, torch.zeros_like(w, dtype=torch.bool)
+        for e in needed:
+            where = [(t, k) for t, row in enumerate(idx) for k, x in enumerate(row) if x == e]
+            plan[e] = cache.plan(self.layer, e, [sc[t][k] for t, k in where])
+            if plan[e] == SKIP:
+                for t, k in where:
+                    drop[t, k] = True
+        if drop.any():
+            kept = top_k_weights.masked_fill(drop.to(top_k_weights.device), 0)
+            top_k_weights = kept * (top_k_weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True))
+        return plan, top_k_weights
+
+    def _each_expert(self, plan: dict[int, str], compute, tokens: dict[int, int] | None = None) -> None:
+        """`compute(e, expert)` for each expert the plan keeps ({e: FULL|LOW|SKIP}), `expert(x [t,H]) -> y [t,H]`
+        its FFN. Full-precision misses the placement sends to the CPU (`--cpu-experts`) run on the runtime's CPU
+        worker thread from host RAM while this thread runs the rest in the cache's order: per precision (full,
+        then low-bit), resident first, chunks of the pool's slot count, each chunk pinned (the chunk's accesses in
+        the cache model's order), computing within a chunk what has landed, then what a prefetch is still
+        copying, then what this layer's demand loads bring. The layer ends when both sides have (`tokens`: tokens
+        per expert, for the placement's cost; default 1)."""
         rt, cache, layer = self.runtime, self.runtime.cache, self.layer
-        valid = [e for e in experts if 0 <= e < self.num_experts]
         t0 = time.perf_counter()
-        on_cpu = rt.cpu_side(layer, valid, tokens or {})
+        on_cpu = rt.cpu_side(layer, [e for e, d in plan.items() if d == FULL], tokens or {})
         side = rt.start_cpu(layer, on_cpu, compute, self.apply_gate) if on_cpu else None
         order = getattr(cache, "landing", None)
-        for chunk in cache.chunks(layer, [e for e in valid if e not in on_cpu]):
-            cache.pin(layer, chunk)
-            ws = {e: cache.acquire(layer, e) for e in chunk}
-            for e in (sorted(chunk, key=lambda e: order(layer, e)) if order else chunk):
-                compute(e, self._expert_fn(e, ws[e]))
-            cache.unpin(layer, chunk)
+        for p in (FULL, LOW):
+            experts = [e for e, d in plan.items() if d == p and e not in on_cpu]
+            for chunk in cache.chunks(layer, experts, p) if experts else []:
+                cache.pin(layer, chunk, p)
+                ws = {e: cache.acquire(layer, e, p) for e in chunk}
+                for e in (sorted(chunk, key=lambda e: order(layer, e, p)) if order else chunk):
+                    compute(e, self._expert_fn(e, ws[e], p))
+                cache.unpin(layer, chunk, p)
         rt.device_side_s += time.perf_counter() - t0
         if side is not None:
             rt.finish_cpu(side)
         rt.expert_stage_s += time.perf_counter() - t0
 
-    def _expert_fn(self, e: int, w: dict[str, torch.Tensor]):
+    def _expert_fn(self, e: int, w: dict[str, torch.Tensor], precision: str = FULL):
         if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)
             w = _all_landed(w)
-            return lambda x: _ExpertRecompute.apply(x, self, e, w)
+            return lambda x: _ExpertRecompute.apply(x, self, e, w, precision)
         return lambda x: self.runtime.adapter.expert_forward(w, x, self.apply_gate)
 
 
@@ -119,25 +165,25 @@ class _ExpertRecompute(torch.autograd.Function):
     runs, its slot may hold another expert (1 slot per layer), so its weights are never saved for it."""
 
     @staticmethod
-    def forward(ctx, x, module: OffloadedExperts, expert: int, w):
-        ctx.module, ctx.expert = module, expert
+    def forward(ctx, x, module: OffloadedExperts, expert: int, w, precision: str):
+        ctx.module, ctx.expert, ctx.precision = module, expert, precision
         ctx.save_for_backward(x)
         return module.runtime.adapter.expert_forward(w, x, module.apply_gate)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        m, e = ctx.module, ctx.expert
+        m, e, p = ctx.module, ctx.expert, ctx.precision
         cache = m.runtime.cache
-        cache.pin(m.layer, [e])
+        cache.pin(m.layer, [e], p)
         try:
-            w = _all_landed(cache.acquire(m.layer, e))
+            w = _all_landed(cache.acquire(m.layer, e, p))
             with torch.enable_grad():
                 xr = x.detach().requires_grad_()
                 (gx,) = torch.autograd.grad(m.runtime.adapter.expert_forward(w, xr, m.apply_gate), xr, grad)
         finally:
-            cache.unpin(m.layer, [e])
-        return gx, None, None, None
+            cache.unpin(m.layer, [e], p)
+        return gx, None, None, None, None
 
 
 def _all_landed(w) -> dict:

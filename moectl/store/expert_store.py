@@ -15,6 +15,8 @@ read exactly once, straight into the buffer.
 `ram` tier: one uint8 [E, N] host tensor per layer (pinned when CUDA is present), filled at load; the
 shard files are closed afterwards, nothing stays mapped. On a CPU device these buffers are what the
 experts are computed on (`runtime/in_place.py`).
+`lowbit` (`store/lowbit.py: LowbitCopies`, `--lowbit q4g64`): a second copy of every expert, HQQ low-bit, always
+in host RAM; `load_into(..., precision=LOW)` copies it. `format_of` / `nbytes` give each precision's format.
 `disk` tier: nothing up front; `load_into` reads an expert into the buffer it is given (a slot), and
 `load_async` does it on one background thread (preadv releases the GIL, so reads overlap compute).
 """
@@ -33,6 +35,7 @@ from ..progress import ProgressBar
 from .checkpoint import ByteRange, Checkpoint, byte_view
 from .memory import host_empty
 
+FULL, LOW = "full", "low"           # the copies a store can serve (cache_model's pool names)
 PARALLEL_READ_MIN = 16 * 2**20      # demand loads at least this big are read by several threads
 
 
@@ -55,6 +58,7 @@ class ExpertStore:
         self._reader: ThreadPoolExecutor | None = None       # the background (prefetch) reader
         self._helpers: ThreadPoolExecutor | None = None      # threads that split one demand read
         self.buffers: list[torch.Tensor] | None = None       # [L] of uint8 [E, N] (ram tier)
+        self.lowbit = None                                   # LowbitCopies, when --lowbit is given
         if offload == "ram":
             buffers = []
             with ProgressBar(progress, transient=True) as bar:
@@ -73,6 +77,17 @@ class ExpertStore:
     @property
     def num_layers(self) -> int:
         return len(self.moe_layer_ids)
+
+    def format_of(self, precision: str = FULL):
+        return self.format if precision == FULL else self._low().format
+
+    def nbytes(self, precision: str = FULL) -> int:
+        return self.expert_nbytes if precision == FULL else self._low().expert_nbytes
+
+    def _low(self):
+        if self.lowbit is None:
+            raise MoectlError("no low-bit copies are loaded: give --lowbit (made by `moectl quantize`)")
+        return self.lowbit
 
     def _ranges(self, layer: int, expert: int) -> tuple[list[ByteRange], list[tuple[int, torch.dtype]]]:
         """The expert's on-disk byte ranges and where each lands in the packed buffer (byte offset, dtype there),
@@ -119,9 +134,14 @@ class ExpertStore:
                 places.append((off, dt))
         return merged, places
 
-    def load_into(self, layer: int, expert: int, dst: torch.Tensor, parallel: bool = False) -> None:
+    def load_into(self, layer: int, expert: int, dst: torch.Tensor, parallel: bool = False,
+                  precision: str = FULL) -> None:
         """Fill the uint8 [N] host buffer `dst` with (MoE layer `layer`, expert): a copy of the RAM-tier buffer,
-        or the shard bytes read straight into it (`parallel`: by several threads, for a demand load)."""
+        or the shard bytes read straight into it (`parallel`: by several threads, for a demand load); LOW: a
+        copy of its low-bit buffer."""
+        if precision != FULL:
+            dst.copy_(self._low().host(layer, expert))
+            return
         if self.buffers is not None and dst.data_ptr() != self.buffers[layer][expert].data_ptr():
             dst.copy_(self.buffers[layer][expert])
             return
@@ -175,20 +195,22 @@ class ExpertStore:
             read += r.nbytes
         return [sp for sp in spans if sp]
 
-    def load_async(self, layer: int, expert: int, dst: torch.Tensor, then=None) -> Future:
+    def load_async(self, layer: int, expert: int, dst: torch.Tensor, then=None, precision: str = FULL) -> Future:
         """`load_into` on the background reader thread (then `then()` there); the Future re-raises its errors."""
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moectl-reader")
 
         def job():
-            self.load_into(layer, expert, dst)
+            self.load_into(layer, expert, dst, precision=precision)
             if then is not None:
                 then()
 
         return self._reader.submit(job)
 
-    def host(self, layer: int, expert: int) -> torch.Tensor:
+    def host(self, layer: int, expert: int, precision: str = FULL) -> torch.Tensor:
         """The packed RAM-tier buffer uint8 [N] of (MoE layer `layer`, expert); a view, never a copy."""
+        if precision != FULL:
+            return self._low().host(layer, expert)
         if self.buffers is None:
             raise MoectlError("the disk tier keeps no host copy of the experts; load one into a buffer with load_into")
         return self.buffers[layer][expert]

@@ -29,27 +29,32 @@ class HostNeed:
 
     dense: int = 0
     experts: int = 0        # experts kept in RAM (--offload ram)
+    lowbit: int = 0         # low-bit copies (--lowbit), always in RAM
     cache: int = 0          # cache buffers on the host (CPU slots, pinned staging)
     kv: int = 0
 
     @property
     def total(self) -> int:
-        return self.dense + self.experts + self.cache + self.kv
+        return self.dense + self.experts + self.lowbit + self.cache + self.kv
 
     def parts(self) -> str:
-        named = [("dense weights", self.dense), ("experts in RAM", self.experts), ("cache buffers", self.cache),
+        named = [("dense weights", self.dense), ("experts in RAM", self.experts),
+                 ("low-bit copies", self.lowbit), ("cache buffers", self.cache),
                  ("KV reserve", self.kv)]
         return " + ".join(f"{name} {format_bytes(n)}" for name, n in named if n)
 
 
 def host_need(offload: str, on_host_device: bool, in_place: bool, slots: int, expert_nbytes: int,
-              num_experts_total: int, dense: int, kv: int) -> HostNeed:
-    """What stays in host RAM: experts (ram tier), dense + KV (CPU device), slots (CPU device or CUDA staging
-    for the disk tier; none in place, where the store itself is what the CPU computes on)."""
+              num_experts_total: int, dense: int, kv: int, lowbit_nbytes: int = 0, low_slots: int = 0) -> HostNeed:
+    """What stays in host RAM: experts (ram tier), low-bit copies (`lowbit_nbytes` each, always), dense + KV (CPU
+    device), slots (CPU device or CUDA staging for the disk tier -- low-bit slots only on a CPU device; none in
+    place, where the store itself is what the CPU computes on)."""
     cache = 0 if in_place else slots * expert_nbytes if on_host_device or offload == "disk" else 0
+    if on_host_device and not in_place:
+        cache += low_slots * lowbit_nbytes
     return HostNeed(dense=dense if on_host_device else 0,
                     experts=num_experts_total * expert_nbytes if offload == "ram" else 0,
-                    cache=cache, kv=kv if on_host_device else 0)
+                    lowbit=num_experts_total * lowbit_nbytes, cache=cache, kv=kv if on_host_device else 0)
 
 
 def _read_int(path: Path) -> int | None:

@@ -1,0 +1,172 @@
+"""`moectl quantize`: HQQ low-bit copies of every routed expert, written once, resumable layer by layer.
+
+Legend: L = MoE layers, E = experts per layer, N = bytes of one packed low-bit expert (`HqqFormat.nbytes`).
+
+For each MoE layer: each expert is read from the checkpoint (the store's disk tier: its bytes straight into one
+buffer), each of its matrices quantized by HQQ (`Quantizer.quantize`, no calibration data; on the GPU when one
+is there) and the codes, scales and zeros packed into that expert's row of a uint8 [E, N] tensor: one contiguous
+buffer per expert, so a copy is one transfer. A finished layer is written to `<stem>.parts/layer-NNN.safetensors`
+(written to a temporary name, then renamed: Ctrl-C leaves finished layers and nothing half-written), with the
+settings in its metadata; a second run skips the layers whose part matches the settings and redoes the rest.
+When every layer is done the parts become the copy set:
+
+    <workdir>/experts-q{bits}g{group}.safetensors         one file, tensors `layers.{l}.experts` [E, N]
+    (or experts-q{bits}g{group}-0000i-of-0000L.safetensors, one per layer, when the set exceeds SHARD_BYTES)
+    <workdir>/experts-q{bits}g{group}.json                 settings, per-layer relative error, bytes per expert,
+                                                           format version, model fingerprint (written last)
+
+HQQ is deterministic, so an interrupted run resumed gives the file an uninterrupted run gives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import MoectlError
+from ..progress import ProgressBar
+from .hqq_format import HqqFormat, check_settings, lowbit_name
+
+FORMAT, VERSION = "moectl-lowbit-copies", 1
+SHARD_BYTES = 4 * 2**30              # a copy set bigger than this is written one shard per layer
+KEY = "layers.{l}.experts"
+
+
+def copy_paths(workdir: Path, name: str) -> tuple[Path, Path]:
+    """(JSON descriptor, parts directory) of the copy set `name` (e.g. q4g64) in `workdir`."""
+    return Path(workdir) / f"experts-{name}.json", Path(workdir) / f"experts-{name}.parts"
+
+
+def _settings(fingerprint: str, fmt: HqqFormat, dtype: torch.dtype) -> dict:
+    return {"fingerprint": fingerprint, "bits": fmt.bits, "group_size": fmt.group, "axis": fmt.axis,
+            "dtype": str(dtype).replace("torch.", ""), "bytes_per_expert": fmt.nbytes}
+
+
+def _done_part(path: Path, settings: dict) -> float | None:
+    """The relative error stored in a finished layer part made with `settings`, else None."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if json.loads(meta.get("settings", "{}")) != settings:
+            return None
+        return float(meta["rel_error"])
+    except Exception:                   # damaged or foreign: redo the layer
+        return None
+
+
+def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device: str | None = None,
+                   workdir: str | None = None, dtype: str | None = None, progress: bool = True,
+                   on_expert=None) -> dict:
+    """Write (or finish) the copy set of `model` at `bits`/`group`/`axis`; returns its JSON descriptor.
+    `device`: cpu or cuda (default: cuda when present). `on_expert(layer, expert)` runs after each expert
+    (tests use it to interrupt a run)."""
+    from safetensors.torch import load_file, save_file
+
+    from ..fingerprint import config_fingerprint
+    from ..recipes import resolve_model
+    from ..runtime.engine import _built, _dtype, _skeleton, load_config
+    from ..store.checkpoint import Checkpoint
+    from ..store.expert_store import ExpertStore
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise MoectlError(f"--device {device!r}: choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoectlError("--device cuda: no CUDA device is available")
+    ref = _built(resolve_model(model, workdir))
+    config, adapter = load_config(ref.path)
+    dt = _dtype(dtype, config)
+    check_settings(bits, group, axis, adapter.layout().shapes)
+    _, blocks = _skeleton(config, adapter, dt, ref.path)
+    moe_layer_ids = [i for i, _ in blocks]
+    fingerprint = config_fingerprint(config)
+    fmt = HqqFormat(adapter.layout(), bits, group, axis, dt)
+    name = lowbit_name(bits, group)
+    json_path, parts_dir = copy_paths(ref.workdir, name)
+    settings = _settings(fingerprint, fmt, dt)
+    L, E = len(moe_layer_ids), adapter.num_experts
+    if json_path.exists():                          # finished before with these settings: nothing to do
+        try:
+            old = json.loads(json_path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        if all(old.get(k) == v for k, v in settings.items()) and \
+                all((ref.workdir / f).exists() for f in old.get("shards", {})):
+            return old | {"path": str(json_path), "seconds": 0.0, "up_to_date": True}
+
+    store = ExpertStore(Checkpoint(ref.path), adapter, moe_layer_ids, dt, offload="disk", progress=False)
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    errors: list[float | None] = [_done_part(parts_dir / f"layer-{l:03d}.safetensors", settings) for l in range(L)]
+    todo = [l for l in range(L) if errors[l] is None]
+    full = torch.empty(store.expert_nbytes, dtype=torch.uint8)
+    t0, done = time.perf_counter(), 0
+    with ProgressBar(progress) as bar:
+        task = bar.add(f"quantizing experts to {name} on {device}", total=L * E)
+        bar.update(task, completed=(L - len(todo)) * E, info=f"{L - len(todo)} layers already done" if
+                   len(todo) < L else "")
+        for l in todo:
+            out = torch.zeros(E, fmt.nbytes, dtype=torch.uint8)
+            err2 = ref2 = 0.0
+            for e in range(E):
+                store.load_into(l, e, full)
+                w = store.format.views(full)
+                fmt.quantize(w, out=out[e], device=device)
+                deq = fmt.weights(fmt.views(out[e]))
+                for m in fmt.matrices:
+                    err2 += float((deq[m].float() - w[m].float()).pow(2).sum())
+                    ref2 += float(w[m].float().pow(2).sum())
+                done += 1
+                left = (time.perf_counter() - t0) / done * (len(todo) * E - done)
+                bar.update(task, advance=1, info=f"layer {l + 1}/{L}, ETA {left:.0f}s")
+                if on_expert is not None:
+                    on_expert(l, e)
+            errors[l] = math.sqrt(err2 / ref2) if ref2 > 0 else 0.0
+            part = parts_dir / f"layer-{l:03d}.safetensors"
+            tmp = part.with_suffix(".tmp")
+            save_file({KEY.format(l=l): out}, str(tmp),
+                      metadata={"settings": json.dumps(settings, sort_keys=True), "rel_error": repr(errors[l])})
+            os.replace(tmp, part)
+    store.ckpt.close()
+
+    # Every layer done: the parts become the copy set.
+    total = L * E * fmt.nbytes
+    stem = f"experts-{name}"
+    if total <= SHARD_BYTES:
+        shards = {f"{stem}.safetensors": list(range(L))}
+        tensors = {}
+        for l in range(L):
+            tensors.update(load_file(str(parts_dir / f"layer-{l:03d}.safetensors")))
+        tmp = ref.workdir / f"{stem}.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"settings": json.dumps(settings, sort_keys=True)})
+        os.replace(tmp, ref.workdir / f"{stem}.safetensors")
+    else:
+        shards = {}
+        for l in range(L):
+            fname = f"{stem}-{l + 1:05d}-of-{L:05d}.safetensors"
+            os.replace(parts_dir / f"layer-{l:03d}.safetensors", ref.workdir / fname)
+            shards[fname] = [l]
+    import hqq
+
+    meta = {"format": FORMAT, "version": VERSION, "model": ref.name, "fingerprint": fingerprint,
+            "name": name, "method": "hqq", "hqq_version": getattr(hqq, "__version__", "?"),
+            "bits": bits, "group_size": group, "axis": axis, "dtype": settings["dtype"],
+            "num_layers": L, "num_experts": E, "moe_layer_ids": moe_layer_ids,
+            "bytes_per_expert": fmt.nbytes, "full_bytes_per_expert": store.expert_nbytes,
+            "expert_format": fmt.describe(), "key": KEY,
+            "layers": [{"layer": l, "model_layer": moe_layer_ids[l], "rel_error": errors[l]} for l in range(L)],
+            "shards": shards}
+    tmp = json_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, json_path)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    return meta | {"path": str(json_path), "seconds": time.perf_counter() - t0}

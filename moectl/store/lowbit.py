@@ -1,0 +1,118 @@
+"""LowbitCopies: the host tier of an expert's low-bit copy (`moectl quantize`'s output), read into RAM.
+
+Legend: L = MoE layers, E = experts per layer, N = bytes of one packed low-bit expert.
+
+`--lowbit q4g64` names the copy set `<workdir>/experts-q4g64.json` (+ its safetensors shards). Its descriptor
+is checked before a byte is read: format and version, the model fingerprint (copies of another model are an
+error), bits and group size (a file renamed to another name is an error), layer and expert counts, and the
+packed size the format computes. Then each layer's uint8 [E, N] tensor is read straight into one host buffer
+(pinned when CUDA is present): the low-bit tier always lives in host RAM, whatever `--offload` says for the
+full-precision copies.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..artifact import read_descriptor, require_int
+from ..errors import MoectlError
+from ..progress import ProgressBar
+from ..quant.hqq_format import HqqFormat, parse_lowbit
+from ..quant.int4_cpu import Int4CpuFormat, int4_cpu_ok
+from ..quant.quantize import FORMAT, KEY, VERSION, copy_paths
+from .checkpoint import byte_view, parse_header, read_at
+from .memory import host_empty
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lowbit_format(meta: dict, adapter, compute_dtype: torch.dtype, path) -> HqqFormat:
+    """The copies' format from their descriptor, checked against the format this moectl computes."""
+    dt = DTYPES.get(meta.get("dtype"))
+    if dt is None:
+        raise MoectlError(f"{path}: dtype {meta.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    fmt = HqqFormat(adapter.layout(), require_int(meta, "bits", path), require_int(meta, "group_size", path),
+                    require_int(meta, "axis", path), dt, compute_dtype)
+    if require_int(meta, "bytes_per_expert", path) != fmt.nbytes:
+        raise MoectlError(f"{path}: {meta['bytes_per_expert']} bytes per expert, the {fmt.name} format of this "
+                          f"model has {fmt.nbytes} (made by another moectl version or for another model)")
+    return fmt
+
+
+def read_lowbit_meta(workdir, name: str, fingerprint: str, num_layers: int, num_experts: int) -> tuple[dict, Path]:
+    bits, group = parse_lowbit(name)
+    path, _ = copy_paths(Path(workdir), f"q{bits}g{group}")
+    if not path.exists():
+        raise MoectlError(f"no low-bit copies {name} in {workdir} ({path.name} is missing): run "
+                          f"`moectl quantize --model <model> --bits {bits} --group-size {group}` first")
+    meta = read_descriptor(path, FORMAT, what="low-bit copy set", version_key="version", max_version=VERSION,
+                           expect_fingerprint=fingerprint)
+    if (meta.get("bits"), meta.get("group_size")) != (bits, group):
+        raise MoectlError(f"{path} holds q{meta.get('bits')}g{meta.get('group_size')} copies, not the {name} asked "
+                          f"for (renamed file?): run `moectl quantize --bits {bits} --group-size {group}`")
+    if (require_int(meta, "num_layers", path), require_int(meta, "num_experts", path)) != (num_layers, num_experts):
+        raise MoectlError(f"{path}: {meta['num_layers']} MoE layers x {meta['num_experts']} experts, the model has "
+                          f"{num_layers} x {num_experts}")
+    return meta, path
+
+
+class LowbitCopies:
+    def __init__(self, workdir, name: str, fingerprint: str, adapter, num_layers: int, compute_dtype: torch.dtype,
+                 pin: bool = False, progress: bool = True, cpu_kernel: bool = False):
+        # cpu_kernel: the experts will be computed on the CPU; q4 axis-1 copies are then repacked once, here,
+        # for torch's int4 CPU kernel (quant/int4_cpu.py).
+        meta, path = read_lowbit_meta(workdir, name, fingerprint, num_layers, adapter.num_experts)
+        self.meta, self.path = meta, path
+        self.format = lowbit_format(meta, adapter, compute_dtype, path)
+        stored = self.format
+        self.name, self.num_layers, self.num_experts = self.format.name, num_layers, adapter.num_experts
+        self.expert_nbytes = stored.nbytes
+        ranges = {}
+        for fname in meta.get("shards", {}):
+            f = path.parent / fname
+            if not f.exists():
+                raise MoectlError(f"{path} lists shard {fname}, which is missing: run `moectl quantize` again")
+            ranges.update(parse_header(f))
+        self.buffers: list[torch.Tensor] = []            # [L] of uint8 [E, N]
+        with ProgressBar(progress, transient=True) as bar:
+            task = bar.add(f"reading {self.name} copies", num_layers)
+            for l in range(num_layers):
+                r = ranges.get(KEY.format(l=l))
+                if r is None or r.dtype != torch.uint8 or r.shape != (self.num_experts, self.expert_nbytes):
+                    raise MoectlError(f"{path}: layer {l}'s copies are missing or of the wrong size "
+                                      f"({r.shape if r else 'absent'}, want {(self.num_experts, self.expert_nbytes)})")
+                buf = host_empty((self.num_experts, self.expert_nbytes), torch.uint8, f"reading {self.name} copies",
+                                 pin=pin)
+                fd = os.open(r.file, os.O_RDONLY)
+                try:
+                    view, pos = byte_view(buf), 0
+                    while pos < r.nbytes:
+                        n = read_at(fd, view[pos:], r.offset + pos)
+                        if n <= 0:
+                            raise MoectlError(f"{r.file} is truncated")
+                        pos += n
+                finally:
+                    os.close(fd)
+                self.buffers.append(buf)
+                bar.update(task, advance=1)
+        if cpu_kernel and adapter.linear_callables and int4_cpu_ok(stored):
+            self._repack(Int4CpuFormat(stored))
+
+    def _repack(self, fmt) -> None:
+        # Every expert converted into `fmt`, one layer at a time (the peak is one extra layer).
+        for layer, buf in enumerate(self.buffers):
+            out = host_empty((self.num_experts, fmt.nbytes), torch.uint8, f"repacking {self.name} copies")
+            for e in range(self.num_experts):
+                fmt.repack(buf[e], out[e])
+            self.buffers[layer] = out
+        self.format, self.expert_nbytes = fmt, fmt.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.num_experts * self.expert_nbytes
+
+    def host(self, layer: int, expert: int) -> torch.Tensor:
+        return self.buffers[layer][expert]

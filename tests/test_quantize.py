@@ -1,0 +1,233 @@
+"""`moectl quantize` and the low-bit tier: HQQ-exact copies, resumable writing, clear errors, and the precision
+policies on the runtime (T1 = 1 bit-identical to lossless, q8 copies near lossless)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from moectl.errors import MoectlError
+from moectl.quant.quantize import copy_paths, quantize_model
+from moectl.runtime.engine import Engine
+from model_factory import build_family, save_tokenizer
+from test_bad_input import assert_one_error, run_cli
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q") / "mixtral"
+    build_family("mixtral", d)
+    save_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def q4(mixtral, tmp_path_factory):
+    wd = tmp_path_factory.mktemp("q4wd")
+    meta = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False)
+    return wd, meta
+
+
+def test_stored_copy_dequantises_exactly_as_hqq(mixtral, q4):
+    from hqq.core.quantize import Quantizer
+
+    wd, meta = q4
+    assert meta["bits"] == 4 and meta["group_size"] == 64 and meta["axis"] == 1
+    assert meta["format"] == "moectl-lowbit-copies" and meta["version"] == 1 and len(meta["fingerprint"]) > 8
+    assert len(meta["layers"]) == 4 and all(0.05 < x["rel_error"] < 0.12 for x in meta["layers"])
+    assert (wd / "experts-q4g64.safetensors").exists() and not (wd / "experts-q4g64.parts").exists()
+    from moectl.store.lowbit import LowbitCopies
+
+    eng = Engine.load(str(mixtral), workdir=str(wd), progress=False)
+    store = eng.store
+    copies = LowbitCopies(wd, "q4g64", eng.fingerprint, eng.adapter, 4, torch.float32, progress=False)
+    assert copies.expert_nbytes == meta["bytes_per_expert"] < store.expert_nbytes / 6    # fp32 -> 4 bit
+    for layer, expert in [(0, 0), (3, 5)]:
+        full = store.format.views(store.host(layer, expert))
+        low = copies.format
+        got = low.weights(low.views(copies.host(layer, expert)))
+        for name in ("gate_up", "down"):
+            W_q, m = Quantizer.quantize(full[name], nbits=4, group_size=64, axis=1, device="cpu")
+            m["compute_dtype"] = torch.float32
+            ref = Quantizer.dequantize(W_q, m)
+            assert torch.equal(got[name], ref)                    # bit for bit HQQ's own dequantisation
+            assert got[name].shape == full[name].shape
+
+
+def test_cpu_int4_kernel_matches_hqq_dequantisation(mixtral, q4, monkeypatch):
+    """On a CPU the q4 copies of a bf16 model are repacked for torch's int4 kernel; its logits match the
+    dequantise-then-matmul path up to bf16 rounding (far closer than either is to lossless)."""
+    from moectl.quant.int4_cpu import Int4CpuFormat
+    from moectl.store import lowbit
+
+    wd, _ = q4
+    kw = dict(workdir=str(wd), lowbit="q4g64", precision="lowbit-only", progress=False, dtype="bfloat16")
+    eng = Engine.load(str(mixtral), **kw)
+    assert isinstance(eng.store.lowbit.format, Int4CpuFormat)
+    fast = _decode(eng)
+    monkeypatch.setattr(lowbit, "int4_cpu_ok", lambda fmt: False)
+    slow_eng = Engine.load(str(mixtral), **kw)
+    assert type(slow_eng.store.lowbit.format).__name__ == "HqqFormat"
+    slow = _decode(slow_eng)
+    lossless = _decode(Engine.load(str(mixtral), workdir=str(wd), progress=False, dtype="bfloat16"))
+    assert (fast - slow).abs().max() <= 0.25 * (slow - lossless).abs().max()   # bf16 rounding, not a different model
+
+
+def test_interrupted_quantize_resumes_to_an_identical_file(mixtral, q4, tmp_path):
+    wd = tmp_path / "wd"
+    seen = []
+
+    def stop(layer, expert):
+        seen.append((layer, expert))
+        if (layer, expert) == (2, 3):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False, on_expert=stop)
+    json_path, parts = copy_paths(wd, "q4g64")
+    assert not json_path.exists()
+    assert sorted(p.name for p in parts.iterdir()) == ["layer-000.safetensors", "layer-001.safetensors"]
+    seen.clear()
+    meta = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False,
+                          on_expert=lambda layer, expert: seen.append((layer, expert)))
+    assert {l for l, _ in seen} == {2, 3} and len(seen) == 16                  # only the unfinished layers redone
+    ref_wd, ref_meta = q4
+    assert (wd / "experts-q4g64.safetensors").read_bytes() == (ref_wd / "experts-q4g64.safetensors").read_bytes()
+    assert meta["layers"] == ref_meta["layers"]
+    again = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False)
+    assert again.get("up_to_date")                                             # finished: nothing redone
+
+
+def test_copies_of_other_bits_group_or_model_are_clear_errors(mixtral, q4, tmp_path, capsys, monkeypatch):
+    wd, _ = q4
+    other = tmp_path / "wd"
+    other.mkdir()
+    for suffix in (".json", ".safetensors"):                                    # q4g64 files renamed to q2g64
+        shutil.copy(wd / f"experts-q4g64{suffix}", other / f"experts-q2g64{suffix}")
+    with pytest.raises(MoectlError, match="holds q4g64 copies, not the q2g64"):
+        Engine.load(str(mixtral), workdir=str(other), lowbit="q2g64", progress=False)
+    with pytest.raises(MoectlError, match="no low-bit copies q4g32"):
+        Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g32", progress=False)
+    # another model's copies (an OLMoE checkpoint quantized into the same directory layout)
+    olmoe = tmp_path / "olmoe"
+    build_family("olmoe", olmoe)
+    owd = tmp_path / "owd"
+    quantize_model(str(olmoe), 4, 64, 1, workdir=str(owd), progress=False)
+    mwd = tmp_path / "mwd"
+    shutil.copytree(owd, mwd)
+    with pytest.raises(MoectlError, match="made for model olmoe.*loaded is mixtral"):
+        Engine.load(str(mixtral), workdir=str(mwd), lowbit="q4g64", progress=False)
+    capsys.readouterr()
+    code, out, err = run_cli(["quantize", "--model", str(mixtral), "--workdir", str(tmp_path / "x"), "--bits", "5"],
+                             capsys, monkeypatch)
+    assert_one_error(code, err, "--bits 5")
+    code, out, err = run_cli(["quantize", "--model", str(mixtral), "--workdir", str(tmp_path / "x"),
+                              "--group-size", "12"], capsys, monkeypatch)
+    assert_one_error(code, err, "multiple of 8")
+    code, out, err = run_cli(["generate", "--model", str(mixtral), "--prompt", "x", "--precision", "lowbit-only"],
+                             capsys, monkeypatch)
+    assert_one_error(code, err, "--lowbit")
+
+
+def _decode(eng, steps=6):
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    logits, pkv = eng.forward(ids)
+    out = [logits[0, -1]]
+    for t in range(steps):
+        logits, pkv = eng.forward(torch.tensor([[11 + t]]), pkv)
+        out.append(logits[0, -1])
+    return torch.stack(out)
+
+
+def test_t1_one_is_bit_identical_to_lossless(mixtral, q4):
+    wd, _ = q4
+    kw = dict(cache_experts=8, emulate_device=True, workdir=str(wd), progress=False)
+    lossless = _decode(Engine.load(str(mixtral), **kw))
+    eng = Engine.load(str(mixtral), lowbit="q4g64", precision="hobbit", t1=1.0, t2=1.0, **kw)
+    assert torch.equal(_decode(eng), lossless)
+    st = eng.cache.snapshot()
+    assert st["misses"] > 0 and st["low_misses"] == 0 and st["skips"] == 0
+    # the default thresholds do load low-bit copies and change the output (a bit)
+    hob = Engine.load(str(mixtral), lowbit="q4g64", **kw)
+    out = _decode(hob)
+    assert hob.cache.snapshot()["low_misses"] > 0 and not torch.equal(out, lossless)
+
+
+def test_skip_renormalises_the_kept_weights(mixtral, q4):
+    """T1 = T2 = 0: every missed non-top-1 expert is skipped; the output equals top-1 routing with the full
+    routed weight on the top-1 expert (Mixtral's two weights sum to 1)."""
+    wd, _ = q4
+    eng = Engine.load(str(mixtral), lowbit="q4g64", t1=0.0, t2=0.0, cache_experts=4, emulate_device=True,
+                      workdir=str(wd), progress=False)
+    calls = []
+    orig = eng.adapter.expert_forward
+    eng.adapter.expert_forward = lambda w, x, g: (calls.append(1), orig(w, x, g))[1]
+    block = eng.model.model.layers[0].mlp
+    x = torch.randn(1, eng.config.hidden_size)
+    idx, wts = torch.tensor([[3, 5]]), torch.tensor([[0.7, 0.3]])
+    eng.cache.begin_step("decode")
+    with torch.inference_mode():
+        y = block.experts(x, idx, wts)                  # nothing resident: 3 full (top-1), 5 skipped
+        assert len(calls) == 1 and eng.cache.stats.skips == 1
+        ref = orig(eng.cache.acquire(0, 3), x, block.experts.apply_gate)
+    assert torch.allclose(y, ref * 1.0, atol=1e-6)
+
+
+def test_q8_copies_stay_near_lossless(tiny_small, tmp_path):
+    from moectl.calib.dataset import load_calibration
+    from moectl.calib.fidelity import token_windows, window_nll
+
+    wd = tiny_small.parent
+    quantize_model(str(tiny_small), 8, 64, 1, workdir=str(wd), progress=False)
+    lossless = Engine.load(str(tiny_small), workdir=str(wd), progress=False)
+    q8 = Engine.load(str(tiny_small), workdir=str(wd), lowbit="q8g64", precision="lowbit-only", progress=False)
+    windows = token_windows(lossless.tokenizer, load_calibration("builtin"), 128, 1024)
+    a, b = window_nll(lossless, windows), window_nll(q8, windows)
+    ppl_a, ppl_b = math.exp(a["nll"] / a["scored"]), math.exp(b["nll"] / b["scored"])
+    assert abs(ppl_b / ppl_a - 1) < 0.002, (ppl_a, ppl_b)
+    assert ppl_b != ppl_a                                    # the q8 copies were really used
+
+
+def test_budget_split_and_inspect_memory_figures(mixtral, q4, capsys, monkeypatch):
+    from moectl.runtime.engine import split_pools
+
+    full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 0.25)        # 8000 bytes: 6 full slots + 20 low-bit slots
+    assert full == [2, 2, 1, 1] and low == [5, 5, 5, 5]
+    full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 1.0)         # lowbit-only: one full slot per layer
+    assert full == [1] * 4 and low == [8] * 4                        # 40 asked, capped at E
+    wd, meta = q4
+    eng = Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", cache_experts=8, emulate_device=True,
+                      lowbit_fraction=0.5, progress=False)
+    nf, nl = eng.store.expert_nbytes, eng.store.nbytes("low")
+    n_low = (8 * nf - 4 * nf) // nl                                  # half the bytes: 4 full slots, the rest low-bit
+    assert eng.cache.slots_per_layer == [1] * 4 and n_low == 25
+    assert [tuple(p.shape) for p in eng.cache.pools["low"]] == [(7, nl), (6, nl), (6, nl), (6, nl)]
+    with pytest.raises(MoectlError, match="--lowbit-fraction"):
+        Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", lowbit_fraction=1.5, progress=False)
+    code, out, err = run_cli(["inspect", "--model", str(mixtral), "--workdir", str(wd), "--lowbit", "q4g64",
+                              "--offload", "disk", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    m = json.loads(out)["memory"]
+    assert m["bytes_per_expert_full"] == nf and m["bytes_per_expert_lowbit"] == nl == meta["bytes_per_expert"]
+    assert m["host"]["full_copies"] == 0 and m["host"]["lowbit_copies"] == 32 * nl      # bf16 on disk, q4 in RAM
+    assert m["host"]["cache_buffers"] == 4 * nf                                         # pinned staging per full slot
+    assert m["device_total"] == m["dense_bytes"] + m["kv_reserve_bytes"] + 4 * nf + 4 * nl
+    code, out, err = run_cli(["inspect", "--model", str(mixtral), "--workdir", str(wd), "--json"], capsys, monkeypatch)
+    assert json.loads(out)["memory"]["host"]["full_copies"] == 32 * nf
+
+
+def test_generate_reports_low_bit_loads(mixtral, q4, capsys, monkeypatch):
+    wd, meta = q4
+    code, out, err = run_cli(["generate", "--model", str(mixtral), "--workdir", str(wd), "--prompt", "a b c", "-n", "6",
+                              "--greedy", "--lowbit", "q4g64", "--t1", "0", "--t2", "1", "--cache-experts", "8",
+                              "--emulate-device",
+                              "--prefetch", "none", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    st = json.loads(out)["stats"]
+    assert st["low_misses"] > 0 and st["full_misses"] + st["low_misses"] == st["misses"]
+    full = meta["full_bytes_per_expert"]
+    assert st["bytes_loaded"] == st["full_misses"] * full + st["low_misses"] * meta["bytes_per_expert"]
