@@ -87,7 +87,7 @@ def test_compute_order_landed_then_in_flight_then_demand(mixtral):
         order.append(e)
         expert(torch.zeros(1, eng.config.hidden_size))     # reads the weights: waits for their copy
     with torch.inference_mode():
-        module._each_expert([0, 3, 5], compute)
+        module._each_expert({0: "full", 3: "full", 5: "full"}, compute)
     assert order == [5, 3, 0]
     # the demand load of 0 was queued (by acquire) after the prefetch of 3, yet ran first on the copy engine
     assert [e for (l, e, _) in cache.loader.log if l == layer] == [5, 5, 0, 0, 3, 3]

@@ -20,14 +20,11 @@ def layer_hits(cache) -> list[dict]:
     return [{"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0} for h, m in zip(hits, misses)]
 
 
-def precision_name(dtype) -> str:
-    return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(dtype), str(dtype))
-
-
 def residency(cache) -> list[dict]:
-    """Per MoE layer: slot count and the resident experts with the precision of their copy (the store's dtype,
-    or the low-bit copy set's name, e.g. q4g64); an expert resident in both pools reports the full copy."""
-    names = {"full": precision_name(cache.store.dtype)}
+    """Per MoE layer: slot count and the resident experts with the precision of their copy (the full copy's format
+    name: bf16, fp32, mxfp4 or fp8 as released; or the low-bit copy set's name, e.g. q4g64); an expert resident in
+    both pools reports the full copy."""
+    names = {"full": cache.store.format.name}
     if getattr(cache.store, "lowbit", None) is not None:
         names["low"] = cache.store.lowbit.name
     out = []
