@@ -231,3 +231,30 @@ def test_generate_reports_low_bit_loads(mixtral, q4, capsys, monkeypatch):
     assert st["low_misses"] > 0 and st["full_misses"] + st["low_misses"] == st["misses"]
     full = meta["full_bytes_per_expert"]
     assert st["bytes_loaded"] == st["full_misses"] * full + st["low_misses"] * meta["bytes_per_expert"]
+
+
+def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, capsys, monkeypatch):
+    """A plan.yaml holding low-bit slots per layer (`plan-cache --lowbit`) gives the runtime exactly those pools
+    when its copy set is loaded, and is one clear error without it."""
+    import yaml
+
+    wd = tmp_path / "wd"
+    shutil.copytree(q4[0], wd)
+    code, _, err = run_cli(["plan-cache", "--model", str(mixtral), "--workdir", str(wd), "--budget", "20MB",
+                            "--kv-tokens", "64"], capsys, monkeypatch)
+    assert code == 0, err
+    f = wd / "plan.yaml"
+    d = yaml.safe_load(f.read_text())
+    L = len(d["slots"])
+    d["slots_low"], d["lowbit"] = [2] * L, "q4g64"
+    d["policies"] |= {"precision": "lowbit-only", "lowbit": "q4g64"}
+    f.write_text(yaml.safe_dump(d))
+    eng = Engine.load(str(mixtral), workdir=str(wd), emulate_device=True, lowbit="q4g64", plan="auto",
+                      progress=False)
+    assert eng.cache.slots_per_layer == d["slots"]
+    assert [eng.cache.state.capacity(l, "low") for l in range(L)] == [2] * L
+    assert eng.cache.precision.name == "lowbit-only"                       # the plan's precision policy
+    res = eng.generate(input_ids=[5, 9, 3], max_new_tokens=4)
+    assert res.stats["low_misses"] > 0 and res.stats["full_misses"] == 0
+    with pytest.raises(MoectlError, match="pass --lowbit q4g64"):
+        Engine.load(str(mixtral), workdir=str(wd), emulate_device=True, plan="auto", progress=False)

@@ -123,16 +123,29 @@ class Engine:
         L, E = len(moe_layer_ids), adapter.num_experts
         expert_nbytes = adapter.format(dt).nbytes
         plan_d, plan_note = _load_plan(plan, ref.workdir, fingerprint, L, E, cache_experts, budget, slots_per_layer)
+        plan_low = [int(s) for s in (plan_d or {}).get("slots_low") or []]
         if plan_d is not None:
             slots_per_layer = [int(s) for s in plan_d["slots"]]
-            replacement = replacement or plan_d.get("policies", {}).get("replacement") or "lru"
+            pol = plan_d.get("policies") or {}
+            replacement = replacement or pol.get("replacement") or "lru"
+            if any(plan_low):                       # a plan with low-bit pools needs its copy set
+                want = plan_d.get("lowbit") or pol.get("lowbit")
+                if low_fmt is None or (want and want != lowbit):
+                    raise MoectlError(f"plan {plan_d['_path']} serves low-bit copies ({want}): pass --lowbit {want} "
+                                      f"(made by `moectl quantize --bits ...`), or --no-plan")
+                if precision is None and pol.get("precision"):
+                    from ..policies.precision import make_precision
+
+                    prec = make_precision(pol["precision"], pol.get("t1") or t1, pol.get("t2") or t2)
         replacement = replacement or "lru"
         kv = kv_reserve_nbytes(config, dt)
         staging = 2 * expert_nbytes if prefill == "stream" else 0        # the streamed prefill's two buffers
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
                                       budget, slots_per_layer)
         low_slots = None
-        if low_fmt is not None and not in_place:
+        if low_fmt is not None and not in_place and any(plan_low):
+            low_slots = plan_low                                    # the plan's split of the bytes
+        elif low_fmt is not None and not in_place:
             fraction = lowbit_fraction_for(prec, lowbit_fraction)
             slots_per_layer, low_slots = split_pools(slots_per_layer, E, expert_nbytes, low_fmt.nbytes, fraction)
         low_nbytes = low_fmt.nbytes if low_fmt is not None else 0
@@ -614,10 +627,6 @@ def _load_plan(plan, workdir, fingerprint: str, num_layers: int, num_experts: in
         return None, f"plan: {path} not used ({given[0]} given)"
     d = load_plan(path)
     plan_slots(d, d["_path"])
-    if any(d.get("slots_low") or []):
-        raise MoectlError(f"plan {d['_path']} serves low-bit copies ({d.get('lowbit')}); this runtime holds "
-                          f"full-precision slots only: make a full-precision plan (`moectl plan-cache` without "
-                          f"--lowbit) or pass --no-plan")
     check_plan_model(d, fingerprint, num_layers, num_experts, "the model loaded")
     pred = d.get("predicted") or {}
     ms = pred.get("ms_per_token")
