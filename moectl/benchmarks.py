@@ -10,15 +10,7 @@ import time
 
 import torch
 
-
-def _best_of(fn, repeat: int) -> float:
-    fn()                                                    # warm-up
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from .machine import best_s
 
 
 def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512, experts: int = 8,
@@ -67,10 +59,10 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
                         step = logits[:, -1:].argmax(-1)
                 return run
 
-            t_ref = _best_of(lambda: ref_step(ids, None), 5)
-            t_eng = _best_of(lambda: eng.forward(ids), 5)
-            d_ref = _best_of(decode_with(ref_step), 2)
-            d_eng = _best_of(decode_with(eng.forward), 2)
+            t_ref = best_s(lambda: ref_step(ids, None), 5)
+            t_eng = best_s(lambda: eng.forward(ids), 5)
+            d_ref = best_s(decode_with(ref_step), 2)
+            d_eng = best_s(decode_with(eng.forward), 2)
     finally:
         torch.set_num_threads(old_threads)
     return {"layers": layers, "hidden": hidden, "experts": experts, "threads": torch.get_num_threads() if not threads

@@ -52,7 +52,8 @@ def set_threads(n: int | None, hidden_size: int | None = None, intermediate_size
     return n
 
 
-def _best_s(fn, repeat: int) -> float:
+def best_s(fn, repeat: int) -> float:
+    """Best of `repeat` timed calls of `fn` (seconds), after one untimed warm-up."""
     fn()                                              # warm-up (page faults, kernel choice)
     best = float("inf")
     for _ in range(repeat):
@@ -65,7 +66,7 @@ def _best_s(fn, repeat: int) -> float:
 def mem_read_gbps(nbytes: int = 512 * 2**20, repeat: int = 5) -> float:
     """Host memory read bandwidth: a float32 sum over `nbytes` (reads every byte once)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _best_s(lambda: x.sum(), repeat) / 1e9
+    return nbytes / best_s(lambda: x.sum(), repeat) / 1e9
 
 
 def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, tokens: int = 1,
@@ -82,7 +83,7 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
         gu = F.linear(x, gate_up)                                                 # [T, 2I]
         F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
     with torch.inference_mode():
-        return _best_s(run, repeat) * 1e3
+        return best_s(run, repeat) * 1e3
 
 
 def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) -> tuple[float, int]:
@@ -106,7 +107,7 @@ def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) 
         gu = mm(x, gate_up[0], group, gate_up[1])                                # [1, 2I]
         mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[0], group, down[1])       # [1, H]
     with torch.inference_mode():
-        return _best_s(run, repeat) * 1e3, nbytes
+        return best_s(run, repeat) * 1e3, nbytes
 
 
 def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -> float:
@@ -124,7 +125,7 @@ def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -
 
         def run():
             dst.copy_(src)
-    return nbytes / _best_s(run, repeat) / 1e9
+    return nbytes / best_s(run, repeat) / 1e9
 
 
 def measure(device: str = "cpu", hidden: int = 2048, inter: int = 4096) -> dict:
