@@ -109,10 +109,10 @@ def print_plan(plan: dict, path, figure) -> None:
               + (f" / gating T_g={pol['gating']:g}" if pol.get("gating") else "") + f"; curves: {plan['curves']}")
     if uni is not None:
         gain = 1 - pred["stall_ms_per_token"] / uni["stall_ms_per_token"] if uni["stall_ms_per_token"] else 0.0
-        out.print(f"predicted: {pred['ms_per_token']:.1f} ms/token ({pred['tokens_per_s']:.1f} tok/s), hit rate "
-                  f"{pred['hit_rate']:.1%}, stall {pred['stall_ms_per_token']:.1f} ms/token; uniform split of the same "
-                  f"bytes: {uni['ms_per_token']:.1f} ms/token, stall {uni['stall_ms_per_token']:.1f} "
-                  f"(plan {gain:+.1%} less stall)")
+        out.print(f"predicted: {pred['ms_per_token']:.3g} ms/token ({pred['tokens_per_s']:.1f} tok/s), hit rate "
+                  f"{pred['hit_rate']:.1%}, stall {pred['stall_ms_per_token']:.3g} ms/token; uniform split of the same "
+                  f"bytes: {uni['ms_per_token']:.3g} ms/token, stall {uni['stall_ms_per_token']:.3g} "
+                  f"(the plan's stall is {abs(gain):.1%} " + ("lower)" if gain >= 0 else "higher)"))
     else:
         out.print(f"predicted (analytic): stall {pred['stall_ms_per_token']:.1f} ms/token, "
                   f"uniform {plan['curve_ms_per_token']['uniform']:.1f}")
