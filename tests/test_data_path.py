@@ -109,10 +109,12 @@ def test_disk_miss_reads_the_expert_once_straight_into_its_slot(mixtral, mixtral
         assert all(dst.data_ptr() <= a and a + n <= dst.data_ptr() + store.expert_nbytes for a, n, _, _ in reads)
         assert torch.equal(dst, ram.store.host(layer, expert))
         assert w["gate_up"].data_ptr() == dst.data_ptr()
+    waited = cache.snapshot()["load_wait_s"]
+    assert waited > 0                                                  # the forward waited for those reads
     reads.clear()
     cache.acquire(0, 1)                                                # a hit reads nothing
     assert reads == []
-    assert cache.snapshot()["misses"] == 4
+    assert cache.snapshot()["misses"] == 4 and cache.snapshot()["load_wait_s"] == waited
 
 
 def test_disk_prefetch_reads_on_the_background_thread_and_stays_lossless(mixtral, monkeypatch):

@@ -292,7 +292,9 @@ class DeviceCache(CacheFront):
             then = None if not self.cuda else (lambda: self._copy_job(FULL, layer, expert, slot, dst, PREFETCH))
             self.pending[key] = self.store.load_async(layer, expert, dst, then=then)
         else:
-            self.store.load_into(layer, expert, dst, parallel=True)
+            t0 = time.perf_counter()
+            self.store.load_into(layer, expert, dst, parallel=True)     # the forward waits for this read
+            self.stats.load_wait_s += time.perf_counter() - t0
             if self.cuda:
                 self._copy_job(FULL, layer, expert, slot, dst, priority)
 
