@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FULL, LOW = "full", "low"                 # the precisions a pool can hold (policies/precision.py's names)
+FULL, LOW = "full", "low"                 # the precisions a pool can hold (policies/precision.py decides which)
 PHASES = ("prefill", "decode")
 COUNTERS = ("hits", "misses", "evictions", "prefetches", "prefetch_used", "prefetch_wasted")
 

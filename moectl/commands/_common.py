@@ -126,10 +126,6 @@ class PrecisionOpts:
                                  "(default 0.25; lowbit-only gives them all but one full slot per layer).")
 
 
-def precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction) -> dict:
-    return {"lowbit": lowbit, "precision": precision, "t1": t1, "t2": t2, "lowbit_fraction": lowbit_fraction}
-
-
 def prepare_model(model: str, workdir=None) -> None:
     """Build the built-in tiny model on first use (the runtime itself never builds or trains anything)."""
     from ..recipes import resolve_model

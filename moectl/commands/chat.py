@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, PrecisionOpts, precision_kwargs, prepare_model, print_plan_note
+from ._common import CacheOpts, GatingOpts, PrecisionOpts, prepare_model, print_plan_note
 
 
 def chat(
@@ -51,7 +51,8 @@ def chat(
     console = Console()
     interactive = sys.stdin.isatty() and console.is_terminal
     prepare_model(model, workdir)
-    eng = Engine.load(model, **precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction), device=device,
+    eng = Engine.load(model, lowbit=lowbit, precision=precision, t1=t1, t2=t2,
+                      lowbit_fraction=lowbit_fraction, device=device,
                       cache_experts=cache_experts, budget=budget, offload=offload,
                       threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                       workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, predictor=predictor,

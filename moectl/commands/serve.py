@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, PrecisionOpts, precision_kwargs, prepare_model, print_plan_note
+from ._common import CacheOpts, PrecisionOpts, prepare_model, print_plan_note
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -66,7 +66,8 @@ def serve(
     try:
         from ..runtime.engine import Engine
 
-        eng = Engine.load(model, **precision_kwargs(lowbit, precision, t1, t2, lowbit_fraction), device=device,
+        eng = Engine.load(model, lowbit=lowbit, precision=precision, t1=t1, t2=t2,
+                          lowbit_fraction=lowbit_fraction, device=device,
                           cache_experts=cache_experts, budget=budget, offload=offload,
                           threads=threads, cpu_experts=cpu_experts, prefill=prefill,
                           workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,

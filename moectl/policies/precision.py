@@ -19,9 +19,10 @@ same way.
 
 from __future__ import annotations
 
+from ..cache_model import FULL, LOW          # the copies (pool names) a decision picks
 from ..errors import MoectlError
 
-FULL, LOW, SKIP = "full", "low", "skip"
+SKIP = "skip"
 
 
 def rank_scores(weights: list[float]) -> list[float]:

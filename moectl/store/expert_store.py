@@ -16,7 +16,7 @@ read exactly once, straight into the buffer.
 shard files are closed afterwards, nothing stays mapped. On a CPU device these buffers are what the
 experts are computed on (`runtime/in_place.py`).
 `lowbit` (`store/lowbit.py: LowbitCopies`, `--lowbit q4g64`): a second copy of every expert, HQQ low-bit, always
-in host RAM; `load_into(..., precision=LOW)` copies it. `format_of` / `nbytes` give each precision's format.
+in host RAM; `host(l, e, LOW)` is its buffer. `format_of` / `nbytes` give each precision's format.
 `disk` tier: nothing up front; `load_into` reads an expert into the buffer it is given (a slot), and
 `load_async` does it on one background thread (preadv releases the GIL, so reads overlap compute).
 """
@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from ..cache_model import FULL       # the copies a store can serve are the cache's pool names
 from ..errors import MoectlError
 from ..models.base import ExpertLayout, FamilyAdapter
 from ..models.formats import DenseFormat, ExpertFormat
@@ -35,7 +36,6 @@ from ..progress import ProgressBar
 from .checkpoint import ByteRange, Checkpoint, byte_view
 from .memory import host_empty
 
-FULL, LOW = "full", "low"           # the copies a store can serve (cache_model's pool names)
 PARALLEL_READ_MIN = 16 * 2**20      # demand loads at least this big are read by several threads
 
 
@@ -134,14 +134,10 @@ class ExpertStore:
                 places.append((off, dt))
         return merged, places
 
-    def load_into(self, layer: int, expert: int, dst: torch.Tensor, parallel: bool = False,
-                  precision: str = FULL) -> None:
-        """Fill the uint8 [N] host buffer `dst` with (MoE layer `layer`, expert): a copy of the RAM-tier buffer,
-        or the shard bytes read straight into it (`parallel`: by several threads, for a demand load); LOW: a
-        copy of its low-bit buffer."""
-        if precision != FULL:
-            dst.copy_(self._low().host(layer, expert))
-            return
+    def load_into(self, layer: int, expert: int, dst: torch.Tensor, parallel: bool = False) -> None:
+        """Fill the uint8 [N] host buffer `dst` with (MoE layer `layer`, expert) in full precision: a copy of the
+        RAM-tier buffer, or the shard bytes read straight into it (`parallel`: by several threads, for a demand
+        load)."""
         if self.buffers is not None and dst.data_ptr() != self.buffers[layer][expert].data_ptr():
             dst.copy_(self.buffers[layer][expert])
             return
@@ -195,13 +191,13 @@ class ExpertStore:
             read += r.nbytes
         return [sp for sp in spans if sp]
 
-    def load_async(self, layer: int, expert: int, dst: torch.Tensor, then=None, precision: str = FULL) -> Future:
+    def load_async(self, layer: int, expert: int, dst: torch.Tensor, then=None) -> Future:
         """`load_into` on the background reader thread (then `then()` there); the Future re-raises its errors."""
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moectl-reader")
 
         def job():
-            self.load_into(layer, expert, dst, precision=precision)
+            self.load_into(layer, expert, dst)
             if then is not None:
                 then()
 
