@@ -88,9 +88,10 @@ def pools_of(pol: Policies, n_hi, n_lo) -> dict:
 
 
 def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
-    """run_uniform(n_hi, n_lo) for measure_curves. Per layer and decode token: each pool's demand loads and wasted
-    prefetches times that precision's copy time (copy-engine time that hid nothing); with CPU compute of misses,
-    every non-resident use times the cheaper of computing it on the CPU and fetching it."""
+    """run_uniform(n_hi, n_lo) for measure_curves. Per layer and decode token: the stall the replay measured at that
+    layer (the wait for its demand loads and late prefetches: the per-layer terms of the very sum the plan's replay
+    minimises; a wasted prefetch costs only where its copy delayed one of them); with CPU compute of misses, every
+    non-resident use times the cheaper of computing it on the CPU and fetching it."""
     from ..trace import DECODE
 
     tr, cost = replay.trace, replay.cost
@@ -102,13 +103,11 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
         r = replay.run(pools_of(pol, [n_hi] * L, [n_lo] * L), pol)
         n = max(r.tokens, 1)
         per_pool = r.cache if set(r.cache) - {"prefill", "decode"} else {next(iter(nbytes)): r.cache}
-        stall, loads, hits = np.zeros(L), np.zeros(L), np.zeros(L)
+        stall = np.array(r.stall_ms_per_layer, dtype=np.float64) / 1e3
+        loads, hits = np.zeros(L), np.zeros(L)
         for p, c in per_pool.items():
-            d = c["decode"]
-            m = np.array(d["misses"], dtype=np.float64) / n
-            stall += (m + np.array(d["prefetch_wasted"], dtype=np.float64) / n) * cost.load_s(nbytes[p])
-            loads += m
-            hits += np.array(d["hits"], dtype=np.float64) / n
+            loads += np.array(c["decode"]["misses"], dtype=np.float64) / n
+            hits += np.array(c["decode"]["hits"], dtype=np.float64) / n
         if pol.cpu_experts != "never":
             b = nbytes["low" if pol.precision == "lowbit-only" else "full"]
             per_miss = min(cost.cpu_expert_s(1, b), cost.load_s(b) + cost.expert_s(1, b))
