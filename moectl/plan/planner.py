@@ -5,6 +5,9 @@
     slots per layer       (plan/dp.py: allocate over budget units, at least one slot per layer)
     predicted             (the whole plan replayed through the simulator: hit rate, ms/token, stall)
     uniform               (the same bytes split evenly, replayed the same way: the margin the plan must beat)
+    kept                  (keep_best: the DP's slots if they beat the even split, else replay-checked slot moves
+                           from them or from the even split, else the even split; plan.yaml's `dp` holds the DP's
+                           own slots and margin either way)
 
 Legend: L = MoE layers, E = experts, C = budget units (slots of one precision, or 1/8 low-bit slot: dp_plan).
 """
@@ -230,6 +233,31 @@ def refine(replay: Replay, pol: Policies, curves: Curves, hi: list[int], lo: lis
     return (hi, slots, res, moves) if low else (slots, lo, res, moves)
 
 
+def margin(res, uni, key: str) -> float:
+    """How much lower `res`'s objective is than the even split's (negative: higher)."""
+    base = getattr(uni, key)
+    return 1 - getattr(res, key) / base if base else 0.0
+
+
+def keep_best(replay: Replay, pol: Policies, curves: Curves, dp: tuple, uniform: tuple, E: int, key: str):
+    """The plan to keep, replay-checked: the DP's slots when they beat the even split of the same bytes; else the
+    DP's refined by replayed slot moves (`refine`); else the even split refined the same way; else the even split
+    itself, so a plan never replays worse than the split it is judged against. Returns (hi, lo, result, which one:
+    dp | dp+refine | uniform+refine | uniform, moves kept)."""
+    hi, lo, res = dp
+    target = getattr(uniform[2], key)
+    if getattr(res, key) < target:
+        return hi, lo, res, "dp", 0
+    if pol.precision != "hobbit":               # refine moves one pool's slots: full, or a lowbit-only plan's low ones
+        hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, target, E, key)
+        if getattr(res, key) < target:
+            return hi, lo, res, "dp+refine", moves
+        hi, lo, res, moves = refine(replay, pol, curves, *uniform, float("-inf"), E, key)
+        if getattr(res, key) < target:
+            return hi, lo, res, "uniform+refine", moves
+    return *uniform, "uniform", 0
+
+
 def summary(res, cost) -> dict:
     """What a plan (or a scoreboard row) reports of one simulated configuration."""
     return {"hit_rate": res.hit_rate, "ms_per_token": res.ms_per_token,
@@ -294,12 +322,14 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
         key = objective(pol)
         uni = replay.run(pools_of(pol, u_hi, u_lo), pol)
         res = replay.run(pools_of(pol, hi, lo), pol)
-        if pol.precision != "hobbit" and getattr(res, key) >= getattr(uni, key):
-            hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, getattr(uni, key), E, key)
-            plan["slots"], plan["refined_moves"] = hi, moves
-            if pol.precision != "full":
-                plan["slots_low"] = lo
-            plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
+        plan["dp"] = {"slots": hi, **({"slots_low": lo} if pol.precision != "full" else {}), key: getattr(res, key),
+                      "margin": margin(res, uni, key)}
+        hi, lo, res, plan["kept"], plan["refined_moves"] = keep_best(replay, pol, curves, (hi, lo, res),
+                                                                      (u_hi, u_lo, uni), E, key)
+        plan["slots"] = hi
+        if pol.precision != "full":
+            plan["slots_low"] = lo
+        plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
         plan["predicted"] = summary(res, cost)
         plan["uniform"] = summary(uni, cost)
         plan["traces"] = replay.trace.source or replay.trace.model
