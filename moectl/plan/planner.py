@@ -240,13 +240,13 @@ def margin(res, uni, key: str) -> float:
 
 
 def keep_best(replay: Replay, pol: Policies, curves: Curves, dp: tuple, uniform: tuple, E: int, key: str):
-    """The plan to keep, replay-checked: the DP's slots when they beat the even split of the same bytes; else the
-    DP's refined by replayed slot moves (`refine`); else the even split refined the same way; else the even split
-    itself, so a plan never replays worse than the split it is judged against. Returns (hi, lo, result, which one:
-    dp | dp+refine | uniform+refine | uniform, moves kept)."""
+    """The plan to keep, replay-checked: the DP's slots when they replay no worse than the even split of the same
+    bytes; else the DP's refined by replayed slot moves (`refine`); else the even split refined the same way; else
+    the even split itself, so a plan never replays worse than the split it is judged against. Returns (hi, lo,
+    result, which one: dp | dp+refine | uniform+refine | uniform, moves kept)."""
     hi, lo, res = dp
     target = getattr(uniform[2], key)
-    if getattr(res, key) < target:
+    if getattr(res, key) <= target:                             # a tie is the even split's figure: no worse
         return hi, lo, res, "dp", 0
     if pol.precision != "hobbit":               # refine moves one pool's slots: full, or a lowbit-only plan's low ones
         hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, target, E, key)
