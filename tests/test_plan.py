@@ -323,3 +323,66 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     assert plan_fp.startswith("mixtral:")
     with pytest.raises(MoectlError, match="was made for model mixtral:000000000000"):
         Engine.load(str(tiny_small), emulate_device=True, progress=False, workdir=str(wd), plan=str(other))
+
+
+def test_scoreboard_ppl_delta_proxy_from_moectl_eval_on_the_tiny_model(tiny_profiled, tmp_path, capsys, monkeypatch):
+    """The scoreboard's fidelity column: `moectl eval` (decode steps) of each preset's precision setting on the tiny
+    model, cached with the model's fingerprint; plan-cache --compare shows it per row, and says "not measured" when
+    no tiny model is built."""
+    import shutil
+
+    from moectl.fingerprint import checkpoint_fingerprint
+    from moectl.plan import proxy as px
+
+    ckpt, wd, facts, minimum = tiny_profiled
+    home = tmp_path / "home"
+    shutil.copytree(ckpt.parent, home / "tiny", ignore=shutil.ignore_patterns("*.safetensors.tmp"))
+    monkeypatch.setenv("MOECTL_HOME", str(home))
+    monkeypatch.setattr(px, "EVAL", px.EVAL | {"max_tokens": 192, "window": 64, "prompts": 1, "generate": 4})
+    full, q2, q4 = px.Setting(), px.Setting("lowbit-only", "q2g16"), px.Setting("lowbit-only", "q4g64")
+    hobbit, gated = px.Setting("hobbit", "q4g64"), px.Setting(gated=True)
+    got = px.proxies(settings=[full, q2, q4, hobbit, gated])
+    assert got["status"] == "measured" and got["label"] == "ppl delta (tiny-model proxy)"
+    r = got["settings"]
+    assert r[full.key]["ppl_delta_rel"] == 0.0 and r[full.key]["greedy_agreement"] == 1.0     # lossless, measured
+    for s in (q2, q4):                                   # every expert served from its low-bit copy
+        assert r[s.key]["ppl_delta_rel"] != 0.0 and r[s.key]["low_misses"] > 0, s.key
+        assert r[s.key]["ppl_lossless"] == r[full.key]["ppl_lossless"] and r[s.key]["tokens"] == 189
+    assert r[hobbit.key]["low_misses"] + r[hobbit.key]["skips"] > 0
+    assert "sensitivity" in r[gated.key]["not_measured"]               # no stored T_g: said, not cached
+    cache = json.loads((home / "tiny" / px.PROXY_NAME).read_text())
+    assert cache["format"] == px.FORMAT and cache["format_version"] == px.VERSION
+    assert cache["fingerprint"] == checkpoint_fingerprint(ckpt) and gated.key not in cache["settings"]
+    assert (home / "tiny" / "experts-q2g16.json").exists()              # made by moectl quantize's code
+    assert json.loads((home / "tiny" / "experts-q2g16.json").read_text())["axis"] == 0
+
+    def no_eval(*a, **k):
+        raise AssertionError("measured again although cached")
+    monkeypatch.setattr(px, "measure_setting", no_eval)
+    again = px.proxies(settings=[full, q2, q4, hobbit])
+    assert again["status"] == "cached" and again["settings"][q2.key] == r[q2.key]
+    budget = minimum + 6 * facts.expert_bytes()
+    args = ["plan-cache", "--model", str(ckpt), "--workdir", str(wd), "--budget", str(budget), "--kv-tokens",
+            str(KV_TOKENS), "--out", str(tmp_path / "plan.yaml"), "--compare", "--json"]
+    code, stdout, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(stdout)
+    assert d["ppl_delta_proxy"]["status"] == "cached"
+    rows = {row["preset"]: row for row in d["scoreboard"]}
+    assert rows["mixtral-offloading"]["proxy_setting"] == q2.key
+    assert rows["mixtral-offloading"]["ppl_delta_proxy"] == r[q2.key]["ppl_delta_rel"]
+    assert rows["llamacpp-cpu-moe"]["ppl_delta_proxy"] == r[q4.key]["ppl_delta_rel"]
+    assert rows["hobbit"]["ppl_delta_proxy"] == r[hobbit.key]["ppl_delta_rel"]
+    assert rows["moe-infinity"]["ppl_delta_proxy"] == 0.0 and rows["moectl"]["ppl_delta_proxy"] == 0.0
+    # a stale cache (another model's fingerprint) is not used; no tiny model built: the column says so
+    cache["fingerprint"] = "mixtral:000000000000"
+    (home / "tiny" / px.PROXY_NAME).write_text(json.dumps(cache))
+    assert "ppl_delta_rel" not in px.proxies(measure=False, settings=[q2])["settings"][q2.key]
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "empty"))
+    code, stdout, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(stdout)
+    assert d["ppl_delta_proxy"]["status"].startswith("not measured: the tiny model is not built")
+    assert all(row["ppl_delta_proxy"] is None for row in d["scoreboard"])
+    code, stdout, err = run_cli(args[:-1], capsys, monkeypatch)
+    assert code == 0 and "ppl delta (tiny-model proxy): not measured" in stdout.replace("\n", " ")

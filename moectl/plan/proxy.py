@@ -55,7 +55,7 @@ class Setting:
 # The presets' settings (scoreboard.PRESETS; moectl's plans at their default precision), each also gated where a
 # preset or a plan gates.
 SETTINGS = [Setting(), Setting(gated=True), Setting("hobbit", "q4g64"), Setting("hobbit", "q4g64", gated=True),
-            Setting("lowbit-only", "q2g16"), Setting("lowbit-only", "q4g64"),
+            Setting("lowbit-only", "q2g16"), Setting("lowbit-only", "q2g16", gated=True), Setting("lowbit-only", "q4g64"),
             Setting("lowbit-only", "q4g64", gated=True)]
 
 
