@@ -315,6 +315,15 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     held = dense_nbytes(eng.model, eng.config) + sum(eng.cache.slots_per_layer) * facts.expert_bytes() \
         + facts.kv_bytes_per_token * (40 + 12)
     assert held <= budget
+    # the runtime's own accounting of a request (dense + slot pools + the KV tensors it holds) agrees, within budget;
+    # on CUDA the allocator's peak is held to the same budget
+    res = eng.generate(input_ids=list(range(3, 43)), max_new_tokens=12, greedy=True, stop_at_eos=False)
+    st = res.stats
+    assert st["device_held_bytes"] == dense_nbytes(eng.model, eng.config) \
+        + sum(eng.cache.slots_per_layer) * facts.expert_bytes() + facts.kv_bytes_per_token * (40 + 11)
+    assert st["device_held_bytes"] <= budget
+    if eng.device.type == "cuda":
+        assert st["device_peak_allocated_bytes"] <= budget
     # --no-plan ignores it; a plan of another model is one clear error
     assert Engine.load(str(tiny_small), emulate_device=True, progress=False, workdir=str(wd), plan=None).plan is None
     other = tmp_path / "other.yaml"
