@@ -249,6 +249,16 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_smal
                       workdir=str(wd), plan="auto")
     assert eng.cache.slots_per_layer == plan["slots"] and "plan.yaml" in eng.plan_note
     assert eng.cache.state.policies["full"].name == plan["policies"]["replacement"]
+    # the plan's preload (its trace's most used experts, a pool's worth per layer) is the cache after loading:
+    # exactly that set, its bytes in the slots, copied as load-time work (no miss, no per-token byte)
+    hot = plan["preload"]["full"]
+    assert [len(h) for h in hot] == plan["slots"] and sum(map(len, hot)) > 0
+    assert [sorted(eng.cache.resident(l)) for l in range(L)] == [sorted(h) for h in hot]
+    for l, e in [(l, h[0]) for l, h in enumerate(hot)]:
+        slot = eng.cache.state.slot(l, e)
+        assert torch.equal(eng.cache.pools["full"][l][slot], eng.store.host(l, e))
+    st = eng.cache.stats.as_dict()
+    assert st["misses"] == 0 and st["bytes_loaded"] == 0 and st["preload_bytes"] == sum(map(len, hot)) * facts.expert_bytes()
     run_profile(eng, texts, tmp_path / "again", model_name="tiny", dataset="builtin:validation", max_tokens=40,
                 generate=12, hidden_samples="all")
     dec = eng.cache.state.totals("decode")

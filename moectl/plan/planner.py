@@ -55,8 +55,9 @@ class Replay:
     raw: object = None               # the trace before gating (presets gate their own way)
 
     def run(self, caps, pol: Policies, belady: bool = False, replacement: str | None = None,
-            prefetch: str | None = None):
-        """`caps`: full-precision slots per layer, or {precision: slots per layer} (a plan's pools)."""
+            prefetch: str | None = None, preload: dict | None = None):
+        """`caps`: full-precision slots per layer, or {precision: slots per layer} (a plan's pools); `preload`: the
+        plan's hot set, resident before the first step."""
         from ..policies.precision import make_precision
         from ..sim.run import simulate
 
@@ -65,7 +66,16 @@ class Replay:
                         predictor=self.predictor if p in ("mlp", "aux-gate", "routing") else None,
                         train_traces=self.train_traces, depth=pol.depth, per_layer=pol.per_layer,
                         belady=belady, aux_gate=self.aux_gate, precision=make_precision(pol.precision, pol.t1, pol.t2),
-                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts)
+                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts, preload=preload)
+
+    def hot(self, caps: dict) -> dict:
+        """The preload of pools `caps` {precision: per-layer slots}: the experts this replay's decode rows use
+        most (`cache_model.hot_experts`)."""
+        from ..cache_model import hot_experts
+        from ..trace import DECODE
+
+        tr = self.trace
+        return hot_experts(tr.experts[tr.phase == DECODE] if (tr.phase == DECODE).any() else tr.experts, caps)
 
 
 def objective(pol: Policies) -> str:
@@ -219,7 +229,7 @@ def refine(replay: Replay, pol: Policies, curves: Curves, hi: list[int], lo: lis
                 continue
             cand = list(slots)
             cand[a], cand[b] = cand[a] - 1, cand[b] + 1
-            r = replay.run(caps(cand), pol)
+            r = replay.run(caps(cand), pol, preload=replay.hot(caps(cand)))
             if getattr(r, key) < getattr(best[1] if best else res, key):
                 best = (cand, r)
         if best is None:
@@ -293,14 +303,16 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
     }
     if replay is not None:
         key = objective(pol)
-        uni = replay.run(pools_of(pol, u_hi, u_lo), pol)
-        res = replay.run(pools_of(pol, hi, lo), pol)
+        # both start with their pools' hot set loaded, as the runtime does with a plan
+        uni = replay.run(pools_of(pol, u_hi, u_lo), pol, preload=replay.hot(pools_of(pol, u_hi, u_lo)))
+        res = replay.run(pools_of(pol, hi, lo), pol, preload=replay.hot(pools_of(pol, hi, lo)))
         if pol.precision != "hobbit" and getattr(res, key) >= getattr(uni, key):
             hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, getattr(uni, key), E, key)
             plan["slots"], plan["refined_moves"] = hi, moves
             if pol.precision != "full":
                 plan["slots_low"] = lo
             plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
+        plan["preload"] = replay.hot(pools_of(pol, hi, lo))
         plan["predicted"] = summary(res, cost)
         plan["uniform"] = summary(uni, cost)
         plan["traces"] = replay.trace.source or replay.trace.model
