@@ -276,13 +276,14 @@ def test_a_dp_plan_that_replays_worse_is_not_kept(tiny_profiled):
     curves = P.build_curves(facts, rp, pol, s.cost.load_s(), nbytes)
     u_hi, u_lo = P.uniform_pools(pol, L, E, s.split.experts, nbytes)
     bad = [1] * (L - 1) + [sum(u_hi) - (L - 1)]                       # every slot but one per layer in the last
-    uni, worse = rp.run(P.pools_of(pol, u_hi, u_lo), pol), rp.run(P.pools_of(pol, bad, u_lo), pol)
+    run = lambda hi: rp.run(P.pools_of(pol, hi, u_lo), pol, preload=rp.hot(P.pools_of(pol, hi, u_lo)))  # noqa: E731
+    uni, worse = run(u_hi), run(bad)
     assert worse.stall_ms_per_token > uni.stall_ms_per_token
     hi, lo, res, kept, moves = P.keep_best(rp, pol, curves, (bad, u_lo, worse), (u_hi, u_lo, uni), E,
                                            "stall_ms_per_token")
     assert kept != "dp" and res.stall_ms_per_token <= uni.stall_ms_per_token
     assert sum(hi) <= sum(u_hi) and min(hi) >= 1
-    assert rp.run(P.pools_of(pol, hi, lo), pol).stall_ms_per_token == pytest.approx(res.stall_ms_per_token)
+    assert run(hi).stall_ms_per_token == pytest.approx(res.stall_ms_per_token)
     assert (kept == "uniform") == (hi == u_hi) and (moves > 0) == kept.endswith("refine")
 
 
@@ -307,6 +308,16 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
                       workdir=str(wd), plan="auto")
     assert eng.cache.slots_per_layer == plan["slots"] and "plan.yaml" in eng.plan_note
     assert eng.cache.state.policies["full"].name == plan["policies"]["replacement"]
+    # the plan's preload (its trace's most used experts, a pool's worth per layer) is the cache after loading:
+    # exactly that set, its bytes in the slots, copied as load-time work (no miss, no per-token byte)
+    hot = plan["preload"]["full"]
+    assert [len(h) for h in hot] == plan["slots"] and sum(map(len, hot)) > 0
+    assert [sorted(eng.cache.resident(l)) for l in range(L)] == [sorted(h) for h in hot]
+    for l, e in [(l, h[0]) for l, h in enumerate(hot)]:
+        slot = eng.cache.state.slot(l, e)
+        assert torch.equal(eng.cache.pools["full"][l][slot], eng.store.host(l, e))
+    st = eng.cache.stats.as_dict()
+    assert st["misses"] == 0 and st["bytes_loaded"] == 0 and st["preload_bytes"] == sum(map(len, hot)) * facts.expert_bytes()
     run_profile(eng, texts, tmp_path / "again", model_name="tiny", dataset="builtin:validation", max_tokens=40,
                 generate=12, hidden_samples="all")
     dec = eng.cache.state.totals("decode")

@@ -113,9 +113,10 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: d
     else:
         caps = pools_of(pol, *uniform_pools(pol, L, E, setup.split.experts, nbytes))
     run = replace(replay, trace=trace)
-    r = run.run(caps, pol, belady=False)
+    warm = plan.get("preload") if preset.slots.startswith("plan") else None     # the plan's hot set, loaded at start
+    r = run.run(caps, pol, belady=False, preload=warm)
     if preset.name == "oracle":          # perfect prefetch can evict what a 1-2 slot layer needs: the better of the two
-        plain = run.run(caps, pol, belady=False, prefetch="none")
+        plain = run.run(caps, pol, belady=False, prefetch="none", preload=warm)
         if plain.ms_per_token < r.ms_per_token:
             r, pol.prefetch = plain, "none"
             row["notes"].append("Belady alone beat Belady + perfect prefetch at these slots")

@@ -200,6 +200,10 @@ class Engine:
             DeviceCache(store, slots_per_layer, dev, policy, low_slots=low_slots, precision=prec,
                         stream_prefill=prefill == "stream")
         runtime.cache = cache
+        if plan_d is not None and not in_place:        # the plan's hot set, copied now (load time, not per token)
+            from ..sim.run import plan_preload
+
+            cache.preload(plan_preload(plan_d, L, E))
         runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
         if replay_trace is not None:
             from .replay import RoutingReplay

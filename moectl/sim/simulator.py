@@ -128,12 +128,14 @@ class Simulator:
     `capacities` / `replacement`: one pool (full precision) or {precision: per-layer slots} / {precision: policy}.
     `precision` (policies/precision.py) decides full / low-bit / skip on a miss; `nbytes` {precision: bytes of
     one expert copy} (default: the cost model's expert); `placement` (policies/placement.py) computes a miss on
-    the CPU instead of fetching it; `admission` (policies/admission.py) filters prefetches."""
+    the CPU instead of fetching it; `admission` (policies/admission.py) filters prefetches; `preload` (a plan's
+    {precision: [[experts] per layer]}) is resident before the first step, as the runtime loads it."""
 
     def __init__(self, capacities, replacement, prefetch: PrefetchPolicy | None = None,
                  cost: CostModel | None = None, max_prefetch_per_layer: int | None = None,
                  precision: PrecisionPolicy | None = None, nbytes: dict | None = None,
-                 placement: ComputePlacement | None = None, admission: AdmitAll | None = None):
+                 placement: ComputePlacement | None = None, admission: AdmitAll | None = None,
+                 preload: dict | None = None):
         self.caps = capacities if isinstance(capacities, dict) else {FULL: list(capacities)}
         self.pools = [p for p in (FULL, LOW) if p in self.caps and sum(self.caps[p]) > 0]
         self.L = len(self.caps[self.pools[0]])
@@ -146,6 +148,7 @@ class Simulator:
         self.placement = placement
         self.admission = admission if admission is not None else AdmitAll()
         self.pf_prec = FULL if FULL in self.pools else LOW      # prefetches load this precision
+        self.preload = preload or {}                            # a plan's hot set, resident before the first step
 
     def _pool(self, want: str) -> str:
         """The pool a load of precision `want` goes to (the other one when this run has no such pool)."""
@@ -235,6 +238,8 @@ class Simulator:
         self.state = state = CacheState({p: self.caps[p] for p in self.pools},
                                         {p: self.repl[p] for p in self.pools})
         self.copies: dict[tuple[int, str, int], _Copy] = {}     # resident (layer, precision, expert) -> its copy
+        for l, p, e, _ in state.preload(self.preload):          # copied at load time: landed at 0, not counted
+            self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, nbytes[p])
         self.queue: deque = deque()
         self.pending: dict[int, list[tuple[int, float]]] = {}   # target layer -> predictions (for admission)
         self.free_at = 0.0
