@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from moectl import cli
