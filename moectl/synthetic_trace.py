@@ -25,11 +25,14 @@ layers are independent given their own history (the shared traces carry no hidde
 prefetchers that use it -- gate reuse, MLP -- do not run on them anyway).
 
 `synthesize(stats, tokens, seed)` draws routing with those statistics: per token and layer, the K experts with the
-largest score log(w_i) + b1 [i ran at the previous token] + b2 * m_i + Gumbel noise (Plackett-Luce sampling
-without replacement), m_i an exponential moving average (EMA_TOKENS) of i's past use in the request. w, b1 and
-b2 are found by moment matching: generate CALIB_TOKENS tokens with fixed noise, compare popularity, reuse and
-far reuse with the targets, correct, CALIB_ROUNDS times. Each layer's ranks map to expert ids by a seeded
-permutation (a different hot set in every layer, as in real models). Same stats + same seed -> same trace.
+largest score log(w_i) + b1 [i ran at the previous token] + drift * z_i + Gumbel noise (Plackett-Luce sampling
+without replacement), z_i a slow random walk of each expert's popularity within the request (AR(1), correlation
+time DRIFT_TOKENS, fresh at each request): b1 gives the lag-1 reuse, the drift the working set seen at 8..32
+tokens (real traces drop from lag 1 to lag 2 and then stay above chance for ~64 tokens; the drift reproduces
+that shape). w, b1 and drift are found by moment matching: generate CALIB_TOKENS tokens with fixed noise, compare
+popularity, reuse and far reuse with the targets, correct, CALIB_ROUNDS times. Each layer's ranks map to expert
+ids by a seeded permutation (a different hot set in every layer, as in real models). Same stats + same seed ->
+same trace. `synthesize_like(file, recipe, ...)` does all of it for `moectl trace synthesize`; `save` writes it.
 """
 
 from __future__ import annotations
@@ -70,11 +73,14 @@ class RoutingStats:
         """The statistics carried to another shape (module docstring: depth, experts, reuse above chance)."""
         check_shape(num_layers, num_experts, top_k)
         L0, E0 = self.num_layers, self.num_experts
-        depth = np.linspace(0, L0 - 1, num_layers) if num_layers > 1 else np.zeros(1)
+        depth = np.linspace(0, L0 - 1, num_layers) if num_layers > 1 else np.zeros(1)     # [L] source layer
         lo = np.floor(depth).astype(int)
         hi = np.minimum(lo + 1, L0 - 1)
         f = depth - lo
-        mix = lambda a: a[lo] * (1 - f[:, None] if a.ndim == 2 else 1 - f) + a[hi] * (f[:, None] if a.ndim == 2 else f)
+
+        def mix(a: np.ndarray) -> np.ndarray:            # [L0, ...] -> [L, ...], linear in depth
+            w = f.reshape(-1, *([1] * (a.ndim - 1)))
+            return a[lo] * (1 - w) + a[hi] * w
 
         x0 = (np.arange(E0) + 0.5) / E0
         x1 = (np.arange(num_experts) + 0.5) / num_experts
@@ -219,3 +225,50 @@ def synthesize(stats: RoutingStats, tokens: int, seed: int = 0, model: str = "sy
     return Trace(model, L, E, K, request, pos, np.full(tokens, DECODE, dtype=np.uint8), experts, source=source,
                  extra={"synthetic": {"seed": seed, "fitted_on": stats.source, "reuse": round(float(stats.reuse.mean()), 4),
                                       "reuse_far": round(float(stats.reuse_far.mean()), 4)}})
+
+
+def synthesize_like(like, recipe: str, tokens: int, seed: int = 0,
+                    requests: int = 1) -> tuple[Trace, RoutingStats, RoutingStats]:
+    """(trace, statistics fitted on trace file `like`, the same carried to `recipe`'s shape): what
+    `moectl trace synthesize` writes. The trace's model is the recipe's first trace name (how simulate finds it)."""
+    from .recipes import list_recipes, load_recipe
+    from .trace import load_trace
+
+    if recipe not in list_recipes():
+        raise MoectlError(f"no recipe {recipe!r}; recipes: {', '.join(list_recipes())}")
+    r = load_recipe(recipe)
+    shape = r.get("shape") or {}
+    if not all(shape.get(k) for k in ("num_experts", "top_k", "num_layers")):
+        raise MoectlError(f"recipe {recipe!r} has no shape: block with num_layers, num_experts and top_k")
+    L, E, K = (int(shape.get("moe_layers", shape["num_layers"])), int(shape["num_experts"]), int(shape["top_k"]))
+    fitted = fit_stats(load_trace(like))
+    target = fitted.scaled(L, E, K)
+    name = (r.get("trace_names") or [r.get("hf_id") or recipe])[0]
+    trace = synthesize(target, tokens, seed, model=name, requests=requests)
+    trace.extra["family"] = r.get("family")
+    return trace, fitted, target
+
+
+def save(trace: Trace, out) -> Path:
+    """A synthesized trace as moe-routing-v1 JSONL (`out` ends in .jsonl) or a trace directory; both keep the
+    `synthetic` record (seed, what it was fitted on) beside the source."""
+    from pathlib import Path
+
+    from .calib.trace_io import TraceWriter
+    from .trace import write_jsonl
+
+    out = Path(out)
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    if out.suffix == ".jsonl":
+        return write_jsonl(trace, out, header={"format": "moe-routing-v1", "model": trace.model, "num_layers": L,
+                                               "num_experts": E, "top_k": K, "source": trace.source,
+                                               "synthetic": trace.extra["synthetic"]})
+    meta = {"model": trace.model, "family": trace.extra.get("family"), "fingerprint": None,
+            "dataset": trace.extra["synthetic"]["fitted_on"], "num_layers": L, "moe_layer_ids": list(range(L)),
+            "num_experts": E, "top_k": K, "hidden_size": None, "source": trace.source,
+            "created_by": "moectl trace synthesize", "routers": None, "synthetic": trace.extra["synthetic"]}
+    w = TraceWriter(out, meta)
+    for req, rows in trace.request_slices():
+        w.add_request(req, trace.pos[rows], trace.phase[rows], trace.experts[rows], None)
+    w.close()
+    return out

@@ -94,42 +94,17 @@ def trace_synthesize(
     `source`; see moectl/synthetic_trace.py for the model and how statistics carry across shapes."""
     from rich.console import Console
 
-    from ..calib.trace_io import TraceWriter
-    from ..errors import MoectlError
-    from ..recipes import list_recipes, load_recipe
-    from ..synthetic_trace import fit_stats, synthesize
-    from ..trace import load_trace, write_jsonl
+    from ..synthetic_trace import fit_stats, save, synthesize_like
 
-    if model not in list_recipes():
-        raise MoectlError(f"no recipe {model!r}; recipes: {', '.join(list_recipes())}")
-    recipe = load_recipe(model)
-    shape = recipe.get("shape") or {}
-    if not all(shape.get(k) for k in ("num_experts", "top_k")):
-        raise MoectlError(f"recipe {model!r} has no shape: block with num_experts and top_k")
-    L, E, K = int(shape.get("moe_layers", shape.get("num_layers"))), int(shape["num_experts"]), int(shape["top_k"])
-    name = (recipe.get("trace_names") or [recipe.get("hf_id") or model])[0]
-    fitted = fit_stats(load_trace(like))
-    target = fitted.scaled(L, E, K)
-    trace = synthesize(target, tokens, seed, model=name, requests=requests)
+    trace, fitted, target = synthesize_like(like, model, tokens, seed, requests)
+    save(trace, out)
     got = fit_stats(trace)
-    summary = {"out": str(out), "model": name, "layers": L, "experts": E, "top_k": K, "tokens": tokens,
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    summary = {"out": str(out), "model": trace.model, "layers": L, "experts": E, "top_k": K, "tokens": tokens,
                "requests": requests, "seed": seed, "source": trace.source}
     for label, s in (("like", fitted), ("target", target), ("generated", got)):
         summary[label] = {"reuse": round(float(s.reuse.mean()), 4), "reuse_far": round(float(s.reuse_far.mean()), 4),
                           "top_quarter_share": round(float(s.shares[:, : max(1, s.num_experts // 4)].sum(1).mean()), 4)}
-    if str(out).endswith(".jsonl"):
-        header = {"format": "moe-routing-v1", "model": name, "num_layers": L, "num_experts": E, "top_k": K,
-                  "source": trace.source, "synthetic": trace.extra["synthetic"]}
-        write_jsonl(trace, out, header=header)
-    else:
-        meta = {"model": name, "family": recipe.get("family"), "fingerprint": None, "dataset": str(like),
-                "num_layers": L, "moe_layer_ids": list(range(L)), "num_experts": E, "top_k": K, "hidden_size": None,
-                "source": trace.source, "created_by": "moectl trace synthesize", "routers": None,
-                "synthetic": trace.extra["synthetic"]}
-        w = TraceWriter(out, meta)
-        for req, rows in trace.request_slices():
-            w.add_request(req, trace.pos[rows], trace.phase[rows], trace.experts[rows], None)
-        w.close()
     if as_json:
         print(json.dumps(summary))
         return
@@ -138,7 +113,7 @@ def trace_synthesize(
     c.print(f"fitted on {like}: {f(summary['like'])}")
     c.print(f"target at {L} x {E}, top-{K}: {f(summary['target'])}")
     c.print(f"generated: {f(summary['generated'])}")
-    c.print(f"wrote [bold]{tokens}[/] synthetic tokens of {name} -> {out}")
+    c.print(f"wrote [bold]{tokens}[/] synthetic tokens of {trace.model} -> {out}")
 
 
 # `moectl trace import|export|synthesize`: a command group (the CLI adds `app` as the `trace` sub-command)
