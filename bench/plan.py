@@ -111,11 +111,12 @@ def plan_vs_uniform(tiny: str | None) -> list[dict]:
                      "prefetch": p["policies"]["prefetch"], "stall_plan": pr["stall_ms_per_token"],
                      "stall_uniform": un["stall_ms_per_token"], "ms_plan": pr["ms_per_token"],
                      "ms_uniform": un["ms_per_token"], "margin": 1 - pr["stall_ms_per_token"] / un["stall_ms_per_token"],
-                     "refined_moves": p.get("refined_moves", 0), "seconds": sum(p["timing_s"].values())})
+                     "refined_moves": p.get("refined_moves", 0), "kept": p.get("kept"),
+                     "dp_margin": p.get("dp", {}).get("margin"), "seconds": sum(p["timing_s"].values())})
         r = rows[-1]
         print(f"{r['trace']:24s} {r['budget_bytes'] / 1e9:6.2f} GB {r['slots']:4d} slots ({r['of_experts']:.0%}) "
-              f"stall plan {r['stall_plan']:8.2f} uniform {r['stall_uniform']:8.2f} ms/tok: {r['margin']:+.1%} "
-              f"({r['seconds']:.0f} s)", flush=True)
+              f"stall plan {r['stall_plan']:8.4g} uniform {r['stall_uniform']:8.4g} ms/tok: {r['margin']:+.1%} "
+              f"(kept {r['kept']}, the DP's own {r['dp_margin']:+.1%}; {r['seconds']:.0f} s)", flush=True)
     return rows
 
 

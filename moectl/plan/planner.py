@@ -5,6 +5,9 @@
     slots per layer       (plan/dp.py: allocate over budget units, at least one slot per layer)
     predicted             (the whole plan replayed through the simulator: hit rate, ms/token, stall)
     uniform               (the same bytes split evenly, replayed the same way: the margin the plan must beat)
+    kept                  (keep_best: the DP's slots if they beat the even split, else replay-checked slot moves
+                           from them or from the even split, else the even split; plan.yaml's `dp` holds the DP's
+                           own slots and margin either way)
 
 Legend: L = MoE layers, E = experts, C = budget units (slots of one precision, or 1/8 low-bit slot: dp_plan).
 """
@@ -88,9 +91,10 @@ def pools_of(pol: Policies, n_hi, n_lo) -> dict:
 
 
 def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
-    """run_uniform(n_hi, n_lo) for measure_curves. Per layer and decode token: each pool's demand loads and wasted
-    prefetches times that precision's copy time (copy-engine time that hid nothing); with CPU compute of misses,
-    every non-resident use times the cheaper of computing it on the CPU and fetching it."""
+    """run_uniform(n_hi, n_lo) for measure_curves. Per layer and decode token: the stall the replay measured at that
+    layer (the wait for its demand loads and late prefetches: the per-layer terms of the very sum the plan's replay
+    minimises; a wasted prefetch costs only where its copy delayed one of them); with CPU compute of misses, every
+    non-resident use times the cheaper of computing it on the CPU and fetching it."""
     from ..trace import DECODE
 
     tr, cost = replay.trace, replay.cost
@@ -102,13 +106,11 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
         r = replay.run(pools_of(pol, [n_hi] * L, [n_lo] * L), pol)
         n = max(r.tokens, 1)
         per_pool = r.cache if set(r.cache) - {"prefill", "decode"} else {next(iter(nbytes)): r.cache}
-        stall, loads, hits = np.zeros(L), np.zeros(L), np.zeros(L)
+        stall = np.array(r.stall_ms_per_layer, dtype=np.float64) / 1e3
+        loads, hits = np.zeros(L), np.zeros(L)
         for p, c in per_pool.items():
-            d = c["decode"]
-            m = np.array(d["misses"], dtype=np.float64) / n
-            stall += (m + np.array(d["prefetch_wasted"], dtype=np.float64) / n) * cost.load_s(nbytes[p])
-            loads += m
-            hits += np.array(d["hits"], dtype=np.float64) / n
+            loads += np.array(c["decode"]["misses"], dtype=np.float64) / n
+            hits += np.array(c["decode"]["hits"], dtype=np.float64) / n
         if pol.cpu_experts != "never":
             b = nbytes["low" if pol.precision == "lowbit-only" else "full"]
             per_miss = min(cost.cpu_expert_s(1, b), cost.load_s(b) + cost.expert_s(1, b))
@@ -231,6 +233,31 @@ def refine(replay: Replay, pol: Policies, curves: Curves, hi: list[int], lo: lis
     return (hi, slots, res, moves) if low else (slots, lo, res, moves)
 
 
+def margin(res, uni, key: str) -> float:
+    """How much lower `res`'s objective is than the even split's (negative: higher)."""
+    base = getattr(uni, key)
+    return 1 - getattr(res, key) / base if base else 0.0
+
+
+def keep_best(replay: Replay, pol: Policies, curves: Curves, dp: tuple, uniform: tuple, E: int, key: str):
+    """The plan to keep, replay-checked: the DP's slots when they replay no worse than the even split of the same
+    bytes; else the DP's refined by replayed slot moves (`refine`); else the even split refined the same way; else
+    the even split itself, so a plan never replays worse than the split it is judged against. Returns (hi, lo,
+    result, which one: dp | dp+refine | uniform+refine | uniform, moves kept)."""
+    hi, lo, res = dp
+    target = getattr(uniform[2], key)
+    if getattr(res, key) <= target:                             # a tie is the even split's figure: no worse
+        return hi, lo, res, "dp", 0
+    if pol.precision != "hobbit":               # refine moves one pool's slots: full, or a lowbit-only plan's low ones
+        hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, target, E, key)
+        if getattr(res, key) < target:
+            return hi, lo, res, "dp+refine", moves
+        hi, lo, res, moves = refine(replay, pol, curves, *uniform, float("-inf"), E, key)
+        if getattr(res, key) < target:
+            return hi, lo, res, "uniform+refine", moves
+    return *uniform, "uniform", 0
+
+
 def summary(res, cost) -> dict:
     """What a plan (or a scoreboard row) reports of one simulated configuration."""
     return {"hit_rate": res.hit_rate, "ms_per_token": res.ms_per_token,
@@ -295,12 +322,14 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
         key = objective(pol)
         uni = replay.run(pools_of(pol, u_hi, u_lo), pol)
         res = replay.run(pools_of(pol, hi, lo), pol)
-        if pol.precision != "hobbit" and getattr(res, key) >= getattr(uni, key):
-            hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, getattr(uni, key), E, key)
-            plan["slots"], plan["refined_moves"] = hi, moves
-            if pol.precision != "full":
-                plan["slots_low"] = lo
-            plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
+        plan["dp"] = {"slots": hi, **({"slots_low": lo} if pol.precision != "full" else {}), key: getattr(res, key),
+                      "margin": margin(res, uni, key)}
+        hi, lo, res, plan["kept"], plan["refined_moves"] = keep_best(replay, pol, curves, (hi, lo, res),
+                                                                      (u_hi, u_lo, uni), E, key)
+        plan["slots"] = hi
+        if pol.precision != "full":
+            plan["slots_low"] = lo
+        plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
         plan["predicted"] = summary(res, cost)
         plan["uniform"] = summary(uni, cost)
         plan["traces"] = replay.trace.source or replay.trace.model

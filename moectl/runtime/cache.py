@@ -93,6 +93,10 @@ class CacheFront:
     stats: CacheStats
     precision: PrecisionPolicy = PrecisionPolicy()       # always full unless the runtime sets another
 
+    def device_nbytes(self) -> int:
+        """Bytes of device memory the expert cache holds (its slot pools); none when experts are used in place."""
+        return 0
+
     # --- precision: which copy serves each routed expert --------------------------------------
     @property
     def precisions(self) -> list[str]:
@@ -213,6 +217,9 @@ class DeviceCache(CacheFront):
         if job is None or (job.finished and all(ev.query() for ev in job.events)):   # CUDA: issued is not landed
             return 0
         return 1 if job.prefetch else 2
+
+    def device_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pool in self.pools.values() for t in pool)
 
     # --- copies -------------------------------------------------------------------------
     def _settle(self, key: tuple) -> None:

@@ -286,7 +286,8 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
         prefill_misses=r["prefill_misses"], cache=r["cache"], note=note,
         full_loads_per_token=r["full_loads_per_token"], lowbit_loads_per_token=r["lowbit_loads_per_token"],
         skipped_per_token=r["skipped_per_token"], cpu_experts_per_token=r["cpu_experts_per_token"],
-        cpu_ms_per_token=r["cpu_ms_per_token"], fill_copies_per_token=r["fill_copies_per_token"], slots={p: sum(c) for p, c in pools.items()})
+        cpu_ms_per_token=r["cpu_ms_per_token"], fill_copies_per_token=r["fill_copies_per_token"], slots={p: sum(c) for p, c in pools.items()},
+        stall_ms_per_layer=r["stall_ms_per_layer"])
 
 
 

@@ -107,6 +107,7 @@ class SimResult:
     cpu_ms_per_token: float = 0.0          # CPU busy time (overlaps the device's)
     fill_copies_per_token: float = 0.0     # CPU-computed misses copied into the cache while the engine idled
     slots: dict | None = None              # {precision: slots in all}
+    stall_ms_per_layer: list | None = None     # decode stall per token by the layer that waited (sums to the stall)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -248,6 +249,7 @@ class Simulator:
         decode_tokens = demand_decode = fills = 0
         bytes_decode = 0.0
         n_loads = {FULL: 0, LOW: 0, SKIP: 0, CPU: 0}            # decode misses by what was done
+        stall_layer = np.zeros(L)                               # decode stall by the layer that waited
         context = 0
         t_final = 0.0                     # when the previous step's final hidden state was ready
         for step in steps:
@@ -318,6 +320,7 @@ class Simulator:
                 # the device's experts run in the cache's chunks: resident first; a chunk's loads start when
                 # the last one ran
                 t = clock
+                stall_before = step_stall
                 for p in self.pools:
                     for chunk in state.chunks(l, on_device[p], p):
                         state.pin(l, chunk, p)
@@ -346,6 +349,8 @@ class Simulator:
                         for r, c in sorted(ready):                 # arrivals in order of landing
                             t = max(t, r) + c
                         step_stall += (t - t0) - sum(c for _, c in ready)
+                if not step.prefill:
+                    stall_layer[l] += step_stall - stall_before
                 # a miss the CPU computed is copied into the cache in the background, when the copy engine is
                 # idle (a fill never delays a demand load or a prefetch; one at a time)
                 for e, p in on_cpu:
@@ -401,7 +406,7 @@ class Simulator:
             full_loads_per_token=n_loads[FULL] / n, lowbit_loads_per_token=n_loads[LOW] / n,
             skipped_per_token=n_loads[SKIP] / n, cpu_experts_per_token=n_loads[CPU] / n,
             cpu_ms_per_token=cpu_busy * ms / n,
-            stall_ms_per_token=stall * ms / n,
+            stall_ms_per_token=stall * ms / n, stall_ms_per_layer=(stall_layer * ms / n).tolist(),
             stall_s=stall, decode_s=clock - prefill_time, prefill_s=prefill_time, compute_only_s=compute_only,
             ms_per_token=(clock - prefill_time) * ms / n, lower_bound_ms_per_token=compute_only * ms / n,
             prefill_ms=prefill_time * ms,
