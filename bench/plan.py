@@ -186,10 +186,7 @@ def gptoss_120b(out_dir: str | None) -> dict:
         for like, seed in (("gptoss.math", 1), ("gptoss.code", 2)):
             paths.append(save(synthetic_trace(like, "gpt-oss-120b", 512, seed),
                                      d / f"gpt-oss-120b.synthetic-{like.split('.')[1]}.s{seed}.jsonl"))
-        b = board("gpt-oss-120b", "20GB", str(paths[0]), str(paths[1]), {})
-    for line in b["ratios"]:
-        print("  " + line, flush=True)
-    return b
+        return board("gpt-oss-120b", "20GB", str(paths[0]), str(paths[1]), {})
 
 
 def main() -> None:

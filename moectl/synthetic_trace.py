@@ -29,8 +29,8 @@ largest score log(w_i) + b1 [i ran at the previous token] + drift * z_i + Gumbel
 without replacement), z_i a slow random walk of each expert's popularity within the request (AR(1), correlation
 time DRIFT_TOKENS, fresh at each request): b1 gives the lag-1 reuse, the drift the working set seen at 8..32
 tokens (real traces drop from lag 1 to lag 2 and then stay above chance for ~64 tokens; the drift reproduces
-that shape). w, b1 and drift are found by moment matching: generate CALIB_TOKENS tokens with fixed noise, compare
-popularity, reuse and far reuse with the targets, correct, CALIB_ROUNDS times. Each layer's ranks map to expert
+that shape). w, b1 and drift are found by moment matching: generate CALIB_TOKENS tokens, compare popularity, reuse and far
+reuse with the targets, correct, CALIB_ROUNDS times (`calibrate`). Each layer's ranks map to expert
 ids by a seeded permutation (a different hot set in every layer, as in real models). Same stats + same seed ->
 same trace. `synthesize_like(file, recipe, ...)` does all of it for `moectl trace synthesize`; `save` writes it.
 """
@@ -46,8 +46,8 @@ from .trace import DECODE, MAX_EXPERTS, Trace
 
 FAR_LAGS = (8, 16, 24, 32)       # "far" reuse: mean over these distances (tokens)
 DRIFT_TOKENS = 64                # correlation time of the popularity drift (tokens)
-CALIB_TOKENS = 2048              # tokens generated per calibration round
-CALIB_ROUNDS = 30
+CALIB_TOKENS = 2048              # tokens generated per calibration round (4 requests)
+CALIB_ROUNDS = 40
 MIN_SHARE = 1e-4                 # an expert never seen keeps a small share (log space stays finite)
 
 
@@ -184,26 +184,35 @@ def _generate(logw: np.ndarray, b1: np.ndarray, drift: np.ndarray, K: int, lengt
     return out
 
 
-def _measured(ranks: np.ndarray, E: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(inclusion per rank id [L, E], reuse [L], far reuse [L]) of one generated request."""
+def _measured(ranks: np.ndarray, lengths: list[int], E: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(inclusion per rank id [L, E], reuse [L], far reuse [L]) of generated requests of `lengths` tokens."""
     oh = _onehot(ranks, E)
-    return oh.mean(0), _reuse([oh], [1], K), _reuse([oh], FAR_LAGS, K)
+    chunks = np.split(oh, np.cumsum(lengths)[:-1])
+    return oh.mean(0), _reuse(chunks, [1], K), _reuse(chunks, FAR_LAGS, K)
 
 
 def calibrate(stats: RoutingStats, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(log w [L, E], b1 [L], drift [L]) whose generated routing has `stats`' popularity and reuse."""
+    """(log w [L, E], b1 [L], drift [L]) whose generated routing has `stats`' popularity and reuse in expectation:
+    stochastic approximation with fresh noise every round (a fixed noise would fit its own draw of the drift),
+    steps shrinking over the second half, parameters averaged over it (Polyak)."""
     L, E, K = stats.num_layers, stats.num_experts, stats.top_k
     target = np.maximum(stats.inclusion(), MIN_SHARE / E)
     logw = np.log(target)
     b1, drift = np.full(L, 0.5), np.full(L, 1.5)
-    for _ in range(CALIB_ROUNDS):
-        ranks = _generate(logw, b1, drift, K, [CALIB_TOKENS], np.random.default_rng([seed, 1]))  # same noise each round
-        inc, r1, rf = _measured(ranks, E, K)
-        logw += 0.4 * (np.log(target) - np.log(np.maximum(inc, 0.5 / CALIB_TOKENS)))
+    half = CALIB_ROUNDS // 2
+    lengths = [CALIB_TOKENS // 4] * 4
+    kept = []
+    for i in range(CALIB_ROUNDS):
+        ranks = _generate(logw, b1, drift, K, lengths, np.random.default_rng([seed, 1, i]))
+        inc, r1, rf = _measured(ranks, lengths, E, K)
+        step = 1.0 if i < half else half / (i + 1)
+        logw += step * 0.4 * (np.log(target) - np.log(np.maximum(inc, 0.5 / CALIB_TOKENS)))
         logw -= logw.max(1, keepdims=True)
-        b1 = np.clip(b1 + 3 * (stats.reuse - r1), -5, 10)
-        drift = np.clip(drift + 3 * (stats.reuse_far - rf), 0, 5)
-    return logw, b1, drift
+        b1 = np.clip(b1 + step * 3 * (stats.reuse - r1), -5, 10)
+        drift = np.clip(drift + step * 3 * (stats.reuse_far - rf), 0, 5)
+        if i >= half:
+            kept.append((logw.copy(), b1.copy(), drift.copy()))
+    return tuple(np.mean([k[j] for k in kept], axis=0) for j in range(3))
 
 
 def synthesize(stats: RoutingStats, tokens: int, seed: int = 0, model: str = "synthetic", requests: int = 1) -> Trace:
