@@ -48,6 +48,7 @@ FAR_LAGS = (8, 16, 24, 32)       # "far" reuse: mean over these distances (token
 DRIFT_TOKENS = 64                # correlation time of the popularity drift (tokens)
 CALIB_TOKENS = 2048              # tokens generated per calibration round (4 requests)
 CALIB_ROUNDS = 40
+SYNTHETIC_FORMAT_VERSION = 2    # the generator's: same version + stats + seed -> same trace (2: sorted-share calibration)
 MIN_SHARE = 1e-4                 # an expert never seen keeps a small share (log space stays finite)
 
 
@@ -60,6 +61,8 @@ class RoutingStats:
     reuse: np.ndarray            # [L] float64, lag-1 reuse (share of K)
     reuse_far: np.ndarray        # [L] float64, mean reuse over FAR_LAGS
     source: str = ""             # what the statistics were fitted on
+    request_tokens: int = 512    # decode tokens per request of the source (its sample size: see calibrate)
+    requests: int = 1            # requests the source's shares were pooled over
 
     def inclusion(self) -> np.ndarray:
         """[L, E] probability that a token's top-K holds the rank-R expert."""
@@ -92,7 +95,7 @@ class RoutingStats:
         stick = (self.reuse - r0) / (1 - r0)
         stick_far = (self.reuse_far - r0) / (1 - r0)
         out = RoutingStats(num_layers, num_experts, top_k, shares, np.zeros(num_layers), np.zeros(num_layers),
-                           self.source)
+                           self.source, self.request_tokens, self.requests)
         r1 = out.chance_reuse()
         out.reuse = np.clip(r1 + mix(stick) * (1 - r1), 0, 1)
         out.reuse_far = np.clip(r1 + mix(stick_far) * (1 - r1), 0, 1)
@@ -160,7 +163,8 @@ def fit_stats(trace: Trace) -> RoutingStats:
     far = [lag for lag in FAR_LAGS if any(len(c) > lag for c in chunks)] or [max(len(c) for c in chunks) - 1]
     return RoutingStats(trace.num_layers, trace.num_experts, trace.top_k, np.ascontiguousarray(shares),
                         _reuse(chunks, [1], trace.top_k), _reuse(chunks, far, trace.top_k),
-                        f"{trace.model}: {trace.source}" if trace.source else trace.model)
+                        f"{trace.model}: {trace.source}" if trace.source else trace.model,
+                        round(sum(map(len, chunks)) / len(chunks)), len(chunks))
 
 
 def _generate(logw: np.ndarray, b1: np.ndarray, drift: np.ndarray, K: int, lengths: list[int],
@@ -184,29 +188,40 @@ def _generate(logw: np.ndarray, b1: np.ndarray, drift: np.ndarray, K: int, lengt
     return out
 
 
-def _measured(ranks: np.ndarray, lengths: list[int], E: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(inclusion per rank id [L, E], reuse [L], far reuse [L]) of generated requests of `lengths` tokens."""
+def _measured(ranks: np.ndarray, lengths: list[int], per_sample: int, E: int,
+              K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted inclusion [L, E], reuse [L], far reuse [L]) of generated requests of `lengths` tokens, the
+    inclusion measured as fit_stats measures a trace: counts pooled over `per_sample` requests, sorted high to low
+    (averaged over the samples)."""
     oh = _onehot(ranks, E)
     chunks = np.split(oh, np.cumsum(lengths)[:-1])
-    return oh.mean(0), _reuse(chunks, [1], K), _reuse(chunks, FAR_LAGS, K)
+    samples = [sum(c.sum(0) for c in chunks[i:i + per_sample]) for i in range(0, len(chunks), per_sample)]
+    inc = np.mean([np.sort(c, axis=1)[:, ::-1] / sum(lengths[:per_sample]) for c in samples], axis=0)
+    return inc, _reuse(chunks, [1], K), _reuse(chunks, FAR_LAGS, K)
 
 
 def calibrate(stats: RoutingStats, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(log w [L, E], b1 [L], drift [L]) whose generated routing has `stats`' popularity and reuse in expectation:
-    stochastic approximation with fresh noise every round (a fixed noise would fit its own draw of the drift),
-    steps shrinking over the second half, parameters averaged over it (Polyak)."""
+    """(log w [L, E], b1 [L], drift [L]) whose generated routing, measured like the source (samples of its
+    requests x request_tokens), has `stats`' popularity and reuse in expectation. A finite sample's sorted shares
+    are more skewed than the probabilities behind them (noise and drift pick the top ranks), so the popularity is
+    matched sorted to sorted: the correction for the j-th largest measured share goes to the rank id with the j-th
+    largest weight. Stochastic approximation with fresh noise every round (a fixed noise would fit its own draw of
+    the drift), steps shrinking over the second half, parameters averaged over it (Polyak)."""
     L, E, K = stats.num_layers, stats.num_experts, stats.top_k
     target = np.maximum(stats.inclusion(), MIN_SHARE / E)
     logw = np.log(target)
     b1, drift = np.full(L, 0.5), np.full(L, 1.5)
     half = CALIB_ROUNDS // 2
-    lengths = [CALIB_TOKENS // 4] * 4
+    n, per_sample = max(2, stats.request_tokens), max(1, stats.requests)
+    lengths = [n] * (per_sample * max(1, CALIB_TOKENS // (n * per_sample)))
     kept = []
     for i in range(CALIB_ROUNDS):
         ranks = _generate(logw, b1, drift, K, lengths, np.random.default_rng([seed, 1, i]))
-        inc, r1, rf = _measured(ranks, lengths, E, K)
+        inc, r1, rf = _measured(ranks, lengths, per_sample, E, K)
         step = 1.0 if i < half else half / (i + 1)
-        logw += step * 0.4 * (np.log(target) - np.log(np.maximum(inc, 0.5 / CALIB_TOKENS)))
+        order = np.argsort(-logw, axis=1)                                          # [L, E] j-th heaviest rank id
+        fix = np.log(target) - np.log(np.maximum(inc, 0.5 / len(ranks)))        # [L, E] by sorted position
+        np.put_along_axis(logw, order, np.take_along_axis(logw, order, 1) + step * 0.4 * fix, axis=1)
         logw -= logw.max(1, keepdims=True)
         b1 = np.clip(b1 + step * 3 * (stats.reuse - r1), -5, 10)
         drift = np.clip(drift + step * 3 * (stats.reuse_far - rf), 0, 5)
@@ -232,7 +247,7 @@ def synthesize(stats: RoutingStats, tokens: int, seed: int = 0, model: str = "sy
     pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
     source = f"synthetic (moectl trace synthesize, seed {seed}): routing statistics of {stats.source}"
     return Trace(model, L, E, K, request, pos, np.full(tokens, DECODE, dtype=np.uint8), experts, source=source,
-                 extra={"synthetic": {"seed": seed, "fitted_on": stats.source, "reuse": round(float(stats.reuse.mean()), 4),
+                 extra={"synthetic": {"format_version": SYNTHETIC_FORMAT_VERSION, "seed": seed, "fitted_on": stats.source, "reuse": round(float(stats.reuse.mean()), 4),
                                       "reuse_far": round(float(stats.reuse_far.mean()), 4)}})
 
 
@@ -258,6 +273,18 @@ def synthesize_like(like, recipe: str, tokens: int, seed: int = 0,
     return trace, fitted, target
 
 
+def writable(out) -> Path:
+    """`out` as a Path whose folder exists (created), or a MoectlError naming why not (checked before the work)."""
+    from pathlib import Path
+
+    out = Path(out)
+    try:
+        (out.parent if out.suffix == ".jsonl" else out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MoectlError(f"cannot write the trace to {out}: {e.strerror or e}")
+    return out
+
+
 def save(trace: Trace, out) -> Path:
     """A synthesized trace as moe-routing-v1 JSONL (`out` ends in .jsonl) or a trace directory; both keep the
     `synthetic` record (seed, what it was fitted on) beside the source."""
@@ -266,7 +293,7 @@ def save(trace: Trace, out) -> Path:
     from .calib.trace_io import TraceWriter
     from .trace import write_jsonl
 
-    out = Path(out)
+    out = writable(out)
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     if out.suffix == ".jsonl":
         return write_jsonl(trace, out, header={"format": "moe-routing-v1", "model": trace.model, "num_layers": L,

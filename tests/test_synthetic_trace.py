@@ -13,7 +13,7 @@ import pytest
 
 from moectl.errors import MoectlError
 from moectl.sim.run import capacities, cost_for, simulate
-from moectl.synthetic_trace import RoutingStats, fit_stats, synthesize
+from moectl.synthetic_trace import SYNTHETIC_FORMAT_VERSION, RoutingStats, fit_stats, synthesize
 from moectl.trace import load_trace
 
 from shared_data import SHARED_TRACES, needs_shared
@@ -101,6 +101,10 @@ def test_cli_writes_a_trace_at_the_recipe_shape(tmp_path, capsys, monkeypatch):
         (info["layers"], info["experts"], info["top_k"], info["tokens"])
     assert t.model == "openai/gpt-oss-120b" and t.source.startswith("synthetic")
     assert t.extra["synthetic"]["seed"] == 5 and len(t.request_slices()) == 2
+    head = json.loads(out.read_text().splitlines()[0])                       # says what it is on its first line
+    assert head["format"] == "moe-routing-v1" and head["synthetic"]["format_version"] == SYNTHETIC_FORMAT_VERSION
+    assert (head["num_layers"], head["num_experts"], head["top_k"]) == (36, 128, 4)
+    assert head["source"].startswith("synthetic") and "gpt-oss-20b" in head["synthetic"]["fitted_on"]
     assert info["target"]["reuse"] < info["like"]["reuse"]                 # less chance reuse at 128 experts
     d = tmp_path / "dir"
     code, _, err = run_cli(["trace", "synthesize", "--like", str(MATH), "--model", "gpt-oss-120b", "--tokens", "64",
@@ -124,8 +128,10 @@ def test_bad_shapes_are_errors():
     (["--model", "gpt-oss-120b", "--tokens", "1"], "tokens >= 2"),
     (["--model", "gpt-oss-120b", "--tokens", "4", "--requests", "5"], "requests"),
     (["--model", "gpt-oss-120b", "--like", "/no/such.jsonl"], "does not exist"),
+    (["--model", "gpt-oss-120b", "--out", "/proc/no-such/t.jsonl"], "cannot write the trace"),
 ])
 def test_cli_bad_input(args, needle, tmp_path, capsys, monkeypatch):
     like = [] if "--like" in args else ["--like", str(MATH)]
-    code, _, err = run_cli(["trace", "synthesize", *like, *args, "--out", str(tmp_path / "t.jsonl")], capsys, monkeypatch)
+    out = [] if "--out" in args else ["--out", str(tmp_path / "t.jsonl")]
+    code, _, err = run_cli(["trace", "synthesize", *like, *args, *out], capsys, monkeypatch)
     assert_one_error(code, err, needle)

@@ -90,12 +90,15 @@ def trace_synthesize(
     as_json: bool = typer.Option(False, "--json", help="print the fitted and generated statistics as JSON"),
 ) -> None:
     """Write a synthetic routing trace at a recipe's shape with the popularity skew and reuse of a real trace of
-    the same family (for models with no trace, e.g. gpt-oss-120b from gpt-oss-20b's). Marked synthetic in its
-    `source`; see moectl/synthetic_trace.py for the model and how statistics carry across shapes."""
+    the same family (for models with no trace, e.g. gpt-oss-120b from gpt-oss-20b's). It is NOT a profile: its
+    header says so (`source` starts with "synthetic", a `synthetic` record holds the generator's format_version,
+    the seed and the trace it was fitted on). How it is fitted and how statistics carry across shapes:
+    moectl/synthetic_trace.py; how well it reproduces the real traces: docs/benchmarks.md (issue 19)."""
     from rich.console import Console
 
-    from ..synthetic_trace import fit_stats, save, synthesize_like
+    from ..synthetic_trace import fit_stats, save, synthesize_like, writable
 
+    writable(out)
     trace, fitted, target = synthesize_like(like, model, tokens, seed, requests)
     save(trace, out)
     got = fit_stats(trace)
