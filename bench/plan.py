@@ -2,7 +2,7 @@
 on every shared trace (and a profiled tiny trace), and the scoreboards of issues 12 and 18.
 
   1. time: curves (simulator runs) + DP, at Mixtral-8x7B (the shared trace) and Qwen3-30B-A3B (48 x 128 top-8; no
-     shared trace of it, so a synthetic one: Zipf-popular experts with reuse between tokens) shapes.
+     shared trace of it, so a synthetic one with OLMoE's (top-8) popularity and reuse, moectl/synthetic_trace.py) shapes.
   2. plan vs uniform: full-precision plans (replacement ours, no prefetch: the shared traces have no hidden
      states) at a budget holding ~25 % of the bf16 experts (Mixtral: 20 GB), stall ms/token of both, the margin.
   3. scoreboards on rtx4090-pcie4: Mixtral-8x7B at 20 GB (one trace: plan and judgement on it); Qwen1.5-MoE and
@@ -16,7 +16,11 @@ on every shared trace (and a profiled tiny trace), and the scoreboards of issues
      OLMoE at 25 % (plan on .math, judged on .code). moectl-q4 starts with the plan's preload resident, as
      llama.cpp's static placement is from token 0.
 
-Run: [MOECTL_SHARED=../shared] .venv/bin/python bench/plan.py [--only time,uniform,scoreboard,q4] [--tiny WORKDIR] [--json out.json]
+  5. issue 19: gpt-oss-120b at 20 GB, every preset: no trace of it exists, so the plan is made on a synthetic trace
+     at its shape with gptoss.math's routing statistics and judged on one with gptoss.code's (`trace synthesize`).
+
+Run: [MOECTL_SHARED=../shared] .venv/bin/python bench/plan.py [--only time,uniform,scoreboard,q4,gptoss120b]
+     [--tiny WORKDIR] [--keep-traces DIR] [--json out.json]
 (--tiny: a workdir whose traces/ came from `moectl profile --model tiny ... --hidden-samples all`.)
 """
 
@@ -31,7 +35,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,7 +43,8 @@ from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)
 from moectl.plan.setup import _stored_gating, plan_setup  # noqa: E402
-from moectl.trace import DECODE, Trace, load_trace, write_jsonl  # noqa: E402
+from moectl.synthetic_trace import save, synthesize_like  # noqa: E402
+from moectl.trace import Trace, load_trace, write_jsonl  # noqa: E402
 
 SHARED = Path(os.environ.get("MOECTL_SHARED") or Path(__file__).resolve().parents[2] / "shared") / "traces"
 HW = "rtx4090-pcie4"
@@ -60,23 +64,10 @@ def quarter_budget(model: str, fraction: float = 0.25) -> int:
     return int(s.dense + s.kv + s.workspace + fraction * f.num_layers * f.num_experts * f.expert_bytes())
 
 
-def synthetic_trace(L: int, E: int, K: int, tokens: int, seed: int = 0) -> Trace:
-    """Decode rows with Zipf-popular experts per layer (a different order in every layer, the exponent rising from
-    0.4 in the first layer to 1.2 in the last: later layers concentrate more) and 50 % reuse of the previous
-    token's experts."""
-    rng = np.random.default_rng(seed)
-    perm = [rng.permutation(E) for _ in range(L)]
-    probs = [1.0 / np.arange(1, E + 1) ** (0.4 + 0.8 * l / max(L - 1, 1)) for l in range(L)]
-    probs = [q / q.sum() for q in probs]
-    ex = np.zeros((tokens, L, K), dtype=np.int16)
-    for n in range(tokens):
-        for l in range(L):
-            keep = list(ex[n - 1, l, : K // 2]) if n and rng.random() < 0.5 else []
-            rest = [int(perm[l][i]) for i in rng.choice(E, size=3 * K, p=probs[l]) if perm[l][i] not in keep]
-            ids = list(dict.fromkeys(keep + rest))[:K]
-            ex[n, l] = ids
-    return Trace("Qwen/Qwen3-30B-A3B (synthetic)", L, E, K, ["r0"] * tokens, np.arange(tokens, dtype=np.int32),
-                 np.full(tokens, DECODE, dtype=np.uint8), ex, source="synthetic Zipf routing")
+def synthetic_trace(like: str, recipe: str, tokens: int, seed: int) -> Trace:
+    """A synthetic trace at `recipe`'s shape with the routing statistics of shared trace `like`
+    (the same as `moectl trace synthesize --like SHARED/like.jsonl --model recipe --tokens N --seed S`)."""
+    return synthesize_like(SHARED / f"{like}.jsonl", recipe, tokens, seed)[0]
 
 
 def timing() -> list[dict]:
@@ -89,13 +80,13 @@ def timing() -> list[dict]:
             out.append({"shape": "Mixtral-8x7B (shared trace, 244 decode rows)", "precision": pol.precision,
                         "seconds": time.perf_counter() - t} | p["timing_s"])
         s = plan_setup("qwen3-moe", "20GB", HW, 4096, None, "ours", "auto", None, wd)
-        tr = synthetic_trace(48, 128, 8, 128)
+        tr = synthetic_trace("olmoe.math", "qwen3-moe", 128, seed=0)
         replay = Replay(tr, s.cost)
         replay.raw = tr
         for pol in (replace(s.policies, prefetch="none"),):
             t = time.perf_counter()
             p = make_plan(s.facts, s.split, s.cost, replay, pol, HW)
-            out.append({"shape": "Qwen3-30B-A3B (synthetic trace, 128 decode rows)", "precision": pol.precision,
+            out.append({"shape": "Qwen3-30B-A3B (synthetic trace from olmoe.math, 128 decode rows)", "precision": pol.precision,
                         "seconds": time.perf_counter() - t} | p["timing_s"])
     for r in out:
         print(f"plan-cache {r['shape']}, {r['precision']}: {r['seconds']:.1f} s (curves {r['curves']:.1f} s, DP "
@@ -141,7 +132,9 @@ def _mixtral_workdir(wd: str) -> None:
 
 def _shared(name: str, wd: str) -> Path:
     """A shared trace file, or with `#i` one request of it (the single Mixtral file has 2: plan on one, judge on
-    the other), written into `wd`."""
+    the other), written into `wd`; a path to a .jsonl file as it is."""
+    if Path(name).suffix == ".jsonl":
+        return Path(name)
     name, _, req = name.partition("#")
     path = SHARED / f"{name}.jsonl"
     if not req:
@@ -151,6 +144,7 @@ def _shared(name: str, wd: str) -> Path:
 
 
 def board(model: str, budget, plan_trace: str, judge_trace: str | None, precision: dict, names=None) -> dict:
+    """Every preset at `budget`: plan on `plan_trace`, judge on `judge_trace` (shared trace names, or paths)."""
     with tempfile.TemporaryDirectory() as wd:
         if model == "mixtral":
             _mixtral_workdir(wd)
@@ -167,8 +161,8 @@ def board(model: str, budget, plan_trace: str, judge_trace: str | None, precisio
             if gated is not None:
                 replay.trace = gated[2]
         rows = [run_preset(s, p, plan, replay) for p in PRESETS if names is None or p.name in names]
-    title = (f"{model} {budget if isinstance(budget, str) else f'{budget / 1e9:.2f}GB'} on {HW}: plan on {plan_trace}"
-             + (f", judged on {judge_trace}" if judge_trace else ""))
+    title = (f"{model} {budget if isinstance(budget, str) else f'{budget / 1e9:.2f}GB'} on {HW}: plan on "
+             f"{Path(plan_trace).name}" + (f", judged on {Path(judge_trace).name}" if judge_trace else ""))
     print_scoreboard(rows, s, title=title)
     return {"title": title, "rows": rows, "ratios": ratios(rows) if any(r["preset"] == "moectl" for r in rows) else [],
             "plan_slots": plan["slots"], "plan_slots_low": plan.get("slots_low")}
@@ -200,9 +194,24 @@ def q4() -> list[dict]:
     return out
 
 
+def gptoss_120b(out_dir: str | None) -> dict:
+    """Issue 19: gpt-oss-120b (36 x 128, top-4) at 20 GB, every preset at the CLI's defaults (full precision:
+    the synthetic traces have no gate weights). No trace of it exists: the plan is made on a synthetic trace with
+    gptoss.math's statistics (seed 1) and judged on one with gptoss.code's (seed 2), 512 decode tokens each,
+    written to `out_dir` (kept) or a temporary folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(out_dir or tmp)
+        paths = []
+        for like, seed in (("gptoss.math", 1), ("gptoss.code", 2)):
+            paths.append(save(synthetic_trace(like, "gpt-oss-120b", 512, seed),
+                                     d / f"gpt-oss-120b.synthetic-{like.split('.')[1]}.s{seed}.jsonl"))
+        return board("gpt-oss-120b", "20GB", str(paths[0]), str(paths[1]), {})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="time,uniform,scoreboard,q4")
+    ap.add_argument("--only", default="time,uniform,scoreboard,q4,gptoss120b")
+    ap.add_argument("--keep-traces", default=None, help="folder to keep the synthetic gpt-oss-120b traces in")
     ap.add_argument("--tiny", default=None, help="tiny workdir with profiled traces/")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -216,6 +225,8 @@ def main() -> None:
         res["scoreboard"] = scoreboards()
     if "q4" in parts:
         res["q4"] = q4()
+    if "gptoss120b" in parts:
+        res["gptoss120b"] = gptoss_120b(a.keep_traces)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
 

@@ -1,4 +1,5 @@
-"""`moectl trace import|export`: moe-routing-v1 JSONL <-> moectl trace directory."""
+"""`moectl trace import|export|synthesize`: moe-routing-v1 JSONL <-> moectl trace directory, and synthetic traces
+at a recipe's shape calibrated on a real one (`moectl/synthetic_trace.py`)."""
 
 from __future__ import annotations
 
@@ -77,8 +78,51 @@ def trace_export(
         Console().print(f"exported [bold]{meta['num_tokens']}[/] tokens, {meta['num_requests']} requests -> {out}")
 
 
-# `moectl trace import|export`: a command group (the CLI adds `app` as the `trace` sub-command)
-app = typer.Typer(help="Convert routing traces between moe-routing-v1 JSONL and trace directories.",
+def trace_synthesize(
+    like: Path = typer.Option(..., "--like", help="real trace (JSONL or trace directory) whose routing statistics "
+                              "are fitted: popularity per layer, token-to-token and far reuse"),
+    model: str = typer.Option(..., "--model", "-m", help="recipe whose shape (MoE layers x experts, top-k) the "
+                              "trace gets; its trace name is the trace's model, so simulate and plan-cache price it"),
+    tokens: int = typer.Option(512, "--tokens", help="decode tokens to generate"),
+    requests: int = typer.Option(1, "--requests", help="requests the tokens are split into (each starts afresh)"),
+    seed: int = typer.Option(0, "--seed", help="same --like, --model and seed: the same trace"),
+    out: Path = typer.Option(..., "--out", help="FILE.jsonl (moe-routing-v1) or a trace directory"),
+    as_json: bool = typer.Option(False, "--json", help="print the fitted and generated statistics as JSON"),
+) -> None:
+    """Write a synthetic routing trace at a recipe's shape with the popularity skew and reuse of a real trace of
+    the same family (for models with no trace, e.g. gpt-oss-120b from gpt-oss-20b's). It is NOT a profile: its
+    header says so (`source` starts with "synthetic", a `synthetic` record holds the generator's format_version,
+    the seed and the trace it was fitted on). How it is fitted and how statistics carry across shapes:
+    moectl/synthetic_trace.py; how well it reproduces the real traces: docs/benchmarks.md (issue 19)."""
+    from rich.console import Console
+
+    from ..synthetic_trace import fit_stats, save, synthesize_like, writable
+
+    writable(out)
+    trace, fitted, target = synthesize_like(like, model, tokens, seed, requests)
+    save(trace, out)
+    got = fit_stats(trace)
+    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
+    summary = {"out": str(out), "model": trace.model, "layers": L, "experts": E, "top_k": K, "tokens": tokens,
+               "requests": requests, "seed": seed, "source": trace.source}
+    for label, s in (("like", fitted), ("target", target), ("generated", got)):
+        summary[label] = {"reuse": round(float(s.reuse.mean()), 4), "reuse_far": round(float(s.reuse_far.mean()), 4),
+                          "top_quarter_share": round(float(s.shares[:, : max(1, s.num_experts // 4)].sum(1).mean()), 4)}
+    if as_json:
+        print(json.dumps(summary))
+        return
+    f = lambda d: f"reuse {d['reuse']:.3f}, far reuse {d['reuse_far']:.3f}, top 25 % share {d['top_quarter_share']:.3f}"
+    c = Console()
+    c.print(f"fitted on {like}: {f(summary['like'])}")
+    c.print(f"target at {L} x {E}, top-{K}: {f(summary['target'])}")
+    c.print(f"generated: {f(summary['generated'])}")
+    c.print(f"wrote [bold]{tokens}[/] synthetic tokens of {trace.model} -> {out}")
+
+
+# `moectl trace import|export|synthesize`: a command group (the CLI adds `app` as the `trace` sub-command)
+app = typer.Typer(help="Convert routing traces between moe-routing-v1 JSONL and trace directories; synthesize one "
+                  "at a recipe's shape from a real trace's statistics.",
                   no_args_is_help=True)
 app.command("import")(trace_import)
 app.command("export")(trace_export)
+app.command("synthesize")(trace_synthesize)
