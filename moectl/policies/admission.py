@@ -35,12 +35,16 @@ every prediction of a missing expert (admitted or not), whether its layer then c
 confidence of a score is the smoothed hit ratio of its score bucket (prior: half the score, worth 8
 outcomes, so the first copies wait for evidence).
 
-No device code: the driver supplies times from the cost model (`moectl/sim/cost.py`).
+No device code: the driver supplies times from the cost model (`moectl/sim/cost.py`). `PrefetchGate` is the
+driver side both drivers share (simulator and runtime make the same calls in the same order): which predictions
+are only protected, which are offered to the rule, and the outcomes that calibrate it.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from ..cache_model import FULL
 
 ADMISSION_MODES = ("on", "off")
 
@@ -118,6 +122,65 @@ class PrefetchAdmission(AdmitAll):
 
     def describe(self) -> str:
         return "prefetch admission: on (expected saving > expected copy-engine cost, capped by time left)"
+
+
+class PrefetchGate:
+    """Between a prefetch policy's predictions and the copy engine, for the simulator and the runtime alike.
+
+    `offer` takes one batch of predictions (target layer, expert, score) made after layer `layer` (-1: after the
+    previous token): resident ones first (`CacheState.resident_first`); a resident one is protected with no copy; a
+    missing one is remembered for calibration and copied if the admission rule admits it, each admitted copy adding
+    its time to the backlog the next candidate sees. `route` reports, when a layer's router has run, whether each
+    remembered prediction for it was chosen (`outcome`); `reset` forgets them at a new request."""
+
+    def __init__(self, admission: AdmitAll | None = None, top_k: int = 1, max_per_layer: int | None = None):
+        self.admission = admission if admission is not None else AdmitAll()
+        self.top_k, self.max_per_layer = top_k, max_per_layer
+        self.pending: dict[int, list[tuple[int, float]]] = {}      # target layer -> [(expert, score)] not resident
+
+    def reset(self) -> None:
+        self.pending.clear()
+
+    def route(self, layer: int, chosen) -> None:
+        chosen = set(chosen)
+        for e, score in self.pending.pop(layer, []):
+            self.admission.outcome(score, e in chosen)
+
+    def layer_done(self, demand_loads: int) -> None:
+        self.admission.layer_done(demand_loads)
+
+    def offer(self, state, layer: int, preds, copy_s: float, backlog_s: float, issue, precision: str = FULL) -> int:
+        """`state`: the CacheState; `copy_s`: one expert's copy time in `precision` (the pool prefetches load);
+        `backlog_s`: copy-engine time committed now; `issue(tl, e, held)`: held = the precision of a resident copy
+        (protect it, no copy) or None (copy it into `precision`'s pool; True when a copy was queued).
+        Returns the copies queued."""
+        per_layer: dict[int, int] = {}
+        queued = 0
+        for tl, e, score in state.resident_first(preds):
+            tl, e = int(tl), int(e)
+            if not (layer < tl < state.num_layers):
+                continue
+            if self.max_per_layer is not None and per_layer.get(tl, 0) >= self.max_per_layer:
+                continue
+            per_layer[tl] = per_layer.get(tl, 0) + 1
+            held = next((p for p in state.counts if state.contains(tl, e, p)), None)
+            if held is not None:
+                issue(tl, e, held)                                  # protect only: no copy
+                continue
+            # calibrate on the candidates admission judges: a predicted expert that is not resident is right far
+            # less often than one that is
+            self.pending.setdefault(tl, []).append((e, float(score)))
+            full = len(state.resident(tl, precision)) >= state.capacity(tl, precision)
+            # the chance its victim is another expert this layer then chooses: (k - 1) of S slots, quartered as
+            # replacement evicts the coldest resident and a token's other experts are mostly hot ones
+            co_chosen = min(1.0, 0.25 * (self.top_k - 1) / state.capacity(tl, precision))
+            if not self.admission.admit(float(score), copy_s, max(tl - max(layer, 0), 1), backlog_s, evicts=full,
+                                        co_chosen=co_chosen):
+                continue
+            if issue(tl, e, None):
+                backlog_s += copy_s
+                queued += 1
+        return queued
 
 
 def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, **kw) -> AdmitAll:

@@ -47,6 +47,7 @@ class CacheStats:
         self.expert_nbytes = self.nbytes[FULL]
         self.load_wait_s = 0.0          # time the forward waited for demand loads
         self.skips = 0                  # routed experts the precision policy dropped on a miss
+        self.uncopied_bytes = 0.0       # bytes of prefetches cancelled before their copy ran (slot reused first)
         self._pending_events: list = []
 
     def _sum(self, phase: str | None = None) -> dict[str, int]:
@@ -72,10 +73,13 @@ class CacheStats:
         t = self._sum()
         per = {p: self.state.totals(None, p) for p in self.state.counts}
         n = t["hits"] + t["misses"]
-        loaded = sum((c["misses"] + c["prefetches"]) * self.nbytes[p] for p, c in per.items())  # demand + prefetch
+        # bytes copied: demand loads + prefetches, less those a reused slot cancelled before they ran (CPU: a
+        # prefetch runs only when its expert is used, so a wrong one is usually never copied)
+        pf_bytes = sum(c["prefetches"] * self.nbytes[p] for p, c in per.items()) - self.uncopied_bytes
+        loaded = sum(c["misses"] * self.nbytes[p] for p, c in per.items()) + pf_bytes
         out = {"hits": t["hits"], "misses": t["misses"], "hit_rate": t["hits"] / n if n else 0.0,
-               "bytes_loaded": loaded, "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
-               "prefetch_bytes": sum(c["prefetches"] * self.nbytes[p] for p, c in per.items()),
+               "bytes_loaded": int(round(loaded)), "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
+               "prefetch_bytes": int(round(pf_bytes)),
                "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
                **{ph: {k: v for k, v in self._sum(ph).items() if k in ("hits", "misses", "evictions")}
                   for ph in PHASES}}
@@ -214,6 +218,13 @@ class DeviceCache(CacheFront):
             return 0
         return 1 if job.prefetch else 2
 
+    def backlog_bytes(self) -> float:
+        """Bytes the copy engine has committed to now: the unrun chunks of every copy queued or in flight. On the
+        CPU the synchronous queue runs a prefetch only when its expert is used, so every prefetch not used yet
+        counts (the emulated device has no copy engine running beside compute)."""
+        return sum(self.stats.nbytes[p] * (len(j.chunks) - j.done) / len(j.chunks)
+                   for (p, _, _), j in self.jobs.items() if not j.finished and j.chunks)
+
     # --- copies -------------------------------------------------------------------------
     def _settle(self, key: tuple) -> None:
         """Wait for a background read into slot `key` (precision, layer, slot)."""
@@ -230,6 +241,8 @@ class DeviceCache(CacheFront):
         job = self.jobs.pop(key, None)
         if job is not None:
             self.loader.cancel(job)
+            if job.prefetch and job.done < len(job.chunks):       # chunks that will never run
+                self.stats.uncopied_bytes += self.stats.nbytes[key[0]] * (len(job.chunks) - job.done) / len(job.chunks)
             for ev in job.events:               # CUDA: an issued copy out of the staging buffer must land first
                 ev.synchronize()
 

@@ -64,7 +64,11 @@ class OffloadedExperts(nn.Module):
             def one(e, expert):
                 ys[e] = expert(hidden_states) * w[pos[e]]                           # [1,H]
 
+            decode = cache.state.phase == "decode"
+            misses = rt.decode_misses(layer) if decode else 0
             self._each_expert(plan, one)
+            if decode:                                  # admission learns how often a layer waits for a copy
+                rt.prefetch_gate.layer_done(rt.decode_misses(layer) - misses)
             out = torch.zeros_like(hidden_states)                                   # [1,H]
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
