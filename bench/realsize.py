@@ -7,7 +7,10 @@ the released per-expert layout -- then runs `generate` (7-token prompt, 8 greedy
 process (one at a time: peak RSS is sampled every 5 ms from /proc/self/status), plus the
 `--emulate-device` slots (ram) and the transformers bf16 reference. Cold = the shard files' pages
 dropped from the page cache with posix_fadvise(POSIX_FADV_DONTNEED) before the run (no root needed,
-touches no other process's cache); fincore confirms what is left cached.
+touches no other process's cache); fincore confirms what is left cached. The VM's disk is shared and its
+speed moves several-fold within minutes, so every cold disk run is judged against the shards' sequential read
+speed measured just before and just after it. `--repeat K` runs every configuration K times (cold ones too)
+and keeps each one's fastest decode.
 
 Usage: python bench/realsize.py [--ckpt /work/realsize-ckpt] [--only ram-2-warm,disk-8-cold] [--json out.json]
 The checkpoint is a build artifact: never commit it.
@@ -306,8 +309,10 @@ def main() -> None:
     for rnd, (name, mode, offload, n, cache) in enumerate(runs * args.repeat):
         if only and name not in only:
             continue
-        if rnd >= len(runs) and cache == "cold":
-            continue                                  # repeats are for decode noise; cold runs once
+        if cache == "cold" and offload == "disk":
+            # the VM's disk is shared: its speed moves 4x within minutes, so each cold run is judged against
+            # sequential reads of the same shards taken just before and just after it
+            seq_before = sequential_read_gbps(files)
         if cache == "cold":
             drop_page_cache(files)
         else:
@@ -315,6 +320,8 @@ def main() -> None:
         before = cached_bytes(files)
         r = run_one(ckpt, mode, offload, n, args.threads)
         r["cached_before_gb"] = before / GB
+        if cache == "cold" and offload == "disk" and "error" not in r:
+            r["seq_read_gbps_around"] = [seq_before, sequential_read_gbps(files)]
         old = results["runs"].get(name)
         if old and "error" not in old and "error" not in r:
             r["decode_ms_runs"] = old["decode_ms_runs"] + [r["stats"]["decode_ms_median"]]
@@ -370,8 +377,10 @@ def targets(res: dict) -> list[str]:
                 line(ms <= 1.5 * res["memcpy_ms"], f"{k}: {ms:.0f} ms per expert load <= 1.5 x memcpy "
                      f"{res['memcpy_ms']:.0f} ms ({res['memcpy_1thread_ms']:.0f} ms with one thread)")
             else:
-                seq_ms = res["expert_mb"] / res["seq_read_gbps"]                 # MB / (GB/s) = ms
-                line(ms <= 1.2 * seq_ms, f"{k}: {ms:.0f} ms per expert load <= 1.2 x sequential read {seq_ms:.0f} ms")
+                around = v.get("seq_read_gbps_around", [res["seq_read_gbps"]])
+                seq_ms = res["expert_mb"] / (sum(around) / len(around))           # MB / (GB/s) = ms
+                line(ms <= 1.2 * seq_ms, f"{k}: {ms:.0f} ms per expert load <= 1.2 x sequential read {seq_ms:.0f} ms "
+                     f"(disk {' / '.join(f'{g:.2f}' for g in around)} GB/s around the run)")
         if k.startswith(("disk-", "ram-")):
             n = int(k.split("-")[1])
             cache = n * ex if k.startswith("disk-") else 16 * ex      # in place the store is the cache
