@@ -175,3 +175,18 @@ def test_admission_flag_on_generate(tiny_small, tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
         outs[adm] = json.loads(r.stdout.strip().splitlines()[-1])
     assert outs["on"]["text"] == outs["off"]["text"]
+
+
+def test_runtime_admission_knows_where_its_misses_run(tiny_small, reference):
+    """`--cpu-experts` reaches the rule: with misses computed on the CPU a prevented miss is worth its CPU compute
+    (the cost model's), with misses fetched it is worth a copy."""
+    cost = reference[4]
+    slow_copy = FixedCost(load=1.0, attention=1.0, expert=0.03, cpu_expert=0.3, expert_bytes=cost.expert_bytes)
+    for mode, want in (("never", None), ("auto", 0.3), ("always", 0.3)):
+        eng = _load(tiny_small, cache_experts=8, prefetch="gate-reuse", admission="on", cost=slow_copy,
+                    cpu_experts=mode)
+        got = eng.runtime.prefetch_gate.admission.cpu_expert_s
+        assert got == (None if want is None else pytest.approx(want)), mode
+    fast_copy = FixedCost(load=0.001, attention=1.0, expert=0.03, cpu_expert=0.3, expert_bytes=cost.expert_bytes)
+    eng = _load(tiny_small, cache_experts=8, prefetch="gate-reuse", admission="on", cost=fast_copy, cpu_experts="auto")
+    assert eng.runtime.prefetch_gate.admission.cpu_expert_s is None        # auto fetches: a copy is cheaper

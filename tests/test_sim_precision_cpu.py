@@ -197,6 +197,53 @@ def test_admission_rule():
         make_admission("maybe")
 
 
+def confident(a, score=0.95, n=100):
+    """`a` after `n` predictions at `score`, all right: confidence (n + 8 x score/2) / (n + 8)."""
+    for _ in range(n):
+        a.outcome(score, True)
+    return a
+
+
+def test_admission_values_a_prevented_cpu_miss_at_its_cpu_compute():
+    # 0.1 s of idle engine per layer; a 0.3 s copy two layers ahead hides 0.2 s and lands 0.1 s late
+    fetched = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0))
+    assert fetched.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.0)         # saves 0.2 s of a demand load
+    # misses computed on the CPU in 0.05 s: the late copy would be waited for longer than the CPU takes, so
+    # the miss is computed on the CPU anyway: it saves nothing (the copy's 0.2 s hidden is not a saving)
+    cheap = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0, cpu_expert_s=0.05))
+    assert not cheap.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.0)
+    # a 0.15 s CPU miss: 0.1 s late still beats the CPU by 0.05 s (p x 0.05 > costs + 10 % of 0.15)
+    slow = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0, cpu_expert_s=0.15))
+    assert slow.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.0)
+    # landing in time, a right copy saves the whole CPU compute and a wrong one's victim is re-missed on the CPU:
+    # both sides scale with the miss, so a copy that fits is judged alike in both placements (confidence ~0.5
+    # here: worth it against a cold victim, reuse 0.2, not against a hot one)
+    for victim, want in ((0.2, True), (1.0, False)):
+        for cpu in (None, 0.05):
+            a = PrefetchAdmission(attention_s=0.1, experts_s=0.0, victim=victim, cpu_expert_s=cpu)
+            for i in range(90):
+                a.outcome(0.65, i % 2 == 0)                       # right half the time
+            assert a.admit(0.65, copy_s=0.3, layers_ahead=4, backlog_s=0.0) == want
+
+
+def test_admission_window_counts_the_cpu_share_of_a_layer():
+    a = PrefetchAdmission(attention_s=0.1, experts_s=0.02, decay=0.5, cpu_expert_s=0.2)
+    assert a.layer_s == pytest.approx(0.1 + 0.5 * 0.02)                 # q starts at 0.5, no CPU misses yet
+    a.layer_done(0, cpu_experts=2)                                       # a layer with 2 misses on the CPU
+    assert a.m == pytest.approx(1.0) and a.q == pytest.approx(0.75)
+    assert a.layer_s == pytest.approx(0.1 + 1.0 * 0.2)                   # the engine idles while the CPU computes
+    assert PrefetchAdmission(0.1, 0.02, decay=0.5).layer_s == pytest.approx(0.11)   # misses fetched: no CPU share
+
+
+def test_make_admission_knows_where_a_miss_runs():
+    cpu_cheaper = FixedCost(load=1.0, attention=0.1, expert=0.03, cpu_expert=0.3)
+    copy_cheaper = FixedCost(load=0.1, attention=0.1, expert=0.03, cpu_expert=0.3)
+    assert make_admission("on", cpu_cheaper, 1).cpu_expert_s is None                       # --cpu-experts never
+    assert make_admission("on", cpu_cheaper, 1, cpu_experts="auto").cpu_expert_s == pytest.approx(0.3)
+    assert make_admission("on", copy_cheaper, 1, cpu_experts="auto").cpu_expert_s is None  # auto fetches
+    assert make_admission("on", copy_cheaper, 1, cpu_experts="always").cpu_expert_s == pytest.approx(0.3)
+
+
 def test_admission_drops_a_late_prefetch_and_keeps_a_timely_one():
     cost = FixedCost(load=1.0, attention=0.1, expert=0.0)
     tr = make_trace([[[0], [5]]], K=1)

@@ -8,19 +8,26 @@ the compute time of the layers in between, minus the copies already queued ahead
 
 For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
 
-    window  = layers_ahead x (attention + q x top-k expert compute)    the engine's idle time per layer:
-                                                  attention always (a layer's demand loads start after its
-                                                  router), its experts' compute only in layers without a demand
-                                                  load (q: the running share of such layers, `layer_done`)
+    window  = layers_ahead x (attention + max(q x top-k expert compute, m x CPU expert compute))
+                                                  the engine's idle time per layer: attention always (a layer's
+                                                  demand loads start after its router), its experts' compute only
+                                                  in layers without a demand load (q: the running share of such
+                                                  layers, `layer_done`); with misses computed on the CPU, the
+                                                  CPU's share of a layer (m: its running mean of CPU misses)
     hidden  = clamp(window - backlog, 0, c)       load time it hides if right; backlog = copy-engine time
                                                   committed ahead of it (in-flight copies, earlier prefetches)
-    saving  = p x hidden
+    miss    = c, or the CPU compute e             what the miss it prevents costs: a copy, or where the
+                                                  placement computes misses on the CPU (`--cpu-experts`), e
+    saving  = p x max(miss - (c - hidden), 0)     a right copy still c - hidden from landing when its layer runs
+                                                  is waited for, or its expert computed on the CPU anyway: with
+                                                  misses fetched that is p x hidden; with misses on the CPU a copy
+                                                  saves only when it lands within e of its layer
     cost    = (1 - p) x (c - hidden)              if wrong, the part of its copy that does not fit in idle
-            + (1 - p) x victim x c                engine time delays demand loads; and it evicted a resident
+            + (1 - p) x victim x miss             engine time delays demand loads; and it evicted a resident
                                                   expert that may be needed again (`victim`, a reuse guess)
-            + p x co_chosen x c                   if right, its victim may still be another expert the same
+            + p x co_chosen x miss                if right, its victim may still be another expert the same
                                                   layer is about to choose (a demand load's chunk is pinned)
-    admit   <=> hidden > 0 and saving > cost + floor x c
+    admit   <=> hidden > 0 and saving > cost + floor x miss
                                                   (floor 0.1: a marginal copy changes the cache's trajectory
                                                   by +-0.1 % either way; it is not worth that noise)
 
@@ -45,6 +52,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cache_model import FULL
+from .placement import CPU, ComputePlacement
 
 ADMISSION_MODES = ("on", "off")
 
@@ -53,6 +61,7 @@ class AdmitAll:
     """`--admission off`: every prediction is issued (the behaviour before admission existed)."""
 
     name = "off"
+    cpu_expert_s = None                            # misses are fetched
 
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
               co_chosen: float = 0.0) -> bool:
@@ -61,7 +70,7 @@ class AdmitAll:
     def outcome(self, score: float, chosen: bool) -> None:
         pass
 
-    def layer_done(self, demand_loads: int) -> None:
+    def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
         pass
 
     def describe(self) -> str:
@@ -71,14 +80,17 @@ class AdmitAll:
 class PrefetchAdmission(AdmitAll):
     """The expected-saving vs expected-cost rule above. `attention_s` / `experts_s`: a decode layer's
     attention time and its top-k resident experts' compute time, from the cost model; `victim`: the chance an
-    evicted resident is needed again before it would have left anyway."""
+    evicted resident is needed again before it would have left anyway; `cpu_expert_s`: one missed expert's CPU
+    compute when the placement computes misses on the CPU (`--cpu-experts`), None when misses are fetched."""
 
     name = "on"
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
                  prior: float = 8.0, decay: float = 0.99, fit: float = 0.0, trust: float = 0.5,
-                 margin: float = 1.0, floor: float = 0.1):
+                 margin: float = 1.0, floor: float = 0.1, cpu_expert_s: float | None = None):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
+        self.cpu_expert_s = cpu_expert_s           # a miss's cost when the CPU computes it (None: it is fetched)
+        self.m = 0.0                               # running mean of CPU-computed misses per layer
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
         self.q, self.decay = 0.5, decay            # running share of layers without a demand load
@@ -89,11 +101,12 @@ class PrefetchAdmission(AdmitAll):
 
     @property
     def layer_s(self) -> float:
-        return self.attention_s + self.q * self.experts_s
+        return self.attention_s + max(self.q * self.experts_s, self.m * (self.cpu_expert_s or 0.0))
 
-    def layer_done(self, demand_loads: int) -> None:
-        """A decode layer ran with `demand_loads` copies it waited for."""
+    def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
+        """A decode layer ran with `demand_loads` copies it waited for and `cpu_experts` misses the CPU computed."""
         self.q = self.decay * self.q + (1 - self.decay) * (demand_loads == 0)
+        self.m = self.decay * self.m + (1 - self.decay) * cpu_experts
 
     def _bucket(self, score: float) -> int:
         return int(min(max(score, 0.0), 1.0 - 1e-9) * len(self.n))
@@ -114,11 +127,13 @@ class PrefetchAdmission(AdmitAll):
         hidden = min(max(layers_ahead * self.layer_s - backlog_s, 0.0), copy_s)
         if hidden <= 0.0 or hidden < self.fit * copy_s:
             return False
+        miss = copy_s if self.cpu_expert_s is None else self.cpu_expert_s
         # a right copy evicts too: unlike a demand load (its chunk pinned) it may take the slot of an expert
         # the same layer is about to choose (`co_chosen`: that chance, from the driver)
-        victim = ((1 - p) * self.victim + p * co_chosen) * copy_s if evicts else 0.0
+        victim = ((1 - p) * self.victim + p * co_chosen) * miss if evicts else 0.0
         cost = (1 - p) * (copy_s - hidden) + victim
-        return p * hidden > self.margin * cost + self.floor * copy_s
+        saving = p * max(miss - (copy_s - hidden), 0.0)
+        return saving > self.margin * cost + self.floor * miss
 
     def describe(self) -> str:
         return "prefetch admission: on (expected saving > expected copy-engine cost, capped by time left)"
@@ -146,8 +161,8 @@ class PrefetchGate:
         for e, score in self.pending.pop(layer, []):
             self.admission.outcome(score, e in chosen)
 
-    def layer_done(self, demand_loads: int) -> None:
-        self.admission.layer_done(demand_loads)
+    def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
+        self.admission.layer_done(demand_loads, cpu_experts)
 
     def offer(self, state, layer: int, preds, copy_s: float, backlog_s: float, issue, precision: str = FULL) -> int:
         """`state`: the CacheState; `copy_s`: one expert's copy time in `precision` (the pool prefetches load);
@@ -183,8 +198,10 @@ class PrefetchGate:
         return queued
 
 
-def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, **kw) -> AdmitAll:
-    """The rule behind `--admission on|off`; times from `cost` (moectl/sim/cost.py)."""
+def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, cpu_experts: str = "never",
+                   **kw) -> AdmitAll:
+    """The rule behind `--admission on|off`; times from `cost` (moectl/sim/cost.py); `cpu_experts` the
+    placement mode (never | auto | always: what a prevented miss would have cost)."""
     from ..errors import MoectlError
 
     if mode == "off":
@@ -192,5 +209,7 @@ def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, **k
     if mode == "on":
         if cost is None:
             raise MoectlError("--admission on needs a cost model (the compute time of a layer)")
-        return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1), **kw)
+        on_cpu = ComputePlacement(cpu_experts, cost).decide(1) == CPU          # where a decode miss runs
+        return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1),
+                                 cpu_expert_s=cost.cpu_expert_s(1) if on_cpu else None, **kw)
     raise MoectlError(f"unknown --admission {mode!r}; choose one of {', '.join(ADMISSION_MODES)}")

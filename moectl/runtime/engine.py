@@ -209,7 +209,7 @@ class Engine:
         runtime.cache = cache
         runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
         runtime.prefetch_gate, runtime.copy_s = _admission(admission, cost, config, dev, adapter.top_k, expert_nbytes,
-                                                  in_place, prefetch)
+                                                          in_place, prefetch, cpu_experts)
         if replay_trace is not None:
             from .replay import RoutingReplay
 
@@ -613,7 +613,7 @@ def _placement(mode: str, cost, config, dev: torch.device, in_place: bool):
 
 
 def _admission(mode: str, cost, config, dev: torch.device, top_k: int, expert_nbytes: int, in_place: bool,
-               prefetch):
+               prefetch, cpu_experts: str = "never"):
     """(the PrefetchGate behind --admission, one expert's copy time): `on` prices copies and layer compute with
     `cost`, or this machine's measured figures (as `_placement` does)."""
     from ..policies.admission import make_admission
@@ -621,7 +621,7 @@ def _admission(mode: str, cost, config, dev: torch.device, top_k: int, expert_nb
     if mode == "off" or in_place or prefetch is None:
         return PrefetchGate(make_admission("off"), top_k), 0.0
     cost = cost if cost is not None else _machine_cost(config, dev)
-    return PrefetchGate(make_admission(mode, cost, top_k), top_k), cost.load_s(expert_nbytes)
+    return PrefetchGate(make_admission(mode, cost, top_k, cpu_experts=cpu_experts), top_k), cost.load_s(expert_nbytes)
 
 
 def _machine_cost(config, dev: torch.device):

@@ -343,7 +343,7 @@ class Simulator:
                     self._advance(clock + 1e-12)
                 clock = max(t, t_cpu)
                 if not step.prefill:
-                    self.gate.layer_done(self.n_demand - layer_demand)
+                    self.gate.layer_done(self.n_demand - layer_demand, len(on_cpu))
             head = cost.lm_head_s(1)
             t_final = clock
             clock += head
