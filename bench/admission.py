@@ -75,8 +75,9 @@ def predictors(tr, train):
 
 
 def prefetches(r) -> float:
-    """Prefetch copies per token (the copy engine also runs fills, CPU-computed misses copied in while it idles)."""
-    return r.prefetch_loads_per_token - r.fill_copies_per_token
+    """Prefetch copies issued per decode token (the cache state's count: the engine's copies also include fills,
+    CPU-computed misses copied in while it idles)."""
+    return sum(r.cache["decode"]["prefetches"]) / max(r.tokens, 1)
 
 
 def main() -> int:

@@ -176,7 +176,7 @@ class Fixed(PrefetchPolicy):
 
 
 def test_admission_rule():
-    a = PrefetchAdmission(attention_s=0.1, experts_s=0.0)          # 0.1 s of idle copy engine per layer
+    a = PrefetchAdmission(attention_s=0.1, experts_s=0.0, fit=0.0)  # 0.1 s of idle copy engine per layer
     assert a.confidence(1.0) == pytest.approx(0.5)                 # before any outcome: half the score
     for _ in range(100):
         a.outcome(0.95, True)
@@ -192,6 +192,10 @@ def test_admission_rule():
     # ... not when the slot it takes may hold an expert its layer is about to choose
     assert not a.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.1, co_chosen=0.5)
     assert not a.admit(0.35, copy_s=0.3, layers_ahead=4, backlog_s=0.0)             # mostly wrong: evicts
+    # the default fit: a copy must hide at least half its time (0.1 s of 0.3 s is a bet on the confidence)
+    half = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0))
+    assert not half.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.1)
+    assert half.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.05)                # 0.15 s: half
     assert isinstance(make_admission("off"), AdmitAll) and AdmitAll().admit(0.0, 9, 1, 9)
     with pytest.raises(MoectlError, match="--admission"):
         make_admission("maybe")
@@ -224,6 +228,19 @@ def test_admission_values_a_prevented_cpu_miss_at_its_cpu_compute():
             for i in range(90):
                 a.outcome(0.65, i % 2 == 0)                       # right half the time
             assert a.admit(0.65, copy_s=0.3, layers_ahead=4, backlog_s=0.0) == want
+
+
+def test_admission_with_cpu_misses_treats_a_free_slot_as_taken_by_a_fill():
+    # right 30 % of the time, a copy that fits into a free slot: free when misses are fetched (nothing evicted,
+    # no engine time lost) ...
+    fetched, cpu = PrefetchAdmission(0.1, 0.0), PrefetchAdmission(0.1, 0.0, cpu_expert_s=0.05)
+    for a in (fetched, cpu):
+        for i in range(100):
+            a.outcome(0.35, i % 10 < 3)
+    assert fetched.admit(0.35, copy_s=0.3, layers_ahead=4, backlog_s=0.0, evicts=False)
+    # ... but with misses computed on the CPU the fills would take that slot (the expert just computed): the
+    # copy displaces it, and at 30 % that costs more than it saves
+    assert not cpu.admit(0.35, copy_s=0.3, layers_ahead=4, backlog_s=0.0, evicts=False)
 
 
 def test_admission_window_counts_the_cpu_share_of_a_layer():
