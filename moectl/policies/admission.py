@@ -13,7 +13,9 @@ For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
                                                   demand loads start after its router), its experts' compute only
                                                   in layers without a demand load (q: the running share of such
                                                   layers, `layer_done`); with misses computed on the CPU, the
-                                                  CPU's share of a layer (m: its running mean of CPU misses)
+                                                  CPU's share of a layer (m: its running mean of CPU misses).
+                                                  Less that compute share when the layer that just routed fetches
+                                                  a miss (`loading`): its experts run as its copies land
     hidden  = clamp(window - backlog, 0, c)       load time it hides if right; backlog = copy-engine time
                                                   committed ahead of it (in-flight copies, earlier prefetches)
     miss    = c, or the CPU compute e             what the miss it prevents costs: a copy, or where the
@@ -70,7 +72,7 @@ class AdmitAll:
     cpu_expert_s = None                            # misses are fetched
 
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
-              co_chosen: float = 0.0) -> bool:
+              co_chosen: float = 0.0, loading: bool = False) -> bool:
         return True
 
     def outcome(self, score: float, chosen: bool) -> None:
@@ -106,8 +108,13 @@ class PrefetchAdmission(AdmitAll):
         self.floor = floor                         # ... and by at least this share of the copy time
 
     @property
+    def compute_s(self) -> float:
+        """A layer's expert time the copy engine idles through (expected)."""
+        return max(self.q * self.experts_s, self.m * (self.cpu_expert_s or 0.0))
+
+    @property
     def layer_s(self) -> float:
-        return self.attention_s + max(self.q * self.experts_s, self.m * (self.cpu_expert_s or 0.0))
+        return self.attention_s + self.compute_s
 
     def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
         """A decode layer ran with `demand_loads` copies it waited for and `cpu_experts` misses the CPU computed."""
@@ -128,9 +135,10 @@ class PrefetchAdmission(AdmitAll):
         self.hit[b] += bool(chosen)
 
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
-              co_chosen: float = 0.0) -> bool:
+              co_chosen: float = 0.0, loading: bool = False) -> bool:
         p = self.confidence(score)
-        hidden = min(max(layers_ahead * self.layer_s - backlog_s, 0.0), copy_s)
+        window = layers_ahead * self.layer_s - (self.compute_s if loading else 0.0)
+        hidden = min(max(window - backlog_s, 0.0), copy_s)
         if hidden <= 0.0 or hidden < self.fit * copy_s:
             return False
         miss = copy_s if self.cpu_expert_s is None else self.cpu_expert_s
@@ -173,13 +181,17 @@ class PrefetchGate:
     def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
         self.admission.layer_done(demand_loads, cpu_experts)
 
-    def offer(self, state, layer: int, preds, copy_s: float, backlog_s: float, issue, precision: str = FULL) -> int:
+    def offer(self, state, layer: int, preds, copy_s: float, backlog_s: float, issue, precision: str = FULL,
+              routed=()) -> int:
         """`state`: the CacheState; `copy_s`: one expert's copy time in `precision` (the pool prefetches load);
         `backlog_s`: copy-engine time committed now; `issue(tl, e, held)`: held = the precision of a resident copy
-        (protect it, no copy) or None (copy it into `precision`'s pool; True when a copy was queued).
-        Returns the copies queued."""
+        (protect it, no copy) or None (copy it into `precision`'s pool; True when a copy was queued);
+        `routed`: the experts `layer` chose. Returns the copies queued."""
         per_layer: dict[int, int] = {}
         queued = 0
+        # the layer that just routed fetches a miss: its compute overlaps its own copies, not idle engine time
+        loading = self.admission.cpu_expert_s is None and layer >= 0 and any(
+            not any(state.contains(layer, int(e), p) for p in state.counts) for e in routed)
         for tl, e, score in state.resident_first(preds):
             tl, e = int(tl), int(e)
             if not (layer < tl < state.num_layers):
@@ -199,7 +211,7 @@ class PrefetchGate:
             # replacement evicts the coldest resident and a token's other experts are mostly hot ones
             co_chosen = min(1.0, 0.25 * (self.top_k - 1) / state.capacity(tl, precision))
             if not self.admission.admit(float(score), copy_s, max(tl - max(layer, 0), 1), backlog_s, evicts=full,
-                                        co_chosen=co_chosen):
+                                        co_chosen=co_chosen, loading=loading):
                 continue
             if issue(tl, e, None):
                 backlog_s += copy_s

@@ -487,10 +487,10 @@ class _Runtime:
                        hidden[0].float().cpu().numpy())
             preds = pf.predict(layer)
             self.predictor_s += time.perf_counter() - t0
-            self.offer(layer, preds)                                     # later layers of this token
+            self.offer(layer, preds, top_k_index[0].tolist())            # later layers of this token
 
     # --- prefetch admission (policies/admission.py: the simulator's gate and rule) ------------------
-    def offer(self, layer: int, preds) -> None:
+    def offer(self, layer: int, preds, routed=()) -> None:
         """Predictions made after `layer` (-1: after the previous token) through the shared gate: resident ones
         protected, missing ones copied when admitted; the backlog is the copy engine's unrun chunks, timed."""
         cache = self.cache
@@ -502,7 +502,7 @@ class _Runtime:
             return cache.prefetch(target, expert)
         backlog = getattr(cache, "backlog_bytes", None)
         backlog_s = self.copy_s * backlog() / cache.store.expert_nbytes if backlog and self.copy_s else 0.0
-        self.prefetch_gate.offer(cache.state, layer, preds, self.copy_s, backlog_s, issue)
+        self.prefetch_gate.offer(cache.state, layer, preds, self.copy_s, backlog_s, issue, routed=routed)
 
     def decode_misses(self, layer: int) -> int:
         """Demand loads of `layer` in decode steps so far (all pools): `layer_done`'s count is the difference."""

@@ -189,7 +189,7 @@ class Simulator:
         self.queue.append(((tl, p, e), t, copy))
         return True
 
-    def _predicted(self, l: int, preds, t: float) -> None:
+    def _predicted(self, l: int, preds, t: float, routed=()) -> None:
         """Candidates (target layer, expert, score) predicted after layer l (-1: after the previous token), through
         the gate the runtime uses too: a resident one is protected, a missing one copied if admission admits it."""
         p = self.pf_prec
@@ -199,7 +199,7 @@ class Simulator:
                 self.state.prefetch(tl, e, held)
                 return False
             return self._issue(tl, e, t, p)
-        self.gate.offer(self.state, l, preds, self.cost.load_s(self.nbytes[p]), self._backlog(t), issue, p)
+        self.gate.offer(self.state, l, preds, self.cost.load_s(self.nbytes[p]), self._backlog(t), issue, p, routed)
 
     def _cpu_beats_copy(self, copy: _Copy, t: float, p: str) -> bool:
         """A resident expert whose copy has not landed yet: is computing it on the CPU faster than waiting?"""
@@ -258,7 +258,7 @@ class Simulator:
                 if not step.prefill:
                     h = hidden_of(step.rows[0], l) if hidden_of else None
                     self.pf.observe(l, chosen, weights, h)
-                    self._predicted(l, self.pf.predict(l), clock)
+                    self._predicted(l, self.pf.predict(l), clock, chosen)
                 layer_demand = self.n_demand
                 # where each chosen expert runs: a resident copy of either precision; else the precision
                 # policy's choice (full / low / skip), fetched or computed on the CPU
