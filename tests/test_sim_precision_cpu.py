@@ -252,6 +252,38 @@ def test_admission_window_counts_the_cpu_share_of_a_layer():
     assert PrefetchAdmission(0.1, 0.02, decay=0.5).layer_s == pytest.approx(0.11)   # misses fetched: no CPU share
 
 
+def test_a_layer_fetching_a_miss_leaves_no_idle_compute():
+    from moectl.cache_model import CacheState
+    from moectl.policies.admission import PrefetchGate
+
+    # 0.1 s attention, 0.2 s of expert compute in a layer without demand loads (q = 0.5 at the start)
+    a = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.4))
+    assert a.layer_s == pytest.approx(0.3)
+    assert a.admit(0.95, copy_s=0.6, layers_ahead=2, backlog_s=0.0)                  # hides 0.6 of 0.6
+    # the layer that just routed fetches a miss: its experts run as its copies land, so 0.4 of 0.6 hidden,
+    # the rest delays the next layer's loads
+    assert a.admit(0.95, copy_s=0.6, layers_ahead=1, backlog_s=0.0)                  # 0.3 s: half
+    assert not a.admit(0.95, copy_s=0.6, layers_ahead=1, backlog_s=0.0, loading=True)   # 0.1 s: below half
+    assert a.admit(0.95, copy_s=0.6, layers_ahead=2, backlog_s=0.0, loading=True)       # 0.4 s
+
+    class Seen(AdmitAll):
+        def __init__(self, cpu_expert_s=None):
+            self.cpu_expert_s, self.loading = cpu_expert_s, []
+
+        def admit(self, score, copy_s, layers_ahead, backlog_s, evicts=True, co_chosen=0.0, loading=False):
+            self.loading.append(loading)
+            return False
+
+    st = CacheState([2, 2, 2], LRU())
+    st.begin_request("r")
+    st.begin_step("decode")
+    st.access(0, 1)                                                     # expert 1 of layer 0 resident
+    for adm, layer, routed, want in ((Seen(), 0, [1, 5], True), (Seen(), 0, [1], False),
+                                     (Seen(cpu_expert_s=0.05), 0, [1, 5], False), (Seen(), -1, [5], False)):
+        PrefetchGate(adm, 2).offer(st, layer, [(2, 3, 0.9)], copy_s=0.3, backlog_s=0.0, issue=None, routed=routed)
+        assert adm.loading == [want], (layer, routed, adm.cpu_expert_s)
+
+
 def test_make_admission_knows_where_a_miss_runs():
     cpu_cheaper = FixedCost(load=1.0, attention=0.1, expert=0.03, cpu_expert=0.3)
     copy_cheaper = FixedCost(load=0.1, attention=0.1, expert=0.03, cpu_expert=0.3)
