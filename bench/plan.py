@@ -11,8 +11,10 @@ on every shared trace (and a profiled tiny trace), and the scoreboards of issues
      policy (HOBBIT's T1 0.6 / T2 0.9 with q4g64 copies) with misses computed on the CPU where the cost model says
      it beats a copy. Mixtral gets AdapMoE's released sensitivities (T_g 0.005) in its workdir, so moectl's plan and
      the adapmoe preset gate alike.
-  4. issue 18: moectl-q4 (lowbit-only q4g64, CPU compute auto) against llamacpp-cpu-moe: Mixtral at 16/20/24 GB,
-     Qwen1.5-MoE and OLMoE at 25 % (plan on .math, judged on .code).
+  4. issue 18: moectl-q4 (lowbit-only q4g64, CPU compute auto) against llamacpp-cpu-moe: Mixtral at 16/20/24 GB
+     (held out: plan on one request of the shared file, judged on the other, both ways round), Qwen1.5-MoE and
+     OLMoE at 25 % (plan on .math, judged on .code). moectl-q4 starts with the plan's preload resident, as
+     llama.cpp's static placement is from token 0.
 
 Run: [MOECTL_SHARED=../shared] .venv/bin/python bench/plan.py [--only time,uniform,scoreboard,q4] [--tiny WORKDIR] [--json out.json]
 (--tiny: a workdir whose traces/ came from `moectl profile --model tiny ... --hidden-samples all`.)
@@ -37,8 +39,8 @@ from moectl.plan.budget import model_facts, split_budget  # noqa: E402
 from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)
-from moectl.plan.setup import plan_setup  # noqa: E402
-from moectl.trace import DECODE, Trace, load_trace  # noqa: E402
+from moectl.plan.setup import _stored_gating, plan_setup  # noqa: E402
+from moectl.trace import DECODE, Trace, load_trace, write_jsonl  # noqa: E402
 
 SHARED = Path(os.environ.get("MOECTL_SHARED") or Path(__file__).resolve().parents[2] / "shared") / "traces"
 HW = "rtx4090-pcie4"
@@ -120,11 +122,12 @@ def plan_vs_uniform(tiny: str | None) -> list[dict]:
                      "prefetch": p["policies"]["prefetch"], "stall_plan": pr["stall_ms_per_token"],
                      "stall_uniform": un["stall_ms_per_token"], "ms_plan": pr["ms_per_token"],
                      "ms_uniform": un["ms_per_token"], "margin": 1 - pr["stall_ms_per_token"] / un["stall_ms_per_token"],
-                     "refined_moves": p.get("refined_moves", 0), "seconds": sum(p["timing_s"].values())})
+                     "refined_moves": p.get("refined_moves", 0), "kept": p.get("kept"),
+                     "dp_margin": p.get("dp", {}).get("margin"), "seconds": sum(p["timing_s"].values())})
         r = rows[-1]
         print(f"{r['trace']:24s} {r['budget_bytes'] / 1e9:6.2f} GB {r['slots']:4d} slots ({r['of_experts']:.0%}) "
-              f"stall plan {r['stall_plan']:8.2f} uniform {r['stall_uniform']:8.2f} ms/tok: {r['margin']:+.1%} "
-              f"({r['seconds']:.0f} s)", flush=True)
+              f"stall plan {r['stall_plan']:8.4g} uniform {r['stall_uniform']:8.4g} ms/tok: {r['margin']:+.1%} "
+              f"(kept {r['kept']}, the DP's own {r['dp_margin']:+.1%}; {r['seconds']:.0f} s)", flush=True)
     return rows
 
 
@@ -136,19 +139,33 @@ def _mixtral_workdir(wd: str) -> None:
         "source": "AdapMoE released weight list (seed_adapmoe.md 2.3)"}))
 
 
+def _shared(name: str, wd: str) -> Path:
+    """A shared trace file, or with `#i` one request of it (the single Mixtral file has 2: plan on one, judge on
+    the other), written into `wd`."""
+    name, _, req = name.partition("#")
+    path = SHARED / f"{name}.jsonl"
+    if not req:
+        return path
+    tr = load_trace(path)
+    return write_jsonl(tr.select(tr.request_slices()[int(req)][1]), Path(wd) / f"{name}.request{req}.jsonl")
+
+
 def board(model: str, budget, plan_trace: str, judge_trace: str | None, precision: dict, names=None) -> dict:
     with tempfile.TemporaryDirectory() as wd:
         if model == "mixtral":
             _mixtral_workdir(wd)
-        s = plan_setup(model, str(budget), HW, 4096, [SHARED / f"{plan_trace}.jsonl"], "ours", "auto", None, wd)
+        s = plan_setup(model, str(budget), HW, 4096, [_shared(plan_trace, wd)], "ours", "auto", None, wd)
         for k, v in precision.items():
             setattr(s.policies, k, v)
         plan = make_plan(s.facts, s.split, s.cost, s.replay, s.policies, HW)
         replay = s.replay
         if judge_trace:
-            tr = load_trace(SHARED / f"{judge_trace}.jsonl")
+            tr = load_trace(_shared(judge_trace, wd))
             replay = Replay(tr, s.cost, train_traces=[s.replay.raw])
             replay.raw = tr
+            gated = _stored_gating(Path(wd), s.facts, tr)        # the workdir's T_g, as the planning trace got
+            if gated is not None:
+                replay.trace = gated[2]
         rows = [run_preset(s, p, plan, replay) for p in PRESETS if names is None or p.name in names]
     title = (f"{model} {budget if isinstance(budget, str) else f'{budget / 1e9:.2f}GB'} on {HW}: plan on {plan_trace}"
              + (f", judged on {judge_trace}" if judge_trace else ""))
@@ -167,8 +184,10 @@ def scoreboards() -> list[dict]:
 def q4() -> list[dict]:
     q = {"precision": "lowbit-only", "lowbit": "q4g64", "cpu_experts": "auto"}
     out = []
-    for gb in ("16GB", "20GB", "24GB"):
-        out.append(board("mixtral", gb, "mixtral-8x7b.gsm8k", None, q, names={"llamacpp-cpu-moe", "moectl-q4"}))
+    for gb in ("16GB", "20GB", "24GB"):          # held out: plan on one request of the Mixtral file, judge on the other
+        for plan_req, judge_req in ((0, 1), (1, 0)):
+            out.append(board("mixtral", gb, f"mixtral-8x7b.gsm8k#{plan_req}", f"mixtral-8x7b.gsm8k#{judge_req}", q,
+                             names={"llamacpp-cpu-moe", "moectl-q4"}))
     out.append(board("qwen1.5-moe", quarter_budget("qwen1.5-moe"), "qwen.math", "qwen.code", q,
                      names={"llamacpp-cpu-moe", "moectl-q4"}))
     out.append(board("olmoe", quarter_budget("olmoe"), "olmoe.math", "olmoe.code", q,

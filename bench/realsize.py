@@ -9,8 +9,11 @@ process (one at a time: peak RSS is sampled every 5 ms from /proc/self/status), 
 dropped from the page cache with posix_fadvise(POSIX_FADV_DONTNEED) before the run (no root needed,
 touches no other process's cache); fincore confirms what is left cached. The VM's disk is shared and its
 speed moves several-fold within minutes, so every cold disk run is judged against the shards' sequential read
-speed measured just before and just after it. `--repeat K` runs every configuration K times (cold ones too)
-and keeps each one's fastest decode.
+speed measured just before and just after it; and, independent of that speed, one expert's cold demand read
+(the runtime's `ExpertStore.load_into`) is timed against a plain sequential read of the same bytes in
+alternating pairs (`--cold-pairs`). `--repeat K` runs every configuration K times (cold ones too) and keeps each
+one's fastest decode. "Never slower with a bigger cache" is checked where N means slots (disk, emulate): in
+place (ram without --emulate-device) N changes nothing.
 
 Usage: python bench/realsize.py [--ckpt /work/realsize-ckpt] [--only ram-2-warm,disk-8-cold] [--json out.json]
 The checkpoint is a build artifact: never commit it.
@@ -252,6 +255,52 @@ def memcpy_ms(nbytes: int, threads: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
+COLD_AB = r"""
+import json, os, random, sys, time
+cfg = json.loads(sys.argv[1])
+for f in cfg["files"]:                    # cold, as a cold run starts: dropped before the engine loads
+    fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+import torch
+torch.set_num_threads(cfg["threads"])
+from moectl.runtime.engine import Engine
+eng = Engine.load(cfg["ckpt"], offload="disk", cache_experts=16, prefetch="none", progress=False)
+store, cache = eng.store, eng.cache
+plain = bytearray(64 * 2**20)
+def sequential(l, e):                      # the same bytes, 64 MB plain reads front to back, into one reused buffer
+    for r in store.ranges[l][e]:
+        with open(r.file, "rb", buffering=0) as fh:
+            fh.seek(r.offset); left = r.nbytes
+            while left:
+                left -= fh.readinto(memoryview(plain)[:min(left, len(plain))])
+experts = [(l, e) for l in range(store.num_layers) for e in range(store.num_experts)]
+random.Random(0).shuffle(experts)          # each expert read once (still cold), the two ways alternating
+times = {"moectl": [], "sequential": []}
+for i, (l, e) in enumerate(experts[:2 * cfg["pairs"]]):
+    k = ("moectl", "sequential")[(i + i // 2) % 2]      # moectl first in even pairs, second in odd ones
+    t0 = time.perf_counter()
+    store.load_into(l, e, cache.pool[l][e], parallel=True) if k == "moectl" else sequential(l, e)
+    times[k].append((time.perf_counter() - t0) * 1000)
+print(json.dumps(times))
+"""
+
+
+def cold_read_ab(ckpt: Path, files: list[Path], threads: int, pairs: int) -> dict:
+    """The runtime's demand read of one expert into its slot from a cold page cache (`ExpertStore.load_into`, as
+    a miss does it) against a plain sequential read of another expert's bytes, alternating, in one process that
+    loaded the engine cold (as a cold run does): both see the same moments of the shared disk and the same kernel
+    memory state (after a cold load, page-cache allocation costs the kernel ~3x the CPU time it does right after a
+    big eviction, for any reader), so their ratio is the read path's own cost."""
+    cfg = {"ckpt": str(ckpt), "files": [str(f) for f in files], "threads": threads, "pairs": min(pairs, 8)}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", COLD_AB, json.dumps(cfg)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    ratios = sorted(a / b for a, b in zip(times["moectl"], times["sequential"]))
+    return {"ms": times, "median_ms": med, "median_ratio": ratios[len(ratios) // 2]}
+
+
 def run_one(ckpt: Path, mode: str, offload: str, n: int, threads: int) -> dict:
     cfg = {"ckpt": str(ckpt), "mode": mode, "offload": offload, "n": n, "threads": threads, "prompt": PROMPT,
            "tokens": NEW_TOKENS}
@@ -271,6 +320,10 @@ def main() -> None:
     ap.add_argument("--paired", type=int, default=0, metavar="TOKENS",
                     help="only the paired runs (decode steps interleaved in one process, TOKENS tokens): in place vs "
                          "all experts in slots (needs the checkpoint twice in RAM), and disk N=2/8/16")
+    ap.add_argument("--cold-pairs", type=int, default=8,
+                    help="pairs of cold reads of one expert (moectl's read vs plain sequential reads, alternating; at most "
+                         "8: each of the 16 experts is read once) "
+                         "that judge the cold read path independently of the disk's speed of the moment")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the list this many times round-robin and keep each run's fastest decode (the machine "
                          "is shared: the minimum is the least disturbed figure)")
@@ -294,6 +347,13 @@ def main() -> None:
     print(f"expert {expert / 1e6:.0f} MB, dense {dense / GB:.2f} GB; memcpy of one expert {mcpy:.1f} ms with "
           f"{args.threads} threads, {mcpy1:.1f} ms with 1; "
           f"cold sequential read {seq:.2f} GB/s = {expert / seq / 1e6:.0f} ms per expert")
+    ab = cold_read_ab(ckpt, files, args.threads, args.cold_pairs) if args.cold_pairs else None
+    if ab and "error" not in ab:
+        print(f"cold read of one expert, {args.cold_pairs} alternating pairs: moectl's demand read median "
+              f"{ab['median_ms']['moectl']:.0f} ms, plain sequential read {ab['median_ms']['sequential']:.0f} ms, "
+              f"median ratio {ab['median_ratio']:.2f}", flush=True)
+    elif ab:
+        print(f"cold read pairs: error: {ab['error']}")
     runs = [("transformers", "transformers", "ram", 16, "warm")]
     for offload in ("ram", "disk"):
         for cache in ("warm", "cold"):
@@ -302,7 +362,7 @@ def main() -> None:
     runs += [(f"emulate-{n}-warm", "emulate", "ram", n, "warm") for n in (2, 8, 16)]
     only = set(filter(None, args.only.split(",")))
     results = {"checkpoint_gb": size / GB, "expert_mb": expert / 1e6, "dense_gb": dense / GB,
-               "memcpy_ms": mcpy, "memcpy_1thread_ms": mcpy1, "seq_read_gbps": seq, "runs": {}}
+               "memcpy_ms": mcpy, "memcpy_1thread_ms": mcpy1, "seq_read_gbps": seq, "cold_read_pairs": ab, "runs": {}}
     print(f"{'run':<18} {'decode ms/tok (median)':>22} {'prefill ms':>10} {'ttft ms':>8} {'peak RSS GB (anon+file)':>24} "
           f"{'GB loaded/tok':>13} {'ms/expert load':>14} {'load s':>7} {'cached GB before':>16}  ids")
     ref_ids = None
@@ -379,14 +439,23 @@ def targets(res: dict) -> list[str]:
             else:
                 around = v.get("seq_read_gbps_around", [res["seq_read_gbps"]])
                 seq_ms = res["expert_mb"] / (sum(around) / len(around))           # MB / (GB/s) = ms
-                line(ms <= 1.2 * seq_ms, f"{k}: {ms:.0f} ms per expert load <= 1.2 x sequential read {seq_ms:.0f} ms "
-                     f"(disk {' / '.join(f'{g:.2f}' for g in around)} GB/s around the run)")
+                # information, not the judgement: the reads around the run are taken by this process right after
+                # an eviction, the fast kernel state; the run loads cold, the slow one (`cold_read_ab`)
+                out.append(f"[info] {k}: {ms:.0f} ms per expert load; {1.2 * seq_ms:.0f} ms = 1.2 x a sequential read "
+                           f"measured around the run (disk {' / '.join(f'{g:.2f}' for g in around)} GB/s, read right "
+                           f"after an eviction); the cold read path line judges the read in the run's own state")
         if k.startswith(("disk-", "ram-")):
             n = int(k.split("-")[1])
             cache = n * ex if k.startswith("disk-") else 16 * ex      # in place the store is the cache
             anon = v["peak"]["anon"] / GB
             line(anon <= cache + dense + 0.5, f"{k}: anon {anon:.2f} GB <= cache {cache:.2f} + dense {dense:.2f} + 0.5")
-    for mode in ("ram", "disk", "emulate"):
+    ab = res.get("cold_read_pairs")
+    if ab and "error" not in ab:
+        line(ab["median_ratio"] <= 1.2, f"cold read path: moectl's demand read of an expert takes {ab['median_ratio']:.2f}x "
+             f"a plain sequential read of as many bytes (median of {len(ab['ms']['moectl'])} alternating pairs; "
+             f"{ab['median_ms']['moectl']:.0f} vs {ab['median_ms']['sequential']:.0f} ms) <= 1.2")
+    # N is the number of slots; in place (ram without --emulate-device) there are none, so N changes nothing there
+    for mode in ("disk", "emulate"):
         for cache in ("warm", "cold"):
             seq = [dec.get(f"{mode}-{n}-{cache}") for n in (2, 8, 16)]
             if None not in seq:

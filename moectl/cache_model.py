@@ -28,8 +28,12 @@ The rules, in the order a driver applies them:
        (`pin` / `unpin`) and each expert is one `access(l, e)`.
   after-token predictions (the aux gate: the next token's first layer, from this token's final hidden
   state) are issued when the next decode step of the same request begins, before its layer 0.
-  clock     ticks once per access (hit or miss) and once per prefetch that inserts; it is the `now`
-            every policy event carries.
+  preload   before the first request a plan's hot set (`hot_experts`: per layer, the experts its planning
+            trace used most) is put into free slots by `preload`: no miss, no eviction, no counter; one
+            policy insert each (least used first, so recency ranks them by use). The runtime copies them at
+            load time; the simulator starts with them landed.
+  clock     ticks once per access (hit or miss), once per prefetch that inserts and once per preloaded
+            expert; it is the `now` every policy event carries.
   counting  every access counts in its step's phase (prefill and decode alike): a hit if the expert is
             resident (a prefetched expert whose copy is still in flight is a hit; the simulator
             reports the wait as stall), else a miss (one demand load). Evictions count in the phase
@@ -123,6 +127,24 @@ class CacheState:
         for pools in self.pools:
             pool = pools[precision]
             pool.slot_of, pool.free = {e: e for e in range(pool.capacity)}, []
+
+    def preload(self, sets: dict) -> list[tuple[int, str, int, int]]:
+        """Fill free slots with {precision: [[experts, most used first] per layer]} (a plan's `preload`) before
+        the first request; an expert already resident in a pool of its layer, a precision this cache has no
+        pool of, or one beyond the free slots is left out. Returns the (layer, precision, expert, slot) filled."""
+        out = []
+        for p, per_layer in sets.items():
+            if p not in self.policies:
+                continue
+            for l, experts in enumerate(per_layer[: self.num_layers]):
+                pool = self.pools[l][p]
+                fit = [int(e) for e in experts if not any(int(e) in q.slot_of for q in self.pools[l].values())]
+                for e in reversed(fit[: len(pool.free)]):
+                    self.clock += 1
+                    pool.slot_of[e] = pool.free.pop()
+                    self.policies[p].on_insert(l, e, self.clock)
+                    out.append((l, p, e, pool.slot_of[e]))
+        return out
 
     # --- events -------------------------------------------------------------------------
     def _count(self, layer: int, precision: str, name: str) -> None:
@@ -230,3 +252,20 @@ def split_slots(total: int, num_layers: int, num_experts: int, flag: str = "--ca
         raise MoectlError(f"{flag} {total} is below the minimum of one slot per MoE layer ({num_layers})")
     base, extra = divmod(min(total, num_layers * num_experts), num_layers)
     return [min(num_experts, base + (1 if i < extra else 0)) for i in range(num_layers)]
+
+
+def hot_experts(experts: np.ndarray, pools: dict) -> dict[str, list[list[int]]]:
+    """What a plan preloads: per layer, the experts used most in `experts` [N, L, K] (routing rows, -1 = none;
+    ties to the lower id), the most used filling the full-precision pool, the next ones the low-bit pool, each
+    up to its slots (`pools`: {precision: per-layer slots})."""
+    N, L, K = experts.shape
+    out = {p: [] for p in pools}
+    for l in range(L):
+        ids = experts[:, l].reshape(-1)
+        counts = np.bincount(ids[ids >= 0].astype(np.int64), minlength=1)
+        order = [int(e) for e in np.argsort(-counts, kind="stable") if counts[e] > 0]
+        for p in sorted(pools, key=lambda p: p != FULL):
+            n = int(pools[p][l])
+            out[p].append(order[:n])
+            order = order[n:]
+    return out

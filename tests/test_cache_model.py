@@ -42,6 +42,20 @@ def test_clock_ticks_on_accesses_and_prefetches():
                                    "prefetch_used": 1, "prefetch_wasted": 0}
 
 
+def test_preload_fills_free_slots_without_counting_least_used_first():
+    pol = LRU()
+    st = CacheState({"full": [2, 1], "low": [2, 2]}, {"full": pol, "low": LRU()})
+    filled = st.preload({"full": [[5, 3, 7], [4]], "low": [[5, 6], [1, 2, 3]], "bogus": [[0], [0]]})
+    assert [(l, p, e) for l, p, e, _ in filled] == [(0, "full", 3), (0, "full", 5), (1, "full", 4), (0, "low", 6),
+                                                   (1, "low", 2), (1, "low", 1)]   # 5 held in full: not again in low
+    assert sorted(st.resident(0)) == [3, 5] and st.resident(1) == [4] and sorted(st.resident(1, "low")) == [1, 2]
+    assert st.clock == 6 and pol.last == {(0, 3): 1, (0, 5): 2, (1, 4): 3}        # the most used is the most recent
+    assert all(v == 0 for p in ("full", "low") for v in st.totals(None, p).values())
+    st.begin_step("decode")
+    st.route(0, [5, 9])
+    assert st.access(0, 5).hit and st.access(0, 9).victim == 3                     # LRU evicts the less used one
+
+
 def test_phases_count_separately_and_prefill_runs_resident_first_in_slot_chunks():
     st = CacheState([2], LRU())
     st.begin_step("prefill")

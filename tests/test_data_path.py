@@ -4,6 +4,7 @@ honest memory errors, generate's timing fields."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import threading
@@ -225,6 +226,7 @@ def test_a_big_demand_read_is_split_over_threads_each_byte_once(mixtral, monkeyp
 
     monkeypatch.setattr(expert_store, "PARALLEL_READ_MIN", 1)          # tiny experts count as big here
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(ckpt_mod.Checkpoint, "cached", lambda self, r: True)   # the bytes are in the page cache
     ram = Engine.load(str(mixtral), progress=False)
     disk = Engine.load(str(mixtral), cache_experts=8, offload="disk", progress=False)
     reads = _record_reads(monkeypatch)
@@ -235,3 +237,42 @@ def test_a_big_demand_read_is_split_over_threads_each_byte_once(mixtral, monkeyp
     assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))   # no gap, no overlap
     assert spans[-1][0] + spans[-1][1] == disk.store.expert_nbytes
     assert torch.equal(dst, ram.store.host(1, 6))
+
+
+def test_a_demand_read_from_the_disk_itself_is_one_sequential_stream(mixtral, monkeypatch):
+    """Not in the page cache: one thread reads the expert front to back (two interleaved streams are slower on a
+    disk); the bytes are the same."""
+    from moectl.store import expert_store
+
+    monkeypatch.setattr(expert_store, "PARALLEL_READ_MIN", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(ckpt_mod.Checkpoint, "cached", lambda self, r: False)
+    ram = Engine.load(str(mixtral), progress=False)
+    disk = Engine.load(str(mixtral), cache_experts=8, offload="disk", progress=False)
+    reads = _record_reads(monkeypatch)
+    disk.cache.acquire(1, 6)
+    dst = disk.cache.pool[1][disk.cache.state.slot(1, 6)]
+    assert {t for *_, t in reads} == {threading.current_thread().name}
+    starts = [a - dst.data_ptr() for a, *_ in reads]
+    assert starts == sorted(starts) and starts[0] == 0                  # front to back
+    assert sum(n for _, n, _, _ in reads) == disk.store.expert_nbytes
+    assert torch.equal(dst, ram.store.host(1, 6))
+
+
+def test_page_cache_probe_tells_a_read_file_from_an_evicted_one(tmp_path):
+    f = tmp_path / "shard.bin"
+    f.write_bytes(os.urandom(1 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.pread(fd, 1 << 20, 0)
+        assert ckpt_mod.in_page_cache(fd, 4096)                         # just read: in the cache
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if ckpt_mod.in_page_cache(fd, 4096) and getattr(os, "RWF_NOWAIT", None) is not None:
+            pytest.skip("this filesystem keeps the file cached (tmpfs-like): nothing to evict")
+        if getattr(os, "RWF_NOWAIT", None) is not None:
+            assert not ckpt_mod.in_page_cache(fd, 4096)
+            os.pread(fd, 8192, 4096)
+            assert ckpt_mod.in_page_cache(fd, 4096)
+    finally:
+        os.close(fd)

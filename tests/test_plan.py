@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from moectl import cli
@@ -217,28 +218,87 @@ def test_scoreboard_presets_on_mixtral(tmp_path):
     assert rows["moectl-q4"]["precision"].startswith("lowbit-only")
 
 
-def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_small, tmp_path, capsys, monkeypatch):
-    """Profile the tiny model, plan its cache for a budget, run the runtime with the plan (CPU slots, as a device
-    has): decode misses per token = the plan's prediction for the profiled trace within 10 %, and weights + cache +
-    KV held stay within the budget (the runtime's own accounting on a CPU)."""
+PROFILE = dict(max_tokens=40, generate=12, hidden_samples="all")     # 3 held-out documents, hidden states kept
+KV_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_profiled(tiny_small, tmp_path_factory):
+    """(checkpoint, workdir with the small tiny model's profiled traces/, ModelFacts, bytes below the experts)."""
     import torch
 
     from moectl.calib.dataset import builtin_corpus
     from moectl.calib.profile import run_profile
-    from moectl.runtime.engine import Engine, dense_nbytes
+    from moectl.plan.budget import model_facts, split_budget
+    from moectl.runtime.engine import Engine
 
     torch.set_num_threads(1)
-    texts = builtin_corpus("validation")[:3]
-    wd = tmp_path / "wd"
+    wd = tmp_path_factory.mktemp("tiny_profiled") / "wd"
     full = Engine.load(str(tiny_small), prefetch="gate-reuse", progress=False, workdir=str(wd))
-    run_profile(full, texts, wd / "traces", model_name="tiny", dataset="builtin:validation", max_tokens=40,
-                generate=12, hidden_samples="all")
-    L, E = len(full.moe_layer_ids), full.adapter.num_experts
-    from moectl.plan.budget import model_facts, split_budget
-
+    run_profile(full, builtin_corpus("validation")[:3], wd / "traces", model_name="tiny", dataset="builtin:validation",
+                **PROFILE)
     facts = model_facts(str(tiny_small), str(wd))
-    kv_tokens = 64
-    minimum = facts.dense_bytes + facts.kv_bytes_per_token * kv_tokens + split_budget(10**12, facts, kv_tokens).workspace
+    minimum = facts.dense_bytes + facts.kv_bytes_per_token * KV_TOKENS + split_budget(10**12, facts, KV_TOKENS).workspace
+    return tiny_small, wd, facts, minimum
+
+
+def test_tiny_plans_never_replay_worse_than_the_even_split(tiny_profiled):
+    """The DP's own slots (before any replay-checked fallback) against the even split of the same bytes, at budgets
+    where curves that charged wasted gate-reuse prefetches as stall made the DP lose (4, 6, 9, 10 of 16 slots:
+    -2 to -52 %); and the curves measure the replay's objective: at an even split their sum is its stall."""
+    from moectl.plan.planner import make_plan
+    from moectl.plan.setup import plan_setup
+
+    ckpt, wd, facts, minimum = tiny_profiled
+    for n in (4, 6, 9, 10):
+        s = plan_setup(str(ckpt), str(minimum + n * facts.expert_bytes()), "rtx4090-pcie4", KV_TOKENS, None, "ours",
+                       "auto", None, str(wd))
+        assert s.policies.prefetch == "gate-reuse"
+        plan = make_plan(s.facts, s.split, s.cost, s.replay, s.policies, "rtx4090-pcie4")
+        uni = plan["uniform"]["stall_ms_per_token"]
+        assert plan["dp"]["stall_ms_per_token"] <= uni and plan["dp"]["margin"] >= 0, (n, plan["dp"], uni)
+        assert plan["kept"] == "dp" and plan["slots"] == plan["dp"]["slots"] and sum(plan["slots"]) <= n
+        assert plan["predicted"]["stall_ms_per_token"] == pytest.approx(plan["dp"]["stall_ms_per_token"])
+        if len(set(plan["uniform_slots"])) == 1:
+            assert plan["curve_ms_per_token"]["uniform"] == pytest.approx(uni, rel=1e-9)
+
+
+def test_a_dp_plan_that_replays_worse_is_not_kept(tiny_profiled):
+    """keep_best's fallback: given slots that replay worse than the even split, the kept plan is a replay-checked
+    move away from them or from the even split, or the even split, and never replays worse than the even split."""
+    from moectl.plan import planner as P
+    from moectl.plan.setup import plan_setup
+
+    ckpt, wd, facts, minimum = tiny_profiled
+    s = plan_setup(str(ckpt), str(minimum + 9 * facts.expert_bytes()), "rtx4090-pcie4", KV_TOKENS, None, "ours",
+                   "auto", None, str(wd))
+    pol, rp, L, E = s.policies, s.replay, facts.num_layers, facts.num_experts
+    nbytes = P.expert_nbytes(facts, pol)
+    curves = P.build_curves(facts, rp, pol, s.cost.load_s(), nbytes)
+    u_hi, u_lo = P.uniform_pools(pol, L, E, s.split.experts, nbytes)
+    bad = [1] * (L - 1) + [sum(u_hi) - (L - 1)]                       # every slot but one per layer in the last
+    run = lambda hi: rp.run(P.pools_of(pol, hi, u_lo), pol, preload=rp.hot(P.pools_of(pol, hi, u_lo)))  # noqa: E731
+    uni, worse = run(u_hi), run(bad)
+    assert worse.stall_ms_per_token > uni.stall_ms_per_token
+    hi, lo, res, kept, moves = P.keep_best(rp, pol, curves, (bad, u_lo, worse), (u_hi, u_lo, uni), E,
+                                           "stall_ms_per_token")
+    assert kept != "dp" and res.stall_ms_per_token <= uni.stall_ms_per_token
+    assert sum(hi) <= sum(u_hi) and min(hi) >= 1
+    assert run(hi).stall_ms_per_token == pytest.approx(res.stall_ms_per_token)
+    assert (kept == "uniform") == (hi == u_hi) and (moves > 0) == kept.endswith("refine")
+
+
+def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_profiled, tmp_path, capsys, monkeypatch):
+    """Profile the tiny model, plan its cache for a budget, run the runtime with the plan (CPU slots, as a device
+    has): decode misses per token = the plan's prediction for the profiled trace within 10 %, and weights + cache +
+    KV held stay within the budget (the runtime's own accounting on a CPU)."""
+    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.profile import run_profile
+    from moectl.runtime.engine import Engine, dense_nbytes
+
+    tiny_small, wd, facts, minimum = tiny_profiled
+    texts = builtin_corpus("validation")[:3]
+    L, E, kv_tokens = facts.num_layers, facts.num_experts, KV_TOKENS
     budget = minimum + (L * E // 3) * facts.expert_bytes()
     code, stdout, err = run_cli(["plan-cache", "--model", str(tiny_small), "--workdir", str(wd), "--budget",
                                  str(budget), "--kv-tokens", str(kv_tokens), "--json"], capsys, monkeypatch)
@@ -249,6 +309,16 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_smal
                       workdir=str(wd), plan="auto")
     assert eng.cache.slots_per_layer == plan["slots"] and "plan.yaml" in eng.plan_note
     assert eng.cache.state.policies["full"].name == plan["policies"]["replacement"]
+    # the plan's preload (its trace's most used experts, a pool's worth per layer) is the cache after loading:
+    # exactly that set, its bytes in the slots, copied as load-time work (no miss, no per-token byte)
+    hot = plan["preload"]["full"]
+    assert [len(h) for h in hot] == plan["slots"] and sum(map(len, hot)) > 0
+    assert [sorted(eng.cache.resident(l)) for l in range(L)] == [sorted(h) for h in hot]
+    for l, e in [(l, h[0]) for l, h in enumerate(hot)]:
+        slot = eng.cache.state.slot(l, e)
+        assert torch.equal(eng.cache.pools["full"][l][slot], eng.store.host(l, e))
+    st = eng.cache.stats.as_dict()
+    assert st["misses"] == 0 and st["bytes_loaded"] == 0 and st["preload_bytes"] == sum(map(len, hot)) * facts.expert_bytes()
     run_profile(eng, texts, tmp_path / "again", model_name="tiny", dataset="builtin:validation", max_tokens=40,
                 generate=12, hidden_samples="all")
     dec = eng.cache.state.totals("decode")
@@ -257,6 +327,15 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_smal
     held = dense_nbytes(eng.model, eng.config) + sum(eng.cache.slots_per_layer) * facts.expert_bytes() \
         + facts.kv_bytes_per_token * (40 + 12)
     assert held <= budget
+    # the runtime's own accounting of a request (dense + slot pools + the KV tensors it holds) agrees, within budget;
+    # on CUDA the allocator's peak is held to the same budget
+    res = eng.generate(input_ids=list(range(3, 43)), max_new_tokens=12, greedy=True, stop_at_eos=False)
+    st = res.stats
+    assert st["device_held_bytes"] == dense_nbytes(eng.model, eng.config) \
+        + sum(eng.cache.slots_per_layer) * facts.expert_bytes() + facts.kv_bytes_per_token * (40 + 11)
+    assert st["device_held_bytes"] <= budget
+    if eng.device.type == "cuda":
+        assert st["device_peak_allocated_bytes"] <= budget
     # --no-plan ignores it; a plan of another model is one clear error
     assert Engine.load(str(tiny_small), emulate_device=True, progress=False, workdir=str(wd), plan=None).plan is None
     other = tmp_path / "other.yaml"
@@ -265,3 +344,66 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_smal
     assert plan_fp.startswith("mixtral:")
     with pytest.raises(MoectlError, match="was made for model mixtral:000000000000"):
         Engine.load(str(tiny_small), emulate_device=True, progress=False, workdir=str(wd), plan=str(other))
+
+
+def test_scoreboard_ppl_delta_proxy_from_moectl_eval_on_the_tiny_model(tiny_profiled, tmp_path, capsys, monkeypatch):
+    """The scoreboard's fidelity column: `moectl eval` (decode steps) of each preset's precision setting on the tiny
+    model, cached with the model's fingerprint; plan-cache --compare shows it per row, and says "not measured" when
+    no tiny model is built."""
+    import shutil
+
+    from moectl.fingerprint import checkpoint_fingerprint
+    from moectl.plan import proxy as px
+
+    ckpt, wd, facts, minimum = tiny_profiled
+    home = tmp_path / "home"
+    shutil.copytree(ckpt.parent, home / "tiny", ignore=shutil.ignore_patterns("*.safetensors.tmp"))
+    monkeypatch.setenv("MOECTL_HOME", str(home))
+    monkeypatch.setattr(px, "EVAL", px.EVAL | {"max_tokens": 192, "window": 64, "prompts": 1, "generate": 4})
+    full, q2, q4 = px.Setting(), px.Setting("lowbit-only", "q2g16"), px.Setting("lowbit-only", "q4g64")
+    hobbit, gated = px.Setting("hobbit", "q4g64"), px.Setting(gated=True)
+    got = px.proxies(settings=[full, q2, q4, hobbit, gated])
+    assert got["status"] == "measured" and got["label"] == "ppl delta (tiny-model proxy)"
+    r = got["settings"]
+    assert r[full.key]["ppl_delta_rel"] == 0.0 and r[full.key]["greedy_agreement"] == 1.0     # lossless, measured
+    for s in (q2, q4):                                   # every expert served from its low-bit copy
+        assert r[s.key]["ppl_delta_rel"] != 0.0 and r[s.key]["low_misses"] > 0, s.key
+        assert r[s.key]["ppl_lossless"] == r[full.key]["ppl_lossless"] and r[s.key]["tokens"] == 189
+    assert r[hobbit.key]["low_misses"] + r[hobbit.key]["skips"] > 0
+    assert "sensitivity" in r[gated.key]["not_measured"]               # no stored T_g: said, not cached
+    cache = json.loads((home / "tiny" / px.PROXY_NAME).read_text())
+    assert cache["format"] == px.FORMAT and cache["format_version"] == px.VERSION
+    assert cache["fingerprint"] == checkpoint_fingerprint(ckpt) and gated.key not in cache["settings"]
+    assert (home / "tiny" / "experts-q2g16.json").exists()              # made by moectl quantize's code
+    assert json.loads((home / "tiny" / "experts-q2g16.json").read_text())["axis"] == 0
+
+    def no_eval(*a, **k):
+        raise AssertionError("measured again although cached")
+    monkeypatch.setattr(px, "measure_setting", no_eval)
+    again = px.proxies(settings=[full, q2, q4, hobbit])
+    assert again["status"] == "cached" and again["settings"][q2.key] == r[q2.key]
+    budget = minimum + 6 * facts.expert_bytes()
+    args = ["plan-cache", "--model", str(ckpt), "--workdir", str(wd), "--budget", str(budget), "--kv-tokens",
+            str(KV_TOKENS), "--out", str(tmp_path / "plan.yaml"), "--compare", "--json"]
+    code, stdout, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(stdout)
+    assert d["ppl_delta_proxy"]["status"] == "cached"
+    rows = {row["preset"]: row for row in d["scoreboard"]}
+    assert rows["mixtral-offloading"]["proxy_setting"] == q2.key
+    assert rows["mixtral-offloading"]["ppl_delta_proxy"] == r[q2.key]["ppl_delta_rel"]
+    assert rows["llamacpp-cpu-moe"]["ppl_delta_proxy"] == r[q4.key]["ppl_delta_rel"]
+    assert rows["hobbit"]["ppl_delta_proxy"] == r[hobbit.key]["ppl_delta_rel"]
+    assert rows["moe-infinity"]["ppl_delta_proxy"] == 0.0 and rows["moectl"]["ppl_delta_proxy"] == 0.0
+    # a stale cache (another model's fingerprint) is not used; no tiny model built: the column says so
+    cache["fingerprint"] = "mixtral:000000000000"
+    (home / "tiny" / px.PROXY_NAME).write_text(json.dumps(cache))
+    assert "ppl_delta_rel" not in px.proxies(measure=False, settings=[q2])["settings"][q2.key]
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "empty"))
+    code, stdout, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(stdout)
+    assert d["ppl_delta_proxy"]["status"].startswith("not measured: the tiny model is not built")
+    assert all(row["ppl_delta_proxy"] is None for row in d["scoreboard"])
+    code, stdout, err = run_cli(args[:-1], capsys, monkeypatch)
+    assert code == 0 and "ppl delta (tiny-model proxy): not measured" in stdout.replace("\n", " ")

@@ -247,6 +247,7 @@ def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, caps
     d = yaml.safe_load(f.read_text())
     L = len(d["slots"])
     d["slots_low"], d["lowbit"] = [2] * L, "q4g64"
+    d["preload"] = {"low": [[l % 3, 3] for l in range(L)]}                  # loaded into the low-bit pools at start
     d["policies"] |= {"precision": "lowbit-only", "lowbit": "q4g64"}
     f.write_text(yaml.safe_dump(d))
     eng = Engine.load(str(mixtral), workdir=str(wd), emulate_device=True, lowbit="q4g64", plan="auto",
@@ -254,6 +255,11 @@ def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, caps
     assert eng.cache.slots_per_layer == d["slots"]
     assert [eng.cache.state.capacity(l, "low") for l in range(L)] == [2] * L
     assert eng.cache.precision.name == "lowbit-only"                       # the plan's precision policy
+    assert [sorted(eng.cache.resident(l, "low")) for l in range(L)] == [sorted({l % 3, 3}) for l in range(L)]
+    for l in range(L):
+        slot = eng.cache.state.slot(l, 3, "low")
+        assert torch.equal(eng.cache.pools["low"][l][slot], eng.store.host(l, 3, "low"))
+    assert eng.cache.stats.misses == 0 and eng.cache.stats.preload_bytes == 2 * L * eng.store.nbytes("low")
     res = eng.generate(input_ids=[5, 9, 3], max_new_tokens=4)
     assert res.stats["low_misses"] > 0 and res.stats["full_misses"] == 0
     with pytest.raises(MoectlError, match="pass --lowbit q4g64"):

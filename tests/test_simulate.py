@@ -207,6 +207,41 @@ def test_simulate_json_fields(mixtral_like):
     assert d["ms_per_token"] >= d["lower_bound_ms_per_token"]
 
 
+def test_preload_is_the_planning_traces_hot_set_and_saves_the_first_tokens_misses(mixtral_like, tmp_path):
+    """A plan's preload: per layer the experts its trace used most (ties to the lower id), up to the slots; with it
+    `simulate --plan` starts warm, so the first tokens miss less than the same slots started empty."""
+    from moectl.cache_model import hot_experts
+    from moectl.trace import load_trace
+
+    ex = np.array([[[3, 1]], [[3, 5]], [[1, 3]], [[6, -1]]], dtype=np.int16)      # [N 4, L 1, K 2]
+    assert hot_experts(ex, {"full": [2]}) == {"full": [[3, 1]]}       # most used first
+    assert hot_experts(ex, {"full": [1], "low": [2]}) == {"full": [[3]], "low": [[1, 5]]}
+    plan_tr, judged = load_trace(mixtral_like[0]), load_trace(mixtral_like[1])
+    slots = [3] * 32
+    hot = hot_experts(plan_tr.experts, {"full": slots})
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"format": "moectl-plan-v1", "slots": slots, "preload": hot,
+                                    "policies": {"replacement": "lru", "prefetch": "none"}}))
+    cold = tmp_path / "cold.yaml"
+    cold.write_text(yaml.safe_dump({"format": "moectl-plan-v1", "slots": slots,
+                                    "policies": {"replacement": "lru", "prefetch": "none"}}))
+    first = tmp_path / "first.jsonl"                                        # the judged trace's first 4 tokens
+    write_jsonl(first, judged.select(slice(0, 4)))
+    warm_r, cold_r = (json.loads(cli(["simulate", "--trace", str(first), "--plan", str(p), "--json"]).stdout)
+                      for p in (plan, cold))
+    assert warm_r["misses"] < cold_r["misses"]
+    # token 0 alone: cold misses all 64 of its experts, warm only those outside the hot set
+    write_jsonl(first, judged.select(slice(0, 1)))
+    token0 = [json.loads(cli(["simulate", "--trace", str(first), "--plan", str(p), "--json"]).stdout)["misses"]
+              for p in (plan, cold)]
+    outside = sum(int(e) not in hot["full"][l] for l in range(32) for e in judged.experts[0, l])
+    assert token0 == [outside, 64] and outside < 64
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"format": "moectl-plan-v1", "slots": slots, "preload": {"full": [[9]] * 32}}))
+    res = cli(["simulate", "--trace", str(first), "--plan", str(bad)])
+    assert isinstance(res.exception, MoectlError) and "preload" in str(res.exception)
+
+
 def test_simulate_compare_with_routing_trained_on_other_file(mixtral_like):
     res = cli(["simulate", "--trace", str(mixtral_like[0]), "--train-on", str(mixtral_like[1]),
                "--cache-experts", "128", "--compare", "--json"])

@@ -9,6 +9,11 @@ Legend: W = window length (tokens), V = vocabulary, L = MoE layers.
   is fed the same tokens one decode step at a time (its prompt is a prefill, as in a real run) and we count
   how often its next-token argmax equals the lossless token. Feeding the lossless tokens keeps one early
   difference from counting as N.
+- `decode=True` (`moectl eval --decode-steps`) scores each window one decode step at a time instead (its first
+  token a one-token prompt, then one token per forward with the KV cache): what depends on a token's own decode
+  step -- HOBBIT's full / low-bit / skip choice on a miss, made per token, and the misses themselves -- applies as
+  in a real decode (a teacher-forced window is one prefill step, where a missed expert loads the best copy any of
+  its tokens asks for).
 - The lossless side (same engine, gating off) is computed once and kept in `<workdir>/eval/`, keyed by the
   model fingerprint, the shards' names, sizes and mtimes (retrained weights under the same config), the dtype,
   the exact token ids and the settings: another model, other weights or other text is a different key.
@@ -86,8 +91,24 @@ class _SingleExpertRows:
         self.single += int(((top_k_index >= 0).sum(-1) == 1).sum())
 
 
+def _window_logits(eng, ids: list[int], decode: bool) -> torch.Tensor:
+    """Next-token logits [W-1,V] of one window: one teacher-forced prefill step, or (`decode`) one decode step
+    per token after a one-token prompt."""
+    if not decode:
+        x = torch.tensor([ids], device=eng.device)                              # [1,W]
+        eng.cache.begin_step("prefill")
+        logits = eng.model(input_ids=x, use_cache=False).logits[0, :-1].float()   # [W-1,V]
+        eng.cache.end_token()
+        return logits
+    out, pkv = [], None
+    for tok in ids[:-1]:
+        logits, pkv = eng.forward(torch.tensor([[tok]]), pkv)                  # [1,1,V]
+        out.append(logits[0, -1].float())
+    return torch.stack(out)
+
+
 @torch.inference_mode()
-def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
+def window_nll(eng, windows: list[list[int]], progress=None, decode: bool = False) -> dict:
     """Summed next-token NLL over the windows, with the tokens scored, experts computed and bytes loaded."""
     rt, cache = eng.runtime, eng.cache
     calls0, bytes0 = rt.expert_calls, cache.stats.as_dict()["bytes_loaded"]
@@ -96,11 +117,9 @@ def window_nll(eng, windows: list[list[int]], progress=None) -> dict:
     eng.add_observer(rows)
     try:
         for ids in windows:
-            x = torch.tensor([ids], device=eng.device)                       # [1,W]
-            cache.begin_step("prefill")                                      # a teacher-forced window
-            logits = eng.model(input_ids=x, use_cache=False).logits[0, :-1].float()   # [W-1,V]
-            cache.end_token()
-            per_window.append(float(F.cross_entropy(logits, x[0, 1:], reduction="sum")))
+            logits = _window_logits(eng, ids, decode)                        # [W-1,V]
+            target = torch.tensor(ids[1:], device=logits.device)
+            per_window.append(float(F.cross_entropy(logits, target, reduction="sum")))
             nll += per_window[-1]
             scored += len(ids) - 1
             computed += len(ids)
@@ -141,15 +160,17 @@ def weights_id(checkpoint: Path) -> list:
     return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(checkpoint).glob("*.safetensors"))]
 
 
-def reference_key(fingerprint: str, weights: list, dtype, windows, prompts, n: int) -> str:
+def reference_key(fingerprint: str, weights: list, dtype, windows, prompts, n: int, decode: bool = False) -> str:
     h = hashlib.sha256(json.dumps({"fp": fingerprint, "weights": weights, "dtype": str(dtype), "windows": windows,
-                                   "prompts": prompts, "n": n}).encode()).hexdigest()
+                                   "prompts": prompts, "n": n} | ({"decode": True} if decode else {})).encode()
+                       ).hexdigest()
     return h[:16]
 
 
-def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, progress=None) -> dict:
+def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, progress=None,
+                       decode: bool = False) -> dict:
     """The lossless perplexity and greedy continuations, from `<workdir>/eval/` when computed before."""
-    key = reference_key(eng.fingerprint, weights_id(eng.ref.path), eng.dtype, windows, prompts, n)
+    key = reference_key(eng.fingerprint, weights_id(eng.ref.path), eng.dtype, windows, prompts, n, decode)
     path = Path(workdir) / "eval" / f"reference-{key}.json" if workdir is not None else None
     if path is not None and path.exists():
         try:
@@ -160,7 +181,7 @@ def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, prog
                 and ref.get("fingerprint") == eng.fingerprint and ref.get("key") == key:
             return ref | {"cached": True}
     with gating_as(eng, None, False), precision_as(eng, None):
-        nll = window_nll(eng, windows, progress)
+        nll = window_nll(eng, windows, progress, decode)
         conts = greedy_continuations(eng, prompts, n)
     ref = {"format": REFERENCE_FORMAT, "format_version": REFERENCE_VERSION, "fingerprint": eng.fingerprint,
            "key": key, "nll": nll["nll"], "scored": nll["scored"], "continuations": conts}
@@ -173,13 +194,13 @@ def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, prog
 
 
 def evaluate(eng, windows: list[list[int]], prompts: list[list[int]], n: int, workdir: Path | None,
-             progress=None) -> dict:
+             progress=None, decode: bool = False) -> dict:
     """Perplexity with the engine's gating (every token gated as in decode) vs lossless, greedy agreement,
-    experts computed and bytes loaded per token."""
-    ref = lossless_reference(eng, windows, prompts, n, workdir, progress)
+    experts computed and bytes loaded per token (`decode`: every window scored one decode step at a time)."""
+    ref = lossless_reference(eng, windows, prompts, n, workdir, progress, decode)
     gating = eng.runtime.gating
     with gating_as(eng, gating, True):
-        stats = window_nll(eng, windows, progress)
+        stats = window_nll(eng, windows, progress, decode)
     with gating_as(eng, gating, False):
         same, total = agreement(eng, prompts, ref["continuations"])
     ppl, ppl0 = math.exp(stats["nll"] / stats["scored"]), math.exp(ref["nll"] / ref["scored"])
@@ -187,6 +208,6 @@ def evaluate(eng, windows: list[list[int]], prompts: list[list[int]], n: int, wo
             "greedy_agreement": same / total if total else 1.0,
             "experts_per_token": stats["experts_per_token"], "bytes_per_token": stats["bytes_per_token"],
             "single_expert_fraction": stats["single_expert_fraction"],
-            "tokens": stats["scored"], "greedy_tokens": total,
+            "tokens": stats["scored"], "greedy_tokens": total, "scored_as": "decode steps" if decode else "prefill",
             "gating": gating.describe() if gating is not None else "gating: off",
             "reference_cached": ref["cached"]}

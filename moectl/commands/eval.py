@@ -38,6 +38,9 @@ def eval_(
     t1: float = PrecisionOpts.t1(),
     t2: float = PrecisionOpts.t2(),
     lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
+    decode_steps: bool = typer.Option(False, "--decode-steps", help="Score each window one decode step at a time "
+                                      "(what a decode does per token, e.g. HOBBIT's hi/lo/skip on a miss, applies), "
+                                      "not as one teacher-forced prefill."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Perplexity with the given runtime options vs lossless on the same tokens, greedy-continuation agreement,
@@ -62,7 +65,8 @@ def eval_(
     starts = [w[: max(2, window // 4)] for w in windows[:prompts]]
     with ProgressBar(not as_json, transient=True) as bar:
         task = bar.add("eval", total=2 * len(windows))
-        r = evaluate(eng, windows, starts, generate, eng.ref.workdir, progress=lambda: bar.update(task, advance=1))
+        r = evaluate(eng, windows, starts, generate, eng.ref.workdir, progress=lambda: bar.update(task, advance=1),
+                     decode=decode_steps)
     if as_json:
         print(json.dumps(r))
         return

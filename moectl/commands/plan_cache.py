@@ -50,6 +50,8 @@ def plan_cache(
     from ..plan.artifact import PLAN_NAME, write_plan
     from ..plan.setup import plan_setup
     from ..plan.planner import make_plan
+    from ..plan.proxy import Setting, proxies
+    from ..tiny import tiny_report
     from ..policies.precision import make_precision
     from ..progress import ProgressBar
     from ._common import prepare_model
@@ -76,13 +78,26 @@ def plan_cache(
         with ProgressBar(console=console, transient=True) as bar:
             task = bar.add("scoreboard", total=len(sb.PRESETS))
             board = sb.scoreboard(setup, plan, progress=lambda: bar.update(task, advance=1))
+        with ProgressBar(console=console, transient=True) as bar:      # measured once, then read from its cache
+            task = bar.add("ppl delta proxies (moectl eval on the tiny model)", total=None)
+            need = [Setting()] + [Setting.parse(k) for k in dict.fromkeys(r["proxy_setting"] for r in board)]
+            proxy = proxies(setup.workdir if tiny_report(setup.workdir) else None, settings=list(dict.fromkeys(need)),
+                            progress=lambda: bar.update(task, advance=1))
+        sb.add_proxy(board, proxy)
     if as_json:
         print(json.dumps({"plan": plan, "path": str(path), "png": str(figure)}
-                         | ({"scoreboard": board} if board is not None else {}), indent=1, default=str))
+                         | ({"scoreboard": board, "ppl_delta_proxy": proxy} if board is not None else {}),
+                         indent=1, default=str))
         return
     print_plan(plan, path, figure)
     if board is not None:
         sb.print_scoreboard(board, setup)
+        print_proxy(proxy)
+
+
+KEPT = {"dp": "the DP's slots", "dp+refine": "the DP's slots, refined by replay",
+        "uniform+refine": "the even split, refined by replay (the DP's slots replayed no better than it)",
+        "uniform": "the even split (neither the DP's slots nor a replayed slot move beat it)"}
 
 
 def print_plan(plan: dict, path, figure) -> None:
@@ -113,10 +128,32 @@ def print_plan(plan: dict, path, figure) -> None:
                   f"{pred['hit_rate']:.1%}, stall {pred['stall_ms_per_token']:.3g} ms/token; uniform split of the same "
                   f"bytes: {uni['ms_per_token']:.3g} ms/token, stall {uni['stall_ms_per_token']:.3g} "
                   f"(the plan's stall is {abs(gain):.1%} " + ("lower)" if gain >= 0 else "higher)"))
+        dp = plan["dp"]
+        out.print(f"kept: {KEPT[plan['kept']]}" + (f" ({plan['refined_moves']} replayed slot moves)"
+                                                  if plan["refined_moves"] else "")
+                  + f"; the DP's own slots replay {abs(dp['margin']):.1%} "
+                  + ("below" if dp["margin"] >= 0 else "above") + " the even split")
     else:
         out.print(f"predicted (analytic): stall {pred['stall_ms_per_token']:.1f} ms/token, "
                   f"uniform {plan['curve_ms_per_token']['uniform']:.1f}")
     out.print(f"wrote {path} and {figure} (curves {plan['timing_s']['curves']:.2f} s, DP {plan['timing_s']['dp']:.3f} s)")
+
+
+def print_proxy(proxy: dict) -> None:
+    """Where the scoreboard's ppl column comes from, or why it is empty."""
+    from rich.console import Console
+
+    out = Console()
+    if proxy["status"].startswith("not measured"):
+        out.print(f"{proxy['label']}: {proxy['status']}", highlight=False)
+        return
+    ev = proxy["eval"]
+    out.print(f"{proxy['label']}: moectl eval --decode-steps on the tiny model ({ev['max_tokens']} tokens of "
+              f"{ev['dataset']}, windows of {ev['window']}, device slots for {ev['cache_fraction']:.0%} of the "
+              f"experts), per precision setting; {proxy['status']} in {proxy['path']}", highlight=False)
+    for key, r in proxy["settings"].items():
+        if "not_measured" in r:
+            out.print(f"  {key}: not measured ({r['not_measured']})", highlight=False)
 
 
 def draw_slots(plan: dict, path: Path) -> Path:

@@ -13,7 +13,8 @@ COMPARE = [("lru", "none", "mixtral-offloading"), ("lfu", "none", "sequence LFU"
 FIELDS = ["hit_rate", "belady_hit_rate", "demand_loads_per_token", "prefetch_loads_per_token",
           "wasted_prefetch_fraction", "bytes_per_token", "stall_ms_per_token", "ms_per_token",
           "lower_bound_ms_per_token", "tokens", "prefill_misses", "full_loads_per_token", "lowbit_loads_per_token",
-          "skipped_per_token", "cpu_experts_per_token", "cpu_ms_per_token", "fill_copies_per_token", "slots"]
+          "skipped_per_token", "cpu_experts_per_token", "cpu_ms_per_token", "fill_copies_per_token", "slots",
+          "misses"]
 
 
 def simulate(
@@ -21,7 +22,8 @@ def simulate(
     cache_fraction: float = typer.Option(None, "--cache-fraction", help="fraction of each layer's experts cached"),
     cache_experts: int = typer.Option(None, "--cache-experts", help="expert slots in total, split evenly over layers"),
     plan: Path = typer.Option(None, "--plan", help="moectl-plan-v1 yaml (`moectl plan-cache`): its slots per precision, "
-                              "and its policies and thresholds for every option not given here"),
+                              "its preload (the experts its trace used most, resident from the first token, as "
+                              "the runtime loads them), and its policies and thresholds for every option not given here"),
     preset: str = typer.Option(None, "--preset", help="a setup people use, on this trace at --budget: mixtral-offloading, "
                                "moe-infinity, hobbit, adapmoe, llamacpp-cpu-moe, oracle, moectl (the plan: --plan, "
                                "else one made on this trace), moectl-q4 (docs/benchmarks.md: where each comes from)"),
@@ -87,11 +89,13 @@ def simulate(
         return
     opts = dict(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1, t2=t2,
                 cpu_experts=cpu_experts)
-    plan_caps, plan_gating = None, None
+    plan_caps, plan_gating, preload = None, None, None
     if plan is not None:
         from ..plan.artifact import apply_plan
 
-        plan_caps, plan_gating = apply_plan(sim.load_plan(plan), tr, opts)
+        plan_d = sim.load_plan(plan)
+        plan_caps, plan_gating = apply_plan(plan_d, tr, opts)
+        preload = sim.plan_preload(plan_d, tr.num_layers, tr.num_experts)     # its hot set, resident from the start
     replacement, prefetch, precision, lowbit, t1, t2, cpu_experts = (
         opts["replacement"] or "lru", opts["prefetch"] or "none", opts["precision"] or "full", opts["lowbit"],
         opts["t1"], opts["t2"], opts["cpu_experts"] or "never")
@@ -155,7 +159,8 @@ def simulate(
             pred = routing_pred if p == "routing" else mlp_pred if p in ("mlp", "aux-gate") else None
             res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
                                depth=depth, per_layer=per_layer, aux_gate=aux_pred, precision=prec, lowbit=lowbit,
-                               lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission)
+                               lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
+                               preload=preload)
             d = {k: getattr(res, k) for k in FIELDS}
             d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
                      experts_per_token=experts_per_token(tr), precision=prec.name, lowbit=lowbit,

@@ -5,6 +5,8 @@ reader, shared by `simulate --plan` and the runtime).
     model, num_layers, num_experts, top_k
     slots: [full-precision slots per MoE layer]
     slots_low: [low-bit slots per layer]          (only when the plan serves low-bit copies)
+    preload: {full: [[experts] per layer], low: ...}   (the experts the planning trace used most, up to each
+                                                  pool's slots: loaded at start-up, `CacheState.preload`)
     expert_bytes: {full: B, low: b}, lowbit: q4g64
     budget: {total, dense, kv, kv_tokens, workspace, experts, experts_used}
     policies: {replacement, prefetch, depth, per_layer, gating (T_g), precision, t1, t2, lowbit, cpu_experts}

@@ -3,11 +3,12 @@ with n_hi full-precision and n_lo low-bit slots.
 
 Measured (the default when there are traces): the simulator (`moectl/sim/`) replays the model's traces with
 the configured replacement, prefetch, gating and precision policies once per grid point, every layer given
-the same slots; each layer's decode demand loads per token of each precision, times that precision's copy
-time (or its CPU compute time where misses run on the CPU), is its point of the curve. Pools are per layer
-and policies keep per-layer state, so a layer's misses depend on its own slots: one uniform run measures
-every layer at once. Stall from late prefetches is not split by layer (the simulator reports it per token),
-so the curves count demand loads; the plan's full simulation (`predicted` in plan.yaml) counts everything.
+the same slots; the stall the simulator measured at each layer (its wait for demand loads and late prefetches,
+`stall_ms_per_layer`; with CPU compute of misses, each miss times the cheaper of CPU and copy: planner.py
+layer_runner) is that layer's point of the curve, so at an even split the curves sum to the replay's stall.
+Pools are per layer and policies keep per-layer state, so a layer's misses depend on its own slots: one uniform
+run measures every layer at once. The copy engine is shared, so the plan is replayed whole afterwards
+(`predicted` in plan.yaml).
 Large E is measured on a grid (every count when E <= 16, else ~12 points spaced geometrically) and linearly
 interpolated in between.
 

@@ -5,6 +5,9 @@
     slots per layer       (plan/dp.py: allocate over budget units, at least one slot per layer)
     predicted             (the whole plan replayed through the simulator: hit rate, ms/token, stall)
     uniform               (the same bytes split evenly, replayed the same way: the margin the plan must beat)
+    kept                  (keep_best: the DP's slots if they beat the even split, else replay-checked slot moves
+                           from them or from the even split, else the even split; plan.yaml's `dp` holds the DP's
+                           own slots and margin either way)
 
 Legend: L = MoE layers, E = experts, C = budget units (slots of one precision, or 1/8 low-bit slot: dp_plan).
 """
@@ -55,8 +58,9 @@ class Replay:
     raw: object = None               # the trace before gating (presets gate their own way)
 
     def run(self, caps, pol: Policies, belady: bool = False, replacement: str | None = None,
-            prefetch: str | None = None):
-        """`caps`: full-precision slots per layer, or {precision: slots per layer} (a plan's pools)."""
+            prefetch: str | None = None, preload: dict | None = None):
+        """`caps`: full-precision slots per layer, or {precision: slots per layer} (a plan's pools); `preload`: the
+        plan's hot set, resident before the first step."""
         from ..policies.precision import make_precision
         from ..sim.run import simulate
 
@@ -65,7 +69,16 @@ class Replay:
                         predictor=self.predictor if p in ("mlp", "aux-gate", "routing") else None,
                         train_traces=self.train_traces, depth=pol.depth, per_layer=pol.per_layer,
                         belady=belady, aux_gate=self.aux_gate, precision=make_precision(pol.precision, pol.t1, pol.t2),
-                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts)
+                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts, preload=preload)
+
+    def hot(self, caps: dict) -> dict:
+        """The preload of pools `caps` {precision: per-layer slots}: the experts this replay's decode rows use
+        most (`cache_model.hot_experts`)."""
+        from ..cache_model import hot_experts
+        from ..trace import DECODE
+
+        tr = self.trace
+        return hot_experts(tr.experts[tr.phase == DECODE] if (tr.phase == DECODE).any() else tr.experts, caps)
 
 
 def objective(pol: Policies) -> str:
@@ -88,9 +101,10 @@ def pools_of(pol: Policies, n_hi, n_lo) -> dict:
 
 
 def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
-    """run_uniform(n_hi, n_lo) for measure_curves. Per layer and decode token: each pool's demand loads and wasted
-    prefetches times that precision's copy time (copy-engine time that hid nothing); with CPU compute of misses,
-    every non-resident use times the cheaper of computing it on the CPU and fetching it."""
+    """run_uniform(n_hi, n_lo) for measure_curves. Per layer and decode token: the stall the replay measured at that
+    layer (the wait for its demand loads and late prefetches: the per-layer terms of the very sum the plan's replay
+    minimises; a wasted prefetch costs only where its copy delayed one of them); with CPU compute of misses, every
+    non-resident use times the cheaper of computing it on the CPU and fetching it."""
     from ..trace import DECODE
 
     tr, cost = replay.trace, replay.cost
@@ -99,16 +113,15 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
     uses = (dec >= 0).sum(-1).sum(0).astype(np.float64)            # [L] expert uses in decode rows
 
     def run(n_hi: int, n_lo: int):
-        r = replay.run(pools_of(pol, [n_hi] * L, [n_lo] * L), pol)
+        pools = pools_of(pol, [n_hi] * L, [n_lo] * L)
+        r = replay.run(pools, pol, preload=replay.hot(pools))           # warm, as the plan is replayed and run
         n = max(r.tokens, 1)
         per_pool = r.cache if set(r.cache) - {"prefill", "decode"} else {next(iter(nbytes)): r.cache}
-        stall, loads, hits = np.zeros(L), np.zeros(L), np.zeros(L)
+        stall = np.array(r.stall_ms_per_layer, dtype=np.float64) / 1e3
+        loads, hits = np.zeros(L), np.zeros(L)
         for p, c in per_pool.items():
-            d = c["decode"]
-            m = np.array(d["misses"], dtype=np.float64) / n
-            stall += (m + np.array(d["prefetch_wasted"], dtype=np.float64) / n) * cost.load_s(nbytes[p])
-            loads += m
-            hits += np.array(d["hits"], dtype=np.float64) / n
+            loads += np.array(c["decode"]["misses"], dtype=np.float64) / n
+            hits += np.array(c["decode"]["hits"], dtype=np.float64) / n
         if pol.cpu_experts != "never":
             b = nbytes["low" if pol.precision == "lowbit-only" else "full"]
             per_miss = min(cost.cpu_expert_s(1, b), cost.load_s(b) + cost.expert_s(1, b))
@@ -189,6 +202,19 @@ def uniform_pools(pol: Policies, L: int, E: int, experts_bytes: int, nbytes: dic
     return hi, lo
 
 
+def spend_spare(slots: list[int], spare: int, E: int) -> list[int]:
+    """Slots the DP left unspent go one at a time to the layer with the fewest, up to E. The curves, measured on the
+    planning trace, gain nothing from them (that trace never used more experts there), but another trace of the
+    model uses experts this one did not, and an unused slot is budget wasted (Qwen1.5-MoE at q4: 897 of 1280)."""
+    out = list(slots)
+    for _ in range(max(spare, 0)):
+        open_ = [l for l in range(len(out)) if out[l] < E]
+        if not open_:
+            break
+        out[min(open_, key=lambda l: out[l])] += 1
+    return out
+
+
 REFINE_ROUNDS, REFINE_TRIES = 3, 4
 
 
@@ -219,7 +245,7 @@ def refine(replay: Replay, pol: Policies, curves: Curves, hi: list[int], lo: lis
                 continue
             cand = list(slots)
             cand[a], cand[b] = cand[a] - 1, cand[b] + 1
-            r = replay.run(caps(cand), pol)
+            r = replay.run(caps(cand), pol, preload=replay.hot(caps(cand)))
             if getattr(r, key) < getattr(best[1] if best else res, key):
                 best = (cand, r)
         if best is None:
@@ -229,6 +255,31 @@ def refine(replay: Replay, pol: Policies, curves: Curves, hi: list[int], lo: lis
         if getattr(res, key) < target:
             break
     return (hi, slots, res, moves) if low else (slots, lo, res, moves)
+
+
+def margin(res, uni, key: str) -> float:
+    """How much lower `res`'s objective is than the even split's (negative: higher)."""
+    base = getattr(uni, key)
+    return 1 - getattr(res, key) / base if base else 0.0
+
+
+def keep_best(replay: Replay, pol: Policies, curves: Curves, dp: tuple, uniform: tuple, E: int, key: str):
+    """The plan to keep, replay-checked: the DP's slots when they replay no worse than the even split of the same
+    bytes; else the DP's refined by replayed slot moves (`refine`); else the even split refined the same way; else
+    the even split itself, so a plan never replays worse than the split it is judged against. Returns (hi, lo,
+    result, which one: dp | dp+refine | uniform+refine | uniform, moves kept)."""
+    hi, lo, res = dp
+    target = getattr(uniform[2], key)
+    if getattr(res, key) <= target:                             # a tie is the even split's figure: no worse
+        return hi, lo, res, "dp", 0
+    if pol.precision != "hobbit":               # refine moves one pool's slots: full, or a lowbit-only plan's low ones
+        hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, target, E, key)
+        if getattr(res, key) < target:
+            return hi, lo, res, "dp+refine", moves
+        hi, lo, res, moves = refine(replay, pol, curves, *uniform, float("-inf"), E, key)
+        if getattr(res, key) < target:
+            return hi, lo, res, "uniform+refine", moves
+    return *uniform, "uniform", 0
 
 
 def summary(res, cost) -> dict:
@@ -276,6 +327,10 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
         if curves is before:                                   # every chosen count is a measured point
             break
         hi, lo = dp_plan(curves, pol, L, E, split.experts, nbytes)
+    if pol.precision != "hobbit":
+        pool = "low" if low else "full"
+        spare = int(split.experts // nbytes[pool]) - sum(lo if low else hi)
+        lo, hi = (spend_spare(lo, spare, E), hi) if low else (lo, spend_spare(hi, spare, E))
     t_dp = time.perf_counter() - t0 - t_curves
 
     def curve_ms(h, w):
@@ -293,14 +348,18 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
     }
     if replay is not None:
         key = objective(pol)
-        uni = replay.run(pools_of(pol, u_hi, u_lo), pol)
-        res = replay.run(pools_of(pol, hi, lo), pol)
-        if pol.precision != "hobbit" and getattr(res, key) >= getattr(uni, key):
-            hi, lo, res, moves = refine(replay, pol, curves, hi, lo, res, getattr(uni, key), E, key)
-            plan["slots"], plan["refined_moves"] = hi, moves
-            if pol.precision != "full":
-                plan["slots_low"] = lo
-            plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
+        # both start with their pools' hot set loaded, as the runtime does with a plan
+        uni = replay.run(pools_of(pol, u_hi, u_lo), pol, preload=replay.hot(pools_of(pol, u_hi, u_lo)))
+        res = replay.run(pools_of(pol, hi, lo), pol, preload=replay.hot(pools_of(pol, hi, lo)))
+        plan["dp"] = {"slots": hi, **({"slots_low": lo} if pol.precision != "full" else {}), key: getattr(res, key),
+                      "margin": margin(res, uni, key)}
+        hi, lo, res, plan["kept"], plan["refined_moves"] = keep_best(replay, pol, curves, (hi, lo, res),
+                                                                      (u_hi, u_lo, uni), E, key)
+        plan["slots"] = hi
+        if pol.precision != "full":
+            plan["slots_low"] = lo
+        plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
+        plan["preload"] = replay.hot(pools_of(pol, hi, lo))
         plan["predicted"] = summary(res, cost)
         plan["uniform"] = summary(uni, cost)
         plan["traces"] = replay.trace.source or replay.trace.model

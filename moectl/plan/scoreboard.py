@@ -19,6 +19,7 @@ SEED_MIXTRAL_SENSITIVITY = [46.69, 17.30, 13.02, 7.64, 4.17, 2.23, 1.26, 0.84, 0
                             0.38, 0.31, 0.23, 0.18, 0.14, 0.11, 0.10, 0.10, 0.09, 0.08, 0.07, 0.06, 0.05, 0.04, 0.03,
                             0.03, 0.02, 0.02]
 SEED_T_G = 0.005
+PROXY_LABEL = "ppl delta (tiny-model proxy)"
 
 
 @dataclass
@@ -71,6 +72,7 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: d
     from dataclasses import replace
 
     from .planner import Policies, expert_nbytes, make_plan, pools_of, summary, uniform_pools
+    from .proxy import setting_of
 
     replay = replay or setup.replay
     row = {"preset": preset.name, "system": preset.system, "fidelity": preset.fidelity, "notes": []}
@@ -90,15 +92,18 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: d
         if preset.name == "oracle":
             for k in ("precision", "lowbit", "t1", "t2", "cpu_experts"):
                 setattr(pol, k, plan["policies"][k])
+    src = replay.raw or replay.trace                 # the trace before gating
+    trace = replay.trace                             # gated when the workdir stores a T_g (setup.py)
+    if preset.gating == "sensitivity":
+        trace, note = _adapmoe_gating(setup, src)
+        row["notes"].append(note)
+    # what the row's fidelity proxy is measured for: its precision setting, gated if its trace was
+    row["proxy_setting"] = setting_of(pol.precision, pol.lowbit, pol.t1, pol.t2, trace is not src).key
     if preset.slots == "layers-cpu":
-        return row | _llamacpp(setup, replay.trace, pol)
+        return row | _llamacpp(setup, trace, pol)
     if pol.prefetch in ("gate-reuse", "mlp", "aux-gate") and not _has_hidden(replay):
         row["notes"].append(f"{pol.prefetch} prefetch needs hidden states the traces lack: replayed without prefetch")
         pol.prefetch = "none"
-    trace = replay.trace
-    if preset.gating == "sensitivity":
-        trace, note = _adapmoe_gating(setup, replay.raw or trace)
-        row["notes"].append(note)
     nbytes = expert_nbytes(setup.facts, pol)
     if preset.slots.startswith("plan"):
         caps = pools_of(pol, plan["slots"], plan.get("slots_low") or [0] * L)
@@ -108,9 +113,10 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: d
     else:
         caps = pools_of(pol, *uniform_pools(pol, L, E, setup.split.experts, nbytes))
     run = replace(replay, trace=trace)
-    r = run.run(caps, pol, belady=False)
+    warm = plan.get("preload") if preset.slots.startswith("plan") else None     # the plan's hot set, loaded at start
+    r = run.run(caps, pol, belady=False, preload=warm)
     if preset.name == "oracle":          # perfect prefetch can evict what a 1-2 slot layer needs: the better of the two
-        plain = run.run(caps, pol, belady=False, prefetch="none")
+        plain = run.run(caps, pol, belady=False, prefetch="none", preload=warm)
         if plain.ms_per_token < r.ms_per_token:
             r, pol.prefetch = plain, "none"
             row["notes"].append("Belady alone beat Belady + perfect prefetch at these slots")
@@ -206,21 +212,32 @@ def scoreboard(setup, plan: dict, progress=None, replay=None) -> list[dict]:
     return rows
 
 
+def add_proxy(rows: list[dict], proxy: dict) -> None:
+    """Each row's `ppl_delta_proxy`: the relative ppl delta `proxy` (plan/proxy.py: proxies) holds for the row's
+    precision setting, None where it was not measured."""
+    for r in rows:
+        got = proxy.get("settings", {}).get(r["proxy_setting"], {})
+        r["ppl_delta_proxy"] = got.get("ppl_delta_rel")
+
+
 def print_scoreboard(rows: list[dict], setup, title: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
     out = Console()
     t = Table(title=title or f"scoreboard: {setup.facts.name}, {setup.budget} on {setup.hardware}")
-    for col in ("preset", "fidelity", "ms/tok", "tok/s", "hit rate", "MB/tok", "stall ms/tok", "mix /tok"):
+    proxy = "ppl_delta_proxy" in rows[0]
+    for col in ("preset", "fidelity", "ms/tok", "tok/s", "hit rate", "MB/tok", "stall ms/tok", "mix /tok") \
+            + ((PROXY_LABEL,) if proxy else ()):
         t.add_column(col, justify="left" if col in ("preset", "fidelity", "mix /tok") else "right")
     notes = []
     for r in rows:
         mark = "".join(f"[{len(notes) + i + 1}]" for i in range(len(r["notes"])))
         notes += r["notes"]
+        d = r.get("ppl_delta_proxy")
         t.add_row(r["preset"] + mark, r["fidelity"], f"{r['ms_per_token']:.1f}", f"{r['tokens_per_s']:.2f}",
                   f"{r['hit_rate']:.3f}", f"{r['bytes_per_token'] / 1e6:.0f}", f"{r['stall_ms_per_token']:.1f}",
-                  mix(r))
+                  mix(r), *((f"{d:+.2%}" if d is not None else "not measured",) if proxy else ()))
     out.print(t)
     for i, n in enumerate(notes):
         out.print(f"[{i + 1}] {n}", highlight=False)

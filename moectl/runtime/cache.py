@@ -48,6 +48,8 @@ class CacheStats:
         self.load_wait_s = 0.0          # time the forward waited for demand loads
         self.skips = 0                  # routed experts the precision policy dropped on a miss
         self.uncopied_bytes = 0.0       # bytes of prefetches cancelled before their copy ran (slot reused first)
+        self.preload_s = 0.0            # load time spent copying a plan's hot set (not per-token work)
+        self.preload_bytes = 0
         self._pending_events: list = []
 
     def _sum(self, phase: str | None = None) -> dict[str, int]:
@@ -81,6 +83,7 @@ class CacheStats:
                "bytes_loaded": int(round(loaded)), "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
                "prefetch_bytes": int(round(pf_bytes)),
                "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
+               "preload_bytes": self.preload_bytes, "preload_s": self.preload_s,
                **{ph: {k: v for k, v in self._sum(ph).items() if k in ("hits", "misses", "evictions")}
                   for ph in PHASES}}
         if LOW in per:
@@ -96,6 +99,10 @@ class CacheFront:
     state: CacheState
     stats: CacheStats
     precision: PrecisionPolicy = PrecisionPolicy()       # always full unless the runtime sets another
+
+    def device_nbytes(self) -> int:
+        """Bytes of device memory the expert cache holds (its slot pools); none when experts are used in place."""
+        return 0
 
     # --- precision: which copy serves each routed expert --------------------------------------
     @property
@@ -225,6 +232,9 @@ class DeviceCache(CacheFront):
         return sum(self.stats.nbytes[p] * (len(j.chunks) - j.done) / len(j.chunks)
                    for (p, _, _), j in self.jobs.items() if not j.finished and j.chunks)
 
+    def device_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pool in self.pools.values() for t in pool)
+
     # --- copies -------------------------------------------------------------------------
     def _settle(self, key: tuple) -> None:
         """Wait for a background read into slot `key` (precision, layer, slot)."""
@@ -330,6 +340,24 @@ class DeviceCache(CacheFront):
         if not a.hit:
             self._copy_in(precision, layer, expert, a.slot, DEMAND)
         return self.store.format_of(precision).weights(self._landed(key))
+
+    def preload(self, sets: dict) -> int:
+        """Load a plan's hot set {precision: [[experts] per layer]} into free slots (`CacheState.preload`) and wait
+        for every copy: load-time work, timed in `stats.preload_s`, its bytes in `stats.preload_bytes`, never a
+        miss or a per-token byte. Returns the experts loaded."""
+        t0, wait0 = time.perf_counter(), self.stats.load_wait_s
+        filled = self.state.preload(sets)
+        for layer, p, expert, slot in filled:
+            self._copy_in(p, layer, expert, slot, DEMAND)
+            self.stats.preload_bytes += self.store.nbytes(p)
+        self.loader.drain()
+        for key in list(self.jobs):
+            self._landed(key)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.stats.load_wait_s = wait0                  # no forward waited: the reads were load time
+        self.stats.preload_s += time.perf_counter() - t0
+        return len(filled)
 
     def prefetch(self, layer: int, expert: int) -> bool:
         """Start loading (layer, expert) in full precision off the critical path. False if resident or no slot

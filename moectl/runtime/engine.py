@@ -62,6 +62,7 @@ class Engine:
         self.observers: list = []
         self._tokenizer = None
         self._requests = 0
+        self._dense_bytes: int | None = None        # dense weights on the device (`device_memory`)
         self.progress = progress
         self.threads = torch.get_num_threads()
         self._prefill_bar = None
@@ -207,6 +208,10 @@ class Engine:
             DeviceCache(store, slots_per_layer, dev, policy, low_slots=low_slots, precision=prec,
                         stream_prefill=prefill == "stream")
         runtime.cache = cache
+        if plan_d is not None and not in_place:        # the plan's hot set, copied now (load time, not per token)
+            from ..sim.run import plan_preload
+
+            cache.preload(plan_preload(plan_d, L, E))
         runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
         runtime.prefetch_gate, runtime.copy_s = _admission(admission, cost, config, dev, adapter.top_k, expert_nbytes,
                                                           in_place, prefetch, cpu_experts)
@@ -379,11 +384,24 @@ class Engine:
             "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
             "experts_per_token": (self.runtime.expert_calls - calls0) / max(computed, 1),
             "cpu_experts": self.runtime.cpu_experts - cpu0, "threads": self.threads,
-            "prefill_tokens_per_s": len(ids) / times["prefill"] if times.get("prefill") else 0.0}
+            "prefill_tokens_per_s": len(ids) / times["prefill"] if times.get("prefill") else 0.0,
+            **self.device_memory(pkv)}
         if self.runtime.gating is not None:
             g = self.runtime.gating
             stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
         return GenerationResult(text, new, ids, stats, per_token)
+
+
+    def device_memory(self, past_key_values=None) -> dict:
+        """Device memory held by weights + expert cache + this request's KV cache, by the runtime's own accounting
+        (`device_held_bytes`: dense weights, slot pools, KV tensors); on CUDA also the allocator's peak
+        (`device_peak_allocated_bytes`, torch.cuda.max_memory_allocated), which includes activations."""
+        if self._dense_bytes is None:
+            self._dense_bytes = dense_nbytes(self.model, self.config)
+        out = {"device_held_bytes": self._dense_bytes + self.cache.device_nbytes() + kv_nbytes(past_key_values)}
+        if self.device.type == "cuda":
+            out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
 
 
 class _Runtime:
@@ -719,6 +737,18 @@ def split_pools(full_slots: list[int], num_experts: int, full_nbytes: int, low_n
     n_full = L if fraction >= 1 else max(L, min(L * num_experts, int(total * (1 - fraction)) // full_nbytes))
     n_low = max(L, min(L * num_experts, (total - n_full * full_nbytes) // low_nbytes))
     return split_slots(n_full, L, num_experts), split_slots(int(n_low), L, num_experts)
+
+
+def kv_nbytes(past_key_values) -> int:
+    """Bytes of the key/value tensors a transformers KV cache holds (0 for None)."""
+    if past_key_values is None:
+        return 0
+    n = 0
+    for layer in getattr(past_key_values, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if torch.is_tensor(t):
+                n += t.numel() * t.element_size()
+    return n
 
 
 def dense_nbytes(model, config=None) -> int:

@@ -92,6 +92,19 @@ def plan_slots(d: dict, path) -> list[int]:
     return list(slots)
 
 
+def plan_preload(d: dict, num_layers: int, num_experts: int) -> dict:
+    """The plan's preload {precision: [[experts] per layer]} ({} when it has none), checked against the model."""
+    sets = d.get("preload") or {}
+    src = d.get("_path", "plan")
+    if not isinstance(sets, dict):
+        raise MoectlError(f"{src}: preload must map a precision (full, low) to per-layer expert lists")
+    for p, per_layer in sets.items():
+        if p not in (FULL, LOW) or not isinstance(per_layer, list) or len(per_layer) != num_layers or not all(
+                isinstance(x, list) and all(is_int(e) and 0 <= e < num_experts for e in x) for x in per_layer):
+            raise MoectlError(f"{src}: preload[{p!r}] must hold {num_layers} lists of expert ids in [0, {num_experts})")
+    return sets
+
+
 def _yaml_item_lines(path, key: str) -> list[int]:
     """1-based line of each item of the top-level list `key` of a YAML file ([] if unknown)."""
     if path is None:
@@ -245,10 +258,11 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
              per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
              replacement_kw: dict | None = None, aux_gate=None, precision: PrecisionPolicy | None = None,
              lowbit: str | None = None, lowbit_fraction: float | None = None, cpu_experts: str = "never",
-             admission: str = "off") -> SimResult:
+             admission: str = "off", preload: dict | None = None) -> SimResult:
     """One configuration on one (possibly concatenated) trace. `predictor`: the routing predictor for
     --prefetch routing, else the mlp one. `caps`: full-precision slots per layer; with a low-bit `precision`
-    their bytes are split into per-precision pools (`precision_pools`)."""
+    their bytes are split into per-precision pools (`precision_pools`). `preload`: a plan's hot set, resident
+    before the first step (`CacheState.preload`)."""
     steps = trace_steps(trace)
     inputs = policy_inputs(trace, train_traces, mlp=None if prefetch == "routing" else predictor,
                            routing=predictor if prefetch == "routing" else None, aux_gate=aux_gate)
@@ -265,7 +279,7 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
     placement = ComputePlacement(cpu_experts, cost)
     adm = make_admission(admission, cost, trace.top_k, cpu_experts=cpu_experts)
     r = Simulator(pools, repl, pf, cost, precision=precision, nbytes=nbytes,
-                  placement=placement if cpu_experts != "never" else None, admission=adm).run(
+                  placement=placement if cpu_experts != "never" else None, admission=adm, preload=preload).run(
         steps, hidden_of=hidden_of, final_hidden_of=final_of)
     note = ""
     if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:
@@ -286,7 +300,8 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
         prefill_misses=r["prefill_misses"], cache=r["cache"], note=note,
         full_loads_per_token=r["full_loads_per_token"], lowbit_loads_per_token=r["lowbit_loads_per_token"],
         skipped_per_token=r["skipped_per_token"], cpu_experts_per_token=r["cpu_experts_per_token"],
-        cpu_ms_per_token=r["cpu_ms_per_token"], fill_copies_per_token=r["fill_copies_per_token"], slots={p: sum(c) for p, c in pools.items()})
+        cpu_ms_per_token=r["cpu_ms_per_token"], fill_copies_per_token=r["fill_copies_per_token"], slots={p: sum(c) for p, c in pools.items()},
+        stall_ms_per_layer=r["stall_ms_per_layer"])
 
 
 

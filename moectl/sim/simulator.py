@@ -107,6 +107,7 @@ class SimResult:
     cpu_ms_per_token: float = 0.0          # CPU busy time (overlaps the device's)
     fill_copies_per_token: float = 0.0     # CPU-computed misses copied into the cache while the engine idled
     slots: dict | None = None              # {precision: slots in all}
+    stall_ms_per_layer: list | None = None     # decode stall per token by the layer that waited (sums to the stall)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,12 +128,14 @@ class Simulator:
     `capacities` / `replacement`: one pool (full precision) or {precision: per-layer slots} / {precision: policy}.
     `precision` (policies/precision.py) decides full / low-bit / skip on a miss; `nbytes` {precision: bytes of
     one expert copy} (default: the cost model's expert); `placement` (policies/placement.py) computes a miss on
-    the CPU instead of fetching it; `admission` (policies/admission.py) filters prefetches."""
+    the CPU instead of fetching it; `admission` (policies/admission.py) filters prefetches; `preload` (a plan's
+    {precision: [[experts] per layer]}) is resident before the first step, as the runtime loads it."""
 
     def __init__(self, capacities, replacement, prefetch: PrefetchPolicy | None = None,
                  cost: CostModel | None = None, max_prefetch_per_layer: int | None = None,
                  precision: PrecisionPolicy | None = None, nbytes: dict | None = None,
-                 placement: ComputePlacement | None = None, admission: AdmitAll | None = None):
+                 placement: ComputePlacement | None = None, admission: AdmitAll | None = None,
+                 preload: dict | None = None):
         self.caps = capacities if isinstance(capacities, dict) else {FULL: list(capacities)}
         self.pools = [p for p in (FULL, LOW) if p in self.caps and sum(self.caps[p]) > 0]
         self.L = len(self.caps[self.pools[0]])
@@ -145,6 +148,7 @@ class Simulator:
         self.placement = placement
         self.admission = admission if admission is not None else AdmitAll()
         self.pf_prec = FULL if FULL in self.pools else LOW      # prefetches load this precision
+        self.preload = preload or {}                            # a plan's hot set, resident before the first step
 
     def _pool(self, want: str) -> str:
         """The pool a load of precision `want` goes to (the other one when this run has no such pool)."""
@@ -216,6 +220,8 @@ class Simulator:
         self.state = state = CacheState({p: self.caps[p] for p in self.pools},
                                         {p: self.repl[p] for p in self.pools})
         self.copies: dict[tuple[int, str, int], _Copy] = {}     # resident (layer, precision, expert) -> its copy
+        for l, p, e, _ in state.preload(self.preload):          # copied at load time: landed at 0, not counted
+            self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, nbytes[p])
         self.queue: deque = deque()
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
@@ -230,6 +236,7 @@ class Simulator:
         decode_tokens = demand_decode = fills = 0
         bytes_decode = 0.0
         n_loads = {FULL: 0, LOW: 0, SKIP: 0, CPU: 0}            # decode misses by what was done
+        stall_layer = np.zeros(L)                               # decode stall by the layer that waited
         context = 0
         t_final = 0.0                     # when the previous step's final hidden state was ready
         for step in steps:
@@ -299,6 +306,7 @@ class Simulator:
                 # the device's experts run in the cache's chunks: resident first; a chunk's loads start when
                 # the last one ran
                 t = clock
+                stall_before = step_stall
                 for p in self.pools:
                     for chunk in state.chunks(l, on_device[p], p):
                         state.pin(l, chunk, p)
@@ -327,6 +335,8 @@ class Simulator:
                         for r, c in sorted(ready):                 # arrivals in order of landing
                             t = max(t, r) + c
                         step_stall += (t - t0) - sum(c for _, c in ready)
+                if not step.prefill:
+                    stall_layer[l] += step_stall - stall_before
                 # a miss the CPU computed is copied into the cache in the background, when the copy engine is
                 # idle (a fill never delays a demand load or a prefetch; one at a time)
                 for e, p in on_cpu:
@@ -382,7 +392,7 @@ class Simulator:
             full_loads_per_token=n_loads[FULL] / n, lowbit_loads_per_token=n_loads[LOW] / n,
             skipped_per_token=n_loads[SKIP] / n, cpu_experts_per_token=n_loads[CPU] / n,
             cpu_ms_per_token=cpu_busy * ms / n,
-            stall_ms_per_token=stall * ms / n,
+            stall_ms_per_token=stall * ms / n, stall_ms_per_layer=(stall_layer * ms / n).tolist(),
             stall_s=stall, decode_s=clock - prefill_time, prefill_s=prefill_time, compute_only_s=compute_only,
             ms_per_token=(clock - prefill_time) * ms / n, lower_bound_ms_per_token=compute_only * ms / n,
             prefill_ms=prefill_time * ms,

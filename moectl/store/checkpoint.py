@@ -42,6 +42,24 @@ def read_at(fd: int, buf: memoryview, offset: int) -> int:
     return os.preadv(fd, [buf], offset)
 
 
+_PROBE = bytearray(4096)
+
+
+def in_page_cache(fd: int, offset: int) -> bool:
+    """Whether the page at `offset` is in the OS page cache: a non-blocking 4 KB read (`RWF_NOWAIT`) that the
+    kernel refuses when it would have to wait for the disk. True where the flag does not exist (not Linux)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return True
+    try:
+        os.preadv(fd, [_PROBE], offset, flag)
+    except BlockingIOError:
+        return False
+    except OSError:                             # flag not supported by this filesystem: behave as before
+        return True
+    return True
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
@@ -136,14 +154,23 @@ class Checkpoint:
         step = r.nbytes // r.shape[0]
         return ByteRange(r.file, r.offset + row * step, step, r.dtype, r.shape[1:])
 
-    def read_into(self, r: ByteRange, buf: memoryview) -> None:
-        """The bytes of `r` into `buf` (len(buf) == r.nbytes) with as few positioned reads as the OS allows."""
-        fd = self._fds.get(r.file)
+    def _fd(self, file: Path) -> int:
+        fd = self._fds.get(file)
         if fd is None:
             try:
-                fd = self._fds[r.file] = os.open(r.file, os.O_RDONLY)
+                fd = self._fds[file] = os.open(file, os.O_RDONLY)
             except OSError as e:
-                raise MoectlError(f"cannot open shard {r.file}: {e}") from None
+                raise MoectlError(f"cannot open shard {file}: {e}") from None
+        return fd
+
+    def cached(self, r: ByteRange) -> bool:
+        """Whether the first and last pages of `r` are in the page cache (a warm file; see `in_page_cache`)."""
+        fd = self._fd(r.file)
+        return in_page_cache(fd, r.offset) and in_page_cache(fd, r.offset + max(r.nbytes - 4096, 0))
+
+    def read_into(self, r: ByteRange, buf: memoryview) -> None:
+        """The bytes of `r` into `buf` (len(buf) == r.nbytes) with as few positioned reads as the OS allows."""
+        fd = self._fd(r.file)
         done = 0
         while done < r.nbytes:                  # preadv may return short counts (signals, >2 GB requests)
             try:

@@ -8,9 +8,10 @@ the store dtype, no padding). Every buffer is uint8 [N]; the format gives typed 
 buffer (a RAM-tier buffer, a CPU cache slot, a pinned staging buffer) is one `preadv` per range,
 straight into it, when the on-disk dtype is the store dtype (adjacent ranges merged); otherwise each
 tensor is read and cast into place (one temporary per tensor). A demand load of a big expert is split
-into equal byte spans read by as many threads as torch computes with (the compute is waiting anyway,
-and one thread's copy out of the page cache is slower than the memory allows); every byte is still
-read exactly once, straight into the buffer.
+into equal byte spans read by as many threads as torch computes with when its bytes are in the page cache
+(the compute is waiting anyway, and one thread's copy out of the page cache is slower than the memory
+allows); from the disk itself it is one sequential read (interleaved streams are slower there). Every
+byte is still read exactly once, straight into the buffer.
 
 `ram` tier: one uint8 [E, N] host tensor per layer (pinned when CUDA is present), filled at load; the
 shard files are closed afterwards, nothing stays mapped. On a CPU device these buffers are what the
@@ -144,6 +145,9 @@ class ExpertStore:
         ranges, places = self.ranges[layer][expert], self.places[layer][expert]
         view = byte_view(dst)
         if self.raw:
+            # several threads only when the bytes come from the page cache (a memcpy, faster split); from the disk
+            # itself one sequential stream is faster than two interleaved ones (bench/realsize.py's cold runs)
+            parallel = parallel and self.ckpt.cached(ranges[0]) and self.ckpt.cached(ranges[-1])
             spans = self._spans(ranges, places, torch.get_num_threads() if parallel else 1)
 
             def read(span):
