@@ -16,8 +16,9 @@ model's profiled traces; mlp needs --tiny-train).
 when the cost model says that beats fetching it, so the copy engine mostly idles and a right prefetch turns a
 CPU-computed miss into a device hit.
 
-Held out: the admission rule's parameters were tuned on the `tune` traces (one of each model's pair: *.math,
-Mixtral request 0, the tiny model's train trace is never simulated); the others are judged with those parameters.
+Held out: the admission rule's parameters were compared on the `tune` traces (one of each model's pair: *.math,
+Mixtral request 0; the tiny model's train trace is never simulated); the others are judged with them
+(docs/benchmarks.md says which rule changes followed a held-out result).
 Counts are strict: "equal" is exactly equal ms/token (--noise 0).
 """
 

@@ -105,7 +105,7 @@ class PrefetchAdmission(AdmitAll):
         self.fit = fit                             # share of the copy that must fit in the time left
         self.trust = trust                         # prior confidence = trust x score, until outcomes come in
         self.margin = margin                       # the saving must beat the cost this many times
-        self.floor = floor                         # ... and by at least this share of the copy time
+        self.floor = floor                         # ... and by at least this share of a miss's cost
 
     @property
     def compute_s(self) -> float:
