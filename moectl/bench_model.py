@@ -157,7 +157,7 @@ def _transformers_run(path, dtype, device: str, budget: int | None, ids, gen_len
 
 
 def _predict(trace, caps, replacement: str, prefetch_name: str, figs: dict, shape: dict, overhead_ms: float,
-             predictors=None):
+             predictors=None, admission: str = "off"):
     from .machine import machine_hardware
     from .sim.cost import CostModel
     from .sim.run import simulate
@@ -167,7 +167,7 @@ def _predict(trace, caps, replacement: str, prefetch_name: str, figs: dict, shap
     aux = getattr(predictors, "aux_gate", None)
     routing = getattr(predictors, "routing", None)
     r = simulate(trace, caps, replacement, prefetch_name, cost, predictor=routing if prefetch_name == "routing" else mlp,
-                 belady=False, aux_gate=aux)
+                 belady=False, aux_gate=aux, admission=admission)
     return {"decode_ms_per_token": r.ms_per_token, "prefill_ms": r.prefill_ms, "hit_rate": r.hit_rate,
             "stall_ms_per_token": r.stall_ms_per_token, "bytes_per_token": r.bytes_per_token}
 
@@ -177,7 +177,7 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
                 replay_trace: str | None = None, threads: int | None = None, replacement: str = "lru",
                 prefetch: str = "auto", cpu_experts: str = "never", dtype: str | None = None,
                 baselines: tuple[str, ...] = BASELINES, repeat: int = 3, prefill: str = "cache",
-                progress: bool = True) -> dict:
+                progress: bool = True, admission: str = "off") -> dict:
     from .machine import machine_figures
     from .progress import ProgressBar
     from .runtime.engine import Engine
@@ -209,12 +209,12 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
             raise MoectlError(f"{ref.workdir / 'plan.yaml'} was made for model {plan['fingerprint']}, not {fp}")
     cached = dict(common, emulate_device=emulate, replay_trace=replay_trace)
     configs = [("moectl", dict(cached, **size, replacement=replacement, prefetch=prefetch, cpu_experts=cpu_experts,
-                                  prefill=prefill))]
+                                  prefill=prefill, admission=admission))]
     if plan is not None:
         configs.append(("moectl-plan", dict(cached, slots_per_layer=plan_slots(plan, plan.get("_path")),
                                              replacement=plan.get("replacement", replacement),
                                              prefetch=plan.get("prefetch", prefetch), cpu_experts=cpu_experts,
-                                             prefill=prefill)))
+                                             prefill=prefill, admission=admission)))
     if "all-resident" in baselines:
         configs.append(("all-resident", dict(common, replay_trace=replay_trace, prefetch="none")
                         if device == "cpu" else dict(cached, prefetch="none")))
@@ -265,7 +265,8 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
 
             preds = load_predictors(ref.workdir, fp)
         try:
-            predicted[name] = _predict(tr, caps, runs[name]["replacement"], pname, figs, shape, overhead, preds)
+            predicted[name] = _predict(tr, caps, runs[name]["replacement"], pname, figs, shape, overhead, preds,
+                                       admission if pname != "none" else "off")
         except MoectlError as e:
             notes[name + " prediction"] = str(e)
             continue

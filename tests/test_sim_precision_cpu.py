@@ -176,7 +176,7 @@ class Fixed(PrefetchPolicy):
 
 
 def test_admission_rule():
-    a = PrefetchAdmission(attention_s=0.1, experts_s=0.0)          # 0.1 s of idle copy engine per layer
+    a = PrefetchAdmission(attention_s=0.1, experts_s=0.0, fit=0.0)  # 0.1 s of idle copy engine per layer
     assert a.confidence(1.0) == pytest.approx(0.5)                 # before any outcome: half the score
     for _ in range(100):
         a.outcome(0.95, True)
@@ -192,9 +192,105 @@ def test_admission_rule():
     # ... not when the slot it takes may hold an expert its layer is about to choose
     assert not a.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.1, co_chosen=0.5)
     assert not a.admit(0.35, copy_s=0.3, layers_ahead=4, backlog_s=0.0)             # mostly wrong: evicts
+    # the default fit: a copy must hide at least half its time (0.1 s of 0.3 s is a bet on the confidence)
+    half = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0))
+    assert not half.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.1)
+    assert half.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.05)                # 0.15 s: half
     assert isinstance(make_admission("off"), AdmitAll) and AdmitAll().admit(0.0, 9, 1, 9)
     with pytest.raises(MoectlError, match="--admission"):
         make_admission("maybe")
+
+
+def confident(a, score=0.95, n=100):
+    """`a` after `n` predictions at `score`, all right: confidence (n + 8 x score/2) / (n + 8)."""
+    for _ in range(n):
+        a.outcome(score, True)
+    return a
+
+
+def test_admission_values_a_prevented_cpu_miss_at_its_cpu_compute():
+    # 0.1 s of idle engine per layer; a 0.3 s copy two layers ahead hides 0.2 s and lands 0.1 s late
+    fetched = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0))
+    assert fetched.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.0)         # saves 0.2 s of a demand load
+    # misses computed on the CPU in 0.05 s: the late copy would be waited for longer than the CPU takes, so
+    # the miss is computed on the CPU anyway: it saves nothing (the copy's 0.2 s hidden is not a saving)
+    cheap = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0, cpu_expert_s=0.05))
+    assert not cheap.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.0)
+    # a 0.15 s CPU miss: 0.1 s late still beats the CPU by 0.05 s (p x 0.05 > costs + 10 % of 0.15)
+    slow = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.0, cpu_expert_s=0.15))
+    assert slow.admit(0.95, copy_s=0.3, layers_ahead=2, backlog_s=0.0)
+    # landing in time, a right copy saves the whole CPU compute and a wrong one's victim is re-missed on the CPU:
+    # both sides scale with the miss, so a copy that fits is judged alike in both placements (confidence ~0.5
+    # here: worth it against a cold victim, reuse 0.2, not against a hot one)
+    for victim, want in ((0.2, True), (1.0, False)):
+        for cpu in (None, 0.05):
+            a = PrefetchAdmission(attention_s=0.1, experts_s=0.0, victim=victim, cpu_expert_s=cpu)
+            for i in range(90):
+                a.outcome(0.65, i % 2 == 0)                       # right half the time
+            assert a.admit(0.65, copy_s=0.3, layers_ahead=4, backlog_s=0.0) == want
+
+
+def test_admission_with_cpu_misses_treats_a_free_slot_as_taken_by_a_fill():
+    # right 30 % of the time, a copy that fits into a free slot: free when misses are fetched (nothing evicted,
+    # no engine time lost) ...
+    fetched, cpu = PrefetchAdmission(0.1, 0.0), PrefetchAdmission(0.1, 0.0, cpu_expert_s=0.05)
+    for a in (fetched, cpu):
+        for i in range(100):
+            a.outcome(0.35, i % 10 < 3)
+    assert fetched.admit(0.35, copy_s=0.3, layers_ahead=4, backlog_s=0.0, evicts=False)
+    # ... but with misses computed on the CPU the fills would take that slot (the expert just computed): the
+    # copy displaces it, and at 30 % that costs more than it saves
+    assert not cpu.admit(0.35, copy_s=0.3, layers_ahead=4, backlog_s=0.0, evicts=False)
+
+
+def test_admission_window_counts_the_cpu_share_of_a_layer():
+    a = PrefetchAdmission(attention_s=0.1, experts_s=0.02, decay=0.5, cpu_expert_s=0.2)
+    assert a.layer_s == pytest.approx(0.1 + 0.5 * 0.02)                 # q starts at 0.5, no CPU misses yet
+    a.layer_done(0, cpu_experts=2)                                       # a layer with 2 misses on the CPU
+    assert a.m == pytest.approx(1.0) and a.q == pytest.approx(0.75)
+    assert a.layer_s == pytest.approx(0.1 + 1.0 * 0.2)                   # the engine idles while the CPU computes
+    assert PrefetchAdmission(0.1, 0.02, decay=0.5).layer_s == pytest.approx(0.11)   # misses fetched: no CPU share
+
+
+def test_a_layer_fetching_a_miss_leaves_no_idle_compute():
+    from moectl.cache_model import CacheState
+    from moectl.policies.admission import PrefetchGate
+
+    # 0.1 s attention, 0.2 s of expert compute in a layer without demand loads (q = 0.5 at the start)
+    a = confident(PrefetchAdmission(attention_s=0.1, experts_s=0.4))
+    assert a.layer_s == pytest.approx(0.3)
+    assert a.admit(0.95, copy_s=0.6, layers_ahead=2, backlog_s=0.0)                  # hides 0.6 of 0.6
+    # the layer that just routed fetches a miss: its experts run as its copies land, so 0.4 of 0.6 hidden,
+    # the rest delays the next layer's loads
+    assert a.admit(0.95, copy_s=0.6, layers_ahead=1, backlog_s=0.0)                  # 0.3 s: half
+    assert not a.admit(0.95, copy_s=0.6, layers_ahead=1, backlog_s=0.0, loading=True)   # 0.1 s: below half
+    assert a.admit(0.95, copy_s=0.6, layers_ahead=2, backlog_s=0.0, loading=True)       # 0.4 s
+
+    class Seen(AdmitAll):
+        def __init__(self, cpu_expert_s=None):
+            self.cpu_expert_s, self.loading = cpu_expert_s, []
+
+        def admit(self, score, copy_s, layers_ahead, backlog_s, evicts=True, co_chosen=0.0, loading=False):
+            self.loading.append(loading)
+            return False
+
+    st = CacheState([2, 2, 2], LRU())
+    st.begin_request("r")
+    st.begin_step("decode")
+    st.access(0, 1)                                                     # expert 1 of layer 0 resident
+    for adm, layer, routed, want in ((Seen(), 0, [1, 5], True), (Seen(), 0, [1], False),
+                                     (Seen(cpu_expert_s=0.05), 0, [1, 5], False), (Seen(), -1, [5], False)):
+        PrefetchGate(adm, 2).offer(st, layer, [(2, 3, 0.9)], copy_s=0.3, backlog_s=0.0, issue=None, routed=routed)
+        assert adm.loading == [want], (layer, routed, adm.cpu_expert_s)
+
+
+def test_make_admission_knows_where_a_miss_runs():
+    cpu_cheaper = FixedCost(load=1.0, attention=0.1, expert=0.03, cpu_expert=0.3)
+    copy_cheaper = FixedCost(load=0.1, attention=0.1, expert=0.03, cpu_expert=0.3)
+    assert make_admission("on", cpu_cheaper, 1).cpu_expert_s is None                       # --cpu-experts never
+    assert make_admission("on", cpu_cheaper, 1, cpu_experts="auto").cpu_expert_s == pytest.approx(0.3)
+    assert make_admission("on", copy_cheaper, 1, cpu_experts="auto").cpu_expert_s is None  # auto fetches
+    assert make_admission("on", copy_cheaper, 1, cpu_experts="always").cpu_expert_s == pytest.approx(0.3)
 
 
 def test_admission_drops_a_late_prefetch_and_keeps_a_timely_one():

@@ -55,6 +55,14 @@ class CacheOpts:
                                  f"gate-reuse when there are none), {names}.")
 
     @staticmethod
+    def admission():
+        return typer.Option("off", "--admission",
+                            help="on: copy a predicted expert only when its expected saving (calibrated confidence x "
+                                 "the load time it hides) beats its expected copy-engine cost, capped by the time left "
+                                 "before its layer (the rule `moectl simulate --admission` applies; times from "
+                                 "this machine's measured figures); off: copy every prediction.")
+
+    @staticmethod
     def predictor():
         return typer.Option(None, "--predictor", help="Directory of predictors.json (default: the model workdir).")
 

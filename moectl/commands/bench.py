@@ -26,6 +26,7 @@ def bench(
     device: str = typer.Option("cpu", "--device", help="cpu (the cached runs emulate a device) or cuda."),
     replacement: str = CacheOpts.replacement(),
     prefetch: str = CacheOpts.prefetch(),
+    admission: str = CacheOpts.admission(),
     cpu_experts: str = CacheOpts.cpu_experts(),
     prefill: str = CacheOpts.prefill(),
     baselines: str = typer.Option(",".join(("all-resident", "transformers", "on-demand", "lru", "moectl-plan")),
@@ -58,7 +59,7 @@ def bench(
         out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
                           replacement, prefetch, cpu_experts, dtype,
                           tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
-                          progress=not as_json)
+                          progress=not as_json, admission=admission)
         if as_json:
             print(json.dumps(out))
         else:

@@ -32,6 +32,7 @@ def serve(
     replacement: Optional[str] = CacheOpts.replacement(),
     no_plan: bool = CacheOpts.no_plan(),
     prefetch: str = CacheOpts.prefetch(),
+    admission: str = CacheOpts.admission(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
@@ -70,7 +71,7 @@ def serve(
                           lowbit_fraction=lowbit_fraction, device=device,
                           cache_experts=cache_experts, budget=budget, offload=offload,
                           threads=threads, cpu_experts=cpu_experts, prefill=prefill,
-                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch,
+                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission,
                           predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any
                           plan=None if no_plan else "auto", progress=err.is_terminal)
         print_plan_note(eng)

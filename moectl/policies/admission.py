@@ -8,23 +8,38 @@ the compute time of the layers in between, minus the copies already queued ahead
 
 For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
 
-    window  = layers_ahead x (attention + q x top-k expert compute)    the engine's idle time per layer:
-                                                  attention always (a layer's demand loads start after its
-                                                  router), its experts' compute only in layers without a demand
-                                                  load (q: the running share of such layers, `layer_done`)
+    window  = layers_ahead x (attention + max(q x top-k expert compute, m x CPU expert compute))
+                                                  the engine's idle time per layer: attention always (a layer's
+                                                  demand loads start after its router), its experts' compute only
+                                                  in layers without a demand load (q: the running share of such
+                                                  layers, `layer_done`); with misses computed on the CPU, the
+                                                  CPU's share of a layer (m: its running mean of CPU misses).
+                                                  Less that compute share when the layer that just routed fetches
+                                                  a miss (`loading`): its experts run as its copies land
     hidden  = clamp(window - backlog, 0, c)       load time it hides if right; backlog = copy-engine time
                                                   committed ahead of it (in-flight copies, earlier prefetches)
-    saving  = p x hidden
+    miss    = c, or the CPU compute e             what the miss it prevents costs: a copy, or where the
+                                                  placement computes misses on the CPU (`--cpu-experts`), e
+    saving  = p x max(miss - (c - hidden), 0)     a right copy still c - hidden from landing when its layer runs
+                                                  is waited for, or its expert computed on the CPU anyway: with
+                                                  misses fetched that is p x hidden; with misses on the CPU a copy
+                                                  saves only when it lands within e of its layer
     cost    = (1 - p) x (c - hidden)              if wrong, the part of its copy that does not fit in idle
-            + (1 - p) x victim x c                engine time delays demand loads; and it evicted a resident
-                                                  expert that may be needed again (`victim`, a reuse guess)
-            + p x co_chosen x c                   if right, its victim may still be another expert the same
+            + (1 - p) x victim x miss             engine time delays demand loads; and it evicted a resident
+                                                  expert that may be needed again (`victim`, a reuse guess; with
+                                                  misses on the CPU a free slot counts too: fills would take it)
+            + p x co_chosen x miss                if right, its victim may still be another expert the same
                                                   layer is about to choose (a demand load's chunk is pinned)
-    admit   <=> hidden > 0 and saving > cost + floor x c
+    admit   <=> hidden >= fit x c and saving > cost + floor x miss
                                                   (floor 0.1: a marginal copy changes the cache's trajectory
-                                                  by +-0.1 % either way; it is not worth that noise)
+                                                  by +-0.1 % either way; it is not worth that noise. fit 0.5: a
+                                                  copy hiding less than half its time loses more when wrong,
+                                                  c - hidden + its victim, than it wins when right, hidden, so
+                                                  its worth rests on the confidence being right to a few points,
+                                                  and a bucket's hit ratio overstates the non-resident candidates
+                                                  it admits: OLMoE code at 25 %, calibrated 0.88-0.90, right 81 %)
 
-`hidden > 0` is the cap on in-flight prefetches: once the copies queued for the engine fill the time left
+`hidden >= fit x c` is the cap on in-flight prefetches: once the copies queued for the engine fill the time left
 before the target layer runs, nothing more is admitted for it. A candidate already resident costs no copy:
 the driver protects it without asking.
 
@@ -35,12 +50,17 @@ every prediction of a missing expert (admitted or not), whether its layer then c
 confidence of a score is the smoothed hit ratio of its score bucket (prior: half the score, worth 8
 outcomes, so the first copies wait for evidence).
 
-No device code: the driver supplies times from the cost model (`moectl/sim/cost.py`).
+No device code: the driver supplies times from the cost model (`moectl/sim/cost.py`). `PrefetchGate` is the
+driver side both drivers share (simulator and runtime make the same calls in the same order): which predictions
+are only protected, which are offered to the rule, and the outcomes that calibrate it.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from ..cache_model import FULL
+from .placement import CPU, ComputePlacement
 
 ADMISSION_MODES = ("on", "off")
 
@@ -49,15 +69,16 @@ class AdmitAll:
     """`--admission off`: every prediction is issued (the behaviour before admission existed)."""
 
     name = "off"
+    cpu_expert_s = None                            # misses are fetched
 
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
-              co_chosen: float = 0.0) -> bool:
+              co_chosen: float = 0.0, loading: bool = False) -> bool:
         return True
 
     def outcome(self, score: float, chosen: bool) -> None:
         pass
 
-    def layer_done(self, demand_loads: int) -> None:
+    def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
         pass
 
     def describe(self) -> str:
@@ -67,29 +88,38 @@ class AdmitAll:
 class PrefetchAdmission(AdmitAll):
     """The expected-saving vs expected-cost rule above. `attention_s` / `experts_s`: a decode layer's
     attention time and its top-k resident experts' compute time, from the cost model; `victim`: the chance an
-    evicted resident is needed again before it would have left anyway."""
+    evicted resident is needed again before it would have left anyway; `cpu_expert_s`: one missed expert's CPU
+    compute when the placement computes misses on the CPU (`--cpu-experts`), None when misses are fetched."""
 
     name = "on"
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
-                 prior: float = 8.0, decay: float = 0.99, fit: float = 0.0, trust: float = 0.5,
-                 margin: float = 1.0, floor: float = 0.1):
+                 prior: float = 8.0, decay: float = 0.99, fit: float = 0.5, trust: float = 0.5,
+                 margin: float = 1.0, floor: float = 0.1, cpu_expert_s: float | None = None):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
+        self.cpu_expert_s = cpu_expert_s           # a miss's cost when the CPU computes it (None: it is fetched)
+        self.m = 0.0                               # running mean of CPU-computed misses per layer
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
         self.q, self.decay = 0.5, decay            # running share of layers without a demand load
         self.fit = fit                             # share of the copy that must fit in the time left
         self.trust = trust                         # prior confidence = trust x score, until outcomes come in
         self.margin = margin                       # the saving must beat the cost this many times
-        self.floor = floor                         # ... and by at least this share of the copy time
+        self.floor = floor                         # ... and by at least this share of a miss's cost
+
+    @property
+    def compute_s(self) -> float:
+        """A layer's expert time the copy engine idles through (expected)."""
+        return max(self.q * self.experts_s, self.m * (self.cpu_expert_s or 0.0))
 
     @property
     def layer_s(self) -> float:
-        return self.attention_s + self.q * self.experts_s
+        return self.attention_s + self.compute_s
 
-    def layer_done(self, demand_loads: int) -> None:
-        """A decode layer ran with `demand_loads` copies it waited for."""
+    def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
+        """A decode layer ran with `demand_loads` copies it waited for and `cpu_experts` misses the CPU computed."""
         self.q = self.decay * self.q + (1 - self.decay) * (demand_loads == 0)
+        self.m = self.decay * self.m + (1 - self.decay) * cpu_experts
 
     def _bucket(self, score: float) -> int:
         return int(min(max(score, 0.0), 1.0 - 1e-9) * len(self.n))
@@ -105,23 +135,94 @@ class PrefetchAdmission(AdmitAll):
         self.hit[b] += bool(chosen)
 
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
-              co_chosen: float = 0.0) -> bool:
+              co_chosen: float = 0.0, loading: bool = False) -> bool:
         p = self.confidence(score)
-        hidden = min(max(layers_ahead * self.layer_s - backlog_s, 0.0), copy_s)
+        window = layers_ahead * self.layer_s - (self.compute_s if loading else 0.0)
+        hidden = min(max(window - backlog_s, 0.0), copy_s)
         if hidden <= 0.0 or hidden < self.fit * copy_s:
             return False
+        miss = copy_s if self.cpu_expert_s is None else self.cpu_expert_s
+        # with misses on the CPU a free slot is not free: the fills (CPU-computed misses copied in while the
+        # engine idles) take it, so a copy into it displaces a recently used expert as an eviction would
+        evicts = evicts or self.cpu_expert_s is not None
         # a right copy evicts too: unlike a demand load (its chunk pinned) it may take the slot of an expert
         # the same layer is about to choose (`co_chosen`: that chance, from the driver)
-        victim = ((1 - p) * self.victim + p * co_chosen) * copy_s if evicts else 0.0
+        victim = ((1 - p) * self.victim + p * co_chosen) * miss if evicts else 0.0
         cost = (1 - p) * (copy_s - hidden) + victim
-        return p * hidden > self.margin * cost + self.floor * copy_s
+        saving = p * max(miss - (copy_s - hidden), 0.0)
+        return saving > self.margin * cost + self.floor * miss
 
     def describe(self) -> str:
         return "prefetch admission: on (expected saving > expected copy-engine cost, capped by time left)"
 
 
-def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, **kw) -> AdmitAll:
-    """The rule behind `--admission on|off`; times from `cost` (moectl/sim/cost.py)."""
+class PrefetchGate:
+    """Between a prefetch policy's predictions and the copy engine, for the simulator and the runtime alike.
+
+    `offer` takes one batch of predictions (target layer, expert, score) made after layer `layer` (-1: after the
+    previous token): resident ones first (`CacheState.resident_first`); a resident one is protected with no copy; a
+    missing one is remembered for calibration and copied if the admission rule admits it, each admitted copy adding
+    its time to the backlog the next candidate sees. `route` reports, when a layer's router has run, whether each
+    remembered prediction for it was chosen (`outcome`); `reset` forgets them at a new request."""
+
+    def __init__(self, admission: AdmitAll | None = None, top_k: int = 1, max_per_layer: int | None = None):
+        self.admission = admission if admission is not None else AdmitAll()
+        self.top_k, self.max_per_layer = top_k, max_per_layer
+        self.pending: dict[int, list[tuple[int, float]]] = {}      # target layer -> [(expert, score)] not resident
+
+    def reset(self) -> None:
+        self.pending.clear()
+
+    def route(self, layer: int, chosen) -> None:
+        chosen = set(chosen)
+        for e, score in self.pending.pop(layer, []):
+            self.admission.outcome(score, e in chosen)
+
+    def layer_done(self, demand_loads: int, cpu_experts: int = 0) -> None:
+        self.admission.layer_done(demand_loads, cpu_experts)
+
+    def offer(self, state, layer: int, preds, copy_s: float, backlog_s: float, issue, precision: str = FULL,
+              routed=()) -> int:
+        """`state`: the CacheState; `copy_s`: one expert's copy time in `precision` (the pool prefetches load);
+        `backlog_s`: copy-engine time committed now; `issue(tl, e, held)`: held = the precision of a resident copy
+        (protect it, no copy) or None (copy it into `precision`'s pool; True when a copy was queued);
+        `routed`: the experts `layer` chose. Returns the copies queued."""
+        per_layer: dict[int, int] = {}
+        queued = 0
+        # the layer that just routed fetches a miss: its compute overlaps its own copies, not idle engine time
+        loading = self.admission.cpu_expert_s is None and layer >= 0 and any(
+            not any(state.contains(layer, int(e), p) for p in state.counts) for e in routed)
+        for tl, e, score in state.resident_first(preds):
+            tl, e = int(tl), int(e)
+            if not (layer < tl < state.num_layers):
+                continue
+            if self.max_per_layer is not None and per_layer.get(tl, 0) >= self.max_per_layer:
+                continue
+            per_layer[tl] = per_layer.get(tl, 0) + 1
+            held = next((p for p in state.counts if state.contains(tl, e, p)), None)
+            if held is not None:
+                issue(tl, e, held)                                  # protect only: no copy
+                continue
+            # calibrate on the candidates admission judges: a predicted expert that is not resident is right far
+            # less often than one that is
+            self.pending.setdefault(tl, []).append((e, float(score)))
+            full = len(state.resident(tl, precision)) >= state.capacity(tl, precision)
+            # the chance its victim is another expert this layer then chooses: (k - 1) of S slots, quartered as
+            # replacement evicts the coldest resident and a token's other experts are mostly hot ones
+            co_chosen = min(1.0, 0.25 * (self.top_k - 1) / state.capacity(tl, precision))
+            if not self.admission.admit(float(score), copy_s, max(tl - max(layer, 0), 1), backlog_s, evicts=full,
+                                        co_chosen=co_chosen, loading=loading):
+                continue
+            if issue(tl, e, None):
+                backlog_s += copy_s
+                queued += 1
+        return queued
+
+
+def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, cpu_experts: str = "never",
+                   **kw) -> AdmitAll:
+    """The rule behind `--admission on|off`; times from `cost` (moectl/sim/cost.py); `cpu_experts` the
+    placement mode (never | auto | always: what a prevented miss would have cost)."""
     from ..errors import MoectlError
 
     if mode == "off":
@@ -129,5 +230,7 @@ def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, **k
     if mode == "on":
         if cost is None:
             raise MoectlError("--admission on needs a cost model (the compute time of a layer)")
-        return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1), **kw)
+        on_cpu = ComputePlacement(cpu_experts, cost).decide(1) == CPU          # where a decode miss runs
+        return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1),
+                                 cpu_expert_s=cost.cpu_expert_s(1) if on_cpu else None, **kw)
     raise MoectlError(f"unknown --admission {mode!r}; choose one of {', '.join(ADMISSION_MODES)}")

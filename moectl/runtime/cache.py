@@ -47,6 +47,7 @@ class CacheStats:
         self.expert_nbytes = self.nbytes[FULL]
         self.load_wait_s = 0.0          # time the forward waited for demand loads
         self.skips = 0                  # routed experts the precision policy dropped on a miss
+        self.uncopied_bytes = 0.0       # bytes of prefetches cancelled before their copy ran (slot reused first)
         self.preload_s = 0.0            # load time spent copying a plan's hot set (not per-token work)
         self.preload_bytes = 0
         self._pending_events: list = []
@@ -74,10 +75,13 @@ class CacheStats:
         t = self._sum()
         per = {p: self.state.totals(None, p) for p in self.state.counts}
         n = t["hits"] + t["misses"]
-        loaded = sum((c["misses"] + c["prefetches"]) * self.nbytes[p] for p, c in per.items())  # demand + prefetch
+        # bytes copied: demand loads + prefetches, less those a reused slot cancelled before they ran (CPU: a
+        # prefetch runs only when its expert is used, so a wrong one is usually never copied)
+        pf_bytes = sum(c["prefetches"] * self.nbytes[p] for p, c in per.items()) - self.uncopied_bytes
+        loaded = sum(c["misses"] * self.nbytes[p] for p, c in per.items()) + pf_bytes
         out = {"hits": t["hits"], "misses": t["misses"], "hit_rate": t["hits"] / n if n else 0.0,
-               "bytes_loaded": loaded, "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
-               "prefetch_bytes": sum(c["prefetches"] * self.nbytes[p] for p, c in per.items()),
+               "bytes_loaded": int(round(loaded)), "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
+               "prefetch_bytes": int(round(pf_bytes)),
                "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
                "preload_bytes": self.preload_bytes, "preload_s": self.preload_s,
                **{ph: {k: v for k, v in self._sum(ph).items() if k in ("hits", "misses", "evictions")}
@@ -221,6 +225,13 @@ class DeviceCache(CacheFront):
             return 0
         return 1 if job.prefetch else 2
 
+    def backlog_bytes(self) -> float:
+        """Bytes the copy engine has committed to now: the unrun chunks of every copy queued or in flight. On the
+        CPU the synchronous queue runs a prefetch only when its expert is used, so every prefetch not used yet
+        counts (the emulated device has no copy engine running beside compute)."""
+        return sum(self.stats.nbytes[p] * (len(j.chunks) - j.done) / len(j.chunks)
+                   for (p, _, _), j in self.jobs.items() if not j.finished and j.chunks)
+
     def device_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pool in self.pools.values() for t in pool)
 
@@ -240,6 +251,8 @@ class DeviceCache(CacheFront):
         job = self.jobs.pop(key, None)
         if job is not None:
             self.loader.cancel(job)
+            if job.prefetch and job.done < len(job.chunks):       # chunks that will never run
+                self.stats.uncopied_bytes += self.stats.nbytes[key[0]] * (len(job.chunks) - job.done) / len(job.chunks)
             for ev in job.events:               # CUDA: an issued copy out of the staging buffer must land first
                 ev.synchronize()
 

@@ -21,7 +21,9 @@ import torch
 
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
+from ..cache_model import COUNTERS
 from ..models import adapter_for
+from ..policies.admission import PrefetchGate
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..policies.gating import GatingPolicy, gate_rows
 from ..recipes import format_bytes, parse_size, resolve_model
@@ -78,7 +80,7 @@ class Engine:
              cpu_experts: str = "never", cost=None, replay_trace=None, prefill: str = "cache",
              plan: str | Path | None = None, lowbit: str | None = None,
              precision: str | None = None, t1: float = 0.6, t2: float = 0.9,
-             lowbit_fraction: float | None = None) -> "Engine":
+             lowbit_fraction: float | None = None, admission: str = "off") -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
         the default on a CPU with experts in RAM computes them in place (no slots, no copies).
         `threads`: torch intra-op threads (default `machine.default_threads` for the model's size).
@@ -92,9 +94,15 @@ class Engine:
         None, the replacement policy (`eng.plan_note` says what was applied).
         `lowbit` (e.g. q4g64): also serve the `moectl quantize` copies from host RAM, with a low-bit slot pool
         taking `lowbit_fraction` of the cache's bytes; `precision` full | hobbit (T1, T2) | lowbit-only says which
-        copy a miss loads (default: hobbit with --lowbit, else full)."""
+        copy a miss loads (default: hobbit with --lowbit, else full).
+        `admission` on|off: a predicted expert is copied only when its expected saving beats its copy-engine cost
+        (policies/admission.py, the rule the simulator applies), priced with `cost` or this machine's figures."""
         if prefill not in ("cache", "stream"):
             raise MoectlError(f"--prefill must be cache or stream, not {prefill!r}")
+        from ..policies.admission import ADMISSION_MODES
+
+        if admission not in ADMISSION_MODES:
+            raise MoectlError(f"--admission must be {' or '.join(ADMISSION_MODES)}, not {admission!r}")
         if emulate_device and device != "cpu":
             raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         ref = _built(resolve_model(model, workdir))
@@ -205,6 +213,8 @@ class Engine:
 
             cache.preload(plan_preload(plan_d, L, E))
         runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
+        runtime.prefetch_gate, runtime.copy_s = _admission(admission, cost, config, dev, adapter.top_k, expert_nbytes,
+                                                          in_place, prefetch, cpu_experts)
         if replay_trace is not None:
             from .replay import RoutingReplay
 
@@ -260,6 +270,7 @@ class Engine:
     def begin_request(self, name: str) -> None:
         """A new request: sequence-level policy statistics and the prefetch state reset."""
         self.cache.begin_request(name)
+        self.runtime.prefetch_gate.reset()
         if self.prefetch is not None:
             self.prefetch.reset()
 
@@ -275,9 +286,7 @@ class Engine:
             t0 = time.perf_counter()
             after = self.prefetch.predict_after_token()
             self.runtime.predictor_s += time.perf_counter() - t0
-            for target, expert, _score in self.cache.state.resident_first(after):
-                if 0 <= target < len(self.cache.slots_per_layer):
-                    self.cache.prefetch(target, int(expert))
+            self.runtime.offer(-1, after)
         if past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         self._prefill_t0 = time.perf_counter()
@@ -416,6 +425,8 @@ class _Runtime:
         self.cpu_wait_s = 0.0               # time a layer waited for the worker after its own side was done
         self.expert_stage_s = 0.0           # wall time of the layers' expert stages (both sides, overlapped)
         self.predictor_s = 0.0              # time the prefetch policy took to observe and predict
+        self.prefetch_gate = PrefetchGate()        # predictions -> copies: protect resident, admit missing ones
+        self.copy_s = 0.0                   # one expert's copy time (the cost model's), for admission
 
     # --- CPU compute of missed experts (Fiddler / llama.cpp --n-cpu-moe) -------------------
     def cpu_side(self, layer: int, experts: list[int], tokens: dict[int, int]) -> list[int]:
@@ -485,6 +496,8 @@ class _Runtime:
         eng._prefill_progress(layer, top_k_index.shape[0])
         for obs in eng.observers:
             obs.on_route(layer, top_k_index, top_k_weights, hidden)
+        if self.prefetch_gate.pending.get(layer):                             # admission's outcomes for this layer
+            self.prefetch_gate.route(layer, top_k_index.reshape(-1).tolist())
         pf = eng.prefetch
         if pf is not None and self.cache.state.phase == "decode":      # predict ahead in decode steps only
             t0 = time.perf_counter()
@@ -492,9 +505,26 @@ class _Runtime:
                        hidden[0].float().cpu().numpy())
             preds = pf.predict(layer)
             self.predictor_s += time.perf_counter() - t0
-            for target, expert, _score in self.cache.state.resident_first(preds):
-                if layer < target < len(self.cache.slots_per_layer):     # later layers of this token
-                    self.cache.prefetch(target, int(expert))
+            self.offer(layer, preds, top_k_index[0].tolist())            # later layers of this token
+
+    # --- prefetch admission (policies/admission.py: the simulator's gate and rule) ------------------
+    def offer(self, layer: int, preds, routed=()) -> None:
+        """Predictions made after `layer` (-1: after the previous token) through the shared gate: resident ones
+        protected, missing ones copied when admitted; the backlog is the copy engine's unrun chunks, timed."""
+        cache = self.cache
+
+        def issue(target: int, expert: int, held: str | None) -> bool:
+            if held is not None:
+                cache.state.prefetch(target, expert, held)              # protect only
+                return False
+            return cache.prefetch(target, expert)
+        backlog = getattr(cache, "backlog_bytes", None)
+        backlog_s = self.copy_s * backlog() / cache.store.expert_nbytes if backlog and self.copy_s else 0.0
+        self.prefetch_gate.offer(cache.state, layer, preds, self.copy_s, backlog_s, issue, routed=routed)
+
+    def decode_misses(self, layer: int) -> int:
+        """Demand loads of `layer` in decode steps so far (all pools): `layer_done`'s count is the difference."""
+        return sum(int(c["decode"][layer, COUNTERS.index("misses")]) for c in self.cache.state.counts.values())
 
 
 # --- helpers (pure functions; the CLI and tests use them too) -----------------------------
@@ -596,11 +626,28 @@ def _placement(mode: str, cost, config, dev: torch.device, in_place: bool):
     if mode == "never" or in_place:
         return None
     if mode == "auto" and cost is None:
-        from ..machine import machine_figures, machine_hardware
-        from ..sim.cost import CostModel, shape_from_hf_config
-
-        cost = CostModel(machine_hardware(machine_figures(dev.type)), shape_from_hf_config(config.to_dict()))
+        cost = _machine_cost(config, dev)
     return ComputePlacement(mode, cost)
+
+
+def _admission(mode: str, cost, config, dev: torch.device, top_k: int, expert_nbytes: int, in_place: bool,
+               prefetch, cpu_experts: str = "never"):
+    """(the PrefetchGate behind --admission, one expert's copy time): `on` prices copies and layer compute with
+    `cost`, or this machine's measured figures (as `_placement` does)."""
+    from ..policies.admission import make_admission
+
+    if mode == "off" or in_place or prefetch is None:
+        return PrefetchGate(make_admission("off"), top_k), 0.0
+    cost = cost if cost is not None else _machine_cost(config, dev)
+    return PrefetchGate(make_admission(mode, cost, top_k, cpu_experts=cpu_experts), top_k), cost.load_s(expert_nbytes)
+
+
+def _machine_cost(config, dev: torch.device):
+    """This machine's CostModel for the model (`moectl/machine.py` figures, measured once and cached)."""
+    from ..machine import machine_figures, machine_hardware
+    from ..sim.cost import CostModel, shape_from_hf_config
+
+    return CostModel(machine_hardware(machine_figures(dev.type)), shape_from_hf_config(config.to_dict()))
 
 
 def _gating(gating, threshold: float | None, workdir, fingerprint: str, num_layers: int) -> GatingPolicy | None:

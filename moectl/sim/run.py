@@ -277,7 +277,7 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
     hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
     final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
     placement = ComputePlacement(cpu_experts, cost)
-    adm = make_admission(admission, cost, trace.top_k)
+    adm = make_admission(admission, cost, trace.top_k, cpu_experts=cpu_experts)
     r = Simulator(pools, repl, pf, cost, precision=precision, nbytes=nbytes,
                   placement=placement if cpu_experts != "never" else None, admission=adm, preload=preload).run(
         steps, hidden_of=hidden_of, final_hidden_of=final_of)

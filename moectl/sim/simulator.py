@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..cache_model import COUNTERS, FULL, PHASES, CacheState
-from ..policies.admission import AdmitAll
+from ..policies.admission import AdmitAll, PrefetchGate
 from ..policies.base import PrefetchPolicy
 from ..policies.placement import CPU, ComputePlacement
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
@@ -193,35 +193,17 @@ class Simulator:
         self.queue.append(((tl, p, e), t, copy))
         return True
 
-    def _predicted(self, l: int, preds, t: float) -> None:
-        """Candidates (target layer, expert, score) predicted after layer l (-1: after the previous token):
-        a resident one is protected, a missing one is copied if the admission rule admits it."""
-        state, per_layer = self.state, {}
-        backlog = self._backlog(t)
-        for tl, e, score in state.resident_first(preds):
-            if not (l < tl < self.L):
-                continue
-            if self.max_pf is not None and per_layer.get(tl, 0) >= self.max_pf:
-                continue
-            per_layer[tl] = per_layer.get(tl, 0) + 1
-            held = next((p for p in self.pools if state.contains(tl, e, p)), None)
+    def _predicted(self, l: int, preds, t: float, routed=()) -> None:
+        """Candidates (target layer, expert, score) predicted after layer l (-1: after the previous token), through
+        the gate the runtime uses too: a resident one is protected, a missing one copied if admission admits it."""
+        p = self.pf_prec
+
+        def issue(tl: int, e: int, held: str | None) -> bool:
             if held is not None:
-                state.prefetch(tl, e, held)               # protect only: no copy
-                continue
-            # calibrate on the candidates admission judges: a predicted expert that is not resident is right
-            # far less often than one that is
-            self.pending.setdefault(tl, []).append((e, score))
-            p = self.pf_prec
-            dur = self.cost.load_s(self.nbytes[p])
-            full = len(state.resident(tl, p)) >= state.capacity(tl, p)
-            # the chance its victim is another expert this layer then chooses: (k - 1) of S slots, quartered as
-            # replacement evicts the coldest resident and a token's other experts are mostly hot ones
-            co_chosen = min(1.0, 0.25 * (self.top_k - 1) / state.capacity(tl, p))
-            if not self.admission.admit(score, dur, max(tl - max(l, 0), 1), backlog, evicts=full,
-                                        co_chosen=co_chosen):
-                continue
-            if self._issue(tl, e, t, p):
-                backlog += dur
+                self.state.prefetch(tl, e, held)
+                return False
+            return self._issue(tl, e, t, p)
+        self.gate.offer(self.state, l, preds, self.cost.load_s(self.nbytes[p]), self._backlog(t), issue, p, routed)
 
     def _cpu_beats_copy(self, copy: _Copy, t: float, p: str) -> bool:
         """A resident expert whose copy has not landed yet: is computing it on the CPU faster than waiting?"""
@@ -241,11 +223,11 @@ class Simulator:
         for l, p, e, _ in state.preload(self.preload):          # copied at load time: landed at 0, not counted
             self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, nbytes[p])
         self.queue: deque = deque()
-        self.pending: dict[int, list[tuple[int, float]]] = {}   # target layer -> predictions (for admission)
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
         self.bytes_copied = 0.0
-        self.top_k = max((len(c) for s in steps if not s.prefill for c in s.chosen), default=1)
+        top_k = max((len(c) for s in steps if not s.prefill for c in s.chosen), default=1)
+        self.gate = PrefetchGate(self.admission, top_k, self.max_pf)
         for p in self.pools:
             if self.repl[p].needs_future:
                 self.repl[p].set_future([s.chosen for s in steps])
@@ -261,7 +243,7 @@ class Simulator:
             if step.first_of_request:
                 state.begin_request(step.request)
                 self.pf.reset()
-                self.pending.clear()
+                self.gate.reset()
                 context = 0
             state.begin_step("prefill" if step.prefill else "decode")
             if not step.prefill:          # the aux gate: loads issued while the previous lm_head ran
@@ -277,14 +259,13 @@ class Simulator:
                 chosen, weights = step.chosen[l], step.weights[l]
                 for p in self.pools:
                     state.route(l, chosen, weights, p)
-                for e, score in self.pending.pop(l, []):
-                    self.admission.outcome(score, e in chosen)
+                self.gate.route(l, chosen)
                 self._advance(clock)
                 # prefetch decisions: right after the router; their copies queue behind this layer's demand loads
                 if not step.prefill:
                     h = hidden_of(step.rows[0], l) if hidden_of else None
                     self.pf.observe(l, chosen, weights, h)
-                    self._predicted(l, self.pf.predict(l), clock)
+                    self._predicted(l, self.pf.predict(l), clock, chosen)
                 layer_demand = self.n_demand
                 # where each chosen expert runs: a resident copy of either precision; else the precision
                 # policy's choice (full / low / skip), fetched or computed on the CPU
@@ -372,7 +353,7 @@ class Simulator:
                     self._advance(clock + 1e-12)
                 clock = max(t, t_cpu)
                 if not step.prefill:
-                    self.admission.layer_done(self.n_demand - layer_demand)
+                    self.gate.layer_done(self.n_demand - layer_demand, len(on_cpu))
             head = cost.lm_head_s(1)
             t_final = clock
             clock += head

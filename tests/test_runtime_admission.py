@@ -1,0 +1,192 @@
+"""Prefetch admission in the runtime (issue 13): the runtime drives the simulator's gate and rule
+(`policies/admission.py`), on the CPU with its own slots (`--emulate-device`).
+
+Costs are fixed (`FixedCost`): a layer's compute (1 s) dwarfs a copy (1 ms), so every copy would fit in the time
+left and admission decides by calibrated confidence and the eviction terms alone, which the shared cache model
+makes identical in the runtime and the simulator.
+
+Legend: L = MoE layers, E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moectl.errors import MoectlError
+from moectl.policies.base import PrefetchPolicy
+from moectl.sim.cost import FixedCost
+
+PROMPT = "The cache keeps recently used experts close to the compute."
+
+
+class Routing:
+    """Observer: the decode routing of one run, [(layer, experts)] in the order the layers ran."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_route(self, layer, top_k_index, top_k_weights, hidden):
+        if top_k_index.shape[0] == 1:
+            self.rows.append((layer, sorted(top_k_index[0].tolist())))
+
+
+class Scripted(PrefetchPolicy):
+    """After layer l of decode step i: the experts layer l+1 will choose (known from a recorded run) at score
+    `right`, and one it will not choose at score `wrong`."""
+
+    name = "scripted"
+
+    def __init__(self, future: list[tuple[int, list[int]]], num_layers: int, num_experts: int,
+                 right: float = 0.95, wrong: float = 0.05):
+        self.future, self.L, self.E, self.right, self.wrong = future, num_layers, num_experts, right, wrong
+        self.i = 0
+        self.made: list[tuple[int, int, int, float]] = []       # (call, target, expert, score) handed over
+
+    def predict(self, layer):
+        row = self.i
+        self.i += 1
+        if layer + 1 >= self.L or row + 1 >= len(self.future):
+            return []
+        nxt = self.future[row + 1][1]
+        out = [(layer + 1, e, self.right) for e in nxt]
+        out.append((layer + 1, next(e for e in range(self.E) if e not in nxt), self.wrong))
+        self.made += [(row, *p) for p in out]
+        return out
+
+
+def _load(ckpt, **kw):
+    from moectl.runtime.engine import Engine
+
+    return Engine.load(str(ckpt), emulate_device=True, progress=False, threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_small):
+    """Tokens and decode routing with no prefetch, the model's size, and the fixed costs (a copy of one expert
+    1 ms, a layer's attention 1 s)."""
+    eng = _load(tiny_small, cache_experts=8, prefetch="none")
+    obs = Routing()
+    eng.add_observer(obs)
+    res = eng.generate(PROMPT, max_new_tokens=24, stop_at_eos=False)
+    cost = FixedCost(load=0.001, attention=1.0, expert=0.03, expert_bytes=eng.store.expert_nbytes)
+    return res.token_ids, obs.rows, len(eng.cache.slots_per_layer), eng.adapter.num_experts, cost
+
+
+def _run(ckpt, reference, admission, **kw):
+    ids, rows, L, E, cost = reference
+    pf = Scripted(rows, L, E, **kw)
+    eng = _load(ckpt, cache_experts=8, prefetch=pf, admission=admission, cost=cost)
+    issued = []                                     # (call, target, expert) of every copy the cache queued
+    real = eng.cache.prefetch
+
+    def spy(layer, expert):
+        ok = real(layer, expert)
+        if ok:
+            issued.append((pf.i - 1, layer, expert))
+        return ok
+    eng.cache.prefetch = spy
+    res = eng.generate(PROMPT, max_new_tokens=24, stop_at_eos=False)
+    return res, pf, issued, eng
+
+
+def test_admission_copies_confident_predictions_and_not_unlikely_ones(tiny_small, reference):
+    ids = reference[0]
+    off, pf_off, issued_off, _ = _run(tiny_small, reference, "off")
+    on, pf_on, issued_on, eng = _run(tiny_small, reference, "on")
+    wrong = {(i, t, e) for i, t, e, s in pf_on.made if s < 0.5}
+    right = {(i, t, e) for i, t, e, s in pf_on.made if s > 0.5}
+    # off: every missing prediction is copied, unlikely ones included
+    assert any(x in wrong for x in issued_off)
+    # on: no unlikely (score 0.05, always wrong) prediction is ever copied; confident, always-right ones are
+    # (once a few outcomes have calibrated their score bucket), and make decode hits
+    assert issued_on and not any(x in wrong for x in issued_on)
+    assert all(x in right for x in issued_on)
+    assert eng.cache.stats.as_dict()["prefetch_used"] == len(issued_on)
+    # lossless: the same tokens as without prefetch, either way
+    assert on.token_ids == off.token_ids == ids
+
+
+def test_bytes_loaded_counts_only_copies_that_ran(tiny_small, reference):
+    """CPU: a prefetch runs when its expert is used; a wrong one whose slot is reused first never runs, and is
+    not counted in bytes_loaded."""
+    res, pf, issued, eng = _run(tiny_small, reference, "off", right=0.95, wrong=0.05)
+    cache = eng.cache
+    cache.loader.drain()
+    s = cache.stats.as_dict()
+    per_copy = cache.store.expert_nbytes
+    issued_bytes = (s["misses"] + s["prefetches"]) * per_copy
+    assert s["bytes_loaded"] < issued_bytes                        # some prefetch was cancelled before it ran
+    assert s["bytes_loaded"] == s["misses"] * per_copy + s["prefetch_bytes"]
+    assert s["prefetch_bytes"] >= s["prefetch_used"] * per_copy    # every used prefetch ran
+
+
+def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference, tmp_path):
+    """The same scripted predictions (right ones at 0.95, a wrong one at 0.05) through the runtime and through the
+    simulator on the trace the runtime recorded, same fixed costs: per layer, the same prefetches, hits, misses and
+    evictions with admission off and on; and admission skipped some and admitted some."""
+    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.profile import run_profile
+    from moectl.policies import LRU
+    from moectl.policies.admission import make_admission
+    from moectl.sim.simulator import Simulator, trace_steps
+    from moectl.trace import PREFILL, load_trace
+
+    texts = builtin_corpus("validation")[:3]
+    _, _, L, E, cost = reference
+    n = L * E // 2                                                   # half the experts
+
+    def profile(prefetch, out, admission="off"):
+        eng = _load(tiny_small, cache_experts=n, prefetch=prefetch, admission=admission, cost=cost)
+        run_profile(eng, texts, out, model_name="tiny", dataset="builtin:validation", max_tokens=40, generate=12)
+        return eng, load_trace(out)
+
+    _, tr0 = profile("none", tmp_path / "none")
+    decode = [r for r in range(len(tr0.phase)) if tr0.phase[r] != PREFILL]
+    future = [(l, sorted(int(e) for e in tr0.experts[r, l] if e >= 0)) for r in decode for l in range(L)]
+    counts = {}
+    for adm in ("off", "on"):
+        eng, tr = profile(Scripted(future, L, E), tmp_path / adm, adm)
+        assert (tr.experts == tr0.experts).all()                    # prefetch never changes the routing
+        runtime = eng.cache.state.per_layer("decode")
+        sim = Simulator([n // L] * L, LRU(), Scripted(future, L, E), cost,
+                        admission=make_admission(adm, cost, tr.top_k)).run(trace_steps(tr))
+        for k in ("prefetches", "hits", "misses", "evictions"):
+            assert sim["cache"]["decode"][k] == runtime[k], (adm, k)
+        counts[adm] = sum(runtime["prefetches"])
+    assert 0 < counts["on"] < counts["off"]
+
+
+def test_admission_flag_on_generate(tiny_small, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    base = ["generate", "--model", str(tiny_small), "--prompt", PROMPT, "--max-new-tokens", "8", "--emulate-device",
+            "--cache-experts", "8", "--prefetch", "gate-reuse", "--threads", "1", "--json"]
+    r = CliRunner().invoke(app, base + ["--admission", "maybe"])       # the console script prints it as error:
+    assert isinstance(r.exception, MoectlError) and "--admission" in str(r.exception)
+    outs = {}
+    for adm in ("off", "on"):
+        r = CliRunner().invoke(app, base + ["--admission", adm])
+        assert r.exit_code == 0, r.output
+        outs[adm] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert outs["on"]["text"] == outs["off"]["text"]
+
+
+def test_runtime_admission_knows_where_its_misses_run(tiny_small, reference):
+    """`--cpu-experts` reaches the rule: with misses computed on the CPU a prevented miss is worth its CPU compute
+    (the cost model's), with misses fetched it is worth a copy."""
+    cost = reference[4]
+    slow_copy = FixedCost(load=1.0, attention=1.0, expert=0.03, cpu_expert=0.3, expert_bytes=cost.expert_bytes)
+    for mode, want in (("never", None), ("auto", 0.3), ("always", 0.3)):
+        eng = _load(tiny_small, cache_experts=8, prefetch="gate-reuse", admission="on", cost=slow_copy,
+                    cpu_experts=mode)
+        got = eng.runtime.prefetch_gate.admission.cpu_expert_s
+        assert got == (None if want is None else pytest.approx(want)), mode
+    fast_copy = FixedCost(load=0.001, attention=1.0, expert=0.03, cpu_expert=0.3, expert_bytes=cost.expert_bytes)
+    eng = _load(tiny_small, cache_experts=8, prefetch="gate-reuse", admission="on", cost=fast_copy, cpu_experts="auto")
+    assert eng.runtime.prefetch_gate.admission.cpu_expert_s is None        # auto fetches: a copy is cheaper
