@@ -119,7 +119,7 @@ def sensitivity(
         if c is None:
             console.print(f"no T_g on the grid keeps the perplexity cost within {target_ppl_delta:.2%}: gating stays off")
         else:
-            console.print(f"T_g = {c['threshold']:.4g}: perplexity +{c['ppl_delta_rel']:.2%} (target "
+            console.print(f"T_g = {c['threshold']:.4g}: perplexity {c['ppl_delta_rel']:+.2%} (target "
                           f"{target_ppl_delta:.2%}), {c['experts_per_token']:.3f} experts/token/layer "
                           f"(top-{eng.adapter.top_k}); stored as the default gating")
     console.print(f"wrote {path}")
