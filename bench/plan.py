@@ -42,7 +42,7 @@ from moectl.plan.budget import model_facts, split_budget  # noqa: E402
 from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)
-from moectl.plan.setup import _stored_gating, plan_setup  # noqa: E402
+from moectl.plan.setup import plan_setup, stored_gating  # noqa: E402
 from moectl.synthetic_trace import save, synthesize_like  # noqa: E402
 from moectl.trace import Trace, load_trace, write_jsonl  # noqa: E402
 
@@ -157,7 +157,7 @@ def board(model: str, budget, plan_trace: str, judge_trace: str | None, precisio
             tr = load_trace(_shared(judge_trace, wd))
             replay = Replay(tr, s.cost, train_traces=[s.replay.raw])
             replay.raw = tr
-            gated = _stored_gating(Path(wd), s.facts, tr)        # the workdir's T_g, as the planning trace got
+            gated = stored_gating(Path(wd), s.facts, tr)        # the workdir's T_g, as the planning trace got
             if gated is not None:
                 replay.trace = gated[2]
         rows = [run_preset(s, p, plan, replay) for p in PRESETS if names is None or p.name in names]

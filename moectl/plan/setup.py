@@ -69,14 +69,14 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
         raise MoectlError(f"the traces were profiled on model {trace.fingerprint}, --model {model} is {facts.fingerprint}")
     replay = Replay(trace, cost)
     raw = replay.raw = trace
-    gated = _stored_gating(wd, facts, trace)
+    gated = stored_gating(wd, facts, trace)
     if gated is not None:
         pol.gating, pol.sensitivities, replay.trace = gated
     pol.prefetch = _prefetch(prefetch, replay, wd, facts)
     return Setup(facts, split, cost, replay, pol, wd, hardware, budget, raw)
 
 
-def _stored_gating(wd: Path, facts: ModelFacts, trace):
+def stored_gating(wd: Path, facts: ModelFacts, trace):
     """(T_g, gated trace) from the workdir's sensitivity.json when it stores a threshold and the trace has weights."""
     from ..calib.sensitivity import JSON_NAME, load_sensitivity
     from ..policies.gating import gate_trace, parse_gating
