@@ -263,6 +263,33 @@ def test_tiny_plans_never_replay_worse_than_the_even_split(tiny_profiled):
             assert plan["curve_ms_per_token"]["uniform"] == pytest.approx(uni, rel=1e-9)
 
 
+def test_a_plan_records_prefetch_admission_and_simulate_applies_it(tiny_profiled, tmp_path, capsys, monkeypatch):
+    """`plan-cache --admission on` measures the plan with the admission rule and records it; `simulate --plan` replays
+    it so (the plan's prediction exactly), `--admission off` there overrides it; a bad mode is one clear error."""
+    ckpt, wd, facts, minimum = tiny_profiled
+    budget = str(minimum + 6 * facts.expert_bytes())
+    out = tmp_path / "plan.yaml"
+    args = ["plan-cache", "--model", str(ckpt), "--workdir", str(wd), "--budget", budget, "--kv-tokens",
+            str(KV_TOKENS), "--out", str(out), "--json"]
+    code, stdout, err = run_cli(args + ["--admission", "on"], capsys, monkeypatch)
+    assert code == 0, err
+    plan = yaml.safe_load(out.read_text())
+    assert plan["policies"]["admission"] == "on" and plan["policies"]["prefetch"] == "gate-reuse"
+    trace = wd / "traces"
+    runs = {}
+    for extra in ([], ["--admission", "off"]):
+        code, stdout, err = run_cli(["simulate", "--trace", str(trace), "--model-shape", str(ckpt), "--plan", str(out),
+                                     "--json", *extra], capsys, monkeypatch)
+        assert code == 0, err
+        runs[tuple(extra)] = json.loads(stdout)
+    on, off = runs[()], runs[("--admission", "off")]
+    assert on["admission"] == "on" and off["admission"] == "off"
+    assert on["stall_ms_per_token"] == pytest.approx(plan["predicted"]["stall_ms_per_token"])
+    assert on["prefetch_loads_per_token"] < off["prefetch_loads_per_token"]      # the rule held some copies back
+    code, _, err = run_cli(args + ["--admission", "maybe"], capsys, monkeypatch)
+    one_error(code, err, "--admission", "maybe")
+
+
 def test_a_dp_plan_that_replays_worse_is_not_kept(tiny_profiled):
     """keep_best's fallback: given slots that replay worse than the even split, the kept plan is a replay-checked
     move away from them or from the even split, or the even split, and never replays worse than the even split."""

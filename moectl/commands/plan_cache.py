@@ -6,7 +6,9 @@ from pathlib import Path
 
 import typer
 
+from ..errors import MoectlError
 from ..policies import REPLACEMENT_NAMES
+from ..policies.admission import ADMISSION_MODES
 
 
 def plan_cache(
@@ -31,6 +33,9 @@ def plan_cache(
     t2: float = typer.Option(0.9, "--t2", help="hobbit: <= T2 loads its low-bit copy, above is skipped"),
     cpu_experts: str = typer.Option("never", "--cpu-experts", help="misses computed on the CPU from host RAM: auto "
                                     "(when the cost model says it beats a copy), never, always"),
+    admission: str = typer.Option("off", "--admission", help="on: the plan's prefetches pass the admission rule "
+                                  "(a copy only when its expected saving beats its copy-engine cost), measured so and "
+                                  "recorded for `simulate --plan`"),
     out: Path = typer.Option(None, "--out", help="where to write the plan (default <workdir>/plan.yaml)"),
     png: Path = typer.Option(None, "--png", help="slots-per-layer figure (default beside the plan)"),
     compare: bool = typer.Option(False, "--compare", help="also print the scoreboard: every preset on the same "
@@ -64,6 +69,9 @@ def plan_cache(
     setup = plan_setup(model, budget, hardware, kv_tokens, traces, replacement, prefetch, depth, workdir)
     setup.policies.precision, setup.policies.lowbit, setup.policies.t1, setup.policies.t2 = precision, lowbit, t1, t2
     setup.policies.cpu_experts = cpu_experts
+    if admission not in ADMISSION_MODES:
+        raise MoectlError(f"--admission must be {' or '.join(ADMISSION_MODES)}, not {admission!r}")
+    setup.policies.admission = admission
     make_precision(precision, t1, t2)                      # a bad name or T1 > T2 fails here
     with ProgressBar(console=console, transient=True) as bar:
         task = bar.add("measuring per-layer curves", total=None)
@@ -120,7 +128,8 @@ def print_plan(plan: dict, path, figure) -> None:
               f"{sum(plan['slots']) / (E * len(plan['slots'])):.0%}")
     out.print(t)
     pol = plan["policies"]
-    out.print(f"policies: {pol['replacement']} / prefetch {pol['prefetch']} / precision {pol['precision']}"
+    out.print(f"policies: {pol['replacement']} / prefetch {pol['prefetch']}"
+              + (" (admission on)" if pol.get("admission") == "on" else "") + f" / precision {pol['precision']}"
               + (f" / gating T_g={pol['gating']:g}" if pol.get("gating") else "") + f"; curves: {plan['curves']}")
     if uni is not None:
         gain = 1 - pred["stall_ms_per_token"] / uni["stall_ms_per_token"] if uni["stall_ms_per_token"] else 0.0

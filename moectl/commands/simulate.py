@@ -54,9 +54,10 @@ def simulate(
     cpu_experts: str = typer.Option(None, "--cpu-experts", help="(default never) a miss computed on the CPU from host RAM "
                                     "instead of fetched: auto (whichever the cost model says is faster), never, "
                                     "always; the CPU's experts overlap the device's within a layer"),
-    admission: str = typer.Option("off", "--admission", help="on: issue a prefetch only when its expected "
-                                  "saving (confidence x load time it hides) beats its expected cost (copy-engine "
-                                  "time it takes from demand loads), capped by the time left before its layer"),
+    admission: str = typer.Option(None, "--admission", help="(default off, or the plan's) on: issue a prefetch "
+                                  "only when its expected saving (confidence x load time it hides) beats its expected "
+                                  "cost (copy-engine time it takes from demand loads), capped by the time left before "
+                                  "its layer"),
     compare: bool = typer.Option(False, "--compare", help="run the policy matrix of the papers and ours"),
     gating_threshold: float = typer.Option(None, "--gating-threshold",
                                            help="adaptive top-k on the trace's gate weights: drop a decode token's "
@@ -88,7 +89,7 @@ def simulate(
         simulate_preset(tr, preset, budget, hardware, model_shape, plan, as_json)
         return
     opts = dict(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1, t2=t2,
-                cpu_experts=cpu_experts)
+                cpu_experts=cpu_experts, admission=admission)
     plan_caps, plan_gating, preload = None, None, None
     if plan is not None:
         from ..plan.artifact import apply_plan
@@ -99,6 +100,7 @@ def simulate(
     replacement, prefetch, precision, lowbit, t1, t2, cpu_experts = (
         opts["replacement"] or "lru", opts["prefetch"] or "none", opts["precision"] or "full", opts["lowbit"],
         opts["t1"], opts["t2"], opts["cpu_experts"] or "never")
+    admission = opts["admission"] or "off"
     from ..policies.precision import make_precision
     from ..recipes import parse_size
 

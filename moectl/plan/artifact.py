@@ -54,7 +54,7 @@ def apply_plan(plan: dict, trace, opts: dict):
     place), and its sensitivity gating (a GatingPolicy, or None)."""
     check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
     pol = plan.get("policies") or {}
-    for k in ("replacement", "prefetch", "precision", "lowbit", "cpu_experts"):
+    for k in ("replacement", "prefetch", "precision", "lowbit", "cpu_experts", "admission"):
         if opts.get(k) is None and pol.get(k) is not None:
             opts[k] = pol[k]
     if pol.get("precision") == opts.get("precision") and pol.get("precision") == "hobbit":

@@ -41,6 +41,7 @@ class Policies:
     t2: float = 0.9
     lowbit: str | None = None        # e.g. q4g64
     cpu_experts: str = "never"
+    admission: str = "off"           # prefetch admission (policies/admission.py): on | off
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,7 +70,7 @@ class Replay:
                         predictor=self.predictor if p in ("mlp", "aux-gate", "routing") else None,
                         train_traces=self.train_traces, depth=pol.depth, per_layer=pol.per_layer,
                         belady=belady, aux_gate=self.aux_gate, precision=make_precision(pol.precision, pol.t1, pol.t2),
-                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts, preload=preload)
+                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts, admission=pol.admission, preload=preload)
 
     def hot(self, caps: dict) -> dict:
         """The preload of pools `caps` {precision: per-layer slots}: the experts this replay's decode rows use
