@@ -163,10 +163,12 @@ class Checkpoint:
                 raise MoectlError(f"cannot open shard {file}: {e}") from None
         return fd
 
-    def cached(self, r: ByteRange) -> bool:
-        """Whether the first and last pages of `r` are in the page cache (a warm file; see `in_page_cache`)."""
-        fd = self._fd(r.file)
-        return in_page_cache(fd, r.offset) and in_page_cache(fd, r.offset + max(r.nbytes - 4096, 0))
+    def cached(self, ranges: list[ByteRange]) -> bool:
+        """Whether the first page of `ranges` and their last are in the page cache (a warm file; see
+        `in_page_cache`)."""
+        first, last = ranges[0], ranges[-1]
+        return in_page_cache(self._fd(first.file), first.offset) and \
+            in_page_cache(self._fd(last.file), last.offset + max(last.nbytes - 4096, 0))
 
     def read_into(self, r: ByteRange, buf: memoryview) -> None:
         """The bytes of `r` into `buf` (len(buf) == r.nbytes) with as few positioned reads as the OS allows."""

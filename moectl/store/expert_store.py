@@ -147,7 +147,7 @@ class ExpertStore:
         if self.raw:
             # several threads only when the bytes come from the page cache (a memcpy, faster split); from the disk
             # itself one sequential stream is faster than two interleaved ones (bench/realsize.py's cold runs)
-            parallel = parallel and self.ckpt.cached(ranges[0]) and self.ckpt.cached(ranges[-1])
+            parallel = parallel and self.ckpt.cached(ranges)
             spans = self._spans(ranges, places, torch.get_num_threads() if parallel else 1)
 
             def read(span):
