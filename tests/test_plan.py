@@ -304,7 +304,7 @@ def test_a_dp_plan_that_replays_worse_is_not_kept(tiny_profiled):
     curves = P.build_curves(facts, rp, pol, s.cost.load_s(), nbytes)
     u_hi, u_lo = P.uniform_pools(pol, L, E, s.split.experts, nbytes)
     bad = [1] * (L - 1) + [sum(u_hi) - (L - 1)]                       # every slot but one per layer in the last
-    run = lambda hi: rp.run(P.pools_of(pol, hi, u_lo), pol, preload=rp.hot(P.pools_of(pol, hi, u_lo)))  # noqa: E731
+    run = lambda hi: rp.run_warm(P.pools_of(pol, hi, u_lo), pol)  # noqa: E731
     uni, worse = run(u_hi), run(bad)
     assert worse.stall_ms_per_token > uni.stall_ms_per_token
     hi, lo, res, kept, moves = P.keep_best(rp, pol, curves, (bad, u_lo, worse), (u_hi, u_lo, uni), E,

@@ -72,6 +72,10 @@ class Replay:
                         belady=belady, aux_gate=self.aux_gate, precision=make_precision(pol.precision, pol.t1, pol.t2),
                         lowbit=pol.lowbit, cpu_experts=pol.cpu_experts, admission=pol.admission, preload=preload)
 
+    def run_warm(self, caps: dict, pol: Policies, **kw):
+        """`run` with pools `caps` starting with their hot set resident (`hot`), as the runtime starts with a plan."""
+        return self.run(caps, pol, preload=self.hot(caps), **kw)
+
     def hot(self, caps: dict) -> dict:
         """The preload of pools `caps` {precision: per-layer slots}: the experts this replay's decode rows use
         most (`cache_model.hot_experts`)."""
@@ -114,8 +118,7 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
     uses = (dec >= 0).sum(-1).sum(0).astype(np.float64)            # [L] expert uses in decode rows
 
     def run(n_hi: int, n_lo: int):
-        pools = pools_of(pol, [n_hi] * L, [n_lo] * L)
-        r = replay.run(pools, pol, preload=replay.hot(pools))           # warm, as the plan is replayed and run
+        r = replay.run_warm(pools_of(pol, [n_hi] * L, [n_lo] * L), pol)    # warm, as the plan is replayed and run
         n = max(r.tokens, 1)
         per_pool = r.cache if set(r.cache) - {"prefill", "decode"} else {next(iter(nbytes)): r.cache}
         stall = np.array(r.stall_ms_per_layer, dtype=np.float64) / 1e3
@@ -246,7 +249,7 @@ def refine(replay: Replay, pol: Policies, curves: Curves, hi: list[int], lo: lis
                 continue
             cand = list(slots)
             cand[a], cand[b] = cand[a] - 1, cand[b] + 1
-            r = replay.run(caps(cand), pol, preload=replay.hot(caps(cand)))
+            r = replay.run_warm(caps(cand), pol)
             if getattr(r, key) < getattr(best[1] if best else res, key):
                 best = (cand, r)
         if best is None:
@@ -350,8 +353,8 @@ def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None
     if replay is not None:
         key = objective(pol)
         # both start with their pools' hot set loaded, as the runtime does with a plan
-        uni = replay.run(pools_of(pol, u_hi, u_lo), pol, preload=replay.hot(pools_of(pol, u_hi, u_lo)))
-        res = replay.run(pools_of(pol, hi, lo), pol, preload=replay.hot(pools_of(pol, hi, lo)))
+        uni = replay.run_warm(pools_of(pol, u_hi, u_lo), pol)
+        res = replay.run_warm(pools_of(pol, hi, lo), pol)
         plan["dp"] = {"slots": hi, **({"slots_low": lo} if pol.precision != "full" else {}), key: getattr(res, key),
                       "margin": margin(res, uni, key)}
         hi, lo, res, plan["kept"], plan["refined_moves"] = keep_best(replay, pol, curves, (hi, lo, res),

@@ -153,8 +153,3 @@ def measure_setting(wd: Path, s: Setting, ev: dict) -> dict:
     r = evaluate(eng, windows, starts, ev["generate"], wd, decode=ev["decode"])
     st = eng.cache.stats.as_dict()
     return r | {"cache_experts": slots, "low_misses": st.get("low_misses", 0), "skips": st.get("skips", 0)}
-
-
-def ppl_delta(board: dict, setting: Setting) -> float | None:
-    """The measured relative ppl delta of `setting` in `proxies()`'s answer, or None."""
-    return board.get("settings", {}).get(setting.key, {}).get("ppl_delta_rel")

@@ -69,6 +69,7 @@ class AdmitAll:
     """`--admission off`: every prediction is issued (the behaviour before admission existed)."""
 
     name = "off"
+    learns = False                                 # outcomes and layer times change nothing (drivers may skip them)
     cpu_expert_s = None                            # misses are fetched
 
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
@@ -92,6 +93,7 @@ class PrefetchAdmission(AdmitAll):
     compute when the placement computes misses on the CPU (`--cpu-experts`), None when misses are fetched."""
 
     name = "on"
+    learns = True
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
                  prior: float = 8.0, decay: float = 0.99, fit: float = 0.5, trust: float = 0.5,

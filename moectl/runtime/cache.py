@@ -104,6 +104,10 @@ class CacheFront:
         """Bytes of device memory the expert cache holds (its slot pools); none when experts are used in place."""
         return 0
 
+    def backlog_bytes(self) -> float:
+        """Bytes the copy engine has committed to now (none without slots to copy into)."""
+        return 0.0
+
     # --- precision: which copy serves each routed expert --------------------------------------
     @property
     def precisions(self) -> list[str]:

@@ -391,7 +391,6 @@ class Engine:
             stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
         return GenerationResult(text, new, ids, stats, per_token)
 
-
     def device_memory(self, past_key_values=None) -> dict:
         """Device memory held by weights + expert cache + this request's KV cache, by the runtime's own accounting
         (`device_held_bytes`: dense weights, slot pools, KV tensors); on CUDA also the allocator's peak
@@ -518,8 +517,7 @@ class _Runtime:
                 cache.state.prefetch(target, expert, held)              # protect only
                 return False
             return cache.prefetch(target, expert)
-        backlog = getattr(cache, "backlog_bytes", None)
-        backlog_s = self.copy_s * backlog() / cache.store.expert_nbytes if backlog and self.copy_s else 0.0
+        backlog_s = self.copy_s * cache.backlog_bytes() / cache.store.expert_nbytes if self.copy_s else 0.0
         self.prefetch_gate.offer(cache.state, layer, preds, self.copy_s, backlog_s, issue, routed=routed)
 
     def decode_misses(self, layer: int) -> int:

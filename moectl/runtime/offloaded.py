@@ -64,10 +64,11 @@ class OffloadedExperts(nn.Module):
             def one(e, expert):
                 ys[e] = expert(hidden_states) * w[pos[e]]                           # [1,H]
 
-            decode = cache.state.phase == "decode"
-            misses, cpu = (rt.decode_misses(layer) if decode else 0), rt.cpu_experts
+            # admission learns how often a decode layer waits for a copy (nothing to count with it off)
+            learn = cache.state.phase == "decode" and rt.prefetch_gate.admission.learns
+            misses, cpu = (rt.decode_misses(layer) if learn else 0), rt.cpu_experts
             self._each_expert(plan, one)
-            if decode:                                  # admission learns how often a layer waits for a copy
+            if learn:
                 rt.prefetch_gate.layer_done(rt.decode_misses(layer) - misses, rt.cpu_experts - cpu)
             out = torch.zeros_like(hidden_states)                                   # [1,H]
             for e in sorted(ys):
