@@ -2,10 +2,13 @@
 
 Legend: H = hidden size, I = expert intermediate size.
 
-Three figures decide fetch vs CPU compute of a missed expert (`policies/placement.py`):
+Four figures decide fetch vs CPU compute of a missed expert (`policies/placement.py`):
   mem_read_gbps   host memory read bandwidth: a sum over a buffer far larger than the caches
   cpu_expert_gbps a one-token expert FFN (gate/up [2I,H], down [H,I]) computed on the CPU from host RAM, as
                   GB/s of weights read (a GEMV reads every weight once; this is what an expert costs the CPU)
+  cpu_lowbit_gbps the same FFN from q4g64 packed weights with torch's int4 CPU kernel, as GB/s of packed bytes
+                  (how a low-bit miss is computed on the CPU; the kernel is compute bound on some CPUs, so
+                  this is not mem_read_gbps)
   copy_gbps       host -> device copy: pinned RAM -> GPU on CUDA; on a CPU-only machine the memcpy an
                   emulated device's slot fill does
 A 16 MB-per-matrix expert is big enough to leave the caches and small enough to measure in well under a second;
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "moectl-machine-v1"
+FORMAT = "moectl-machine-v2"            # v2: cpu_lowbit_gbps
 
 
 def default_threads(hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
@@ -89,7 +92,7 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
 def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) -> tuple[float, int]:
     """(milliseconds, bytes read) of one expert FFN on one token from 4-bit packed weights with torch's CPU int4
     kernel (`aten._weight_int4pack_mm_for_cpu`: bf16 activations, one bf16 scale and zero per `group` weights).
-    Random codes: speed only, no runtime path uses it (the quantized copies are the quantize issue's)."""
+    Random codes: speed only (the rate the runtime prices a low-bit miss computed on the CPU at)."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(0)
@@ -129,11 +132,12 @@ def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -
 
 
 def measure(device: str = "cpu", hidden: int = 2048, inter: int = 4096) -> dict:
-    """The three figures (GB/s) plus the expert time they came from; about a second on 2 cores."""
+    """The four figures (GB/s) plus the expert times they came from; about a second on 2 cores."""
     ms = cpu_expert_ms(hidden, inter, torch.bfloat16)
+    q4_ms, q4_bytes = cpu_expert_q4_ms(hidden, inter)
     return {"mem_read_gbps": mem_read_gbps(), "cpu_expert_gbps": 3 * hidden * inter * 2 / (ms * 1e-3) / 1e9,
-            "cpu_expert_ms": ms, "cpu_expert_shape": [hidden, inter], "copy_gbps": copy_gbps(device=device),
-            "device": device}
+            "cpu_expert_ms": ms, "cpu_lowbit_gbps": q4_bytes / (q4_ms * 1e-3) / 1e9, "cpu_expert_q4_ms": q4_ms,
+            "cpu_expert_shape": [hidden, inter], "copy_gbps": copy_gbps(device=device), "device": device}
 
 
 def _key(device: str) -> str:
@@ -186,5 +190,6 @@ def machine_hardware(figs: dict, layer_overhead_ms: float = 0.02):
     gpu_mem = 1000.0 if on_cuda else figs["cpu_expert_gbps"]
     return Hardware(name=f"measured-{platform.node()}", pcie_gbps=figs["copy_gbps"], gpu_mem_gbps=gpu_mem,
                     gpu_tflops=100.0 if on_cuda else 0.05 * cores, cpu_mem_gbps=figs["cpu_expert_gbps"],
+                    cpu_lowbit_gbps=figs.get("cpu_lowbit_gbps"),
                     cpu_cores=cores, mem_efficiency=0.75 if on_cuda else 1.0, flops_efficiency=0.5 if on_cuda else 1.0,
                     layer_overhead_ms=layer_overhead_ms)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -264,3 +265,79 @@ def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, caps
     assert res.stats["low_misses"] > 0 and res.stats["full_misses"] == 0
     with pytest.raises(MoectlError, match="pass --lowbit q4g64"):
         Engine.load(str(mixtral), workdir=str(wd), emulate_device=True, plan="auto", progress=False)
+
+
+def test_a_gpu_slot_dequantises_the_cpu_kernel_layout(mixtral, q4):
+    """With --cpu-experts on a GPU one host copy of a q4 expert serves both sides, in the int4 CPU kernel's layout;
+    a slot copied to the device is dequantised there. The same function, run here on the CPU, gives HQQ's own
+    weights (up to the bf16 rounding of zero') and the kernel's products; on another device `weights` returns
+    dense matrices (shapes checked on the meta device)."""
+    from moectl.quant.int4_cpu import Int4CpuFormat, Int4Linear, dequantize, int4pack_layout
+    from moectl.store.lowbit import LowbitCopies
+
+    assert int4pack_layout() is not None                     # x86 builds (AVX2, AVX-512) pack in row blocks
+    wd, _ = q4
+    eng = Engine.load(str(mixtral), workdir=str(wd), progress=False, dtype="bfloat16")
+    hqq = LowbitCopies(wd, "q4g64", eng.fingerprint, eng.adapter, 4, torch.bfloat16, progress=False)
+    kern = LowbitCopies(wd, "q4g64", eng.fingerprint, eng.adapter, 4, torch.bfloat16, progress=False, cpu_kernel=True)
+    assert isinstance(kern.format, Int4CpuFormat)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for layer, expert in [(0, 0), (3, 5)]:
+        ref = hqq.format.weights(hqq.format.views(hqq.host(layer, expert)))
+        v = kern.format.views(kern.host(layer, expert))
+        on_cpu = kern.format.weights(v)
+        for name in ("gate_up", "down"):
+            w = dequantize(v[f"{name}.int4"], v[f"{name}.sz"], 64)
+            assert w.shape == ref[name].shape and w.dtype == torch.bfloat16
+            assert (w.float() - ref[name].float()).abs().max() <= 0.01 * ref[name].float().abs().max()
+            assert isinstance(on_cpu[name], Int4Linear)
+            xi = x if name == "gate_up" else torch.randn(3, w.shape[1]).to(torch.bfloat16)
+            y = on_cpu[name](xi).float()
+            assert (y - xi.float() @ w.float().t()).abs().max() <= 0.02 * y.abs().max()
+        meta = kern.format.weights({k: torch.empty_like(t, device="meta") for k, t in v.items()})
+        assert all(meta[n].shape == ref[n].shape and not isinstance(meta[n], Int4Linear) for n in ("gate_up", "down"))
+
+
+def _q4(mixtral, wd, **kw):
+    return Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", precision="lowbit-only", progress=False,
+                       dtype="bfloat16", **kw)
+
+
+def test_q4_misses_computed_on_the_cpu_fill_the_cache_and_equal_the_in_place_q4_run(mixtral, q4):
+    """`--precision lowbit-only --lowbit q4g64 --cpu-experts always` (moectl-q4's runtime): a q4 miss is computed on
+    the CPU from its packed host copy, then copied into the cache while the copy engine idles (the simulator's
+    fill), so later uses hit; the output equals every expert computed in place from the same q4 copies."""
+    wd, _ = q4
+    want = _decode(_q4(mixtral, wd))                                            # in place: no cache, no copies
+    eng = _q4(mixtral, wd, cache_experts=4, emulate_device=True, cpu_experts="always")
+    got = _decode(eng)
+    st = eng.cache.snapshot()
+    assert eng.runtime.cpu_experts > 8
+    assert st["fills"] > 0 and st["misses"] == st["fills"]                      # no demand load: misses ran on the CPU
+    assert st["low_hits"] > 0                                                   # filled experts served later uses
+    assert torch.equal(got, want)
+
+
+def test_q4_cpu_side_runs_concurrently_with_the_device_side(mixtral, q4, monkeypatch):
+    """Issue 18's overlap, at q4: a placement sending every other q4 miss to the CPU, a fake slow device copy
+    (4 ms a chunk) and a slow CPU expert (6 ms): the layers' expert stages take less than the two sides' work one
+    after the other, and the output equals the in-place run of the same q4 weights."""
+    from test_speed import _EveryOther
+
+    wd, _ = q4
+    want = _decode(_q4(mixtral, wd))
+    eng = _q4(mixtral, wd, cache_experts=4, emulate_device=True)
+    rt, loader = eng.runtime, eng.cache.loader
+    rt.placement = _EveryOther()
+    run_one, cpu_forward = loader._run_one, rt.cpu_forward
+    monkeypatch.setattr(loader, "_run_one", lambda job, i: (time.sleep(0.004), run_one(job, i))[1])
+    monkeypatch.setattr(rt, "cpu_forward", lambda w, x, gate: (time.sleep(0.006), cpu_forward(w, x, gate))[1])
+    t0 = time.perf_counter()
+    got = _decode(eng)
+    wall = time.perf_counter() - t0
+    st = eng.cache.snapshot()
+    assert rt.cpu_experts > 8 and st["misses"] - st["fills"] > 8                # both sides had work
+    serial = rt.device_side_s + rt.cpu_side_s
+    assert wall < (wall - rt.expert_stage_s) + 0.85 * serial, (wall, rt.expert_stage_s, rt.device_side_s,
+                                                              rt.cpu_side_s)
+    assert torch.equal(got, want)

@@ -127,8 +127,9 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
             loads += np.array(c["decode"]["misses"], dtype=np.float64) / n
             hits += np.array(c["decode"]["hits"], dtype=np.float64) / n
         if pol.cpu_experts != "never":
-            b = nbytes["low" if pol.precision == "lowbit-only" else "full"]
-            per_miss = min(cost.cpu_expert_s(1, b), cost.load_s(b) + cost.expert_s(1, b))
+            low = pol.precision == "lowbit-only"
+            b = nbytes["low" if low else "full"]
+            per_miss = min(cost.cpu_expert_s(1, b, low), cost.load_s(b) + cost.expert_s(1, b))
             loads = np.maximum(uses / n - hits, 0.0)
             stall = loads * per_miss
         return stall, loads

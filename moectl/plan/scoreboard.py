@@ -139,7 +139,7 @@ def fidelity(pol) -> str:
 def _llamacpp(setup, trace, pol) -> dict:
     """llama.cpp's static placement, computed from the cost model: dense weights on the GPU, whole layers of q4
     experts on the GPU as far as the expert budget holds them, every other expert computed on the CPU from host
-    RAM (the hardware profile's cpu_mem_gbps); nothing crosses PCIe per token. Layers run one after another."""
+    RAM (the hardware profile's CPU rate for low-bit copies); nothing crosses PCIe per token. Layers run one after another."""
     from ..trace import DECODE
     from .planner import expert_nbytes
 
@@ -151,7 +151,7 @@ def _llamacpp(setup, trace, pol) -> dict:
     context = float(trace.pos[dec].mean()) if dec.any() else 0.0
     on_gpu = [l >= L - gpu_layers for l in range(L)]                   # --n-cpu-moe N: the first N layers on the CPU
     gpu_s = sum(uses[l] * cost.expert_s(1, q) for l in range(L) if on_gpu[l])
-    cpu_s = sum(uses[l] * cost.cpu_expert_s(1, q) for l in range(L) if not on_gpu[l])
+    cpu_s = sum(uses[l] * cost.cpu_expert_s(1, q, True) for l in range(L) if not on_gpu[l])
     base = L * cost.attention_s(1, int(context)) + cost.lm_head_s(1)
     ms = (base + gpu_s + cpu_s) * 1e3
     hit = float(sum(uses[l] for l in range(L) if on_gpu[l]) / max(uses.sum(), 1e-9))

@@ -6,7 +6,7 @@ bandwidth) plus its compute on the device with its compute on the CPU (bytes rea
 or FLOPs at CPU speed for many tokens), both from the same cost model (`moectl/sim/cost.py`); `never` always
 fetches, `always` always computes on the CPU.
 
-No device code; the cost model supplies `load_s(nbytes)`, `expert_s(tokens)` and `cpu_expert_s(tokens, nbytes)`.
+No device code; the cost model supplies `load_s(nbytes)`, `expert_s(tokens)` and `cpu_expert_s(tokens, nbytes, lowbit)`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ class ComputePlacement:
             raise MoectlError("--cpu-experts auto needs a cost model (hardware profile or measured machine)")
         self.mode, self.cost = mode, cost
 
-    def decide(self, tokens: int = 1, nbytes: float | None = None) -> str:
-        """FETCH or CPU for one missed expert applied to `tokens` tokens, `nbytes` the copy's size."""
+    def decide(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False) -> str:
+        """FETCH or CPU for one missed expert applied to `tokens` tokens, `nbytes` the copy's size (`lowbit`: a
+        low-bit copy, which the CPU computes at its own measured rate)."""
         if self.mode != "auto":
             return CPU if self.mode == "always" else FETCH
         fetch = self.cost.load_s(nbytes) + self.cost.expert_s(tokens)
-        return CPU if self.cost.cpu_expert_s(tokens, nbytes) < fetch else FETCH
+        return CPU if self.cost.cpu_expert_s(tokens, nbytes, lowbit) < fetch else FETCH
 
     def describe(self) -> str:
         return f"cpu experts: {self.mode}"

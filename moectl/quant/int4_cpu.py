@@ -14,9 +14,18 @@ docs/benchmarks.md). So when low-bit experts are computed on the CPU, q4 copies 
 `weights` returns, per matrix, an `Int4Linear` (callable x [T,K] -> [T,N]) that `FamilyAdapter.linear` applies;
 1-D parts stay tensors. The values equal HQQ's dequantisation up to the rounding of zero' (same codes, same
 scales).
+
+One layout for both sides of a GPU run. With `--cpu-experts` a low-bit miss may be computed on the CPU or copied
+to the GPU, from the same host buffer (two host copies would double the low-bit tier's RAM). So the GPU also
+reads this layout: a copied slot is dequantised on the device (`dequantize`). torch packs the codes in blocks
+that depend on the CPU's vector width (AVX2 and AVX-512 builds differ), so `int4pack_layout` learns the block
+shape by packing probe matrices once, and says None when the packing is not of that blocked form; the runtime
+then keeps HQQ's layout on the host, as before.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -36,6 +45,55 @@ class Int4Linear:
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, self.group, self.sz)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of packed bytes, low nibble first: [..., B] uint8 -> [..., 2B]."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+
+
+@functools.lru_cache(maxsize=1)
+def int4pack_layout() -> tuple[int, torch.Tensor] | None:
+    """(BN, rows) of torch's CPU int4 packing on this machine, or None when it is not this blocked form: the codes
+    of W [N, K] pack into [N/BN, K, BN/2] bytes (blocks of BN rows, then K, then the block's BN codes of that
+    column), and nibble m of a block's column (byte m // 2, low nibble first) holds the code of row `rows[m]`
+    of the block. Learned from probe matrices whose codes spell their own row and column, then checked on a
+    random one."""
+    N, K = 256, 64
+    n, k = torch.arange(N)[:, None].expand(N, K), torch.arange(K)[None, :].expand(N, K)
+    digits = [_nibbles(_pack(v)).flatten().long() for v in (n % 16, n // 16, k % 16, k // 16)]
+    row, col = digits[0] + 16 * digits[1], digits[2] + 16 * digits[3]           # [N*K]: each nibble's (n, k)
+    bn = int((col == 0).long().cumprod(0).sum())                                # leading nibbles of column 0
+    if bn < 2 or N % bn or sorted(row[:bn].tolist()) != list(range(bn)):
+        return None
+    rows = row[:bn].clone()
+    m = torch.arange(N * K)
+    if not (torch.equal(col, (m // bn) % K) and torch.equal(row, m // (bn * K) * bn + rows[m % bn])):
+        return None
+    q = torch.randint(0, 16, (2 * bn, 96), generator=torch.Generator().manual_seed(0))
+    return (bn, rows) if torch.equal(_unpack(_pack(q), bn, rows), q) else None
+
+
+def _unpack(packed: torch.Tensor, bn: int, rows: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (uint8) from packed [N, K/2], in the layout `int4pack_layout` learned; on packed's device."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    nib = _nibbles(packed.reshape(N // bn, K, bn // 2))                        # [NB, K, BN]: nibble m
+    inv = torch.empty_like(rows)
+    inv[rows] = torch.arange(bn)
+    return nib[..., inv.to(packed.device)].transpose(1, 2).reshape(N, K)      # [NB, BN, K] -> [N, K]
+
+
+def dequantize(packed: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """W [N, K] in sz's dtype from the CPU kernel's packed codes [N, K/2] and (scale, zero') [K/G, N, 2], on their
+    device: w = (q - 8) x scale + zero', the kernel's own formula. Needs `int4pack_layout()`."""
+    bn, rows = int4pack_layout()
+    q = _unpack(packed, bn, rows).to(sz.dtype)                                 # [N, K]
+    scale, zero = (sz[..., i].t().repeat_interleave(group, dim=1) for i in (0, 1))    # [N, K] each
+    return (q - 8) * scale + zero
 
 
 def int4_cpu_ok(fmt: HqqFormat) -> bool:
@@ -79,5 +137,14 @@ class Int4CpuFormat(ExpertFormat):
         self.pack(parts, out)
 
     def weights(self, views: dict[str, torch.Tensor]) -> dict:
-        return {name: Int4Linear(views[f"{name}.int4"], views[f"{name}.sz"], self.group) if name in self.matrices
-                else views[name] for name in self.hqq.layout.names}
+        """On the CPU each matrix is an `Int4Linear` (the kernel reads the packed codes); on a GPU (a slot the copy
+        engine filled from this layout) it is dequantised there."""
+        out = {}
+        for name in self.hqq.layout.names:
+            if name not in self.matrices:
+                out[name] = views[name]
+                continue
+            packed, sz = views[f"{name}.int4"], views[f"{name}.sz"]
+            out[name] = Int4Linear(packed, sz, self.group) if packed.device.type == "cpu" else \
+                dequantize(packed, sz, self.group)
+        return out

@@ -50,6 +50,7 @@ class CacheStats:
         self.uncopied_bytes = 0.0       # bytes of prefetches cancelled before their copy ran (slot reused first)
         self.preload_s = 0.0            # load time spent copying a plan's hot set (not per-token work)
         self.preload_bytes = 0
+        self.fills = 0                  # misses the CPU computed, then copied in while the copy engine idled
         self._pending_events: list = []
 
     def _sum(self, phase: str | None = None) -> dict[str, int]:
@@ -83,7 +84,7 @@ class CacheStats:
                "bytes_loaded": int(round(loaded)), "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
                "prefetch_bytes": int(round(pf_bytes)),
                "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
-               "preload_bytes": self.preload_bytes, "preload_s": self.preload_s,
+               "preload_bytes": self.preload_bytes, "preload_s": self.preload_s, "fills": self.fills,
                **{ph: {k: v for k, v in self._sum(ph).items() if k in ("hits", "misses", "evictions")}
                   for ph in PHASES}}
         if LOW in per:
@@ -362,6 +363,19 @@ class DeviceCache(CacheFront):
         self.stats.load_wait_s = wait0                  # no forward waited: the reads were load time
         self.stats.preload_s += time.perf_counter() - t0
         return len(filled)
+
+    def fill(self, layer: int, expert: int, precision: str = FULL) -> None:
+        """Copy in a miss the CPU just computed, in the background: one access of the cache state (a miss that
+        takes a slot, evicting as a demand load would), its copy queued at prefetch priority so it never delays a
+        demand load. The driver calls it only while the copy engine has nothing committed (`_Runtime.fill`). On the
+        CPU the synchronous queue would run it only when its expert is next used, blocking every later fill, so it
+        runs now: an emulated device's copy engine is this thread (the CPU worker computes its experts meanwhile)."""
+        a = self.state.access(layer, expert, precision)
+        self._copy_in(precision, layer, expert, a.slot, PREFETCH)
+        self.stats.fills += 1
+        job = self.jobs.get((precision, layer, a.slot))
+        if not self.cuda and job is not None:
+            self.loader.wait(job)
 
     def prefetch(self, layer: int, expert: int) -> bool:
         """Start loading (layer, expert) in full precision off the critical path. False if resident or no slot

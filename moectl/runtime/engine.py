@@ -21,11 +21,12 @@ import torch
 
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
-from ..cache_model import COUNTERS
+from ..cache_model import COUNTERS, FULL, LOW
 from ..models import adapter_for
 from ..policies.admission import PrefetchGate
 from ..policies.base import PrefetchPolicy, ReplacementPolicy
 from ..policies.gating import GatingPolicy, gate_rows
+from ..policies.precision import SKIP
 from ..recipes import format_bytes, parse_size, resolve_model
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
@@ -202,8 +203,13 @@ class Engine:
         if low_fmt is not None:
             from ..store.lowbit import LowbitCopies
 
+            # On a GPU, misses the CPU may compute (--cpu-experts auto|always) keep the int4 CPU kernel's layout
+            # too, when this torch's packing is one the device can dequantise (quant/int4_cpu.py)
+            from ..quant.int4_cpu import int4pack_layout
+
+            kernel = dev.type == "cpu" or (cpu_experts != "never" and int4pack_layout() is not None)
             store.lowbit = LowbitCopies(ref.workdir, lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
-                                        progress=progress, cpu_kernel=dev.type == "cpu")
+                                        progress=progress, cpu_kernel=kernel)
         cache = InPlaceExperts(store, policy, prec) if in_place else \
             DeviceCache(store, slots_per_layer, dev, policy, low_slots=low_slots, precision=prec,
                         stream_prefill=prefill == "stream")
@@ -428,42 +434,52 @@ class _Runtime:
         self.copy_s = 0.0                   # one expert's copy time (the cost model's), for admission
 
     # --- CPU compute of missed experts (Fiddler / llama.cpp --n-cpu-moe) -------------------
-    def cpu_side(self, layer: int, experts: list[int], tokens: dict[int, int]) -> list[int]:
-        """The missed experts the placement computes on the CPU (from host RAM) instead of fetching."""
+    def cpu_side(self, layer: int, plan: dict[int, str], tokens: dict[int, int]) -> list[tuple[int, str]]:
+        """The missed experts the placement computes on the CPU instead of fetching: (expert, precision) for each
+        entry of the layer's precision `plan` ({e: FULL|LOW|SKIP}) that is not resident, priced at the bytes of the
+        copy the plan chose (a low-bit miss reads its packed copy; `moectl-q4` is all low-bit misses). A full-precision
+        miss needs the RAM tier (the disk tier keeps no host copy to compute from); low-bit copies are always in RAM."""
         cache = self.cache
         if self.placement is None or self.placement.mode == "never" or getattr(cache, "jobs", None) is None \
-                or cache.store.buffers is None or torch.is_grad_enabled():
+                or torch.is_grad_enabled():
             return []
-        nbytes = cache.store.expert_nbytes
-        return [e for e in experts if not cache.contains(layer, e)
-                and self.placement.decide(tokens.get(e, 1), nbytes) == "cpu"]
+        store, out = cache.store, []
+        for e, p in plan.items():
+            if p == SKIP or cache.contains(layer, e, p) or (p == FULL and store.buffers is None):
+                continue
+            if self.placement.decide(tokens.get(e, 1), store.nbytes(p), lowbit=p == LOW) == "cpu":
+                out.append((e, p))
+        return out
 
-    def host_views(self, layer: int, expert: int) -> dict:
-        key = (layer, expert)
+    def host_views(self, layer: int, expert: int, precision: str = FULL) -> dict:
+        key = (layer, expert, precision)
         if key not in self._host_views:
             store = self.cache.store
-            self._host_views[key] = store.format.views(store.host(layer, expert))     # typed parts, no copy
+            self._host_views[key] = store.format_of(precision).views(store.host(layer, expert, precision))  # no copy
         return self._host_views[key]
 
     def cpu_forward(self, w: dict, x: torch.Tensor, apply_gate) -> torch.Tensor:
         """One expert on the CPU: x [t,H] from the device, the weights in host RAM, y back on x's device."""
         return self.adapter.expert_forward(w, x.to("cpu"), apply_gate).to(x.device)
 
-    def start_cpu(self, layer: int, experts: list[int], compute, gate):
-        """Run `compute(e, expert)` for `experts` on the CPU worker thread; torch ops release the GIL, so it runs
-        while this thread fetches and computes the device's experts."""
+    def start_cpu(self, layer: int, experts: list[tuple[int, str]], compute, gate):
+        """Run `compute(e, expert)` for `experts` [(expert, precision)] on the CPU worker thread from their host
+        copies; torch ops release the GIL, so it runs while this thread fetches and computes the device's experts.
+        A low-bit copy is computed as the store holds it: q4 axis-1 copies in torch's int4 CPU kernel layout
+        (`quant/int4_cpu.py`, no dequantisation), others dequantised here."""
         from concurrent.futures import ThreadPoolExecutor
 
         if self._cpu_pool is None:
             self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moectl-cpu-experts")
         inference = torch.is_inference_mode_enabled()
         self.cpu_experts += len(experts)
+        fmt = self.cache.store.format_of
 
         def work() -> float:
             t0 = time.perf_counter()
             with torch.inference_mode(inference):
-                for e in experts:
-                    w = self.cache.store.format.weights(self.host_views(layer, e))   # low-bit: dequantised here
+                for e, p in experts:
+                    w = fmt(p).weights(self.host_views(layer, e, p))
                     compute(e, lambda x, w=w: self.cpu_forward(w, x, gate))
             return time.perf_counter() - t0
         return self._cpu_pool.submit(work)
@@ -472,6 +488,17 @@ class _Runtime:
         t0 = time.perf_counter()
         self.cpu_side_s += fut.result()
         self.cpu_wait_s += time.perf_counter() - t0
+
+    def fill(self, layer: int, on_cpu: list[tuple[int, str]]) -> None:
+        """The simulator's fill rule: a miss the CPU computed is copied into the cache in the background, only
+        while the copy engine has nothing committed (a fill never delays a demand load or a prefetch; one at a
+        time). Without it a cache whose misses all run on the CPU would never change after the prompt."""
+        cache = self.cache
+        for e, p in on_cpu:
+            if cache.backlog_bytes() > 0:
+                break
+            if not cache.contains(layer, e, p):
+                cache.fill(layer, e, p)
 
     def gate(self, layer: int, idx: torch.Tensor, w: torch.Tensor):
         """The routing `idx`, `w` [T,K] after gating: decode drops the tail (fewer columns); a gated multi-token
@@ -854,7 +881,7 @@ def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
             "bytes_loaded": loaded, "bytes_per_token": loaded / tokens if tokens else 0.0,
             "load_wait_s": after["load_wait_s"] - before["load_wait_s"],   # every wait for a copy or read
             "prefetches": after["prefetches"] - before["prefetches"],
-            **{k: after[k] - before[k] for k in ("low_misses", "full_misses", "skips") if k in after}}
+            **{k: after[k] - before[k] for k in ("low_misses", "full_misses", "skips", "fills") if k in after}}
 
 
 def _eos_ids(config, tokenizer) -> set[int]:

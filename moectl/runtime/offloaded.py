@@ -134,25 +134,29 @@ class OffloadedExperts(nn.Module):
 
     def _each_expert(self, plan: dict[int, str], compute, tokens: dict[int, int] | None = None) -> None:
         """`compute(e, expert)` for each expert the plan keeps ({e: FULL|LOW|SKIP}), `expert(x [t,H]) -> y [t,H]`
-        its FFN. Full-precision misses the placement sends to the CPU (`--cpu-experts`) run on the runtime's CPU
-        worker thread from host RAM while this thread runs the rest in the cache's order: per precision (full,
-        then low-bit), resident first, chunks of the pool's slot count, each chunk pinned (the chunk's accesses in
-        the cache model's order), computing within a chunk what has landed, then what a prefetch is still
-        copying, then what this layer's demand loads bring. The layer ends when both sides have (`tokens`: tokens
-        per expert, for the placement's cost; default 1)."""
+        its FFN. Misses the placement sends to the CPU (`--cpu-experts`; full or low-bit, as the plan chose) run on
+        the runtime's CPU worker thread from host RAM while this thread runs the rest in the cache's order: per
+        precision (full, then low-bit), resident first, chunks of the pool's slot count, each chunk pinned (the
+        chunk's accesses in the cache model's order), computing within a chunk what has landed, then what a
+        prefetch is still copying, then what this layer's demand loads bring. Then, as the simulator does, a CPU
+        miss may be filled into the cache while the copy engine idles. The layer ends when both sides have
+        (`tokens`: tokens per expert, for the placement's cost; default 1)."""
         rt, cache, layer = self.runtime, self.runtime.cache, self.layer
         t0 = time.perf_counter()
-        on_cpu = rt.cpu_side(layer, [e for e, d in plan.items() if d == FULL], tokens or {})
+        on_cpu = rt.cpu_side(layer, plan, tokens or {})
         side = rt.start_cpu(layer, on_cpu, compute, self.apply_gate) if on_cpu else None
+        cpu_ids = {e for e, _ in on_cpu}
         order = getattr(cache, "landing", None)
         for p in (FULL, LOW):
-            experts = [e for e, d in plan.items() if d == p and e not in on_cpu]
+            experts = [e for e, d in plan.items() if d == p and e not in cpu_ids]
             for chunk in cache.chunks(layer, experts, p) if experts else []:
                 cache.pin(layer, chunk, p)
                 ws = {e: cache.acquire(layer, e, p) for e in chunk}
                 for e in (sorted(chunk, key=lambda e: order(layer, e, p)) if order else chunk):
                     compute(e, self._expert_fn(e, ws[e], p))
                 cache.unpin(layer, chunk, p)
+        if on_cpu:
+            rt.fill(layer, on_cpu)
         rt.device_side_s += time.perf_counter() - t0
         if side is not None:
             rt.finish_cpu(side)

@@ -43,6 +43,9 @@ class Hardware:
     layer_overhead_ms: float = 0.02
     gpu_memory_gb: float = 24.0
     cpu_gflops: float | None = None       # CPU GEMM speed; None = cpu_cores x 50 GFLOP/s (AVX2/AVX-512 FMA)
+    cpu_lowbit_gbps: float | None = None  # CPU rate over a low-bit copy's packed bytes (torch's int4 kernel is
+                                          # compute bound on some CPUs: moectl/machine.py measures it); None =
+                                          # cpu_mem_gbps, the copy read at memory bandwidth
 
 
 def list_hardware() -> list[str]:
@@ -221,13 +224,15 @@ class CostModel:
     def lm_head_s(self, tokens: int = 1) -> float:
         return self._gemm_s(self.shape["hidden_size"] * (self.shape.get("vocab_size") or 32000), tokens)
 
-    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False) -> float:
         """One expert computed on the CPU from host RAM (Fiddler-style alternative to a copy): its bytes
-        (`nbytes`, default the full-precision expert) read at host memory bandwidth, or its FLOPs at the
-        CPU's GEMM speed when many tokens make it compute bound (prefill)."""
+        (`nbytes`, default the full-precision expert) read at host memory bandwidth (a `lowbit` copy at the
+        hardware's low-bit kernel rate, when it has one), or its FLOPs at the CPU's GEMM speed when many tokens
+        make it compute bound (prefill)."""
         nbytes = self.expert_bytes if nbytes is None else nbytes
+        gbps = (lowbit and self.hw.cpu_lowbit_gbps) or self.hw.cpu_mem_gbps
         gflops = self.hw.cpu_gflops or 50.0 * self.hw.cpu_cores
-        return max(nbytes / (self.hw.cpu_mem_gbps * 1e9), 2 * self.expert_params * tokens / (gflops * 1e9))
+        return max(nbytes / (gbps * 1e9), 2 * self.expert_params * tokens / (gflops * 1e9))
 
 
 class FixedCost:
@@ -239,7 +244,7 @@ class FixedCost:
         self.load, self.attention, self.expert, self.head = load, attention, expert, head
         self.expert_bytes, self.cpu_expert = expert_bytes, cpu_expert
 
-    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False) -> float:
         return self.cpu_expert if nbytes is None else self.cpu_expert * nbytes / self.expert_bytes
 
     def load_s(self, nbytes: float | None = None) -> float:

@@ -210,7 +210,7 @@ class Simulator:
         if copy.ready is not None and copy.ready <= t:
             return False
         wait = copy.dur if copy.ready is None else copy.ready - t
-        return self.cost.cpu_expert_s(1, self.nbytes[p]) < wait + self.cost.expert_s(1, self.nbytes[p])
+        return self.cost.cpu_expert_s(1, self.nbytes[p], p == LOW) < wait + self.cost.expert_s(1, self.nbytes[p])
 
     # ------------------------------------------------------------------ main loop
     def run(self, steps: list[Step], hidden_of=None, final_hidden_of=None) -> dict:
@@ -289,7 +289,7 @@ class Simulator:
                         continue
                     p = self._pool(d)
                     tok = step.tokens_per_expert[l][e] if step.prefill else 1
-                    if self.placement is not None and self.placement.decide(tok, nbytes[p]) == CPU:
+                    if self.placement is not None and self.placement.decide(tok, nbytes[p], p == LOW) == CPU:
                         on_cpu.append((e, p))
                         n_loads[CPU] += not step.prefill
                         continue
@@ -299,7 +299,7 @@ class Simulator:
                 t_cpu = clock
                 for e, p in on_cpu:
                     tok = step.tokens_per_expert[l][e] if step.prefill else 1
-                    c = cost.cpu_expert_s(tok, nbytes[p])
+                    c = cost.cpu_expert_s(tok, nbytes[p], p == LOW)
                     t_cpu += c
                     cpu_busy += c * (not step.prefill)
                     step_compute += cost.expert_s(tok, nbytes[p])    # the bound: as if resident

@@ -62,8 +62,9 @@ def read_lowbit_meta(workdir, name: str, fingerprint: str, num_layers: int, num_
 class LowbitCopies:
     def __init__(self, workdir, name: str, fingerprint: str, adapter, num_layers: int, compute_dtype: torch.dtype,
                  pin: bool = False, progress: bool = True, cpu_kernel: bool = False):
-        # cpu_kernel: the experts will be computed on the CPU; q4 axis-1 copies are then repacked once, here,
-        # for torch's int4 CPU kernel (quant/int4_cpu.py).
+        # cpu_kernel: the experts will be computed on the CPU (a CPU run, or misses placed there with
+        # --cpu-experts); q4 axis-1 copies are then repacked once, here, for torch's int4 CPU kernel
+        # (quant/int4_cpu.py), a layout a GPU slot dequantises too.
         meta, path = read_lowbit_meta(workdir, name, fingerprint, num_layers, adapter.num_experts)
         self.meta, self.path = meta, path
         self.format = lowbit_format(meta, adapter, compute_dtype, path)
@@ -99,12 +100,12 @@ class LowbitCopies:
                 self.buffers.append(buf)
                 bar.update(task, advance=1)
         if cpu_kernel and adapter.linear_callables and int4_cpu_ok(stored):
-            self._repack(Int4CpuFormat(stored))
+            self._repack(Int4CpuFormat(stored), pin)
 
-    def _repack(self, fmt) -> None:
+    def _repack(self, fmt, pin: bool) -> None:
         # Every expert converted into `fmt`, one layer at a time (the peak is one extra layer).
         for layer, buf in enumerate(self.buffers):
-            out = host_empty((self.num_experts, fmt.nbytes), torch.uint8, f"repacking {self.name} copies")
+            out = host_empty((self.num_experts, fmt.nbytes), torch.uint8, f"repacking {self.name} copies", pin=pin)
             for e in range(self.num_experts):
                 fmt.repack(buf[e], out[e])
             self.buffers[layer] = out
