@@ -175,7 +175,7 @@ def _predict(trace, caps, replacement: str, prefetch_name: str, figs: dict, shap
 def bench_model(model: str, workdir: str | None = None, device: str = "cpu", budget: str | None = None,
                 cache_experts: int | None = None, prompt_len: int = 64, gen_len: int = 32,
                 replay_trace: str | None = None, threads: int | None = None, replacement: str = "lru",
-                prefetch: str = "auto", cpu_experts: str = "never", dtype: str | None = None,
+                prefetch: str = "auto", cpu_experts: str | None = None, dtype: str | None = None,
                 baselines: tuple[str, ...] = BASELINES, repeat: int = 3, prefill: str = "cache",
                 progress: bool = True, admission: str = "off") -> dict:
     from .machine import machine_figures
@@ -211,9 +211,11 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
     configs = [("moectl", dict(cached, **size, replacement=replacement, prefetch=prefetch, cpu_experts=cpu_experts,
                                   prefill=prefill, admission=admission))]
     if plan is not None:
+        pol = plan.get("policies") or {}                       # what plan-cache measured the plan with
         configs.append(("moectl-plan", dict(cached, slots_per_layer=plan_slots(plan, plan.get("_path")),
-                                             replacement=plan.get("replacement", replacement),
-                                             prefetch=plan.get("prefetch", prefetch), cpu_experts=cpu_experts,
+                                             replacement=pol.get("replacement") or replacement,
+                                             prefetch=pol.get("prefetch") or prefetch,
+                                             cpu_experts=cpu_experts or pol.get("cpu_experts"),
                                              prefill=prefill, admission=admission)))
     if "all-resident" in baselines:
         configs.append(("all-resident", dict(common, replay_trace=replay_trace, prefetch="none")

@@ -265,6 +265,14 @@ def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, caps
     assert res.stats["low_misses"] > 0 and res.stats["full_misses"] == 0
     with pytest.raises(MoectlError, match="pass --lowbit q4g64"):
         Engine.load(str(mixtral), workdir=str(wd), emulate_device=True, plan="auto", progress=False)
+    # where misses run comes from the plan too (moectl-q4: plan-cache --cpu-experts auto), unless the command says
+    d["policies"]["cpu_experts"] = "always"
+    f.write_text(yaml.safe_dump(d))
+    kw = dict(workdir=str(wd), emulate_device=True, lowbit="q4g64", plan="auto", progress=False)
+    eng = Engine.load(str(mixtral), **kw)
+    assert eng.runtime.placement.mode == "always"
+    assert eng.generate(input_ids=[5, 9, 3], max_new_tokens=4).stats["cpu_experts"] > 0
+    assert Engine.load(str(mixtral), cpu_experts="never", **kw).runtime.placement is None
 
 
 def test_a_gpu_slot_dequantises_the_cpu_kernel_layout(mixtral, q4):

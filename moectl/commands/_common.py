@@ -78,10 +78,11 @@ class CacheOpts:
 
     @staticmethod
     def cpu_experts():
-        return typer.Option("never", "--cpu-experts",
+        return typer.Option(None, "--cpu-experts", show_default=False,
                             help="Where a missed expert runs: never (fetch it to the device), always (compute it on the "
                                  "CPU from host RAM), auto (whichever this machine's measured copy and CPU speeds make "
-                                 "cheaper, per expert; figures measured once and cached in $MOECTL_HOME/machine.json).")
+                                 "cheaper, per expert; figures measured once and cached in $MOECTL_HOME/machine.json). "
+                                 "Default: the loaded plan's (plan-cache --cpu-experts), else never.")
 
     @staticmethod
     def prefill():

@@ -78,7 +78,7 @@ class Engine:
              slots_per_layer: list[int] | None = None, progress: bool = True,
              predictor: str | None = None, emulate_device: bool = False, gating: GatingPolicy | str | None = None,
              gating_threshold: float | None = None, gate_prefill: bool = False, threads: int | None = None,
-             cpu_experts: str = "never", cost=None, replay_trace=None, prefill: str = "cache",
+             cpu_experts: str | None = None, cost=None, replay_trace=None, prefill: str = "cache",
              plan: str | Path | None = None, lowbit: str | None = None,
              precision: str | None = None, t1: float = 0.6, t2: float = 0.9,
              lowbit_fraction: float | None = None, admission: str = "off") -> "Engine":
@@ -87,12 +87,14 @@ class Engine:
         `threads`: torch intra-op threads (default `machine.default_threads` for the model's size).
         `cpu_experts` auto|never|always: a missed expert computed on the CPU from host RAM instead of fetched;
         auto prices both with `cost` (a `sim/cost.py` CostModel; default: this machine's measured figures, cached).
+        None: the plan's (`plan-cache --cpu-experts`), else never.
         `replay_trace`: a moe-routing-v1 trace (path or Trace) whose routing replaces the router's.
         `prefill` cache|stream: a prompt's missed experts load into the cache (the simulator's rule), or stream
         through two staging buffers without entering it (DuoServe; RAM tier; the budget pays for the two).
         `plan`: "auto" = the workdir's plan.yaml when there is one and neither --cache-experts nor --budget is
         given; a path = that plan; None = no plan. A plan sets the slots per layer and, when `replacement` is
-        None, the replacement policy (`eng.plan_note` says what was applied).
+        None, the replacement policy, and when `cpu_experts` is None where misses run (`eng.plan_note` says what was
+        applied).
         `lowbit` (e.g. q4g64): also serve the `moectl quantize` copies from host RAM, with a low-bit slot pool
         taking `lowbit_fraction` of the cache's bytes; `precision` full | hobbit (T1, T2) | lowbit-only says which
         copy a miss loads (default: hobbit with --lowbit, else full).
@@ -138,6 +140,7 @@ class Engine:
             slots_per_layer = [int(s) for s in plan_d["slots"]]
             pol = plan_d.get("policies") or {}
             replacement = replacement or pol.get("replacement") or "lru"
+            cpu_experts = cpu_experts or pol.get("cpu_experts")
             if any(plan_low):                       # a plan with low-bit pools needs its copy set
                 want = plan_d.get("lowbit") or pol.get("lowbit")
                 if low_fmt is None or (want and want != lowbit):
@@ -148,6 +151,7 @@ class Engine:
 
                     prec = make_precision(pol["precision"], pol.get("t1") or t1, pol.get("t2") or t2)
         replacement = replacement or "lru"
+        cpu_experts = cpu_experts or "never"
         kv = kv_reserve_nbytes(config, dt)
         staging = 2 * expert_nbytes if prefill == "stream" else 0        # the streamed prefill's two buffers
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
