@@ -73,7 +73,7 @@ def generate(
     stats = {k: res.stats[k] for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token",
                                        "load_wait_s", "hits", "tokens", "prefill_ms", "ttft_ms",
                                        "decode_ms_per_token", "host_rss_gb", "host_peak_rss_gb", "experts_per_token",
-                                       "cpu_experts", "prefill_tokens_per_s", "threads",
+                                       "cpu_experts", "fills", "prefill_tokens_per_s", "threads",
                                        "low_misses", "full_misses", "skips") if k in res.stats}
     if as_json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
