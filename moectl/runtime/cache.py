@@ -6,7 +6,8 @@ Which expert sits in which slot, what is pinned or protected, which one goes, an
 counter live in `CacheState`, whose rules the simulator obeys too. This file only moves bytes: a miss
 copies the expert's packed host buffer into the slot the state chose; a hit returns the slot as it is.
 Every copy, demand or prefetch, goes through one `Loader` (runtime/loader.py): two priorities, a demand
-load overtakes queued prefetches, one chunk per weight matrix (format part). On CUDA its worker thread issues the
+load overtakes queued prefetches at the next chunk boundary, a chunk = a row range of one weight matrix (format
+part), at most `chunk_bytes`. On CUDA its worker thread issues the
 chunks on a copy stream with one event per chunk and compute waits per matrix; on CPU the same queue runs
 synchronously (a copy runs when its expert is used), so the ordering the tests check is the ordering the GPU gets.
 With low-bit copies (`--lowbit`) every layer has a second pool of smaller slots (`LOW`), filled from the
@@ -32,7 +33,7 @@ from ..policies.base import ReplacementPolicy
 from ..policies.precision import SKIP, PrecisionPolicy
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_empty
-from .loader import DEMAND, PREFETCH, CopyJob, Loader
+from .loader import CHUNK_BYTES, DEMAND, PREFETCH, CopyJob, Loader, split_rows
 
 __all__ = ["CacheFront", "CacheStats", "DeviceCache", "split_slots"]
 
@@ -212,6 +213,7 @@ class DeviceCache(CacheFront):
         self.format = store.format                                          # the full-precision copy's
         # One copy engine for demand loads and prefetches (threaded on CUDA, synchronous on the CPU).
         self.loader = Loader(threaded=self.cuda, stream=self.copy_stream)
+        self.chunk_bytes = CHUNK_BYTES                          # the largest chunk a copy is cut into
         self.jobs: dict[tuple, CopyJob] = {}                    # (precision, layer, slot) -> its last copy
         # Streamed prefill: two staging buffers (double buffering), RAM tier only (they are filled by copies).
         self.streaming = stream_prefill and store.buffers is not None
@@ -264,27 +266,34 @@ class DeviceCache(CacheFront):
     def _copy_job(self, p: str, layer: int, expert: int, slot: int, src: torch.Tensor, priority: int,
                   dst: dict | None = None) -> CopyJob:
         """The copy of a packed host buffer `src` [N] into `slot` of pool `p` (or the views `dst`: a staging
-        buffer), one chunk per format part, queued."""
+        buffer), queued: each format part in row ranges of at most `chunk_bytes` (`split_rows`), one chunk each,
+        named by the part (and its rows when cut)."""
         fmt = self.store.format_of(p)
         srcv = fmt.views(src)
         staged = dst is not None
         dst = dst if staged else self.views[p][layer][slot]
         stream = self.copy_stream
 
-        def run(job, i, name):
+        def run(job, i, name, rows):
+            d, s = dst[name][rows[0]:rows[1]], srcv[name][rows[0]:rows[1]]
             if not self.cuda:
-                dst[name].copy_(srcv[name])
+                d.copy_(s)
                 return None
             with torch.cuda.stream(stream):
                 if i == 0 and job.after is not None:       # compute still reading the slot's old expert
                     stream.wait_event(job.after)
-                dst[name].copy_(srcv[name], non_blocking=True)
+                d.copy_(s, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(stream)
             return ev
 
-        job = CopyJob(layer, expert, slot, priority,
-                      [(part.name, lambda j, i, n=part.name: run(j, i, n)) for part in fmt.parts])
+        job = CopyJob(layer, expert, slot, priority)
+        for name, view in srcv.items():                      # each part [rows, ...] in row ranges
+            spans = split_rows(view.shape[0], view.nbytes // view.shape[0], self.chunk_bytes)
+            for r in spans:
+                label = name if len(spans) == 1 else f"{name}[{r[0]}:{r[1]}]"
+                job.chunks.append((label, lambda j, i, n=name, r=r: run(j, i, n, r)))
+            job.last[name] = len(job.chunks) - 1
         if self.cuda:
             job.after = torch.cuda.current_stream(self.device).record_event()
         if not staged:
@@ -388,17 +397,16 @@ class DeviceCache(CacheFront):
 
 
 class _Landing:
-    """A slot's weights by name while its copy is pending; reading a matrix waits for that matrix's chunk only,
-    so the first matrix's product can start while the second still lands. CPU: the wait runs the loader's queue
+    """A slot's weights by name while its copy is pending; reading a matrix waits for that matrix's last chunk
+    only, so the first matrix's product can start while the second still lands. CPU: the wait runs the loader's queue
     (demand loads first) and counts as load wait. CUDA: the compute stream waits for the chunk's event; the wait
     is timed with a pair of events on the compute stream (resolved by `snapshot`)."""
 
     def __init__(self, cache: DeviceCache, job: CopyJob, views: dict):
         self.cache, self.job, self.views = cache, job, views
-        self.index = {n: i for i, (n, _) in enumerate(job.chunks)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        i, job, cache = self.index.get(name), self.job, self.cache
+        i, job, cache = self.job.last.get(name), self.job, self.cache      # the matrix's last chunk
         if i is None or job.cancelled:
             return self.views[name]
         if not cache.cuda:

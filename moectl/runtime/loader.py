@@ -1,12 +1,16 @@
 """Loader: the one copy engine every host -> device expert copy goes through (ProMoE, AdapMoE).
 
-Legend: P = numel of one packed expert; a chunk = one weight matrix of it (gate_up, down, biases).
+Legend: P = numel of one packed expert; a chunk = one contiguous row range of one of its weight matrices
+(gate_up, down, biases, scales: the format's parts), at most CHUNK_BYTES.
 
 Two priorities: DEMAND (a layer is waiting for the expert) before PREFETCH (a guess); first come first
-served within one. A copy is cut into one chunk per weight matrix and a chunk in flight is never interrupted,
-so a demand load waits at most one chunk behind a prefetch that already started, then overtakes the rest of
-the queue (and the rest of that prefetch). `promote` turns a queued prefetch into a demand load when its layer
-needs it.
+served within one. A copy is cut into chunks: each weight matrix into as few equal row ranges as keep a chunk
+within CHUNK_BYTES (`split_rows`). A chunk in flight is never interrupted, so a demand load waits at most one
+chunk behind a prefetch that already started, then overtakes the rest of the queue (and the rest of that
+prefetch, which keeps what it copied and goes on later). `promote` turns a queued prefetch into a demand load
+when its layer needs it. The cap makes speculation cheap: a wrong prefetch delays a demand load by at most one
+small chunk (8 MiB: 0.34 ms at 25 GB/s, against 9.4 ms for a Mixtral bf16 gate_up matrix), while copies of a few
+MB still run near full PCIe bandwidth. The simulator cuts a copy into as many chunks (`chunk_count`).
 
 Two ways to run the same queue:
   threaded (CUDA)  one worker thread issues the chunks on a dedicated copy stream from pinned buffers, one
@@ -23,10 +27,24 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 from dataclasses import dataclass, field
 
 DEMAND, PREFETCH = 0, 1
+CHUNK_BYTES = 8 << 20                   # the largest chunk a copy is cut into (8 MiB)
+
+
+def split_rows(rows: int, row_bytes: int, cap: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """[(r0, r1)]: the row ranges a matrix of `rows` rows of `row_bytes` bytes is copied in: as few as keep each
+    within `cap` bytes (a row is never cut), equal to a row."""
+    n = max(1, min(rows, -(-rows * row_bytes // cap)))
+    return [(rows * i // n, rows * (i + 1) // n) for i in range(n)]
+
+
+def chunk_count(part_nbytes, cap: int = CHUNK_BYTES) -> int:
+    """How many chunks a copy of parts of `part_nbytes` bytes is cut into (`split_rows`, rows small)."""
+    return sum(max(1, math.ceil(b / cap)) for b in part_nbytes)
 
 
 @dataclass(eq=False)
@@ -36,6 +54,7 @@ class CopyJob:
     slot: int
     priority: int
     chunks: list = field(default_factory=list)     # [(name, run)]: run() performs (CUDA: issues) the chunk's copy
+    last: dict = field(default_factory=dict)       # part name -> index of its last chunk (what reading it waits for)
     done: int = 0                                  # chunks finished (CUDA: issued, with events[i] recorded)
     events: list = field(default_factory=list)     # CUDA: one event per issued chunk
     cancelled: bool = False
