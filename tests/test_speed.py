@@ -94,6 +94,54 @@ def test_compute_order_landed_then_in_flight_then_demand(mixtral):
     assert cache.landing(layer, 0) == cache.landing(layer, 3) == 0
 
 
+def test_chunk_cap_cuts_matrices_into_row_ranges_and_stays_bit_identical(mixtral):
+    prompt = torch.randint(2, 512, (1, 6), generator=torch.Generator().manual_seed(8))
+    want = _engine_run(Engine.load(str(mixtral), cache_experts=8, emulate_device=True, progress=False), prompt, 4)
+    eng = Engine.load(str(mixtral), cache_experts=8, emulate_device=True, progress=False)
+    cache = eng.cache
+    cache.chunk_bytes = 4096                                 # a gate_up matrix [256, 64] fp32 is 64 KiB: 16 chunks
+    cache.loader.keep_log = True
+    got = _engine_run(eng, prompt, 4)
+    assert got[1] == want[1] and all(torch.equal(a, b) for a, b in zip(got[0], want[0]))     # bit-identical
+    first = [c for l, e, c in cache.loader.log if (l, e) == cache.loader.log[0][:2]]
+    rows = cache.format.views(cache.pool[0][0])["gate_up"].shape[0]
+    assert [c for c in first if c.startswith("gate_up")] == [f"gate_up[{r}:{r + rows // 16}]"
+                                                             for r in range(0, rows, rows // 16)]
+    for l in range(len(cache.pool)):                        # every slot holds its expert's bytes exactly
+        for e in cache.resident(l):
+            assert torch.equal(cache.pool[l][cache.state.slot(l, e)], cache.store.host(l, e))
+
+
+def test_threaded_demand_load_waits_one_chunk_behind_a_started_prefetch_which_keeps_its_progress(mixtral):
+    eng = Engine.load(str(mixtral), cache_experts=16, emulate_device=True, progress=False)
+    cache, layer = eng.cache, 1
+    cache.chunk_bytes = 16384                               # gate_up 4 chunks, down 2
+    cache.loader = loader = Loader(threaded=True)
+    loader.keep_log = True
+    started, go, run_one = threading.Event(), threading.Event(), loader._run_one
+
+    def held_first_chunk(job, i):                           # the prefetch's first chunk stays in flight until told
+        if job.prefetch and i == 0:
+            started.set()
+            assert go.wait(5)
+        return run_one(job, i)
+    loader._run_one = held_first_chunk
+    assert cache.prefetch(layer, 3)
+    assert started.wait(5)
+    cache.pin(layer, [0])
+    weights = cache.acquire(layer, 0)                       # a demand load queued behind that chunk
+    go.set()
+    weights["down"]
+    loader.drain()
+    loader.close()
+    order = [(e, c) for l, e, c in loader.log if l == layer]
+    n = len(order) // 2                                     # 6 chunks each
+    # one chunk of the prefetch, then all of the demand load, then the prefetch's other chunks (none run twice)
+    assert [e for e, _ in order] == [3] + [0] * n + [3] * (n - 1)
+    assert [c for e, c in order if e == 3] == [c for e, c in order if e == 0]
+    assert cache.landing(layer, 3) == cache.landing(layer, 0) == 0
+
+
 @pytest.mark.parametrize("load_s, expect_cpu", [(1.0, True), (1e-4, False)])
 def test_cost_model_picks_cpu_when_fetch_is_slow_and_stays_lossless(mixtral, load_s, expect_cpu):
     prompt = torch.randint(2, 512, (1, 7), generator=torch.Generator().manual_seed(4))
