@@ -73,11 +73,33 @@ def test_timely_prefetch_is_a_hit():
 def test_demand_loads_go_before_queued_prefetches():
     tr = make_trace([[[0], [3], [5, 6]]], K=2)
     r = run(tr, Fixed({0: [(2, 5), (2, 6)]}))
-    # 0.1: demand 0 (->1.1); prefetches 5, 6 queued. 1.2: layer 1 needs 3: prefetch 5 already started at 1.1
-    # (->2.1, never interrupted), demand 3 goes next (2.1->3.1), ahead of the queued prefetch 6 (3.1->4.1).
-    assert r["demand"] == 2 and r["prefetch"] == 2
-    assert r["hits"] == 1 and r["late"] == 1                # 5 landed at 2.1 < 3.2; 6 lands at 4.1
+    # A copy is 2 chunks of 0.5 s (gate_up, down: `chunk_count`). 0.1: demand 0 (->1.1); prefetches 5, 6 queued.
+    # 1.2: layer 1 needs 3: prefetch 5's first chunk started at 1.1 (->1.6) and is not interrupted; demand 3 goes
+    # next (1.6->2.6), ahead of the rest of 5 (2.6->3.1) and of 6. (Before chunks: 5 ran whole, 3 waited to 2.1.)
+    # 2.7: layer 2: 5 is late (lands 3.1); 6 has not started: promoted to a demand load (3.1->4.1).
+    assert r["demand"] == 3 and r["prefetch"] == 1
+    assert r["hits"] == 0 and r["late"] == 1
+    assert r["stall_ms_per_layer"][1] == pytest.approx(1400.0)         # 3 waited one chunk behind 5, not all of it
     assert r["ms_per_token"] == pytest.approx(4100.0)
+
+
+def test_demand_load_waits_at_most_one_chunk_and_the_overtaken_prefetch_keeps_its_progress():
+    # chunks of at most 0.1 byte: a copy (1 byte, 1 s) is gate_up 7 + down 4 chunks of 1/11 s (`chunk_count`)
+    tr = make_trace([[[0], [], [3], [5]]])
+    r = Simulator([2] * 4, LRU(), Fixed({0: [(3, 5)]}), COST, chunk_bytes=0.1).run(trace_steps(tr))
+    chunk = 1.0 / 11
+    # 0.1: demand 0 (->1.1); prefetch 5 queued. Layer 1 (1.2-1.3) loads nothing: 5 runs from 1.1. 1.3: layer 2
+    # needs 3: the chunk of 5 in flight ends first (5 started 1.1: chunks end at 1.1 + k/11; the one in flight at
+    # 1.3 ends at 1.1 + 3/11), then demand 3 (1 s); then the rest of 5 (8 chunks) -- the 3 it ran are kept
+    end3 = 1.1 + 3 * chunk + 1.0
+    assert r["stall_ms_per_layer"][2] == pytest.approx(1e3 * (end3 - 1.3))
+    assert end3 - 1.3 - 1.0 <= chunk                        # demand 3 waited less than one chunk
+    land5 = end3 + 8 * chunk                                # not end3 + 1 s: the copy went on where it stopped
+    assert r["late"] == 1 and r["demand"] == 2 and r["prefetch"] == 1
+    assert r["ms_per_token"] == pytest.approx(1e3 * land5)
+    # one chunk per matrix (no cap; 2 chunks of 0.5 s here): 3 waits for the chunk of 5 in flight, 1.1->1.6
+    whole = Simulator([2] * 4, LRU(), Fixed({0: [(3, 5)]}), COST, chunk_bytes=float("inf")).run(trace_steps(tr))
+    assert whole["stall_ms_per_layer"][2] == pytest.approx(1e3 * (1.6 + 1.0 - 1.3))
 
 
 def test_queued_prefetch_promoted_to_demand_when_needed():

@@ -6,12 +6,15 @@ experts in chunks of the slot count, resident first; prefetch in decode steps on
 spent when their layer routes). This file adds time. Two timelines:
   compute  - per step (one decode token, or a whole prefill) and layer: attention/router, then the
              layer's experts, resident ones first, arriving ones as they land.
-  copy     - one host->GPU transfer at a time. Demand loads (an expert the router chose that is not
-             resident) go before queued prefetches; a transfer already started is never interrupted.
+  copy     - one host->GPU transfer at a time, in the runtime loader's chunks (`runtime/loader.py`: each matrix
+             in pieces of at most CHUNK_BYTES). Demand loads (an expert the router chose that is not resident)
+             go before queued prefetches, and those before fills; a chunk in flight is never interrupted, so a
+             demand load waits at most one chunk, and a copy it overtakes keeps the chunks it ran.
 A prefetch is issued right after a router runs, for later layers of the same token. It helps only
-if it lands before its layer's experts run: a late one (in flight when needed) is not a demand load,
-but the wait for it is stall. A prefetch still queued (not started) when its expert is needed is
-promoted to a demand-priority copy (counted in `demand`, not as a miss: the cache state holds it).
+if it lands before its layer's experts run: a late one (started, not landed when needed) is not a demand
+load, but the wait for it is stall. A prefetch not finished when its expert is needed has its remaining
+chunks promoted to demand priority (counted in `demand`, not as a miss: the cache state holds it; `late`
+too when it had started).
 Timing-only counters (`hits` on time, `late`, `demand` copies, `prefetch` copies started) live here;
 `misses` and the per-layer, per-phase counters are the cache state's.
 
@@ -26,6 +29,7 @@ Legend: N = trace rows, L = MoE layers, K = top-k, E = experts, D = hidden size.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -36,9 +40,11 @@ from ..policies.admission import AdmitAll, PrefetchGate
 from ..policies.base import PrefetchPolicy
 from ..policies.placement import CPU, ComputePlacement
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
+from ..runtime.loader import CHUNK_BYTES, chunk_count
 from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
 
+EXPERT_MATRICES = (2 / 3, 1 / 3)           # a packed expert's matrices (gate_up [2I, D], down [D, I]) by share of bytes
 
 @dataclass
 class Step:
@@ -114,12 +120,19 @@ class SimResult:
 
 
 class _Copy:
-    __slots__ = ("ready", "prefetched", "dur", "nbytes")
+    __slots__ = ("ready", "prefetched", "nbytes", "chunks", "done", "chunk_s")
 
-    def __init__(self, ready: float | None, prefetched: bool, dur: float, nbytes: float):
-        self.ready = ready            # arrival time; None = prefetch queued, not started
+    def __init__(self, ready: float | None, prefetched: bool, dur: float, nbytes: float, chunks: int = 1):
+        self.ready = ready            # landing time once every chunk is scheduled; None while some still wait
         self.prefetched = prefetched
-        self.dur, self.nbytes = dur, nbytes     # copy time and size (per precision)
+        self.nbytes = nbytes          # size (per precision)
+        self.chunks, self.done = chunks, 0      # chunks in all; chunks run or scheduled
+        self.chunk_s = dur / chunks             # one chunk's copy time
+
+    @property
+    def dur(self) -> float:
+        """Copy time still to run (all of it before the first chunk starts)."""
+        return (self.chunks - self.done) * self.chunk_s
 
 
 class Simulator:
@@ -135,7 +148,7 @@ class Simulator:
                  cost: CostModel | None = None, max_prefetch_per_layer: int | None = None,
                  precision: PrecisionPolicy | None = None, nbytes: dict | None = None,
                  placement: ComputePlacement | None = None, admission: AdmitAll | None = None,
-                 preload: dict | None = None):
+                 preload: dict | None = None, chunk_bytes: float = CHUNK_BYTES):
         self.caps = capacities if isinstance(capacities, dict) else {FULL: list(capacities)}
         self.pools = [p for p in (FULL, LOW) if p in self.caps and sum(self.caps[p]) > 0]
         self.L = len(self.caps[self.pools[0]])
@@ -149,37 +162,75 @@ class Simulator:
         self.admission = admission if admission is not None else AdmitAll()
         self.pf_prec = FULL if FULL in self.pools else LOW      # prefetches load this precision
         self.preload = preload or {}                            # a plan's hot set, resident before the first step
+        self.chunk_bytes = chunk_bytes                          # the largest chunk of a copy (the runtime loader's)
 
     def _pool(self, want: str) -> str:
         """The pool a load of precision `want` goes to (the other one when this run has no such pool)."""
         return want if want in self.pools else self.pools[0]
 
     # ------------------------------------------------------------------ copy engine
-    def _advance(self, t: float) -> None:
-        """Start every queued prefetch the copy engine reaches before time t."""
-        while self.queue and self.free_at < t:
-            key, t_enq, copy = self.queue.popleft()
-            if self.copies.get(key) is not copy or copy.ready is not None:   # evicted or promoted meanwhile
-                continue
-            start = max(self.free_at, t_enq)
-            copy.ready = self.free_at = start + copy.dur
-            self.n_prefetch += 1
-            self.bytes_copied += copy.nbytes
+    # One transfer at a time, cut into the runtime loader's chunks (`chunk_count`, of equal time here). A demand load
+    # is scheduled when its layer needs it and starts when the chunk in flight ends. Queued prefetches, then fills,
+    # run chunk by chunk whenever no demand load is scheduled (`_advance`); one overtaken keeps its progress.
 
-    def _demand(self, t: float, copy: _Copy) -> float:
-        start = max(t, self.free_at)
-        self.free_at = start + copy.dur
-        self.n_demand += 1
-        self.bytes_copied += copy.nbytes
+    def _head(self):
+        """The queued copy whose next chunk runs when the engine is free: the first prefetch, else the first fill
+        (copies evicted or promoted meanwhile are dropped)."""
+        for queue in (self.queue, self.fills):
+            while queue:
+                key, t_enq, copy = queue[0]
+                if self.copies.get(key) is copy and copy.ready is None:
+                    return t_enq, copy
+                queue.popleft()
+        return None
+
+    def _advance(self, t: float) -> None:
+        """Run the queued chunks the copy engine starts before time t."""
+        while self.free_at < t and (head := self._head()) is not None:
+            t_enq, copy = head
+            start = max(self.free_at, t_enq)
+            if start >= t:
+                return
+            if copy.done == 0:
+                self.n_prefetch += copy.prefetched
+            left = copy.chunks - copy.done
+            n = left if copy.chunk_s <= 0 else min(left, max(1, math.ceil((t - start) / copy.chunk_s)))
+            self._run(copy, n, start)
+
+    def _run(self, copy: _Copy, n: int, start: float) -> float:
+        """Schedule `copy`'s next n chunks from `start`; returns when they end (and the copy lands if they are its
+        last)."""
+        copy.done += n
+        self.free_at = start + n * copy.chunk_s
+        self.bytes_copied += copy.nbytes * n / copy.chunks
+        if copy.done == copy.chunks:
+            copy.ready = self.free_at
         return self.free_at
 
+    def _demand(self, t: float, copy: _Copy) -> float:
+        """The rest of `copy`, needed at time t, at demand priority: after the chunk in flight (and earlier demand
+        loads). Returns its landing time. A copy not started yet counts as a demand load; the rest of a started
+        prefetch is `late`."""
+        self._advance(t)
+        if copy.ready is None:
+            self.n_demand += copy.done == 0
+            self._run(copy, copy.chunks - copy.done, max(t, self.free_at))
+        return copy.ready
+
+    def _idle(self, t: float) -> bool:
+        """Nothing in flight at time t and nothing queued."""
+        return self.free_at <= t and self._head() is None
+
     def _backlog(self, t: float) -> float:
-        """Copy-engine time committed at time t: the copy in flight plus the queued prefetches."""
+        """Copy-engine time committed ahead of a new prefetch at time t: the chunk or demand loads in flight plus the
+        queued prefetches' chunks (fills yield to prefetches)."""
         queued = sum(c.dur for key, _, c in self.queue if self.copies.get(key) is c and c.ready is None)
         return max(self.free_at - t, 0.0) + queued
 
     def _new_copy(self, p: str, prefetched: bool) -> _Copy:
-        return _Copy(None, prefetched, self.cost.load_s(self.nbytes[p]), self.nbytes[p])
+        nbytes = self.nbytes[p]
+        chunks = chunk_count([share * nbytes for share in EXPERT_MATRICES], self.chunk_bytes)
+        return _Copy(None, prefetched, self.cost.load_s(nbytes), nbytes, chunks)
 
     def _issue(self, tl: int, e: int, t: float, p: str) -> bool:
         """Prefetch expert e of layer tl into pool p: the cache state protects/inserts it, the copy is queued
@@ -222,7 +273,8 @@ class Simulator:
         self.copies: dict[tuple[int, str, int], _Copy] = {}     # resident (layer, precision, expert) -> its copy
         for l, p, e, _ in state.preload(self.preload):          # copied at load time: landed at 0, not counted
             self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, nbytes[p])
-        self.queue: deque = deque()
+        self.queue: deque = deque()                             # prefetches [(key, time queued, copy)], FIFO
+        self.fills: deque = deque()                             # fills, the same; after every prefetch
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
         self.bytes_copied = 0.0
@@ -317,19 +369,18 @@ class Simulator:
                             accesses += not step.prefill
                             a = state.access(l, e, p)
                             copy = self.copies.get((l, p, e)) if a.hit else None
-                            if copy is not None and copy.ready is not None:
-                                if copy.ready <= t:
-                                    hits += not step.prefill
-                                else:
-                                    late += not step.prefill
-                            elif copy is not None:                   # queued prefetch, not started: promote
-                                copy.ready = self._demand(t, copy)
-                            else:
+                            if copy is None:                         # a miss: a demand load into the victim's slot
                                 if a.victim is not None:
                                     self.copies.pop((l, p, a.victim), None)
                                 copy = self.copies[(l, p, e)] = self._new_copy(p, False)
-                                copy.ready = self._demand(t, copy)
-                            ready.append((copy.ready, c))
+                            else:
+                                self._advance(t)
+                                if copy.ready is not None and copy.ready <= t:
+                                    hits += not step.prefill
+                                elif copy.ready is not None or copy.done:  # started, not landed: the wait is stall
+                                    late += not step.prefill
+                            # a new miss, or a copy queued or overtaken: (the rest of) it at demand priority
+                            ready.append((self._demand(t, copy), c))
                         state.unpin(l, chunk, p)
                         t0 = t
                         for r, c in sorted(ready):                 # arrivals in order of landing
@@ -338,9 +389,9 @@ class Simulator:
                 if not step.prefill:
                     stall_layer[l] += step_stall - stall_before
                 # a miss the CPU computed is copied into the cache in the background, when the copy engine is
-                # idle (a fill never delays a demand load or a prefetch; one at a time)
+                # idle (one at a time; a demand load or a prefetch overtakes it at a chunk boundary)
                 for e, p in on_cpu:
-                    if self._backlog(clock) > 0:
+                    if not self._idle(clock):
                         break
                     if state.contains(l, e, p):
                         continue
@@ -348,7 +399,7 @@ class Simulator:
                     if a.victim is not None:
                         self.copies.pop((l, p, a.victim), None)
                     copy = self.copies[(l, p, e)] = self._new_copy(p, False)
-                    self.queue.append(((l, p, e), clock, copy))
+                    self.fills.append(((l, p, e), clock, copy))
                     fills += not step.prefill
                     self._advance(clock + 1e-12)
                 clock = max(t, t_cpu)
