@@ -42,9 +42,11 @@ def split_rows(rows: int, row_bytes: int, cap: int = CHUNK_BYTES) -> list[tuple[
     return [(rows * i // n, rows * (i + 1) // n) for i in range(n)]
 
 
-def chunk_count(part_nbytes, cap: int = CHUNK_BYTES) -> int:
-    """How many chunks a copy of parts of `part_nbytes` bytes is cut into (`split_rows`, rows small)."""
-    return sum(max(1, math.ceil(b / cap)) for b in part_nbytes)
+def chunk_count(nbytes: float, cap: float = CHUNK_BYTES) -> int:
+    """How many chunks the copy of a packed expert of `nbytes` bytes is cut into, for the simulator and the admission
+    rule (which know bytes, not parts): its two matrices, gate_up [2I, D] (2/3 of the bytes) and down [D, I] (1/3),
+    each in `split_rows`'s ranges (rows small against `cap`)."""
+    return sum(max(1, math.ceil(nbytes * share / cap)) for share in (2 / 3, 1 / 3))
 
 
 @dataclass(eq=False)

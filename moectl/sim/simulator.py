@@ -44,7 +44,6 @@ from ..runtime.loader import CHUNK_BYTES, chunk_count
 from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
 
-EXPERT_MATRICES = (2 / 3, 1 / 3)           # a packed expert's matrices (gate_up [2I, D], down [D, I]) by share of bytes
 
 @dataclass
 class Step:
@@ -229,8 +228,7 @@ class Simulator:
 
     def _new_copy(self, p: str, prefetched: bool) -> _Copy:
         nbytes = self.nbytes[p]
-        chunks = chunk_count([share * nbytes for share in EXPERT_MATRICES], self.chunk_bytes)
-        return _Copy(None, prefetched, self.cost.load_s(nbytes), nbytes, chunks)
+        return _Copy(None, prefetched, self.cost.load_s(nbytes), nbytes, chunk_count(nbytes, self.chunk_bytes))
 
     def _issue(self, tl: int, e: int, t: float, p: str) -> bool:
         """Prefetch expert e of layer tl into pool p: the cache state protects/inserts it, the copy is queued
