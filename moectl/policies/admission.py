@@ -1,12 +1,15 @@
 """Prefetch admission: issue a predicted copy only when it pays for itself (shared by runtime and simulator).
 
-On a PCIe-bound setup a prefetch is not free. The copy engine runs one transfer at a time and a started one
-is never interrupted, so a prefetch occupies the engine that the next demand load needs. It helps only by
-the part of its copy that runs while the engine would otherwise be idle, i.e. while the device computes the
-layers before its target layer (a demand load stalls compute, so the idle engine time before layer `tl` is
-the compute time of the layers in between, minus the copies already queued ahead of this one).
+On a PCIe-bound setup a prefetch is not free. The copy engine runs one transfer at a time, in chunks of at most
+`runtime/loader.py: CHUNK_BYTES` (a row range of one weight matrix); a demand load overtakes a started prefetch at
+the next chunk boundary and the prefetch keeps what it copied. So a prefetch helps by the part of its copy that
+runs while the engine would otherwise be idle, i.e. while the device computes the layers before its target
+layer (a demand load stalls compute, so the idle engine time before layer `tl` is the compute time of the layers
+in between, minus the copies already queued ahead of this one); if right, that part is saved even when the rest
+is not copied yet (the rest is promoted to a demand load). If wrong, it costs the next demand load at most the
+chunk in flight, and the resident expert it evicted.
 
-For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
+For a candidate (confidence p, copy time c, chunk time k, target `layers_ahead` layers away):
 
     window  = layers_ahead x (attention + max(q x top-k expert compute, m x CPU expert compute))
                                                   the engine's idle time per layer: attention always (a layer's
@@ -17,31 +20,35 @@ For a candidate (confidence p, copy time c, target `layers_ahead` layers away):
                                                   Less that compute share when the layer that just routed fetches
                                                   a miss (`loading`): its experts run as its copies land
     hidden  = clamp(window - backlog, 0, c)       load time it hides if right; backlog = copy-engine time
-                                                  committed ahead of it (in-flight copies, earlier prefetches)
+                                                  committed ahead of it (the chunk or demand loads in flight,
+                                                  earlier prefetches)
     miss    = c, or the CPU compute e             what the miss it prevents costs: a copy, or where the
                                                   placement computes misses on the CPU (`--cpu-experts`), e
     saving  = p x max(miss - (c - hidden), 0)     a right copy still c - hidden from landing when its layer runs
                                                   is waited for, or its expert computed on the CPU anyway: with
-                                                  misses fetched that is p x hidden; with misses on the CPU a copy
+                                                  misses fetched that is p x hidden (a partly copied right
+                                                  prefetch saves the part it copied); with misses on the CPU a copy
                                                   saves only when it lands within e of its layer
-    cost    = (1 - p) x (c - hidden)              if wrong, the part of its copy that does not fit in idle
-            + (1 - p) x victim x miss             engine time delays demand loads; and it evicted a resident
-                                                  expert that may be needed again (`victim`, a reuse guess; with
-                                                  misses on the CPU a free slot counts too: fills would take it)
-            + p x co_chosen x miss                if right, its victim may still be another expert the same
-                                                  layer is about to choose (a demand load's chunk is pinned)
-    admit   <=> hidden >= fit x c and saving > cost + floor x miss
+    cost    = (1 - p) x engine                    if wrong, its copy time outside the idle window, c - hidden,
+                                                  delays what would run then: with misses fetched, demand loads,
+                                                  which overtake it after the chunk in flight (engine =
+                                                  min(c - hidden, k)); with misses on the CPU, the fills (CPU-computed
+                                                  misses copied in while the engine idles), which yield to it
+                                                  (engine = c - hidden)
+            + (1 - p) x victim x miss             and it evicted a resident expert that may be needed again
+                                                  (`victim`, a reuse guess; with misses on the CPU a free slot
+                                                  counts too: fills would take it). A right copy evicts the victim
+                                                  its demand miss would have evicted anyway ...
+            + p x co_chosen x miss                ... unless that victim is another expert the same layer is about
+                                                  to choose (a demand load's chunk is pinned)
+    admit   <=> hidden > 0 and saving > cost + floor x miss
                                                   (floor 0.1: a marginal copy changes the cache's trajectory
-                                                  by +-0.1 % either way; it is not worth that noise. fit 0.5: a
-                                                  copy hiding less than half its time loses more when wrong,
-                                                  c - hidden + its victim, than it wins when right, hidden, so
-                                                  its worth rests on the confidence being right to a few points,
-                                                  and a bucket's hit ratio overstates the non-resident candidates
-                                                  it admits: OLMoE code at 25 %, calibrated 0.88-0.90, right 81 %)
+                                                  by +-0.1 % either way; it is not worth that noise)
 
-`hidden >= fit x c` is the cap on in-flight prefetches: once the copies queued for the engine fill the time left
-before the target layer runs, nothing more is admitted for it. A candidate already resident costs no copy:
-the driver protects it without asking.
+`hidden > 0` is the cap on in-flight prefetches: once the copies queued for the engine fill the time left before
+the target layer runs, nothing more is admitted for it. A candidate already resident costs no copy: the driver
+protects it without asking. (With one chunk per copy, `chunk_s=None`, a wrong copy delays demand loads by all of
+c - hidden: the rule for an engine that never interrupts a copy.)
 
 Confidence: predictors' scores are not all probabilities (gate-reuse and EAM give a distribution over
 experts, of which top-k are chosen), and a prediction of an expert that is not resident is right far less
@@ -90,21 +97,22 @@ class PrefetchAdmission(AdmitAll):
     """The expected-saving vs expected-cost rule above. `attention_s` / `experts_s`: a decode layer's
     attention time and its top-k resident experts' compute time, from the cost model; `victim`: the chance an
     evicted resident is needed again before it would have left anyway; `cpu_expert_s`: one missed expert's CPU
-    compute when the placement computes misses on the CPU (`--cpu-experts`), None when misses are fetched."""
+    compute when the placement computes misses on the CPU (`--cpu-experts`), None when misses are fetched;
+    `chunk_s`: the copy engine's largest chunk (`make_admission`: the loader's cut of one expert)."""
 
     name = "on"
     learns = True
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
-                 prior: float = 8.0, decay: float = 0.99, fit: float = 0.5, trust: float = 0.5,
-                 margin: float = 1.0, floor: float = 0.1, cpu_expert_s: float | None = None):
+                 prior: float = 8.0, decay: float = 0.99, trust: float = 0.5, margin: float = 1.0, floor: float = 0.1,
+                 cpu_expert_s: float | None = None, chunk_s: float | None = None):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
         self.cpu_expert_s = cpu_expert_s           # a miss's cost when the CPU computes it (None: it is fetched)
+        self.chunk_s = chunk_s                     # the copy engine's largest chunk (None: a copy is one chunk)
         self.m = 0.0                               # running mean of CPU-computed misses per layer
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
         self.q, self.decay = 0.5, decay            # running share of layers without a demand load
-        self.fit = fit                             # share of the copy that must fit in the time left
         self.trust = trust                         # prior confidence = trust x score, until outcomes come in
         self.margin = margin                       # the saving must beat the cost this many times
         self.floor = floor                         # ... and by at least this share of a miss's cost
@@ -141,16 +149,21 @@ class PrefetchAdmission(AdmitAll):
         p = self.confidence(score)
         window = layers_ahead * self.layer_s - (self.compute_s if loading else 0.0)
         hidden = min(max(window - backlog_s, 0.0), copy_s)
-        if hidden <= 0.0 or hidden < self.fit * copy_s:
+        if hidden <= 0.0:
             return False
         miss = copy_s if self.cpu_expert_s is None else self.cpu_expert_s
         # with misses on the CPU a free slot is not free: the fills (CPU-computed misses copied in while the
         # engine idles) take it, so a copy into it displaces a recently used expert as an eviction would
         evicts = evicts or self.cpu_expert_s is not None
-        # a right copy evicts too: unlike a demand load (its chunk pinned) it may take the slot of an expert
-        # the same layer is about to choose (`co_chosen`: that chance, from the driver)
+        # a right copy evicts the victim its demand miss would have, unless that is another expert the same layer is
+        # about to choose (`co_chosen`: that chance, from the driver; a demand load's chunk is pinned)
         victim = ((1 - p) * self.victim + p * co_chosen) * miss if evicts else 0.0
-        cost = (1 - p) * (copy_s - hidden) + victim
+        # a wrong copy's engine time outside the idle window before its layer: with misses fetched, a demand load
+        # overtakes it after the chunk in flight; with misses on the CPU, the fills yield to it: all of it is lost
+        engine = copy_s - hidden
+        if self.cpu_expert_s is None and self.chunk_s is not None:
+            engine = min(engine, self.chunk_s)
+        cost = (1 - p) * engine + victim
         saving = p * max(miss - (copy_s - hidden), 0.0)
         return saving > self.margin * cost + self.floor * miss
 
@@ -232,7 +245,10 @@ def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, cpu
     if mode == "on":
         if cost is None:
             raise MoectlError("--admission on needs a cost model (the compute time of a layer)")
+        from ..runtime.loader import chunk_count         # the copy engine's chunks (no device code)
+
         on_cpu = ComputePlacement(cpu_experts, cost).decide(1) == CPU          # where a decode miss runs
         return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1),
-                                 cpu_expert_s=cost.cpu_expert_s(1) if on_cpu else None, **kw)
+                                 cpu_expert_s=cost.cpu_expert_s(1) if on_cpu else None,
+                                 chunk_s=cost.load_s() / chunk_count(cost.expert_bytes), **kw)
     raise MoectlError(f"unknown --admission {mode!r}; choose one of {', '.join(ADMISSION_MODES)}")
