@@ -10,7 +10,8 @@ predictor on (never the simulated trace; the single Mixtral file: each request, 
 model's profiled traces; mlp needs --tiny-train).
 
     python bench/admission.py [--shared /work/shared/traces] [--tiny VAL_TRACE --tiny-train TRAIN_TRACE]
-                              [--fractions 0.25 0.5] [--cpu-experts never|auto] [--json out.json]
+                              [--fractions 0.25 0.5] [--cpu-experts never|auto] [--rows all|tune|held-out]
+                              [--json out.json]
 
 `--cpu-experts auto`: moectl's CPU-compute-of-misses mode in every run (none and each kind): a miss runs on the CPU
 when the cost model says that beats fetching it, so the copy engine mostly idles and a right prefetch turns a
@@ -94,6 +95,8 @@ def main() -> int:
                     help="never: misses fetched (the CLI default); auto: computed on the CPU when cheaper")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
     ap.add_argument("--replacement", default="lru")
+    ap.add_argument("--rows", default="all", choices=["all", "tune", "held-out"],
+                    help="which traces to run: the rule is compared on `tune` only; `held-out` judges it")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rows, slower = [], []
@@ -103,6 +106,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     cpu = a.cpu_experts
     for name, tr, train, cost in cases(a.shared, a.tiny, a.tiny_train, a.tiny_model):
+        if a.rows != "all" and held_out(name) != (a.rows == "held-out"):
+            continue
         preds = predictors(tr, train)
         for f in a.fractions:
             caps = sim.capacities(tr, fraction=f)
