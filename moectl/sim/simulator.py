@@ -8,8 +8,9 @@ spent when their layer routes). This file adds time. Two timelines:
              layer's experts, resident ones first, arriving ones as they land.
   copy     - one host->GPU transfer at a time, in the runtime loader's chunks (`runtime/loader.py`: each matrix
              in pieces of at most CHUNK_BYTES). Demand loads (an expert the router chose that is not resident)
-             go before queued prefetches, and those before fills; a chunk in flight is never interrupted, so a
-             demand load waits at most one chunk, and a copy it overtakes keeps the chunks it ran.
+             go before queued prefetches and fills (first come first served, as the runtime queues them); a chunk
+             in flight is never interrupted, so a demand load waits at most one chunk, and a copy it overtakes
+             keeps the chunks it ran.
 A prefetch is issued right after a router runs, for later layers of the same token. It helps only
 if it lands before its layer's experts run: a late one (started, not landed when needed) is not a demand
 load, but the wait for it is stall. A prefetch not finished when its expert is needed has its remaining
@@ -169,18 +170,18 @@ class Simulator:
 
     # ------------------------------------------------------------------ copy engine
     # One transfer at a time, cut into the runtime loader's chunks (`chunk_count`, of equal time here). A demand load
-    # is scheduled when its layer needs it and starts when the chunk in flight ends. Queued prefetches, then fills,
-    # run chunk by chunk whenever no demand load is scheduled (`_advance`); one overtaken keeps its progress.
+    # is scheduled when its layer needs it and starts when the chunk in flight ends. Queued prefetches and fills run
+    # chunk by chunk, first come first served, whenever no demand load is scheduled (`_advance`); one overtaken keeps
+    # its progress.
 
     def _head(self):
-        """The queued copy whose next chunk runs when the engine is free: the first prefetch, else the first fill
-        (copies evicted or promoted meanwhile are dropped)."""
-        for queue in (self.queue, self.fills):
-            while queue:
-                key, t_enq, copy = queue[0]
-                if self.copies.get(key) is copy and copy.ready is None:
-                    return t_enq, copy
-                queue.popleft()
+        """The queued copy whose next chunk runs when the engine is free (copies evicted or promoted meanwhile are
+        dropped)."""
+        while self.queue:
+            key, t_enq, copy = self.queue[0]
+            if self.copies.get(key) is copy and copy.ready is None:
+                return t_enq, copy
+            self.queue.popleft()
         return None
 
     def _advance(self, t: float) -> None:
@@ -216,13 +217,8 @@ class Simulator:
             self._run(copy, copy.chunks - copy.done, max(t, self.free_at))
         return copy.ready
 
-    def _idle(self, t: float) -> bool:
-        """Nothing in flight at time t and nothing queued."""
-        return self.free_at <= t and self._head() is None
-
     def _backlog(self, t: float) -> float:
-        """Copy-engine time committed ahead of a new prefetch at time t: the chunk or demand loads in flight plus the
-        queued prefetches' chunks (fills yield to prefetches)."""
+        """Copy-engine time committed at time t: the chunk or demand loads in flight plus the queued copies' chunks."""
         queued = sum(c.dur for key, _, c in self.queue if self.copies.get(key) is c and c.ready is None)
         return max(self.free_at - t, 0.0) + queued
 
@@ -271,8 +267,7 @@ class Simulator:
         self.copies: dict[tuple[int, str, int], _Copy] = {}     # resident (layer, precision, expert) -> its copy
         for l, p, e, _ in state.preload(self.preload):          # copied at load time: landed at 0, not counted
             self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, nbytes[p])
-        self.queue: deque = deque()                             # prefetches [(key, time queued, copy)], FIFO
-        self.fills: deque = deque()                             # fills, the same; after every prefetch
+        self.queue: deque = deque()                             # prefetches and fills [(key, time queued, copy)]
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
         self.bytes_copied = 0.0
@@ -387,9 +382,9 @@ class Simulator:
                 if not step.prefill:
                     stall_layer[l] += step_stall - stall_before
                 # a miss the CPU computed is copied into the cache in the background, when the copy engine is
-                # idle (one at a time; a demand load or a prefetch overtakes it at a chunk boundary)
+                # idle (one at a time; a demand load overtakes it at a chunk boundary)
                 for e, p in on_cpu:
-                    if not self._idle(clock):
+                    if self._backlog(clock) > 0:
                         break
                     if state.contains(l, e, p):
                         continue
@@ -397,7 +392,7 @@ class Simulator:
                     if a.victim is not None:
                         self.copies.pop((l, p, a.victim), None)
                     copy = self.copies[(l, p, e)] = self._new_copy(p, False)
-                    self.fills.append(((l, p, e), clock, copy))
+                    self.queue.append(((l, p, e), clock, copy))
                     fills += not step.prefill
                     self._advance(clock + 1e-12)
                 clock = max(t, t_cpu)
