@@ -33,8 +33,8 @@ For a candidate (confidence p, copy time c, chunk time k, target `layers_ahead` 
                                                   delays what would run then: with misses fetched, demand loads,
                                                   which overtake it after the chunk in flight (engine =
                                                   min(c - hidden, k)); with misses on the CPU, the fills (CPU-computed
-                                                  misses copied in while the engine idles), which yield to it
-                                                  (engine = c - hidden)
+                                                  misses copied in only while the engine has nothing committed),
+                                                  which it keeps out (engine = c - hidden)
             + (1 - p) x victim x miss             and it evicted a resident expert that may be needed again
                                                   (`victim`, a reuse guess; with misses on the CPU a free slot
                                                   counts too: fills would take it). A right copy evicts the victim
@@ -159,7 +159,7 @@ class PrefetchAdmission(AdmitAll):
         # about to choose (`co_chosen`: that chance, from the driver; a demand load's chunk is pinned)
         victim = ((1 - p) * self.victim + p * co_chosen) * miss if evicts else 0.0
         # a wrong copy's engine time outside the idle window before its layer: with misses fetched, a demand load
-        # overtakes it after the chunk in flight; with misses on the CPU, the fills yield to it: all of it is lost
+        # overtakes it after the chunk in flight; with misses on the CPU, fills wait for it: all of it is lost
         engine = copy_s - hidden
         if self.cpu_expert_s is None and self.chunk_s is not None:
             engine = min(engine, self.chunk_s)
