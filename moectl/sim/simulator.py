@@ -14,8 +14,8 @@ spent when their layer routes). This file adds time. Two timelines:
 A prefetch is issued right after a router runs, for later layers of the same token. It helps only
 if it lands before its layer's experts run: a late one (started, not landed when needed) is not a demand
 load, but the wait for it is stall. A prefetch not finished when its expert is needed has its remaining
-chunks promoted to demand priority (counted in `demand`, not as a miss: the cache state holds it; `late`
-too when it had started).
+chunks promoted to demand priority: counted in `demand` when it had not started (not as a miss: the cache
+state holds it), in `late` when it had.
 Timing-only counters (`hits` on time, `late`, `demand` copies, `prefetch` copies started) live here;
 `misses` and the per-layer, per-phase counters are the cache state's.
 
