@@ -145,6 +145,26 @@ def test_cpu_experts_overlap_the_device_within_a_layer():
     assert r["cpu_ms_per_token"] == pytest.approx(1e3 * 0.9 / 10)
 
 
+def test_a_demand_load_overtakes_a_fill_after_one_chunk():
+    class FirstOnCpu:                                      # the first miss runs on the CPU, later ones are fetched
+        mode = "auto"
+
+        def __init__(self):
+            self.n = 0
+
+        def decide(self, *args):
+            self.n += 1
+            return "cpu" if self.n == 1 else "fetch"
+    cost = FixedCost(load=1.0, attention=0.1, expert=0.03, cpu_expert=0.3)
+    tr = make_trace([[[0], [1]]], K=1)
+    r = Simulator({FULL: [4, 4]}, {FULL: LRU()}, None, cost, nbytes=NBYTES, placement=FirstOnCpu()).run(
+        trace_steps(tr))
+    # layer 0: expert 0 on the CPU (0.1-0.4), its fill starts at 0.1 (2 chunks of 0.5 s); layer 1 at 0.5 needs
+    # expert 1: its demand load waits for the fill's chunk in flight (-> 0.6), not the whole fill (-> 1.1)
+    assert r["fill_copies_per_token"] == 1 and r["demand"] == 1
+    assert r["ms_per_token"] == pytest.approx(1e3 * (0.6 + 1.0 + 0.03))
+
+
 def test_cpu_placement_auto_follows_the_cost_model():
     tr = make_trace([[[0, 1]], [[2, 3]]])
     slow_cpu = FixedCost(load=1.0, attention=0.1, expert=0.0, cpu_expert=2.0)
