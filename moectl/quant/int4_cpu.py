@@ -58,11 +58,10 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def int4pack_layout() -> tuple[int, torch.Tensor] | None:
-    """(BN, rows) of torch's CPU int4 packing on this machine, or None when it is not this blocked form: the codes
+    """(BN, order) of torch's CPU int4 packing on this machine, or None when it is not this blocked form: the codes
     of W [N, K] pack into [N/BN, K, BN/2] bytes (blocks of BN rows, then K, then the block's BN codes of that
-    column), and nibble m of a block's column (byte m // 2, low nibble first) holds the code of row `rows[m]`
-    of the block. Learned from probe matrices whose codes spell their own row and column, then checked on a
-    random one."""
+    column), and row r of a block is nibble `order[r]` of its column (byte order[r] // 2, low nibble first).
+    Learned from probe matrices whose codes spell their own row and column, then checked on a random one."""
     N, K = 256, 64
     n, k = torch.arange(N)[:, None].expand(N, K), torch.arange(K)[None, :].expand(N, K)
     digits = [_nibbles(_pack(v)).flatten().long() for v in (n % 16, n // 16, k % 16, k // 16)]
@@ -70,30 +69,38 @@ def int4pack_layout() -> tuple[int, torch.Tensor] | None:
     bn = int((col == 0).long().cumprod(0).sum())                                # leading nibbles of column 0
     if bn < 2 or N % bn or sorted(row[:bn].tolist()) != list(range(bn)):
         return None
-    rows = row[:bn].clone()
+    rows = row[:bn].clone()                                                     # nibble m holds row rows[m]
     m = torch.arange(N * K)
     if not (torch.equal(col, (m // bn) % K) and torch.equal(row, m // (bn * K) * bn + rows[m % bn])):
         return None
+    order = torch.empty_like(rows)
+    order[rows] = torch.arange(bn)
     q = torch.randint(0, 16, (2 * bn, 96), generator=torch.Generator().manual_seed(0))
-    return (bn, rows) if torch.equal(_unpack(_pack(q), bn, rows), q) else None
+    return (bn, order) if torch.equal(_unpack(_pack(q), bn, order), q) else None
 
 
-def _unpack(packed: torch.Tensor, bn: int, rows: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] (uint8) from packed [N, K/2], in the layout `int4pack_layout` learned; on packed's device."""
+@functools.lru_cache(maxsize=None)
+def _order_on(device: torch.device) -> torch.Tensor:
+    """`int4pack_layout`'s order, copied to `device` once (not per expert computed there)."""
+    return int4pack_layout()[1].to(device)
+
+
+def _unpack(packed: torch.Tensor, bn: int, order: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (uint8) from packed [N, K/2], in the layout `int4pack_layout` learned (`order` on packed's
+    device)."""
     N, K = packed.shape[0], packed.shape[1] * 2
     nib = _nibbles(packed.reshape(N // bn, K, bn // 2))                        # [NB, K, BN]: nibble m
-    inv = torch.empty_like(rows)
-    inv[rows] = torch.arange(bn)
-    return nib[..., inv.to(packed.device)].transpose(1, 2).reshape(N, K)      # [NB, BN, K] -> [N, K]
+    return nib[..., order].transpose(1, 2).reshape(N, K)                       # [NB, BN, K] -> [N, K]
 
 
 def dequantize(packed: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
     """W [N, K] in sz's dtype from the CPU kernel's packed codes [N, K/2] and (scale, zero') [K/G, N, 2], on their
-    device: w = (q - 8) x scale + zero', the kernel's own formula. Needs `int4pack_layout()`."""
-    bn, rows = int4pack_layout()
-    q = _unpack(packed, bn, rows).to(sz.dtype)                                 # [N, K]
-    scale, zero = (sz[..., i].t().repeat_interleave(group, dim=1) for i in (0, 1))    # [N, K] each
-    return (q - 8) * scale + zero
+    device: w = (q - 8) x scale + zero', the kernel's own formula, broadcast over each group. Needs
+    `int4pack_layout()`."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    q = _unpack(packed, int4pack_layout()[0], _order_on(packed.device)).to(sz.dtype).view(N, K // group, group)
+    scale, zero = sz.transpose(0, 1).split(1, dim=-1)                          # [N, K/G, 1] each
+    return ((q - 8) * scale + zero).view(N, K)
 
 
 def int4_cpu_ok(fmt: HqqFormat) -> bool:
