@@ -13,6 +13,10 @@ model's profiled traces; mlp needs --tiny-train).
                               [--fractions 0.25 0.5] [--cpu-experts never|auto] [--rows all|tune|held-out]
                               [--json out.json]
 
+Prefetches copy into the runtime's staging buffers (2 when misses are fetched, `--staging-buffers` to change): a wrong
+prediction evicts nothing. The last column runs no prefetch with those buffers' bytes as 2 more cache slots (the same
+device memory).
+
 `--cpu-experts auto`: moectl's CPU-compute-of-misses mode in every run (none and each kind): a miss runs on the CPU
 when the cost model says that beats fetching it, so the copy engine mostly idles and a right prefetch turns a
 CPU-computed miss into a device hit.
@@ -31,6 +35,7 @@ import sys
 from pathlib import Path
 
 from moectl.sim import run as sim
+from moectl.policies.admission import prefetch_staging
 from moectl.trace import load_trace
 
 SIBLING = {"olmoe.math": "olmoe.code", "olmoe.code": "olmoe.math", "qwen.math": "qwen.code",
@@ -97,14 +102,18 @@ def main() -> int:
     ap.add_argument("--replacement", default="lru")
     ap.add_argument("--rows", default="all", choices=["all", "tune", "held-out"],
                     help="which traces to run: the rule is compared on `tune` only; `held-out` judges it")
+    ap.add_argument("--staging-buffers", type=int, help="prefetch staging buffers (default: the runtime's, 2 when "
+                    "misses are fetched, else 0; 0 = prefetches copy into cache slots)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rows, slower = [], []
     tally = {held: [0, 0, 0] for held in (False, True)}        # held out? -> [faster, equal, slower]
     print("| trace | held out | cached | none ms/tok | prefetch | off ms/tok (pf/tok, wasted) | on ms/tok (pf/tok, wasted) "
-          "| on vs none |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| on vs none | none, staging memory as slots (on vs it) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     cpu = a.cpu_experts
+    staging = prefetch_staging(cpu) if a.staging_buffers is None else a.staging_buffers
+    print(f"prefetch staging buffers: {staging}")
     for name, tr, train, cost in cases(a.shared, a.tiny, a.tiny_train, a.tiny_model):
         if a.rows != "all" and held_out(name) != (a.rows == "held-out"):
             continue
@@ -112,9 +121,15 @@ def main() -> int:
         for f in a.fractions:
             caps = sim.capacities(tr, fraction=f)
             none = sim.simulate(tr, caps, a.replacement, "none", cost, belady=False, cpu_experts=cpu)
+            # the same device memory as a staged run: the staging buffers as cache slots instead (earliest layers)
+            more = list(caps)
+            for i in range(staging):
+                more[i % len(more)] = min(more[i % len(more)] + 1, tr.num_experts)
+            none_mem = sim.simulate(tr, more, a.replacement, "none", cost, belady=False,
+                                    cpu_experts=cpu) if staging else none
             for kind, pred in preds.items():
                 r = {adm: sim.simulate(tr, caps, a.replacement, kind, cost, predictor=pred, belady=False,
-                                       admission=adm, cpu_experts=cpu) for adm in ("off", "on")}
+                                       admission=adm, cpu_experts=cpu, staging=staging) for adm in ("off", "on")}
                 on, off = r["on"], r["off"]
                 d = on.ms_per_token / none.ms_per_token - 1
                 held = held_out(name)
@@ -125,13 +140,14 @@ def main() -> int:
                            off=off.ms_per_token,
                            on=on.ms_per_token, off_prefetch=prefetches(off), on_prefetch=prefetches(on),
                            off_wasted=off.wasted_prefetch_fraction, on_wasted=on.wasted_prefetch_fraction,
-                           cpu_experts=cpu)
+                           cpu_experts=cpu, staging=staging, none_same_memory=none_mem.ms_per_token)
                 rows.append(row)
                 print(f"| {name} | {'yes' if held else 'tune'} | {f:.0%} | {none.ms_per_token:.4g} | {kind} | "
                       f"{off.ms_per_token:.4g} "
                       f"({prefetches(off):.2f}, {off.wasted_prefetch_fraction:.0%}) | {on.ms_per_token:.4g} "
                       f"({prefetches(on):.2f}, {on.wasted_prefetch_fraction:.0%}) | "
-                      f"{d:+.3%} |", flush=True)
+                      f"{d:+.3%} | {none_mem.ms_per_token:.4g} ({on.ms_per_token / none_mem.ms_per_token - 1:+.3%}) |",
+                      flush=True)
     for held, (fa, eq, sl) in tally.items():
         print(f"\n{'held-out' if held else 'tuning'} traces (--cpu-experts {cpu}), with admission, of {fa + eq + sl}: "
               f"{fa} faster than no prefetch, {eq} equal (+-{a.noise:.2%}), {sl} slower")

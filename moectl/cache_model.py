@@ -44,6 +44,13 @@ The rules, in the order a driver applies them:
             finds one (a chunk is at most the slot count, so at most S - 1 others are pinned, and a
             layer's own predictions are spent before it runs). A prefetch that finds none is dropped:
             predictions never evict each other.
+  staging   with `staging` = n > 0 a prefetch of a missing expert evicts nothing: its copy goes to one of n
+            staging buffers per pool (`staged`), outside the slots. When its layer routes, a wrong one is dropped
+            (`prefetch_wasted`, the buffer is free again); a right one is installed by its `access`, exactly as a
+            demand miss would be (the same victim, the same clock tick and policy insert; the driver swaps the
+            buffer with the victim's slot, no copy), but counts as a hit. So the pools evolve as in a run without
+            prefetch, whatever the predictions: a prediction costs copy-engine time, never a resident expert.
+            No buffer free: the prefetch is dropped.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class Access:
     slot: int                             # the pool slot holding the expert now
     hit: bool
     victim: int | None = None             # expert evicted to make room, if any
+    staged: int | None = None             # the staging buffer the expert came from (a staged prefetch), if any
 
 
 class Pool:
@@ -77,9 +85,10 @@ class CacheState:
     """Per-layer slot pools with pinning, protection of predicted experts and per-phase counters.
 
     `slots`: per layer slot counts of the full-precision pools, or {precision: per layer counts}.
-    `policy`: the replacement policy, or {precision: policy}."""
+    `policy`: the replacement policy, or {precision: policy}; `staging`: staging buffers per pool that prefetches
+    copy into (0: they copy into cache slots, evicting)."""
 
-    def __init__(self, slots, policy):
+    def __init__(self, slots, policy, staging: int = 0):
         slots = slots if isinstance(slots, dict) else {FULL: list(slots)}
         self.policies = policy if isinstance(policy, dict) else {FULL: policy}
         self.num_layers = len(next(iter(slots.values())))
@@ -91,6 +100,9 @@ class CacheState:
         self.phase = "decode"
         self.counts = {p: {ph: np.zeros((self.num_layers, len(COUNTERS)), dtype=np.int64) for ph in PHASES}
                        for p in slots}
+        self.staging = int(staging)
+        self.staged: dict[tuple[int, str, int], int] = {}          # (layer, precision, expert) -> staging buffer
+        self.stage_free = {p: list(range(self.staging))[::-1] for p in slots}
 
     # --- queries ------------------------------------------------------------------------
     def capacity(self, layer: int, precision: str = FULL) -> int:
@@ -104,6 +116,10 @@ class CacheState:
 
     def slot(self, layer: int, expert: int, precision: str = FULL) -> int | None:
         return self.pools[layer][precision].slot_of.get(expert)
+
+    def staged_in(self, layer: int, expert: int) -> str | None:
+        """The precision of a staging buffer holding (or receiving) the expert's copy, if any."""
+        return next((p for p in self.counts if (layer, p, expert) in self.staged), None)
 
     def chunks(self, layer: int, experts: list[int], precision: str = FULL) -> list[list[int]]:
         """The order the layer's experts run in: resident first (stable), chunks of the slot count."""
@@ -159,17 +175,40 @@ class CacheState:
             raise ValueError(f"phase must be one of {PHASES}, not {phase!r}")
         self.phase = phase
 
-    def end_step(self) -> None:
+    def end_step(self) -> list[tuple[int, str, int, int]]:
+        """The step is over; staged copies no access took are dropped (returned as by `route`; counted when their
+        layer routed: a chosen expert the driver ran elsewhere, e.g. skipped, took no slot)."""
         for pol in self.policies.values():
             pol.on_token_end(self.clock)
+        return self._unstage(list(self.staged), (), count=False)
+
+    def _unstage(self, keys, chosen, count: bool = True) -> list[tuple[int, str, int, int]]:
+        """Drop the staged `keys` not in `chosen` (wasted): their buffers are free again."""
+        out = []
+        for key in keys:
+            if key[2] in chosen:
+                continue
+            buf = self.staged.pop(key)
+            self.stage_free[key[1]].append(buf)
+            if count:
+                self._count(key[0], key[1], "prefetch_wasted")
+            out.append((*key, buf))
+        return out
 
     def route(self, layer: int, chosen: list[int], weights: list[float] | None = None,
-              precision: str = FULL) -> None:
+              precision: str = FULL) -> list[tuple[int, str, int, int]]:
+        """Returns the staged prefetches this routing wasted, (layer, precision, expert, buffer): the driver drops
+        their copies."""
         self.policies[precision].on_route(layer, chosen, weights)
         chosen_set = set(chosen)
         for key in [k for k in self.predicted if k[0] == layer and k[1] == precision]:
             if self.predicted.pop(key):
                 self._count(layer, precision, "prefetch_used" if key[2] in chosen_set else "prefetch_wasted")
+        staged = [k for k in self.staged if k[0] == layer and k[1] == precision]
+        for key in staged:
+            if key[2] in chosen_set:
+                self._count(layer, precision, "prefetch_used")
+        return self._unstage(staged, chosen_set)
 
     def pin(self, layer: int, experts, precision: str = FULL) -> None:
         self.pinned.update((layer, precision, int(e)) for e in experts)
@@ -206,8 +245,13 @@ class CacheState:
             raise RuntimeError(f"layer {layer}: every slot is pinned; a chunk is at most the slot count")
         slot, victim = taken
         pool.slot_of[expert] = slot
-        self._count(layer, precision, "misses")
         pol.on_insert(layer, expert, self.clock)
+        buf = self.staged.pop((layer, precision, expert), None)
+        if buf is not None:                     # a staged prefetch: installed as this miss, its copy already made
+            self.stage_free[precision].append(buf)
+            self._count(layer, precision, "hits")
+            return Access(slot, True, victim, buf)
+        self._count(layer, precision, "misses")
         return Access(slot, False, victim)
 
     def stream(self, layer: int, expert: int, precision: str = FULL) -> None:
@@ -232,6 +276,12 @@ class CacheState:
         if expert in pool.slot_of:
             self.predicted.setdefault(key, False)
             return None
+        if self.staging:                        # into a staging buffer: no slot taken, nothing evicted
+            if key in self.staged or not self.stage_free[precision]:
+                return None
+            buf = self.staged[key] = self.stage_free[precision].pop()
+            self._count(layer, precision, "prefetches")
+            return Access(-1, False, None, buf)
         taken = self._take_slot(layer, precision)
         if taken is None:
             return None

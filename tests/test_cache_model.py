@@ -13,6 +13,7 @@ import pytest
 from moectl.cache_model import CacheState, split_slots
 from moectl.errors import MoectlError
 from moectl.policies import LRU
+from tests.shared_data import SHARED_TRACES, needs_shared
 
 
 def test_clock_ticks_on_accesses_and_prefetches():
@@ -225,3 +226,57 @@ def test_moe_infinity_on_one_request_says_it_is_lfu(tmp_path):
     assert "note" not in lfu
     r = CliRunner().invoke(app, ["simulate", "--help"])
     assert "--train-on" in r.output and "LFU" in r.output
+
+
+def test_a_staged_prefetch_evicts_nothing_and_a_used_one_is_installed_as_its_miss_would_be():
+    """Staging buffers (`CacheState(staging=2)`): a prefetch takes a buffer, not a slot; its layer's routing drops a
+    wrong one (wasted, the buffer free again) and its access installs a right one with the victim, clock tick and
+    policy insert of the demand miss the run without prefetch had, counted as a hit."""
+    def run(staging: int, prefetch: bool):
+        st = CacheState([2, 2], LRU(), staging=staging)
+        st.begin_step("decode")
+        for e in (0, 1):                            # layer 1 full: 0 older than 1
+            st.route(1, [e])
+            st.access(1, e)
+        st.begin_step("decode")
+        dropped = []
+        if prefetch:
+            a = st.prefetch(1, 5)
+            assert a.staged is not None and a.victim is None and st.prefetch(1, 6).staged is not None
+            assert st.prefetch(1, 7) is None                    # both buffers taken: dropped
+            assert sorted(st.resident(1)) == [0, 1] and st.staged_in(1, 5) == "full"
+        dropped = st.route(1, [1, 5])
+        got = [st.access(1, e) for e in st.chunks(1, [1, 5])[0]]
+        st.end_step()
+        return st, got, dropped
+
+    st0, got0, _ = run(0, False)
+    st, got, dropped = run(2, True)
+    assert [(a.victim, a.hit) for a in got] == [(None, True), (0, True)]            # 5 evicts 0, as the miss did
+    assert [(a.victim, a.hit) for a in got0] == [(None, True), (0, False)]
+    assert got[1].staged is not None and [d[:3] for d in dropped] == [(1, "full", 6)]
+    assert st.clock == st0.clock and sorted(st.resident(1)) == sorted(st0.resident(1)) == [1, 5]
+    assert st.totals("decode") | {"hits": 0, "misses": 0} == st0.totals("decode") | {
+        "hits": 0, "misses": 0, "prefetches": 2, "prefetch_used": 1, "prefetch_wasted": 1}
+    assert not st.staged and sorted(st.stage_free["full"]) == [0, 1]
+
+
+@needs_shared
+def test_with_staging_the_simulated_cache_evolves_as_without_prefetch():
+    """On a shared trace, every prediction issued (EAM, no admission): with staging buffers (the default when misses
+    are fetched) the decode evictions per layer equal the no-prefetch run's, and each right prediction replaces one
+    of its misses; prefetching into slots (staging 0) changes what is evicted."""
+    from moectl.sim.cost import CostModel, load_hardware
+    from moectl.sim.run import capacities, cost_for, simulate
+    from moectl.trace import load_trace
+
+    tr = load_trace(SHARED_TRACES / "olmoe.math.jsonl")
+    cost = cost_for(tr, "rtx4090-pcie4")
+    caps = capacities(tr, fraction=0.25)
+    none = simulate(tr, caps, "lru", "none", cost, belady=False).cache["decode"]
+    staged = simulate(tr, caps, "lru", "eam", cost, belady=False).cache["decode"]
+    slots = simulate(tr, caps, "lru", "eam", cost, belady=False, staging=0).cache["decode"]
+    assert sum(staged["prefetch_used"]) > 0 and sum(staged["prefetch_wasted"]) > 0
+    assert staged["evictions"] == none["evictions"]
+    assert [m + u for m, u in zip(staged["misses"], staged["prefetch_used"])] == none["misses"]
+    assert slots["evictions"] != none["evictions"]

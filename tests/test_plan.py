@@ -277,15 +277,17 @@ def test_a_plan_records_prefetch_admission_and_simulate_applies_it(tiny_profiled
     assert plan["policies"]["admission"] == "on" and plan["policies"]["prefetch"] == "gate-reuse"
     trace = wd / "traces"
     runs = {}
-    for extra in ([], ["--admission", "off"]):
+    for extra in ([], ["--admission", "off"], ["--staging-buffers", "0"], ["--staging-buffers", "0", "--admission", "off"]):
         code, stdout, err = run_cli(["simulate", "--trace", str(trace), "--model-shape", str(ckpt), "--plan", str(out),
                                      "--json", *extra], capsys, monkeypatch)
         assert code == 0, err
         runs[tuple(extra)] = json.loads(stdout)
     on, off = runs[()], runs[("--admission", "off")]
-    assert on["admission"] == "on" and off["admission"] == "off"
+    assert on["admission"] == "on" and off["admission"] == "off" and on["staging_buffers"] == 2
     assert on["stall_ms_per_token"] == pytest.approx(plan["predicted"]["stall_ms_per_token"])
-    assert on["prefetch_loads_per_token"] < off["prefetch_loads_per_token"]      # the rule held some copies back
+    # prefetching into slots, where a wrong copy evicts, the rule holds some copies back
+    on, off = runs[("--staging-buffers", "0")], runs[("--staging-buffers", "0", "--admission", "off")]
+    assert on["staging_buffers"] == 0 and on["prefetch_loads_per_token"] < off["prefetch_loads_per_token"]
     code, _, err = run_cli(args + ["--admission", "maybe"], capsys, monkeypatch)
     one_error(code, err, "--admission", "maybe")
 
@@ -326,12 +328,16 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     tiny_small, wd, facts, minimum = tiny_profiled
     texts = builtin_corpus("validation")[:3]
     L, E, kv_tokens = facts.num_layers, facts.num_experts, KV_TOKENS
-    budget = minimum + (L * E // 3) * facts.expert_bytes()
+    budget = minimum + (L * E // 3 + 3) * facts.expert_bytes()          # 6 slots + the two prefetch staging buffers
     code, stdout, err = run_cli(["plan-cache", "--model", str(tiny_small), "--workdir", str(wd), "--budget",
                                  str(budget), "--kv-tokens", str(kv_tokens), "--json"], capsys, monkeypatch)
     assert code == 0, err
     plan = json.loads(stdout)["plan"]
     assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]
+    stage = plan["budget"]["staging"]
+    assert plan["policies"]["prefetch"] != "none" and stage == 2 * facts.expert_bytes()
+    assert plan["budget"]["experts"] == budget - stage - plan["budget"]["dense"] - plan["budget"]["kv"] \
+        - plan["budget"]["workspace"]
     eng = Engine.load(str(tiny_small), prefetch=plan["policies"]["prefetch"], emulate_device=True, progress=False,
                       workdir=str(wd), plan="auto")
     assert eng.cache.slots_per_layer == plan["slots"] and "plan.yaml" in eng.plan_note
@@ -343,7 +349,7 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     assert [sorted(eng.cache.resident(l)) for l in range(L)] == [sorted(h) for h in hot]
     for l, e in [(l, h[0]) for l, h in enumerate(hot)]:
         slot = eng.cache.state.slot(l, e)
-        assert torch.equal(eng.cache.pools["full"][l][slot], eng.store.host(l, e))
+        assert torch.equal(eng.cache.slot_bytes(l, e), eng.store.host(l, e))
     st = eng.cache.stats.as_dict()
     assert st["misses"] == 0 and st["bytes_loaded"] == 0 and st["preload_bytes"] == sum(map(len, hot)) * facts.expert_bytes()
     run_profile(eng, texts, tmp_path / "again", model_name="tiny", dataset="builtin:validation", max_tokens=40,
@@ -352,14 +358,14 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     measured = dec["misses"] / plan["predicted"]["tokens"]
     assert measured == pytest.approx(plan["predicted"]["misses_per_token"], rel=0.10)
     held = dense_nbytes(eng.model, eng.config) + sum(eng.cache.slots_per_layer) * facts.expert_bytes() \
-        + facts.kv_bytes_per_token * (40 + 12)
+        + stage + facts.kv_bytes_per_token * (40 + 12)
     assert held <= budget
     # the runtime's own accounting of a request (dense + slot pools + the KV tensors it holds) agrees, within budget;
     # on CUDA the allocator's peak is held to the same budget
     res = eng.generate(input_ids=list(range(3, 43)), max_new_tokens=12, greedy=True, stop_at_eos=False)
     st = res.stats
     assert st["device_held_bytes"] == dense_nbytes(eng.model, eng.config) \
-        + sum(eng.cache.slots_per_layer) * facts.expert_bytes() + facts.kv_bytes_per_token * (40 + 11)
+        + sum(eng.cache.slots_per_layer) * facts.expert_bytes() + stage + facts.kv_bytes_per_token * (40 + 11)
     assert st["device_held_bytes"] <= budget
     if eng.device.type == "cuda":
         assert st["device_peak_allocated_bytes"] <= budget

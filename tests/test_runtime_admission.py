@@ -75,10 +75,10 @@ def reference(tiny_small):
     return res.token_ids, obs.rows, len(eng.cache.slots_per_layer), eng.adapter.num_experts, cost
 
 
-def _run(ckpt, reference, admission, **kw):
+def _run(ckpt, reference, admission, staging=None, **kw):
     ids, rows, L, E, cost = reference
     pf = Scripted(rows, L, E, **kw)
-    eng = _load(ckpt, cache_experts=8, prefetch=pf, admission=admission, cost=cost)
+    eng = _load(ckpt, cache_experts=8, prefetch=pf, admission=admission, cost=cost, staging=staging)
     issued = []                                     # (call, target, expert) of every copy the cache queued
     real = eng.cache.prefetch
 
@@ -93,9 +93,10 @@ def _run(ckpt, reference, admission, **kw):
 
 
 def test_admission_copies_confident_predictions_and_not_unlikely_ones(tiny_small, reference):
+    """Prefetches into slots (`staging=0`), where a wrong copy evicts a resident expert."""
     ids = reference[0]
-    off, pf_off, issued_off, _ = _run(tiny_small, reference, "off")
-    on, pf_on, issued_on, eng = _run(tiny_small, reference, "on")
+    off, pf_off, issued_off, _ = _run(tiny_small, reference, "off", staging=0)
+    on, pf_on, issued_on, eng = _run(tiny_small, reference, "on", staging=0)
     wrong = {(i, t, e) for i, t, e, s in pf_on.made if s < 0.5}
     right = {(i, t, e) for i, t, e, s in pf_on.made if s > 0.5}
     # off: every missing prediction is copied, unlikely ones included
@@ -123,10 +124,13 @@ def test_bytes_loaded_counts_only_copies_that_ran(tiny_small, reference):
     assert s["prefetch_bytes"] >= s["prefetch_used"] * per_copy    # every used prefetch ran
 
 
-def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference, tmp_path):
+@pytest.mark.parametrize("staging", [0, 2])
+def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference, tmp_path, staging):
     """The same scripted predictions (right ones at 0.95, a wrong one at 0.05) through the runtime and through the
-    simulator on the trace the runtime recorded, same fixed costs: per layer, the same prefetches, hits, misses and
-    evictions with admission off and on; and admission skipped some and admitted some."""
+    simulator on the trace the runtime recorded, same fixed costs, prefetches into slots or into two staging buffers:
+    per layer, the same prefetches, hits, misses and evictions with admission off and on. Into slots, admission
+    skipped some and admitted some; staged, it admitted every one (a copy hides under the 1 s layers whole and a
+    wrong one evicts nothing: no cost)."""
     from moectl.calib.dataset import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.policies import LRU
@@ -139,7 +143,7 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
     n = L * E // 2                                                   # half the experts
 
     def profile(prefetch, out, admission="off"):
-        eng = _load(tiny_small, cache_experts=n, prefetch=prefetch, admission=admission, cost=cost)
+        eng = _load(tiny_small, cache_experts=n, prefetch=prefetch, admission=admission, cost=cost, staging=staging)
         run_profile(eng, texts, out, model_name="tiny", dataset="builtin:validation", max_tokens=40, generate=12)
         return eng, load_trace(out)
 
@@ -151,12 +155,13 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
         eng, tr = profile(Scripted(future, L, E), tmp_path / adm, adm)
         assert (tr.experts == tr0.experts).all()                    # prefetch never changes the routing
         runtime = eng.cache.state.per_layer("decode")
-        sim = Simulator([n // L] * L, LRU(), Scripted(future, L, E), cost,
-                        admission=make_admission(adm, cost, tr.top_k)).run(trace_steps(tr))
+        assert eng.cache.state.staging == staging
+        sim = Simulator([n // L] * L, LRU(), Scripted(future, L, E), cost, staging=staging,
+                        admission=make_admission(adm, cost, tr.top_k, staged=staging > 0)).run(trace_steps(tr))
         for k in ("prefetches", "hits", "misses", "evictions"):
             assert sim["cache"]["decode"][k] == runtime[k], (adm, k)
         counts[adm] = sum(runtime["prefetches"])
-    assert 0 < counts["on"] < counts["off"]
+    assert 0 < counts["on"] < counts["off"] if staging == 0 else 0 < counts["on"] == counts["off"]
 
 
 def test_admission_flag_on_generate(tiny_small, tmp_path, monkeypatch):
@@ -190,3 +195,29 @@ def test_runtime_admission_knows_where_its_misses_run(tiny_small, reference):
     fast_copy = FixedCost(load=0.001, attention=1.0, expert=0.03, cpu_expert=0.3, expert_bytes=cost.expert_bytes)
     eng = _load(tiny_small, cache_experts=8, prefetch="gate-reuse", admission="on", cost=fast_copy, cpu_experts="auto")
     assert eng.runtime.prefetch_gate.admission.cpu_expert_s is None        # auto fetches: a copy is cheaper
+
+
+def test_staged_prefetches_leave_the_cache_as_it_is_without_prefetch(tiny_small, reference):
+    """Misses fetched (`--cpu-experts never`): a prediction copies into one of two staging buffers, never a slot, and
+    one its layer uses is installed as that layer's miss would have been. So with right and wrong predictions alike
+    the cache evicts what the run without prefetch evicted and ends with the same residents; a right prediction
+    is a hit where that run missed; every slot holds its expert's bytes; the tokens are the same."""
+    ids = reference[0]
+    base = _load(tiny_small, cache_experts=8, prefetch="none")
+    base.generate(PROMPT, max_new_tokens=24, stop_at_eos=False)
+    res, pf, issued, eng = _run(tiny_small, reference, "off", right=0.95, wrong=0.05)
+    cache, c0 = eng.cache, base.cache
+    assert cache.state.staging == 2 and c0.state.staging == 0
+    assert cache.device_nbytes() == c0.device_nbytes() + 2 * cache.store.expert_nbytes      # the two buffers
+    s, s0 = cache.state.per_layer("decode"), c0.state.per_layer("decode")
+    assert sum(s["prefetch_used"]) > 0 and sum(s["prefetch_wasted"]) > 0
+    assert s["evictions"] == s0["evictions"]
+    assert [m + u for m, u in zip(s["misses"], s["prefetch_used"])] == s0["misses"]
+    assert cache.state.per_layer("prefill") == c0.state.per_layer("prefill")
+    cache.loader.drain()
+    for layer in range(len(cache.slots_per_layer)):
+        assert sorted(cache.resident(layer)) == sorted(c0.resident(layer))
+        for e in cache.resident(layer):
+            assert torch.equal(cache.slot_bytes(layer, e), cache.store.host(layer, e))
+    assert not cache.state.staged and not cache.stage_jobs                   # nothing left staged after a step
+    assert res.token_ids == ids

@@ -109,7 +109,7 @@ def test_chunk_cap_cuts_matrices_into_row_ranges_and_stays_bit_identical(mixtral
                                                              for r in range(0, rows, rows // 16)]
     for l in range(len(cache.pool)):                        # every slot holds its expert's bytes exactly
         for e in cache.resident(l):
-            assert torch.equal(cache.pool[l][cache.state.slot(l, e)], cache.store.host(l, e))
+            assert torch.equal(cache.slot_bytes(l, e), cache.store.host(l, e))
 
 
 def test_threaded_demand_load_waits_one_chunk_behind_a_started_prefetch_which_keeps_its_progress(mixtral):

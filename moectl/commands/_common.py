@@ -63,6 +63,14 @@ class CacheOpts:
                                  "this machine's measured figures); off: copy every prediction.")
 
     @staticmethod
+    def staging_buffers():
+        return typer.Option(None, "--staging-buffers", min=0, show_default=False,
+                            help="Device buffers a predicted expert is copied into instead of a cache slot, so a wrong "
+                                 "prediction evicts nothing and a right one is installed as its miss would have been "
+                                 "(the budget pays for them). Default: 2 when misses are fetched (--cpu-experts "
+                                 "never), else 0 (into slots).")
+
+    @staticmethod
     def predictor():
         return typer.Option(None, "--predictor", help="Directory of predictors.json (default: the model workdir).")
 

@@ -26,6 +26,7 @@ def eval_(
     replacement: Optional[str] = CacheOpts.replacement(),
     prefetch: str = CacheOpts.prefetch(),
     admission: str = CacheOpts.admission(),
+    staging_buffers: int = CacheOpts.staging_buffers(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
@@ -59,7 +60,7 @@ def eval_(
                       lowbit_fraction=lowbit_fraction, device=device,
                       cache_experts=cache_experts, budget=budget, offload=offload,
                       threads=threads, cpu_experts=cpu_experts,
-                      workdir=workdir, dtype=dtype, emulate_device=emulate_device, replacement=replacement, prefetch=prefetch, admission=admission, predictor=predictor,
+                      workdir=workdir, dtype=dtype, emulate_device=emulate_device, replacement=replacement, prefetch=prefetch, admission=admission, staging=staging_buffers, predictor=predictor,
                       gating=gating or "auto", gating_threshold=gating_threshold, progress=not as_json)
     windows = token_windows(eng.tokenizer, load_calibration(dataset), window, max_tokens)
     starts = [w[: max(2, window // 4)] for w in windows[:prompts]]

@@ -29,6 +29,7 @@ def generate(
     no_plan: bool = CacheOpts.no_plan(),
     prefetch: str = CacheOpts.prefetch(),
     admission: str = CacheOpts.admission(),
+    staging_buffers: int = CacheOpts.staging_buffers(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
@@ -58,7 +59,7 @@ def generate(
                       lowbit_fraction=lowbit_fraction, device=device,
                       cache_experts=cache_experts, budget=budget, offload=offload,
                       threads=threads, cpu_experts=cpu_experts, prefill=prefill, replay_trace=replay_trace,
-                      workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission, predictor=predictor,
+                      workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission, staging=staging_buffers, predictor=predictor,
                       emulate_device=emulate_device,
                       gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
                       plan=None if no_plan else "auto", progress=not as_json)

@@ -118,7 +118,8 @@ def print_plan(plan: dict, path, figure) -> None:
     b, pred, uni = plan["budget"], plan["predicted"], plan.get("uniform")
     t = Table(title=f"{plan['model']}: {format_bytes(b['total'])} on {plan['hardware']} = dense "
                     f"{format_bytes(b['dense'])} + KV {format_bytes(b['kv'])} ({b['kv_tokens']} tokens) + workspace "
-                    f"{format_bytes(b['workspace'])} + experts {format_bytes(b['experts'])}")
+                    f"{format_bytes(b['workspace'])} + experts {format_bytes(b['experts'])}"
+                    + (f" + prefetch staging {format_bytes(b['staging'])}" if b.get("staging") else ""))
     for col in ("layer", "slots", "uniform", "of experts"):
         t.add_column(col, justify="right")
     E = plan["num_experts"]

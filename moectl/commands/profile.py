@@ -36,6 +36,7 @@ def profile(
     prefetch: str = typer.Option("none", "--prefetch",
                                  help="runtime prefetch while recording, as in `generate` [default: none]"),
     admission: str = CacheOpts.admission(),
+    staging_buffers: int = CacheOpts.staging_buffers(),
     predictor: str = CacheOpts.predictor(),
     shard_rows: int = typer.Option(4096, "--shard-rows", help="rows per shard file"),
     seed: int = typer.Option(0, "--seed", help="seed of the hidden-sample draw"),
@@ -77,7 +78,7 @@ def profile(
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
-                      budget=budget, cache_experts=cache_experts, replacement=replacement or "lru", prefetch=prefetch, admission=admission,
+                      budget=budget, cache_experts=cache_experts, replacement=replacement or "lru", prefetch=prefetch, admission=admission, staging=staging_buffers,
                       predictor=predictor, emulate_device=emulate_device and device == "cpu")
 
     def show_plan(info: dict) -> None:

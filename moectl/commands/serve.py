@@ -33,6 +33,7 @@ def serve(
     no_plan: bool = CacheOpts.no_plan(),
     prefetch: str = CacheOpts.prefetch(),
     admission: str = CacheOpts.admission(),
+    staging_buffers: int = CacheOpts.staging_buffers(),
     predictor: Optional[str] = CacheOpts.predictor(),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = CacheOpts.dtype(),
@@ -71,7 +72,7 @@ def serve(
                           lowbit_fraction=lowbit_fraction, device=device,
                           cache_experts=cache_experts, budget=budget, offload=offload,
                           threads=threads, cpu_experts=cpu_experts, prefill=prefill,
-                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission,
+                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission, staging=staging_buffers,
                           predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any
                           plan=None if no_plan else "auto", progress=err.is_terminal)
         print_plan_note(eng)

@@ -58,6 +58,10 @@ def simulate(
                                   "only when its expected saving (confidence x load time it hides) beats its expected "
                                   "cost (copy-engine time it takes from demand loads), capped by the time left before "
                                   "its layer"),
+    staging_buffers: int = typer.Option(None, "--staging-buffers", min=0,
+                                        help="(default 2 when misses are fetched, else 0; as the runtime) prefetches "
+                                             "copy into this many staging buffers instead of cache slots: a wrong "
+                                             "prediction evicts nothing; 0 = into slots"),
     compare: bool = typer.Option(False, "--compare", help="run the policy matrix of the papers and ours"),
     gating_threshold: float = typer.Option(None, "--gating-threshold",
                                            help="adaptive top-k on the trace's gate weights: drop a decode token's "
@@ -101,6 +105,7 @@ def simulate(
         opts["replacement"] or "lru", opts["prefetch"] or "none", opts["precision"] or "full", opts["lowbit"],
         opts["t1"], opts["t2"], opts["cpu_experts"] or "never")
     admission = opts["admission"] or "off"
+    from ..policies.admission import prefetch_staging
     from ..policies.precision import make_precision
     from ..recipes import parse_size
 
@@ -162,11 +167,12 @@ def simulate(
             res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
                                depth=depth, per_layer=per_layer, aux_gate=aux_pred, precision=prec, lowbit=lowbit,
                                lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
-                               preload=preload)
+                               preload=preload, staging=staging_buffers)
             d = {k: getattr(res, k) for k in FIELDS}
             d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
                      experts_per_token=experts_per_token(tr), precision=prec.name, lowbit=lowbit,
-                     cpu_experts=cpu_experts, admission=admission)
+                     cpu_experts=cpu_experts, admission=admission,
+                     staging_buffers=prefetch_staging(cpu_experts) if staging_buffers is None else staging_buffers)
             if res.note:
                 d["note"] = res.note
                 console.print(f"[yellow]note[/] ({label}): {res.note}")

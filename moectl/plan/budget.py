@@ -94,6 +94,7 @@ class BudgetSplit:
     kv_tokens: int
     workspace: int
     experts: int                # bytes left for expert slots
+    staging: int = 0            # prefetch staging buffers (runtime/cache.py), taken from the experts' bytes
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -15,7 +15,7 @@ Legend: L = MoE layers, E = experts, C = budget units (slots of one precision, o
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -313,12 +313,24 @@ def expert_nbytes(facts: ModelFacts, pol: Policies) -> dict:
     return out
 
 
+def reserve_staging(split: BudgetSplit, pol: Policies, nbytes: dict, num_layers: int) -> BudgetSplit:
+    """The budget less the staging buffers the runtime gives prefetches under these policies (`prefetch_staging`:
+    two full-precision experts when misses are fetched), when what is left still holds a slot per layer."""
+    from ..policies.admission import prefetch_staging
+
+    stage = prefetch_staging(pol.cpu_experts) * nbytes["full"] if pol.prefetch != "none" else 0
+    if stage == 0 or split.experts - stage < num_layers * min(nbytes.values()):
+        return split
+    return replace(split, experts=split.experts - stage, staging=stage)
+
+
 def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None, pol: Policies,
               hardware: str, progress=None) -> dict:
     """The plan as plan.yaml holds it (without format/fingerprint headers: see plan/artifact.py)."""
     t0 = time.perf_counter()
     L, E = facts.num_layers, facts.num_experts
     nbytes = expert_nbytes(facts, pol)
+    split = reserve_staging(split, pol, nbytes, L)
     curves = build_curves(facts, replay, pol, cost.load_s(), nbytes, progress)
     u_hi, u_lo = uniform_pools(pol, L, E, split.experts, nbytes)
     low = pol.precision == "lowbit-only"

@@ -105,10 +105,14 @@ class PrefetchAdmission(AdmitAll):
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
                  prior: float = 8.0, decay: float = 0.99, trust: float = 0.5, margin: float = 1.0, floor: float = 0.1,
-                 cpu_expert_s: float | None = None, chunk_s: float | None = None):
+                 cpu_expert_s: float | None = None, chunk_s: float | None = None, staged: bool = False):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
         self.cpu_expert_s = cpu_expert_s           # a miss's cost when the CPU computes it (None: it is fetched)
         self.chunk_s = chunk_s                     # the copy engine's largest chunk (None: a copy is one chunk)
+        # prefetches copy into staging buffers, so a wrong one evicts nothing and a right one evicts what its demand
+        # miss would have: no victim and no change to the cache's trajectory, when misses are fetched (on the CPU a
+        # right one is still installed where a fill might not have been)
+        self.staged = staged and cpu_expert_s is None
         self.m = 0.0                               # running mean of CPU-computed misses per layer
         self.n = np.zeros(buckets)                 # predictions per score bucket
         self.hit = np.zeros(buckets)               # ... whose layer then chose the expert
@@ -157,7 +161,7 @@ class PrefetchAdmission(AdmitAll):
         evicts = evicts or self.cpu_expert_s is not None
         # a right copy evicts the victim its demand miss would have, unless that is another expert the same layer is
         # about to choose (`co_chosen`: that chance, from the driver; a demand load's chunk is pinned)
-        victim = ((1 - p) * self.victim + p * co_chosen) * miss if evicts else 0.0
+        victim = ((1 - p) * self.victim + p * co_chosen) * miss if evicts and not self.staged else 0.0
         # a wrong copy's engine time outside the idle window before its layer: with misses fetched, a demand load
         # overtakes it after the chunk in flight; with misses on the CPU, fills wait for it: all of it is lost
         engine = copy_s - hidden
@@ -165,7 +169,8 @@ class PrefetchAdmission(AdmitAll):
             engine = min(engine, self.chunk_s)
         cost = (1 - p) * engine + victim
         saving = p * max(miss - (copy_s - hidden), 0.0)
-        return saving > self.margin * cost + self.floor * miss
+        # the floor prices a copy's change to the cache's trajectory: a staged copy makes none
+        return saving > self.margin * cost + (0.0 if self.staged else self.floor) * miss
 
     def describe(self) -> str:
         return "prefetch admission: on (expected saving > expected copy-engine cost, capped by time left)"
@@ -234,8 +239,20 @@ class PrefetchGate:
         return queued
 
 
+STAGING_BUFFERS = 2          # prefetch staging buffers per pool (the streamed prefill's two, reused in decode)
+
+
+def prefetch_staging(cpu_experts: str = "never") -> int:
+    """Staging buffers prefetches copy into (0: into cache slots, evicting), by where misses run. Misses fetched: a
+    staged prefetch never evicts, so the cache evolves as without prefetch and a prediction costs only copy-engine
+    time (`CacheState`, "staging"). Misses on the CPU (`--cpu-experts auto|always`): into slots, where a right copy
+    is resident at once and the admission rule prices the fills it displaces (`bench/admission.py`: staged copies
+    were slower there on the tune traces)."""
+    return STAGING_BUFFERS if cpu_experts == "never" else 0
+
+
 def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, cpu_experts: str = "never",
-                   **kw) -> AdmitAll:
+                   staged: bool = False, **kw) -> AdmitAll:
     """The rule behind `--admission on|off`; times from `cost` (moectl/sim/cost.py); `cpu_experts` the
     placement mode (never | auto | always: what a prevented miss would have cost)."""
     from ..errors import MoectlError
@@ -250,5 +267,5 @@ def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, cpu
         on_cpu = ComputePlacement(cpu_experts, cost).decide(1) == CPU          # where a decode miss runs
         return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1),
                                  cpu_expert_s=cost.cpu_expert_s(1) if on_cpu else None,
-                                 chunk_s=cost.load_s() / chunk_count(cost.expert_bytes), **kw)
+                                 chunk_s=cost.load_s() / chunk_count(cost.expert_bytes), staged=staged, **kw)
     raise MoectlError(f"unknown --admission {mode!r}; choose one of {', '.join(ADMISSION_MODES)}")

@@ -120,7 +120,7 @@ class CacheFront:
         (`policies/precision.py: rank_scores`). A resident copy of either precision is always used; else the
         precision policy decides, per token, and the copy loaded is the best any token asks for (a token that
         would skip it skips it only if every token does; the driver renormalises)."""
-        if self.state.contains(layer, expert, FULL):
+        if self.state.contains(layer, expert, FULL) or self.state.staged_in(layer, expert) == FULL:
             return FULL
         low = LOW in self.state.counts
         if low and self.state.contains(layer, expert, LOW):
@@ -173,7 +173,7 @@ class CacheFront:
 class DeviceCache(CacheFront):
     def __init__(self, store: ExpertStore, slots_per_layer: list[int], device: torch.device,
                  policy: ReplacementPolicy, low_slots: list[int] | None = None,
-                 precision: PrecisionPolicy | None = None, stream_prefill: bool = False):
+                 precision: PrecisionPolicy | None = None, stream_prefill: bool = False, staging: int = 0):
         if len(slots_per_layer) != store.num_layers:
             raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
         self.store, self.device, self.policy = store, torch.device(device), policy
@@ -188,11 +188,14 @@ class DeviceCache(CacheFront):
             if precision.uses_lowbit and LOW not in slots:
                 raise MoectlError(f"{precision.describe()} needs low-bit copies: give --lowbit (see moectl quantize)")
             self.precision = precision
-        self.state = CacheState(slots, policies)
+        # Staged prefetches (`staging` buffers, RAM tier): a prediction copies into a staging buffer, never a slot
+        staging = staging if store.buffers is not None else 0
+        self.state = CacheState(slots, policies, staging)
         self.cuda = self.device.type == "cuda"
         # Per precision: [L] of uint8 [S_l, N] slot pools, and typed views of every slot made once.
         self.pools: dict[str, list[torch.Tensor]] = {}
         self.views: dict[str, list[list[dict]]] = {}
+        self.rows: dict[str, list[list[torch.Tensor]]] = {}                # ... and each slot's bytes [N]
         for p, per_layer in slots.items():
             N = store.nbytes(p)
             if self.cuda:
@@ -200,7 +203,8 @@ class DeviceCache(CacheFront):
             else:
                 pool = [host_empty((s, N), torch.uint8, "allocating cache slots", touch=True) for s in per_layer]
             self.pools[p] = pool
-            self.views[p] = [[store.format_of(p).views(buf[s]) for s in range(len(buf))] for buf in pool]
+            self.rows[p] = [[buf[s] for s in range(len(buf))] for buf in pool]
+            self.views[p] = [[store.format_of(p).views(r) for r in rows] for rows in self.rows[p]]
         self.pool = self.pools[FULL]                                        # the full-precision slots
         # CUDA + disk tier: each full slot's pinned host buffer, the target of its shard reads (low-bit copies
         # are in RAM: copied straight from there).
@@ -215,14 +219,20 @@ class DeviceCache(CacheFront):
         self.loader = Loader(threaded=self.cuda, stream=self.copy_stream)
         self.chunk_bytes = CHUNK_BYTES                          # the largest chunk a copy is cut into
         self.jobs: dict[tuple, CopyJob] = {}                    # (precision, layer, slot) -> its last copy
-        # Streamed prefill: two staging buffers (double buffering), RAM tier only (they are filled by copies).
+        # Staging buffers, RAM tier only (they are filled by copies): the streamed prefill's two (double buffering),
+        # the same ones for staged prefetches in decode. A staged prefetch that its layer uses is installed by swapping
+        # its buffer with the slot it takes (`acquire`): typed views are per slot, so no bytes move.
         self.streaming = stream_prefill and store.buffers is not None
+        n_stage = max(2 if self.streaming else 0, staging)
         self.stage_views = []
-        if self.streaming:
+        self.stage_jobs: dict[tuple[int, int], CopyJob] = {}        # (layer, expert) -> its staged prefetch's copy
+        if n_stage:
             N = store.expert_nbytes
-            stage = (torch.empty(2, N, dtype=torch.uint8, device=self.device) if self.cuda else
-                     host_empty((2, N), torch.uint8, "allocating staging buffers", touch=True))
-            self.stage_views = [self.format.views(stage[i]) for i in range(2)]
+            stage = (torch.empty(n_stage, N, dtype=torch.uint8, device=self.device) if self.cuda else
+                     host_empty((n_stage, N), torch.uint8, "allocating staging buffers", touch=True))
+            self.stage_bufs = stage
+            self.stage_rows = [stage[i] for i in range(n_stage)]
+            self.stage_views = [self.format.views(r) for r in self.stage_rows]
 
     def landing(self, layer: int, expert: int, precision: str = FULL) -> int:
         """0 landed, 1 a prefetch's copy issued earlier (in flight, or queued), 2 a demand load of this layer."""
@@ -236,11 +246,17 @@ class DeviceCache(CacheFront):
         """Bytes the copy engine has committed to now: the unrun chunks of every copy queued or in flight. On the
         CPU the synchronous queue runs a prefetch only when its expert is used, so every prefetch not used yet
         counts (the emulated device has no copy engine running beside compute)."""
+        jobs = [(p, j) for (p, _, _), j in self.jobs.items()] + [(FULL, j) for j in self.stage_jobs.values()]
         return sum(self.stats.nbytes[p] * (len(j.chunks) - j.done) / len(j.chunks)
-                   for (p, _, _), j in self.jobs.items() if not j.finished and j.chunks)
+                   for p, j in jobs if not j.finished and j.chunks)
+
+    def slot_bytes(self, layer: int, expert: int, precision: str = FULL) -> torch.Tensor:
+        """The packed bytes [N] of a resident expert's slot (staged prefetches swap buffers: not `pools[p][layer][s]`)."""
+        return self.rows[precision][layer][self.state.slot(layer, expert, precision)]
 
     def device_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pool in self.pools.values() for t in pool)
+        stage = self.stage_bufs.numel() if self.stage_views else 0
+        return sum(t.numel() * t.element_size() for pool in self.pools.values() for t in pool) + stage
 
     # --- copies -------------------------------------------------------------------------
     def _settle(self, key: tuple) -> None:
@@ -324,7 +340,7 @@ class DeviceCache(CacheFront):
         if p != FULL or self.store.buffers is not None:
             self._copy_job(p, layer, expert, slot, self.store.host(layer, expert, p), priority)
             return
-        dst = self.pools[FULL][layer][slot] if not self.cuda else self.staging[layer][slot]
+        dst = self.rows[FULL][layer][slot] if not self.cuda else self.staging[layer][slot]
         if priority == PREFETCH:
             then = None if not self.cuda else (lambda: self._copy_job(FULL, layer, expert, slot, dst, PREFETCH))
             self.pending[key] = self.store.load_async(layer, expert, dst, then=then)
@@ -351,9 +367,42 @@ class DeviceCache(CacheFront):
         the device for a low-bit copy), loading on a miss. The caller pins it first."""
         a = self.state.access(layer, expert, precision)
         key = (precision, layer, a.slot)
-        if not a.hit:
+        if a.staged is not None:
+            self._install(key, expert, a.staged)
+        elif not a.hit:
             self._copy_in(precision, layer, expert, a.slot, DEMAND)
         return self.store.format_of(precision).weights(self._landed(key))
+
+    def _install(self, key: tuple, expert: int, buf: int) -> None:
+        """A staged prefetch its layer uses becomes slot `key`'s expert: the staging buffer and the slot swap their
+        views (the slot's old bytes, its evicted expert's, are the free staging buffer now), and its copy, landed or
+        not, becomes the slot's."""
+        p, layer, slot = key
+        self._free(key)                                         # a copy still writing the evicted expert stops
+        self.views[p][layer][slot], self.stage_views[buf] = self.stage_views[buf], self.views[p][layer][slot]
+        self.rows[p][layer][slot], self.stage_rows[buf] = self.stage_rows[buf], self.rows[p][layer][slot]
+        job = self.stage_jobs.pop((layer, expert), None)
+        if job is not None and not job.finished:
+            self.jobs[key] = job
+
+    def route(self, layer: int, chosen: list[int], weights: list[float] | None = None) -> None:
+        for p in self.state.counts:
+            for _, _, e, _ in self.state.route(layer, chosen, weights, p):
+                self._unstage(layer, e)
+
+    def end_token(self) -> None:
+        for l, _, e, _ in self.state.end_step():
+            self._unstage(l, e)
+
+    def _unstage(self, layer: int, expert: int) -> None:
+        """A staged prefetch its layer did not choose: its copy stops (the chunks not run yet are never copied)."""
+        job = self.stage_jobs.pop((layer, expert), None)
+        if job is not None:
+            self.loader.cancel(job)
+            if job.done < len(job.chunks):                      # chunks that will never run
+                self.stats.uncopied_bytes += self.stats.nbytes[FULL] * (len(job.chunks) - job.done) / len(job.chunks)
+            for ev in job.events:               # CUDA: its issued chunks must land before the buffer is reused
+                ev.synchronize()
 
     def preload(self, sets: dict) -> int:
         """Load a plan's hot set {precision: [[experts] per layer]} into free slots (`CacheState.preload`) and wait
@@ -392,6 +441,10 @@ class DeviceCache(CacheFront):
         a = self.state.prefetch(layer, expert)
         if a is None:
             return False
+        if a.staged is not None:                                # into a staging buffer: nothing evicted
+            self.stage_jobs[(layer, expert)] = self._copy_job(FULL, layer, expert, -1, self.store.host(layer, expert),
+                                                              PREFETCH, dst=self.stage_views[a.staged])
+            return True
         self._copy_in(FULL, layer, expert, a.slot, PREFETCH)
         return True
 

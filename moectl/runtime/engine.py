@@ -81,7 +81,8 @@ class Engine:
              cpu_experts: str | None = None, cost=None, replay_trace=None, prefill: str = "cache",
              plan: str | Path | None = None, lowbit: str | None = None,
              precision: str | None = None, t1: float = 0.6, t2: float = 0.9,
-             lowbit_fraction: float | None = None, admission: str = "off") -> "Engine":
+             lowbit_fraction: float | None = None, admission: str = "off",
+             staging: int | None = None) -> "Engine":
         """`emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has;
         the default on a CPU with experts in RAM computes them in place (no slots, no copies).
         `threads`: torch intra-op threads (default `machine.default_threads` for the model's size).
@@ -99,7 +100,10 @@ class Engine:
         taking `lowbit_fraction` of the cache's bytes; `precision` full | hobbit (T1, T2) | lowbit-only says which
         copy a miss loads (default: hobbit with --lowbit, else full).
         `admission` on|off: a predicted expert is copied only when its expected saving beats its copy-engine cost
-        (policies/admission.py, the rule the simulator applies), priced with `cost` or this machine's figures."""
+        (policies/admission.py, the rule the simulator applies), priced with `cost` or this machine's figures.
+        `staging`: buffers predicted experts are copied into instead of cache slots (a wrong prediction evicts
+        nothing; RAM tier, device slots); None: `prefetch_staging(cpu_experts)` (2 when misses are fetched), 0: slots.
+        The budget pays for them (shared with --prefill stream's two)."""
         if prefill not in ("cache", "stream"):
             raise MoectlError(f"--prefill must be cache or stream, not {prefill!r}")
         from ..policies.admission import ADMISSION_MODES
@@ -153,7 +157,14 @@ class Engine:
         replacement = replacement or "lru"
         cpu_experts = cpu_experts or "never"
         kv = kv_reserve_nbytes(config, dt)
-        staging = 2 * expert_nbytes if prefill == "stream" else 0        # the streamed prefill's two buffers
+        # staging buffers: the streamed prefill's two; decode prefetches copy into them too when misses are fetched
+        # (a wrong prediction then evicts nothing: policies/admission.py `prefetch_staging`); RAM tier only
+        from ..policies.admission import STAGING_BUFFERS, prefetch_staging
+
+        stage_pf = (prefetch_staging(cpu_experts) if staging is None else int(staging)) if (
+            prefetch not in (None, "none") and not in_place and offload == "ram") else 0
+        n_stage = max(STAGING_BUFFERS if prefill == "stream" else 0, stage_pf)
+        staging = n_stage * expert_nbytes
         slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
                                       budget, slots_per_layer)
         low_slots = None
@@ -216,7 +227,7 @@ class Engine:
                                         progress=progress, cpu_kernel=kernel)
         cache = InPlaceExperts(store, policy, prec) if in_place else \
             DeviceCache(store, slots_per_layer, dev, policy, low_slots=low_slots, precision=prec,
-                        stream_prefill=prefill == "stream")
+                        stream_prefill=prefill == "stream", staging=stage_pf if prefetch is not None else 0)
         runtime.cache = cache
         if plan_d is not None and not in_place:        # the plan's hot set, copied now (load time, not per token)
             from ..sim.run import plan_preload
@@ -224,7 +235,8 @@ class Engine:
             cache.preload(plan_preload(plan_d, L, E))
         runtime.placement = _placement(cpu_experts, cost, config, dev, in_place)
         runtime.prefetch_gate, runtime.copy_s = _admission(admission, cost, config, dev, adapter.top_k, expert_nbytes,
-                                                          in_place, prefetch, cpu_experts)
+                                                          in_place, prefetch, cpu_experts,
+                                                          staged=cache.state.staging > 0)
         if replay_trace is not None:
             from .replay import RoutingReplay
 
@@ -660,15 +672,17 @@ def _placement(mode: str, cost, config, dev: torch.device, in_place: bool):
 
 
 def _admission(mode: str, cost, config, dev: torch.device, top_k: int, expert_nbytes: int, in_place: bool,
-               prefetch, cpu_experts: str = "never"):
+               prefetch, cpu_experts: str = "never", staged: bool = False):
     """(the PrefetchGate behind --admission, one expert's copy time): `on` prices copies and layer compute with
-    `cost`, or this machine's measured figures (as `_placement` does)."""
+    `cost`, or this machine's measured figures (as `_placement` does); `staged`: prefetches copy into staging
+    buffers (they evict nothing)."""
     from ..policies.admission import make_admission
 
     if mode == "off" or in_place or prefetch is None:
         return PrefetchGate(make_admission("off"), top_k), 0.0
     cost = cost if cost is not None else _machine_cost(config, dev)
-    return PrefetchGate(make_admission(mode, cost, top_k, cpu_experts=cpu_experts), top_k), cost.load_s(expert_nbytes)
+    return (PrefetchGate(make_admission(mode, cost, top_k, cpu_experts=cpu_experts, staged=staged), top_k),
+            cost.load_s(expert_nbytes))
 
 
 def _machine_cost(config, dev: torch.device):

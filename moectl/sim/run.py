@@ -19,7 +19,7 @@ from ..artifact import is_int, read_descriptor, require_list, where
 from ..cache_model import FULL, split_slots
 from ..errors import MoectlError
 from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_from_traces, make_replacement
-from ..policies.admission import make_admission
+from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy, make_precision
 from ..trace import Trace
@@ -258,11 +258,12 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
              per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
              replacement_kw: dict | None = None, aux_gate=None, precision: PrecisionPolicy | None = None,
              lowbit: str | None = None, lowbit_fraction: float | None = None, cpu_experts: str = "never",
-             admission: str = "off", preload: dict | None = None) -> SimResult:
+             admission: str = "off", preload: dict | None = None, staging: int | None = None) -> SimResult:
     """One configuration on one (possibly concatenated) trace. `predictor`: the routing predictor for
     --prefetch routing, else the mlp one. `caps`: full-precision slots per layer; with a low-bit `precision`
     their bytes are split into per-precision pools (`precision_pools`). `preload`: a plan's hot set, resident
-    before the first step (`CacheState.preload`)."""
+    before the first step (`CacheState.preload`). `staging`: prefetch staging buffers per pool (0: prefetches copy
+    into cache slots, evicting; default `prefetch_staging(cpu_experts)`, as the runtime)."""
     steps = trace_steps(trace)
     inputs = policy_inputs(trace, train_traces, mlp=None if prefetch == "routing" else predictor,
                            routing=predictor if prefetch == "routing" else None, aux_gate=aux_gate)
@@ -277,9 +278,11 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
     hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
     final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
     placement = ComputePlacement(cpu_experts, cost)
-    adm = make_admission(admission, cost, trace.top_k, cpu_experts=cpu_experts)
+    staging = prefetch_staging(cpu_experts) if staging is None else staging
+    adm = make_admission(admission, cost, trace.top_k, cpu_experts=cpu_experts, staged=staging > 0)
     r = Simulator(pools, repl, pf, cost, precision=precision, nbytes=nbytes,
-                  placement=placement if cpu_experts != "never" else None, admission=adm, preload=preload).run(
+                  placement=placement if cpu_experts != "never" else None, admission=adm, preload=preload,
+                  staging=staging).run(
         steps, hidden_of=hidden_of, final_hidden_of=final_of)
     note = ""
     if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:

@@ -148,7 +148,7 @@ class Simulator:
                  cost: CostModel | None = None, max_prefetch_per_layer: int | None = None,
                  precision: PrecisionPolicy | None = None, nbytes: dict | None = None,
                  placement: ComputePlacement | None = None, admission: AdmitAll | None = None,
-                 preload: dict | None = None, chunk_bytes: float = CHUNK_BYTES):
+                 preload: dict | None = None, chunk_bytes: float = CHUNK_BYTES, staging: int = 0):
         self.caps = capacities if isinstance(capacities, dict) else {FULL: list(capacities)}
         self.pools = [p for p in (FULL, LOW) if p in self.caps and sum(self.caps[p]) > 0]
         self.L = len(self.caps[self.pools[0]])
@@ -163,6 +163,7 @@ class Simulator:
         self.pf_prec = FULL if FULL in self.pools else LOW      # prefetches load this precision
         self.preload = preload or {}                            # a plan's hot set, resident before the first step
         self.chunk_bytes = chunk_bytes                          # the largest chunk of a copy (the runtime loader's)
+        self.staging = staging                                  # prefetch staging buffers per pool (0: into slots)
 
     def _pool(self, want: str) -> str:
         """The pool a load of precision `want` goes to (the other one when this run has no such pool)."""
@@ -263,7 +264,7 @@ class Simulator:
         prefetch policies that need them (gate reuse, MLP, aux gate)."""
         L, cost, nbytes = self.L, self.cost, self.nbytes
         self.state = state = CacheState({p: self.caps[p] for p in self.pools},
-                                        {p: self.repl[p] for p in self.pools})
+                                        {p: self.repl[p] for p in self.pools}, self.staging)
         self.copies: dict[tuple[int, str, int], _Copy] = {}     # resident (layer, precision, expert) -> its copy
         for l, p, e, _ in state.preload(self.preload):          # copied at load time: landed at 0, not counted
             self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, nbytes[p])
@@ -303,7 +304,8 @@ class Simulator:
                 step_compute += attn
                 chosen, weights = step.chosen[l], step.weights[l]
                 for p in self.pools:
-                    state.route(l, chosen, weights, p)
+                    for tl, sp, e, _ in state.route(l, chosen, weights, p):
+                        self.copies.pop((tl, sp, e), None)            # a wasted staged copy stops
                 self.gate.route(l, chosen)
                 self._advance(clock)
                 # prefetch decisions: right after the router; their copies queue behind this layer's demand loads
@@ -318,7 +320,7 @@ class Simulator:
                 on_device: dict[str, list[int]] = {p: [] for p in self.pools}
                 on_cpu: list[tuple[int, str]] = []
                 for e, s in zip(chosen, scores):
-                    held = next((p for p in self.pools if state.contains(l, e, p)), None)
+                    held = next((p for p in self.pools if state.contains(l, e, p)), None) or state.staged_in(l, e)
                     copy = self.copies.get((l, held, e))
                     if held is not None and not (self.placement is not None and copy is not None and
                                                  self._cpu_beats_copy(copy, clock, held)):
@@ -361,10 +363,10 @@ class Simulator:
                             step_compute += c
                             accesses += not step.prefill
                             a = state.access(l, e, p)
+                            if a.victim is not None:
+                                self.copies.pop((l, p, a.victim), None)
                             copy = self.copies.get((l, p, e)) if a.hit else None
                             if copy is None:                         # a miss: a demand load into the victim's slot
-                                if a.victim is not None:
-                                    self.copies.pop((l, p, a.victim), None)
                                 copy = self.copies[(l, p, e)] = self._new_copy(p, False)
                             else:
                                 self._advance(t)
@@ -383,6 +385,9 @@ class Simulator:
                     stall_layer[l] += step_stall - stall_before
                 # a miss the CPU computed is copied into the cache in the background, when the copy engine is
                 # idle (one at a time; a demand load overtakes it at a chunk boundary)
+                for e, p in on_cpu:                          # a staged prefetch the CPU outran: installed as it is
+                    if (l, p, e) in state.staged:
+                        self.copies.pop((l, p, state.access(l, e, p).victim), None)
                 for e, p in on_cpu:
                     if self._backlog(clock) > 0:
                         break
@@ -412,7 +417,8 @@ class Simulator:
                 bytes_decode += self.bytes_copied - bytes_before
                 self.pf.end_token(final_hidden_of(step.rows[0]) if final_hidden_of else None)
             context += n_tok
-            state.end_step()
+            for tl, sp, e, _ in state.end_step():
+                self.copies.pop((tl, sp, e), None)
         n = max(decode_tokens, 1)
         ms = 1e3
         dec = {k: sum(state.totals("decode", p)[k] for p in self.pools) for k in COUNTERS}
