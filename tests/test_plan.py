@@ -367,6 +367,14 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     assert st["device_held_bytes"] == dense_nbytes(eng.model, eng.config) \
         + sum(eng.cache.slots_per_layer) * facts.expert_bytes() + stage + facts.kv_bytes_per_token * (40 + 11)
     assert st["device_held_bytes"] <= budget
+    assert eng.cache.state.staging == 2
+    # a plan whose budget reserved no staging buffers (made before them) gets none: prefetches copy into its slots
+    old = yaml.safe_load((wd / "plan.yaml").read_text())
+    old["budget"].pop("staging")
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+    eng = Engine.load(str(tiny_small), prefetch=plan["policies"]["prefetch"], emulate_device=True, progress=False,
+                      workdir=str(wd), plan=str(tmp_path / "old.yaml"))
+    assert eng.cache.slots_per_layer == plan["slots"] and eng.cache.state.staging == 0
     if eng.device.type == "cuda":
         assert st["device_peak_allocated_bytes"] <= budget
     # --no-plan ignores it; a plan of another model is one clear error

@@ -102,8 +102,9 @@ class Engine:
         `admission` on|off: a predicted expert is copied only when its expected saving beats its copy-engine cost
         (policies/admission.py, the rule the simulator applies), priced with `cost` or this machine's figures.
         `staging`: buffers predicted experts are copied into instead of cache slots (a wrong prediction evicts
-        nothing; RAM tier, device slots); None: `prefetch_staging(cpu_experts)` (2 when misses are fetched), 0: slots.
-        The budget pays for them (shared with --prefill stream's two)."""
+        nothing; RAM tier, device slots); None: what the loaded plan's budget reserved (`plan-cache`; none in plans
+        made before staging), else `prefetch_staging(cpu_experts)` (2 when misses are fetched); 0: slots. The budget
+        pays for them (shared with --prefill stream's two)."""
         if prefill not in ("cache", "stream"):
             raise MoectlError(f"--prefill must be cache or stream, not {prefill!r}")
         from ..policies.admission import ADMISSION_MODES
@@ -161,6 +162,8 @@ class Engine:
         # (a wrong prediction then evicts nothing: policies/admission.py `prefetch_staging`); RAM tier only
         from ..policies.admission import STAGING_BUFFERS, prefetch_staging
 
+        if staging is None and plan_d is not None:      # a plan's budget says whether it paid for them
+            staging = int(((plan_d.get("budget") or {}).get("staging") or 0) // expert_nbytes)
         stage_pf = (prefetch_staging(cpu_experts) if staging is None else int(staging)) if (
             prefetch not in (None, "none") and not in_place and offload == "ram") else 0
         n_stage = max(STAGING_BUFFERS if prefill == "stream" else 0, stage_pf)
