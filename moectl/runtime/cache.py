@@ -152,13 +152,18 @@ class CacheFront:
 
     def route(self, layer: int, chosen: list[int], weights: list[float] | None = None) -> None:
         for p in self.state.counts:
-            self.state.route(layer, chosen, weights, p)
+            for _, _, e, _ in self.state.route(layer, chosen, weights, p):
+                self._unstage(layer, e)
 
     def chunks(self, layer: int, experts: list[int], precision: str = FULL) -> list[list[int]]:
         return self.state.chunks(layer, experts, precision)
 
     def end_token(self) -> None:
-        self.state.end_step()
+        for layer, _, e, _ in self.state.end_step():
+            self._unstage(layer, e)
+
+    def _unstage(self, layer: int, expert: int) -> None:
+        """A staged prefetch no access took (none without staging buffers)."""
 
     def snapshot(self) -> dict:
         """Stats as a dict; on CUDA this resolves the timed demand-load events (a sync)."""
@@ -273,11 +278,16 @@ class DeviceCache(CacheFront):
         self._settle(key)                       # first: a finished disk read may queue its copy (CUDA)
         job = self.jobs.pop(key, None)
         if job is not None:
-            self.loader.cancel(job)
-            if job.prefetch and job.done < len(job.chunks):       # chunks that will never run
-                self.stats.uncopied_bytes += self.stats.nbytes[key[0]] * (len(job.chunks) - job.done) / len(job.chunks)
-            for ev in job.events:               # CUDA: an issued copy out of the staging buffer must land first
-                ev.synchronize()
+            self._drop(job, key[0])
+
+    def _drop(self, job: CopyJob, p: str) -> None:
+        """Cancel a copy of precision `p` whose target is reused: unrun chunks never run (a prefetch's count as
+        uncopied bytes); on CUDA its issued chunks land first (the target buffer, or the pinned one it reads)."""
+        self.loader.cancel(job)
+        if job.prefetch and job.done < len(job.chunks):           # chunks that will never run
+            self.stats.uncopied_bytes += self.stats.nbytes[p] * (len(job.chunks) - job.done) / len(job.chunks)
+        for ev in job.events:
+            ev.synchronize()
 
     def _copy_job(self, p: str, layer: int, expert: int, slot: int, src: torch.Tensor, priority: int,
                   dst: dict | None = None) -> CopyJob:
@@ -385,24 +395,11 @@ class DeviceCache(CacheFront):
         if job is not None and not job.finished:
             self.jobs[key] = job
 
-    def route(self, layer: int, chosen: list[int], weights: list[float] | None = None) -> None:
-        for p in self.state.counts:
-            for _, _, e, _ in self.state.route(layer, chosen, weights, p):
-                self._unstage(layer, e)
-
-    def end_token(self) -> None:
-        for l, _, e, _ in self.state.end_step():
-            self._unstage(l, e)
-
     def _unstage(self, layer: int, expert: int) -> None:
-        """A staged prefetch its layer did not choose: its copy stops (the chunks not run yet are never copied)."""
+        """A staged prefetch no access took: its copy stops (the chunks not run yet are never copied)."""
         job = self.stage_jobs.pop((layer, expert), None)
         if job is not None:
-            self.loader.cancel(job)
-            if job.done < len(job.chunks):                      # chunks that will never run
-                self.stats.uncopied_bytes += self.stats.nbytes[FULL] * (len(job.chunks) - job.done) / len(job.chunks)
-            for ev in job.events:               # CUDA: its issued chunks must land before the buffer is reused
-                ev.synchronize()
+            self._drop(job, FULL)
 
     def preload(self, sets: dict) -> int:
         """Load a plan's hot set {precision: [[experts] per layer]} into free slots (`CacheState.preload`) and wait

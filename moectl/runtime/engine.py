@@ -166,9 +166,8 @@ class Engine:
             staging = int(((plan_d.get("budget") or {}).get("staging") or 0) // expert_nbytes)
         stage_pf = (prefetch_staging(cpu_experts) if staging is None else int(staging)) if (
             prefetch not in (None, "none") and not in_place and offload == "ram") else 0
-        n_stage = max(STAGING_BUFFERS if prefill == "stream" else 0, stage_pf)
-        staging = n_stage * expert_nbytes
-        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging, kv, cache_experts,
+        staging_bytes = max(STAGING_BUFFERS if prefill == "stream" else 0, stage_pf) * expert_nbytes
+        slots_per_layer = cache_slots(L, E, expert_nbytes, dense_nbytes(hf, config) + staging_bytes, kv, cache_experts,
                                       budget, slots_per_layer)
         low_slots = None
         if low_fmt is not None and not in_place and any(plan_low):
