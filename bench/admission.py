@@ -6,12 +6,13 @@ trace supports with `--admission off` and `--admission on`. The claim checked: w
 slower than no prefetch, and most are faster.
 
 Prefetch kinds per trace: eam always; routing when a sibling trace of the same model exists to train the
-predictor on (never the simulated trace; the single Mixtral file: each request, trained on the other); gate-reuse / mlp when the trace has hidden states (the tiny
-model's profiled traces; mlp needs --tiny-train).
+predictor on (never the simulated trace; the single Mixtral file: each request, trained on the other); gate-reuse /
+mlp / aux-gate when the trace has hidden states (the tiny model's profiled traces; mlp and aux-gate need
+--tiny-train). `oracle` (it knows the future: simulator only) is no kind a user runs and is left out.
 
     python bench/admission.py [--shared /work/shared/traces] [--tiny VAL_TRACE --tiny-train TRAIN_TRACE]
                               [--fractions 0.25 0.5] [--cpu-experts never|auto] [--rows all|tune|held-out]
-                              [--json out.json]
+                              [--kinds K ...] [--traces NAME ...] [--json out.json]
 
 Prefetches copy into the runtime's staging buffers (2 when misses are fetched, `--staging-buffers` to change): a wrong
 prediction evicts nothing. The last column runs no prefetch with those buffers' bytes as 2 more cache slots (the same
@@ -66,18 +67,20 @@ def cases(shared: Path, tiny: Path | None, tiny_train: Path | None, tiny_model: 
 
 
 def predictors(tr, train):
-    """{kind: predictor or None} the trace supports."""
-    out = {"eam": None}
+    """{kind: the keywords `sim.simulate` takes for it} the trace supports."""
+    out = {"eam": {}}
     if train is not None:
         from moectl.predict.routing import train_routing_predictor
 
-        out["routing"], _ = train_routing_predictor([train], lookahead=[1, 2])
+        out["routing"] = dict(predictor=train_routing_predictor([train], lookahead=[1, 2])[0])
     if sim.hidden_lookup(tr) is not None and tr.routers:
-        out["gate-reuse"] = None
+        out["gate-reuse"] = {}
         if train is not None and sim.hidden_lookup(train) is not None:
-            from moectl.predict.train import train_mlp
+            from moectl.predict.train import train_aux_gate, train_mlp
 
-            out["mlp"], _ = train_mlp([train], [1, 2], epochs=40, max_minutes=0.5)
+            out["mlp"] = dict(predictor=train_mlp([train], [1, 2], epochs=40, max_minutes=0.5)[0])
+            # the aux gate: the next token's first layer from this token's final hidden state, the mlp for the rest
+            out["aux-gate"] = dict(out["mlp"], aux_gate=train_aux_gate([train], epochs=40, max_minutes=0.5)[0])
     return out
 
 
@@ -104,6 +107,8 @@ def main() -> int:
                     help="which traces to run: the rule is compared on `tune` only; `held-out` judges it")
     ap.add_argument("--staging-buffers", type=int, help="prefetch staging buffers (default: the runtime's, 2 when "
                     "misses are fetched, else 0; 0 = prefetches copy into cache slots)")
+    ap.add_argument("--kinds", nargs="+", help="only these prefetch kinds (default: every kind the trace supports)")
+    ap.add_argument("--traces", nargs="+", help="only traces whose name starts with one of these (e.g. tiny)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rows, slower = [], []
@@ -117,6 +122,8 @@ def main() -> int:
     for name, tr, train, cost in cases(a.shared, a.tiny, a.tiny_train, a.tiny_model):
         if a.rows != "all" and held_out(name) != (a.rows == "held-out"):
             continue
+        if a.traces and not any(name.startswith(t) for t in a.traces):
+            continue
         preds = predictors(tr, train)
         for f in a.fractions:
             caps = sim.capacities(tr, fraction=f)
@@ -127,9 +134,11 @@ def main() -> int:
                 more[i % len(more)] = min(more[i % len(more)] + 1, tr.num_experts)
             none_mem = sim.simulate(tr, more, a.replacement, "none", cost, belady=False,
                                     cpu_experts=cpu) if staging else none
-            for kind, pred in preds.items():
-                r = {adm: sim.simulate(tr, caps, a.replacement, kind, cost, predictor=pred, belady=False,
-                                       admission=adm, cpu_experts=cpu, staging=staging) for adm in ("off", "on")}
+            for kind, kw in preds.items():
+                if a.kinds and kind not in a.kinds:
+                    continue
+                r = {adm: sim.simulate(tr, caps, a.replacement, kind, cost, belady=False, admission=adm,
+                                       cpu_experts=cpu, staging=staging, **kw) for adm in ("off", "on")}
                 on, off = r["on"], r["off"]
                 d = on.ms_per_token / none.ms_per_token - 1
                 held = held_out(name)

@@ -128,9 +128,9 @@ def test_bytes_loaded_counts_only_copies_that_ran(tiny_small, reference):
 def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference, tmp_path, staging):
     """The same scripted predictions (right ones at 0.95, a wrong one at 0.05) through the runtime and through the
     simulator on the trace the runtime recorded, same fixed costs, prefetches into slots or into two staging buffers:
-    per layer, the same prefetches, hits, misses and evictions with admission off and on. Into slots, admission
-    skipped some and admitted some; staged, it admitted every one (a copy hides under the 1 s layers whole and a
-    wrong one evicts nothing: no cost)."""
+    per layer, the same prefetches, hits, misses and evictions with admission off and on. Admission skipped some
+    and admitted some both ways (staged, a copy hides under the 1 s layers whole and a wrong one evicts nothing, but
+    a staged copy also waits for its score bucket's evidence: the 0.05 ones, right almost never, are not copied)."""
     from moectl.calib.dataset import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.policies import LRU
@@ -161,7 +161,7 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
         for k in ("prefetches", "hits", "misses", "evictions"):
             assert sim["cache"]["decode"][k] == runtime[k], (adm, k)
         counts[adm] = sum(runtime["prefetches"])
-    assert 0 < counts["on"] < counts["off"] if staging == 0 else 0 < counts["on"] == counts["off"]
+    assert 0 < counts["on"] < counts["off"]
 
 
 def test_admission_flag_on_generate(tiny_small, tmp_path, monkeypatch):

@@ -55,7 +55,10 @@ experts, of which top-k are chosen), and a prediction of an expert that is not r
 often than the predictor's average. So `confidence(score)` is calibrated online: the driver reports, for
 every prediction of a missing expert (admitted or not), whether its layer then chose it (`outcome`), and the
 confidence of a score is the smoothed hit ratio of its score bucket (prior: half the score, worth 8
-outcomes, so the first copies wait for evidence).
+outcomes, so the first copies wait for evidence). A staged copy (misses fetched) is judged on `pessimism` (1)
+posterior standard deviations below that ratio: its cost is small and sure, so the risk is the estimate of p, and a
+bucket has to show that it pays before its copies are issued; a copy into a slot keeps the mean (its risk is the
+cascade of what it evicts, and the bound made copies into slots slower on the tune traces: docs/benchmarks.md).
 
 No device code: the driver supplies times from the cost model (`moectl/sim/cost.py`). `PrefetchGate` is the
 driver side both drivers share (simulator and runtime make the same calls in the same order): which predictions
@@ -105,7 +108,8 @@ class PrefetchAdmission(AdmitAll):
 
     def __init__(self, attention_s: float, experts_s: float, victim: float = 1.0, buckets: int = 10,
                  prior: float = 8.0, decay: float = 0.99, trust: float = 0.5, margin: float = 1.0, floor: float = 0.1,
-                 cpu_expert_s: float | None = None, chunk_s: float | None = None, staged: bool = False):
+                 cpu_expert_s: float | None = None, chunk_s: float | None = None, staged: bool = False,
+                 pessimism: float = 1.0):
         self.attention_s, self.experts_s, self.victim, self.prior = attention_s, experts_s, victim, prior
         self.cpu_expert_s = cpu_expert_s           # a miss's cost when the CPU computes it (None: it is fetched)
         self.chunk_s = chunk_s                     # the copy engine's largest chunk (None: a copy is one chunk)
@@ -120,6 +124,11 @@ class PrefetchAdmission(AdmitAll):
         self.trust = trust                         # prior confidence = trust x score, until outcomes come in
         self.margin = margin                       # the saving must beat the cost this many times
         self.floor = floor                         # ... and by at least this share of a miss's cost
+        # a staged copy is judged on the confidence one posterior standard deviation below its bucket's mean: its
+        # cost is small and sure (a chunk of engine time), so the risk is the estimate of p, and a copy is issued
+        # only when the evidence says it pays (into slots the same bound made the tune traces slower: the cascade
+        # of what a copy evicts outweighs the estimate's noise there, so it is not used)
+        self.pessimism = pessimism
 
     @property
     def compute_s(self) -> float:
@@ -138,10 +147,15 @@ class PrefetchAdmission(AdmitAll):
     def _bucket(self, score: float) -> int:
         return int(min(max(score, 0.0), 1.0 - 1e-9) * len(self.n))
 
-    def confidence(self, score: float) -> float:
+    def confidence(self, score: float, pessimism: float = 0.0) -> float:
+        """The chance a prediction with this score is right: its bucket's smoothed hit ratio (the mean of a Beta
+        posterior), less `pessimism` standard deviations of that posterior (a bucket with few outcomes is
+        uncertain)."""
         b = self._bucket(score)
         prior = min(max(score, 0.0), 1.0) * self.trust
-        return float((self.hit[b] + self.prior * prior) / (self.n[b] + self.prior))
+        n = self.n[b] + self.prior
+        mean = (self.hit[b] + self.prior * prior) / n
+        return float(max(mean - pessimism * (mean * (1 - mean) / (n + 1)) ** 0.5, 0.0))
 
     def outcome(self, score: float, chosen: bool) -> None:
         b = self._bucket(score)
@@ -150,7 +164,7 @@ class PrefetchAdmission(AdmitAll):
 
     def admit(self, score: float, copy_s: float, layers_ahead: int, backlog_s: float, evicts: bool = True,
               co_chosen: float = 0.0, loading: bool = False) -> bool:
-        p = self.confidence(score)
+        p = self.confidence(score, self.pessimism if self.staged else 0.0)
         window = layers_ahead * self.layer_s - (self.compute_s if loading else 0.0)
         hidden = min(max(window - backlog_s, 0.0), copy_s)
         if hidden <= 0.0:
