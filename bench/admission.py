@@ -66,22 +66,27 @@ def cases(shared: Path, tiny: Path | None, tiny_train: Path | None, tiny_model: 
         yield "tiny", tr, load_trace(tiny_train) if tiny_train else None, sim.cost_for(tr, "rtx4090-pcie4", tiny_model)
 
 
-def predictors(tr, train):
-    """{kind: the keywords `sim.simulate` takes for it} the trace supports."""
+def predictors(tr, train, kinds=None):
+    """{kind: the keywords `sim.simulate` takes for it} the trace supports, of `kinds` (None: all); only those are
+    trained."""
+    def want(*names):
+        return kinds is None or any(n in kinds for n in names)
+
     out = {"eam": {}}
-    if train is not None:
+    if train is not None and want("routing"):
         from moectl.predict.routing import train_routing_predictor
 
         out["routing"] = dict(predictor=train_routing_predictor([train], lookahead=[1, 2])[0])
     if sim.hidden_lookup(tr) is not None and tr.routers:
         out["gate-reuse"] = {}
-        if train is not None and sim.hidden_lookup(train) is not None:
+        if train is not None and sim.hidden_lookup(train) is not None and want("mlp", "aux-gate"):
             from moectl.predict.train import train_aux_gate, train_mlp
 
             out["mlp"] = dict(predictor=train_mlp([train], [1, 2], epochs=40, max_minutes=0.5)[0])
             # the aux gate: the next token's first layer from this token's final hidden state, the mlp for the rest
-            out["aux-gate"] = dict(out["mlp"], aux_gate=train_aux_gate([train], epochs=40, max_minutes=0.5)[0])
-    return out
+            if want("aux-gate"):
+                out["aux-gate"] = dict(out["mlp"], aux_gate=train_aux_gate([train], epochs=40, max_minutes=0.5)[0])
+    return {k: kw for k, kw in out.items() if want(k)}
 
 
 def prefetches(r) -> float:
@@ -124,7 +129,7 @@ def main() -> int:
             continue
         if a.traces and not any(name.startswith(t) for t in a.traces):
             continue
-        preds = predictors(tr, train)
+        preds = predictors(tr, train, a.kinds)
         for f in a.fractions:
             caps = sim.capacities(tr, fraction=f)
             none = sim.simulate(tr, caps, a.replacement, "none", cost, belady=False, cpu_experts=cpu)
@@ -135,8 +140,6 @@ def main() -> int:
             none_mem = sim.simulate(tr, more, a.replacement, "none", cost, belady=False,
                                     cpu_experts=cpu) if staging else none
             for kind, kw in preds.items():
-                if a.kinds and kind not in a.kinds:
-                    continue
                 r = {adm: sim.simulate(tr, caps, a.replacement, kind, cost, belady=False, admission=adm,
                                        cpu_experts=cpu, staging=staging, **kw) for adm in ("off", "on")}
                 on, off = r["on"], r["off"]

@@ -437,17 +437,19 @@ def test_a_prediction_batch_never_evicts_its_own_resident_experts():
 def test_a_staged_copy_waits_for_evidence_that_it_pays():
     # staged (misses fetched, a wrong copy evicts nothing): 0.1 s hidden of a 0.3 s copy one layer ahead; if wrong,
     # one 0.05 s chunk delays a demand load. It pays when right more than 1/3 of the time (p x 0.1 > (1 - p) x 0.05)
-    def staged(n, right, pessimism=1.0):
-        a = PrefetchAdmission(0.1, 0.0, chunk_s=0.05, staged=True, pessimism=pessimism)
+    def after(n, right, score=0.75, **kw):
+        """An admission rule after `n` predictions at `score`, the first `right` of them right."""
+        a = PrefetchAdmission(0.1, 0.0, chunk_s=0.05, staged=True, **kw)
         for i in range(n):
-            a.outcome(0.75, i < right)
-        return a.admit(0.75, copy_s=0.3, layers_ahead=1, backlog_s=0.0)
+            a.outcome(score, i < right)
+        return a
+
+    def staged(n, right, pessimism=1.0):
+        return after(n, right, pessimism=pessimism).admit(0.75, copy_s=0.3, layers_ahead=1, backlog_s=0.0)
 
     # 5 right of 12 (+ the prior, 3 of 8): 0.40 on average, but one posterior standard deviation (0.11) below it
     # is 0.29: not enough evidence yet; the mean alone would admit it
-    a = PrefetchAdmission(0.1, 0.0, chunk_s=0.05, staged=True)
-    for i in range(12):
-        a.outcome(0.75, i < 5)
+    a = after(12, 5)
     assert a.confidence(0.75) == pytest.approx(0.4)
     assert a.confidence(0.75, 1.0) == pytest.approx(0.4 - (0.4 * 0.6 / 21) ** 0.5)
     assert not staged(12, 5) and staged(12, 5, pessimism=0.0)
@@ -455,9 +457,7 @@ def test_a_staged_copy_waits_for_evidence_that_it_pays():
     assert staged(400, 160)
     # into cache slots (misses on the CPU) the mean decides: 2 right of 12 at score 0.15 is 0.13 on average, 0.06
     # one deviation below; a copy that fits pays above 0.1 (p x 0.05 > the floor, 10 % of the 0.05 s CPU miss)
-    slots = PrefetchAdmission(0.1, 0.0, victim=0.0, cpu_expert_s=0.05, chunk_s=0.05, staged=True)
+    slots = after(12, 2, score=0.15, victim=0.0, cpu_expert_s=0.05)
     assert not slots.staged
-    for i in range(12):
-        slots.outcome(0.15, i < 2)
     assert slots.confidence(0.15) == pytest.approx(0.13)
     assert slots.admit(0.15, copy_s=0.3, layers_ahead=4, backlog_s=0.0)

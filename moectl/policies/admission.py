@@ -124,11 +124,7 @@ class PrefetchAdmission(AdmitAll):
         self.trust = trust                         # prior confidence = trust x score, until outcomes come in
         self.margin = margin                       # the saving must beat the cost this many times
         self.floor = floor                         # ... and by at least this share of a miss's cost
-        # a staged copy is judged on the confidence one posterior standard deviation below its bucket's mean: its
-        # cost is small and sure (a chunk of engine time), so the risk is the estimate of p, and a copy is issued
-        # only when the evidence says it pays (into slots the same bound made the tune traces slower: the cascade
-        # of what a copy evicts outweighs the estimate's noise there, so it is not used)
-        self.pessimism = pessimism
+        self.pessimism = pessimism                 # a staged copy's confidence: this many posterior sd below the mean
 
     @property
     def compute_s(self) -> float:
