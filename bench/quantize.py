@@ -86,7 +86,7 @@ def mixtral_memory() -> list[dict]:
     from transformers import MixtralConfig
 
     from moectl.models import adapter_for
-    from moectl.runtime.engine import _skeleton, dense_nbytes, memory_plan
+    from moectl.runtime.inspect import dense_nbytes, memory_plan, skeleton as _skeleton
     from moectl.runtime.offloaded import OffloadedExperts
 
     config = MixtralConfig()                                     # the defaults are Mixtral-8x7B's shape

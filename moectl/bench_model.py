@@ -193,13 +193,13 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
     common = dict(device=device, workdir=workdir, dtype=dtype, threads=threads, progress=False, gating="none")
     # the model's facts from its config and shard headers (nothing loaded yet)
     from .recipes import resolve_model
-    from .runtime.engine import _dtype, inspect_model, load_config
+    from .runtime.inspect import inspect_model, load_config, parse_dtype
 
     info = inspect_model(model, workdir, dtype)
     ref = resolve_model(model, workdir)
     config, _ = load_config(ref.path)
     L, E, K, fp = info["moe_layers"], info["experts"], info["top_k"], info["fingerprint"]
-    dt, expert_nbytes = _dtype(info["dtype"], config), info["bytes_per_expert"]
+    dt, expert_nbytes = parse_dtype(info["dtype"], config), info["bytes_per_expert"]
     ids = _prompt(config.vocab_size, prompt_len)
     size = {"budget": budget} if budget is not None else {"cache_experts": cache_experts or max(L, L * E // 2)}
     plan = None

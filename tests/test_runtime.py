@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_factory import build_family, family_configs, save_tokenizer  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
-from moectl.runtime.engine import Engine, budget_slots  # noqa: E402
+from moectl.runtime.engine import Engine  # noqa: E402
+from moectl.sizing import ModelFacts, budget_slots, split_budget, workspace_bytes  # noqa: E402
 
 FAMILIES = list(family_configs())
 DECODE_STEPS = 16
@@ -116,12 +117,16 @@ def test_disk_offload_matches_ram(family_dirs):
 
 def test_budget_to_slots_and_minimum():
     MB = 10**6
-    # 10 MB dense + 2 MB KV + 4 layers x 1 MB experts minimum = 16 MB
-    with pytest.raises(MoectlError, match=r"minimum 16\.00 MB"):
-        budget_slots(15 * MB, 10 * MB, 2 * MB, 1 * MB, 4, 8)
-    assert budget_slots(16 * MB, 10 * MB, 2 * MB, 1 * MB, 4, 8) == [1, 1, 1, 1]
-    assert budget_slots(30 * MB, 10 * MB, 2 * MB, 1 * MB, 4, 8) == [5, 5, 4, 4]      # 18 slots
-    assert budget_slots(10**12, 10 * MB, 2 * MB, 1 * MB, 4, 8) == [8, 8, 8, 8]      # capped at all experts
+    shape = {"hidden_size": 8, "intermediate_size": 16, "vocab_size": 100}
+    facts = ModelFacts("m", shape, 4, 8, 2, 10 * MB, 500, full_expert_bytes=1 * MB)      # KV: 500 bytes a token
+    fixed = 10 * MB + 500 * 4096 + workspace_bytes(shape)       # dense + KV reserve (4096 tokens) + workspace
+    # the minimum: the fixed part + 4 layers x 1 MB experts
+    with pytest.raises(MoectlError, match="below the minimum"):
+        split_budget(fixed + 4 * MB - 1, facts)
+    slots = lambda b: budget_slots(split_budget(b, facts), MB, 4, 8)        # noqa: E731
+    assert slots(fixed + 4 * MB) == [1, 1, 1, 1]
+    assert slots(fixed + 18 * MB) == [5, 5, 4, 4]      # 18 slots
+    assert slots(10**12) == [8, 8, 8, 8]               # capped at all experts
 
 
 def test_budget_option_on_a_model(family_dirs):
@@ -130,7 +135,9 @@ def test_budget_option_on_a_model(family_dirs):
     with pytest.raises(MoectlError, match="minimum"):
         Engine.load(path, budget="100KB", progress=False)
     from moectl.runtime.engine import dense_nbytes, kv_reserve_nbytes
-    need = dense_nbytes(eng.model) + kv_reserve_nbytes(eng.config, torch.float32) + 8 * eng.store.expert_nbytes
+    from moectl.sim.cost import shape_from_hf_config
+    need = dense_nbytes(eng.model) + kv_reserve_nbytes(eng.config, torch.float32) + 8 * eng.store.expert_nbytes \
+        + workspace_bytes(shape_from_hf_config(eng.config.to_dict()))     # the one sizing: a workspace too
     assert Engine.load(path, budget=need, emulate_device=True, progress=False).cache.slots_per_layer == [2, 2, 2, 2]
 
 

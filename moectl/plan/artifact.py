@@ -21,10 +21,9 @@ from pathlib import Path
 
 from ..artifact import write_descriptor
 from ..errors import MoectlError
-from ..sim.run import PLAN_FORMAT
+from ..artifacts.plan import PLAN_FORMAT, PLAN_NAME, check_plan_model  # noqa: F401
 
 PLAN_VERSION = 1
-PLAN_NAME = "plan.yaml"
 
 
 def write_plan(path, plan: dict, fingerprint: str | None) -> Path:
@@ -33,19 +32,6 @@ def write_plan(path, plan: dict, fingerprint: str | None) -> Path:
     head = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": fingerprint,
             "created_by": f"moectl {__version__}"}
     return write_descriptor(path, head | plan)
-
-
-def check_plan_model(plan: dict, fingerprint: str | None, num_layers: int, num_experts: int, what: str) -> None:
-    """A plan made for another model is a clear error: its fingerprint (when both are known), else its shape."""
-    src = plan.get("_path", "plan")
-    fp = plan.get("fingerprint")
-    if fp and fingerprint and fp != fingerprint:
-        raise MoectlError(f"plan {src} was made for model {fp} ({plan.get('model')}), but {what} is {fingerprint}; "
-                          f"re-run `moectl plan-cache` for this model")
-    shape = (plan.get("num_layers"), plan.get("num_experts"))
-    if shape[0] is not None and shape != (num_layers, num_experts):
-        raise MoectlError(f"plan {src} is for {plan.get('model')} ({shape[0]} MoE layers x {shape[1]} experts), "
-                          f"{what} has {num_layers} x {num_experts}; re-run `moectl plan-cache` for this model")
 
 
 def apply_plan(plan: dict, trace, opts: dict):

@@ -272,7 +272,7 @@ def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, cpu
     if mode == "on":
         if cost is None:
             raise MoectlError("--admission on needs a cost model (the compute time of a layer)")
-        from ..runtime.loader import chunk_count         # the copy engine's chunks (no device code)
+        from ..chunks import chunk_count         # the copy engine's chunks (no device code)
 
         on_cpu = ComputePlacement(cpu_experts, cost).decide(1) == CPU          # where a decode miss runs
         return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1),

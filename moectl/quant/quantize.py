@@ -74,7 +74,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
 
     from ..fingerprint import config_fingerprint
     from ..recipes import resolve_model
-    from ..runtime.engine import _built, _dtype, _skeleton, load_config
+    from ..runtime.inspect import built, load_config, parse_dtype, skeleton
     from ..store.checkpoint import Checkpoint
     from ..store.expert_store import ExpertStore
 
@@ -83,11 +83,11 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
         raise MoectlError(f"--device {device!r}: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise MoectlError("--device cuda: no CUDA device is available")
-    ref = _built(resolve_model(model, workdir))
+    ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
-    dt = _dtype(dtype, config)
+    dt = parse_dtype(dtype, config)
     check_settings(bits, group, axis, adapter.layout().shapes)
-    _, blocks = _skeleton(config, adapter, dt, ref.path)
+    _, blocks = skeleton(config, adapter, dt, ref.path)
     moe_layer_ids = [i for i, _ in blocks]
     fingerprint = config_fingerprint(config)
     fmt = HqqFormat(adapter.layout(), bits, group, axis, dt)

@@ -13,39 +13,34 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from ..artifact import is_int, read_descriptor, require_list, where
+from ..artifacts.plan import PLAN_FORMAT, load_plan, plan_preload, plan_slots  # noqa: F401
 from ..cache_model import FULL, split_slots
 from ..errors import MoectlError
 from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_from_traces, make_replacement
 from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy, make_precision
+from ..sizing import ModelFacts, budget_slots, lowbit_fraction_for, split_budget, split_pools
 from ..trace import Trace
 from .cost import (CostModel, dense_bytes, expert_bytes, kv_reserve_bytes, load_hardware, load_shape, parse_lowbit,
                    shape_for_trace_model, shape_from_hf_config)
 from .simulator import SimResult, Simulator, trace_steps
 
-PLAN_FORMAT = "moectl-plan-v1"
 
 
 def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
                plan: str | Path | dict | None = None, budget: float | None = None,
                cost: CostModel | None = None) -> list[int]:
-    """Full-precision slots per layer. `budget` (bytes of device memory) keeps the model's dense weights and a
-    KV reserve, as the runtime's --budget does, and fills the rest with experts of `cost`'s size."""
+    """Full-precision slots per layer. `budget` (bytes of device memory) is split as the runtime splits it
+    (`moectl/sizing.py`: dense weights, KV reserve, workspace) and the rest filled with experts of `cost`'s size."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     given = sum(x is not None for x in (fraction, experts, plan, budget))
     if given != 1:
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
-    if budget is not None:
-        left = budget - dense_bytes(cost.shape) - kv_reserve_bytes(cost.shape)
-        if left < L * cost.expert_bytes:
-            raise MoectlError(f"--budget {budget / 1e9:.1f} GB leaves {max(left, 0) / 1e9:.1f} GB after the dense "
-                              f"weights and KV reserve, below one expert slot per MoE layer "
-                              f"({L} x {cost.expert_bytes / 1e6:.0f} MB)")
-        return split_slots(int(left // cost.expert_bytes), L, E, "--budget")
+    if budget is not None:                      # the runtime's sizing (moectl/sizing.py), from the trace's shape
+        return budget_slots(split_budget(int(budget), shape_facts(cost.shape, L, E, K, cost.expert_bytes)),
+                            cost.expert_bytes, L, E)
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
@@ -60,63 +55,6 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
     if fp and trace.fingerprint and fp != trace.fingerprint:
         raise MoectlError(f"plan was made for model {fp}, the trace is of {trace.fingerprint}")
     return [min(E, s) for s in slots]
-
-
-def load_plan(path: str | Path) -> dict:
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "plan.yaml"
-    if not p.is_file():
-        raise MoectlError(f"plan {p} does not exist")
-    d = read_descriptor(p, PLAN_FORMAT, what=f"{PLAN_FORMAT} plan (format: {PLAN_FORMAT}, slots: [per layer])")
-    d["_path"] = str(p)
-    return d
-
-
-def plan_slots(d: dict, path) -> list[int]:
-    """The plan's per-layer slot counts, each an integer >= 1; errors name the file and the entry's line."""
-    path = d.get("_path", path)
-    slots = require_list(d, "slots", path or "plan")
-    low = require_list(d, "slots_low", path or "plan") if "slots_low" in d else None
-    if low is not None and len(low) != len(slots):
-        raise MoectlError(f"{path or 'plan'}: slots_low has {len(low)} layers, slots {len(slots)}")
-    for key, values in (("slots", slots), ("slots_low", low or [])):
-        lines = _yaml_item_lines(path, key)
-        for i, s in enumerate(values):
-            line = lines[i] if i < len(lines) else None
-            if not is_int(s):
-                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] must be an integer, not {s!r}")
-            if s < 0 or (s < 1 and not (low and low[i] >= 1)):
-                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] is {s}; every MoE layer needs at least "
-                                  f"one slot")
-    return list(slots)
-
-
-def plan_preload(d: dict, num_layers: int, num_experts: int) -> dict:
-    """The plan's preload {precision: [[experts] per layer]} ({} when it has none), checked against the model."""
-    sets = d.get("preload") or {}
-    src = d.get("_path", "plan")
-    if not isinstance(sets, dict):
-        raise MoectlError(f"{src}: preload must map a precision (full, low) to per-layer expert lists")
-    for p, per_layer in sets.items():
-        if p not in (FULL, LOW) or not isinstance(per_layer, list) or len(per_layer) != num_layers or not all(
-                isinstance(x, list) and all(is_int(e) and 0 <= e < num_experts for e in x) for x in per_layer):
-            raise MoectlError(f"{src}: preload[{p!r}] must hold {num_layers} lists of expert ids in [0, {num_experts})")
-    return sets
-
-
-def _yaml_item_lines(path, key: str) -> list[int]:
-    """1-based line of each item of the top-level list `key` of a YAML file ([] if unknown)."""
-    if path is None:
-        return []
-    try:
-        node = yaml.compose(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return []
-    for k, v in node.value if isinstance(node, yaml.MappingNode) else []:
-        if k.value == key and isinstance(v, yaml.SequenceNode):
-            return [item.start_mark.line + 1 for item in v.value]
-    return []
 
 
 def model_shape(trace: Trace, name: str | None = None) -> dict:
@@ -224,13 +162,17 @@ def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=Non
                                        "can also be trained on other traces of the model with --train-on PATH)")
 
 
-DEFAULT_LOWBIT_FRACTION = 0.25     # HOBBIT mode: share of the expert budget that holds low-bit copies
+def shape_facts(shape: dict, num_layers: int, num_experts: int, top_k: int, expert_nbytes: float | None = None):
+    """ModelFacts of a shape block (no checkpoint): dense weights and KV bytes estimated from the shapes."""
+    return ModelFacts(shape.get("name", "model"), shape, num_layers, num_experts, top_k, int(dense_bytes(shape)),
+                      int(kv_reserve_bytes(shape, 1)), None, f"shape {shape.get('name')}",
+                      int(expert_nbytes) if expert_nbytes else None)
 
 
 def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: float, low_bytes: float | None,
                     num_experts: int, lowbit_fraction: float | None = None) -> dict[str, list[int]]:
-    """Per-precision pools from full-precision slots `caps`: the bytes they hold, split by `lowbit_fraction`
-    (lowbit-only: all of it low-bit; full: all full), each pool's slots split evenly over the layers.
+    """Per-precision pools from full-precision slots `caps`, split as the runtime splits them (`sizing.split_pools`:
+    `lowbit_fraction` of the bytes to low-bit slots; full: all full; lowbit-only: all of them low-bit).
     `caps` already {precision: per-layer slots} (a plan's own split) is taken as it is."""
     if isinstance(caps, dict):
         return {p: list(c) for p, c in caps.items() if sum(c) > 0}
@@ -238,19 +180,19 @@ def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: flo
         return {FULL: list(caps)}
     if low_bytes is None:
         raise MoectlError(f"--precision {precision.name} needs --lowbit (the low-bit copy set, e.g. q4g64)")
-    f = 1.0 if precision.name == "lowbit-only" else DEFAULT_LOWBIT_FRACTION if lowbit_fraction is None else lowbit_fraction
-    if not 0 <= f <= 1:
-        raise MoectlError(f"--lowbit-fraction must be in [0, 1], got {lowbit_fraction}")
-    L, total = len(caps), sum(caps) * full_bytes
-    pools = {}
+    if lowbit_fraction is not None and not 0 <= lowbit_fraction < 1:
+        raise MoectlError(f"--lowbit-fraction {lowbit_fraction:g}: give a share of the cache's bytes in [0, 1)")
+    f = lowbit_fraction_for(precision.name, True, lowbit_fraction)
+    L = len(caps)
     for p, share, nbytes in ((FULL, 1 - f, full_bytes), (LOW, f, low_bytes)):
-        n = int(share * total // nbytes)
-        if share > 0 and n < L:
-            raise MoectlError(f"the {p} pool gets {n} slots from {share:.0%} of the expert budget, below one per "
-                              f"MoE layer ({L}); change --lowbit-fraction or give more memory")
-        if share > 0:
-            pools[p] = split_slots(n, L, num_experts)
-    return pools
+        if 0 < share < 1 and int(share * sum(caps) * full_bytes // nbytes) < L:
+            raise MoectlError(f"the {p} pool gets {int(share * sum(caps) * full_bytes // nbytes)} slots from "
+                              f"{share:.0%} of the expert budget, below one per MoE layer ({L}); change "
+                              f"--lowbit-fraction or give more memory")
+    if precision.name == "lowbit-only":     # every byte low-bit (the runtime keeps one full slot per layer: not here)
+        return {LOW: split_slots(int(sum(caps) * full_bytes // low_bytes), L, num_experts)}
+    full, low = split_pools(list(caps), num_experts, full_bytes, low_bytes, f)
+    return {FULL: full, LOW: low}
 
 
 def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostModel,

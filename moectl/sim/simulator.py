@@ -41,7 +41,7 @@ from ..policies.admission import AdmitAll, PrefetchGate
 from ..policies.base import PrefetchPolicy
 from ..policies.placement import CPU, ComputePlacement
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
-from ..runtime.loader import CHUNK_BYTES, chunk_count
+from ..chunks import CHUNK_BYTES, chunk_count
 from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
 

@@ -1,0 +1,1 @@
+"""Readers of the artifacts the calibration pipeline writes (no torch): what applying them needs."""

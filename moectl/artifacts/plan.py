@@ -1,0 +1,89 @@
+"""plan.yaml (written by `moectl plan-cache`, plan/artifact.py): its format and its reader, for everything that
+applies a plan (the runtime options, `simulate --plan`). No torch.
+
+    {format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer], slots_low: [per layer, optional],
+     preload: {precision: [[experts] per layer]}, policies: {...}, budget: {...}}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ..artifact import is_int, read_descriptor, require_list, where
+from ..cache_model import FULL, LOW
+from ..errors import MoectlError
+
+PLAN_FORMAT = "moectl-plan-v1"
+PLAN_NAME = "plan.yaml"
+
+
+def check_plan_model(plan: dict, fingerprint: str | None, num_layers: int, num_experts: int, what: str) -> None:
+    """A plan made for another model is a clear error: its fingerprint (when both are known), else its shape."""
+    src = plan.get("_path", "plan")
+    fp = plan.get("fingerprint")
+    if fp and fingerprint and fp != fingerprint:
+        raise MoectlError(f"plan {src} was made for model {fp} ({plan.get('model')}), but {what} is {fingerprint}; "
+                          f"re-run `moectl plan-cache` for this model")
+    shape = (plan.get("num_layers"), plan.get("num_experts"))
+    if shape[0] is not None and shape != (num_layers, num_experts):
+        raise MoectlError(f"plan {src} is for {plan.get('model')} ({shape[0]} MoE layers x {shape[1]} experts), "
+                          f"{what} has {num_layers} x {num_experts}; re-run `moectl plan-cache` for this model")
+
+
+def load_plan(path: str | Path) -> dict:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "plan.yaml"
+    if not p.is_file():
+        raise MoectlError(f"plan {p} does not exist")
+    d = read_descriptor(p, PLAN_FORMAT, what=f"{PLAN_FORMAT} plan (format: {PLAN_FORMAT}, slots: [per layer])")
+    d["_path"] = str(p)
+    return d
+
+
+def plan_slots(d: dict, path) -> list[int]:
+    """The plan's per-layer slot counts, each an integer >= 1; errors name the file and the entry's line."""
+    path = d.get("_path", path)
+    slots = require_list(d, "slots", path or "plan")
+    low = require_list(d, "slots_low", path or "plan") if "slots_low" in d else None
+    if low is not None and len(low) != len(slots):
+        raise MoectlError(f"{path or 'plan'}: slots_low has {len(low)} layers, slots {len(slots)}")
+    for key, values in (("slots", slots), ("slots_low", low or [])):
+        lines = _yaml_item_lines(path, key)
+        for i, s in enumerate(values):
+            line = lines[i] if i < len(lines) else None
+            if not is_int(s):
+                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] must be an integer, not {s!r}")
+            if s < 0 or (s < 1 and not (low and low[i] >= 1)):
+                raise MoectlError(f"{where(path or 'plan', line)}: {key}[{i}] is {s}; every MoE layer needs at least "
+                                  f"one slot")
+    return list(slots)
+
+
+def plan_preload(d: dict, num_layers: int, num_experts: int) -> dict:
+    """The plan's preload {precision: [[experts] per layer]} ({} when it has none), checked against the model."""
+    sets = d.get("preload") or {}
+    src = d.get("_path", "plan")
+    if not isinstance(sets, dict):
+        raise MoectlError(f"{src}: preload must map a precision (full, low) to per-layer expert lists")
+    for p, per_layer in sets.items():
+        if p not in (FULL, LOW) or not isinstance(per_layer, list) or len(per_layer) != num_layers or not all(
+                isinstance(x, list) and all(is_int(e) and 0 <= e < num_experts for e in x) for x in per_layer):
+            raise MoectlError(f"{src}: preload[{p!r}] must hold {num_layers} lists of expert ids in [0, {num_experts})")
+    return sets
+
+
+def _yaml_item_lines(path, key: str) -> list[int]:
+    """1-based line of each item of the top-level list `key` of a YAML file ([] if unknown)."""
+    if path is None:
+        return []
+    try:
+        node = yaml.compose(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    for k, v in node.value if isinstance(node, yaml.MappingNode) else []:
+        if k.value == key and isinstance(v, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in v.value]
+    return []

@@ -1,0 +1,177 @@
+"""Loading: a checkpoint into the runtime without materialising its experts.
+
+config -> family adapter -> the options resolved (`moectl/options.py`: flag > plan > artifact default > built-in)
+-> the cache's size (`moectl/sizing.py`) and a host-memory check from the shard headers (a clear error before
+anything is read) -> skeleton under `init_empty_weights`, each MoE block's experts swapped for `OffloadedExperts`
+-> non-expert tensors read onto the device -> routed experts into the `ExpertStore` (host RAM, or left on disk;
+with `--lowbit` the `moectl quantize` copies too) -> the cache: `InPlaceExperts` on a CPU with experts in RAM
+(nothing copied), else `DeviceCache` slots -> the policies (`runtime/setup.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import MoectlError
+from ..fingerprint import config_fingerprint
+from ..options import RuntimeOptions
+from ..recipes import resolve_model
+from ..sizing import cache_slots, lowbit_fraction_for, split_budget, split_pools
+from ..store.checkpoint import Checkpoint
+from ..store.expert_store import ExpertStore
+from ..store.memory import check_host_memory, host_alloc, host_need
+from .cache import DeviceCache
+from .driver import Runtime
+from .in_place import InPlaceExperts
+from .inspect import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
+                      model_facts, parse_device, parse_dtype, skeleton)
+from .offloaded import OffloadedExperts
+from .setup import admission_gate, build_policies, make_gating, make_precision_copies, placement
+
+
+@dataclass
+class Loaded:
+    """What `Engine` is made of."""
+    model: object
+    config: object
+    adapter: object
+    ckpt: Checkpoint
+    store: ExpertStore
+    cache: object
+    device: torch.device
+    dtype: torch.dtype
+    ref: object
+    prefetch: object
+    runtime: Runtime
+    opts: RuntimeOptions
+    threads: int
+
+
+@dataclass
+class Sizes:
+    full: list[int]             # full-precision slots per layer
+    low: list[int] | None       # low-bit slots per layer (None: no low-bit pool)
+    staging: int                # prefetch staging buffers
+    need: object                # host RAM needed (store/memory.py HostNeed)
+
+
+def load(model: str, opts: RuntimeOptions) -> Loaded:
+    ref = built(resolve_model(model, opts.workdir))
+    dev = parse_device(opts.device)
+    config, adapter = load_config(ref.path)
+    ckpt = Checkpoint(ref.path)
+    dt = parse_dtype(opts.dtype, config)
+    in_place = dev.type == "cpu" and opts.offload == "ram" and not opts.emulate_device
+    from ..machine import set_threads
+
+    n_threads = set_threads(opts.threads, config.hidden_size, adapter.expert_intermediate)
+    hf, blocks = skeleton(config, adapter, dt, ref.path)
+    L, E, fingerprint = len(blocks), adapter.num_experts, config_fingerprint(config)
+    opts.resolve(ref.workdir, fingerprint, L, E)
+    gating = make_gating(opts.gating, opts.gating_threshold, ref.workdir, fingerprint, L)
+    prec, low_fmt = make_precision_copies(opts, ref.workdir, fingerprint, adapter, L, dt)
+    runtime = Runtime(adapter, gating, opts.gate_prefill)
+    for moe_idx, (layer_idx, block) in enumerate(blocks):
+        block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, block.experts._apply_gate, E)
+    sizes = size_cache(opts, config, adapter, hf, ckpt, dev, dt, L, in_place, prec, low_fmt)
+    read_dense(hf, config, adapter, ckpt, dev, dt, ref.path)
+    prefetch = None if in_place and opts.prefetch == "auto" else opts.prefetch   # in place nothing can miss
+    policy, prefetch = build_policies(opts.replacement, prefetch, hf, adapter, opts.predictor or ref.workdir,
+                                      fingerprint, L)
+    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=opts.offload, pin=(dev.type == "cuda"),
+                        progress=opts.progress)
+    if low_fmt is not None:
+        from ..quant.int4_cpu import int4pack_layout
+        from ..store.lowbit import LowbitCopies
+
+        # On a GPU, misses the CPU may compute (--cpu-experts auto|always) keep the int4 CPU kernel's layout too,
+        # when this torch's packing is one the device can dequantise (quant/int4_cpu.py)
+        kernel = dev.type == "cpu" or (opts.cpu_experts != "never" and int4pack_layout() is not None)
+        store.lowbit = LowbitCopies(ref.workdir, opts.lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
+                                    progress=opts.progress, cpu_kernel=kernel)
+    cache = InPlaceExperts(store, policy, prec) if in_place else \
+        DeviceCache(store, sizes.full, dev, policy, low_slots=sizes.low, precision=prec,
+                    stream_prefill=opts.prefill == "stream", staging=sizes.staging if prefetch is not None else 0)
+    runtime.cache = cache
+    if opts.plan_data is not None and not in_place:    # the plan's hot set, copied now (load time, not per token)
+        from ..artifacts.plan import plan_preload
+
+        cache.preload(plan_preload(opts.plan_data, L, E))
+    runtime.placement = placement(opts.cpu_experts, opts.cost, config, dev, in_place)
+    runtime.prefetch_gate, runtime.copy_s = admission_gate(opts.admission, opts.cost, config, dev, adapter.top_k,
+                                                           store.expert_nbytes, in_place, prefetch, opts.cpu_experts,
+                                                           staged=cache.state.staging > 0)
+    if opts.replay_trace is not None:
+        from .replay import RoutingReplay
+
+        runtime.replay = RoutingReplay(opts.replay_trace, L, E)
+    return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, runtime, opts, n_threads)
+
+
+def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int, in_place: bool, prec,
+               low_fmt) -> Sizes:
+    """Slots per pool and staging buffers from the options (`moectl/sizing.py`), then the host-memory check: a bad
+    budget, or a configuration the host RAM cannot hold, fails before any weight is read."""
+    from ..policies.admission import STAGING_BUFFERS, prefetch_staging
+
+    E, expert_nbytes = adapter.num_experts, adapter.format(dt).nbytes
+    plan_d = opts.plan_data
+    staging = opts.staging
+    if staging is None and plan_d is not None:          # a plan's budget says whether it paid for them
+        staging = int(((plan_d.get("budget") or {}).get("staging") or 0) // expert_nbytes)
+    # staging buffers: the streamed prefill's two; decode prefetches copy into them too when misses are fetched
+    # (a wrong prediction then evicts nothing: policies/admission.py `prefetch_staging`); RAM tier only
+    stage_pf = (prefetch_staging(opts.cpu_experts) if staging is None else int(staging)) if (
+        opts.prefetch not in (None, "none") and not in_place and opts.offload == "ram") else 0
+    staging_bytes = max(STAGING_BUFFERS if opts.prefill == "stream" else 0, stage_pf) * expert_nbytes
+    split = None
+    if opts.budget is not None:
+        facts = model_facts(config, adapter, dense_nbytes(hf, config), L, dt)
+        split = split_budget(opts.budget, facts, staging=staging_bytes)
+    full = cache_slots(L, E, opts.cache_experts, split, expert_nbytes, opts.slots_per_layer)
+    plan_low = [int(s) for s in (plan_d or {}).get("slots_low") or []]
+    low = None
+    if low_fmt is not None and not in_place and any(plan_low):
+        low = plan_low                                              # the plan's split of the bytes
+    elif low_fmt is not None and not in_place:
+        fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
+        full, low = split_pools(full, E, expert_nbytes, low_fmt.nbytes, fraction)
+    kv = kv_reserve_nbytes(config, dt)
+    dense = header_dense_nbytes(ckpt, adapter, dt)                  # what is read into host RAM
+    on_host = dev.type == "cpu"
+    need = host_need(opts.offload, on_host, in_place, sum(full), expert_nbytes, L * E, dense, kv,
+                     lowbit_nbytes=low_fmt.nbytes if low_fmt is not None else 0, low_slots=sum(low or []))
+
+    def fits(free: int) -> list[str]:
+        return host_options(free, opts.offload, on_host, in_place, sum(full), expert_nbytes, L, E, dense, kv)
+
+    what = (f"--offload {opts.offload} on {dev.type}" + (" (experts in place)" if in_place else
+                                                         f" with {sum(full)} expert slots"))
+    check_host_memory(need, what, fits)
+    return Sizes(full, low, stage_pf, need)
+
+
+def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: torch.dtype, path) -> None:
+    """Non-expert weights straight from the shards onto the device, one tensor at a time. Each tensor takes the
+    dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32)."""
+    want = {k: v.dtype for k, v in hf.state_dict().items()}
+    state = {}
+    for key in ckpt.keys():
+        name = adapter.skeleton_key(key)
+        if name is not None:
+            t = host_alloc(lambda: adapter.read_dense(ckpt, key), "reading dense weights", ckpt.range(key).nbytes)
+            state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing:
+        raise MoectlError(f"checkpoint {path} lacks {len(missing)} weights the {adapter.family} model needs, "
+                          f"e.g. {missing[:3]} (incomplete download?)")
+    if tied:
+        hf.tie_weights()
+    hf.to(dev).eval()
+    for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+        if t.is_meta:
+            raise MoectlError(f"weight {name} was not found in {path}")
