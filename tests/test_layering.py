@@ -20,15 +20,15 @@ CONTRACTS = [
 ]
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file, relative ones resolved; `from X import y`
     yields X and X.y (y may be a submodule)."""
-    mod = module_name(path)
+    mod = module_name(path, root)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -52,12 +52,12 @@ def under(name: str, prefix: str) -> bool:
 def violations(root: Path = ROOT) -> list[str]:
     bad = []
     for path in sorted(root.rglob("*.py")):
-        mod = module_name(path)
+        mod = module_name(path, root)
         for who, banned in CONTRACTS:
             if not any(under(mod, w) for w in who):
                 continue
             seen = set()
-            for line, name in imports(path):
+            for line, name in imports(path, root):
                 hit = next((b for b in banned if under(name, b)), None)
                 if hit is not None and line not in seen:       # one entry per import statement
                     seen.add(line)

@@ -195,7 +195,7 @@ def uniform_pools(pol: Policies, L: int, E: int, experts_bytes: int, nbytes: dic
     """The even split of the same bytes: every pool the precision policy uses, each layer alike (HOBBIT mode:
     the simulator's default low-bit share of the bytes)."""
     from ..policies.precision import LOW
-    from ..sim.run import DEFAULT_LOWBIT_FRACTION
+    from ..sizing import DEFAULT_LOWBIT_FRACTION
 
     if pol.precision == "full":
         return split_slots(max(int(experts_bytes // nbytes["full"]), L), L, E, "--budget"), [0] * L

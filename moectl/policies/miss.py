@@ -30,6 +30,6 @@ def decide_miss(held: str | None, wanted: str, placement=None, tokens: int = 1, 
         return DEVICE, held
     if wanted == SKIP:
         return SKIP, None
-    if placement is not None and host_copy and placement.decide(tokens, nbytes, lowbit=wanted == LOW) == CPU:
+    if placement is not None and host_copy and placement.decide(tokens, nbytes, wanted == LOW) == CPU:
         return CPU, wanted
     return FETCH, wanted

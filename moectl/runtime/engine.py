@@ -19,6 +19,7 @@ import torch
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..options import RuntimeOptions
+from ..policies.base import PrefetchPolicy
 from ..sizing import DEFAULT_LOWBIT_FRACTION, split_pools  # noqa: F401  (re-exported: bench, tests)
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore

@@ -121,14 +121,14 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
     """The read-answer loop; returns the exit code (0)."""
     from rich.console import Console
 
-    from ..commands._common import print_stats_line
+    from ..status import print_stats_line
 
     console = console or Console()
     stdin = stdin or sys.stdin
     if interactive is None:
         interactive = stdin.isatty() and console.is_terminal
     if interactive:
-        from ..commands._common import prefetch_note
+        from ..status import prefetch_note
 
         console.print(f"[bold]moectl chat[/] with [cyan]{session.engine.ref.name}[/] ({prefetch_note(session.engine)}) — {HELP}")
 

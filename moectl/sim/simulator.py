@@ -32,91 +32,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ..cache_model import COUNTERS, FULL, PHASES, CacheState
 from ..policies.admission import AdmitAll, PrefetchGate
 from ..policies.base import PrefetchPolicy
+from ..policies.miss import DEVICE, FETCH, decide_miss
 from ..policies.placement import CPU, ComputePlacement
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
 from ..chunks import CHUNK_BYTES, chunk_count
-from ..trace import PREFILL, Trace
 from .cost import CostModel, FixedCost
-
-
-@dataclass
-class Step:
-    request: str
-    first_of_request: bool
-    prefill: bool
-    rows: np.ndarray                       # trace rows in this step
-    chosen: list[list[int]]                # per layer: experts used (union over rows for prefill)
-    weights: list[list[float] | None]      # per layer: gate weights (decode rows only)
-    tokens_per_expert: list[dict[int, int]] | None   # prefill: per layer, tokens routed to each expert
-
-
-def trace_steps(trace: Trace) -> list[Step]:
-    """Group trace rows into simulation steps: a request's prefill rows are one batched step,
-    every decode row is its own step."""
-    steps: list[Step] = []
-    ex, w = trace.experts, trace.weights
-    for req, sl in trace.request_slices():
-        rows = np.arange(sl.start, sl.stop)
-        pre = rows[trace.phase[rows] == PREFILL]
-        first = True
-        if len(pre):
-            chosen, counts = [], []
-            for l in range(trace.num_layers):
-                ids, n = np.unique(ex[pre, l], return_counts=True)
-                keep = ids >= 0
-                chosen.append([int(i) for i in ids[keep]])
-                counts.append({int(i): int(c) for i, c in zip(ids[keep], n[keep])})
-            steps.append(Step(req, True, True, pre, chosen, [None] * trace.num_layers, counts))
-            first = False
-        for r in rows[trace.phase[rows] != PREFILL]:
-            chosen, weights = [], []
-            for l in range(trace.num_layers):
-                ok = ex[r, l] >= 0
-                chosen.append([int(i) for i in ex[r, l][ok]])
-                weights.append(None if w is None else [float(x) for x in w[r, l][ok]])
-            steps.append(Step(req, first, False, np.array([r]), chosen, weights, None))
-            first = False
-    return steps
-
-
-@dataclass
-class SimResult:
-    hit_rate: float
-    belady_hit_rate: float | None
-    demand_loads_per_token: float
-    prefetch_loads_per_token: float
-    wasted_prefetch_fraction: float
-    bytes_per_token: float
-    stall_ms_per_token: float
-    ms_per_token: float
-    lower_bound_ms_per_token: float
-    tokens: int
-    late_prefetches_per_token: float = 0.0
-    prefill_ms: float = 0.0
-    replacement: str = ""
-    prefetch: str = ""
-    misses: int = 0                        # decode misses (= demand_loads_per_token x tokens)
-    prefill_misses: int = 0
-    cache: dict | None = None              # {phase: {counter: [per layer]}} of the cache state
-    note: str = ""                         # what the configuration cannot do on this input, if anything
-    full_loads_per_token: float = 0.0      # decode misses loaded in full precision
-    lowbit_loads_per_token: float = 0.0    # ... loaded as low-bit copies
-    skipped_per_token: float = 0.0         # ... skipped (precision policy)
-    cpu_experts_per_token: float = 0.0     # ... computed on the CPU from host RAM
-    cpu_ms_per_token: float = 0.0          # CPU busy time (overlaps the device's)
-    fill_copies_per_token: float = 0.0     # CPU-computed misses copied into the cache while the engine idled
-    slots: dict | None = None              # {precision: slots in all}
-    stall_ms_per_layer: list | None = None     # decode stall per token by the layer that waited (sums to the stall)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from .steps import SimResult, Step, trace_steps  # noqa: F401  (re-exported)
 
 
 class _Copy:
@@ -251,23 +178,21 @@ class Simulator:
             return self._issue(tl, e, t, p)
         self.gate.offer(self.state, l, preds, self.cost.load_s(self.nbytes[p]), self._backlog(t), issue, p, routed)
 
-    def _cpu_beats_copy(self, copy: _Copy, t: float, p: str) -> bool:
-        """A resident expert whose copy has not landed yet: is computing it on the CPU faster than waiting?"""
-        if copy.ready is not None and copy.ready <= t:
-            return False
-        wait = copy.dur if copy.ready is None else copy.ready - t
-        return self.cost.cpu_expert_s(1, self.nbytes[p], p == LOW) < wait + self.cost.expert_s(1, self.nbytes[p])
-
     # ------------------------------------------------------------------ main loop
     def run(self, steps: list[Step], hidden_of=None, final_hidden_of=None) -> dict:
         """Simulate; `hidden_of(row, layer)` / `final_hidden_of(row)` give hidden states for
         prefetch policies that need them (gate reuse, MLP, aux gate)."""
-        L, cost, nbytes = self.L, self.cost, self.nbytes
+        self._start(steps)
+        for step in steps:
+            self._step(step, hidden_of, final_hidden_of)
+        return self._results()
+
+    def _start(self, steps: list[Step]) -> None:
         self.state = state = CacheState({p: self.caps[p] for p in self.pools},
                                         {p: self.repl[p] for p in self.pools}, self.staging)
         self.copies: dict[tuple[int, str, int], _Copy] = {}     # resident (layer, precision, expert) -> its copy
         for l, p, e, _ in state.preload(self.preload):          # copied at load time: landed at 0, not counted
-            self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, nbytes[p])
+            self.copies[(l, p, e)] = _Copy(0.0, False, 0.0, self.nbytes[p])
         self.queue: deque = deque()                             # prefetches and fills [(key, time queued, copy)]
         self.free_at = 0.0
         self.n_demand = self.n_prefetch = 0
@@ -277,173 +202,191 @@ class Simulator:
         for p in self.pools:
             if self.repl[p].needs_future:
                 self.repl[p].set_future([s.chosen for s in steps])
-        hits = accesses = late = 0
-        clock = stall = compute_only = prefill_time = cpu_busy = 0.0
-        decode_tokens = demand_decode = fills = 0
-        bytes_decode = 0.0
-        n_loads = {FULL: 0, LOW: 0, SKIP: 0, CPU: 0}            # decode misses by what was done
-        stall_layer = np.zeros(L)                               # decode stall by the layer that waited
-        context = 0
-        t_final = 0.0                     # when the previous step's final hidden state was ready
-        for step in steps:
-            if step.first_of_request:
-                state.begin_request(step.request)
-                self.pf.reset()
-                self.gate.reset()
-                context = 0
-            state.begin_step("prefill" if step.prefill else "decode")
-            if not step.prefill:          # the aux gate: loads issued while the previous lm_head ran
-                self._predicted(-1, self.pf.predict_after_token(), min(t_final, clock))
-            t_step = clock
-            n_tok = len(step.rows)
-            demand_before, bytes_before = self.n_demand, self.bytes_copied
-            step_stall = step_compute = 0.0
-            for l in range(L):
-                attn = cost.attention_s(n_tok, context)
-                clock += attn
-                step_compute += attn
-                chosen, weights = step.chosen[l], step.weights[l]
-                for p in self.pools:
-                    for tl, sp, e, _ in state.route(l, chosen, weights, p):
-                        self.copies.pop((tl, sp, e), None)            # a wasted staged copy stops
-                self.gate.route(l, chosen)
-                self._advance(clock)
-                # prefetch decisions: right after the router; their copies queue behind this layer's demand loads
-                if not step.prefill:
-                    h = hidden_of(step.rows[0], l) if hidden_of else None
-                    self.pf.observe(l, chosen, weights, h)
-                    self._predicted(l, self.pf.predict(l), clock, chosen)
-                layer_demand = self.n_demand
-                # where each chosen expert runs: a resident copy of either precision; else the precision
-                # policy's choice (full / low / skip), fetched or computed on the CPU
-                scores = rank_scores(weights) if weights and not step.prefill else [0.0] * len(chosen)
-                on_device: dict[str, list[int]] = {p: [] for p in self.pools}
-                on_cpu: list[tuple[int, str]] = []
-                for e, s in zip(chosen, scores):
-                    held = next((p for p in self.pools if state.contains(l, e, p)), None) or state.staged_in(l, e)
-                    copy = self.copies.get((l, held, e))
-                    if held is not None and not (self.placement is not None and copy is not None and
-                                                 self._cpu_beats_copy(copy, clock, held)):
-                        on_device[held].append(e)
-                        continue
-                    if held is not None:          # its copy is still on the way and the CPU is faster
-                        on_cpu.append((e, held))
-                        n_loads[CPU] += not step.prefill
-                        continue
-                    d = self.precision.decide(s)
-                    if d == SKIP:
-                        n_loads[SKIP] += not step.prefill
-                        continue
-                    p = self._pool(d)
-                    tok = step.tokens_per_expert[l][e] if step.prefill else 1
-                    if self.placement is not None and self.placement.decide(tok, nbytes[p], p == LOW) == CPU:
-                        on_cpu.append((e, p))
-                        n_loads[CPU] += not step.prefill
-                        continue
-                    n_loads[p] += not step.prefill
-                    on_device[p].append(e)
-                # the CPU's experts run serially from host RAM, alongside the device's
-                t_cpu = clock
-                for e, p in on_cpu:
-                    tok = step.tokens_per_expert[l][e] if step.prefill else 1
-                    c = cost.cpu_expert_s(tok, nbytes[p], p == LOW)
-                    t_cpu += c
-                    cpu_busy += c * (not step.prefill)
-                    step_compute += cost.expert_s(tok, nbytes[p])    # the bound: as if resident
-                # the device's experts run in the cache's chunks: resident first; a chunk's loads start when
-                # the last one ran
-                t = clock
-                stall_before = step_stall
-                for p in self.pools:
-                    for chunk in state.chunks(l, on_device[p], p):
-                        state.pin(l, chunk, p)
-                        ready: list[tuple[float, float]] = []      # (ready time, compute time)
-                        for e in chunk:
-                            c = cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1, nbytes[p])
-                            step_compute += c
-                            accesses += not step.prefill
-                            a = state.access(l, e, p)
-                            if a.victim is not None:
-                                self.copies.pop((l, p, a.victim), None)
-                            copy = self.copies.get((l, p, e)) if a.hit else None
-                            if copy is None:                         # a miss: a demand load into the victim's slot
-                                copy = self.copies[(l, p, e)] = self._new_copy(p, False)
-                            else:
-                                self._advance(t)
-                                if copy.ready is not None and copy.ready <= t:
-                                    hits += not step.prefill
-                                elif copy.ready is not None or copy.done:  # started, not landed: the wait is stall
-                                    late += not step.prefill
-                            # a new miss, or a copy queued or overtaken: (the rest of) it at demand priority
-                            ready.append((self._demand(t, copy), c))
-                        state.unpin(l, chunk, p)
-                        t0 = t
-                        for r, c in sorted(ready):                 # arrivals in order of landing
-                            t = max(t, r) + c
-                        step_stall += (t - t0) - sum(c for _, c in ready)
-                if not step.prefill:
-                    stall_layer[l] += step_stall - stall_before
-                # a miss the CPU computed is copied into the cache in the background, when the copy engine is
-                # idle (one at a time; a demand load overtakes it at a chunk boundary)
-                for e, p in on_cpu:                          # a staged prefetch the CPU outran: installed as it is
-                    if (l, p, e) in state.staged:
-                        self.copies.pop((l, p, state.access(l, e, p).victim), None)
-                for e, p in on_cpu:
-                    if self._backlog(clock) > 0:
-                        break
-                    if state.contains(l, e, p):
-                        continue
+        self.hits = self.accesses = self.late = 0
+        self.clock = self.stall = self.compute_only = self.prefill_time = self.cpu_busy = 0.0
+        self.decode_tokens = self.demand_decode = self.fills = 0
+        self.bytes_decode = 0.0
+        self.n_loads = {FULL: 0, LOW: 0, SKIP: 0, CPU: 0}       # decode misses by what was done
+        self.stall_layer = np.zeros(self.L)                     # decode stall by the layer that waited
+        self.context = 0
+        self.t_final = 0.0                # when the previous step's final hidden state was ready
+
+    def _step(self, step: Step, hidden_of, final_hidden_of) -> None:
+        """One decode token, or a whole prefill: every layer, then the head."""
+        state, cost = self.state, self.cost
+        if step.first_of_request:
+            state.begin_request(step.request)
+            self.pf.reset()
+            self.gate.reset()
+            self.context = 0
+        state.begin_step("prefill" if step.prefill else "decode")
+        if not step.prefill:              # the aux gate: loads issued while the previous lm_head ran
+            self._predicted(-1, self.pf.predict_after_token(), min(self.t_final, self.clock))
+        t_step = self.clock
+        demand_before, bytes_before = self.n_demand, self.bytes_copied
+        self.step_stall = self.step_compute = 0.0
+        for l in range(self.L):
+            self._layer(step, l, hidden_of)
+        head = cost.lm_head_s(1)
+        self.t_final = self.clock
+        self.clock += head
+        self.step_compute += head
+        if step.prefill:
+            self.prefill_time += self.clock - t_step
+        else:
+            self.decode_tokens += 1
+            self.stall += self.step_stall
+            self.compute_only += self.step_compute
+            self.demand_decode += self.n_demand - demand_before
+            self.bytes_decode += self.bytes_copied - bytes_before
+            self.pf.end_token(final_hidden_of(step.rows[0]) if final_hidden_of else None)
+        self.context += len(step.rows)
+        for tl, sp, e, _ in state.end_step():
+            self.copies.pop((tl, sp, e), None)
+
+    def _layer(self, step: Step, l: int, hidden_of) -> None:
+        """Attention and router, prefetch decisions, then the layer's experts: the CPU's beside the device's."""
+        state, cost = self.state, self.cost
+        attn = cost.attention_s(len(step.rows), self.context)
+        self.clock += attn
+        self.step_compute += attn
+        chosen, weights = step.chosen[l], step.weights[l]
+        for p in self.pools:
+            for tl, sp, e, _ in state.route(l, chosen, weights, p):
+                self.copies.pop((tl, sp, e), None)            # a wasted staged copy stops
+        self.gate.route(l, chosen)
+        self._advance(self.clock)
+        # prefetch decisions: right after the router; their copies queue behind this layer's demand loads
+        if not step.prefill:
+            h = hidden_of(step.rows[0], l) if hidden_of else None
+            self.pf.observe(l, chosen, weights, h)
+            self._predicted(l, self.pf.predict(l), self.clock, chosen)
+        layer_demand = self.n_demand
+        on_device, on_cpu = self._place(step, l)
+        t_cpu = self._cpu_side(step, l, on_cpu)
+        stall_before = self.step_stall
+        t = self._device_side(step, l, on_device)
+        if not step.prefill:
+            self.stall_layer[l] += self.step_stall - stall_before
+        self._fill(step, l, on_cpu)
+        self.clock = max(t, t_cpu)
+        if not step.prefill:
+            self.gate.layer_done(self.n_demand - layer_demand, len(on_cpu))
+
+    def _place(self, step: Step, l: int) -> tuple[dict[str, list[int]], list[tuple[int, str]]]:
+        """Where each chosen expert runs (`policies/miss.py: decide_miss`, the runtime's rule): a resident copy of
+        either precision on the device; else the precision policy's choice, skipped, fetched or computed on the
+        CPU."""
+        state, chosen, weights = self.state, step.chosen[l], step.weights[l]
+        scores = rank_scores(weights) if weights and not step.prefill else [0.0] * len(chosen)
+        on_device: dict[str, list[int]] = {p: [] for p in self.pools}
+        on_cpu: list[tuple[int, str]] = []
+        for e, s in zip(chosen, scores):
+            held = next((p for p in self.pools if state.contains(l, e, p)), None) or state.staged_in(l, e)
+            wanted = self.precision.decide(s) if held is None else held
+            p = self._pool(wanted) if wanted != SKIP else SKIP
+            tok = step.tokens_per_expert[l][e] if step.prefill else 1
+            where, p = decide_miss(held, p, self.placement, tok, self.nbytes.get(p))
+            if where == DEVICE:
+                on_device[p].append(e)
+                continue
+            self.n_loads[CPU if where == CPU else p if where == FETCH else SKIP] += not step.prefill
+            if where == CPU:
+                on_cpu.append((e, p))
+            elif where == FETCH:
+                on_device[p].append(e)
+        return on_device, on_cpu
+
+    def _cpu_side(self, step: Step, l: int, on_cpu: list[tuple[int, str]]) -> float:
+        """The CPU's experts run serially from host RAM, alongside the device's: when they end."""
+        t_cpu = self.clock
+        for e, p in on_cpu:
+            tok = step.tokens_per_expert[l][e] if step.prefill else 1
+            c = self.cost.cpu_expert_s(tok, self.nbytes[p], p == LOW)
+            t_cpu += c
+            self.cpu_busy += c * (not step.prefill)
+            self.step_compute += self.cost.expert_s(tok, self.nbytes[p])    # the bound: as if resident
+        return t_cpu
+
+    def _device_side(self, step: Step, l: int, on_device: dict[str, list[int]]) -> float:
+        """The device's experts in the cache's chunks: resident first; a chunk's loads start when the last one ran.
+        Returns when the last one ends."""
+        state, t = self.state, self.clock
+        for p in self.pools:
+            for chunk in state.chunks(l, on_device[p], p):
+                state.pin(l, chunk, p)
+                ready: list[tuple[float, float]] = []      # (ready time, compute time)
+                for e in chunk:
+                    c = self.cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1, self.nbytes[p])
+                    self.step_compute += c
+                    self.accesses += not step.prefill
                     a = state.access(l, e, p)
                     if a.victim is not None:
                         self.copies.pop((l, p, a.victim), None)
-                    copy = self.copies[(l, p, e)] = self._new_copy(p, False)
-                    self.queue.append(((l, p, e), clock, copy))
-                    fills += not step.prefill
-                    self._advance(clock + 1e-12)
-                clock = max(t, t_cpu)
-                if not step.prefill:
-                    self.gate.layer_done(self.n_demand - layer_demand, len(on_cpu))
-            head = cost.lm_head_s(1)
-            t_final = clock
-            clock += head
-            step_compute += head
-            if step.prefill:
-                prefill_time += clock - t_step
-            else:
-                decode_tokens += 1
-                stall += step_stall
-                compute_only += step_compute
-                demand_decode += self.n_demand - demand_before
-                bytes_decode += self.bytes_copied - bytes_before
-                self.pf.end_token(final_hidden_of(step.rows[0]) if final_hidden_of else None)
-            context += n_tok
-            for tl, sp, e, _ in state.end_step():
-                self.copies.pop((tl, sp, e), None)
-        n = max(decode_tokens, 1)
-        ms = 1e3
+                    copy = self.copies.get((l, p, e)) if a.hit else None
+                    if copy is None:                         # a miss: a demand load into the victim's slot
+                        copy = self.copies[(l, p, e)] = self._new_copy(p, False)
+                    else:
+                        self._advance(t)
+                        if copy.ready is not None and copy.ready <= t:
+                            self.hits += not step.prefill
+                        elif copy.ready is not None or copy.done:  # started, not landed: the wait is stall
+                            self.late += not step.prefill
+                    # a new miss, or a copy queued or overtaken: (the rest of) it at demand priority
+                    ready.append((self._demand(t, copy), c))
+                state.unpin(l, chunk, p)
+                t0 = t
+                for r, c in sorted(ready):                 # arrivals in order of landing
+                    t = max(t, r) + c
+                self.step_stall += (t - t0) - sum(c for _, c in ready)
+        return t
+
+    def _fill(self, step: Step, l: int, on_cpu: list[tuple[int, str]]) -> None:
+        """A miss the CPU computed is copied into the cache in the background, when the copy engine is idle (one at
+        a time; a demand load overtakes it at a chunk boundary)."""
+        state, clock = self.state, self.clock
+        for e, p in on_cpu:                          # a staged prefetch the CPU outran: installed as it is
+            if (l, p, e) in state.staged:
+                self.copies.pop((l, p, state.access(l, e, p).victim), None)
+        for e, p in on_cpu:
+            if self._backlog(clock) > 0:
+                break
+            if state.contains(l, e, p):
+                continue
+            a = state.access(l, e, p)
+            if a.victim is not None:
+                self.copies.pop((l, p, a.victim), None)
+            copy = self.copies[(l, p, e)] = self._new_copy(p, False)
+            self.queue.append(((l, p, e), clock, copy))
+            self.fills += not step.prefill
+            self._advance(clock + 1e-12)
+
+    def _results(self) -> dict:
+        state, n, ms = self.state, max(self.decode_tokens, 1), 1e3
         dec = {k: sum(state.totals("decode", p)[k] for p in self.pools) for k in COUNTERS}
         pre = {k: sum(state.totals("prefill", p)[k] for p in self.pools) for k in COUNTERS}
         issued = dec["prefetches"] + pre["prefetches"]
         wasted = issued - dec["prefetch_used"] - pre["prefetch_used"]      # spent unused, or never reached
         cache = {ph: state.per_layer(ph, self.pools[0]) for ph in PHASES}
+        decode_s = self.clock - self.prefill_time
         return dict(
-            hits=hits, accesses=accesses, late=late, demand=demand_decode, decode_tokens=decode_tokens,
-            misses=dec["misses"], prefill_misses=pre["misses"],
+            hits=self.hits, accesses=self.accesses, late=self.late, demand=self.demand_decode,
+            decode_tokens=self.decode_tokens, misses=dec["misses"], prefill_misses=pre["misses"],
             prefetch=self.n_prefetch, prefetches_issued=issued, wasted=wasted,
             cache=cache if len(self.pools) == 1 else {p: {ph: state.per_layer(ph, p) for ph in PHASES}
                                                       for p in self.pools},
-            hit_rate=hits / max(accesses, 1),
-            demand_loads_per_token=(dec["misses"] - fills) / n, fill_copies_per_token=fills / n,
+            hit_rate=self.hits / max(self.accesses, 1),
+            demand_loads_per_token=(dec["misses"] - self.fills) / n, fill_copies_per_token=self.fills / n,
             prefetch_loads_per_token=self.n_prefetch / n,
-            late_prefetches_per_token=late / n,
+            late_prefetches_per_token=self.late / n,
             wasted_prefetch_fraction=wasted / max(issued, 1),
             # copies made in decode steps: demand loads and the prefetches started then
-            bytes_per_token=bytes_decode / n,
-            full_loads_per_token=n_loads[FULL] / n, lowbit_loads_per_token=n_loads[LOW] / n,
-            skipped_per_token=n_loads[SKIP] / n, cpu_experts_per_token=n_loads[CPU] / n,
-            cpu_ms_per_token=cpu_busy * ms / n,
-            stall_ms_per_token=stall * ms / n, stall_ms_per_layer=(stall_layer * ms / n).tolist(),
-            stall_s=stall, decode_s=clock - prefill_time, prefill_s=prefill_time, compute_only_s=compute_only,
-            ms_per_token=(clock - prefill_time) * ms / n, lower_bound_ms_per_token=compute_only * ms / n,
-            prefill_ms=prefill_time * ms,
+            bytes_per_token=self.bytes_decode / n,
+            full_loads_per_token=self.n_loads[FULL] / n, lowbit_loads_per_token=self.n_loads[LOW] / n,
+            skipped_per_token=self.n_loads[SKIP] / n, cpu_experts_per_token=self.n_loads[CPU] / n,
+            cpu_ms_per_token=self.cpu_busy * ms / n,
+            stall_ms_per_token=self.stall * ms / n, stall_ms_per_layer=(self.stall_layer * ms / n).tolist(),
+            stall_s=self.stall, decode_s=decode_s, prefill_s=self.prefill_time, compute_only_s=self.compute_only,
+            ms_per_token=decode_s * ms / n, lower_bound_ms_per_token=self.compute_only * ms / n,
+            prefill_ms=self.prefill_time * ms,
         )

@@ -1,0 +1,85 @@
+"""A trace as the simulator's steps (one decode token, or one request's whole prefill) and what a run reports.
+
+Legend: N = trace rows, L = MoE layers, K = top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..trace import PREFILL, Trace
+
+
+@dataclass
+class Step:
+    request: str
+    first_of_request: bool
+    prefill: bool
+    rows: np.ndarray                       # trace rows in this step
+    chosen: list[list[int]]                # per layer: experts used (union over rows for prefill)
+    weights: list[list[float] | None]      # per layer: gate weights (decode rows only)
+    tokens_per_expert: list[dict[int, int]] | None   # prefill: per layer, tokens routed to each expert
+
+
+def trace_steps(trace: Trace) -> list[Step]:
+    """Group trace rows into simulation steps: a request's prefill rows are one batched step,
+    every decode row is its own step."""
+    steps: list[Step] = []
+    ex, w = trace.experts, trace.weights
+    for req, sl in trace.request_slices():
+        rows = np.arange(sl.start, sl.stop)
+        pre = rows[trace.phase[rows] == PREFILL]
+        first = True
+        if len(pre):
+            chosen, counts = [], []
+            for l in range(trace.num_layers):
+                ids, n = np.unique(ex[pre, l], return_counts=True)
+                keep = ids >= 0
+                chosen.append([int(i) for i in ids[keep]])
+                counts.append({int(i): int(c) for i, c in zip(ids[keep], n[keep])})
+            steps.append(Step(req, True, True, pre, chosen, [None] * trace.num_layers, counts))
+            first = False
+        for r in rows[trace.phase[rows] != PREFILL]:
+            chosen, weights = [], []
+            for l in range(trace.num_layers):
+                ok = ex[r, l] >= 0
+                chosen.append([int(i) for i in ex[r, l][ok]])
+                weights.append(None if w is None else [float(x) for x in w[r, l][ok]])
+            steps.append(Step(req, first, False, np.array([r]), chosen, weights, None))
+            first = False
+    return steps
+
+
+@dataclass
+class SimResult:
+    hit_rate: float
+    belady_hit_rate: float | None
+    demand_loads_per_token: float
+    prefetch_loads_per_token: float
+    wasted_prefetch_fraction: float
+    bytes_per_token: float
+    stall_ms_per_token: float
+    ms_per_token: float
+    lower_bound_ms_per_token: float
+    tokens: int
+    late_prefetches_per_token: float = 0.0
+    prefill_ms: float = 0.0
+    replacement: str = ""
+    prefetch: str = ""
+    misses: int = 0                        # decode misses (= demand_loads_per_token x tokens)
+    prefill_misses: int = 0
+    cache: dict | None = None              # {phase: {counter: [per layer]}} of the cache state
+    note: str = ""                         # what the configuration cannot do on this input, if anything
+    full_loads_per_token: float = 0.0      # decode misses loaded in full precision
+    lowbit_loads_per_token: float = 0.0    # ... loaded as low-bit copies
+    skipped_per_token: float = 0.0         # ... skipped (precision policy)
+    cpu_experts_per_token: float = 0.0     # ... computed on the CPU from host RAM
+    cpu_ms_per_token: float = 0.0          # CPU busy time (overlaps the device's)
+    fill_copies_per_token: float = 0.0     # CPU-computed misses copied into the cache while the engine idled
+    slots: dict | None = None              # {precision: slots in all}
+    stall_ms_per_layer: list | None = None     # decode stall per token by the layer that waited (sums to the stall)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
