@@ -16,7 +16,7 @@ from .machine import best_s
 def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512, experts: int = 8,
                      prompt: int = 128, decode: int = 32, threads: int | None = None, gating: str | None = None,
                      gating_threshold: float | None = None, lowbit: str | None = None, precision: str | None = None,
-                     t1: float = 0.6, t2: float = 0.9) -> dict:
+                     t1: float = 0.6, t2: float = 0.9, gate_prefill: bool = False) -> dict:
     """A random tiny Mixtral, all experts cached: moectl forward time / transformers forward time
     for a prefill, and decode tokens/s of both (greedy, KV cache). `gating` / `gating_threshold` gate moectl's
     decode steps (a random model has no sensitivities: only the score-only rule applies). `lowbit` (e.g. q4g64):
@@ -42,7 +42,7 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
                 from .quant.quantize import quantize_model
 
                 quantize_model(path, *parse_lowbit(lowbit), workdir=path, progress=False)
-            eng = Engine.load(path, progress=False, gating=gating, gating_threshold=gating_threshold,   # all cached
+            eng = Engine.load(path, progress=False, gating=gating, gating_threshold=gating_threshold, gate_prefill=gate_prefill,   # all cached
                               workdir=path, lowbit=lowbit, precision=precision, t1=t1, t2=t2, threads=threads)
             ids = torch.randint(0, 4096, (1, prompt), generator=torch.Generator().manual_seed(0))
 

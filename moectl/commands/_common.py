@@ -57,11 +57,11 @@ class CacheOpts:
 
     @staticmethod
     def admission():
-        return typer.Option("off", "--admission",
+        return typer.Option(None, "--admission", show_default=False,
                             help="on: copy a predicted expert only when its expected saving (calibrated confidence x "
                                  "the load time it hides) beats its expected copy-engine cost, capped by the time left "
                                  "before its layer (the rule `moectl simulate --admission` applies; times from "
-                                 "this machine's measured figures); off: copy every prediction.")
+                                 "this machine's measured figures); off: copy every prediction. Default: the loaded plan's, else off.")
 
     @staticmethod
     def staging_buffers():
@@ -173,3 +173,67 @@ class GatingOpts:
     @staticmethod
     def prefill():
         return typer.Option(False, "--gate-prefill", help="Gate the prompt's tokens too (default: decode steps only).")
+
+
+# --- the runtime options, declared once (generate, chat, eval, serve) -------------------------------------------
+# (field of RuntimeOptions, annotation, its typer option). Every runtime command takes exactly these; the command
+# function receives them as one `opts: RuntimeOptions` (`runtime_options`).
+def _runtime_option_table():
+    from typing import Optional
+
+    return [
+        ("cache_experts", Optional[int], CacheOpts.cache_experts()), ("budget", Optional[str], CacheOpts.budget()),
+        ("device", str, CacheOpts.device()), ("emulate_device", bool, CacheOpts.emulate_device()),
+        ("offload", str, CacheOpts.offload()), ("replacement", Optional[str], CacheOpts.replacement()),
+        ("no_plan", bool, CacheOpts.no_plan()), ("prefetch", str, CacheOpts.prefetch()),
+        ("admission", Optional[str], CacheOpts.admission()), ("staging", Optional[int], CacheOpts.staging_buffers()),
+        ("predictor", Optional[str], CacheOpts.predictor()), ("workdir", Optional[str], CacheOpts.workdir()),
+        ("dtype", Optional[str], CacheOpts.dtype()), ("threads", Optional[int], CacheOpts.threads()),
+        ("cpu_experts", Optional[str], CacheOpts.cpu_experts()), ("prefill", str, CacheOpts.prefill()),
+        ("replay_trace", Optional[str], CacheOpts.replay_trace()),
+        ("gating_threshold", Optional[float], GatingOpts.threshold()), ("gating", Optional[str], GatingOpts.spec()),
+        ("gate_prefill", bool, GatingOpts.prefill()), ("lowbit", Optional[str], PrecisionOpts.lowbit()),
+        ("precision", Optional[str], PrecisionOpts.precision()), ("t1", float, PrecisionOpts.t1()),
+        ("t2", float, PrecisionOpts.t2()), ("lowbit_fraction", Optional[float], PrecisionOpts.fraction()),
+    ]
+
+
+def runtime_options(fn):
+    """Give a command every runtime option (one declaration) and pass them as `opts: RuntimeOptions`: gating is
+    the workdir's stored T_g unless --gating/--gating-threshold say otherwise, the plan the workdir's unless
+    --no-plan."""
+    import functools
+    import inspect
+
+    from ..options import RuntimeOptions
+
+    table = _runtime_option_table()
+    names = [n for n, _, _ in table]
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.name != "opts"]
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=ann)
+             for n, ann, opt in table]
+
+    @functools.wraps(fn)
+    def command(**kw):
+        given = {n: kw.pop(n) for n in names}
+        no_plan = given.pop("no_plan")
+        given["gating"] = given["gating"] or "auto"
+        kw["opts"] = RuntimeOptions(plan=None if no_plan else "auto", **given)
+        return fn(**kw)
+
+    command.__signature__ = sig.replace(parameters=own + extra)
+    command.__annotations__ = {**{p.name: p.annotation for p in own}, **{n: a for n, a, _ in table}}
+    return command
+
+
+def print_lossy(eng, console=None) -> dict:
+    """One start-up line naming the lossy settings in force (precision, gating, low-bit copies); returns them for
+    `--json`. stderr: JSON on stdout stays clean."""
+    from rich.console import Console
+
+    lossy = eng.lossy()
+    (console or Console(stderr=True)).print(
+        f"[dim]lossy settings: precision {lossy['precision']}; gating {lossy['gating']}; low-bit copies "
+        f"{lossy['lowbit'] or 'none'}[/]", highlight=False)
+    return lossy

@@ -41,6 +41,7 @@ def bench(
                                     help="Recipe whose shape sizes the predictor-cost run (default Mixtral-8x7B)."),
     gating_threshold: Optional[float] = GatingOpts.threshold(),
     gating: Optional[str] = GatingOpts.spec(),
+    gate_prefill: bool = GatingOpts.prefill(),
     lowbit: Optional[str] = PrecisionOpts.lowbit(),
     precision: Optional[str] = PrecisionOpts.precision(),
     t1: float = PrecisionOpts.t1(),
@@ -59,7 +60,7 @@ def bench(
         out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
                           replacement, prefetch, cpu_experts, dtype,
                           tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
-                          progress=not as_json, admission=admission)
+                          progress=not as_json, admission=admission or "off")
         if as_json:
             print(json.dumps(out))
         else:
@@ -67,7 +68,8 @@ def bench(
             for k, v in out["notes"].items():
                 Console().print(f"[dim]{k}: {v}[/]", highlight=False)
         return
-    _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision, t1, t2)
+    _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision, t1, t2,
+                            gate_prefill)
 
 
 def _model_table(out: dict):
@@ -94,7 +96,7 @@ def _model_table(out: dict):
 
 
 def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision,
-                            t1, t2) -> None:
+                            t1, t2, gate_prefill=False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -109,7 +111,8 @@ def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold
     out = {}
     if "overhead" in parts:
         out["overhead"] = runtime_overhead(threads=threads, gating=gating, gating_threshold=gating_threshold,
-                                           lowbit=lowbit, precision=precision, t1=t1, t2=t2)
+                                           lowbit=lowbit, precision=precision, t1=t1, t2=t2,
+                                           gate_prefill=gate_prefill)
     if "predictor" in parts:
         s = recipe_shape(model_shape)
         out["predictor"] = predictor_cost(s["hidden_size"], s["num_experts"], s["top_k"], s["moe_layers"])

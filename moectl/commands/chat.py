@@ -6,9 +6,11 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, PrecisionOpts, prepare_model, print_plan_note
+from ..options import RuntimeOptions
+from ._common import prepare_model, print_lossy, print_plan_note, runtime_options
 
 
+@runtime_options
 def chat(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, help="Most tokens per answer."),
@@ -17,30 +19,7 @@ def chat(
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
     seed: Optional[int] = typer.Option(0, "--seed", help="Sampling seed (turn i uses seed+i)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message at the start of the conversation."),
-    cache_experts: Optional[int] = CacheOpts.cache_experts(),
-    budget: Optional[str] = CacheOpts.budget(),
-    device: str = CacheOpts.device(),
-    emulate_device: bool = CacheOpts.emulate_device(),
-    offload: str = CacheOpts.offload(),
-    replacement: Optional[str] = CacheOpts.replacement(),
-    no_plan: bool = CacheOpts.no_plan(),
-    prefetch: str = CacheOpts.prefetch(),
-    admission: str = CacheOpts.admission(),
-    staging_buffers: int = CacheOpts.staging_buffers(),
-    predictor: Optional[str] = CacheOpts.predictor(),
-    workdir: Optional[str] = CacheOpts.workdir(),
-    dtype: Optional[str] = CacheOpts.dtype(),
-    threads: Optional[int] = CacheOpts.threads(),
-    cpu_experts: str = CacheOpts.cpu_experts(),
-    prefill: str = CacheOpts.prefill(),
-    gating_threshold: Optional[float] = GatingOpts.threshold(),
-    gating: Optional[str] = GatingOpts.spec(),
-    gate_prefill: bool = GatingOpts.prefill(),
-    lowbit: Optional[str] = PrecisionOpts.lowbit(),
-    precision: Optional[str] = PrecisionOpts.precision(),
-    t1: float = PrecisionOpts.t1(),
-    t2: float = PrecisionOpts.t2(),
-    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
+    opts: RuntimeOptions = None,
 ):
     """Chat with a model. On a pipe: one message per input line, answers and status lines on stdout."""
     import sys
@@ -52,16 +31,11 @@ def chat(
 
     console = Console()
     interactive = sys.stdin.isatty() and console.is_terminal
-    prepare_model(model, workdir)
-    eng = Engine.load(model, lowbit=lowbit, precision=precision, t1=t1, t2=t2,
-                      lowbit_fraction=lowbit_fraction, device=device,
-                      cache_experts=cache_experts, budget=budget, offload=offload,
-                      threads=threads, cpu_experts=cpu_experts, prefill=prefill,
-                      workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission, staging=staging_buffers, predictor=predictor,
-                      emulate_device=emulate_device,
-                      gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
-                      plan=None if no_plan else "auto", progress=interactive)
+    prepare_model(model, opts.workdir)
+    opts.progress = interactive
+    eng = Engine.load(model, options=opts)
     print_plan_note(eng)
+    print_lossy(eng)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                           top_p=top_p, seed=seed, system=system)
     raise typer.Exit(run_chat(session, console=console, interactive=interactive))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, PrecisionOpts, prepare_model
+from ..options import RuntimeOptions
+from ._common import prepare_model, print_lossy, print_plan_note, runtime_options
 
 
+@runtime_options
 def eval_(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
     dataset: str = typer.Option("default", "--dataset", "-d",
@@ -18,31 +19,12 @@ def eval_(
     window: int = typer.Option(256, "--window", min=2, help="Tokens per teacher-forced window."),
     prompts: int = typer.Option(4, "--prompts", min=1, help="Held-out prompts for greedy agreement."),
     generate: int = typer.Option(32, "--generate", min=1, help="Greedy tokens compared per prompt."),
-    cache_experts: Optional[int] = CacheOpts.cache_experts(),
-    budget: Optional[str] = CacheOpts.budget(),
-    device: str = CacheOpts.device(),
-    emulate_device: bool = CacheOpts.emulate_device(),
-    offload: str = CacheOpts.offload(),
-    replacement: Optional[str] = CacheOpts.replacement(),
-    prefetch: str = CacheOpts.prefetch(),
-    admission: str = CacheOpts.admission(),
-    staging_buffers: int = CacheOpts.staging_buffers(),
-    predictor: Optional[str] = CacheOpts.predictor(),
-    workdir: Optional[str] = CacheOpts.workdir(),
-    dtype: Optional[str] = CacheOpts.dtype(),
-    threads: Optional[int] = CacheOpts.threads(),
-    cpu_experts: str = CacheOpts.cpu_experts(),
-    gating_threshold: Optional[float] = GatingOpts.threshold(),
-    gating: Optional[str] = GatingOpts.spec(),
-    lowbit: Optional[str] = PrecisionOpts.lowbit(),
-    precision: Optional[str] = PrecisionOpts.precision(),
-    t1: float = PrecisionOpts.t1(),
-    t2: float = PrecisionOpts.t2(),
-    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
     decode_steps: bool = typer.Option(False, "--decode-steps", help="Score each window one decode step at a time "
                                       "(what a decode does per token, e.g. HOBBIT's hi/lo/skip on a miss, applies), "
                                       "not as one teacher-forced prefill."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with lossy: the settings in force "
+                                 "that change outputs)."),
+    opts: RuntimeOptions = None,
 ):
     """Perplexity with the given runtime options vs lossless on the same tokens, greedy-continuation agreement,
     experts computed and bytes loaded per token. Every scored token is computed as a decode step would be
@@ -55,13 +37,11 @@ def eval_(
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
 
-    prepare_model(model, workdir)
-    eng = Engine.load(model, lowbit=lowbit, precision=precision, t1=t1, t2=t2,
-                      lowbit_fraction=lowbit_fraction, device=device,
-                      cache_experts=cache_experts, budget=budget, offload=offload,
-                      threads=threads, cpu_experts=cpu_experts,
-                      workdir=workdir, dtype=dtype, emulate_device=emulate_device, replacement=replacement, prefetch=prefetch, admission=admission, staging=staging_buffers, predictor=predictor,
-                      gating=gating or "auto", gating_threshold=gating_threshold, progress=not as_json)
+    prepare_model(model, opts.workdir)
+    opts.progress = not as_json
+    eng = Engine.load(model, options=opts)
+    print_plan_note(eng)
+    lossy = print_lossy(eng)
     windows = token_windows(eng.tokenizer, load_calibration(dataset), window, max_tokens)
     starts = [w[: max(2, window // 4)] for w in windows[:prompts]]
     with ProgressBar(not as_json, transient=True) as bar:
@@ -69,7 +49,7 @@ def eval_(
         r = evaluate(eng, windows, starts, generate, eng.ref.workdir, progress=lambda: bar.update(task, advance=1),
                      decode=decode_steps)
     if as_json:
-        print(json.dumps(r))
+        print(json.dumps(r | {"lossy": lossy}))
         return
     t = Table(title=f"{eng.ref.name}: {r['tokens']} held-out tokens of {dataset}; {r['gating']}")
     t.add_column("figure")

@@ -7,10 +7,11 @@ from typing import Optional
 
 import typer
 
-from ._common import (CacheOpts, GatingOpts, PrecisionOpts, prepare_model, print_plan_note,
-                      print_stats_line)
+from ..options import RuntimeOptions
+from ._common import prepare_model, print_lossy, print_plan_note, print_stats_line, runtime_options
 
 
+@runtime_options
 def generate(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
@@ -20,50 +21,22 @@ def generate(
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
     seed: Optional[int] = typer.Option(0, "--seed", help="Sampling seed."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-    cache_experts: Optional[int] = CacheOpts.cache_experts(),
-    budget: Optional[str] = CacheOpts.budget(),
-    device: str = CacheOpts.device(),
-    emulate_device: bool = CacheOpts.emulate_device(),
-    offload: str = CacheOpts.offload(),
-    replacement: Optional[str] = CacheOpts.replacement(),
-    no_plan: bool = CacheOpts.no_plan(),
-    prefetch: str = CacheOpts.prefetch(),
-    admission: str = CacheOpts.admission(),
-    staging_buffers: int = CacheOpts.staging_buffers(),
-    predictor: Optional[str] = CacheOpts.predictor(),
-    workdir: Optional[str] = CacheOpts.workdir(),
-    dtype: Optional[str] = CacheOpts.dtype(),
-    threads: Optional[int] = CacheOpts.threads(),
-    cpu_experts: str = CacheOpts.cpu_experts(),
-    prefill: str = CacheOpts.prefill(),
-    replay_trace: Optional[str] = CacheOpts.replay_trace(),
-    gating_threshold: Optional[float] = GatingOpts.threshold(),
-    gating: Optional[str] = GatingOpts.spec(),
-    gate_prefill: bool = GatingOpts.prefill(),
-    lowbit: Optional[str] = PrecisionOpts.lowbit(),
-    precision: Optional[str] = PrecisionOpts.precision(),
-    t1: float = PrecisionOpts.t1(),
-    t2: float = PrecisionOpts.t2(),
-    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats (tokens/s, "
                                  "cache hits, bytes loaded, load wait, prefill_ms, ttft_ms, decode_ms_per_token, "
-                                 "host RSS)."),
+                                 "host RSS), lossy (the settings in force that change outputs), config ({option: [value, "
+                                 "source]}, source flag | plan | sensitivity.json | default)."),
+    opts: RuntimeOptions = None,
 ):
     """Generate text from a prompt, experts streamed through the device cache."""
     import sys
 
     from ..runtime.engine import Engine
 
-    prepare_model(model, workdir)
-    eng = Engine.load(model, lowbit=lowbit, precision=precision, t1=t1, t2=t2,
-                      lowbit_fraction=lowbit_fraction, device=device,
-                      cache_experts=cache_experts, budget=budget, offload=offload,
-                      threads=threads, cpu_experts=cpu_experts, prefill=prefill, replay_trace=replay_trace,
-                      workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission, staging=staging_buffers, predictor=predictor,
-                      emulate_device=emulate_device,
-                      gating=gating or "auto", gating_threshold=gating_threshold, gate_prefill=gate_prefill,
-                      plan=None if no_plan else "auto", progress=not as_json)
+    prepare_model(model, opts.workdir)
+    opts.progress = not as_json
+    eng = Engine.load(model, options=opts)
     print_plan_note(eng)
+    lossy = print_lossy(eng)
     stream = None
     if not as_json:
         def stream(_tok, piece):
@@ -77,7 +50,8 @@ def generate(
                                        "cpu_experts", "fills", "prefill_tokens_per_s", "threads",
                                        "low_misses", "full_misses", "skips") if k in res.stats}
     if as_json:
-        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats}))
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats, "lossy": lossy,
+                          "config": eng.resolved_options()}))
     else:
         print()
         print_stats_line(res.stats)

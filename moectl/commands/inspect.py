@@ -17,7 +17,9 @@ def inspect(
     lowbit: Optional[str] = typer.Option(None, "--lowbit", help="Size a low-bit copy set too, e.g. q4g64 (HQQ; "
                                          "need not exist yet)."),
     offload: str = typer.Option("ram", "--offload", help="Where the full-precision copies would live: ram or disk."),
-    device: str = typer.Option("cuda", "--device", help="The device the memory figures are for: cuda or cpu."),
+    device: str = typer.Option(None, "--device", show_default=False,
+                               help="The device the memory figures are for: cuda or cpu (default: cuda when torch sees "
+                                    "one, else cpu)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Device budget the cache would get (default: the "
                                          "minimum, one slot per layer of each pool)."),
     lowbit_fraction: Optional[float] = typer.Option(None, "--lowbit-fraction", min=0.0, max=0.99,
@@ -37,6 +39,10 @@ def inspect(
     prepare_model(model, workdir)
     from ..errors import MoectlError
 
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if offload not in ("ram", "disk") or device not in ("cuda", "cpu"):
         raise MoectlError("--offload is ram or disk, --device is cuda or cpu")
     info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction)

@@ -7,11 +7,13 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, PrecisionOpts, prepare_model, print_plan_note
+from ..options import RuntimeOptions
+from ._common import prepare_model, print_lossy, print_plan_note, runtime_options
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
+@runtime_options
 def serve(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface; set --api-key)."),
@@ -24,27 +26,7 @@ def serve(
                                    help="Answer length when a request gives no max_tokens (capped by the context)."),
     served_name: Optional[str] = typer.Option(None, "--served-model-name",
                                               help="Model id clients must send (default: the recipe/directory name)."),
-    cache_experts: Optional[int] = CacheOpts.cache_experts(),
-    budget: Optional[str] = CacheOpts.budget(),
-    device: str = CacheOpts.device(),
-    emulate_device: bool = CacheOpts.emulate_device(),
-    offload: str = CacheOpts.offload(),
-    replacement: Optional[str] = CacheOpts.replacement(),
-    no_plan: bool = CacheOpts.no_plan(),
-    prefetch: str = CacheOpts.prefetch(),
-    admission: str = CacheOpts.admission(),
-    staging_buffers: int = CacheOpts.staging_buffers(),
-    predictor: Optional[str] = CacheOpts.predictor(),
-    workdir: Optional[str] = CacheOpts.workdir(),
-    dtype: Optional[str] = CacheOpts.dtype(),
-    threads: Optional[int] = CacheOpts.threads(),
-    cpu_experts: str = CacheOpts.cpu_experts(),
-    prefill: str = CacheOpts.prefill(),
-    lowbit: Optional[str] = PrecisionOpts.lowbit(),
-    precision: Optional[str] = PrecisionOpts.precision(),
-    t1: float = PrecisionOpts.t1(),
-    t2: float = PrecisionOpts.t2(),
-    lowbit_fraction: Optional[float] = PrecisionOpts.fraction(),
+    opts: RuntimeOptions = None,
 ):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with /health,
     /metrics (Prometheus) and a live expert-cache page at /. Requests are served one at a time."""
@@ -64,18 +46,14 @@ def serve(
         err.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who can reach this machine "
                   f"can use the model", highlight=False)
     sock = bind(host, port)                                  # a port in use fails here, before the model loads
-    prepare_model(model, workdir)                            # the built-in tiny model is built on first use
+    prepare_model(model, opts.workdir)                            # the built-in tiny model is built on first use
     try:
         from ..runtime.engine import Engine
 
-        eng = Engine.load(model, lowbit=lowbit, precision=precision, t1=t1, t2=t2,
-                          lowbit_fraction=lowbit_fraction, device=device,
-                          cache_experts=cache_experts, budget=budget, offload=offload,
-                          threads=threads, cpu_experts=cpu_experts, prefill=prefill,
-                          workdir=workdir, dtype=dtype, replacement=replacement, prefetch=prefetch, admission=admission, staging=staging_buffers,
-                          predictor=predictor, emulate_device=emulate_device, gating="auto",   # stored T_g, if any
-                          plan=None if no_plan else "auto", progress=err.is_terminal)
+        opts.progress = err.is_terminal
+        eng = Engine.load(model, options=opts)
         print_plan_note(eng)
+        print_lossy(eng)
         app = create_app(eng, served_name or eng.ref.name, api_key=api_key, max_queue=max_queue,
                          default_max_tokens=max_tokens)
         bound_host, bound_port = sock.getsockname()[:2]

@@ -248,6 +248,21 @@ class Engine:
             stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
         return GenerationResult(text, new, ids, stats, per_token)
 
+    def lossy(self) -> dict:
+        """The settings in force that change outputs (precision, gating, low-bit copies), from the loaded policies."""
+        g = self.runtime.gating
+        note = (g.describe() + (f" (from {g.source})" if g.source else "")) if g is not None else None
+        prec = self.cache.precision
+        return self.options.lossy(note) | {"precision": prec.name + (
+            f" (T1 {prec.t1:g}, T2 {prec.t2:g})" if prec.name == "hobbit" else "")}
+
+    def resolved_options(self) -> dict:
+        """{option: [value, source]}: every runtime option as resolved (`RuntimeOptions.config`)."""
+        c = self.cache
+        return self.options.config({"slots_per_layer": list(getattr(c, "slots_per_layer", []) or []),
+                                    "replacement": c.state.policies[next(iter(c.state.policies))].name,
+                                    "prefetch": self.prefetch.name if self.prefetch is not None else "none"})
+
     def device_memory(self, past_key_values=None) -> dict:
         """Device memory held by weights + expert cache + this request's KV cache, by the runtime's own accounting
         (`device_held_bytes`: dense weights, slot pools, KV tensors); on CUDA also the allocator's peak

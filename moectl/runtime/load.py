@@ -70,6 +70,10 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     hf, blocks = skeleton(config, adapter, dt, ref.path)
     L, E, fingerprint = len(blocks), adapter.num_experts, config_fingerprint(config)
     opts.resolve(ref.workdir, fingerprint, L, E)
+    if in_place and opts.plan_data is not None:        # say what applies: no slots in place
+        opts.plan_note = (f"plan: {opts.plan_data['_path']}: experts are computed in place on the CPU (no expert "
+                          f"slots, nothing cached or copied), so its slots do not apply; its policies do "
+                          f"(--emulate-device gives the CPU the plan's slots; --no-plan ignores it)")
     gating = make_gating(opts.gating, opts.gating_threshold, ref.workdir, fingerprint, L)
     prec, low_fmt = make_precision_copies(opts, ref.workdir, fingerprint, adapter, L, dt)
     runtime = Runtime(adapter, gating, opts.gate_prefill)

@@ -1,0 +1,76 @@
+"""One set of runtime options (RuntimeOptions, declared once for the CLI), resolved flag > plan > artifact default >
+built-in default, with the sources and the lossy settings reported (issues 29 and 34)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from moectl.cli import app
+from moectl.commands._common import _runtime_option_table
+
+RUNTIME_COMMANDS = ("generate", "chat", "eval", "serve")
+
+
+def options_of(command: str) -> set[str]:
+    out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "300"}).output
+    return set(re.findall(r"(--[a-z0-9-]+)", out))
+
+
+def test_every_runtime_command_takes_the_same_runtime_options():
+    shared = {opt.param_decls[0] for _, _, opt in _runtime_option_table()}
+    assert {"--gating-threshold", "--gating", "--gate-prefill", "--cpu-experts", "--no-plan"} <= shared
+    for command in RUNTIME_COMMANDS:
+        assert shared <= options_of(command), (command, shared - options_of(command))
+    assert "--gate-prefill" in options_of("bench")
+
+
+def test_generate_json_reports_config_sources_lossy_and_no_future_warning(tiny_small):
+    r = CliRunner().invoke(app, ["generate", "--model", str(tiny_small), "--prompt", "The cache", "-n", "3",
+                                 "--greedy", "--emulate-device", "--cache-experts", "6", "--replacement", "lfu",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    assert "FutureWarning" not in r.output and "deprecated" not in r.output
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    c = d["config"]
+    assert c["cache_experts"] == [6, "flag"] and c["replacement"] == ["lfu", "flag"]
+    assert c["admission"] == ["off", "default"] and c["precision"] == ["full", "default"]
+    assert c["cpu_experts"] == ["never", "default"]               # a CPU: misses fetched into the emulated slots
+    assert sum(c["slots"][0]) == 6 and c["slots"][1] == "default"
+    assert d["lossy"] == {"precision": "full", "lowbit": None, "gating": "off"}
+
+
+def test_a_plan_in_place_on_a_cpu_says_its_slots_do_not_apply(tiny_small, tmp_path):
+    from moectl.runtime.engine import Engine
+
+    probe = Engine.load(str(tiny_small), progress=False)
+    L = len(probe.moe_layer_ids)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({"format": "moectl-plan-v1", "slots": [2] * L, "policies": {"replacement": "lfu"}}))
+    eng = Engine.load(str(tiny_small), plan=str(plan), progress=False)
+    assert "computed in place" in eng.plan_note and "slots do not apply" in eng.plan_note
+    assert f"{2 * L} expert slots" not in eng.plan_note                   # it used to claim them
+    assert eng.options.sources["replacement"] == "plan" and eng.options.replacement == "lfu"
+    emulated = Engine.load(str(tiny_small), plan=str(plan), emulate_device=True, progress=False)
+    assert emulated.cache.slots_per_layer == [2] * L and f"{2 * L} expert slots" in emulated.plan_note
+
+
+def test_inspect_without_device_reports_the_device_this_machine_has(tiny_small):
+    import torch
+
+    r = CliRunner().invoke(app, ["inspect", "--model", str(tiny_small), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["memory"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "chat"])
+def test_a_bad_runtime_option_is_one_error_line(tiny_small, command, capsys, monkeypatch):
+    from test_bad_input import assert_one_error, run_cli
+
+    args = [command, "--model", str(tiny_small), "--admission", "maybe"] + (["--prompt", "x"] if command == "generate"
+                                                                             else [])
+    code, _, err = run_cli(args, capsys, monkeypatch)
+    assert_one_error(code, err, "--admission", "maybe")
