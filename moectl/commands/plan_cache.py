@@ -31,8 +31,9 @@ def plan_cache(
                                   "--t1/--t2; the default with --lowbit) or lowbit-only (every expert low-bit)"),
     t1: float = typer.Option(0.6, "--t1", help="hobbit: a missed expert with rank score <= T1 loads in full precision"),
     t2: float = typer.Option(0.9, "--t2", help="hobbit: <= T2 loads its low-bit copy, above is skipped"),
-    cpu_experts: str = typer.Option("never", "--cpu-experts", help="misses computed on the CPU from host RAM: auto "
-                                    "(when the cost model says it beats a copy), never, always"),
+    cpu_experts: str = typer.Option("auto", "--cpu-experts", help="misses computed on the CPU from host RAM: auto "
+                                    "(when the cost model says it beats a copy; the default: the fastest lossless "
+                                    "setting, outputs unchanged), never, always"),
     admission: str = typer.Option("off", "--admission", help="on: the plan's prefetches pass the admission rule "
                                   "(a copy only when its expected saving beats its copy-engine cost), measured so and "
                                   "recorded for `simulate --plan`"),

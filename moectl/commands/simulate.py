@@ -110,7 +110,11 @@ def simulate(
     from ..recipes import parse_size
 
     cost = sim.cost_for(tr, hardware, model_shape, bits)
-    caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost)
+    staging = (prefetch_staging(cpu_experts) if staging_buffers is None else staging_buffers) if prefetch != "none" \
+        else 0
+    caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost,
+                          facts=_checkpoint_facts(model_shape or tr.model, tr) if budget is not None else None,
+                          staging=staging)
     if plan_caps is not None:
         caps = plan_caps
     gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)
@@ -227,3 +231,17 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "") -
                   f"{d['stall_ms_per_token']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
                   *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra])
     out.print(t)
+
+
+def _checkpoint_facts(model: str, trace):
+    """The sizing facts of the trace's checkpoint when it is on disk (the runtime's own: dense bytes of the skeleton,
+    KV bytes), so `--budget` buys the slots it buys in `generate`; None (estimated from the shape) otherwise."""
+    from ..errors import MoectlError
+    from ..plan.budget import model_facts
+
+    try:
+        facts = model_facts(model)
+    except MoectlError:
+        return None
+    same = (facts.num_layers, facts.num_experts) == (trace.num_layers, trace.num_experts)
+    return facts if same and facts.source.startswith("checkpoint") else None

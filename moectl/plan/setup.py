@@ -128,6 +128,6 @@ def setup_from_trace(trace, budget: str, hardware: str, model_shape: str | None 
     cost = CostModel(load_hardware(hardware), shape)
     replay = Replay(trace, cost)
     replay.raw = trace
-    pol = Policies(replacement=replacement)
+    pol = Policies(replacement=replacement, cpu_experts="auto")     # moectl's default: the fastest lossless setting
     pol.prefetch = _prefetch(prefetch, replay, None, facts)
     return Setup(facts, split, cost, replay, pol, None, hardware, budget, trace)

@@ -20,7 +20,7 @@ from ..cache_model import FULL, LOW, CacheState
 from ..policies.base import ReplacementPolicy
 from ..policies.precision import PrecisionPolicy
 from ..store.expert_store import ExpertStore
-from .cache import CacheFront, CacheStats
+from .front import CacheFront, CacheStats
 
 
 class InPlaceExperts(CacheFront):

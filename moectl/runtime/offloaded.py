@@ -114,12 +114,9 @@ class OffloadedExperts(nn.Module):
         cache = self.runtime.cache
         if cache.precision.name == "full" and len(cache.precisions) == 1:
             return {e: cache.plan(self.layer, e, [0.0]) for e in needed}, top_k_weights
-        w = top_k_weights.float()
-        norm = w / w.sum(-1, keepdim=True).clamp_min(1e-30)                        # [T,K]
-        order = torch.sort(norm, dim=-1, descending=True, stable=True).indices
-        ranked = norm.gather(-1, order)
-        scores = torch.empty_like(norm).scatter_(-1, order, ranked.cumsum(-1) - ranked)   # s_i: mass ranked above
-        idx, sc = top_k_index.tolist(), scores.tolist()
+        idx = top_k_index.tolist()
+        sc = [rank_scores(row) for row in top_k_weights.float().tolist()]     # per token, as the simulator scores
+        w = top_k_weights
         plan, drop = {}, torch.zeros_like(w, dtype=torch.bool)
         for e in needed:
             where = [(t, k) for t, row in enumerate(idx) for k, x in enumerate(row) if x == e]

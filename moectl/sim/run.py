@@ -31,16 +31,20 @@ from .simulator import SimResult, Simulator, trace_steps
 
 def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
                plan: str | Path | dict | None = None, budget: float | None = None,
-               cost: CostModel | None = None) -> list[int]:
+               cost: CostModel | None = None, facts: ModelFacts | None = None, staging: int = 0) -> list[int]:
     """Full-precision slots per layer. `budget` (bytes of device memory) is split as the runtime splits it
-    (`moectl/sizing.py`: dense weights, KV reserve, workspace) and the rest filled with experts of `cost`'s size."""
+    (`moectl/sizing.py`: dense weights, KV reserve, workspace, `staging` buffers of `cost`'s expert) and the rest
+    filled with experts of `cost`'s size; `facts` (a checkpoint's, `plan/budget.py: model_facts`) or, without,
+    estimated from `cost`'s shape."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     given = sum(x is not None for x in (fraction, experts, plan, budget))
     if given != 1:
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
-    if budget is not None:                      # the runtime's sizing (moectl/sizing.py), from the trace's shape
-        return budget_slots(split_budget(int(budget), shape_facts(cost.shape, L, E, K, cost.expert_bytes)),
-                            cost.expert_bytes, L, E)
+    if budget is not None:
+        facts = facts or shape_facts(cost.shape, L, E, K, cost.expert_bytes)
+        split = split_budget(int(budget), facts, min_slot_bytes=cost.expert_bytes,
+                             staging=int(staging * cost.expert_bytes))
+        return budget_slots(split, cost.expert_bytes, L, E)
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")

@@ -268,7 +268,7 @@ class Simulator:
         t = self._device_side(step, l, on_device)
         if not step.prefill:
             self.stall_layer[l] += self.step_stall - stall_before
-        self._fill(step, l, on_cpu)
+        self._fill(step, l, on_cpu, t)
         self.clock = max(t, t_cpu)
         if not step.prefill:
             self.gate.layer_done(self.n_demand - layer_demand, len(on_cpu))
@@ -278,7 +278,10 @@ class Simulator:
         either precision on the device; else the precision policy's choice, skipped, fetched or computed on the
         CPU."""
         state, chosen, weights = self.state, step.chosen[l], step.weights[l]
-        scores = rank_scores(weights) if weights and not step.prefill else [0.0] * len(chosen)
+        if step.prefill:
+            scores = [step.scores[l].get(e, 0.0) for e in chosen] if step.scores else [0.0] * len(chosen)
+        else:
+            scores = rank_scores(weights) if weights else [0.0] * len(chosen)
         on_device: dict[str, list[int]] = {p: [] for p in self.pools}
         on_cpu: list[tuple[int, str]] = []
         for e, s in zip(chosen, scores):
@@ -341,10 +344,11 @@ class Simulator:
                 self.step_stall += (t - t0) - sum(c for _, c in ready)
         return t
 
-    def _fill(self, step: Step, l: int, on_cpu: list[tuple[int, str]]) -> None:
-        """A miss the CPU computed is copied into the cache in the background, when the copy engine is idle (one at
-        a time; a demand load overtakes it at a chunk boundary)."""
-        state, clock = self.state, self.clock
+    def _fill(self, step: Step, l: int, on_cpu: list[tuple[int, str]], clock: float) -> None:
+        """A miss the CPU computed is copied into the cache in the background, when the copy engine is idle once the
+        device's experts of the layer ran (`clock`), as the runtime checks it (one at a time; a demand load
+        overtakes it at a chunk boundary)."""
+        state = self.state
         for e, p in on_cpu:                          # a staged prefetch the CPU outran: installed as it is
             if (l, p, e) in state.staged:
                 self.copies.pop((l, p, state.access(l, e, p).victim), None)

@@ -21,6 +21,8 @@ class Step:
     chosen: list[list[int]]                # per layer: experts used (union over rows for prefill)
     weights: list[list[float] | None]      # per layer: gate weights (decode rows only)
     tokens_per_expert: list[dict[int, int]] | None   # prefill: per layer, tokens routed to each expert
+    scores: list[dict[int, float]] | None = None     # prefill: per layer, each expert's lowest rank score over the
+    #                                                  rows (the precision a miss loads is the best any row asks for)
 
 
 def trace_steps(trace: Trace) -> list[Step]:
@@ -39,7 +41,8 @@ def trace_steps(trace: Trace) -> list[Step]:
                 keep = ids >= 0
                 chosen.append([int(i) for i in ids[keep]])
                 counts.append({int(i): int(c) for i, c in zip(ids[keep], n[keep])})
-            steps.append(Step(req, True, True, pre, chosen, [None] * trace.num_layers, counts))
+            steps.append(Step(req, True, True, pre, chosen, [None] * trace.num_layers, counts,
+                              None if w is None else prefill_scores(ex[pre], w[pre])))
             first = False
         for r in rows[trace.phase[rows] != PREFILL]:
             chosen, weights = [], []
@@ -50,6 +53,21 @@ def trace_steps(trace: Trace) -> list[Step]:
             steps.append(Step(req, first, False, np.array([r]), chosen, weights, None))
             first = False
     return steps
+
+
+def prefill_scores(experts: np.ndarray, weights: np.ndarray) -> list[dict[int, float]]:
+    """Per layer, {expert: its lowest rank score over the rows} of prefill rows `experts`/`weights` [N, L, K]."""
+    from ..policies.precision import rank_scores
+
+    out = []
+    for l in range(experts.shape[1]):
+        best: dict[int, float] = {}
+        for ids, ws in zip(experts[:, l], weights[:, l]):
+            ok = ids >= 0
+            for e, s in zip(ids[ok], rank_scores([float(x) for x in ws[ok]])):
+                best[int(e)] = min(best.get(int(e), 1.0), s)
+        out.append(best)
+    return out
 
 
 @dataclass
