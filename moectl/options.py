@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .artifacts.plan import PLAN_POLICIES, plan_policies
 from .errors import MoectlError
 
 FLAG, PLAN, SENSITIVITY, PREDICTORS, DEFAULT = "flag", "plan", "sensitivity.json", "predictors.json", "default"
@@ -53,13 +54,15 @@ class RuntimeOptions:
     lowbit_fraction: float | None = None
     admission: str | None = None
     staging: int | None = None
+    workdir_defaults: bool = False          # CLI: unset prefetch / gating mean the workdir's predictors / stored T_g
     sources: dict = field(default_factory=dict, repr=False)
     plan_data: dict | None = field(default=None, repr=False)   # the plan applied (resolve)
     plan_note: str = ""
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name not in ("sources", "plan_data", "plan_note") and getattr(self, f.name) != f.default:
+            if f.name not in ("sources", "plan_data", "plan_note", "workdir_defaults") and \
+                    getattr(self, f.name) != f.default:
                 self.sources.setdefault(f.name, FLAG)
 
     def set(self, name: str, value, source: str) -> None:
@@ -69,7 +72,8 @@ class RuntimeOptions:
             self.sources[name] = source
 
     # --- resolve: flag > plan > artifact default > built-in default --------------------------------
-    def resolve(self, workdir, fingerprint: str, num_layers: int, num_experts: int) -> "RuntimeOptions":
+    def check(self) -> "RuntimeOptions":
+        """The checks that need nothing loaded (before the device, the checkpoint, anything read)."""
         from .policies.admission import ADMISSION_MODES
 
         if self.prefill not in ("cache", "stream"):
@@ -80,13 +84,20 @@ class RuntimeOptions:
             raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         if self.offload not in ("ram", "disk"):
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {self.offload!r}")
+        return self
+
+    def resolve(self, workdir, fingerprint: str, num_layers: int, num_experts: int) -> "RuntimeOptions":
+        self.check()
         self._apply_plan(workdir, fingerprint, num_layers, num_experts)
-        cuda = self.device != "cpu"
+        cuda, wd = self.device != "cpu", self.workdir_defaults
         for name, value in (("replacement", "lru"), ("admission", "off"),
                             ("cpu_experts", "auto" if cuda else "never"),        # in place on a CPU nothing misses
-                            ("precision", "hobbit" if self.lowbit else "full")):
+                            ("precision", "hobbit" if self.lowbit else "full"),
+                            ("prefetch", "auto" if wd else None)):              # auto: predictors.json, else gate reuse
             self.set(name, value, DEFAULT)
         if self.gating is None and self.gating_threshold is None:
+            if wd:
+                self.set("gating", "auto", SENSITIVITY)         # sensitivity.json's T_g when there is one
             self.sources.setdefault("gating", DEFAULT)
         return self
 
@@ -114,13 +125,10 @@ class RuntimeOptions:
         self.plan_data = d
         self.slots_per_layer = [int(s) for s in d["slots"]]
         self.sources["slots"] = PLAN
-        pol = d.get("policies") or {}
-        for name in ("replacement", "cpu_experts", "admission"):
-            self.set(name, pol.get(name), PLAN)
-        if any(int(s) for s in d.get("slots_low") or []) and self.precision is None and pol.get("precision"):
-            self.set("precision", pol["precision"], PLAN)
-            if pol["precision"] == "hobbit":
-                self.t1, self.t2 = pol.get("t1") or self.t1, pol.get("t2") or self.t2
+        # its precision comes with its low-bit pools (and the copies, which --lowbit names: never loaded unasked)
+        low_pools = any(int(s) for s in d.get("slots_low") or [])
+        self.take_plan(d, ("replacement", "prefetch", "cpu_experts", "admission") + (("precision",) if low_pools
+                                                                                    else ()))
         if self.staging is None and (d.get("budget") or {}).get("staging") is not None:
             self.sources["staging"] = PLAN
         pred = d.get("predicted") or {}
@@ -128,6 +136,25 @@ class RuntimeOptions:
         self.plan_note = (f"plan: {d['_path']} ({sum(d['slots'])} expert slots, {min(d['slots'])}-{max(d['slots'])} "
                           f"per layer" + (f"; predicted {ms:.3g} ms/token on {d.get('hardware')}" if ms else "")
                           + "; --no-plan ignores it)")
+
+    def take_plan(self, plan: dict, names=PLAN_POLICIES):
+        """The plan's value (`artifacts/plan.py: plan_policies`) of each option in `names` left unset, HOBBIT's T1/T2
+        with its hobbit precision, and its gating unless the command gave one; returns that gating (or None)."""
+        pol = plan_policies(plan)
+        for name in names:
+            self.set(name, pol.get(name), PLAN)
+        if pol.get("precision") == self.precision == "hobbit":
+            for k in ("t1", "t2"):
+                if k in pol and self.sources.get(k) != FLAG:
+                    setattr(self, k, pol[k])
+                    self.sources[k] = PLAN
+        if pol.get("gating") and self.gating in (None, "auto") and self.gating_threshold is None:
+            from .policies.gating import SensitivityGating
+
+            self.gating = SensitivityGating(*pol["gating"])         # the T_g the plan was measured with
+            self.sources["gating"] = PLAN
+            return self.gating
+        return None
 
     # --- what is in force -----------------------------------------------------------------------
     def lossy(self, gating_note: str | None) -> dict:
@@ -140,7 +167,7 @@ class RuntimeOptions:
         """{name: [value, source]} of every option (values made JSON-safe), `resolved` overriding values."""
         out = {}
         for f in fields(self):
-            if f.name in ("sources", "plan_data", "plan_note", "cost", "progress"):
+            if f.name in ("sources", "plan_data", "plan_note", "cost", "progress", "workdir_defaults"):
                 continue
             v = (resolved or {}).get(f.name, getattr(self, f.name))
             if f.name == "slots_per_layer":

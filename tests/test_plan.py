@@ -159,7 +159,8 @@ def test_plan_cache_on_the_mixtral_trace_beats_the_even_split(tmp_path, capsys, 
 def test_hobbit_plan_keeps_both_pools_and_beats_the_even_split(tmp_path, capsys, monkeypatch):
     out = tmp_path / "plan.yaml"
     code, stdout, err = run_cli(["plan-cache", "--model", "mixtral", "--budget", "20GB", "--traces", str(MIXTRAL_TRACE),
-                                 "--lowbit", "q4g64", "--workdir", str(tmp_path), "--out", str(out), "--json"],
+                                 "--lowbit", "q4g64", "--cpu-experts", "never", "--workdir", str(tmp_path), "--out", str(out),
+                                 "--json"],
                                 capsys, monkeypatch)
     assert code == 0, err
     plan = yaml.safe_load(out.read_text())
@@ -270,7 +271,7 @@ def test_a_plan_records_prefetch_admission_and_simulate_applies_it(tiny_profiled
     budget = str(minimum + 6 * facts.expert_bytes())
     out = tmp_path / "plan.yaml"
     args = ["plan-cache", "--model", str(ckpt), "--workdir", str(wd), "--budget", budget, "--kv-tokens",
-            str(KV_TOKENS), "--out", str(out), "--json"]
+            str(KV_TOKENS), "--out", str(out), "--cpu-experts", "never", "--json"]
     code, stdout, err = run_cli(args + ["--admission", "on"], capsys, monkeypatch)
     assert code == 0, err
     plan = yaml.safe_load(out.read_text())
@@ -330,7 +331,8 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     L, E, kv_tokens = facts.num_layers, facts.num_experts, KV_TOKENS
     budget = minimum + (L * E // 3 + 3) * facts.expert_bytes()          # 6 slots + the two prefetch staging buffers
     code, stdout, err = run_cli(["plan-cache", "--model", str(tiny_small), "--workdir", str(wd), "--budget",
-                                 str(budget), "--kv-tokens", str(kv_tokens), "--json"], capsys, monkeypatch)
+                                 str(budget), "--kv-tokens", str(kv_tokens), "--cpu-experts", "never", "--json"],
+                                capsys, monkeypatch)
     assert code == 0, err
     plan = json.loads(stdout)["plan"]
     assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]

@@ -210,7 +210,7 @@ def test_budget_split_and_inspect_memory_figures(mixtral, q4, capsys, monkeypatc
     with pytest.raises(MoectlError, match="--lowbit-fraction"):
         Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", lowbit_fraction=1.5, progress=False)
     code, out, err = run_cli(["inspect", "--model", str(mixtral), "--workdir", str(wd), "--lowbit", "q4g64",
-                              "--offload", "disk", "--json"], capsys, monkeypatch)
+                              "--offload", "disk", "--device", "cuda", "--json"], capsys, monkeypatch)
     assert code == 0, err
     m = json.loads(out)["memory"]
     assert m["bytes_per_expert_full"] == nf and m["bytes_per_expert_lowbit"] == nl == meta["bytes_per_expert"]

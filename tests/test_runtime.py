@@ -232,7 +232,7 @@ def test_cli_generate_json(text_model, capsys):
                              capsys)
     assert code == 0, err
     obj = json.loads(out)
-    assert set(obj) == {"text", "token_ids", "stats"}
+    assert set(obj) == {"text", "token_ids", "stats", "lossy", "config"}     # issues 29 / 34 added the last two
     assert len(obj["token_ids"]) <= 5
     for k in ("tokens_per_s", "hit_rate", "misses", "bytes_loaded", "bytes_per_token", "load_wait_s"):
         assert k in obj["stats"]

@@ -74,3 +74,18 @@ def test_a_bad_runtime_option_is_one_error_line(tiny_small, command, capsys, mon
                                                                              else [])
     code, _, err = run_cli(args, capsys, monkeypatch)
     assert_one_error(code, err, "--admission", "maybe")
+
+
+def test_generate_uses_no_deprecated_transformers_api(tiny_small):
+    """Issue 34: a runtime command printed transformers' FutureWarning (past_key_values). With every FutureWarning an
+    error, a generate through the emulated device's cache (KV cache, prefill, decode) still succeeds."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MOECTL_HOME=str(tiny_small.parent.parent / "home"))
+    r = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "moectl.cli", "generate", "--model",
+                        str(tiny_small), "--prompt", "The cache", "-n", "3", "--greedy", "--emulate-device",
+                        "--cache-experts", "4", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "FutureWarning" not in r.stderr and len(json.loads(r.stdout)["token_ids"]) == 3

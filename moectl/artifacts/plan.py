@@ -87,3 +87,18 @@ def _yaml_item_lines(path, key: str) -> list[int]:
         if k.value == key and isinstance(v, yaml.SequenceNode):
             return [item.start_mark.line + 1 for item in v.value]
     return []
+
+
+PLAN_POLICIES = ("replacement", "prefetch", "precision", "lowbit", "cpu_experts", "admission")
+
+
+def plan_policies(plan: dict) -> dict:
+    """The options a plan sets, for everything that applies one (`RuntimeOptions.resolve`, `simulate --plan`): its
+    policies, HOBBIT's T1/T2 with its hobbit precision, and its gating as (T_g, [S_l]) when it was measured gated."""
+    pol = plan.get("policies") or {}
+    out = {k: pol[k] for k in PLAN_POLICIES if pol.get(k) is not None}
+    if pol.get("precision") == "hobbit":
+        out |= {k: float(pol[k]) for k in ("t1", "t2") if pol.get(k) is not None}
+    if pol.get("gating") and pol.get("sensitivities"):
+        out["gating"] = (float(pol["gating"]), [float(x) for x in pol["sensitivities"]])
+    return out

@@ -51,9 +51,9 @@ class CacheOpts:
     @staticmethod
     def prefetch():
         names = ", ".join(n for n in PREFETCH_NAMES if n != "oracle")      # oracle knows the future
-        return typer.Option("auto", "--prefetch",
+        return typer.Option(None, "--prefetch", show_default=False,
                             help="Runtime prefetch: auto (the workdir's trained predictors: aux gate for layer 0 + MLP; "
-                                 f"gate-reuse when there are none), {names}.")
+                                 f"gate-reuse when there are none), {names}. Default: the loaded plan's, else auto.")
 
     @staticmethod
     def admission():
@@ -185,7 +185,7 @@ def _runtime_option_table():
         ("cache_experts", Optional[int], CacheOpts.cache_experts()), ("budget", Optional[str], CacheOpts.budget()),
         ("device", str, CacheOpts.device()), ("emulate_device", bool, CacheOpts.emulate_device()),
         ("offload", str, CacheOpts.offload()), ("replacement", Optional[str], CacheOpts.replacement()),
-        ("no_plan", bool, CacheOpts.no_plan()), ("prefetch", str, CacheOpts.prefetch()),
+        ("no_plan", bool, CacheOpts.no_plan()), ("prefetch", Optional[str], CacheOpts.prefetch()),
         ("admission", Optional[str], CacheOpts.admission()), ("staging", Optional[int], CacheOpts.staging_buffers()),
         ("predictor", Optional[str], CacheOpts.predictor()), ("workdir", Optional[str], CacheOpts.workdir()),
         ("dtype", Optional[str], CacheOpts.dtype()), ("threads", Optional[int], CacheOpts.threads()),
@@ -199,9 +199,9 @@ def _runtime_option_table():
 
 
 def runtime_options(fn):
-    """Give a command every runtime option (one declaration) and pass them as `opts: RuntimeOptions`: gating is
-    the workdir's stored T_g unless --gating/--gating-threshold say otherwise, the plan the workdir's unless
-    --no-plan."""
+    """Give a command every runtime option (one declaration) and pass them as `opts: RuntimeOptions`: what the
+    command leaves unset is the plan's (the workdir's plan.yaml unless --no-plan), else the workdir's artifacts'
+    (predictors for --prefetch auto, the stored T_g for gating), else the built-in default (`RuntimeOptions.resolve`)."""
     import functools
     import inspect
 
@@ -218,8 +218,7 @@ def runtime_options(fn):
     def command(**kw):
         given = {n: kw.pop(n) for n in names}
         no_plan = given.pop("no_plan")
-        given["gating"] = given["gating"] or "auto"
-        kw["opts"] = RuntimeOptions(plan=None if no_plan else "auto", **given)
+        kw["opts"] = RuntimeOptions(plan=None if no_plan else "auto", workdir_defaults=True, **given)
         return fn(**kw)
 
     command.__signature__ = sig.replace(parameters=own + extra)

@@ -58,7 +58,7 @@ def bench(
 
         prepare_model(model, workdir)
         out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
-                          replacement, prefetch, cpu_experts, dtype,
+                          replacement, prefetch or "auto", cpu_experts, dtype,
                           tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
                           progress=not as_json, admission=admission or "off")
         if as_json:

@@ -92,8 +92,10 @@ def simulate(
 
         simulate_preset(tr, preset, budget, hardware, model_shape, plan, as_json)
         return
-    opts = dict(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1, t2=t2,
-                cpu_experts=cpu_experts, admission=admission)
+    from ..options import RuntimeOptions
+
+    opts = RuntimeOptions(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1,
+                          t2=t2, cpu_experts=cpu_experts, admission=admission)
     plan_caps, plan_gating, preload = None, None, None
     if plan is not None:
         from ..plan.artifact import apply_plan
@@ -102,9 +104,9 @@ def simulate(
         plan_caps, plan_gating = apply_plan(plan_d, tr, opts)
         preload = sim.plan_preload(plan_d, tr.num_layers, tr.num_experts)     # its hot set, resident from the start
     replacement, prefetch, precision, lowbit, t1, t2, cpu_experts = (
-        opts["replacement"] or "lru", opts["prefetch"] or "none", opts["precision"] or "full", opts["lowbit"],
-        opts["t1"], opts["t2"], opts["cpu_experts"] or "never")
-    admission = opts["admission"] or "off"
+        opts.replacement or "lru", opts.prefetch or "none", opts.precision or "full", opts.lowbit,
+        opts.t1, opts.t2, opts.cpu_experts or "never")
+    admission = opts.admission or "off"
     from ..policies.admission import prefetch_staging
     from ..policies.precision import make_precision
     from ..recipes import parse_size

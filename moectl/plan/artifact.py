@@ -34,26 +34,17 @@ def write_plan(path, plan: dict, fingerprint: str | None) -> Path:
     return write_descriptor(path, head | plan)
 
 
-def apply_plan(plan: dict, trace, opts: dict):
+def apply_plan(plan: dict, trace, opts):
     """What `simulate --plan` takes from a plan: {precision: slots per layer} when it has low-bit slots (else the
-    caller's `capacities` already read `slots`), its policies for every option left None in `opts` (changed in
-    place), and its sensitivity gating (a GatingPolicy, or None)."""
+    caller's `capacities` already read `slots`), its policies for every option `opts` (a RuntimeOptions) left unset
+    (changed in place, `RuntimeOptions.take_plan`: the runtime's rule), and its sensitivity gating (a GatingPolicy,
+    or None)."""
     check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
-    pol = plan.get("policies") or {}
-    for k in ("replacement", "prefetch", "precision", "lowbit", "cpu_experts", "admission"):
-        if opts.get(k) is None and pol.get(k) is not None:
-            opts[k] = pol[k]
-    if pol.get("precision") == opts.get("precision") and pol.get("precision") == "hobbit":
-        opts["t1"], opts["t2"] = pol.get("t1", opts.get("t1")), pol.get("t2", opts.get("t2"))
+    gating = opts.take_plan(plan)
     caps = None
     if plan.get("slots_low"):
         from ..cache_model import FULL
         from ..policies.precision import LOW
 
         caps = {FULL: [int(s) for s in plan["slots"]], LOW: [int(s) for s in plan["slots_low"]]}
-    gating = None
-    if pol.get("gating") and pol.get("sensitivities"):
-        from ..policies.gating import SensitivityGating
-
-        gating = SensitivityGating(float(pol["gating"]), pol["sensitivities"])
     return caps, gating

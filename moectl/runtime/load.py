@@ -16,7 +16,7 @@ import torch
 
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
-from ..options import RuntimeOptions
+from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
 from ..recipes import resolve_model
 from ..sizing import cache_slots, lowbit_fraction_for, split_budget, split_pools
 from ..store.checkpoint import Checkpoint
@@ -58,6 +58,7 @@ class Sizes:
 
 
 def load(model: str, opts: RuntimeOptions) -> Loaded:
+    opts.check()
     ref = built(resolve_model(model, opts.workdir))
     dev = parse_device(opts.device)
     config, adapter = load_config(ref.path)
@@ -75,6 +76,8 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
                           f"slots, nothing cached or copied), so its slots do not apply; its policies do "
                           f"(--emulate-device gives the CPU the plan's slots; --no-plan ignores it)")
     gating = make_gating(opts.gating, opts.gating_threshold, ref.workdir, fingerprint, L)
+    if gating is None and opts.sources.get("gating") == SENSITIVITY:
+        opts.sources["gating"] = DEFAULT                   # no sensitivity.json (or no T_g in it): off
     prec, low_fmt = make_precision_copies(opts, ref.workdir, fingerprint, adapter, L, dt)
     runtime = Runtime(adapter, gating, opts.gate_prefill)
     for moe_idx, (layer_idx, block) in enumerate(blocks):
@@ -84,6 +87,8 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     prefetch = None if in_place and opts.prefetch == "auto" else opts.prefetch   # in place nothing can miss
     policy, prefetch = build_policies(opts.replacement, prefetch, hf, adapter, opts.predictor or ref.workdir,
                                       fingerprint, L)
+    if opts.prefetch == "auto" and prefetch is not None and prefetch.name != "gate-reuse":
+        opts.sources["prefetch"] = PREDICTORS                 # auto found the workdir's trained predictors
     store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=opts.offload, pin=(dev.type == "cuda"),
                         progress=opts.progress)
     if low_fmt is not None:
