@@ -7,9 +7,9 @@
            + experts   the cache's slots, split over precisions (`split_pools`) and layers (`split_slots`)
 
 The minimum is dense + KV + workspace + staging + one slot per MoE layer of the smallest precision served; below
-it is one clear error that states the minimum. The callers supply the facts (`ModelFacts`): the runtime from the
+it is one clear error that states the minimum. The callers supply the facts (`ModelSizes`): the runtime from the
 checkpoint's skeleton, `plan-cache`/`inspect` from the checkpoint (or a recipe's shape), `simulate` from the
-trace's shape. No torch, no runtime: a pure function of sizes.
+checkpoint or the trace's shape. No torch, no runtime, no simulator: a pure function of sizes.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ DEFAULT_LOWBIT_FRACTION = 0.25
 
 
 @dataclass
-class ModelFacts:
-    """Sizes the budget split and the cost model need. `shape` is a recipe-style shape block."""
+class ModelSizes:
+    """What the sizing needs of a model. `shape` is a recipe-style shape block (the workspace reads it).
+    `plan/budget.py: ModelFacts` adds the bytes of low-bit copies (from the shape) for the planner."""
 
     name: str
     shape: dict
@@ -40,14 +41,10 @@ class ModelFacts:
     kv_bytes_per_token: int     # all layers
     fingerprint: str | None = None
     source: str = ""            # "checkpoint <path>" or "recipe <name>"
-    full_expert_bytes: int | None = None   # the checkpoint's packed expert (biases included), when known
+    full_expert_bytes: int | None = None   # one packed expert at full precision (biases included)
 
-    def expert_bytes(self, bits: float | None = None, group: int = 64) -> int:
-        from .sim.cost import expert_bytes
-
-        if bits is None and self.full_expert_bytes:
-            return self.full_expert_bytes
-        return int(expert_bytes(self.shape, bits, group))
+    def expert_bytes(self) -> int:
+        return int(self.full_expert_bytes)
 
 
 def workspace_bytes(shape: dict, tokens: int = WORKSPACE_TOKENS) -> int:
@@ -70,7 +67,7 @@ class BudgetSplit:
         return asdict(self)
 
 
-def split_budget(size: str | int, facts: ModelFacts, kv_tokens: int = KV_RESERVE_TOKENS,
+def split_budget(size: str | int, facts: ModelSizes, kv_tokens: int = KV_RESERVE_TOKENS,
                  min_slot_bytes: int | None = None, staging: int = 0) -> BudgetSplit:
     """The budget's parts; a clear error when it cannot hold one slot per MoE layer (`min_slot_bytes`:
     the smallest slot served, default a full-precision expert) after `staging` bytes of staging buffers."""

@@ -15,7 +15,7 @@ from model_factory import build_family, family_configs, save_tokenizer  # noqa: 
 
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
-from moectl.sizing import ModelFacts, budget_slots, split_budget, workspace_bytes  # noqa: E402
+from moectl.sizing import ModelSizes, budget_slots, split_budget, workspace_bytes  # noqa: E402
 
 FAMILIES = list(family_configs())
 DECODE_STEPS = 16
@@ -118,7 +118,7 @@ def test_disk_offload_matches_ram(family_dirs):
 def test_budget_to_slots_and_minimum():
     MB = 10**6
     shape = {"hidden_size": 8, "intermediate_size": 16, "vocab_size": 100}
-    facts = ModelFacts("m", shape, 4, 8, 2, 10 * MB, 500, full_expert_bytes=1 * MB)      # KV: 500 bytes a token
+    facts = ModelSizes("m", shape, 4, 8, 2, 10 * MB, 500, full_expert_bytes=1 * MB)      # KV: 500 bytes a token
     fixed = 10 * MB + 500 * 4096 + workspace_bytes(shape)       # dense + KV reserve (4096 tokens) + workspace
     # the minimum: the fixed part + 4 layers x 1 MB experts
     with pytest.raises(MoectlError, match="below the minimum"):

@@ -112,11 +112,8 @@ def simulate(
     from ..recipes import parse_size
 
     cost = sim.cost_for(tr, hardware, model_shape, bits)
-    staging = (prefetch_staging(cpu_experts) if staging_buffers is None else staging_buffers) if prefetch != "none" \
-        else 0
     caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost,
-                          facts=_checkpoint_facts(model_shape or tr.model, tr) if budget is not None else None,
-                          staging=staging)
+                          facts=_checkpoint_facts(model_shape or tr.model, tr) if budget is not None else None)
     if plan_caps is not None:
         caps = plan_caps
     gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)

@@ -13,10 +13,24 @@ skeleton, KV bytes per token) or, for a recipe without a checkpoint, from its `s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import MoectlError
-from ..sim.cost import dense_bytes, kv_reserve_bytes
-from ..sizing import (WORKSPACE_TOKENS, BudgetSplit, ModelFacts, split_budget,  # noqa: F401  (moved to sizing)
+from ..sim.cost import dense_bytes, expert_bytes, kv_reserve_bytes
+from ..sizing import (WORKSPACE_TOKENS, BudgetSplit, ModelSizes, split_budget,  # noqa: F401  (moved to sizing)
                       workspace_bytes)
+
+
+@dataclass
+class ModelFacts(ModelSizes):
+    """The sizing's facts + what the planner prices: an expert's bytes at any precision (from the shape)."""
+
+    def __post_init__(self):
+        if self.full_expert_bytes is None:
+            self.full_expert_bytes = int(expert_bytes(self.shape))
+
+    def expert_bytes(self, bits: float | None = None, group: int = 64) -> int:
+        return int(self.full_expert_bytes) if bits is None else int(expert_bytes(self.shape, bits, group))
 
 
 def model_facts(model: str, workdir=None) -> ModelFacts:

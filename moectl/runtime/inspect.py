@@ -14,19 +14,19 @@ from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..models import adapter_for
 from ..recipes import format_bytes, resolve_model
-from ..sizing import (DEFAULT_LOWBIT_FRACTION, KV_RESERVE_TOKENS, ModelFacts, budget_slots, split_budget,
+from ..sizing import (DEFAULT_LOWBIT_FRACTION, KV_RESERVE_TOKENS, ModelSizes, budget_slots, split_budget,
                       split_pools)
 from ..store.checkpoint import Checkpoint
 from ..store.memory import host_need
 from .offloaded import OffloadedExperts
 
 
-def model_facts(config, adapter, dense: int, num_moe_layers: int, dtype: torch.dtype) -> ModelFacts:
+def model_facts(config, adapter, dense: int, num_moe_layers: int, dtype: torch.dtype) -> ModelSizes:
     """The sizing's facts of a loaded config: dense bytes of the skeleton, KV bytes per token, the shape."""
     from ..sim.cost import shape_from_hf_config
 
     shape = shape_from_hf_config(config.to_dict())
-    return ModelFacts(shape.get("name", "model"), shape, num_moe_layers, adapter.num_experts, adapter.top_k, dense,
+    return ModelSizes(shape.get("name", "model"), shape, num_moe_layers, adapter.num_experts, adapter.top_k, dense,
                       kv_reserve_nbytes(config, dtype, 1), config_fingerprint(config),
                       full_expert_bytes=adapter.format(dtype).nbytes)
 

@@ -21,7 +21,7 @@ from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_fro
 from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy, make_precision
-from ..sizing import ModelFacts, budget_slots, lowbit_fraction_for, split_budget, split_pools
+from ..sizing import ModelSizes, budget_slots, lowbit_fraction_for, split_budget, split_pools
 from ..trace import Trace
 from .cost import (CostModel, dense_bytes, expert_bytes, kv_reserve_bytes, load_hardware, load_shape, parse_lowbit,
                    shape_for_trace_model, shape_from_hf_config)
@@ -31,7 +31,7 @@ from .simulator import SimResult, Simulator, trace_steps
 
 def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
                plan: str | Path | dict | None = None, budget: float | None = None,
-               cost: CostModel | None = None, facts: ModelFacts | None = None, staging: int = 0) -> list[int]:
+               cost: CostModel | None = None, facts: ModelSizes | None = None, staging: int = 0) -> list[int]:
     """Full-precision slots per layer. `budget` (bytes of device memory) is split as the runtime splits it
     (`moectl/sizing.py`: dense weights, KV reserve, workspace, `staging` buffers of `cost`'s expert) and the rest
     filled with experts of `cost`'s size; `facts` (a checkpoint's, `plan/budget.py: model_facts`) or, without,
@@ -167,8 +167,8 @@ def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=Non
 
 
 def shape_facts(shape: dict, num_layers: int, num_experts: int, top_k: int, expert_nbytes: float | None = None):
-    """ModelFacts of a shape block (no checkpoint): dense weights and KV bytes estimated from the shapes."""
-    return ModelFacts(shape.get("name", "model"), shape, num_layers, num_experts, top_k, int(dense_bytes(shape)),
+    """ModelSizes of a shape block (no checkpoint): dense weights and KV bytes estimated from the shapes."""
+    return ModelSizes(shape.get("name", "model"), shape, num_layers, num_experts, top_k, int(dense_bytes(shape)),
                       int(kv_reserve_bytes(shape, 1)), None, f"shape {shape.get('name')}",
                       int(expert_nbytes) if expert_nbytes else None)
 
