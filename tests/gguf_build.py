@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFWriter, MODEL_ARCH, MODEL_ARCH_NAMES, SpecialVocab, TokenType
+from gguf import GGML_QUANT_SIZES, ExpertGatingFuncType, GGUFWriter, MODEL_ARCH, MODEL_ARCH_NAMES, SpecialVocab, TokenType
 from gguf import GGMLQuantizationType as T
 from gguf import get_tensor_name_map
 from gguf.quants import quantize
@@ -76,7 +76,7 @@ def write_metadata(w: GGUFWriter, family: str, c: dict, moe_encoding: T) -> None
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_expert_count(c.get("num_local_experts") or c.get("num_experts") or c["n_routed_experts"])
     w.add_expert_used_count(c["num_experts_per_tok"])
-    if c.get("head_dim") is not None and family != "mixtral":
+    if c.get("head_dim") is not None and family != "mixtral" and not family.startswith("deepseek"):
         w.add_key_length(c["head_dim"])
         w.add_value_length(c["head_dim"])
     w.add_file_type(int(moe_encoding))
@@ -87,6 +87,23 @@ def write_metadata(w: GGUFWriter, family: str, c: dict, moe_encoding: T) -> None
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         if c.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    if family.startswith("deepseek"):                             # DeepseekV2Model (before the MLA->MQA rewrite)
+        w.add_vocab_size(c["vocab_size"])
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        if c.get("q_lora_rank"):
+            w.add_q_lora_rank(c["q_lora_rank"])
+        w.add_kv_lora_rank(c["kv_lora_rank"])
+        w.add_key_length(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+        w.add_value_length(c["v_head_dim"])
+        w.add_rope_dimension_count(c["qk_rope_head_dim"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c["norm_topk_prob"])
+        if family == "deepseek_v3":
+            w.add_expert_group_count(c["n_group"])
+            w.add_expert_group_used_count(c["topk_group"])
+            w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if family == "gpt_oss":                                       # GptOssModel
         w.add_sliding_window(c["sliding_window"])
         w.add_expert_feed_forward_length(c["intermediate_size"])
@@ -142,8 +159,8 @@ def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding
             x = llama_permute(x, heads)
         if family == "gpt_oss" and key.endswith(".sinks"):
             key += ".weight"
-        if family == "gpt_oss" and ".router." in key:
-            key = key.replace(".router.", ".router.")
+        if key.endswith("e_score_correction_bias"):               # DeepseekV2Model.modify_tensors
+            key = key.replace("e_score_correction_bias", "e_score_correction.bias")
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert name is not None, key
         a, qt = encode(x, dense_encoding)

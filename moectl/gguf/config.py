@@ -98,6 +98,9 @@ def _deepseek(files: GgufFiles, cfg: dict) -> None:
         cfg["qk_nope_head_dim"] = key - cfg["qk_rope_head_dim"]
     if value is not None:
         cfg["v_head_dim"] = value
+    if files.get("deepseek2.attention.key_length_mla") is not None:   # MLA written as MQA: one KV "head"
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    cfg.pop("head_dim", None)                       # attention.key_length is nope + rope here, not a head_dim
     cfg.setdefault("q_lora_rank", None)             # absent: queries are one projection (V2-Lite)
     if cfg["model_type"] == "deepseek_v2":
         cfg["topk_method"] = "greedy" if not cfg.get("n_group") else "group_limited_greedy"

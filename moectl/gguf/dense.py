@@ -34,6 +34,9 @@ def dense_names(files: GgufFiles, model) -> dict[str, str]:
     if model.config.model_type == "gpt_oss":
         for layer in range(model.config.num_hidden_layers):
             names[f"blk.{layer}.attn_sinks.weight"] = f"model.layers.{layer}.self_attn.sinks"
+    if model.config.model_type == "deepseek_v3":   # the name map reads the bias as the router's own
+        for layer in range(model.config.num_hidden_layers):
+            names[f"blk.{layer}.exp_probs_b.bias"] = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     out = {}
     for name in files.tensors:
         if _is_expert(name):
