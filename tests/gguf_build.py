@@ -130,7 +130,7 @@ def write_vocab(w: GGUFWriter, ckpt: Path, vocab_size: int) -> None:
 
 
 def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding: T = T.F32,
-               per_expert: bool = False, split_max_tensors: int = 0) -> Path:
+               per_expert: bool = False, split_max_tensors: int = 0, meta: dict | None = None) -> Path:
     """Write `ckpt` (a tiny HF checkpoint) as GGUF `out` in llama.cpp's layout; returns the (first) file."""
     c = json.loads((ckpt / "config.json").read_text())
     family = c["model_type"]
@@ -143,6 +143,8 @@ def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding
     w = GGUFWriter(out, MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
     write_metadata(w, family, c, expert_encoding)
     write_vocab(w, ckpt, c["vocab_size"])
+    for key, value in (meta or {}).items():                       # overrides (bad-input tests)
+        w.add_uint32(key.replace("{arch}", MODEL_ARCH_NAMES[arch]), value)
 
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for key, x in sd.items():
@@ -206,3 +208,30 @@ def write_gpt_oss_experts(w: GGUFWriter, key: str, x: torch.Tensor, enc: T) -> N
         w.add_tensor(f"{p}.ffn_down_exps.bias", x.float().contiguous().numpy())
     else:
         raise AssertionError(key)
+
+
+def model_from_gguf(path: Path):
+    """A transformers model of the GGUF's config with its dense tensors and every expert dequantised (fp32): the
+    plain reference forward of what moectl reads from the file."""
+    from transformers import AutoModelForCausalLM
+
+    from moectl.gguf.config import family_of, gguf_config
+    from moectl.gguf.dense import dense_state_dict
+    from moectl.gguf.experts import ExpertIndex
+    from moectl.gguf.files import GgufFiles
+    from moectl.gguf.format import layer_formats
+
+    files = GgufFiles(path)
+    model = AutoModelForCausalLM.from_config(gguf_config(files), dtype=torch.float32).eval()
+    sd = dense_state_dict(files, model)
+    index = ExpertIndex(files)
+    names = {"gate_up": "gate_up_proj", "down": "down_proj", "gate_up_bias": "gate_up_proj_bias",
+             "down_bias": "down_proj_bias"}
+    for layer, fmt in layer_formats(index, family_of(files), torch.float32).items():
+        ws = [fmt.weights(fmt.views(fmt.packed(e))) for e in range(index.num_experts)]
+        for k, hf in names.items():
+            if k in ws[0]:
+                sd[f"model.layers.{layer}.mlp.experts.{hf}"] = torch.stack([w[k] for w in ws])
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
