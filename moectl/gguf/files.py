@@ -127,8 +127,9 @@ class GgufFiles:
         for i, (p, r) in enumerate(zip(self.paths, self.readers)):
             no, count = (field_value(r.fields[k]) if k in r.fields else None for k in ("split.no", "split.count"))
             if (no, count) != (i, len(self.paths)):
-                raise MoectlError(f"{p} says it is split part {no} of {count}, but its name says part {i + 1} of "
-                                  f"{len(self.paths)} (split.no counts from 0)")
+                said = f"part {no + 1} of {count}" if no is not None else "no split part (no split.no key)"
+                raise MoectlError(f"{p} says it is split {said}, but its name says part {i + 1} of "
+                                  f"{len(self.paths)}")
         want = self.meta.get("split.tensors.count")
         if want is not None and want != len(self.tensors):
             raise MoectlError(f"{self.paths[0]} says the split model has {want} tensors; its "
