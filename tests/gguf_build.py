@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, ExpertGatingFuncType, GGUFWriter, MODEL_ARCH, MODEL_ARCH_NAMES, SpecialVocab, TokenType
+from gguf import (GGML_QUANT_SIZES, MODEL_ARCH, MODEL_ARCH_NAMES, ExpertGatingFuncType, GGUFWriter,
+                  RopeScalingType, SpecialVocab, TokenType)
 from gguf import GGMLQuantizationType as T
 from gguf import get_tensor_name_map
 from gguf.quants import quantize
@@ -74,6 +75,20 @@ def write_metadata(w: GGUFWriter, family: str, c: dict, moe_encoding: T) -> None
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_rope_freq_base(float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type") == "linear":                         # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        if family.startswith("deepseek") and rope.get("mscale_all_dim") is not None:   # DeepseekV2Model
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     w.add_expert_count(c.get("num_local_experts") or c.get("num_experts") or c["n_routed_experts"])
     w.add_expert_used_count(c["num_experts_per_tok"])
     if c.get("head_dim") is not None and family != "mixtral" and not family.startswith("deepseek"):

@@ -83,12 +83,37 @@ def test_mixtral_forward_lossless(mixtral_gguf, tiny_small):
     assert torch.equal(_logits(ours, 512), _logits(orig, 512))
 
 
+# Not the config classes' defaults, so reading them from the metadata is what makes the forward equal.
+ROPE = {"gpt_oss": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+                    "beta_slow": 2.0, "rope_theta": 50000.0, "truncate": False},
+        "deepseek_v3": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 20000.0},
+        "qwen3_moe": {"rope_type": "linear", "factor": 2.0, "rope_theta": 30000.0}}
+
+
+def build_with_rope(family: str, out):
+    """model_factory.build_family with ROPE[family]'s rope parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from model_factory import family_configs
+
+    cfg = family_configs()[family]
+    if family in ROPE:
+        cfg.rope_parameters = dict(ROPE[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.eval().save_pretrained(out)
+    return model
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_family_forward_lossless(family, tmp_path):
-    """Every family's F32 GGUF: the config is the original's where it matters (sizes transformers misreads), and
-    the forward with the file's dense tensors and experts equals the original's exactly."""
-    torch.manual_seed(0)
-    orig = build_family(family, tmp_path / "ckpt")
+    """Every family's F32 GGUF: the config is the original's where it matters (sizes transformers misreads, rope
+    scaling), and the forward with the file's dense tensors and experts equals the original's exactly."""
+    orig = build_with_rope(family, tmp_path / "ckpt")
     save_tokenizer(tmp_path / "ckpt")
     path = write_gguf(tmp_path / "ckpt", tmp_path / f"{family}.gguf")
     config = gguf_config(GgufFiles(path))
@@ -98,6 +123,7 @@ def test_family_forward_lossless(family, tmp_path):
                  "v_head_dim", "routed_scaling_factor", "n_group", "topk_group", "intermediate_size"):
         if hasattr(orig.config, attr):
             assert getattr(config, attr) == getattr(orig.config, attr), attr
+    assert config.rope_parameters == orig.config.rope_parameters
     assert torch.equal(_logits(model_from_gguf(path), orig.config.vocab_size), _logits(orig, orig.config.vocab_size))
 
 

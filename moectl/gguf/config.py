@@ -86,7 +86,36 @@ def config_dict(files: GgufFiles) -> dict:
     cfg["tie_word_embeddings"] = "output.weight" not in files.tensors  # llama.cpp omits a tied output
     if family.startswith("deepseek"):
         _deepseek(files, cfg)
+    _rope(files, cfg)
     return cfg
+
+
+# rope.scaling.* (what TextModel.set_gguf_parameters writes for YaRN) -> transformers' rope_parameters
+YARN_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+             "yarn_attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+
+
+def _rope(files: GgufFiles, cfg: dict) -> None:
+    """rope_parameters: theta, and linear or YaRN scaling as the file states it (transformers' loader rebuilds
+    this for gpt-oss only). GPT-OSS's YaRN does not truncate its correction range (its config says so; llama.cpp
+    computes it the same way); DeepSeek's log multiplier is 0.1 x mscale_all_dim."""
+    params = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta", 10000.0)}
+    kind = files.get("{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear", "yarn"):
+        raise MoectlError(f"{files.paths[0]}: rope scaling {kind!r} is not supported (linear, yarn)")
+    if kind in ("linear", "yarn"):
+        params["rope_type"] = kind
+        params["factor"] = files.get("{arch}.rope.scaling.factor", required=True)
+    if kind == "yarn":
+        for key, attr in YARN_KEYS.items():
+            if (value := files.get("{arch}.rope.scaling." + key)) is not None:
+                params[attr] = value
+        if (log_mul := files.get("{arch}.rope.scaling.yarn_log_multiplier")) is not None:
+            params["mscale_all_dim"] = round(log_mul / 0.1, 6)
+            params["mscale"] = params["mscale_all_dim"]
+        if cfg["model_type"] == "gpt_oss":
+            params["truncate"] = False
+    cfg["rope_parameters"] = params
 
 
 def _deepseek(files: GgufFiles, cfg: dict) -> None:
