@@ -65,14 +65,14 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_metadata(w: GGUFWriter, family: str, c: dict, moe_encoding: T) -> None:
+def write_metadata(w: GGUFWriter, family: str, c: dict, moe_encoding: T, mla_split: bool = False) -> None:
     w.add_name(f"tiny {family}")
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_head_count_kv(1 if mla_split else c["num_key_value_heads"])
     w.add_rope_freq_base(float((c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     rope = c.get("rope_parameters") or {}
@@ -108,8 +108,14 @@ def write_metadata(w: GGUFWriter, family: str, c: dict, moe_encoding: T) -> None
         if c.get("q_lora_rank"):
             w.add_q_lora_rank(c["q_lora_rank"])
         w.add_kv_lora_rank(c["kv_lora_rank"])
-        w.add_key_length(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
-        w.add_value_length(c["v_head_dim"])
+        if mla_split:                                             # today's converter: MLA written as MQA
+            w.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
+            w.add_value_length(c["kv_lora_rank"])
+            w.add_key_length_mla(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+            w.add_value_length_mla(c["v_head_dim"])
+        else:                                                     # converters before the k_b/v_b split
+            w.add_key_length(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+            w.add_value_length(c["v_head_dim"])
         w.add_rope_dimension_count(c["qk_rope_head_dim"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         w.add_expert_shared_count(c["n_shared_experts"])
@@ -145,8 +151,11 @@ def write_vocab(w: GGUFWriter, ckpt: Path, vocab_size: int) -> None:
 
 
 def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding: T = T.F32,
-               per_expert: bool = False, split_max_tensors: int = 0, meta: dict | None = None) -> Path:
-    """Write `ckpt` (a tiny HF checkpoint) as GGUF `out` in llama.cpp's layout; returns the (first) file."""
+               per_expert: bool = False, split_max_tensors: int = 0, meta: dict | None = None,
+               mla_split: bool = False) -> Path:
+    """Write `ckpt` (a tiny HF checkpoint) as GGUF `out` in llama.cpp's layout; returns the (first) file.
+    `mla_split` (DeepSeek): today's converter, kv_b_proj split into attn_k_b (transposed) and attn_v_b and the
+    attention written as MQA; else the older single attn_kv_b."""
     c = json.loads((ckpt / "config.json").read_text())
     family = c["model_type"]
     arch = ARCH[family]
@@ -156,7 +165,7 @@ def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding
     for f in sorted(ckpt.glob("*.safetensors")):
         sd.update(load_file(f))
     w = GGUFWriter(out, MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
-    write_metadata(w, family, c, expert_encoding)
+    write_metadata(w, family, c, expert_encoding, mla_split)
     write_vocab(w, ckpt, c["vocab_size"])
     for key, value in (meta or {}).items():                       # overrides (bad-input tests)
         w.add_uint32(key.replace("{arch}", MODEL_ARCH_NAMES[arch]), value)
@@ -170,6 +179,14 @@ def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding
             continue
         if family == "gpt_oss" and ".experts." in key:
             write_gpt_oss_experts(w, key, x, expert_encoding)
+            continue
+        if mla_split and key.endswith("kv_b_proj.weight"):         # DeepseekV2Model.modify_tensors
+            heads, nope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"]
+            k_b, v_b = x.view(heads, nope + v, -1).split([nope, v], dim=1)
+            layer = int(parts[2])
+            for name, t in ((f"blk.{layer}.attn_k_b.weight", k_b.transpose(1, 2)), (f"blk.{layer}.attn_v_b.weight", v_b)):
+                a, qt = encode(t, dense_encoding)
+                w.add_tensor(name, a, raw_dtype=qt if qt not in (T.F32, T.F16) else None)
             continue
         if family == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c["num_attention_heads"] if "q_proj" in key else c["num_key_value_heads"]

@@ -112,10 +112,11 @@ def build_with_rope(family: str, out):
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_family_forward_lossless(family, tmp_path):
     """Every family's F32 GGUF: the config is the original's where it matters (sizes transformers misreads, rope
-    scaling), and the forward with the file's dense tensors and experts equals the original's exactly."""
+    scaling), and the forward with the file's dense tensors and experts equals the original's exactly. DeepSeek-V2
+    in the older layout (attn_kv_b), V3 in today's (attn_k_b / attn_v_b, MLA written as MQA)."""
     orig = build_with_rope(family, tmp_path / "ckpt")
     save_tokenizer(tmp_path / "ckpt")
-    path = write_gguf(tmp_path / "ckpt", tmp_path / f"{family}.gguf")
+    path = write_gguf(tmp_path / "ckpt", tmp_path / f"{family}.gguf", mla_split=family == "deepseek_v3")
     config = gguf_config(GgufFiles(path))
     assert config.model_type == family
     for attr in ("moe_intermediate_size", "shared_expert_intermediate_size", "head_dim", "sliding_window",

@@ -11,6 +11,8 @@ A tensor the model does not know, or a model parameter the file lacks, is a Moec
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -39,7 +41,7 @@ def dense_names(files: GgufFiles, model) -> dict[str, str]:
             names[f"blk.{layer}.exp_probs_b.bias"] = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     out = {}
     for name in files.tensors:
-        if _is_expert(name):
+        if _is_expert(name) or MLA_SPLIT.match(name):
             continue
         if name not in names:
             raise MoectlError(f"{files.tensors[name].file}: tensor {name} has no place in a "
@@ -64,7 +66,28 @@ def dense_state_dict(files: GgufFiles, model, dtype: torch.dtype = torch.float32
         values = torch.from_numpy(np.ascontiguousarray(values)).reshape(want) if values.size == want.numel() \
             else _shape_error(files, gguf_name, values.shape, hf_name, want)
         out[hf_name] = values.to(dtype)
+    _merge_mla(files, model, out, dtype)
     return out
+
+
+MLA_SPLIT = re.compile(r"^blk\.(\d+)\.attn_([kv])_b\.weight$")
+
+
+def _merge_mla(files: GgufFiles, model, out: dict, dtype: torch.dtype) -> None:
+    """DeepSeek files from today's converter split kv_b_proj [heads*(nope+v), kv_lora] into attn_k_b
+    [heads, kv_lora, nope] (transposed, for llama.cpp's absorbed MLA) and attn_v_b [heads, v, kv_lora]: joined back."""
+    layers = sorted({int(m[1]) for n in files.tensors if (m := MLA_SPLIT.match(n))})
+    for layer in layers:
+        k_b, v_b = (files.tensors.get(f"blk.{layer}.attn_{x}_b.weight") for x in "kv")
+        if k_b is None or v_b is None:
+            raise MoectlError(f"{files.paths[0]}: layer {layer} has only one of attn_k_b / attn_v_b")
+        k, v = (dequantize(torch.from_numpy(files.bytes_of(t.file, t.offset, t.nbytes)), t.encoding, t.shape,
+                           torch.float32, f"{t.file}: tensor blk.{layer}") for t in (k_b, v_b))
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        want = model.state_dict()[name].shape
+        kv = torch.cat([k.transpose(1, 2), v], dim=1)                              # [heads, nope + v, kv_lora]
+        out[name] = (kv.reshape(want) if kv.numel() == want.numel() else
+                     _shape_error(files, k_b.name, tuple(kv.shape), name, want)).to(dtype)
 
 
 def _shape_error(files, gguf_name, got, hf_name, want):
