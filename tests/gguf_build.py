@@ -150,10 +150,11 @@ def write_vocab(w: GGUFWriter, ckpt: Path, vocab_size: int) -> None:
     SpecialVocab(ckpt, load_merges=True, n_vocab=vocab_size).add_to_gguf(w, quiet=True)
 
 
-def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding: T = T.F32,
+def write_gguf(ckpt: Path, out: Path, expert_encoding=T.F32, dense_encoding: T = T.F32,
                per_expert: bool = False, split_max_tensors: int = 0, meta: dict | None = None,
                mla_split: bool = False) -> Path:
     """Write `ckpt` (a tiny HF checkpoint) as GGUF `out` in llama.cpp's layout; returns the (first) file.
+    `expert_encoding`: one encoding, or (layer, proj) -> encoding (a Q4_K_M-like mix).
     `mla_split` (DeepSeek): today's converter, kv_b_proj split into attn_k_b (transposed) and attn_v_b and the
     attention written as MQA; else the older single attn_kv_b."""
     c = json.loads((ckpt / "config.json").read_text())
@@ -165,7 +166,8 @@ def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding
     for f in sorted(ckpt.glob("*.safetensors")):
         sd.update(load_file(f))
     w = GGUFWriter(out, MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
-    write_metadata(w, family, c, expert_encoding, mla_split)
+    write_metadata(w, family, c, expert_encoding(0, "gate") if callable(expert_encoding) else expert_encoding,
+                   mla_split)
     write_vocab(w, ckpt, c["vocab_size"])
     for key, value in (meta or {}).items():                       # overrides (bad-input tests)
         w.add_uint32(key.replace("{arch}", MODEL_ARCH_NAMES[arch]), value)
@@ -201,13 +203,14 @@ def write_gguf(ckpt: Path, out: Path, expert_encoding: T = T.F32, dense_encoding
         w.add_tensor(name, a, raw_dtype=qt if qt not in (T.F32, T.F16) else None)
 
     for (layer, proj), by_e in sorted(experts.items()):
+        enc = expert_encoding(layer, proj) if callable(expert_encoding) else expert_encoding
         stacked = torch.stack([by_e[e] for e in sorted(by_e)])                    # [E, I, H] or [E, H, I]
         if per_expert:
             for e in sorted(by_e):
-                a, qt = encode(stacked[e], expert_encoding, seed=layer * 1000 + e)
+                a, qt = encode(stacked[e], enc, seed=layer * 1000 + e)
                 w.add_tensor(f"blk.{layer}.ffn_{proj}.{e}.weight", a, raw_dtype=qt if qt != T.F32 else None)
         else:
-            a, qt = encode(stacked, expert_encoding, seed=layer)
+            a, qt = encode(stacked, enc, seed=layer)
             w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", a, raw_dtype=qt if qt not in (T.F32, T.F16) else None)
 
     w.write_header_to_file()
