@@ -250,20 +250,15 @@ def model_from_gguf(path: Path):
     plain reference forward of what moectl reads from the file."""
     from transformers import AutoModelForCausalLM
 
-    from moectl.gguf.config import family_of, gguf_config
-    from moectl.gguf.dense import dense_state_dict
-    from moectl.gguf.experts import ExpertIndex
-    from moectl.gguf.files import GgufFiles
-    from moectl.gguf.format import layer_formats
+    from moectl.gguf.model import GgufModel
 
-    files = GgufFiles(path)
-    model = AutoModelForCausalLM.from_config(gguf_config(files), dtype=torch.float32).eval()
-    sd = dense_state_dict(files, model)
-    index = ExpertIndex(files)
+    g = GgufModel(path)
+    model = AutoModelForCausalLM.from_config(g.config, dtype=torch.float32).eval()
+    sd = g.dense_state_dict(model)
     names = {"gate_up": "gate_up_proj", "down": "down_proj", "gate_up_bias": "gate_up_proj_bias",
              "down_bias": "down_proj_bias"}
-    for layer, fmt in layer_formats(index, family_of(files), torch.float32).items():
-        ws = [fmt.weights(fmt.views(fmt.packed(e))) for e in range(index.num_experts)]
+    for layer, fmt in g.expert_formats(torch.float32).items():
+        ws = [fmt.weights(fmt.views(fmt.packed(e))) for e in range(g.index.num_experts)]
         for k, hf in names.items():
             if k in ws[0]:
                 sd[f"model.layers.{layer}.mlp.experts.{hf}"] = torch.stack([w[k] for w in ws])

@@ -175,3 +175,32 @@ def test_split_files_read_as_one(mixtral_gguf, tiny_small, tmp_path):
         for e in range(8):
             assert torch.equal(fa[layer].packed(e), fb[layer].packed(e))
     assert torch.equal(_logits(model_from_gguf(first), 512), _logits(model_from_gguf(mixtral_gguf), 512))
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path):
+    """GPT-OSS as llama.cpp ships it (MXFP4 experts, F32 biases): weights() is the family's layout (gate_up [H, 2I]
+    with gate in the even columns, down [I, H]) of gguf's reference dequantisation, biases the original's."""
+    orig = build_with_rope("gpt_oss", tmp_path / "ckpt")
+    save_tokenizer(tmp_path / "ckpt")
+    path = write_gguf(tmp_path / "ckpt", tmp_path / "oss.gguf", expert_encoding=T.MXFP4)
+    files = GgufFiles(path)
+    index = ExpertIndex(files)
+    assert index.sizes()["encoding_bits"] == {"MXFP4": 4.25}
+    ref = {}
+    for layer in index.layers:
+        for proj in ("gate", "up", "down"):
+            t = files.tensors[f"blk.{layer}.ffn_{proj}_exps.weight"]
+            assert t.encoding == T.MXFP4
+            raw = files.bytes_of(t.file, t.offset, t.nbytes).reshape(t.shape[0], -1)
+            ref[layer, proj] = torch.from_numpy(reference_dequantize(raw, T.MXFP4).reshape(t.shape).copy())
+    for layer, fmt in layer_formats(index, "gpt_oss", torch.float32).items():
+        experts = orig.model.layers[layer].mlp.experts
+        for e in range(index.num_experts):
+            w = fmt.weights(fmt.views(fmt.packed(e)))
+            assert torch.equal(w["gate_up"][:, ::2], ref[layer, "gate"][e].T)
+            assert torch.equal(w["gate_up"][:, 1::2], ref[layer, "up"][e].T)
+            assert torch.equal(w["down"], ref[layer, "down"][e].T)
+            assert torch.equal(w["gate_up_bias"], experts.gate_up_proj_bias[e].detach())
+            assert torch.equal(w["down_bias"], experts.down_proj_bias[e].detach())
+    err = (w["down"] - experts.down_proj[e].detach()).abs().max() / experts.down_proj[e].abs().max()
+    assert 0 < err < 0.3                                                         # quantised, and close
