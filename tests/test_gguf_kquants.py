@@ -54,12 +54,15 @@ def test_sizes_from_header(q4km):
     assert sizes["moe_layers"] == 2 and sizes["experts"] == E
 
 
-def test_one_padded_format_per_layer(q4km):
+def test_one_format_per_layer_one_size(q4km):
     index = ExpertIndex(GgufFiles(q4km))
     formats = layer_formats(index, "mixtral", torch.float32)
     assert formats[0].name == "gguf-Q4_K+Q6_K" and formats[1].name == "gguf-Q4_K"
-    assert formats[0].nbytes == formats[1].nbytes >= index.expert_nbytes(0) > index.expert_nbytes(1)
-    assert all(a % 32 == 0 for a, _ in formats[1].spans.values())
+    assert formats[0].nbytes == formats[1].nbytes == index.expert_nbytes(0) > index.expert_nbytes(1)
+    for layer, fmt in formats.items():                   # the parts are the file's ranges, back to back
+        assert [fmt.spans[n] for n, _ in index.parts(layer, 0)] == [
+            (sum(t.nbytes for _, t in index.parts(layer, 0)[:i]), sum(t.nbytes for _, t in index.parts(layer, 0)[:i + 1]))
+            for i in range(3)]
 
 
 def test_experts_equal_reference(q4km):

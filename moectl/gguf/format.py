@@ -3,13 +3,14 @@
 Legend: I = expert intermediate size, H = hidden size, N = bytes of one packed expert.
 
 It is an `ExpertFormat` (moectl/models/formats.py): parts are the expert's byte ranges in the file, in
-`ExpertIndex.parts` order (gate, up, down, GPT-OSS biases), each as uint8 and padded to 32 bytes (typed views of
-the fp16 block scales need an aligned start), so the RAM tier, a disk read and a device slot all hold exactly
-the file's bytes (plus padding). `weights(views)` dequantises (moectl/gguf/dequant.py) into the family's layout:
+`ExpertIndex.parts` order (gate, up, down, GPT-OSS biases), each uint8 and exactly the file's bytes, back to back,
+so the RAM tier, a disk read (`ExpertStore` checks each range against its part) and a device slot all hold what
+the file holds. `weights(views)` dequantises (moectl/gguf/dequant.py) into the family's layout:
   standard families: gate_up [2I, H] = gate rows then up rows, down [H, I]          (the file's [out, in])
   GPT-OSS:           gate_up [H, 2I] with gate in the even columns, gate_up_bias [2I], down [I, H], down_bias [H]
 One format per MoE layer (a Q4_K_M file mixes Q4_K and Q6_K layers); `nbytes` of every layer's format is the
-largest layer's (`pad_to`), so the store and the cache pools keep one slot size.
+largest layer's (`pad_to`: the buffer's tail past the parts is unused), so the store and the cache pools keep
+one slot size.
 """
 
 from __future__ import annotations
@@ -21,29 +22,20 @@ from .dequant import dequantize
 from .encodings import encoding_name
 from .experts import ExpertIndex
 
-ALIGN = 32
-
-
-def _padded(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
 
 class GgufExpertFormat(ExpertFormat):
     def __init__(self, index: ExpertIndex, layer: int, family: str, dtype: torch.dtype, pad_to: int = 0):
         self.index, self.layer, self.family, self.dtype = index, layer, family, dtype
         self.tensors = index.parts(layer, 0)                                   # encodings and shapes of expert 0
-        parts = [Part(name, (_padded(t.nbytes),), torch.uint8) for name, t in self.tensors]
-        used = sum(p.nbytes for p in parts)
-        if pad_to > used:
-            parts.append(Part("pad", (pad_to - used,), torch.uint8))
         encodings = "+".join(dict.fromkeys(encoding_name(t.encoding) for _, t in self.tensors))
-        super().__init__(f"gguf-{encodings}", parts)
+        super().__init__(f"gguf-{encodings}", [Part(name, (t.nbytes,), torch.uint8) for name, t in self.tensors])
+        self.nbytes = max(self.nbytes, pad_to)
 
     def fill(self, expert: int, out: torch.Tensor) -> torch.Tensor:
         """Copy expert `expert`'s bytes from the memory-mapped file into `out` [N] (the RAM tier's row)."""
         views = self.views(out)
         for name, t in self.index.parts(self.layer, expert):
-            views[name][:t.nbytes].copy_(torch.from_numpy(self.index.files.bytes_of(t.file, t.offset, t.nbytes)))
+            views[name].copy_(torch.from_numpy(self.index.files.bytes_of(t.file, t.offset, t.nbytes)))
         return out
 
     def packed(self, expert: int) -> torch.Tensor:
@@ -52,7 +44,7 @@ class GgufExpertFormat(ExpertFormat):
 
     def matrices(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{gate, up, down[, *_bias]} dequantised, in the file's orientation ([out, in])."""
-        return {name: dequantize(views[name][:t.nbytes], t.encoding, t.shape, self.dtype,
+        return {name: dequantize(views[name], t.encoding, t.shape, self.dtype,
                                  f"layer {self.layer} {name} experts")
                 for name, t in self.tensors}
 
