@@ -114,3 +114,17 @@ def test_sizing_modules_import_no_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_model_sizes_account_for_every_byte(q4km):
+    from moectl.gguf.model import GgufModel
+
+    g = GgufModel(q4km)
+    s = g.sizes(dense_bytes_per_weight=2)
+    tensors = g.files.tensors.values()
+    assert s["expert_bytes"] + s["dense_packed_bytes"] == sum(t.nbytes for t in tensors)
+    assert s["file_bytes"] - sum(t.nbytes for t in tensors) < 64 * 1024        # the rest is header and padding
+    assert s["dense_weights"] == sum(p.numel() for n, p in model_from_gguf(q4km).named_parameters()
+                                     if ".experts." not in n)
+    assert s["host_bytes_ram_tier"] == s["expert_bytes"] + 2 * s["dense_weights"]
+    assert (s["family"], s["architecture"]) == ("mixtral", "llama")

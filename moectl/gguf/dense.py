@@ -56,13 +56,13 @@ def dense_state_dict(files: GgufFiles, model, dtype: torch.dtype = torch.float32
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
-    out = {}
+    out, shapes = {}, {k: v.shape for k, v in model.state_dict().items()}
     for gguf_name, hf_name in dense_names(files, model).items():
         t = files.tensors[gguf_name]
         raw = torch.from_numpy(files.bytes_of(t.file, t.offset, t.nbytes))
         values = dequantize(raw, t.encoding, t.shape, torch.float32, f"{t.file}: tensor {gguf_name}").numpy()
         values = processor.process(weights=values, name=gguf_name).weights
-        want = model.state_dict()[hf_name].shape
+        want = shapes[hf_name]
         values = torch.from_numpy(np.ascontiguousarray(values)).reshape(want) if values.size == want.numel() \
             else _shape_error(files, gguf_name, values.shape, hf_name, want)
         out[hf_name] = values.to(dtype)

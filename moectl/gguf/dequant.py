@@ -10,6 +10,8 @@ transformers lacks): here, as ggml's `dequantize_row_mxfp4` / gguf's `MXFP4.dequ
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .encodings import T, block, check_supported
@@ -25,10 +27,16 @@ def dequantize_mxfp4(data: torch.Tensor) -> torch.Tensor:
     blocks = data.view(-1, 17)
     e = blocks[:, :1].to(torch.int32)
     half_scale = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)   # 2^(e-127) / 2
-    q = blocks[:, 1:]
-    codes = torch.cat([q & 15, q >> 4], dim=1).long()                                      # [nb, 32]
-    values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=data.device)
-    return (half_scale * values[codes]).reshape(-1)
+    pairs = _byte_pairs(data.device)[blocks[:, 1:].long()]                                # [nb, 16, 2]: lo, hi
+    return (half_scale[:, :, None] * pairs.transpose(1, 2)).reshape(-1)                    # lo x16, then hi x16
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_pairs(device: torch.device) -> torch.Tensor:
+    """[256, 2]: the two code values (low nibble, high nibble) of each byte: one gather per byte, not per nibble."""
+    values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32)
+    b = torch.arange(256)
+    return torch.stack([values[b & 15], values[b >> 4]], dim=1).to(device)
 
 
 def dequantize(data: torch.Tensor, encoding: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,

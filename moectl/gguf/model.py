@@ -3,7 +3,7 @@
     g = GgufModel(path)                 # parse the header(s), memory-map the file(s); checks (files.py, config.py)
     g.family, g.config, g.index         # moectl family, transformers config, ExpertIndex
     g.tokenizer()                       # transformers' GGUF tokenizer converter
-    g.sizes()                           # header-only figures for inspect / sizing (no torch needed for these)
+    g.sizes(2)                          # header-only figures for inspect / sizing (dense at 2 bytes/weight)
     g.dense_state_dict(skeleton, dtype) # dense tensors dequantised once, under the skeleton's names
     g.expert_formats(dtype)             # {layer: GgufExpertFormat}: the packed experts' "full" precision
 """
@@ -40,8 +40,14 @@ class GgufModel:
     def tokenizer(self):
         return gguf_tokenizer(self.files)
 
-    def sizes(self) -> dict:
-        return self.index.sizes()
+    def sizes(self, dense_bytes_per_weight: int = 2) -> dict:
+        """`ExpertIndex.sizes()` (experts packed, as stored) plus what a run holds in host RAM with the experts in
+        RAM: the packed experts and the dense tensors dequantised once (`dense_bytes_per_weight`: 2 for bf16)."""
+        s = self.index.sizes()
+        dense = s["dense_weights"] * dense_bytes_per_weight
+        return s | {"family": self.family, "architecture": self.files.arch, "files": [str(p) for p in self.files.paths],
+                    "file_bytes": sum(p.stat().st_size for p in self.files.paths), "dense_bytes": dense,
+                    "host_bytes_ram_tier": s["expert_bytes"] + dense}
 
     def dense_state_dict(self, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         return dense_state_dict(self.files, model, dtype)
