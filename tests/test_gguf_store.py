@@ -72,3 +72,21 @@ def test_mixed_layers_need_per_layer_formats(tiny_small, tmp_path):
 
 def test_is_gguf(tmp_path, q8):
     assert is_gguf(q8) and not is_gguf(tmp_path) and not is_gguf(tmp_path / "model.safetensors")
+
+
+def test_dense_into_meta_skeleton(q8):
+    """What Engine.load will do: a skeleton on meta whose experts are stand-ins takes the GGUF's dense tensors
+    (assign=True) and nothing is left on meta or unexpected."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    g = GgufModel(q8)
+    with init_empty_weights():
+        hf = AutoModelForCausalLM.from_config(g.config, dtype=torch.bfloat16)
+    for layer in hf.model.layers:
+        layer.mlp.experts = torch.nn.Module()                # OffloadedExperts owns no parameters either
+    state = g.dense_state_dict(hf, torch.bfloat16)
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    assert not missing and not unexpected
+    assert not any(p.is_meta for p in hf.parameters())
+    assert all(v.dtype == torch.bfloat16 for v in state.values())
