@@ -3,7 +3,8 @@
 For each encoding llama.cpp users' MoE files hold, a matrix [rows, cols] (default 2048 x 2048: Qwen3-30B-A3B's
 expert is 768 x 2048, Mixtral's 14336 x 4096) of valid random blocks: ms to dequantise it with moectl/gguf/dequant.py
 (fp32), ms of that plus the matmul for one token, and for Q4_0 / Q4_K ms of the int4 kernel on the repacked codes
-(moectl/gguf/int4.py, fp32 activations and scales, lossless). Medians of --repeat runs, encodings interleaved.
+(moectl/gguf/int4.py, fp32 activations and scales, lossless; and with bf16 activations and scales, which rounds the
+scales). Medians of --repeat runs, encodings interleaved.
 
     PYTHONPATH=. python bench/gguf_expert.py [--rows 2048 --cols 2048] [--threads 1] [--repeat 9] [--json]
 """
@@ -28,6 +29,7 @@ from gguf_build import k_blocks  # noqa: E402
 from moectl.gguf.dequant import dequantize  # noqa: E402
 from moectl.gguf.encodings import bits_per_weight  # noqa: E402
 from moectl.gguf.int4 import repack_int4  # noqa: E402
+from moectl.quant.int4_cpu import Int4Linear  # noqa: E402
 
 ENCODINGS = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
 
@@ -61,6 +63,7 @@ def main() -> None:
     shape, x = (a.rows, a.cols), torch.randn(1, a.cols)
     data = {e: packed(e, *shape) for e in ENCODINGS}
     kernels = {e: repack_int4(data[e], e, shape) for e in (T.Q4_0, T.Q4_K)}
+    bf16 = {e: Int4Linear(k.packed, k.sz.bfloat16(), k.group) for e, k in kernels.items()}   # scales rounded
     runs: dict[str, list[float]] = {}
     for _ in range(a.repeat):                                          # interleaved: load drifts hit all alike
         for e in ENCODINGS:
@@ -69,6 +72,7 @@ def main() -> None:
                 timed(lambda: x @ dequantize(data[e], e, shape).T))
             if e in kernels:
                 runs.setdefault(f"{e.name} int4 kernel", []).append(timed(lambda: kernels[e](x)))
+                runs.setdefault(f"{e.name} int4 kernel bf16", []).append(timed(lambda: bf16[e](x.bfloat16())))
     rows = [{"what": k, "ms_median": statistics.median(v), "ms_min": min(v), "ms_max": max(v),
              "bits_per_weight": bits_per_weight(T[k.split()[0]])} for k, v in runs.items()]
     if a.json:
