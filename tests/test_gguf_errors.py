@@ -21,24 +21,23 @@ def good(tiny_small, tmp_path_factory):
     return write_gguf(tiny_small, tmp_path_factory.mktemp("gguf") / "good.gguf", expert_encoding=T.Q8_0)
 
 
-def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "phi.gguf"
-    w = GGUFWriter(path, "phi3")
+def minimal_gguf(path, arch: str):
+    """A one-tensor GGUF of architecture `arch` (no experts)."""
+    w = GGUFWriter(path, arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def test_unsupported_architecture(tmp_path):
     with pytest.raises(MoectlError, match=r"phi.gguf: GGUF architecture 'phi3' is not a Mixture-of-Experts family"):
-        gguf_config(GgufFiles(path))
+        gguf_config(GgufFiles(minimal_gguf(tmp_path / "phi.gguf", "phi3")))
 
 
 def test_dense_llama_is_not_moe(tmp_path):
-    path = tmp_path / "llama.gguf"
-    w = GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(MoectlError, match=r"'llama' without experts \(a dense Llama\)"):
-        gguf_config(GgufFiles(path))
+        gguf_config(GgufFiles(minimal_gguf(tmp_path / "llama.gguf", "llama")))
 
 
 def test_unsupported_encoding(tiny_small, tmp_path):
