@@ -110,3 +110,10 @@ def test_metadata_contradicts_expert_count(tiny_small, tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(MoectlError, match=r"GGUF file .*nope.gguf does not exist"):
         GgufFiles(tmp_path / "nope.gguf")
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(MoectlError, match=r"empty.gguf is not a readable GGUF file"):
+        GgufFiles(path)

@@ -167,7 +167,7 @@ def check_shapes(files: GgufFiles, config) -> None:
             _expect(files, f"{p}.ffn_{proj}_exps.weight", shape, f"{E} experts of [{I} x {H}]")
             for e in range(E):
                 _expect(files, f"{p}.ffn_{proj}.{e}.weight", shape[1:], f"experts of [{I} x {H}]")
-    if any(f"blk.{layer}.ffn_gate_inp.weight" in files.tensors for layer in range(config.num_hidden_layers)) is False:
+    if not any(f"blk.{layer}.ffn_gate_inp.weight" in files.tensors for layer in range(config.num_hidden_layers)):
         raise MoectlError(f"{files.paths[0]} has no expert routers (blk.N.ffn_gate_inp.weight) for its "
                           f"{config.num_hidden_layers} layers")
 

@@ -64,11 +64,16 @@ class _CheckedReader(GGUFReader):
 
 def _read(path: Path) -> GGUFReader:
     try:
-        return _CheckedReader(path)
+        reader = _CheckedReader(path)
     except MoectlError:
         raise
+    except OSError as e:
+        raise MoectlError(f"cannot read {path}: {e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
         raise MoectlError(f"{path} is not a readable GGUF file (truncated or corrupt header: {e})") from None
+    if reader.byte_order == "S":
+        raise MoectlError(f"{path} is a big-endian GGUF; moectl reads little-endian files (llama.cpp's default)")
+    return reader
 
 
 def field_value(field):
