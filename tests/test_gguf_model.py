@@ -204,3 +204,16 @@ def test_gpt_oss_mxfp4_experts(tmp_path):
             assert torch.equal(w["down_bias"], experts.down_proj_bias[e].detach())
     err = (w["down"] - experts.down_proj[e].detach()).abs().max() / experts.down_proj[e].abs().max()
     assert 0 < err < 0.3                                                         # quantised, and close
+
+
+def test_metadata_equals_gguf_reader(mixtral_gguf):
+    """The whole-array metadata reads give what gguf's own reader gives (strings, numbers, string and int arrays)."""
+    from gguf import GGUFReader
+
+    from moectl.gguf.files import field_value
+
+    stock = {k: field_value(f) for k, f in GGUFReader(mixtral_gguf).fields.items() if not k.startswith("GGUF.")}
+    ours = GgufFiles(mixtral_gguf).meta
+    assert ours == stock
+    assert len(ours["tokenizer.ggml.tokens"]) == 512 and len(ours["tokenizer.ggml.token_type"]) == 512
+    assert isinstance(ours["tokenizer.ggml.merges"][0], str) and ours["llama.expert_count"] == 8
