@@ -117,3 +117,17 @@ def test_empty_file(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(MoectlError, match=r"empty.gguf is not a readable GGUF file"):
         GgufFiles(path)
+
+
+def test_missing_metadata_key(tmp_path):
+    path = tmp_path / "olmoe.gguf"
+    w = GGUFWriter(path, "olmoe")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(2)
+    w.add_expert_count(4)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(MoectlError, match=r"olmoe.gguf has no metadata key olmoe.expert_used_count \(needed for a "
+                                          r"olmoe model\)"):
+        gguf_config(GgufFiles(path))

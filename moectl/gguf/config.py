@@ -46,6 +46,8 @@ FAMILY_KEYS = {
     "gpt_oss": {"expert_feed_forward_length": "intermediate_size", "attention.sliding_window": "sliding_window",
                 "attention.key_length": "head_dim"},
 }
+# without these a config class default would silently stand in for the model's size
+REQUIRED = ("block_count", "embedding_length", "attention.head_count", "expert_count", "expert_used_count")
 TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
              "pad_token_id": "tokenizer.ggml.padding_token_id"}
 
@@ -70,6 +72,8 @@ def config_dict(files: GgufFiles) -> dict:
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     family = family_of(files)
+    for key in REQUIRED:
+        files.get("{arch}." + key, required=True)
     shared = {k: v for k, v in GGUF_CONFIG_MAPPING["qwen3_moe"].items() if v is not None}
     shared["expert_count"] = EXPERT_COUNT_ATTR[family]
     keys = shared | FAMILY_KEYS["deepseek_v2" if family == "deepseek_v3" else family]
@@ -99,10 +103,17 @@ def _rope(files: GgufFiles, cfg: dict) -> None:
     """rope_parameters: theta, and linear or YaRN scaling as the file states it (transformers' loader rebuilds
     this for gpt-oss only). GPT-OSS's YaRN does not truncate its correction range (its config says so; llama.cpp
     computes it the same way); DeepSeek's log multiplier is 0.1 x mscale_all_dim."""
-    params = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta", 10000.0)}
+    theta = cfg.pop("rope_theta", None)
     kind = files.get("{arch}.rope.scaling.type")
     if kind not in (None, "none", "linear", "yarn"):
         raise MoectlError(f"{files.paths[0]}: rope scaling {kind!r} is not supported (linear, yarn)")
+    if theta is None and kind in (None, "none"):
+        return                                      # nothing stated: the config class's own rope (as HF's was)
+    if theta is None:
+        from transformers import AutoConfig
+
+        theta = AutoConfig.for_model(cfg["model_type"]).rope_parameters["rope_theta"]
+    params = {"rope_type": "default", "rope_theta": theta}
     if kind in ("linear", "yarn"):
         params["rope_type"] = kind
         params["factor"] = files.get("{arch}.rope.scaling.factor", required=True)
