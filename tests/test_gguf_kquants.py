@@ -128,3 +128,40 @@ def test_model_sizes_account_for_every_byte(q4km):
                                      if ".experts." not in n)
     assert s["host_bytes_ram_tier"] == s["expert_bytes"] + 2 * s["dense_weights"]
     assert (s["family"], s["architecture"]) == ("mixtral", "llama")
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["gate_up-int4+down-Q6_K", "all-int4"])
+def test_int4_format_expert_forward(q4km, layer):
+    """A Q4_K_M layer repacked (GgufInt4Format): Mixtral's expert_forward on its Int4Linear weights equals the same
+    forward on the dequantised GGUF weights (fp32 scales: summation order only); bf16 scales stay within bf16
+    rounding."""
+    import torch.nn.functional as F
+
+    from moectl.gguf.int4_format import GgufInt4Format
+    from moectl.models import adapter_for
+
+    g_files = GgufFiles(q4km)
+    index = ExpertIndex(g_files)
+    src = layer_formats(index, "mixtral", torch.float32)[layer]
+    adapter = adapter_for(gguf_config(g_files))
+
+    def gate(h):
+        a, b = h.chunk(2, dim=-1)
+        return F.silu(a) * b
+
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
+    src_bf16 = layer_formats(index, "mixtral", torch.bfloat16)[layer]              # dequantises to bf16
+    exact, fast = GgufInt4Format(src), GgufInt4Format(src_bf16, torch.bfloat16)
+    assert ("down.int4" in exact.spans) == (layer == 1) and "gate_up.int4" in exact.spans
+    if layer == 1:                                   # codes 4 bits + (scale, zero') fp32 per 32: 6 bits a weight
+        assert exact.nbytes == 3 * I * H * 6 // 8 and fast.nbytes == 3 * I * H * 5 // 8
+    for e in range(E):
+        buf = src.packed(e)
+        want = adapter.expert_forward(src.weights(src.views(buf)), x, gate)
+        w = exact.weights(exact.views(exact.repack(buf)))
+        assert callable(w["gate_up"]) and not isinstance(w["gate_up"], torch.Tensor)
+        got = adapter.expert_forward(w, x, gate)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        w = fast.weights(fast.views(fast.repack(buf)))
+        rough = adapter.expert_forward(w, x.bfloat16(), lambda h: gate(h.float()).bfloat16()).float()
+        assert (rough - want).abs().max() <= 3e-2 * want.abs().max()

@@ -44,8 +44,9 @@ def _q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return codes, scale, 8 * scale - (dmin * m).flatten()
 
 
-def repack_int4(data: torch.Tensor, encoding: int, shape: tuple[int, int]) -> Int4Linear:
-    """An `Int4Linear` (x [T, K] -> [T, N], fp32) computing with the Q4_0 / Q4_K matrix [N, K] in `data`."""
+def int4_parts(data: torch.Tensor, encoding: int, shape: tuple[int, int],
+               scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes [N, K/2] uint8, (scale, zero') [K/G, N, 2]) of the Q4_0 / Q4_K matrix [N, K] in `data`."""
     N, K = shape
     if encoding == T.Q4_0:
         codes, scale, zero = _q4_0(data.view(-1, 18))
@@ -56,7 +57,12 @@ def repack_int4(data: torch.Tensor, encoding: int, shape: tuple[int, int]) -> In
     q = codes.reshape(N, K).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     sz = torch.stack([scale, zero], dim=-1).reshape(N, K // GROUP, 2).transpose(0, 1).contiguous()  # [K/G, N, 2]
-    return Int4Linear(packed, sz, GROUP)
+    return packed, sz.to(scale_dtype)
+
+
+def repack_int4(data: torch.Tensor, encoding: int, shape: tuple[int, int]) -> Int4Linear:
+    """An `Int4Linear` (x [T, K] -> [T, N], fp32) computing with the Q4_0 / Q4_K matrix [N, K] in `data`."""
+    return Int4Linear(*int4_parts(data, encoding, shape), GROUP)
 
 
 def int4_dequantized(data: torch.Tensor, encoding: int, shape: tuple[int, int]) -> torch.Tensor:
