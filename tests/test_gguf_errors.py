@@ -131,3 +131,19 @@ def test_missing_metadata_key(tmp_path):
     with pytest.raises(MoectlError, match=r"olmoe.gguf has no metadata key olmoe.expert_used_count \(needed for a "
                                           r"olmoe model\)"):
         gguf_config(GgufFiles(path))
+
+
+def test_per_expert_encodings_differ_in_a_layer(tiny_small, tmp_path, monkeypatch):
+    """Old per-expert files are quantised tensor by tensor; a layer whose experts differ cannot share one format."""
+    import gguf_build
+
+    path = write_gguf(tiny_small, tmp_path / "pe.gguf", per_expert=True,
+                      expert_encoding=lambda layer, proj: T.Q8_0 if layer == 0 else T.F32)
+    assert ExpertIndex(GgufFiles(path)).layers == [0, 1]                           # alike within each layer: fine
+    real = gguf_build.encode                                                        # layer 1's expert 3 in Q4_0
+    monkeypatch.setattr(gguf_build, "encode", lambda x, q, seed=0: real(x, T.Q4_0 if seed == 1003 else q, seed))
+    bad = write_gguf(tiny_small, tmp_path / "bad.gguf", per_expert=True, expert_encoding=T.Q8_0)
+    with pytest.raises(MoectlError, match=r"bad.gguf: blk.1.ffn_gate.3.weight is Q4_0 \[128, 64\], "
+                                          r"blk.1.ffn_gate.0.weight is Q8_0 \[128, 64\]: moectl needs a layer's "
+                                          r"experts stored alike"):
+        ExpertIndex(GgufFiles(bad))

@@ -62,7 +62,15 @@ class ExpertIndex:
             if missing:
                 raise MoectlError(f"{self.files.paths[0]}: layer {layer} has a router but no {proj} experts "
                                   f"({stacked}, or {missing[0]} ...)")
-            out.append((proj, [self._whole(self.files.tensors[n]) for n in names]))
+            per_expert = [self._whole(self.files.tensors[n]) for n in names]
+            odd = next((e for e, t in enumerate(per_expert) if (t.encoding, t.shape) != (per_expert[0].encoding,
+                                                                                         per_expert[0].shape)), None)
+            if odd is not None:                     # one format per layer: its experts must be stored alike
+                raise MoectlError(f"{self.files.paths[0]}: {names[odd]} is {encoding_name(per_expert[odd].encoding)} "
+                                  f"{list(per_expert[odd].shape)}, {names[0]} is "
+                                  f"{encoding_name(per_expert[0].encoding)} {list(per_expert[0].shape)}: moectl "
+                                  f"needs a layer's experts stored alike")
+            out.append((proj, per_expert))
         for proj in PROJS:
             bias = f"blk.{layer}.ffn_{proj}_exps.bias"
             if bias in self.files:
