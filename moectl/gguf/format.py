@@ -1,0 +1,67 @@
+"""GgufExpertFormat: one expert in its GGUF encoding as one packed buffer, dequantised where it is computed.
+
+Legend: I = expert intermediate size, H = hidden size, N = bytes of one packed expert.
+
+It is an `ExpertFormat` (moectl/models/formats.py): parts are the expert's byte ranges in the file, in
+`ExpertIndex.parts` order (gate, up, down, GPT-OSS biases), each uint8 and exactly the file's bytes, back to back,
+so the RAM tier, a disk read (`ExpertStore` checks each range against its part) and a device slot all hold what
+the file holds. `weights(views)` dequantises (moectl/gguf/dequant.py) into the family's layout:
+  standard families: gate_up [2I, H] = gate rows then up rows, down [H, I]          (the file's [out, in])
+  GPT-OSS:           gate_up [H, 2I] with gate in the even columns, gate_up_bias [2I], down [I, H], down_bias [H]
+One format per MoE layer (a Q4_K_M file mixes Q4_K and Q6_K layers); `nbytes` of every layer's format is the
+largest layer's (`pad_to`: the buffer's tail past the parts is unused), so the store and the cache pools keep
+one slot size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.formats import ExpertFormat, Part
+from .dequant import dequantize
+from .encodings import encoding_name
+from .experts import ExpertIndex
+
+
+class GgufExpertFormat(ExpertFormat):
+    def __init__(self, index: ExpertIndex, layer: int, family: str, dtype: torch.dtype, pad_to: int = 0):
+        self.index, self.layer, self.family, self.dtype = index, layer, family, dtype
+        self.tensors = index.parts(layer, 0)                                   # encodings and shapes of expert 0
+        encodings = "+".join(dict.fromkeys(encoding_name(t.encoding) for _, t in self.tensors))
+        super().__init__(f"gguf-{encodings}", [Part(name, (t.nbytes,), torch.uint8) for name, t in self.tensors])
+        self.nbytes = max(self.nbytes, pad_to)
+
+    def fill(self, expert: int, out: torch.Tensor) -> torch.Tensor:
+        """Copy expert `expert`'s bytes from the memory-mapped file into `out` [N] (the RAM tier's row)."""
+        views = self.views(out)
+        for name, t in self.index.parts(self.layer, expert):
+            views[name].copy_(torch.from_numpy(self.index.files.bytes_of(t.file, t.offset, t.nbytes)))
+        return out
+
+    def packed(self, expert: int) -> torch.Tensor:
+        """A new buffer [N] holding expert `expert`."""
+        return self.fill(expert, torch.zeros(self.nbytes, dtype=torch.uint8))
+
+    def matrices(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{gate, up, down[, *_bias]} dequantised, in the file's orientation ([out, in])."""
+        return {name: dequantize(views[name], t.encoding, t.shape, self.dtype,
+                                 f"layer {self.layer} {name} experts")
+                for name, t in self.tensors}
+
+    def weights(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = self.matrices(views)
+        if self.family != "gpt_oss":
+            return {"gate_up": torch.cat([m["gate"], m["up"]]), "down": m["down"]}
+        gate_up = torch.stack([m["gate"], m["up"]], dim=1).flatten(0, 1)          # [2I, H]: gate, up interleaved
+        bias = torch.stack([m["gate_bias"], m["up_bias"]], dim=1).flatten()         # [2I]
+        return {"gate_up": gate_up.T, "gate_up_bias": bias, "down": m["down"].T, "down_bias": m["down_bias"]}
+
+    def describe(self) -> dict:
+        return super().describe() | {"layer": self.layer, "encodings": [encoding_name(t.encoding)
+                                                                         for _, t in self.tensors]}
+
+
+def layer_formats(index: ExpertIndex, family: str, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
+    """One format per MoE layer, all of the largest layer's size."""
+    sizes = {l: GgufExpertFormat(index, l, family, dtype).nbytes for l in index.layers}
+    return {l: GgufExpertFormat(index, l, family, dtype, pad_to=max(sizes.values())) for l in index.layers}

@@ -1,0 +1,56 @@
+"""GgufModel: everything moectl reads from one GGUF model, opened once (what `--model x.gguf` will hold).
+
+    g = GgufModel(path)                 # parse the header(s), memory-map the file(s); checks (files.py, config.py)
+    g.family, g.config, g.index         # moectl family, transformers config, ExpertIndex
+    g.tokenizer()                       # transformers' GGUF tokenizer converter
+    g.sizes(2)                          # header-only figures for inspect / sizing (dense at 2 bytes/weight)
+    g.dense_state_dict(skeleton, dtype) # dense tensors dequantised once, under the skeleton's names
+    g.expert_formats(dtype)             # {layer: GgufExpertFormat}: the packed experts' "full" precision
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import family_of, gguf_config, gguf_tokenizer
+from .dense import dense_state_dict
+from .experts import ExpertIndex
+from .files import GgufFiles
+from .format import GgufExpertFormat, layer_formats
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `--model` names a GGUF file (a directory is a safetensors checkpoint)."""
+    return Path(path).suffix == ".gguf" and not Path(path).is_dir()
+
+
+class GgufModel:
+    def __init__(self, path: str | Path):
+        self.files = GgufFiles(path)
+        self.family = family_of(self.files)
+        self.config = gguf_config(self.files)
+        self.index = ExpertIndex(self.files)
+
+    @property
+    def path(self) -> Path:
+        return self.files.paths[0]
+
+    def tokenizer(self):
+        return gguf_tokenizer(self.files)
+
+    def sizes(self, dense_bytes_per_weight: int = 2) -> dict:
+        """`ExpertIndex.sizes()` (experts packed, as stored) plus what a run holds in host RAM with the experts in
+        RAM: the packed experts and the dense tensors dequantised once (`dense_bytes_per_weight`: 2 for bf16)."""
+        s = self.index.sizes()
+        dense = s["dense_weights"] * dense_bytes_per_weight
+        return s | {"family": self.family, "architecture": self.files.arch, "files": [str(p) for p in self.files.paths],
+                    "file_bytes": sum(p.stat().st_size for p in self.files.paths), "dense_bytes": dense,
+                    "host_bytes_ram_tier": s["expert_bytes"] + dense}
+
+    def dense_state_dict(self, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        return dense_state_dict(self.files, model, dtype)
+
+    def expert_formats(self, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
+        return layer_formats(self.index, self.family, dtype)
