@@ -290,9 +290,12 @@ def import_jsonl(src: str | Path, out_dir: str | Path, model_name: str | None = 
     may raise before anything is written."""
     from ..trace import read_jsonl
 
-    src = Path(src)
+    src, out_dir = Path(src), Path(out_dir).expanduser()
     if not src.is_file():
         raise MoectlError(f"{src} is not a file; expected a moe-routing-v1 JSONL trace")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):   # never mix two traces' files
+        what = "is a file" if not out_dir.is_dir() else "exists and is not empty"
+        raise MoectlError(f"{out_dir} {what}; give a new directory to --out (or delete that one)")
     trace = read_jsonl(src)
     if check is not None:
         check(trace)

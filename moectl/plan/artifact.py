@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..artifact import write_descriptor
+from ..artifact import check_shape, write_descriptor
 from ..errors import MoectlError
 from ..sim.run import PLAN_FORMAT
 
@@ -35,24 +35,27 @@ def write_plan(path, plan: dict, fingerprint: str | None) -> Path:
     return write_descriptor(path, head | plan)
 
 
-def check_plan_model(plan: dict, fingerprint: str | None, num_layers: int, num_experts: int, what: str) -> None:
-    """A plan made for another model is a clear error: its fingerprint (when both are known), else its shape."""
+def check_plan_model(plan: dict, fingerprint: str | None, num_layers: int, num_experts: int, what: str,
+                     top_k: int | None = None) -> None:
+    """A plan made for another model is a clear error: its fingerprint (when both are known), else its shape
+    (MoE layers, experts, and top-k when the caller gives one)."""
     src = plan.get("_path", "plan")
     fp = plan.get("fingerprint")
     if fp and fingerprint and fp != fingerprint:
         raise MoectlError(f"plan {src} was made for model {fp} ({plan.get('model')}), but {what} is {fingerprint}; "
                           f"re-run `moectl plan-cache` for this model")
-    shape = (plan.get("num_layers"), plan.get("num_experts"))
-    if shape[0] is not None and shape != (num_layers, num_experts):
-        raise MoectlError(f"plan {src} is for {plan.get('model')} ({shape[0]} MoE layers x {shape[1]} experts), "
-                          f"{what} has {num_layers} x {num_experts}; re-run `moectl plan-cache` for this model")
+    if plan.get("num_layers") is not None:
+        have = (plan.get("num_layers"), plan.get("num_experts")) + ((plan["top_k"],) if plan.get("top_k") else ())
+        check_shape(f"plan {src} ({plan.get('model')})", have, what, (num_layers, num_experts) +
+                    (() if top_k is None else (top_k,)), "re-run `moectl plan-cache` for this model")
 
 
 def apply_plan(plan: dict, trace, opts: dict):
     """What `simulate --plan` takes from a plan: {precision: slots per layer} when it has low-bit slots (else the
     caller's `capacities` already read `slots`), its policies for every option left None in `opts` (changed in
     place), and its sensitivity gating (a GatingPolicy, or None)."""
-    check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
+    check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})",
+                     trace.top_k)
     pol = plan.get("policies") or {}
     for k in ("replacement", "prefetch", "precision", "lowbit", "cpu_experts", "admission"):
         if opts.get(k) is None and pol.get(k) is not None:

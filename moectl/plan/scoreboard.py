@@ -297,7 +297,8 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
         from .artifact import check_plan_model
 
         plan = load_plan(plan_path)
-        check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
+        check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})",
+                         trace.top_k)
     elif preset.slots.startswith("plan") or preset.name == "oracle":
         from .planner import make_plan
 
