@@ -236,7 +236,7 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
             ("ms/tok", lambda r: f"{r['ms_per_token']:.1f}")]
     cols += [("tok/s", lambda r: f"{r['tokens_per_s']:.2f}")] if wide else []
     cols += [("hit\nrate", lambda r: f"{r['hit_rate']:.3f}"), ("MB/tok", lambda r: f"{r['bytes_per_token'] / 1e6:.0f}"),
-             ("stall\nms/tok", lambda r: f"{r['stall_ms_per_token']:.1f}")]
+             ("stall\nms/tok", lambda r: f"{round(r['stall_ms_per_token'], 1) + 0.0:.1f}")]     # never "-0.0"
     cols += [("mix /tok", mix)] if wide else []
     delta = lambda r: "-" if r.get("ppl_delta_proxy") is None else f"{r['ppl_delta_proxy']:+.2%}"   # noqa: E731
     cols += [(PROXY_LABEL if wide else "ppl delta\n(proxy)", delta)] if proxy else []
@@ -258,7 +258,8 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
     Console(width=max(out.width, need)).print(t)
     for i, n in enumerate(notes):
         out.print(f"[{i + 1}] {n}", highlight=False, markup=False)
-    if proxy and any(r.get("ppl_delta_proxy") is None for r in rows):
+    measured = [r.get("ppl_delta_proxy") is not None for r in rows]
+    if proxy and any(measured) and not all(measured):
         out.print("ppl delta \"-\": not measured for that row's precision setting (below)", highlight=False)
     if not wide:
         out.print("(--wide adds tok/s and experts per token by source: full / low-bit loads, skipped, on the CPU)",
