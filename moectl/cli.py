@@ -3,7 +3,8 @@
 Each `moectl/commands/<name>.py` defines the command as a plain top-level function named like the
 module (`generate`, `train_predictor` -> `moectl train-predictor`), or a `typer.Typer` called `app` for a
 command group (`trace import|export`); this file discovers them, so adding a command never touches this
-file. `MoectlError` becomes one red line and exit code 2.
+file. `MoectlError`, and click's usage errors (a bad option value, an unknown option), become one red `error:`
+line and exit code 2.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _register_commands()
 
 def main() -> None:
     try:
-        rc = app(prog_name="moectl", standalone_mode=False)   # typer.Exit(n) and Ctrl-C come back as a return code
+        rc = app(standalone_mode=False)      # typer.Exit(n) and Ctrl-C come back as a return code here
         if isinstance(rc, int) and rc != 0:
             sys.exit(rc)
     except MoectlError as e:
@@ -70,18 +71,18 @@ def main() -> None:
         if isinstance(e, usage):             # a bad option value, a missing or unknown option: one line, exit 2
             _error(usage_message(e))
         if isinstance(e, shown):
-            _error(e.format_message(), e.exit_code)
+            _error(e.format_message())       # a file option that cannot be opened, ...: bad input too
         if isinstance(e, aborts):
             err_console.print("[yellow]aborted[/]")
             sys.exit(1)
         raise
 
 
-def _error(message: str, code: int = 2) -> None:
+def _error(message: str) -> None:
     from rich.markup import escape
 
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)   # [..] is text
-    sys.exit(code)
+    sys.exit(2)
 
 
 def usage_message(e) -> str:
@@ -89,9 +90,11 @@ def usage_message(e) -> str:
     command's --help to read, instead of click's Usage/Try/Error block."""
     msg = " ".join(e.format_message().split())
     msg = (msg[:1].lower() + msg[1:]).rstrip(".")
-    ctx = getattr(e, "ctx", None)
-    path = ctx.command_path if ctx is not None else "moectl"
-    return f"{msg} (see `{path} --help`)"
+    names, ctx = [], getattr(e, "ctx", None)
+    while ctx is not None and ctx.parent is not None:     # the sub-command path, whatever argv[0] was
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    return f"{msg} (see `{' '.join(['moectl', *names])} --help`)"
 
 
 def _click_exception_types() -> tuple[tuple[type, ...], ...]:
