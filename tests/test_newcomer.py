@@ -116,6 +116,9 @@ def test_trace_import_refuses_a_non_empty_out(tmp_path, capsys, monkeypatch):
     code, _, err = run_cli(["trace", "import", src, "--model-name", "toy", "--out", str(out)], capsys, monkeypatch)
     assert_one_error(code, err, str(out), "not empty")
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]             # nothing written beside it
+    code, _, err = run_cli(["trace", "synthesize", "--like", src, "--model", "gpt-oss-120b", "--out", str(out)],
+                           capsys, monkeypatch)                            # a synthesized trace directory too
+    assert_one_error(code, err, str(out), "not empty")
     code, _, err = run_cli(["trace", "import", src, "--model-name", "toy", "--out", str(tmp_path / "new")],
                            capsys, monkeypatch)
     assert code == 0 and (tmp_path / "new" / "meta.json").exists(), err
