@@ -93,6 +93,20 @@ def test_replay_trace_of_another_shape_is_one_error(model, tmp_path, capsys, mon
         RoutingReplay(toy_trace(tmp_path / "short.jsonl", 2, 8, 2), 4, 8, prefix=True)
 
 
+@pytest.mark.xfail(strict=True, reason="needs runtime/engine.py to pass the model's top-k and prefix=<config has "
+                   "moectl_synthetic> to RoutingReplay (issue 34 report); drop this mark when it does")
+def test_make_synthetic_prefix_replays_its_recipes_deeper_trace(tmp_path):
+    from moectl.runtime.engine import Engine
+    from moectl.synthetic import write_synthetic
+
+    shape = {"name": "small", "num_layers": 4, "moe_layers": 4, "hidden_size": 64, "intermediate_size": 96,
+             "num_experts": 8, "top_k": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "vocab_size": 300, "dtype": "float32"}
+    write_synthetic(shape, tmp_path / "syn", layers=2, progress=False)        # the recipe's first 2 of 4 layers
+    eng = Engine.load(str(tmp_path / "syn"), replay_trace=toy_trace(tmp_path / "t.jsonl", 4, 8, 2), progress=False)
+    assert eng.runtime.replay.experts.shape[1:] == (2, 2)
+
+
 def test_plan_cache_and_simulate_plan_check_the_trace_shape(tmp_path, capsys, monkeypatch):
     # plan-cache --model mixtral (its recipe's shape: 32 x 8, top-2) with a trace of another top-k
     k4 = toy_trace(tmp_path / "k4.jsonl", 32, 8, 4)
