@@ -174,7 +174,8 @@ _FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jso
 def calibration_dirs() -> list[Path]:
     """Where calibration set names are looked up: ./calibration, then the repo's calibration/."""
     repo = Path(__file__).resolve().parents[2] / "calibration"
-    return [Path.cwd() / "calibration", repo]
+    here = Path.cwd() / "calibration"
+    return [here] if here.resolve() == repo else [here, repo]        # in the repo root: one, named once
 
 
 def find_calibration_yaml(name: str) -> Path | None:
