@@ -74,6 +74,21 @@ def read_descriptor(path, fmt: str | tuple[str, ...], *, what: str, version_key:
     return d
 
 
+def shape_text(layers: int, experts: int, top_k: int | None = None) -> str:
+    """`16 MoE layers x 64 experts, top-8`: a model's or an artifact's routing shape, as errors say it."""
+    s = lambda n: "" if n == 1 else "s"           # noqa: E731
+    return f"{layers} MoE layer{s(layers)} x {experts} expert{s(experts)}" + ("" if top_k is None else f", top-{top_k}")
+
+
+def check_shape(what: str, have: tuple, model: str, want: tuple, fix: str) -> None:
+    """An artifact made for a model of another routing shape is one clear error (imported traces and routing-only
+    predictors carry no fingerprint, so their shape is what tells). `have`, `want`: (MoE layers, experts[, top-k]);
+    a top-k either side leaves out is not compared."""
+    n = min(len(have), len(want))
+    if tuple(have[:n]) != tuple(want[:n]):
+        raise MoectlError(f"{what} is for {shape_text(*have)}, {model} has {shape_text(*want)}: {fix}")
+
+
 def is_int(x) -> bool:
     """A JSON/YAML integer (bools are not)."""
     return isinstance(x, int) and not isinstance(x, bool)

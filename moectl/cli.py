@@ -3,7 +3,8 @@
 Each `moectl/commands/<name>.py` defines the command as a plain top-level function named like the
 module (`generate`, `train_predictor` -> `moectl train-predictor`), or a `typer.Typer` called `app` for a
 command group (`trace import|export`); this file discovers them, so adding a command never touches this
-file. `MoectlError` becomes one red line and exit code 2.
+file. `MoectlError`, and click's usage errors (a bad option value, an unknown option), become one red `error:`
+line and exit code 2.
 """
 
 from __future__ import annotations
@@ -54,43 +55,69 @@ def main() -> None:
         if isinstance(rc, int) and rc != 0:
             sys.exit(rc)
     except MoectlError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        _error(str(e))
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
     except MemoryError:                      # an allocation the runtime did not wrap: still one line, exit 2
-        err_console.print("[bold red]error:[/] out of host memory; use --offload disk, or a smaller --cache-experts "
-                          "/ --budget", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        _error("out of host memory; use --offload disk, or a smaller --cache-experts / --budget")
     except SystemExit:
         raise
     except Exception as e:  # click usage errors and aborts come through here in standalone_mode=False
-        shown, aborts = _click_exception_types()
-        if isinstance(e, shown):
+        usage, help_shown, shown, aborts = _click_exception_types()
+        if isinstance(e, help_shown):        # `moectl trace` with no sub-command: its help, as before
             e.show()
             sys.exit(e.exit_code)
+        if isinstance(e, usage):             # a bad option value, a missing or unknown option: one line, exit 2
+            _error(usage_message(e))
+        if isinstance(e, shown):
+            _error(e.format_message())       # a file option that cannot be opened, ...: bad input too
         if isinstance(e, aborts):
             err_console.print("[yellow]aborted[/]")
             sys.exit(1)
         raise
 
 
-def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    """(exceptions with .show() and .exit_code, abort exceptions) of click and of the click typer vendors
-    (typer >= 0.29 ships its own copy as typer._click, and its Abort is `typer.Abort`)."""
+def _error(message: str) -> None:
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)   # [..] is text
+    sys.exit(2)
+
+
+def usage_message(e) -> str:
+    """click's usage error (`Invalid value for '--depth': ...`, `No such option: --x`) as one line that says which
+    command's --help to read, instead of click's Usage/Try/Error block."""
+    msg = " ".join(e.format_message().split())
+    msg = (msg[:1].lower() + msg[1:]).rstrip(".")
+    names, ctx = [], getattr(e, "ctx", None)
+    while ctx is not None and ctx.parent is not None:     # the sub-command path, whatever argv[0] was
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    return f"{msg} (see `{' '.join(['moectl', *names])} --help`)"
+
+
+def _click_exception_types() -> tuple[tuple[type, ...], ...]:
+    """(usage errors, usage errors that print help, other exceptions with .format_message() and .exit_code, abort
+    exceptions) of click and of the click typer vendors (typer >= 0.29 ships its own copy as typer._click, and its
+    Abort is `typer.Abort`)."""
     import click
 
+    usage: list[type] = [click.exceptions.UsageError]
+    helps: list[type] = [click.exceptions.NoArgsIsHelpError]
     shown: list[type] = [click.exceptions.ClickException]
     aborts: list[type] = [click.exceptions.Abort, typer.Abort]
     try:
         from typer._click import exceptions as vendored
 
+        usage.append(vendored.UsageError)
+        helps += [c for c in (getattr(vendored, "NoArgsIsHelpError", None),) if c is not None]
         shown.append(vendored.ClickException)
         aborts += [c for c in (getattr(vendored, "Abort", None),) if c is not None]
     except ImportError:
         pass
-    return tuple(shown), tuple(aborts)
+    return tuple(usage), tuple(helps), tuple(shown), tuple(aborts)
+
 
 if __name__ == "__main__":
     main()

@@ -278,6 +278,10 @@ def writable(out) -> Path:
     from pathlib import Path
 
     out = Path(out)
+    if out.suffix != ".jsonl":                       # a trace directory: never beside another trace's files
+        from .calib.trace_io import require_new_dir
+
+        require_new_dir(out)
     try:
         (out.parent if out.suffix == ".jsonl" else out).mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -241,6 +241,27 @@ def read_jsonl(path: Path) -> Trace:
     )
 
 
+def check_trace_fits(trace: Trace, num_layers: int, num_experts: int, top_k: int | None, model: str,
+                     fingerprint: str | None = None, source: object = None, prefix: bool = False) -> None:
+    """A trace recorded on another model is one clear error, wherever a trace meets a model: its fingerprint when
+    both are known, and always its shape (MoE layers, experts, top-k; an imported trace has no fingerprint).
+    `prefix`: a trace of more layers is accepted (its first `num_layers` are used: a make-synthetic checkpoint
+    cut to its first layers replays its full recipe's trace)."""
+    from .artifact import shape_text
+    from .fingerprint import check_fingerprint
+
+    label = f"trace {source} ({trace.model})" if source else f"the {trace.model} trace"
+    if fingerprint is not None:
+        check_fingerprint(trace.fingerprint, fingerprint, "trace", source or trace.model)
+    layers_ok = trace.num_layers >= num_layers if prefix else trace.num_layers == num_layers
+    if layers_ok and trace.num_experts == num_experts and top_k in (None, trace.top_k):
+        return
+    need = ", and a trace needs at least as many layers" if prefix else ""
+    have = shape_text(trace.num_layers, trace.num_experts, trace.top_k)
+    raise MoectlError(f"{label} is for {have}, {model} has {shape_text(num_layers, num_experts, top_k)}{need}: a "
+                      f"trace must come from the model it is used with")
+
+
 def load_trace(path: str | Path) -> Trace:
     """Load a trace directory or a moe-routing-v1 JSONL file."""
     p = Path(path).expanduser()

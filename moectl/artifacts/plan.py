@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from ..artifact import is_int, read_descriptor, require_list, where
+from ..artifact import check_shape, is_int, read_descriptor, require_list, where
 from ..cache_model import FULL, LOW
 from ..errors import MoectlError
 
@@ -19,17 +19,20 @@ PLAN_FORMAT = "moectl-plan-v1"
 PLAN_NAME = "plan.yaml"
 
 
-def check_plan_model(plan: dict, fingerprint: str | None, num_layers: int, num_experts: int, what: str) -> None:
-    """A plan made for another model is a clear error: its fingerprint (when both are known), else its shape."""
+def check_plan_model(plan: dict, fingerprint: str | None, num_layers: int, num_experts: int, what: str,
+                     top_k: int | None = None) -> None:
+    """A plan made for another model is a clear error: its fingerprint (when both are known), else its shape
+    (MoE layers, experts, and top-k when the caller gives one)."""
     src = plan.get("_path", "plan")
     fp = plan.get("fingerprint")
     if fp and fingerprint and fp != fingerprint:
         raise MoectlError(f"plan {src} was made for model {fp} ({plan.get('model')}), but {what} is {fingerprint}; "
                           f"re-run `moectl plan-cache` for this model")
-    shape = (plan.get("num_layers"), plan.get("num_experts"))
-    if shape[0] is not None and shape != (num_layers, num_experts):
-        raise MoectlError(f"plan {src} is for {plan.get('model')} ({shape[0]} MoE layers x {shape[1]} experts), "
-                          f"{what} has {num_layers} x {num_experts}; re-run `moectl plan-cache` for this model")
+    if plan.get("num_layers") is not None:
+        have = (plan.get("num_layers"), plan.get("num_experts")) + ((plan["top_k"],) if plan.get("top_k") else ())
+        check_shape(f"plan {src} ({plan.get('model')})", have, what, (num_layers, num_experts) +
+                    (() if top_k is None or not plan.get("top_k") else (top_k,)),
+                    "re-run `moectl plan-cache` for this model")
 
 
 def load_plan(path: str | Path) -> dict:

@@ -174,7 +174,8 @@ _FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jso
 def calibration_dirs() -> list[Path]:
     """Where calibration set names are looked up: ./calibration, then the repo's calibration/."""
     repo = Path(__file__).resolve().parents[2] / "calibration"
-    return [Path.cwd() / "calibration", repo]
+    here = Path.cwd() / "calibration"
+    return [here] if here.resolve() == repo else [here, repo]        # in the repo root: one, named once
 
 
 def find_calibration_yaml(name: str) -> Path | None:
@@ -238,6 +239,16 @@ def _column(ds, text_field: str, where: Path) -> list[str]:
     return [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
 
 
+def _by_name(path: Path) -> str:
+    """For a path that is not there but names a known set (`calibration/default.yaml` run outside the repo): say
+    where relative paths are read from and that the set's name finds it anywhere."""
+    found = find_calibration_yaml(path.stem)
+    if found is None:
+        return ""
+    rel = "" if path.is_absolute() else f" (relative paths are read from {Path.cwd()})"
+    return f"{rel}; `--dataset {path.stem}` names the set {found} from any directory"
+
+
 def load_calibration_spec(spec: str) -> dict:
     """Resolve a spec to its settings: {source, split, text_field, max_samples, max_tokens, name}."""
     import yaml
@@ -248,7 +259,7 @@ def load_calibration_spec(spec: str) -> dict:
     yaml_path = path if path.suffix in (".yaml", ".yml") else None
     if yaml_path is None and not path.exists() and spec != "builtin":
         if "/" in spec or path.suffix:
-            raise MoectlError(f"calibration source {path} does not exist")
+            raise MoectlError(f"calibration source {path} does not exist{_by_name(path)}")
         yaml_path = find_calibration_yaml(spec)
         if yaml_path is None:
             raise MoectlError(
@@ -257,7 +268,7 @@ def load_calibration_spec(spec: str) -> dict:
                 f"a saved `datasets` directory, or 'builtin'")
     if yaml_path is not None:
         if not yaml_path.is_file():
-            raise MoectlError(f"calibration file {yaml_path} does not exist")
+            raise MoectlError(f"calibration file {yaml_path} does not exist{_by_name(yaml_path)}")
         try:
             data = yaml.safe_load(yaml_path.read_text()) or {}
         except yaml.YAMLError as e:

@@ -284,13 +284,23 @@ def read_exact_weights(path: str | Path) -> np.ndarray | None:
 
 # --- JSONL import / export ----------------------------------------------------------------------
 
+def require_new_dir(out_dir: str | Path) -> Path:
+    """`--out DIR` of a command that writes a whole trace: absent or empty, so two traces' files never mix (as
+    make-synthetic refuses a non-empty directory). `profile --resume` continues its own trace instead."""
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is a file" if not out.is_dir() else "exists and is not empty"
+        raise MoectlError(f"{out} {what}; give a new directory to --out (or delete that one)")
+    return out
+
+
 def import_jsonl(src: str | Path, out_dir: str | Path, model_name: str | None = None,
                  shard_rows: int = 65536, check=None) -> dict:
     """moe-routing-v1 JSONL -> trace directory, keeping what an exact export needs. `check(trace)`
     may raise before anything is written."""
     from ..trace import read_jsonl
 
-    src = Path(src)
+    src, out_dir = Path(src), require_new_dir(out_dir)
     if not src.is_file():
         raise MoectlError(f"{src} is not a file; expected a moe-routing-v1 JSONL trace")
     trace = read_jsonl(src)
@@ -327,4 +337,4 @@ def export_jsonl(trace_dir: str | Path, out: str | Path) -> Path:
 
 
 __all__ = ["FORMAT", "VERSION", "TraceWriter", "read_meta", "read_trace_dir", "read_exact_weights",
-           "import_jsonl", "export_jsonl"]
+           "require_new_dir", "import_jsonl", "export_jsonl"]

@@ -42,6 +42,8 @@ def plan_cache(
     compare: bool = typer.Option(False, "--compare", help="also print the scoreboard: every preset on the same "
                                  "traces, budget and hardware"),
     workdir: Path = typer.Option(None, "--workdir", help="artifact directory (default ~/.cache/moectl/<model>)"),
+    wide: bool = typer.Option(False, "--wide", help="the scoreboard with every column (experts per token by source); "
+                              "the default fits 80 columns"),
     as_json: bool = typer.Option(False, "--json", help="print the plan (and scoreboard) as JSON"),
 ) -> None:
     """Plan the device expert cache: per-layer slots by dynamic programming on per-layer cost curves
@@ -100,7 +102,7 @@ def plan_cache(
         return
     print_plan(plan, path, figure)
     if board is not None:
-        sb.print_scoreboard(board, setup)
+        sb.print_scoreboard(board, setup, wide=wide)
         print_proxy(proxy)
 
 

@@ -39,7 +39,8 @@ def apply_plan(plan: dict, trace, opts):
     caller's `capacities` already read `slots`), its policies for every option `opts` (a RuntimeOptions) left unset
     (changed in place, `RuntimeOptions.take_plan`: the runtime's rule), and its sensitivity gating (a GatingPolicy,
     or None)."""
-    check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
+    check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})",
+                     trace.top_k)
     gating = opts.take_plan(plan)
     caps = None
     if plan.get("slots_low"):

@@ -220,32 +220,60 @@ def add_proxy(rows: list[dict], proxy: dict) -> None:
         r["ppl_delta_proxy"] = got.get("ppl_delta_rel")
 
 
-def print_scoreboard(rows: list[dict], setup, title: str = "") -> None:
+def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = False) -> None:
+    """The scoreboard as a table that fits an 80-column terminal: long text wraps at words, numbers never break,
+    nothing is cut short ("..."; on a narrower terminal the lines run longer). `wide` adds tok/s and "mix /tok"
+    (experts per token by where they came from), one line per row. A note shared by several rows is printed once."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     out = Console()
-    t = Table(title=title or f"scoreboard: {setup.facts.name}, {setup.budget} on {setup.hardware}")
+    t = Table(title=title or f"scoreboard: {setup.facts.name}, {setup.budget} on {setup.hardware}",
+              box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     proxy = "ppl_delta_proxy" in rows[0]
-    for col in ("preset", "fidelity", "ms/tok", "tok/s", "hit rate", "MB/tok", "stall ms/tok", "mix /tok") \
-            + ((PROXY_LABEL,) if proxy else ()):
-        t.add_column(col, justify="left" if col in ("preset", "fidelity", "mix /tok") else "right")
-    notes = []
+    cols = [("preset", lambda r: r["preset"]), ("fidelity", lambda r: r["fidelity"]),
+            ("ms/tok", lambda r: f"{r['ms_per_token']:.1f}")]
+    cols += [("tok/s", lambda r: f"{r['tokens_per_s']:.2f}")] if wide else []
+    cols += [("hit\nrate", lambda r: f"{r['hit_rate']:.3f}"), ("MB/tok", lambda r: f"{r['bytes_per_token'] / 1e6:.0f}"),
+             ("stall\nms/tok", lambda r: f"{round(r['stall_ms_per_token'], 1) + 0.0:.1f}")]     # never "-0.0"
+    cols += [("mix /tok", mix)] if wide else []
+    delta = lambda r: "-" if r.get("ppl_delta_proxy") is None else f"{r['ppl_delta_proxy']:+.2%}"   # noqa: E731
+    cols += [(PROXY_LABEL if wide else "ppl delta\n(proxy)", delta)] if proxy else []
+    notes: list[str] = []
     for r in rows:
-        mark = "".join(f"[{len(notes) + i + 1}]" for i in range(len(r["notes"])))
-        notes += r["notes"]
-        d = r.get("ppl_delta_proxy")
-        t.add_row(r["preset"] + mark, r["fidelity"], f"{r['ms_per_token']:.1f}", f"{r['tokens_per_s']:.2f}",
-                  f"{r['hit_rate']:.3f}", f"{r['bytes_per_token'] / 1e6:.0f}", f"{r['stall_ms_per_token']:.1f}",
-                  mix(r), *((f"{d:+.2%}" if d is not None else "not measured",) if proxy else ()))
-    out.print(t)
+        notes += [n for n in r["notes"] if n not in notes]
+    cells = [[get(r) + ("".join(f"[{notes.index(n) + 1}]" for n in r["notes"]) if name == "preset" else "")
+              for name, get in cols] for r in rows]
+    widths = []                                           # each column's narrowest: a word, or a whole number
+    for j, (name, _) in enumerate(cols):
+        text = name in ("fidelity", "mix /tok") and not wide     # wrap at words; the rest never breaks or shrinks
+        words = [w for c in cells for w in (c[j].split() if text else [c[j]])] + name.split("\n")
+        widths.append(max(len(w) for w in words))
+        t.add_column(name, justify="left" if name in ("preset", "fidelity", "mix /tok") else "right", no_wrap=not text,
+                     min_width=widths[-1])
+    for row in cells:
+        t.add_row(*row)
+    need = sum(widths) + 2 * len(widths)                 # narrower would cut cells short: let the lines run longer
+    Console(width=max(out.width, need)).print(t)
     for i, n in enumerate(notes):
-        out.print(f"[{i + 1}] {n}", highlight=False)
+        out.print(f"[{i + 1}] {n}", highlight=False, markup=False)
+    measured = [r.get("ppl_delta_proxy") is not None for r in rows]
+    if proxy and any(measured) and not all(measured):
+        out.print("ppl delta \"-\": not measured for that row's precision setting (below)", highlight=False)
+    if not wide:
+        out.print("(--wide adds tok/s and experts per token by source: full / low-bit loads, skipped, on the CPU)",
+                  highlight=False)
     ours = next((r for r in rows if r["preset"] == "moectl"), None)
     if ours is None:
         return
     for line in ratios(rows):
-        out.print(line)
+        out.print(line, highlight=False)
+    if ours["precision"] == "full" and not ours.get("cpu_experts_per_token"):
+        out.print("(moectl's row is this plan's setting: full precision, every miss copied over PCIe; the peers run "
+                  "theirs, e.g. hobbit's low-bit copies. `--lowbit q4g64 --cpu-experts auto` plans moectl with "
+                  "low-bit copies and misses computed on the CPU: the setting of docs/benchmarks.md's scoreboards)",
+                  highlight=False)
 
 
 def ratios(rows: list[dict]) -> list[str]:
@@ -297,7 +325,8 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
         from .artifact import check_plan_model
 
         plan = load_plan(plan_path)
-        check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})")
+        check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})",
+                         trace.top_k)
     elif preset.slots.startswith("plan") or preset.name == "oracle":
         from .planner import make_plan
 

@@ -48,7 +48,10 @@ def load_traces(paths, wd: Path):
 def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, replacement: str, prefetch: str,
                depth: int | None, workdir=None) -> Setup:
     from ..sim.cost import CostModel, load_hardware
+    from ..policies import check_names
+    from ..trace import check_trace_fits
 
+    check_names(replacement, prefetch)                  # a plan is for the runtime: what the runtime takes
     wd = workdir_of(model, workdir)
     facts = model_facts(model, workdir)
     split = split_budget(budget, facts, kv_tokens)
@@ -56,17 +59,11 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     cost.expert_bytes = facts.expert_bytes()
     trace = load_traces(traces, wd)
     pol = Policies(replacement=replacement, depth=depth)
-    if replacement == "belady":
-        raise MoectlError("belady needs the future: a plan is for the runtime, which cannot know it")
     if trace is None:
         if prefetch not in ("auto", "none"):
             pol.prefetch = prefetch
         return Setup(facts, split, cost, None, pol, wd, hardware, budget)
-    if (trace.num_layers, trace.num_experts) != (facts.num_layers, facts.num_experts):
-        raise MoectlError(f"the traces are of {trace.model} ({trace.num_layers} MoE layers x {trace.num_experts} "
-                          f"experts), --model {model} has {facts.num_layers} x {facts.num_experts}")
-    if facts.fingerprint and trace.fingerprint and facts.fingerprint != trace.fingerprint:
-        raise MoectlError(f"the traces were profiled on model {trace.fingerprint}, --model {model} is {facts.fingerprint}")
+    check_trace_fits(trace, facts.num_layers, facts.num_experts, facts.top_k, f"--model {model}", facts.fingerprint)
     replay = Replay(trace, cost)
     raw = replay.raw = trace
     gated = stored_gating(wd, facts, trace)

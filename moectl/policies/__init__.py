@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from ..artifact import check_shape
 from ..errors import MoectlError
 from .aux_gate import AuxGatePrefetch
 from .base import LRU, PrefetchPolicy, ReplacementPolicy
@@ -24,8 +25,12 @@ REPLACEMENTS = {"lru": LRU, "lfu": LFU, "moe-infinity": MoEInfinity, "hobbit": H
                 "ours": Ours}
 PREFETCHES = {"none": PrefetchPolicy, "gate-reuse": GateReuse, "eam": EAMPrefetch, "routing": RoutingPrefetch,
               "mlp": MLPPrefetch, "aux-gate": AuxGatePrefetch, "oracle": OraclePrefetch}
-REPLACEMENT_NAMES = list(REPLACEMENTS)
+REPLACEMENT_NAMES = list(REPLACEMENTS)          # what the simulator takes
 PREFETCH_NAMES = list(PREFETCHES)
+# what the runtime (and a plan, which is for the runtime) takes: belady and oracle know the future; auto is resolved
+# by the driver (the model's trained predictors, else gate reuse) before a policy is built
+RUNTIME_REPLACEMENT_NAMES = [n for n in REPLACEMENT_NAMES if n != "belady"]
+RUNTIME_PREFETCH_NAMES = ["auto"] + [n for n in PREFETCH_NAMES if n != "oracle"]
 # keywords that describe the model rather than configure a policy: passed where a policy takes them
 FACTS = {"num_layers", "num_experts", "routers", "bias", "eamc", "predictor", "inner", "future"}
 
@@ -75,7 +80,21 @@ class PolicyInputs:
     future: list | None = None           # simulation only: each decode step's experts per layer (oracle prefetch)
 
 
+def check_names(replacement: str | None, prefetch: str | None, runtime: bool = True) -> None:
+    """--replacement / --prefetch against what the driver takes (the runtime's lists, or the simulator's: the
+    policy builder's inputs say which, by knowing the future or not); an unknown one is one error listing them."""
+    repl, pf = (RUNTIME_REPLACEMENT_NAMES, RUNTIME_PREFETCH_NAMES) if runtime else (REPLACEMENT_NAMES, PREFETCH_NAMES)
+    for what, name, names in (("replacement", replacement, repl), ("prefetch", prefetch, pf)):
+        if name is None or name in names:
+            continue
+        if runtime and name in (REPLACEMENTS if what == "replacement" else PREFETCHES):
+            raise MoectlError(f"--{what} {name} knows the future: it exists in `moectl simulate` only; the runtime "
+                              f"takes {', '.join(names)}")
+        raise MoectlError(f"unknown {what} policy {name!r}; choose one of {', '.join(names)}")
+
+
 def build_replacement(name: str, inputs: PolicyInputs, **options) -> ReplacementPolicy:
+    check_names(name, None, runtime=inputs.future is None)
     return make_replacement(name, num_layers=inputs.num_layers, num_experts=inputs.num_experts, eamc=inputs.eamc,
                             **options)
 
@@ -86,8 +105,7 @@ def build_prefetch(name: str, inputs: PolicyInputs, depth: int | None = None, pe
     deeper router reuse is less accurate and its loads queue ahead of the next layer's; mlp the predictor's
     lookaheads; routing all its lookaheads; eam 2). 'aux-gate': AdapMoE's first-layer gate for layer 0, the
     mlp predictor (when there is one) for the rest."""
-    if name not in PREFETCHES:
-        raise MoectlError(f"unknown prefetch policy {name!r}; choose one of {', '.join(PREFETCH_NAMES)}")
+    check_names(None, name, runtime=inputs.future is None)
     if name == "none":
         if options or depth is not None or per_layer is not None or min_score is not None:
             raise MoectlError("--prefetch none takes no options")
@@ -105,9 +123,7 @@ def build_prefetch(name: str, inputs: PolicyInputs, depth: int | None = None, pe
     elif name == "eam":
         kw.update(num_layers=inputs.num_layers, num_experts=inputs.num_experts, eamc=inputs.eamc or [],
                   depth=depth or 2)
-    elif name == "oracle":
-        if inputs.future is None:
-            raise MoectlError("oracle prefetch knows the future: it exists in `moectl simulate` only")
+    elif name == "oracle":                # check_names let it through: the driver knows the future
         kw.update(future=inputs.future, depth=depth or 1)
         kw.pop("min_score", None)
     elif name == "mlp" and inputs.mlp is not None:
@@ -116,6 +132,11 @@ def build_prefetch(name: str, inputs: PolicyInputs, depth: int | None = None, pe
     if name in ("mlp", "routing", "aux-gate") and pred is None:
         need = {"mlp": "an mlp predictor", "routing": "a routing predictor", "aux-gate": "an aux gate"}[name]
         raise MoectlError(f"--prefetch {name} needs {need}{hint}")
+    if hasattr(pred, "config"):           # predictors of another model's traces would name experts it lacks
+        cfg = pred.config()
+        check_shape(f"the {name} predictor", (cfg.get("num_layers", inputs.num_layers), cfg.get("num_experts")),
+                    "the model", (inputs.num_layers, inputs.num_experts),
+                    "train predictors on this model's traces (`moectl train-predictor --model M`)")
     if name == "aux-gate":
         inner = build_prefetch("mlp", inputs, depth, per_layer, min_score) if inputs.mlp is not None else None
         return make_prefetch("aux-gate", predictor=pred, inner=inner, per_layer=kw["per_layer"],
@@ -127,5 +148,6 @@ def build_prefetch(name: str, inputs: PolicyInputs, depth: int | None = None, pe
 
 __all__ = ["ReplacementPolicy", "PrefetchPolicy", "LRU", "LFU", "MoEInfinity", "Hobbit", "Belady", "Ours",
            "AuxGatePrefetch", "GateReuse", "EAMPrefetch", "RoutingPrefetch", "MLPPrefetch", "eams_from_traces",
-           "make_replacement", "make_prefetch", "REPLACEMENT_NAMES", "PREFETCH_NAMES", "PolicyInputs",
+           "make_replacement", "make_prefetch", "REPLACEMENT_NAMES", "PREFETCH_NAMES", "RUNTIME_REPLACEMENT_NAMES",
+           "RUNTIME_PREFETCH_NAMES", "check_names", "PolicyInputs",
            "build_replacement", "build_prefetch"]

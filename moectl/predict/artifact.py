@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..artifact import read_descriptor, require_list
+from ..artifact import check_shape, read_descriptor, require_list
 
 FORMAT = "moectl-predictors"
 FORMAT_VERSION = 1
 JSON_NAME = "predictors.json"
 WEIGHTS_NAME = "predictors.safetensors"
 KINDS = ("mlp", "aux_gate", "routing")
+RETRAIN = "train predictors on this model's traces (`moectl train-predictor --model M`)"
 
 
 @dataclass
@@ -118,11 +119,13 @@ def _build(kind: str, cfg: dict):
     return RoutingPredictor.from_config(cfg)
 
 
-def load_predictors(path: str | Path, expect_fingerprint: str | None = None) -> PredictorSet:
+def load_predictors(path: str | Path, expect_fingerprint: str | None = None,
+                    expect_shape: tuple[int, int] | None = None) -> PredictorSet:
     """Load a predictors artifact (its directory, json or safetensors path).
 
     `expect_fingerprint`: the fingerprint of the model it will run with; predictors made for another model
-    are a MoectlError. (Routing-only predictors of imported traces carry no fingerprint and are not checked.)
+    are a MoectlError. Routing-only predictors of imported traces carry no fingerprint: `expect_shape` (the model's
+    MoE layers, experts) catches those of another model's traces.
     """
     json_path, w_path = _paths(path)
     if not json_path.exists():
@@ -131,6 +134,9 @@ def load_predictors(path: str | Path, expect_fingerprint: str | None = None) -> 
     meta = read_descriptor(json_path, FORMAT, what="predictors artifact", version_key="format_version",
                            max_version=FORMAT_VERSION, expect_fingerprint=expect_fingerprint)
     kinds = require_list(meta, "kinds", json_path)
+    if expect_shape is not None:
+        check_shape(f"predictors {json_path} ({meta.get('model')})", (meta.get("num_layers"), meta.get("num_experts")),
+                    "the model", expect_shape, RETRAIN)
     arch = meta.get("architecture")
     for kind in kinds:
         if kind not in KINDS:

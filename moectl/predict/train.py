@@ -354,23 +354,20 @@ def parse_kinds(kind: str) -> list[str]:
 
 
 def _resolve(model: str | None, workdir):
-    """(workdir or None, model fingerprint or None, model name or None) for --model."""
+    """(workdir or None, the model's facts or None) for --model: its fingerprint (None without a checkpoint) and
+    its shape, from the checkpoint's config or, when it is not downloaded, its recipe's `shape:` block."""
     if not model:
-        return (Path(workdir).expanduser() if workdir else None), None, None
-    from ..fingerprint import checkpoint_fingerprint
+        return (Path(workdir).expanduser() if workdir else None), None
+    from ..plan.budget import model_facts
     from ..recipes import load_recipe, moectl_home, resolve_model
 
     try:
-        ref = resolve_model(model, workdir)
+        wd = resolve_model(model, workdir).workdir
     except MoectlError:
         # training needs the traces, not the weights: a recipe whose checkpoint is not downloaded still has a workdir
         recipe = load_recipe(model)              # not a recipe either: its error says what --model takes
         wd = Path(workdir).expanduser() if workdir else moectl_home() / recipe["name"]
-        return wd, None, recipe["name"]
-    fp = None
-    if (Path(ref.path) / "config.json").exists():
-        fp = checkpoint_fingerprint(ref.path)
-    return ref.workdir, fp, ref.name
+    return wd, model_facts(model, workdir)
 
 
 def run_train_predictor(model: str | None = None, traces: list | None = None, kind: str = "all",
@@ -379,7 +376,7 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
                         console=None, progress: bool = False) -> dict:
     """What `moectl train-predictor` does; returns the result dict its --json prints."""
     from ..recipes import moectl_home
-    from ..trace import load_trace
+    from ..trace import check_trace_fits, load_trace
     from .artifact import save_predictors
 
     t_start = time.monotonic()
@@ -389,7 +386,8 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
         raise MoectlError("--device cuda: no CUDA device is available here; use --device cpu")
     if not traces and not model:
         raise MoectlError("give --traces DIR|FILE (repeatable) or --model M (reads <workdir>/traces)")
-    wd, model_fp, model_name = _resolve(model, workdir)
+    wd, facts = _resolve(model, workdir)
+    model_fp, model_name = (facts.fingerprint, facts.name) if facts else (None, None)
     if not traces:
         default = wd / "traces"
         if not default.exists():
@@ -407,10 +405,8 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
             raise MoectlError(f"traces {traces[0]} ({t0.num_layers} layers x {t0.num_experts} experts, top-"
                               f"{t0.top_k}) and {p} ({t.num_layers} x {t.num_experts}, top-{t.top_k}) are not of "
                               f"the same model; train on one model's traces at a time")
-        if model_fp is not None:
-            from ..fingerprint import check_fingerprint
-
-            check_fingerprint(t.fingerprint, model_fp, "trace", p)
+        if facts is not None:
+            check_trace_fits(t, facts.num_layers, facts.num_experts, facts.top_k, f"--model {model}", model_fp, p)
     fps = {t.fingerprint for t in loaded}
     if len(fps - {None}) > 1:
         raise MoectlError(f"the traces come from different models ({', '.join(sorted(f for f in fps if f))})")

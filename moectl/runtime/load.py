@@ -11,6 +11,7 @@ with `--lowbit` the `moectl quantize` copies too) -> the cache: `InPlaceExperts`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,6 +86,9 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     sizes = size_cache(opts, config, adapter, hf, ckpt, dev, dt, L, in_place, prec, low_fmt)
     read_dense(hf, config, adapter, ckpt, dev, dt, ref.path)
     prefetch = None if in_place and opts.prefetch == "auto" else opts.prefetch   # in place nothing can miss
+    if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
+        raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "
+                          "`moectl train-predictor`)")
     policy, prefetch = build_policies(opts.replacement, prefetch, hf, adapter, opts.predictor or ref.workdir,
                                       fingerprint, L)
     if opts.prefetch == "auto" and prefetch is not None and prefetch.name != "gate-reuse":
@@ -115,7 +119,9 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     if opts.replay_trace is not None:
         from .replay import RoutingReplay
 
-        runtime.replay = RoutingReplay(opts.replay_trace, L, E)
+        # a make-synthetic checkpoint cut to its recipe's first layers replays the recipe's deeper trace
+        runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
+                                       prefix=bool(getattr(config, "moectl_synthetic", None)))
     return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, runtime, opts, n_threads)
 
 

@@ -5,8 +5,10 @@ Legend: N = trace rows, L = MoE layers, K = experts per row and layer (the trace
 Real routing on real-size (or random-weight synthetic) experts: each forward of T tokens takes the trace's next
 T rows, in file order (all requests one after another, wrapping at the end), and every MoE layer runs the
 experts those rows chose for it, with the recorded gate weights (renormalised over the row's experts) or equal
-weights when the trace has none. The router still runs (its cost is real); only its choice is replaced. A trace
-with more MoE layers than the model (a full Mixtral trace on a 4-layer synthetic model) gives its first L layers.
+weights when the trace has none. The router still runs (its cost is real); only its choice is replaced. The trace
+must be of the model's shape (MoE layers, experts, top-k: `trace.check_trace_fits`), except that a make-synthetic
+checkpoint cut to its recipe's first L layers takes the full recipe's trace (a full Mixtral trace on a 4-layer
+synthetic model gives its first L layers).
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ import numpy as np
 import torch
 
 from ..errors import MoectlError
-from ..trace import Trace, load_trace
+from ..trace import Trace, check_trace_fits, load_trace
 
 
 class RoutingReplay:
-    def __init__(self, trace: Trace | str, num_layers: int, num_experts: int):
+    def __init__(self, trace: Trace | str, num_layers: int, num_experts: int, top_k: int | None = None,
+                 prefix: bool = False):
+        """`prefix`: the model is a make-synthetic checkpoint cut to its recipe's first layers (config.json's
+        `moectl_synthetic`), so a trace of more layers is its recipe's; any other trace must match the model."""
+        source = None if isinstance(trace, Trace) else trace
         trace = load_trace(trace) if not isinstance(trace, Trace) else trace
-        if trace.num_experts != num_experts:
-            raise MoectlError(f"--replay-trace: the trace routes over {trace.num_experts} experts per layer, "
-                              f"the model has {num_experts}")
-        if trace.num_layers < num_layers:
-            raise MoectlError(f"--replay-trace: the trace has {trace.num_layers} MoE layers, the model "
-                              f"{num_layers}; a trace needs at least as many")
+        check_trace_fits(trace, num_layers, num_experts, top_k, "the model it replays on", source=source,
+                         prefix=prefix)
         if trace.num_tokens == 0:
             raise MoectlError("--replay-trace: the trace has no rows")
         self.trace = trace

@@ -33,7 +33,8 @@ def build_policies(replacement, prefetch, model, adapter, predictor_dir, fingerp
     from ..predict.artifact import JSON_NAME, load_predictors
 
     if prefetch == "auto":
-        preds = load_predictors(predictor_dir, fingerprint) if (Path(predictor_dir) / JSON_NAME).exists() else None
+        preds = (load_predictors(predictor_dir, fingerprint, (num_layers, adapter.num_experts))
+                 if (Path(predictor_dir) / JSON_NAME).exists() else None)
         kinds = set(preds.kinds) if preds else set()
         prefetch = "aux-gate" if {"mlp", "aux_gate"} <= kinds else "mlp" if "mlp" in kinds else "gate-reuse"
         inputs.predictor_hint = ""
@@ -45,7 +46,8 @@ def build_policies(replacement, prefetch, model, adapter, predictor_dir, fingerp
             if getattr(r, "bias", None) is not None:
                 inputs.router_bias[moe_idx] = r.bias.detach().float().cpu().numpy()
     elif prefetch in ("mlp", "routing", "aux-gate"):
-        preds = load_predictors(predictor_dir, expect_fingerprint=fingerprint)
+        preds = load_predictors(predictor_dir, expect_fingerprint=fingerprint,
+                                expect_shape=(num_layers, adapter.num_experts))
         inputs.mlp, inputs.routing, inputs.aux_gate = preds.mlp, preds.routing, preds.aux_gate
     return policy, build_prefetch(prefetch, inputs)
 

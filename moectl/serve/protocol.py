@@ -51,8 +51,8 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
-    temperature: Union[StrictInt, StrictFloat] = Field(1.0, ge=0.0, le=2.0)
-    top_p: Union[StrictInt, StrictFloat] = Field(1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)       # a JSON integer is a number too (bools are not)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     seed: Optional[StrictInt] = Field(None, ge=-(2**63), lt=2**64)          # what torch.Generator takes
     stop: Union[StrictStr, list[StrictStr], None] = Field(None, validate_default=True)   # -> list[str]
     stream: StrictBool = False
@@ -96,8 +96,16 @@ class CompletionRequest(Sampling):
         return v
 
 
+# the names pydantic gives the members of a union field in an error's location, as a reader says them
+UNION_MEMBERS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+                 "list[str]": "a list of strings", "list[int]": "a list of token ids (integers)",
+                 "list[TextPart]": "a list of text parts"}
+
+
 def validation_error(errors: list[dict]) -> ApiError:
-    """A pydantic/FastAPI validation failure as a 400, naming the first bad parameter."""
+    """A pydantic/FastAPI validation failure as a 400, naming the first bad parameter. A field that takes one of
+    several types (`stop`: a string or a list of strings) is one message listing them, not its first member's
+    error ("stop.str: Input should be a valid string")."""
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
@@ -105,6 +113,17 @@ def validation_error(errors: list[dict]) -> ApiError:
                         code="invalid_json")
     param = loc[0] if loc else None
     msg = first.get("msg", "invalid request")
+    got = repr(first.get("input"))
+    got = got if len(got) <= 40 else got[:37] + "..."
+    tag = next((i for i, p in enumerate(loc) if p in UNION_MEMBERS), None)
+    if tag is not None:
+        path = loc[:tag]
+        kinds = [UNION_MEMBERS[e_loc[tag]] for e in errors
+                 if len(e_loc := [str(p) for p in e.get("loc", ()) if p != "body"]) > tag and e_loc[:tag] == path
+                 and e_loc[tag] in UNION_MEMBERS]
+        msg, loc = f"should be {' or '.join(dict.fromkeys(kinds))}, not {got}", path
+    elif str(first.get("type", "")).endswith(("_type", "_parsing")):       # a value of the wrong type: say which
+        msg = f"{msg}, not {got}"
     return ApiError(400, f"{'.'.join(loc)}: {msg}" if loc else msg, param=param, code="invalid_value")
 
 
