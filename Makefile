@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # people who pip-install moectl into their own environment). `make constraints` rewrites it from .venv.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install test demo test-latest constraints clean
+.PHONY: install test demo test-latest constraints clean gpu-check
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,13 @@ test: install
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo
+
+# Every CUDA path run, checked and timed (bench/gpu_check.py; report in $$OUT or ./gpu-check). With a GPU it runs on
+# the interpreter that has the CUDA torch (its own .venv-cuda, never .venv); without one it says so and does the
+# dry run (the steps printed, the CPU parts run) from .venv. GPU_CHECK_ARGS: e.g. --layers 4 --wheels DIR.
+gpu-check:
+	@if command -v nvidia-smi >/dev/null 2>&1; then HF_HUB_OFFLINE=1 $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS); \
+	else $(MAKE) -s install && HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS); fi
 
 # The newest versions pyproject.toml allows, in a venv of their own: run before moving constraints.txt on.
 test-latest:
