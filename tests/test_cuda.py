@@ -159,11 +159,14 @@ def _run_cpu(eng: Engine):
 def test_cuda_budget_holds_on_the_device(families):
     """Twin of test_runtime.py::test_budget_option_on_a_model: what torch allocated on the GPU over load and a
     whole generation (`device_peak_allocated_bytes`) stays within --budget."""
-    from moectl.runtime.engine import dense_nbytes, kv_reserve_nbytes
+    from moectl.runtime.inspect import dense_nbytes, kv_reserve_nbytes
+    from moectl.sim.cost import shape_from_hf_config
+    from moectl.sizing import workspace_bytes
 
     path = families["mixtral"]
     probe = Engine.load(str(path), dtype="bfloat16", progress=False)
     budget = (dense_nbytes(probe.model) + kv_reserve_nbytes(probe.config, torch.bfloat16)
+              + workspace_bytes(shape_from_hf_config(probe.config.to_dict()))
               + 8 * probe.store.expert_nbytes)                # two slots per layer
     del probe
     if not ON_CPU:
