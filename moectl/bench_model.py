@@ -105,7 +105,8 @@ def run_engine(eng, ids: torch.Tensor, gen_len: int, record: bool = False, repea
         "repeat": repeat, "hit_rate": tot["hits"] / n if n else 1.0, "decode_misses": tot["misses"],
         "bytes_per_token": tot["bytes"] / steps, "stall_ms_per_token": tot["wait"] * 1e3 / steps,
         "cpu_experts_per_token": tot["cpu"] / steps, "predictor_ms_per_token": tot["pred"] * 1e3 / steps,
-        "prefill_misses": cache.snapshot()["prefill"]["misses"], "slots_per_layer": list(cache.slots_per_layer)}
+        "prefill_misses": cache.snapshot()["prefill"]["misses"], "slots_per_layer": list(cache.slots_per_layer),
+        "pools": _pools(cache)}
     trace = None
     if traces:
         from .sim.run import concat
@@ -156,18 +157,34 @@ def _transformers_run(path, dtype, device: str, budget: int | None, ids, gen_len
         gc.collect()
 
 
+def _pools(cache) -> dict[str, list[int]] | None:
+    """{precision: slots per layer} of a cache with slots (None in place): what the simulator replays the run at."""
+    state = getattr(cache, "state", None)
+    if state is None or not hasattr(cache, "slots_per_layer"):
+        return None
+    return {p: [layer[p].capacity for layer in state.pools] for p in state.pools[0]}
+
+
 def _predict(trace, caps, replacement: str, prefetch_name: str, figs: dict, shape: dict, overhead_ms: float,
-             predictors=None, admission: str = "off"):
+             predictors=None, admission: str = "off", run: dict | None = None):
+    """The simulator on the run's own routing (`trace`), this machine's figures; `run` (a bench row) gives the
+    miss settings the runtime resolved: --cpu-experts, and --precision with --lowbit."""
     from .machine import machine_hardware
+    from .policies.precision import make_precision
     from .sim.cost import CostModel
     from .sim.run import simulate
+
+    run = run or {}
+    lowbit = run.get("lowbit")
+    precision = make_precision(run["precision"], run.get("t1", 0.6), run.get("t2", 0.9)) if lowbit else None
 
     cost = CostModel(machine_hardware(figs, layer_overhead_ms=overhead_ms), shape)
     mlp = getattr(predictors, "mlp", None)
     aux = getattr(predictors, "aux_gate", None)
     routing = getattr(predictors, "routing", None)
     r = simulate(trace, caps, replacement, prefetch_name, cost, predictor=routing if prefetch_name == "routing" else mlp,
-                 belady=False, aux_gate=aux, admission=admission)
+                 belady=False, aux_gate=aux, admission=admission, precision=precision, lowbit=lowbit,
+                 cpu_experts=run.get("cpu_experts") or "never")
     return {"decode_ms_per_token": r.ms_per_token, "prefill_ms": r.prefill_ms, "hit_rate": r.hit_rate,
             "stall_ms_per_token": r.stall_ms_per_token, "bytes_per_token": r.bytes_per_token}
 
@@ -177,7 +194,11 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
                 replay_trace: str | None = None, threads: int | None = None, replacement: str = "lru",
                 prefetch: str = "auto", cpu_experts: str | None = None, dtype: str | None = None,
                 baselines: tuple[str, ...] = BASELINES, repeat: int = 3, prefill: str = "cache",
-                progress: bool = True, admission: str = "off") -> dict:
+                progress: bool = True, admission: str = "off", lowbit: str | None = None,
+                precision: str | None = None, t1: float = 0.6, t2: float = 0.9, gating: str | None = None,
+                gating_threshold: float | None = None, gate_prefill: bool = False) -> dict:
+    """`lowbit`/`precision`/`t1`/`t2` and the gating options apply to the moectl rows (the baselines stay lossless
+    and full precision); the prediction models the precision and --cpu-experts, not gating."""
     from .machine import machine_figures
     from .progress import ProgressBar
     from .runtime.engine import Engine
@@ -208,11 +229,14 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
         if plan.get("fingerprint") and plan["fingerprint"] != fp:
             raise MoectlError(f"{ref.workdir / 'plan.yaml'} was made for model {plan['fingerprint']}, not {fp}")
     cached = dict(common, emulate_device=emulate, replay_trace=replay_trace)
-    configs = [("moectl", dict(cached, **size, replacement=replacement, prefetch=prefetch, cpu_experts=cpu_experts,
+    ours = dict(cached, lowbit=lowbit, precision=precision, t1=t1, t2=t2, gate_prefill=gate_prefill)
+    if gating is not None or gating_threshold is not None:
+        ours |= dict(gating=gating, gating_threshold=gating_threshold)
+    configs = [("moectl", dict(ours, **size, replacement=replacement, prefetch=prefetch, cpu_experts=cpu_experts,
                                   prefill=prefill, admission=admission))]
     if plan is not None:
         pol = plan.get("policies") or {}                       # what plan-cache measured the plan with
-        configs.append(("moectl-plan", dict(cached, slots_per_layer=plan_slots(plan, plan.get("_path")),
+        configs.append(("moectl-plan", dict(ours, slots_per_layer=plan_slots(plan, plan.get("_path")),
                                              replacement=pol.get("replacement") or replacement,
                                              prefetch=pol.get("prefetch") or prefetch,
                                              cpu_experts=cpu_experts or pol.get("cpu_experts"),
@@ -231,8 +255,11 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
             eng = Engine.load(model, **kw)
             out, tr = run_engine(eng, ids, gen_len, record=name in ("moectl", "moectl-plan", "all-resident"),
                                  repeat=repeat)
+            o = eng.options                                   # the settings the runtime resolved
             out |= {"replacement": getattr(eng.cache.policy, "name", replacement),
-                    "prefetch": _prefetch_name(eng), "threads": eng.threads}
+                    "prefetch": _prefetch_name(eng), "threads": eng.threads, "cpu_experts": o.cpu_experts,
+                    "lowbit": o.lowbit, "precision": o.precision if isinstance(o.precision, str) else "full",
+                    "t1": o.t1, "t2": o.t2}
             runs[name], traces[name] = out, (tr, eng.prefetch)
             del eng
             gc.collect()
@@ -259,7 +286,7 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
         if name not in runs:
             continue
         tr, pf = traces[name]
-        caps = runs[name]["slots_per_layer"]
+        caps = runs[name]["pools"] or runs[name]["slots_per_layer"]      # the runtime's own split, as it ran
         pname = runs[name]["prefetch"]
         preds = None
         if pname in ("mlp", "aux-gate", "routing"):
@@ -268,14 +295,11 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
             preds = load_predictors(ref.workdir, fp)
         try:
             predicted[name] = _predict(tr, caps, runs[name]["replacement"], pname, figs, shape, overhead, preds,
-                                       admission if pname != "none" else "off")
+                                       admission if pname != "none" else "off", runs[name])
         except MoectlError as e:
             notes[name + " prediction"] = str(e)
             continue
         ratio[name] = runs[name]["decode_ms_per_token"] / predicted[name]["decode_ms_per_token"]
-        if runs[name]["cpu_experts_per_token"] > 0:
-            notes[name + " prediction"] = ("the simulator here models fetches only: this run computed "
-                                           f"{runs[name]['cpu_experts_per_token']:.2f} experts/token on the CPU")
     for r in runs.values():
         r.pop("tokens", None)
     vs = None

@@ -60,7 +60,8 @@ def bench(
         out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
                           replacement, prefetch or "auto", cpu_experts, dtype,
                           tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
-                          progress=not as_json, admission=admission or "off")
+                          progress=not as_json, admission=admission or "off", lowbit=lowbit, precision=precision,
+                          t1=t1, t2=t2, gating=gating, gating_threshold=gating_threshold, gate_prefill=gate_prefill)
         if as_json:
             print(json.dumps(out))
         else:
