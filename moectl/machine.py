@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "moectl-machine-v2"            # v2: cpu_lowbit_gbps
+FORMAT = "moectl-machine-v3"            # v2: cpu_lowbit_gbps; v3: bf16 GEMV through models/gemv.py
 
 
 def default_threads(hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
@@ -74,8 +74,11 @@ def mem_read_gbps(nbytes: int = 512 * 2**20, repeat: int = 5) -> float:
 
 def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, tokens: int = 1,
                   repeat: int = 5) -> float:
-    """Milliseconds of one expert FFN (act(x W_gate) * (x W_up)) W_down on `tokens` tokens on the CPU."""
+    """Milliseconds of one expert FFN (act(x W_gate) * (x W_up)) W_down on `tokens` tokens on the CPU, through
+    the runtime's own linear (`models/gemv.py`: torch's native GEMV for one token)."""
     import torch.nn.functional as F
+
+    from .models.gemv import linear
 
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.02).to(dtype)      # [2I, H]
@@ -83,8 +86,8 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
     x = torch.randn(tokens, hidden, generator=g).to(dtype)                        # [T, H]
 
     def run():
-        gu = F.linear(x, gate_up)                                                 # [T, 2I]
-        F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+        gu = linear(x, gate_up)                                                   # [T, 2I]
+        linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
     with torch.inference_mode():
         return best_s(run, repeat) * 1e3
 
