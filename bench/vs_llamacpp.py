@@ -133,6 +133,38 @@ def prepare(shape: str, layers: int, work: Path, precisions: list[str]) -> dict:
     return {"checkpoint": ckpt, "ggufs": ggufs, "made": made}
 
 
+def gguf_bytes_per_token(gguf: Path) -> float:
+    """Bytes one decode token reads from a GGUF: every tensor but the embedding table, routed experts' tensors
+    (`*_exps`) at top-k / E of their size (gguf-py's reader, from the same llama.cpp tree)."""
+    sys.path.insert(0, str(llamacpp.source_dir() / "gguf-py"))
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(gguf))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    k = int(r.fields[f"{arch}.expert_used_count"].parts[-1][0])
+    e = int(r.fields[f"{arch}.expert_count"].parts[-1][0])
+    total = 0.0
+    for t in r.tensors:
+        if t.name.startswith("token_embd"):
+            continue
+        total += t.n_bytes * (k / e if "_exps" in t.name else 1.0)
+    return total
+
+
+def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None) -> float:
+    """The same for moectl: dense tensors but the embedding, plus top-k experts per layer (the copy's bytes)."""
+    from moectl.runtime.engine import inspect_model
+
+    info = inspect_model(str(ckpt), str(workdir), None)
+    per_expert = info["bytes_per_expert"]
+    if lowbit:
+        per_expert = json.loads((workdir / f"experts-{lowbit}.json").read_text())["bytes_per_expert"]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    embed = cfg["vocab_size"] * cfg["hidden_size"] * 2 if "bfloat16" in str(cfg.get("torch_dtype")) else \
+        cfg["vocab_size"] * cfg["hidden_size"] * 4
+    return info["dense_bytes"] - embed + info["moe_layers"] * info["top_k"] * per_expert
+
+
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -156,11 +188,17 @@ def compare(shape: str, layers: int, work: Path, threads: list[int], precisions:
                         res = llama_run(prep["ggufs"][name], t, gen, prefill)
                     runs[(tool, name)].append(res)
             for (tool, name), rs in runs.items():
+                nbytes = moectl_bytes_per_token(prep["checkpoint"], work, MOECTL_LOWBIT[p]) if tool == "moectl" \
+                    else gguf_bytes_per_token(prep["ggufs"][name])
+                dec = summary([x["decode_ms"] for x in rs])
                 rows.append({"precision": p, "threads": t, "tool": tool, "format": name,
+                             "bytes_per_token": nbytes, "decode_gbps": nbytes / dec["median"] / 1e6,
                              "decode_ms": summary([x["decode_ms"] for x in rs]),
                              "prefill_tps": summary([x["prefill_tps"] for x in rs]),
                              "rss_gb": summary([x["rss_gb"] for x in rs])})
-    return {"shape": shape, "layers": layers, "made": prep["made"], "rows": rows,
+    from moectl.machine import mem_read_gbps
+
+    return {"shape": shape, "layers": layers, "made": prep["made"], "rows": rows, "mem_read_gbps": mem_read_gbps(),
             "load": os.getloadavg(), "llamacpp_version": llamacpp.VERSION}
 
 
@@ -168,12 +206,13 @@ def print_table(res: dict) -> None:
     print(f"\n{res['shape']} x {res['layers']} layers (medians of {res['rows'][0]['decode_ms']['n']} alternating "
           f"runs, [min-max]; load average at the end {res['load'][0]:.1f} on 2 cores: a shared machine)")
     print(f"{'precision':9} {'thr':>3} {'tool':10} {'format':8} {'decode ms/tok':>22} {'prefill tok/s':>22} "
-          f"{'RSS GB':>6}")
+          f"{'RSS GB':>6} {'GB/s':>5}")
     for r in res["rows"]:
         d, pf = r["decode_ms"], r["prefill_tps"]
         print(f"{r['precision']:9} {r['threads']:>3} {r['tool']:10} {r['format']:8} "
               f"{d['median']:7.1f} [{d['min']:6.1f}-{d['max']:6.1f}] {pf['median']:7.1f} [{pf['min']:6.1f}-"
-              f"{pf['max']:6.1f}] {r['rss_gb']['median']:6.2f}")
+              f"{pf['max']:6.1f}] {r['rss_gb']['median']:6.2f} {r['decode_gbps']:5.1f}")
+    print(f"  host memory read {res['mem_read_gbps']:.1f} GB/s (GB/s column: bytes a decode token reads / its time)")
     for k, v in res["made"].items():
         print(f"  {k}: {v:.1f} s")
 

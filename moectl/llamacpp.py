@@ -98,7 +98,10 @@ sys.path.insert(0, {gguf!r})
 sys.argv = [{script!r}] + {args!r}
 sys.path.insert(0, {srcdir!r})
 import convert_hf_to_gguf as c
-base = getattr(c, "TextModel", None) or c.Model
+try:
+    from conversion.base import TextModel as base         # llama.cpp since its converter became a package
+except ImportError:
+    base = getattr(c, "TextModel", None) or c.Model
 orig = base.get_vocab_base_pre
 def get_vocab_base_pre(self, tokenizer):
     try:
@@ -115,6 +118,11 @@ c.main()
 def convert(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre: str = "gpt-2",
             root: Path | None = None, log: Path | None = None) -> Path:
     """llama.cpp's `convert_hf_to_gguf.py` on a Hugging Face checkpoint, told the tiny tokenizer's pre-tokenizer."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is None:     # its Llama-family vocab path imports it first
+        raise MoectlError("llama.cpp's converter needs sentencepiece: pip install 'moectl[llamacpp]' "
+                          "(make install-llamacpp)")
     src = source_dir(root)
     script = src / "convert_hf_to_gguf.py"
     if not script.exists():
