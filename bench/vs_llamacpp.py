@@ -218,7 +218,7 @@ def print_table(res: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------- fidelity
-def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int = 2) -> dict:
+def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int = 1) -> dict:
     """Perplexity deltas, each tool against its own full-precision run, on the tiny model's held-out text."""
     from moectl.calib.dataset import builtin_corpus
     from moectl.calib.fidelity import token_windows, window_nll
@@ -286,6 +286,9 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         res = compare(a.shape, a.layers, work, a.threads, a.precisions, a.repeat)
         print_table(res)
+        from moectl.machine import record_vs_llamacpp
+
+        record_vs_llamacpp(res)                       # machine.json: this machine's measured rates
         if a.clean:
             for g in work.glob("*.gguf"):
                 g.unlink()

@@ -181,6 +181,34 @@ def machine_figures(device: str = "cpu", cache_file: str | Path | None = None, r
     return figs | {"cached": False}
 
 
+def record_vs_llamacpp(result: dict, cache_file: str | Path | None = None) -> dict:
+    """Store `bench/vs_llamacpp.py`'s measured decode rates in machine.json under "vs_llamacpp" (per host and CPU):
+    per tool, format and thread count the GB/s a decode token reads (bytes read / time), and that rate as a share
+    of the host's read bandwidth measured in the same run. Returns the entry."""
+    from .recipes import moectl_home
+
+    path = Path(cache_file) if cache_file else moectl_home() / "machine.json"
+    try:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        cached = {}
+    if cached.get("format") != FORMAT:
+        cached = {"format": FORMAT, "machines": {}}
+    host = _key("cpu").split("|threads")[0]
+    entry = {"shape": result["shape"], "layers": result["layers"], "mem_read_gbps": result["mem_read_gbps"],
+             "llamacpp_version": result["llamacpp_version"], "load_average": result["load"][0], "rates": {}}
+    for r in result["rows"]:
+        key = f"{r['tool']}|{r['format']}|threads {r['threads']}"
+        entry["rates"][key] = {"decode_gbps": r["decode_gbps"], "decode_ms": r["decode_ms"]["median"],
+                               "share_of_mem_read": r["decode_gbps"] / result["mem_read_gbps"]}
+    cached.setdefault("vs_llamacpp", {})[host] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cached, indent=1))
+    tmp.replace(path)
+    return entry
+
+
 def machine_hardware(figs: dict, layer_overhead_ms: float = 0.02):
     """A `sim/cost.py: Hardware` from measured figures. With no GPU the 'device' is this CPU: its memory
     bandwidth is the host's and a 'copy' is a memcpy."""

@@ -33,3 +33,20 @@ def test_expert_linear_takes_the_gemv_for_one_token(monkeypatch):
     w = torch.randn(8, 4).bfloat16()
     FamilyAdapter.linear(torch.randn(1, 4).bfloat16(), w)
     assert calls == [(1, 4)]
+
+
+def test_vs_llamacpp_rates_are_recorded_beside_the_machine_figures(tmp_path):
+    import json
+
+    from moectl import machine
+
+    res = {"shape": "mixtral", "layers": 2, "mem_read_gbps": 10.0, "llamacpp_version": "0.3.36", "load": (3.0,),
+           "rows": [{"tool": "llama.cpp", "format": "Q4_0", "threads": 2, "decode_gbps": 4.0,
+                     "decode_ms": {"median": 25.0}},
+                    {"tool": "moectl", "format": "q4g64", "threads": 2, "decode_gbps": 1.5,
+                     "decode_ms": {"median": 70.0}}]}
+    entry = machine.record_vs_llamacpp(res, tmp_path / "m.json")
+    saved = json.loads((tmp_path / "m.json").read_text())
+    assert saved["format"] == machine.FORMAT and list(saved["vs_llamacpp"].values()) == [entry]
+    assert entry["rates"]["llama.cpp|Q4_0|threads 2"]["share_of_mem_read"] == 0.4
+    assert entry["rates"]["moectl|q4g64|threads 2"]["decode_ms"] == 70.0
