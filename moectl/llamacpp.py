@@ -146,11 +146,17 @@ def run_tool(name: str, args: list, root: Path | None = None) -> tuple[str, floa
     exe = tool(name, root)
     if not exe.exists():
         raise MoectlError(f"{exe} is missing: build llama.cpp first (python bench/vs_llamacpp.py --build)")
-    p = subprocess.Popen([str(exe), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = p.stdout.read()
-    p.stdout.close()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
+    import tempfile
+
+    # Into a file opened by a shell that then execs the tool (same pid, so wait4's peak RSS is the tool's): run
+    # straight from Python, through a pipe or a file, llama.cpp's asynchronous logger lost its last lines here
+    # (the perplexity tool's "Final estimate"); redirected by the shell it never did.
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as f:
+        p = subprocess.Popen(["bash", "-c", 'exec "$0" "$@" > "$MOECTL_TOOL_LOG" 2>&1', str(exe), *map(str, args)],
+                             env=dict(os.environ, MOECTL_TOOL_LOG=f.name))
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out = Path(f.name).read_text(errors="replace")
     if p.returncode:
         raise MoectlError(f"{name} failed (exit {p.returncode}):\n{out[-2000:]}")
     return out, usage.ru_maxrss / 2**20                # ru_maxrss is in KiB on Linux
