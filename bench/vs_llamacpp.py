@@ -241,7 +241,7 @@ def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int =
     llamacpp.convert(ckpt, f32, "f32")
     for qt in ("F32", "Q8_0", "Q4_0", "Q4_K_M"):
         g = f32 if qt == "F32" else llamacpp.quantize(f32, work / f"tiny-{qt}.gguf", qt)
-        out["llama.cpp"][qt] = llamacpp.perplexity(g, work / "heldout.txt", ctx, threads)
+        out["llama.cpp"][qt] = llamacpp.perplexity(g, work / "heldout.txt", ctx, threads, chunks=len(ids) // ctx - 8)
     windows = token_windows(eng.tokenizer, [text], ctx, max_tokens)
     for name, lowbit in (("lossless", None), ("q8g64", "q8g64"), ("q4g64", "q4g64"), ("q4g64-hqq", "q4g64")):
         if lowbit:
@@ -266,12 +266,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--precisions", nargs="+", default=["bf16", "q8", "q4"], choices=list(LLAMA_TYPES))
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--q4-types", nargs="+", default=LLAMA_TYPES["q4"], help="llama.cpp's q4 formats to compare")
+    ap.add_argument("--prepare-only", action="store_true", help="make the checkpoint, GGUFs and copies, then stop")
     ap.add_argument("--work", default=None, help="where the checkpoint, GGUFs and copies go "
                     "(default $MOECTL_HOME/vs_llamacpp/<shape>-<layers>)")
     ap.add_argument("--fidelity", action="store_true", help="perplexity deltas on the trained tiny model")
     ap.add_argument("--clean", action="store_true", help="delete the GGUFs afterwards")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args()
+    LLAMA_TYPES["q4"] = list(a.q4_types)
     llamacpp.build(echo=_log)
     if a.build:
         return
@@ -284,6 +287,9 @@ def main() -> None:
     else:
         work = Path(a.work or home / f"{a.shape}-{a.layers}")
         work.mkdir(parents=True, exist_ok=True)
+        if a.prepare_only:
+            print(json.dumps(prepare(a.shape, a.layers, work, a.precisions)["made"]))
+            return
         res = compare(a.shape, a.layers, work, a.threads, a.precisions, a.repeat)
         print_table(res)
         from moectl.machine import record_vs_llamacpp

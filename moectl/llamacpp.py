@@ -203,16 +203,21 @@ def bench(gguf: str | Path, threads: int, prompt: int = 0, gen: int = 64, reps: 
             "rss_gb": rss}
 
 
-def perplexity(gguf: str | Path, text_file: str | Path, ctx: int, threads: int = 2, chunks: int | None = None,
+def perplexity(gguf: str | Path, text_file: str | Path, ctx: int, threads: int = 1, chunks: int | None = None,
                root: Path | None = None) -> dict:
-    """`llama-perplexity` on a text file: {"ppl", "stderr"} (its "Final estimate" line)."""
+    """`llama-perplexity` on a text file: {"ppl", "stderr"}. With `chunks`, the perplexity over the first `chunks`
+    chunks of `ctx` tokens: the running estimate it prints after chunk `chunks` (it is run for one chunk more:
+    here its asynchronous logger lost the last chunk's line and the "Final estimate" line at exit, under load)."""
     import re
 
     args = ["-m", gguf, "-f", text_file, "-c", ctx, "-t", threads, "-b", ctx]
     if chunks:
-        args += ["--chunks", chunks]
+        args += ["--chunks", chunks + 1]
     out, _ = run_tool("llama-perplexity", args, root)
+    running = {int(i): float(v) for i, v in re.findall(r"\[(\d+)\]([0-9.]+),", out)}
+    if chunks and chunks in running:
+        return {"ppl": running[chunks], "stderr": None, "chunks": chunks}
     m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
-    if not m:
-        raise MoectlError(f"llama-perplexity printed no final estimate:\n{out[-1500:]}")
-    return {"ppl": float(m.group(1)), "stderr": float(m.group(2))}
+    if m and not chunks:
+        return {"ppl": float(m.group(1)), "stderr": float(m.group(2)), "chunks": max(running, default=0)}
+    raise MoectlError(f"llama-perplexity printed no estimate for {chunks or 'all'} chunks:\n{out[-1500:]}")

@@ -53,7 +53,7 @@ class Hardware:
 # A q4 expert computed on the CPU at decode, as a share of the host's memory read bandwidth: measured on this
 # project's 2-core machine, both tools on the same checkpoint (bench/vs_llamacpp.py; docs/benchmarks.md "moectl
 # beside llama.cpp, measured"), and carried to hardware profiles that give only cpu_mem_gbps.
-CPU_Q4_SHARE = {"moectl": 1.0, "llamacpp": 1.0}
+CPU_Q4_SHARE = {"moectl": 0.36, "llamacpp": 0.58}          # 1 thread, Mixtral shape, q4g64 and Q4_0
 
 
 def list_hardware() -> list[str]:
