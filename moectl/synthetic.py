@@ -36,36 +36,26 @@ FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 TOKENIZER_VOCAB = 1024
 
 
-def mixtral_tensors(shape: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(key, shape) of decoder layer `layer` of a Mixtral checkpoint, in released names."""
+def layer_tensors(shape: dict, layer: int, family: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of decoder layer `layer` in the family's released names: Mixtral's (`block_sparse_moe`,
+    w1/w3/w2) or Qwen3-MoE's (`mlp`, gate/up/down_proj, plus per-head q/k norms)."""
     H, I, E = shape["hidden_size"], shape["intermediate_size"], shape["num_experts"]
     heads, kv = shape["num_attention_heads"], shape.get("num_key_value_heads", shape["num_attention_heads"])
     hd = shape.get("head_dim") or H // heads
     p = f"model.layers.{layer}"
     out = [(f"{p}.input_layernorm.weight", (H,)), (f"{p}.post_attention_layernorm.weight", (H,)),
            (f"{p}.self_attn.q_proj.weight", (heads * hd, H)), (f"{p}.self_attn.k_proj.weight", (kv * hd, H)),
-           (f"{p}.self_attn.v_proj.weight", (kv * hd, H)), (f"{p}.self_attn.o_proj.weight", (H, heads * hd)),
-           (f"{p}.block_sparse_moe.gate.weight", (E, H))]
+           (f"{p}.self_attn.v_proj.weight", (kv * hd, H)), (f"{p}.self_attn.o_proj.weight", (H, heads * hd))]
+    if family == "qwen3_moe":
+        out += [(f"{p}.self_attn.q_norm.weight", (hd,)), (f"{p}.self_attn.k_norm.weight", (hd,))]
+        moe, names = f"{p}.mlp", ("gate_proj", "up_proj", "down_proj")
+    else:
+        moe, names = f"{p}.block_sparse_moe", ("w1", "w3", "w2")
+    out.append((f"{moe}.gate.weight", (E, H)))
     for e in range(E):
-        q = f"{p}.block_sparse_moe.experts.{e}"
-        out += [(f"{q}.w1.weight", (I, H)), (f"{q}.w3.weight", (I, H)), (f"{q}.w2.weight", (H, I))]
-    return out
-
-
-def qwen3_moe_tensors(shape: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(key, shape) of decoder layer `layer` of a Qwen3-MoE checkpoint, in released names."""
-    H, I, E = shape["hidden_size"], shape["intermediate_size"], shape["num_experts"]
-    heads, kv = shape["num_attention_heads"], shape.get("num_key_value_heads", shape["num_attention_heads"])
-    hd = shape.get("head_dim") or H // heads
-    p = f"model.layers.{layer}"
-    out = [(f"{p}.input_layernorm.weight", (H,)), (f"{p}.post_attention_layernorm.weight", (H,)),
-           (f"{p}.self_attn.q_proj.weight", (heads * hd, H)), (f"{p}.self_attn.k_proj.weight", (kv * hd, H)),
-           (f"{p}.self_attn.v_proj.weight", (kv * hd, H)), (f"{p}.self_attn.o_proj.weight", (H, heads * hd)),
-           (f"{p}.self_attn.q_norm.weight", (hd,)), (f"{p}.self_attn.k_norm.weight", (hd,)),
-           (f"{p}.mlp.gate.weight", (E, H))]
-    for e in range(E):
-        q = f"{p}.mlp.experts.{e}"
-        out += [(f"{q}.gate_proj.weight", (I, H)), (f"{q}.up_proj.weight", (I, H)), (f"{q}.down_proj.weight", (H, I))]
+        q = f"{moe}.experts.{e}"
+        out += [(f"{q}.{names[0]}.weight", (I, H)), (f"{q}.{names[1]}.weight", (I, H)),
+                (f"{q}.{names[2]}.weight", (H, I))]
     return out
 
 
@@ -142,9 +132,8 @@ def write_synthetic(shape: dict, out: str | Path, layers: int | None = None, fam
     out.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(out, min(TOKENIZER_VOCAB, V))
     config = hf_config(shape, family, L, dt, tok.bos_token_id, tok.eos_token_id)
-    layer_tensors = qwen3_moe_tensors if family == "qwen3_moe" else mixtral_tensors
     shards = [[("model.embed_tokens.weight", (V, H)), ("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]]
-    shards += [layer_tensors(shape, l) for l in range(L)]
+    shards += [layer_tensors(shape, l, family) for l in range(L)]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     gen = torch.Generator().manual_seed(seed)
     weight_map, total = {}, 0
