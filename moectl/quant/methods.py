@@ -4,8 +4,8 @@ Both write the same packed HQQ layout (`HqqFormat`: codes, one scale and one zer
 kernel and cost figure is the same; only the time to make the copies and their error differ.
 
 - `rtn`: affine round-to-nearest, min/max of each group -> scale and zero (HQQ's `Quantizer.quantize` with
-  `optimize=False`). One pass over the weights: a Mixtral expert (3 x 14336 x 4096) in ~5.5 s of one CPU core (half of
-  it the dequantise and error sum that give the descriptor's per-layer error).
+  `optimize=False`). One pass over the weights: a Mixtral expert (3 x 14336 x 4096) in ~5.5 s of one CPU
+  core (half of it the dequantise and error sum that give the descriptor's per-layer error).
 - `hqq`: HQQ's half-quadratic optimiser refines every zero and scale (20 iterations over the weights): 68-136 s
   of CPU per Mixtral expert (5-10 hours for Mixtral on 2 cores), seconds on a GPU.
 
