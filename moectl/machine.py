@@ -182,7 +182,8 @@ def machine_figures(device: str = "cpu", cache_file: str | Path | None = None, r
 
 
 def record_vs_llamacpp(result: dict, cache_file: str | Path | None = None) -> dict:
-    """Store `bench/vs_llamacpp.py`'s measured decode rates in machine.json under "vs_llamacpp" (per host and CPU):
+    """Store `bench/vs_llamacpp.py`'s measured decode rates in machine.json under "vs_llamacpp" (per host, CPU and
+    model shape):
     per tool, format and thread count the GB/s a decode token reads (bytes read / time), and that rate as a share
     of the host's read bandwidth measured in the same run. Returns the entry."""
     from .recipes import moectl_home
@@ -201,7 +202,7 @@ def record_vs_llamacpp(result: dict, cache_file: str | Path | None = None) -> di
         key = f"{r['tool']}|{r['format']}|threads {r['threads']}"
         entry["rates"][key] = {"decode_gbps": r["decode_gbps"], "decode_ms": r["decode_ms"]["median"],
                                "share_of_mem_read": r["decode_gbps"] / result["mem_read_gbps"]}
-    cached.setdefault("vs_llamacpp", {})[host] = entry
+    cached.setdefault("vs_llamacpp", {})[f"{host}|{result['shape']} x {result['layers']} layers"] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cached, indent=1))
