@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # people who pip-install moectl into their own environment). `make constraints` rewrites it from .venv.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install test demo test-latest constraints clean gpu-check
+.PHONY: install test demo test-latest constraints clean gpu-check install-llamacpp test-llamacpp bench-llamacpp
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,19 @@ install: $(BIN)/moectl
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
+
+# llama.cpp beside moectl (not part of `make test`: the first build takes minutes; later runs reuse
+# $MOECTL_HOME/llamacpp/<version>/). Needs cmake and a C++ compiler.
+install-llamacpp: install
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[test,llamacpp]"
+
+test-llamacpp: install-llamacpp
+	MOECTL_TEST_LLAMACPP=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/test_llamacpp.py
+
+bench-llamacpp: install-llamacpp
+	HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/vs_llamacpp.py --shape mixtral --layers 2 --repeat 3
+	HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/vs_llamacpp.py --shape qwen3-moe --layers 2 --repeat 3
+	HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/vs_llamacpp.py --fidelity
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "moectl-machine-v2"            # v2: cpu_lowbit_gbps
+FORMAT = "moectl-machine-v3"            # v2: cpu_lowbit_gbps; v3: bf16 GEMV through models/gemv.py
 
 
 def default_threads(hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
@@ -74,8 +74,11 @@ def mem_read_gbps(nbytes: int = 512 * 2**20, repeat: int = 5) -> float:
 
 def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, tokens: int = 1,
                   repeat: int = 5) -> float:
-    """Milliseconds of one expert FFN (act(x W_gate) * (x W_up)) W_down on `tokens` tokens on the CPU."""
+    """Milliseconds of one expert FFN (act(x W_gate) * (x W_up)) W_down on `tokens` tokens on the CPU, through
+    the runtime's own linear (`models/gemv.py`: torch's native GEMV for one token)."""
     import torch.nn.functional as F
+
+    from .models.gemv import linear
 
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.02).to(dtype)      # [2I, H]
@@ -83,8 +86,8 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
     x = torch.randn(tokens, hidden, generator=g).to(dtype)                        # [T, H]
 
     def run():
-        gu = F.linear(x, gate_up)                                                 # [T, 2I]
-        F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
+        gu = linear(x, gate_up)                                                   # [T, 2I]
+        linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
     with torch.inference_mode():
         return best_s(run, repeat) * 1e3
 
@@ -176,6 +179,35 @@ def machine_figures(device: str = "cpu", cache_file: str | Path | None = None, r
     except OSError:
         pass                                          # read-only home: measured every start, still correct
     return figs | {"cached": False}
+
+
+def record_vs_llamacpp(result: dict, cache_file: str | Path | None = None) -> dict:
+    """Store `bench/vs_llamacpp.py`'s measured decode rates in machine.json under "vs_llamacpp" (per host, CPU and
+    model shape):
+    per tool, format and thread count the GB/s a decode token reads (bytes read / time), and that rate as a share
+    of the host's read bandwidth measured in the same run. Returns the entry."""
+    from .recipes import moectl_home
+
+    path = Path(cache_file) if cache_file else moectl_home() / "machine.json"
+    try:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        cached = {}
+    if cached.get("format") != FORMAT:
+        cached = {"format": FORMAT, "machines": {}}
+    host = _key("cpu").split("|threads")[0]
+    entry = {"shape": result["shape"], "layers": result["layers"], "mem_read_gbps": result["mem_read_gbps"],
+             "llamacpp_version": result["llamacpp_version"], "load_average": result["load"][0], "rates": {}}
+    for r in result["rows"]:
+        key = f"{r['tool']}|{r['format']}|threads {r['threads']}"
+        entry["rates"][key] = {"decode_gbps": r["decode_gbps"], "decode_ms": r["decode_ms"]["median"],
+                               "share_of_mem_read": r["decode_gbps"] / result["mem_read_gbps"]}
+    cached.setdefault("vs_llamacpp", {})[f"{host}|{result['shape']} x {result['layers']} layers"] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cached, indent=1))
+    tmp.replace(path)
+    return entry
 
 
 def machine_hardware(figs: dict, layer_overhead_ms: float = 0.02):

@@ -29,7 +29,7 @@ def mixtral(tmp_path_factory):
 @pytest.fixture(scope="module")
 def q4(mixtral, tmp_path_factory):
     wd = tmp_path_factory.mktemp("q4wd")
-    meta = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False)
+    meta = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False, method="hqq")
     return wd, meta
 
 
@@ -88,18 +88,18 @@ def test_interrupted_quantize_resumes_to_an_identical_file(mixtral, q4, tmp_path
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False, on_expert=stop)
+        quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False, on_expert=stop, method="hqq")
     json_path, parts = copy_paths(wd, "q4g64")
     assert not json_path.exists()
     assert sorted(p.name for p in parts.iterdir()) == ["layer-000.safetensors", "layer-001.safetensors"]
     seen.clear()
-    meta = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False,
+    meta = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False, method="hqq",
                           on_expert=lambda layer, expert: seen.append((layer, expert)))
     assert {l for l, _ in seen} == {2, 3} and len(seen) == 16                  # only the unfinished layers redone
     ref_wd, ref_meta = q4
     assert (wd / "experts-q4g64.safetensors").read_bytes() == (ref_wd / "experts-q4g64.safetensors").read_bytes()
     assert meta["layers"] == ref_meta["layers"]
-    again = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False)
+    again = quantize_model(str(mixtral), 4, 64, 1, workdir=str(wd), progress=False, method="hqq")
     assert again.get("up_to_date")                                             # finished: nothing redone
 
 

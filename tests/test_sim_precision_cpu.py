@@ -378,12 +378,21 @@ def cli(args):
     return CliRunner().invoke(app, args)
 
 
-def test_simulate_precision_cpu_and_admission_flags(mixtral_weighted):
+def test_simulate_precision_cpu_and_admission_flags(mixtral_weighted, tmp_path):
+    import yaml
+
+    from moectl.sim.cost import HARDWARE_DIR
+
+    # a CPU that computes q4 experts at its whole DDR bandwidth (the profiles' default share is the one measured
+    # beside llama.cpp, sim/cost.py: CPU_Q4_SHARE, at which computing misses on the CPU no longer pays here)
+    fast = yaml.safe_load((HARDWARE_DIR / "rtx4090-pcie4.yaml").read_text())
+    (tmp_path / "fast-cpu.yaml").write_text(yaml.safe_dump(fast | {"cpu_lowbit_gbps": fast["cpu_mem_gbps"]}))
     base = ["simulate", "-t", str(mixtral_weighted), "--budget", "20GB", "--json"]
     out = {}
     for name, extra in {"full": [], "hobbit": ["--precision", "hobbit", "--lowbit", "q4g64"],
                         "q4": ["--precision", "lowbit-only", "--lowbit", "q4g64"],
-                        "q4cpu": ["--precision", "lowbit-only", "--lowbit", "q4g64", "--cpu-experts", "auto"],
+                        "q4cpu": ["--precision", "lowbit-only", "--lowbit", "q4g64", "--cpu-experts", "auto",
+                                  "--hardware", str(tmp_path / "fast-cpu.yaml")],
                         "eam": ["--prefetch", "eam", "--admission", "on"]}.items():
         res = cli(base + extra)
         assert res.exit_code == 0, res.output

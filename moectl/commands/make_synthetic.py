@@ -20,7 +20,7 @@ def make_synthetic(
     time): real-size experts for `moectl bench` / `generate` without downloading the model; route it with
     --replay-trace."""
     from ..recipes import format_bytes
-    from ..runtime.engine import _dtype
+    from ..runtime.inspect import parse_dtype as _dtype
     from ..sim.cost import load_shape
     from ..synthetic import write_synthetic
 

@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import MoectlError
 from ..quant.released import released_quant
 from .formats import DenseFormat, ExpertFormat
+from . import gemv
 
 
 @dataclass(frozen=True)
@@ -155,4 +155,4 @@ class FamilyAdapter:
     @staticmethod
     def linear(x: torch.Tensor, w) -> torch.Tensor:
         """x @ w^T for a weight [N,K], or w(x) for a format's packed-weight operator."""
-        return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
+        return gemv.linear(x, w) if isinstance(w, torch.Tensor) else w(x)      # one CPU row: torch's GEMV

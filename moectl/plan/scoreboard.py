@@ -151,7 +151,7 @@ def _llamacpp(setup, trace, pol) -> dict:
     context = float(trace.pos[dec].mean()) if dec.any() else 0.0
     on_gpu = [l >= L - gpu_layers for l in range(L)]                   # --n-cpu-moe N: the first N layers on the CPU
     gpu_s = sum(uses[l] * cost.expert_s(1, q) for l in range(L) if on_gpu[l])
-    cpu_s = sum(uses[l] * cost.cpu_expert_s(1, q, True) for l in range(L) if not on_gpu[l])
+    cpu_s = sum(uses[l] * cost.cpu_expert_s(1, q, True, engine="llamacpp") for l in range(L) if not on_gpu[l])
     base = L * cost.attention_s(1, int(context)) + cost.lm_head_s(1)
     ms = (base + gpu_s + cpu_s) * 1e3
     hit = float(sum(uses[l] for l in range(L) if on_gpu[l]) / max(uses.sum(), 1e-9))
@@ -164,7 +164,7 @@ def _llamacpp(setup, trace, pol) -> dict:
             "slots": {"low": [E if g else 0 for g in on_gpu]}, "replacement": "-", "prefetch": "none",
             "precision": f"lowbit-only ({pol.lowbit})", "gating": None,
             "notes": [f"static: {gpu_layers} of {L} layers' q4 experts on the GPU, the rest on the CPU at "
-                      f"{cost.hw.cpu_mem_gbps:g} GB/s host memory (cost model)"]}
+                      f"llama.cpp's measured share of {cost.hw.cpu_mem_gbps:g} GB/s host memory (cost model)"]}
 
 
 def _has_hidden(replay) -> bool:

@@ -101,8 +101,9 @@ class HqqFormat(ExpertFormat):
         return out
 
     def quantize(self, weights: dict[str, torch.Tensor], out: torch.Tensor | None = None,
-                 device: str = "cpu") -> torch.Tensor:
-        """Pack HQQ's quantization of `weights` (the layout's tensors) into a uint8 buffer [N] (on the CPU)."""
+                 device: str = "cpu", optimize: bool = True) -> torch.Tensor:
+        """Pack HQQ's quantization of `weights` (the layout's tensors) into a uint8 buffer [N] (on the CPU);
+        `optimize=False` is round-to-nearest (see `quant/methods.py`)."""
         from hqq.core.quantize import Quantizer
 
         parts = {}
@@ -112,7 +113,7 @@ class HqqFormat(ExpertFormat):
                 parts[name] = w
                 continue
             W_q, meta = Quantizer.quantize(w.to(device), nbits=self.bits, group_size=self.group, axis=self.axis,
-                                           optimize=True, bitpack=True, device=device)
+                                           optimize=optimize, bitpack=True, device=device)
             parts[f"{name}.W_q"], parts[f"{name}.scale"], parts[f"{name}.zero"] = W_q, meta["scale"], meta["zero"]
         return self.pack({k: v.cpu() for k, v in parts.items()}, out)
 

@@ -4,7 +4,8 @@ Legend: L = MoE layers, E = experts per layer, N = bytes of one packed low-bit e
 
 For each MoE layer: each expert is read from the checkpoint (the store's disk tier: its bytes straight into one
 buffer), each of its matrices quantized by HQQ (`Quantizer.quantize`, no calibration data; on the GPU when one
-is there) and the codes, scales and zeros packed into that expert's row of a uint8 [E, N] tensor: one contiguous
+is there; with its optimiser (`--method hqq`, the GPU's default) or round-to-nearest (`rtn`, the CPU's), see
+`methods.py`) and the codes, scales and zeros packed into that expert's row of a uint8 [E, N] tensor: one contiguous
 buffer per expert, so a copy is one transfer. A finished layer is written to `<stem>.parts/layer-NNN.safetensors`
 (written to a temporary name, then renamed: Ctrl-C leaves finished layers and nothing half-written), with the
 settings in its metadata; a second run skips the layers whose part matches the settings and redoes the rest.
@@ -32,6 +33,7 @@ import torch
 from ..errors import MoectlError
 from ..progress import ProgressBar
 from .hqq_format import HqqFormat, check_settings, lowbit_name
+from .methods import check_method, optimize
 
 FORMAT, VERSION = "moectl-lowbit-copies", 1
 SHARD_BYTES = 4 * 2**30              # a copy set bigger than this is written one shard per layer
@@ -43,9 +45,9 @@ def copy_paths(workdir: Path, name: str) -> tuple[Path, Path]:
     return Path(workdir) / f"experts-{name}.json", Path(workdir) / f"experts-{name}.parts"
 
 
-def _settings(fingerprint: str, fmt: HqqFormat, dtype: torch.dtype) -> dict:
-    return {"fingerprint": fingerprint, "bits": fmt.bits, "group_size": fmt.group, "axis": fmt.axis,
-            "dtype": str(dtype).replace("torch.", ""), "bytes_per_expert": fmt.nbytes}
+def _settings(fingerprint: str, fmt: HqqFormat, dtype: torch.dtype, method: str) -> dict:
+    return {"fingerprint": fingerprint, "method": method, "bits": fmt.bits, "group_size": fmt.group,
+            "axis": fmt.axis, "dtype": str(dtype).replace("torch.", ""), "bytes_per_expert": fmt.nbytes}
 
 
 def _done_part(path: Path, settings: dict) -> float | None:
@@ -66,10 +68,10 @@ def _done_part(path: Path, settings: dict) -> float | None:
 
 def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device: str | None = None,
                    workdir: str | None = None, dtype: str | None = None, progress: bool = True,
-                   on_expert=None) -> dict:
+                   on_expert=None, method: str | None = None) -> dict:
     """Write (or finish) the copy set of `model` at `bits`/`group`/`axis`; returns its JSON descriptor.
-    `device`: cpu or cuda (default: cuda when present). `on_expert(layer, expert)` runs after each expert
-    (tests use it to interrupt a run)."""
+    `device`: cpu or cuda (default: cuda when present). `method`: rtn or hqq (`quant/methods.py`; default rtn
+    on a CPU, hqq on a GPU). `on_expert(layer, expert)` runs after each expert (tests use it to interrupt a run)."""
     from safetensors.torch import load_file, save_file
 
     from ..fingerprint import config_fingerprint
@@ -83,6 +85,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
         raise MoectlError(f"--device {device!r}: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise MoectlError("--device cuda: no CUDA device is available")
+    method = check_method(method, device)
     ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
     dt = parse_dtype(dtype, config)
@@ -93,7 +96,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     fmt = HqqFormat(adapter.layout(), bits, group, axis, dt)
     name = lowbit_name(bits, group)
     json_path, parts_dir = copy_paths(ref.workdir, name)
-    settings = _settings(fingerprint, fmt, dt)
+    settings = _settings(fingerprint, fmt, dt, method)
     L, E = len(moe_layer_ids), adapter.num_experts
     if json_path.exists():                          # finished before with these settings: nothing to do
         try:
@@ -111,7 +114,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     full = torch.empty(store.expert_nbytes, dtype=torch.uint8)
     t0, done = time.perf_counter(), 0
     with ProgressBar(progress) as bar:
-        task = bar.add(f"quantizing experts to {name} on {device}", total=L * E)
+        task = bar.add(f"quantizing experts to {name} ({method}) on {device}", total=L * E)
         bar.update(task, completed=(L - len(todo)) * E, info=f"{L - len(todo)} layers already done" if
                    len(todo) < L else "")
         for l in todo:
@@ -120,7 +123,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
             for e in range(E):
                 store.load_into(l, e, full)
                 w = store.format.views(full)
-                fmt.quantize(w, out=out[e], device=device)
+                fmt.quantize(w, out=out[e], device=device, optimize=optimize(method))
                 deq = fmt.weights(fmt.views(out[e]))
                 for m in fmt.matrices:
                     err2 += float((deq[m].float() - w[m].float()).pow(2).sum())
@@ -158,7 +161,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     import hqq
 
     meta = {"format": FORMAT, "version": VERSION, "model": ref.name, "fingerprint": fingerprint,
-            "name": name, "method": "hqq", "hqq_version": getattr(hqq, "__version__", "?"),
+            "name": name, "method": method, "hqq_version": getattr(hqq, "__version__", "?"),
             "bits": bits, "group_size": group, "axis": axis, "dtype": settings["dtype"],
             "num_layers": L, "num_experts": E, "moe_layer_ids": moe_layer_ids,
             "bytes_per_expert": fmt.nbytes, "full_bytes_per_expert": store.expert_nbytes,

@@ -45,7 +45,15 @@ class Hardware:
     cpu_gflops: float | None = None       # CPU GEMM speed; None = cpu_cores x 50 GFLOP/s (AVX2/AVX-512 FMA)
     cpu_lowbit_gbps: float | None = None  # CPU rate over a low-bit copy's packed bytes (torch's int4 kernel is
                                           # compute bound on some CPUs: moectl/machine.py measures it); None =
-                                          # cpu_mem_gbps, the copy read at memory bandwidth
+                                          # cpu_mem_gbps x CPU_Q4_SHARE["moectl"] (measured beside llama.cpp)
+    cpu_llamacpp_gbps: float | None = None  # llama.cpp's CPU rate over a q4 expert's bytes; None = cpu_mem_gbps x
+                                            # CPU_Q4_SHARE["llamacpp"]
+
+
+# A q4 expert computed on the CPU at decode, as a share of the host's memory read bandwidth: measured on this
+# project's 2-core machine, both tools on the same checkpoint (bench/vs_llamacpp.py; docs/benchmarks.md "moectl
+# beside llama.cpp, measured"), and carried to hardware profiles that give only cpu_mem_gbps.
+CPU_Q4_SHARE = {"moectl": 0.36, "llamacpp": 0.58}          # 1 thread, Mixtral shape, q4g64 and Q4_0
 
 
 def list_hardware() -> list[str]:
@@ -224,13 +232,18 @@ class CostModel:
     def lm_head_s(self, tokens: int = 1) -> float:
         return self._gemm_s(self.shape["hidden_size"] * (self.shape.get("vocab_size") or 32000), tokens)
 
-    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False) -> float:
+    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False,
+                     engine: str = "moectl") -> float:
         """One expert computed on the CPU from host RAM (Fiddler-style alternative to a copy): its bytes
         (`nbytes`, default the full-precision expert) read at host memory bandwidth (a `lowbit` copy at the
-        hardware's low-bit kernel rate, when it has one), or its FLOPs at the CPU's GEMM speed when many tokens
-        make it compute bound (prefill)."""
+        low-bit kernel's rate: measured, or the measured share of the bandwidth; `engine="llamacpp"`: llama.cpp's
+        measured rate), or its FLOPs at the CPU's GEMM speed when many tokens make it compute bound (prefill)."""
         nbytes = self.expert_bytes if nbytes is None else nbytes
-        gbps = (lowbit and self.hw.cpu_lowbit_gbps) or self.hw.cpu_mem_gbps
+        hw = self.hw
+        if engine == "llamacpp":
+            gbps = hw.cpu_llamacpp_gbps or hw.cpu_mem_gbps * CPU_Q4_SHARE["llamacpp"]
+        else:
+            gbps = (hw.cpu_lowbit_gbps or hw.cpu_mem_gbps * CPU_Q4_SHARE["moectl"]) if lowbit else hw.cpu_mem_gbps
         gflops = self.hw.cpu_gflops or 50.0 * self.hw.cpu_cores
         return max(nbytes / (gbps * 1e9), 2 * self.expert_params * tokens / (gflops * 1e9))
 
@@ -244,7 +257,8 @@ class FixedCost:
         self.load, self.attention, self.expert, self.head = load, attention, expert, head
         self.expert_bytes, self.cpu_expert = expert_bytes, cpu_expert
 
-    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False) -> float:
+    def cpu_expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False,
+                     engine: str = "moectl") -> float:
         return self.cpu_expert if nbytes is None else self.cpu_expert * nbytes / self.expert_bytes
 
     def load_s(self, nbytes: float | None = None) -> float:

@@ -1,0 +1,223 @@
+"""llama.cpp itself, built here from the source the package index carries: the other side of `bench/vs_llamacpp.py`.
+
+The `llama-cpp-python` source distribution vendors the whole llama.cpp tree (`vendor/llama.cpp`: its CMake
+project, tools, `convert_hf_to_gguf.py` and `gguf-py`). `build()` fetches that sdist at a pinned version with
+`pip download --no-binary :all: --no-deps`, unpacks it and builds the tools the comparison needs (CPU backend,
+native flags, `-j2`) into `$MOECTL_HOME/llamacpp/<version>/`; a finished build (its `bin/` plus a stamp file) is
+reused. Nothing of llama.cpp is changed: `convert()` runs its converter unmodified and only tells it the
+pre-tokenizer of moectl's tiny tokenizers (`make-synthetic`'s and `build-tiny`'s byte-level BPE uses GPT-2's
+split, which llama.cpp names "gpt-2"; the converter recognises a pre-tokenizer by a hash of the token ids of its
+test text, and a new vocabulary has a new hash) by answering its `get_vocab_base_pre` with that name.
+
+Torch-free: this module only runs processes and reads files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from .errors import MoectlError
+
+VERSION = "0.3.36"                                  # llama-cpp-python's sdist; vendors llama.cpp
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize")
+
+
+def home() -> Path:
+    return Path(os.environ.get("MOECTL_HOME", "~/.cache/moectl")).expanduser() / "llamacpp" / VERSION
+
+
+def source_dir(root: Path | None = None) -> Path:
+    return (root or home()) / "src" / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+
+
+def tool(name: str, root: Path | None = None) -> Path:
+    return (root or home()) / "bin" / name
+
+
+def built(root: Path | None = None) -> bool:
+    root = root or home()
+    return (root / "BUILT").exists() and all(tool(t, root).exists() for t in TOOLS)
+
+
+def check_toolchain() -> None:
+    """One clear error naming the Debian package when cmake or a C++ compiler is missing."""
+    if shutil.which("cmake") is None:
+        raise MoectlError("building llama.cpp needs cmake: install it (Debian/Ubuntu: apt-get install cmake)")
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise MoectlError("building llama.cpp needs a C++ compiler: install one (Debian/Ubuntu: apt-get install g++)")
+
+
+def _run(cmd: list, log: Path, **kw) -> None:
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(map(str, cmd)) + "\n")
+        f.flush()
+        r = subprocess.run(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, **kw)
+    if r.returncode:
+        raise MoectlError(f"{Path(str(cmd[0])).name} failed (exit {r.returncode}); see {log}")
+
+
+def build(jobs: int = 2, root: Path | None = None, echo=print) -> Path:
+    """Fetch, unpack and build llama.cpp's tools once; returns the build root (bin/, src/, build.log)."""
+    root = root or home()
+    if built(root):
+        return root
+    check_toolchain()
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "build.log"
+    sdist = root / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.exists():
+        echo(f"fetching llama-cpp-python {VERSION} (source) ...")
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+              f"llama-cpp-python=={VERSION}", "-d", root], log)
+    src = source_dir(root)
+    if not (src / "CMakeLists.txt").exists():
+        with tarfile.open(sdist) as tf:
+            tf.extractall(root / "src", filter="data")
+    bld = root / "build"
+    echo(f"building {', '.join(TOOLS)} into {root / 'bin'} (minutes; log: {log}) ...")
+    _run(["cmake", "-S", src, "-B", bld, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF",
+          "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+          "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
+          "-DLLAMA_BUILD_SERVER=OFF"], log)
+    _run(["cmake", "--build", bld, "-j", jobs, "--target", *TOOLS], log)
+    (root / "bin").mkdir(exist_ok=True)
+    for t in TOOLS:
+        shutil.copy2(bld / "bin" / t, tool(t, root))
+    (root / "BUILT").write_text(VERSION + "\n")
+    return root
+
+
+CONVERT_SHIM = """
+import sys
+sys.path.insert(0, {gguf!r})
+sys.argv = [{script!r}] + {args!r}
+sys.path.insert(0, {srcdir!r})
+import convert_hf_to_gguf as c
+try:
+    from conversion.base import TextModel as base         # llama.cpp since its converter became a package
+except ImportError:
+    base = getattr(c, "TextModel", None) or c.Model
+orig = base.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return orig(self, tokenizer)
+    except NotImplementedError:
+        if {pre!r}:
+            return {pre!r}          # moectl's tiny tokenizer: GPT-2's byte-level split
+        raise
+base.get_vocab_base_pre = get_vocab_base_pre
+c.main()
+"""
+
+
+def convert(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre: str = "gpt-2",
+            root: Path | None = None, log: Path | None = None) -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py` on a Hugging Face checkpoint, told the tiny tokenizer's pre-tokenizer."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is None:     # its Llama-family vocab path imports it first
+        raise MoectlError("llama.cpp's converter needs sentencepiece: pip install 'moectl[llamacpp]' "
+                          "(make install-llamacpp)")
+    src = source_dir(root)
+    script = src / "convert_hf_to_gguf.py"
+    if not script.exists():
+        raise MoectlError(f"llama.cpp's converter is not at {script}: build first (bench/vs_llamacpp.py --build)")
+    args = [str(model_dir), "--outfile", str(out), "--outtype", outtype]
+    code = CONVERT_SHIM.format(gguf=str(src / "gguf-py"), script=str(script), args=args, srcdir=str(src), pre=pre)
+    log = log or Path(str(out) + ".convert.log")
+    _run([sys.executable, "-c", code], log)
+    return Path(out)
+
+
+def quantize(gguf_in: str | Path, gguf_out: str | Path, qtype: str, threads: int = 2,
+             root: Path | None = None) -> Path:
+    """llama.cpp's own `llama-quantize` (Q8_0, Q4_0, Q4_K_M, ...)."""
+    _run([tool("llama-quantize", root), gguf_in, gguf_out, qtype, threads], Path(str(gguf_out) + ".log"))
+    return Path(gguf_out)
+
+
+def run_tool(name: str, args: list, root: Path | None = None) -> tuple[str, float]:
+    """Run tool `name`; returns (stdout + stderr, peak RSS in GB of the tool's process, from `wait4`)."""
+    exe = tool(name, root)
+    if not exe.exists():
+        raise MoectlError(f"{exe} is missing: build llama.cpp first (python bench/vs_llamacpp.py --build)")
+    import tempfile
+
+    # Into a file opened by a shell that then execs the tool (same pid, so wait4's peak RSS is the tool's): run
+    # straight from Python, through a pipe or a file, llama.cpp's asynchronous logger lost its last lines here
+    # (the perplexity tool's "Final estimate"); redirected by the shell it never did.
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as f:
+        p = subprocess.Popen(["bash", "-c", 'exec "$0" "$@" > "$MOECTL_TOOL_LOG" 2>&1', str(exe), *map(str, args)],
+                             env=dict(os.environ, MOECTL_TOOL_LOG=f.name))
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out = Path(f.name).read_text(errors="replace")
+    if p.returncode:
+        raise MoectlError(f"{name} failed (exit {p.returncode}):\n{out[-2000:]}")
+    return out, usage.ru_maxrss / 2**20                # ru_maxrss is in KiB on Linux
+
+
+def tokenize(gguf: str | Path, text: str, root: Path | None = None) -> list[int]:
+    """llama.cpp's tokenization of `text` (no BOS added), by `llama-tokenize --ids`."""
+    out, _ = run_tool("llama-tokenize", ["-m", gguf, "-p", text, "--ids", "--no-bos", "--log-disable"], root)
+    line = [l for l in out.splitlines() if l.startswith("[")][-1]
+    return [int(x) for x in line.strip("[]").split(",") if x.strip()]
+
+
+def greedy_tokens(gguf: str | Path, prompt: str, n: int, threads: int = 1, root: Path | None = None,
+                  workdir: Path | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) of a greedy `llama-completion` run. The ids are read back from the session
+    file `--prompt-cache-all` writes (magic, version, count, int32 tokens, then the KV state)."""
+    import struct
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=workdir) as d:
+        session = Path(d) / "session.bin"
+        run_tool("llama-completion", ["-m", gguf, "-p", prompt, "-n", n, "--temp", 0, "--top-k", 1, "-t", threads,
+                                      "-no-cnv", "--no-warmup", "--prompt-cache", session, "--prompt-cache-all",
+                                      "-c", 512, "--seed", 0, "--ignore-eos"], root)
+        raw = session.read_bytes()
+    magic, version, count = struct.unpack_from("<III", raw, 0)
+    ids = list(struct.unpack_from(f"<{count}i", raw, 12))
+    prompt_ids = tokenize(gguf, prompt, root)
+    if ids[:len(prompt_ids)] != prompt_ids:
+        raise MoectlError(f"llama-completion's session does not start with the prompt's tokens: {ids[:8]}...")
+    return prompt_ids, ids[len(prompt_ids):]
+
+
+def bench(gguf: str | Path, threads: int, prompt: int = 0, gen: int = 64, reps: int = 3,
+          root: Path | None = None) -> dict:
+    """`llama-bench -o json` at one thread count: {"tokens_per_s", "stddev", "samples", "rss_gb"}."""
+    import json
+
+    out, rss = run_tool("llama-bench", ["-m", gguf, "-t", threads, "-p", prompt, "-n", gen, "-r", reps,
+                                        "-o", "json"], root)
+    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    r = rows[0]
+    return {"tokens_per_s": r["avg_ts"], "stddev": r["stddev_ts"], "samples": r.get("samples_ts", []),
+            "rss_gb": rss}
+
+
+def perplexity(gguf: str | Path, text_file: str | Path, ctx: int, threads: int = 1, chunks: int | None = None,
+               root: Path | None = None) -> dict:
+    """`llama-perplexity` on a text file: {"ppl", "stderr"}. With `chunks`, the perplexity over the first `chunks`
+    chunks of `ctx` tokens: the running estimate it prints after chunk `chunks` (it is run for one chunk more:
+    here its asynchronous logger lost the last chunk's line and the "Final estimate" line at exit, under load)."""
+    import re
+
+    args = ["-m", gguf, "-f", text_file, "-c", ctx, "-t", threads, "-b", ctx]
+    if chunks:
+        args += ["--chunks", chunks + 1]
+    out, _ = run_tool("llama-perplexity", args, root)
+    running = {int(i): float(v) for i, v in re.findall(r"\[(\d+)\]([0-9.]+),", out)}
+    if chunks and chunks in running:
+        return {"ppl": running[chunks], "stderr": None, "chunks": chunks}
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+    if m and not chunks:
+        return {"ppl": float(m.group(1)), "stderr": float(m.group(2)), "chunks": max(running, default=0)}
+    raise MoectlError(f"llama-perplexity printed no estimate for {chunks or 'all'} chunks:\n{out[-1500:]}")
