@@ -84,9 +84,9 @@ REFERENCE = TinySpec(vocab_size=4096, hidden_size=256, intermediate_size=512, nu
                      checkpoint_every=25)
 # The reference recipe scaled down for tests: same corpus and resume logic, seconds of training.
 REFERENCE_SMALL = TinySpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, heads=4, kv_heads=2,
-                           num_experts=8, top_k=2, seq_len=64, batch_size=8, steps=12, lr=1e-2, eval_tokens=2048,
+                           num_experts=8, top_k=2, seq_len=64, batch_size=16, steps=32, lr=1e-2, eval_tokens=2048,
                            corpus="stdlib", train_stride=40, val_stride=8, threads=1, time_cap=False,
-                           checkpoint_every=4)
+                           checkpoint_every=8)
 SIZES = {"tiny": FULL, "small": SMALL, "reference": REFERENCE, "reference-small": REFERENCE_SMALL}
 
 

@@ -246,7 +246,7 @@ def load_calibration_spec(spec: str) -> dict:
                 "name": spec}
     path = Path(spec).expanduser()
     yaml_path = path if path.suffix in (".yaml", ".yml") else None
-    if yaml_path is None and not path.exists() and spec != "builtin":
+    if yaml_path is None and not path.exists() and spec not in ("builtin", "stdlib"):
         if "/" in spec or path.suffix:
             raise MoectlError(f"calibration source {path} does not exist")
         yaml_path = find_calibration_yaml(spec)
@@ -270,7 +270,7 @@ def load_calibration_spec(spec: str) -> dict:
         settings.update({k: v for k, v in data.items() if k != "description"})
         settings["name"] = yaml_path.stem
         source = str(settings["source"])
-        if source != "builtin" and not Path(source).expanduser().is_absolute():
+        if source not in ("builtin", "stdlib") and not Path(source).expanduser().is_absolute():
             source = str((yaml_path.parent / source).resolve())  # relative to the YAML file
         settings["source"] = source
     for key in ("max_samples", "max_tokens"):
@@ -286,6 +286,10 @@ def load_calibration(spec: str, split: str | None = None, max_samples: int | Non
     split = split or s["split"]
     if s["source"] == "builtin":
         texts = builtin_corpus(split or "train")
+    elif s["source"] == "stdlib":                      # the reference model's corpus (calib/stdlib_corpus.py)
+        from .stdlib_corpus import stdlib_corpus
+
+        texts = stdlib_corpus(split or "train")
     else:
         path = Path(s["source"]).expanduser()
         if not path.exists():

@@ -22,6 +22,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from ..errors import MoectlError
 from .dataset import BUILTIN_MODULES, builtin_corpus, corpus_home
 
 STDLIB_CORPUS_VERSION = "stdlib-v1"
@@ -111,6 +112,8 @@ def stdlib_corpus_dir() -> Path:
 
 def stdlib_corpus(split: str = "train", kind: str | None = None) -> list[str]:
     """Texts of one split ('train' or 'heldout'), optionally only one kind ('doc' or 'source')."""
+    if split not in ("train", "heldout"):
+        raise MoectlError(f"the stdlib corpus has splits 'train' and 'heldout', not {split!r}")
     with open(stdlib_corpus_dir() / f"{split}.jsonl", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r["text"] for r in rows if kind is None or r["kind"] == kind]
