@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # people who pip-install moectl into their own environment). `make constraints` rewrites it from .venv.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install test demo test-latest constraints clean
+.PHONY: install test demo test-latest constraints clean bench-fidelity
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,16 @@ test: install
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo
+
+# The fidelity yardstick (issue 31): build the reference model (~40 min on 2 cores, once; resumable: re-run to
+# continue) and run the fidelity benchmarks on it. Never part of `make test`. Reports go to bench-fidelity/.
+FIDELITY_OUT ?= bench-fidelity
+bench-fidelity: install
+	mkdir -p $(FIDELITY_OUT)
+	HF_HUB_OFFLINE=1 nice -n 10 $(BIN)/moectl build-tiny --size reference
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/fidelity.py --model reference --json $(FIDELITY_OUT)/criteria.json
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/precision.py --model reference --json $(FIDELITY_OUT)/precision.json
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/gating.py --model reference --json $(FIDELITY_OUT)/gating.json
 
 # The newest versions pyproject.toml allows, in a venv of their own: run before moving constraints.txt on.
 test-latest:

@@ -37,23 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moectl.calib.dataset import load_calibration  # noqa: E402
 from moectl.calib.fidelity import token_windows, window_nll  # noqa: E402
-from moectl.commands._common import prepare_model  # noqa: E402
 from moectl.quant.quantize import quantize_model  # noqa: E402
-from moectl.recipes import REPO_ROOT, resolve_model  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
+from bench.models import MODEL_HELP, bench_model, held_out_dataset  # noqa: E402
 
 COPIES = [(8, 64, 1), (4, 64, 1), (3, 64, 1), (2, 64, 1), (2, 16, 0)]
 LLAMACPP_TYPES = ["Q8_0", "Q4_K_M", "Q4_0"]
-
-
-def model_dataset(ref) -> str:
-    """The calibration set a model's recipe names (its held-out text), else the built-in default."""
-    name = ((ref.recipe or {}).get("defaults") or {}).get("calibration")
-    return str(REPO_ROOT / name) if name and (REPO_ROOT / name).exists() else "default"
-
-
-def held_out(ref, window: int, max_tokens: int, tokenizer) -> list[list[int]]:
-    return token_windows(tokenizer, load_calibration(model_dataset(ref)), window, max_tokens)
 
 
 def delta(per_window: list[float], base: list[float], scored: int) -> dict:
@@ -168,7 +157,7 @@ def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="reference", help="recipe name (reference, tiny) or checkpoint directory")
+    ap.add_argument("--model", default="reference", help=MODEL_HELP)
     ap.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens scored")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
@@ -178,13 +167,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    prepare_model(a.model)
-    ref = resolve_model(a.model)
+    ref = bench_model(a.model)
     only = set(a.only.split(","))
-    res = {"model": a.model, "dataset": model_dataset(ref)}
+    res = {"model": a.model, "dataset": held_out_dataset(ref)}
 
     eng = Engine.load(a.model, threads=a.threads, progress=False)
-    windows = held_out(ref, a.window, a.max_tokens, eng.tokenizer)
+    windows = token_windows(eng.tokenizer, load_calibration(res["dataset"]), a.window, a.max_tokens)
     base = window_nll(eng, windows)
     scored = base["scored"]
     torch.set_num_threads(2)

@@ -11,7 +11,10 @@ low-bit only) and LRU. Per configuration:
                               batches; greedy agreement of decoded continuations vs lossless)
 hi/lo = T1 0.6, T2 1.0 (never skip); hi/lo/skip = T1 0.6, T2 0.9 (the seed's Mixtral values).
 
-Run: .venv/bin/python bench/precision.py [--max-tokens 1024] [--threads 1] [--json out.json]
+`--model reference` runs it on the reference model (make bench-fidelity) and its held-out text (bench/models.py);
+`--cache-experts` then defaults to a quarter of its experts (12 of 48 on tiny).
+
+Run: .venv/bin/python bench/precision.py [--model tiny] [--max-tokens 1024] [--threads 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,9 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moectl.calib.dataset import load_calibration  # noqa: E402
 from moectl.calib.fidelity import evaluate, token_windows  # noqa: E402
 from moectl.quant.quantize import quantize_model  # noqa: E402
-from moectl.recipes import moectl_home  # noqa: E402
 from moectl.runtime.engine import DEFAULT_LOWBIT_FRACTION, Engine  # noqa: E402
-from moectl.tiny import ensure_tiny  # noqa: E402
+from bench.models import MODEL_HELP, bench_model, experts_of, held_out_dataset  # noqa: E402
 
 CONFIGS = [("hi/lo", dict(precision="hobbit", t1=0.6, t2=1.0)),
            ("hi/lo/skip", dict(precision="hobbit", t1=0.6, t2=0.9)),
@@ -62,22 +64,26 @@ def decode_pass(eng, windows) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help=MODEL_HELP)
     ap.add_argument("--max-tokens", type=int, default=1024, help="held-out tokens scored by eval")
     ap.add_argument("--decode-tokens", type=int, default=512, help="held-out tokens of the decode pass")
     ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--cache-experts", type=int, default=12)
+    ap.add_argument("--cache-experts", type=int, default=None, help="full slots' worth of cache bytes "
+                                                                       "(default: a quarter of the experts)")
     ap.add_argument("--bits", default="8,4,3,2")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    workdir = moectl_home() / "tiny"
-    ensure_tiny(workdir)
+    ref = bench_model(a.model)
+    workdir = ref.workdir
+    layers, experts = experts_of(ref)
+    a.cache_experts = a.cache_experts or layers * experts // 4
     kw = dict(workdir=str(workdir), cache_experts=a.cache_experts, emulate_device=True, prefetch="none",
               progress=False)
-    full = Engine.load("tiny", **kw)
-    held = token_windows(full.tokenizer, load_calibration("default"), a.window, a.max_tokens)
+    full = Engine.load(a.model, **kw)
+    held = token_windows(full.tokenizer, load_calibration(held_out_dataset(ref)), a.window, a.max_tokens)
     dec = held[: max(1, a.decode_tokens // a.window)]
     prompts = [w[:32] for w in held[:4]]
     base = decode_pass(full, dec)
@@ -85,9 +91,9 @@ def main() -> None:
     rows = [{"bits": "-", "config": "full", **base, "ppl_delta_decode": 0.0, "ppl_delta_eval": ev["ppl_delta_rel"],
              "agreement": ev["greedy_agreement"], "full_bytes_per_expert": full.store.expert_nbytes}]
     for bits in [int(b) for b in a.bits.split(",")]:
-        meta = quantize_model("tiny", bits, 64, 1, workdir=str(workdir), progress=False)
+        meta = quantize_model(a.model, bits, 64, 1, workdir=str(workdir), progress=False)
         for name, pk in CONFIGS:
-            eng = Engine.load("tiny", lowbit=f"q{bits}g64", **pk, **kw)
+            eng = Engine.load(a.model, lowbit=f"q{bits}g64", **pk, **kw)
             d = decode_pass(eng, dec)
             ev = evaluate(eng, held, prompts, 32, workdir)
             rows.append({"bits": bits, "config": name, **d, "ppl_delta_decode": d["ppl"] / base["ppl"] - 1,
@@ -100,7 +106,7 @@ def main() -> None:
             print(json.dumps({k: rows[-1][k] for k in ("bits", "config", "misses_per_token", "bytes_per_token",
                                                          "ppl_delta_decode", "ppl_delta_eval", "agreement")}),
                   flush=True)
-    print(f"\ntiny, {a.cache_experts} full slots' worth of cache bytes, LRU, default --lowbit-fraction "
+    print(f"\n{a.model}, {a.cache_experts} full slots' worth of cache bytes, LRU, default --lowbit-fraction "
           f"{DEFAULT_LOWBIT_FRACTION}; decode pass {sum(len(w) for w in dec)} tokens, eval {ev['tokens']} tokens")
     print("| bits | config | misses/token | low-bit misses/token | skipped/token | bytes/token | Δppl decode | "
           "Δppl eval | greedy agreement |")

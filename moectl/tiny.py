@@ -79,9 +79,9 @@ SMALL = TinySpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_laye
 # The reference model (`--size reference`, see moectl/reference.py): big and trained enough that its quality
 # depends on its expert weights; fixed steps, fixed threads, resumable.
 REFERENCE = TinySpec(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=8, heads=8, kv_heads=4,
-                     num_experts=8, top_k=2, seq_len=256, batch_size=8, steps=400, lr=4e-3, chat_fraction=0.1,
+                     num_experts=8, top_k=2, seq_len=256, batch_size=4, steps=700, lr=6e-3, chat_fraction=0.0,
                      eval_tokens=32768, corpus="stdlib", tokenizer_stride=3, threads=1, time_cap=False,
-                     checkpoint_every=25)
+                     checkpoint_every=50)
 # The reference recipe scaled down for tests: same corpus and resume logic, seconds of training.
 REFERENCE_SMALL = TinySpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, heads=4, kv_heads=2,
                            num_experts=8, top_k=2, seq_len=64, batch_size=16, steps=32, lr=1e-2, eval_tokens=2048,
@@ -359,7 +359,9 @@ def _build(workdir: Path, size: str, steps: int | None, progress: bool, seed: in
             warm = min(1.0, (frac + 1e-3) / 0.05)                              # 5% warmup, cosine to 10%
             for group in opt.param_groups:
                 group["lr"] = spec.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-            batch = torch.cat([windows(train_ids, spec.batch_size - n_chat), windows(chat_ids, n_chat, chat_starts)])
+            batch = windows(train_ids, spec.batch_size - n_chat)                      # [B, S+1]
+            if n_chat:
+                batch = torch.cat([batch, windows(chat_ids, n_chat, chat_starts)])
             out = model(input_ids=batch, labels=batch, output_router_logits=True)   # labels shift inside: S targets
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
