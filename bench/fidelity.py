@@ -11,7 +11,9 @@ error over the windows ("± 2se": the sampling noise of the held-out text):
   expert drop       per MoE layer, the transformers model with that layer's top-1 expert dropped (the second
                     carries the token alone, weight renormalized to 1) vs its second dropped (top-1 alone)
   run-to-run        the lossless pass repeated with 2 threads instead of 1: the measurement's own noise
-  llama.cpp         (`--llamacpp`, helper C's build) F32 / Q8_0 / Q4_0 / Q4_K_M GGUFs of the same checkpoint,
+  scoreboard        the scoreboard's "ppl delta" column (plan/proxy.py's eight settings) with this model as the
+                    proxy: its own T_g from `moectl sensitivity --target-ppl-delta 0.01` on its held-out set
+  llama.cpp         (helper C's build) F32 / Q8_0 / Q4_0 / Q4_K_M GGUFs of the same checkpoint,
                     `llama-perplexity` on the same held-out text, with its own ± and a repeated F32 run
 
 Criteria: Q4_0 and Q4_K_M raise perplexity by more than the noise; q2 raises it clearly more than q4; dropping
@@ -29,14 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moectl.calib.dataset import load_calibration  # noqa: E402
-from moectl.calib.fidelity import token_windows, window_nll  # noqa: E402
+from moectl.calib.fidelity import paired_2se, token_windows, window_nll  # noqa: E402
 from moectl.quant.quantize import quantize_model  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
 from bench.models import MODEL_HELP, bench_model, held_out_dataset  # noqa: E402
@@ -47,10 +48,9 @@ LLAMACPP_TYPES = ["Q8_0", "Q4_K_M", "Q4_0"]
 
 def delta(per_window: list[float], base: list[float], scored: int) -> dict:
     """Relative perplexity delta vs `base` on the same windows and twice its paired standard error."""
-    d = np.array(per_window) - np.array(base)
-    rel = math.exp(d.sum() / scored) - 1
-    se2 = 2 * d.std(ddof=1) * math.sqrt(len(d)) / scored
-    return {"ppl_delta": rel, "ppl_delta_2se": se2, "ppl": math.exp(sum(per_window) / scored)}
+    rel = math.exp((sum(per_window) - sum(base)) / scored) - 1
+    return {"ppl_delta": rel, "ppl_delta_2se": paired_2se(per_window, base, scored),
+            "ppl": math.exp(sum(per_window) / scored)}
 
 
 @torch.inference_mode()
@@ -155,13 +155,28 @@ def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads
             "size_bytes": {p.stem: p.stat().st_size for p in out_dir.glob("m-*.gguf")}}
 
 
+def scoreboard_proxy(model: str, workdir: Path, dataset: str) -> dict:
+    """The scoreboard's ppl column (`plan/proxy.py`) measured on this model: its own T_g first (`moectl
+    sensitivity --target-ppl-delta 0.01` on its held-out set, as the tiny model's was), then the eight settings."""
+    import subprocess
+
+    from moectl.calib.sensitivity import JSON_NAME
+    from moectl.plan.proxy import proxies
+
+    if not (workdir / JSON_NAME).exists():
+        subprocess.run([sys.executable, "-m", "moectl.cli", "sensitivity", "--model", model, "--dataset", dataset,
+                        "--target-ppl-delta", "0.01"], check=True)
+    return proxies(workdir, ev={"dataset": dataset})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="reference", help=MODEL_HELP)
     ap.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens scored")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", default="copies,drop,llamacpp", help="comma list of copies, drop, llamacpp")
+    ap.add_argument("--only", default="copies,drop,llamacpp,proxy",
+                    help="comma list of copies, drop, llamacpp, proxy (the scoreboard's ppl column)")
     ap.add_argument("--llamacpp-ctx", type=int, default=256)
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
@@ -194,6 +209,8 @@ def main() -> None:
         except Exception as e:              # the tools are optional (helper C's build): say so, keep the rest
             res["llamacpp"] = {"not_measured": f"{type(e).__name__}: {e}"}
             print(f"llama.cpp not measured: {res['llamacpp']['not_measured']}", flush=True)
+    if "proxy" in only:
+        res["proxy"] = scoreboard_proxy(a.model, ref.workdir, res["dataset"])
     res["seconds"] = round(time.perf_counter() - t0)
     print_tables(res)
     if a.json:
@@ -221,6 +238,15 @@ def print_tables(res: dict) -> None:
         print(f"\n| llama.cpp (ctx {lc['ctx']}) | ppl ± stderr | vs F32 |\n|---|---|---|")
         for name, r in lc["runs"].items():
             print(f"| {name} | {r['ppl']:.4f} ± {r['stderr']:.4f} | {r['ppl'] / f32 - 1:+.2%} |")
+    px = res.get("proxy", {})
+    if px.get("settings"):
+        print("\n| scoreboard setting | ppl delta ± 2se | greedy agreement | experts/token/layer |\n|---|---|---|---|")
+        for key, r in px["settings"].items():
+            if "not_measured" in r:
+                print(f"| {key} | not measured: {r['not_measured']} | | |")
+                continue
+            print(f"| {key} | {r['ppl_delta_rel']:+.2%} ± {r.get('ppl_delta_2se') or float('nan'):.2%} | "
+                  f"{r['greedy_agreement']:.3f} | {r['experts_per_token']:.2f} |")
     print(f"({res['seconds']} s)")
 
 
