@@ -135,3 +135,28 @@ def test_reference_recipe_resolves_to_its_workdir_and_is_not_built_on_first_use(
     out = _cli("eval", "--model", "reference", "--max-tokens", "64", env=env)
     assert out.returncode == 2 and "build-tiny --size reference" in out.stderr
     assert not (home / "reference").exists()
+
+
+def test_paired_noise_of_a_perplexity_delta():
+    from moectl.calib.fidelity import paired_2se
+
+    # per-window differences 2 and 4 over 4 scored tokens: stdev sqrt(2) x sqrt(2 windows) / 4 tokens, doubled
+    assert paired_2se([3.0, 5.0], [1.0, 1.0], 4) == pytest.approx(1.0)
+    assert paired_2se([3.0, 5.0], [2.0, 4.0], 4) == 0.0                # a constant shift has no spread
+    assert paired_2se([3.0], [1.0], 4) is None and paired_2se([3.0, 5.0], None, 4) is None
+
+
+def test_bench_models_pick_each_models_held_out_text(home):
+    from bench.models import fit_texts, held_out_dataset
+    from moectl.calib.dataset import builtin_corpus, load_calibration
+    from moectl.calib.stdlib_corpus import stdlib_corpus
+    from moectl.recipes import resolve_model
+
+    tiny, reference = resolve_model("tiny"), resolve_model("reference")
+    assert held_out_dataset(tiny) == "default"
+    assert held_out_dataset(reference).endswith("calibration/reference.yaml")
+    held = load_calibration(held_out_dataset(reference))
+    assert held and set(held).isdisjoint(fit_texts(reference))
+    train = stdlib_corpus("train")
+    assert all(any(t.startswith(f) for t in train) for f in fit_texts(reference))    # cut to ~512 tokens
+    assert fit_texts(tiny) == builtin_corpus("train")[:64]
