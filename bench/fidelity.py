@@ -14,7 +14,7 @@ error over the windows ("± 2se": the sampling noise of the held-out text):
   scoreboard        the scoreboard's "ppl delta" column (plan/proxy.py's eight settings) with this model as the
                     proxy: its own T_g from `moectl sensitivity --target-ppl-delta 0.01` on its held-out set
   llama.cpp         (helper C's build) F32 / Q8_0 / Q4_0 / Q4_K_M GGUFs of the same checkpoint,
-                    `llama-perplexity` on the same held-out text, with its own ± and a repeated F32 run
+                    `llama-perplexity` on the same held-out text, with its own ± and the F32 run repeated
 
 Criteria: Q4_0 and Q4_K_M raise perplexity by more than the noise; q2 raises it clearly more than q4; dropping
 a layer's top-1 expert costs more than dropping its second.
@@ -142,13 +142,18 @@ def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads
     f32 = out_dir / "m-F32.gguf"
     if not f32.exists():
         llamacpp.convert(ckpt, f32, "f32", root=root)
-    runs = {"F32": llamacpp.perplexity(f32, text, ctx=ctx, threads=threads, root=root)}
-    runs["F32 (repeat, 1 thread)"] = llamacpp.perplexity(f32, text, ctx=ctx, threads=1, root=root)
+    def ppl(gguf):                          # one retry: a run under heavy load once printed no final estimate
+        try:
+            return llamacpp.perplexity(gguf, text, ctx=ctx, threads=threads, root=root)
+        except Exception:
+            return llamacpp.perplexity(gguf, text, ctx=ctx, threads=threads, root=root)
+
+    runs = {"F32": ppl(f32), "F32 (repeat)": ppl(f32)}
     for t in LLAMACPP_TYPES:
         q = out_dir / f"m-{t}.gguf"
         if not q.exists():
             llamacpp.quantize(f32, q, t, root=root)
-        runs[t] = llamacpp.perplexity(q, text, ctx=ctx, threads=threads, root=root)
+        runs[t] = ppl(q)
         print(f"llama.cpp {t}: ppl {runs[t]['ppl']:.4f} ± {runs[t]['stderr']:.4f} (F32 {runs['F32']['ppl']:.4f})",
               flush=True)
     return {"ctx": ctx, "runs": runs,
@@ -172,6 +177,7 @@ def scoreboard_proxy(model: str, workdir: Path, dataset: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="reference", help=MODEL_HELP)
+    ap.add_argument("--dataset", default=None, help="held-out text (default: the model recipe's calibration set)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens scored")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
@@ -184,7 +190,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ref = bench_model(a.model)
     only = set(a.only.split(","))
-    res = {"model": a.model, "dataset": held_out_dataset(ref)}
+    res = {"model": a.model, "dataset": a.dataset or held_out_dataset(ref)}
 
     eng = Engine.load(a.model, threads=a.threads, progress=False)
     windows = token_windows(eng.tokenizer, load_calibration(res["dataset"]), a.window, a.max_tokens)
