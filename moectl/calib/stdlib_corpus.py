@@ -23,7 +23,7 @@ import sysconfig
 from pathlib import Path
 
 from ..errors import MoectlError
-from .dataset import BUILTIN_MODULES, builtin_corpus, corpus_home
+from .dataset import BUILTIN_MODULES, builtin_corpus, corpus_home, write_corpus
 
 STDLIB_CORPUS_VERSION = "stdlib-v1"
 HELDOUT_EVERY = 10                                   # 1 in 10 top-level modules (by name hash) is held out
@@ -84,23 +84,12 @@ def build_stdlib_corpus(out_dir: Path, root: Path | None = None, docs: dict[str,
         for i in range(max(len(doc_rows), len(src))):               # interleave: doc, source, doc, source, ...
             rows += doc_rows[i:i + 1] + src[i:i + 1]
         splits[split] = rows
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for split, rows in splits.items():
-        tmp = out_dir / f"{split}.jsonl.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        tmp.replace(out_dir / f"{split}.jsonl")
-    meta = {
+    return write_corpus(out_dir, splits, {
         "version": STDLIB_CORPUS_VERSION, "python": sys.version.split()[0],
         "files": {s: len(v) for s, v in sources.items()}, "excluded_files": len(excluded),
         "docs": {s: len(d) for s, d in docs.items()},
         "chars": {s: sum(len(r["text"]) for r in rows) for s, rows in splits.items()},
-    }
-    tmp = out_dir / f"meta.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(out_dir / "meta.json")                              # written last: its presence means complete
-    return meta
+    })
 
 
 def stdlib_corpus_dir() -> Path:
