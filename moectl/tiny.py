@@ -390,6 +390,7 @@ def _build(workdir: Path, size: str, steps: int | None, progress: bool, seed: in
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(ckpt, ignore_errors=True)
+    _drop_stale_artifacts(workdir)
     tmp.rename(ckpt)
     report = {
         "format": TINY_FORMAT, "variant": {"tiny": "full"}.get(size, size), "seed": seed,
@@ -404,6 +405,19 @@ def _build(workdir: Path, size: str, steps: int | None, progress: bool, seed: in
     report_path.write_text(json.dumps(report, indent=1))
     shutil.rmtree(state_dir, ignore_errors=True)       # the checkpoint is complete: the training state is spent
     return ckpt
+
+
+def _drop_stale_artifacts(workdir: Path) -> None:
+    """Remove what was made from the previous weights: low-bit copies and sensitivities are checked against the
+    model fingerprint, which hashes the config only, so a rebuilt model (same config, new weights) would
+    silently reuse them. (eval/ and ppl-proxy.json also key on the weights' files: they stay.)"""
+    from .calib.sensitivity import JSON_NAME
+
+    for path in [*workdir.glob("experts-*"), workdir / JSON_NAME]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _save_state(state_dir: Path, run_key: dict, model, opt, gen, step: int, losses: list, train_seconds: float):

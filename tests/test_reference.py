@@ -160,3 +160,18 @@ def test_bench_models_pick_each_models_held_out_text(home):
     train = stdlib_corpus("train")
     assert all(any(t.startswith(f) for t in train) for f in fit_texts(reference))    # cut to ~512 tokens
     assert fit_texts(tiny) == builtin_corpus("train")[:64]
+
+
+def test_a_rebuild_drops_what_the_old_weights_made(home, tmp_path):
+    from moectl.tiny import build_tiny
+
+    wd = tmp_path / "w"
+    build_tiny(wd, size="reference-small", steps=2, progress=False)
+    stale = [wd / "experts-q4g64.json", wd / "experts-q4g64.safetensors", wd / "sensitivity.json"]
+    for path in stale:
+        path.write_text("{}")
+    (wd / "experts-q4g64.parts").mkdir()
+    (wd / "keep.txt").write_text("not derived from the weights")
+    build_tiny(wd, size="reference-small", steps=3, force=True, progress=False)
+    assert not any(p.exists() for p in stale) and not (wd / "experts-q4g64.parts").exists()
+    assert (wd / "keep.txt").exists() and (wd / "checkpoint" / "config.json").exists()
