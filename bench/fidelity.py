@@ -13,7 +13,7 @@ error over the windows ("± 2se": the sampling noise of the held-out text):
   run-to-run        the lossless pass repeated with 2 threads instead of 1: the measurement's own noise
   scoreboard        the scoreboard's "ppl delta" column (plan/proxy.py's eight settings) with this model as the
                     proxy: its own T_g from `moectl sensitivity --target-ppl-delta 0.01` on its held-out set
-  llama.cpp         (helper C's build) F32 / Q8_0 / Q4_0 / Q4_K_M GGUFs of the same checkpoint,
+  llama.cpp         (helper C's build; MOECTL_LLAMACPP_ROOT overrides where its tools are) F32 / Q8_0 / Q4_0 / Q4_K_M GGUFs of the same checkpoint,
                     `llama-perplexity` on the same held-out text, with its own ± and the F32 run repeated
 
 Criteria: Q4_0 and Q4_K_M raise perplexity by more than the noise; q2 raises it clearly more than q4; dropping
@@ -134,8 +134,10 @@ def llamacpp_module():
 def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads: int) -> dict:
     """F32 / Q8_0 / Q4_K_M / Q4_0 of the checkpoint by llama.cpp's own converter and quantizer, scored by
     llama-perplexity on the same held-out text (helper C's moectl/llamacpp.py)."""
+    import os
+
     llamacpp = llamacpp_module()
-    root = llamacpp.home()
+    root = Path(os.environ["MOECTL_LLAMACPP_ROOT"]) if os.environ.get("MOECTL_LLAMACPP_ROOT") else llamacpp.home()
     out_dir.mkdir(parents=True, exist_ok=True)
     text = out_dir / "heldout.txt"
     text.write_text("\n\n".join(texts))
