@@ -62,11 +62,13 @@ def hf_window_nll(model, windows) -> list[float]:
     return out
 
 
-def drop_rank(block, rank: int):
+def drop_rank(block, rank: int | None):
     """Hook the block's router so each token's `rank`-th expert (0 = top-1) is dropped and the other carries
-    the token alone (top-2: weight 1). Returns the hook handle."""
+    the token alone (top-2: weight 1); rank None drops every expert (the block adds nothing). Returns the hook."""
     def hook(_module, _inputs, output):
         logits, weights, index = output                       # [T,E], [T,K], [T,K]
+        if rank is None:
+            return logits, weights * 0, index
         keep = torch.ones_like(weights)
         keep[:, rank] = 0
         weights = weights * keep
@@ -94,7 +96,14 @@ def expert_drop(ckpt: Path, windows, scored: int) -> dict:
         print(f"layer {i}: drop top-1 {row['drop_top1']['ppl_delta']:+.2%} ± {row['drop_top1']['ppl_delta_2se']:.2%}"
               f", drop second {row['drop_second']['ppl_delta']:+.2%} ± {row['drop_second']['ppl_delta_2se']:.2%}",
               flush=True)
-    return {"base_ppl": math.exp(sum(base) / scored), "layers": rows}
+    handles = [drop_rank(layer.mlp, None) for layer in model.model.layers]     # how much do experts matter at all?
+    try:
+        no_experts = delta(hf_window_nll(model, windows), base, scored)
+    finally:
+        for h in handles:
+            h.remove()
+    print(f"every expert of every layer dropped: {no_experts['ppl_delta']:+.2%}", flush=True)
+    return {"base_ppl": math.exp(sum(base) / scored), "layers": rows, "no_experts": no_experts}
 
 
 def moectl_copies(model: str, workdir: str, windows, base, scored: int, threads: int) -> list[dict]:
@@ -240,6 +249,7 @@ def print_tables(res: dict) -> None:
             d = r["top1_vs_second"]
             print(f"| {r['layer']} | {pm(r['drop_top1'])} | {pm(r['drop_second'])} | {pm(d)} | "
                   f"{'yes' if d['ppl_delta'] > d['ppl_delta_2se'] else 'NO'} |")
+        print(f"every expert of every layer dropped: {pm(res['drop']['no_experts'])}")
     lc = res.get("llamacpp", {})
     if "runs" in lc:
         f32 = lc["runs"]["F32"]["ppl"]
