@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 # people who pip-install moectl into their own environment). `make constraints` rewrites it from .venv.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install test demo test-latest constraints clean gpu-check install-llamacpp test-llamacpp bench-llamacpp
+.PHONY: install test demo test-latest constraints clean gpu-check install-llamacpp test-llamacpp bench-llamacpp \
+	bench-fidelity
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -44,6 +45,16 @@ demo: install
 gpu-check:
 	@if command -v nvidia-smi >/dev/null 2>&1; then HF_HUB_OFFLINE=1 $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS); \
 	else $(MAKE) -s install && HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS); fi
+
+# The fidelity yardstick (issue 31): build the reference model (~40 min on 2 cores, once; resumable: re-run to
+# continue) and run the fidelity benchmarks on it. Never part of `make test`. Reports go to bench-fidelity/.
+FIDELITY_OUT ?= bench-fidelity
+bench-fidelity: install
+	mkdir -p $(FIDELITY_OUT)
+	HF_HUB_OFFLINE=1 nice -n 10 $(BIN)/moectl build-tiny --size reference
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/fidelity.py --model reference --json $(FIDELITY_OUT)/criteria.json
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/precision.py --model reference --json $(FIDELITY_OUT)/precision.json
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/gating.py --model reference --json $(FIDELITY_OUT)/gating.json
 
 # The newest versions pyproject.toml allows, in a venv of their own: run before moving constraints.txt on.
 test-latest:

@@ -8,11 +8,12 @@ its tau bisected so that it computes the same experts per token; "Δppl score" i
 "diff ± 2se" the paired perplexity difference (rule - score, relative) with twice its standard error over
 held-out windows: differences inside it are noise.
 
-Sensitivities come from the built-in corpus' train split; everything measured is on the held-out
-validation documents (calibration/default.yaml). Uses the full tiny model of $MOECTL_HOME/tiny (built
-on first use, ~2-3 minutes).
+Sensitivities come from the model corpus' train split; everything measured is on its held-out text
+(`bench/models.py`: tiny -> calibration/default.yaml, the built-in corpus' validation documents; reference ->
+calibration/reference.yaml). `--model tiny` (default) uses the full tiny model of $MOECTL_HOME/tiny (built on
+first use, ~2-3 minutes); `--model reference` the reference model (make bench-fidelity). Half the experts cached.
 
-Run: .venv/bin/python bench/gating.py [--max-tokens 4096] [--threads 1] [--json out.json]
+Run: .venv/bin/python bench/gating.py [--model tiny] [--max-tokens 4096] [--threads 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from moectl.calib.fidelity import evaluate, gating_as, token_windows, window_nll
 from moectl.calib.sensitivity import (TailRecorder, ablation_sensitivity, fisher_sensitivity,  # noqa: E402
                                      threshold_grid)
 from moectl.policies.gating import ScoreGating, SensitivityGating  # noqa: E402
-from moectl.recipes import moectl_home  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
-from moectl.tiny import ensure_tiny  # noqa: E402
+from bench.models import MODEL_HELP, bench_model, fit_texts, half_the_experts, held_out_dataset  # noqa: E402
 
 
 def matched_tau(eng, windows, target_ept: float, iters: int = 12) -> float:
@@ -88,6 +88,7 @@ def sweep(eng, held, prompts, workdir, name: str, sens: list[float], tails) -> l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help=MODEL_HELP)
     ap.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens scored")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
@@ -96,11 +97,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
 
-    workdir = moectl_home() / "tiny"
-    ensure_tiny(workdir)
-    eng = Engine.load("tiny", workdir=str(workdir), cache_experts=24, prefetch="none", emulate_device=True,
-                      progress=False)
-    fit = token_windows(eng.tokenizer, load_calibration("builtin", split="train", max_samples=64), args.window, 4096)
+    ref = bench_model(args.model)
+    workdir = ref.workdir
+    eng = Engine.load(args.model, workdir=str(workdir), cache_experts=half_the_experts(ref), prefetch="none",
+                      emulate_device=True, progress=False)
+    fit = token_windows(eng.tokenizer, fit_texts(ref), args.window, 4096)
     tails = TailRecorder(len(eng.moe_layer_ids))
     eng.add_observer(tails)
     fisher = fisher_sensitivity(eng.model, [b for _, b in eng.adapter.moe_blocks(eng.model)], fit,
@@ -108,9 +109,9 @@ def main() -> None:
                                 after_window=eng.cache.end_token)["sensitivities"]
     eng.remove_observer(tails)
     abl = ablation_sensitivity(eng, fit)
-    held = token_windows(eng.tokenizer, load_calibration("default"), args.window, args.max_tokens)
+    held = token_windows(eng.tokenizer, load_calibration(held_out_dataset(ref)), args.window, args.max_tokens)
     prompts = [w[:32] for w in held[:8]]
-    print(f"tiny: {len(eng.moe_layer_ids)} MoE layers, top-{eng.adapter.top_k}; {sum(len(w) - 1 for w in held)} "
+    print(f"{args.model}: {len(eng.moe_layer_ids)} MoE layers, top-{eng.adapter.top_k}; {sum(len(w) - 1 for w in held)} "
           f"held-out tokens\n  Fisher S_l   = " + ", ".join(f"{s:.3g}" for s in fisher)
           + "\n  ablation A_l = " + ", ".join(f"{s:.3g}" for s in abl["ablation"])
           + "\n  ablation dNLL/token = " + ", ".join(f"{c / abl['tokens']:.4f}" for c in abl["ablation_dnll"]),

@@ -82,7 +82,7 @@ def resolve_model(spec: str, workdir: str | Path | None = None) -> ModelRef:
                           f"recipes: {', '.join(list_recipes())}")
     recipe = load_recipe(spec)
     wd = Path(workdir).expanduser() if workdir else moectl_home() / recipe["name"]
-    if recipe.get("builtin") == "tiny":
+    if recipe.get("builtin") in ("tiny", "reference"):      # built by `moectl build-tiny [--size reference]`
         return ModelRef(recipe["name"], wd / "checkpoint", recipe.get("family"), wd, recipe)
     env = recipe.get("path_env")
     raw = os.environ.get(env) if env and os.environ.get(env) else recipe.get("path")

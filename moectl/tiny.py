@@ -36,6 +36,7 @@ from pathlib import Path
 from .errors import MoectlError
 
 TINY_FORMAT = 1
+STATE_DIR = "train-state"                # resumable training state (sizes with checkpoint_every)
 MAX_TRAIN_SECONDS = 120.0
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]      # ids 0, 1, 2, 3
 CHAT_TEMPLATE = (
@@ -61,12 +62,32 @@ class TinySpec:
     aux_loss_coef: float = 0.02
     chat_fraction: float = 0.15     # share of training sequences that start a question/answer chat
     eval_tokens: int = 32768        # validation tokens scored (at most)
+    corpus: str = "builtin"         # builtin (pydoc text) | stdlib (+ the standard library's source: calib/stdlib_corpus)
+    train_stride: int = 1           # keep every n-th training document (small variants)
+    val_stride: int = 1
+    tokenizer_stride: int = 1       # the tokenizer learns from every n-th training document
+    threads: int = 0                # 0: 2, or 1 when the cores are busy; else exactly this many (reproducible)
+    time_cap: bool = True           # without an explicit --steps, stop at MAX_TRAIN_SECONDS
+    checkpoint_every: int = 0       # save a resumable training state every n steps (0: never)
 
 
 FULL = TinySpec(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=6, heads=4, kv_heads=2,
                 num_experts=8, top_k=2, seq_len=64, batch_size=8, steps=600, lr=1e-2, eval_tokens=16384)
 SMALL = TinySpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, heads=4, kv_heads=2,
-                 num_experts=8, top_k=2, seq_len=64, batch_size=16, steps=150, lr=1e-2, eval_tokens=8192)
+                 num_experts=8, top_k=2, seq_len=64, batch_size=16, steps=150, lr=1e-2, eval_tokens=8192,
+                 train_stride=4, val_stride=2, threads=1, time_cap=False)
+# The reference model (`--size reference`, see moectl/reference.py): big and trained enough that its quality
+# depends on its expert weights; fixed steps, fixed threads, resumable.
+REFERENCE = TinySpec(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=8, heads=8, kv_heads=4,
+                     num_experts=8, top_k=2, seq_len=256, batch_size=4, steps=700, lr=6e-3, chat_fraction=0.0,
+                     eval_tokens=32768, corpus="stdlib", tokenizer_stride=3, threads=1, time_cap=False,
+                     checkpoint_every=50)
+# The reference recipe scaled down for tests: same corpus and resume logic, seconds of training.
+REFERENCE_SMALL = TinySpec(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, heads=4, kv_heads=2,
+                           num_experts=8, top_k=2, seq_len=64, batch_size=16, steps=32, lr=1e-2, eval_tokens=2048,
+                           corpus="stdlib", train_stride=40, val_stride=8, threads=1, time_cap=False,
+                           checkpoint_every=8)
+SIZES = {"tiny": FULL, "small": SMALL, "reference": REFERENCE, "reference-small": REFERENCE_SMALL}
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -183,13 +204,19 @@ def evaluate(model, val_ids, spec: TinySpec, unigram_logp) -> dict:
 
 
 def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, small: bool = False,
-               progress: bool = True, seed: int = 0) -> Path:
+               progress: bool = True, seed: int = 0, size: str | None = None, stop_after: int | None = None) -> Path:
     """Build and train the tiny model into `<workdir>/checkpoint`; returns that directory.
 
+    `size` picks the recipe (`SIZES`: tiny, small, reference, reference-small; `small=True` is size "small").
     An existing build (tiny.json + checkpoint) is kept unless `force`. Concurrent builders of one workdir
-    wait on a lock file and then reuse the build the first one made."""
+    wait on a lock file and then reuse the build the first one made. A size with `checkpoint_every` saves a
+    training state as it goes and a new call continues from it; `stop_after` ends this call after that many
+    steps (the state stays for the next call) and returns None."""
     import torch
 
+    size = size or ("small" if small else "tiny")
+    if size not in SIZES:
+        raise MoectlError(f"unknown size {size!r}; sizes: {', '.join(SIZES)}")
     workdir = Path(workdir).expanduser()
     ckpt = workdir / "checkpoint"
     if steps is not None and steps <= 0:
@@ -200,9 +227,11 @@ def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, sma
     with _locked(workdir / ".build.lock"):
         if _built(workdir) and not force:
             return ckpt                                        # another process built it while we waited
+        if force:
+            shutil.rmtree(workdir / STATE_DIR, ignore_errors=True)
         threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
         try:
-            return _build(workdir, steps, small, progress, seed)
+            return _build(workdir, size, steps, progress, seed, stop_after)
         finally:                                               # leave the process as we found it
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(deterministic)
@@ -228,32 +257,52 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: int) -> Path:
+def corpus_texts(spec: TinySpec) -> tuple[list[str], list[str], list[str]]:
+    """(training texts, held-out texts, texts the chat pairs are made from) of a recipe."""
+    from .calib.dataset import builtin_corpus
+    from .calib.stdlib_corpus import stdlib_corpus
+
+    if spec.corpus == "stdlib":
+        train, val, docs = stdlib_corpus("train"), stdlib_corpus("heldout"), stdlib_corpus("train", kind="doc")
+    else:
+        train, val = builtin_corpus("train"), builtin_corpus("validation")
+        docs = train
+    return train[::spec.train_stride], val[::spec.val_stride], docs[::spec.train_stride]
+
+
+def _build(workdir: Path, size: str, steps: int | None, progress: bool, seed: int, stop_after: int | None):
     import torch
     from transformers import GenerationConfig, MixtralForCausalLM
-
-    from .calib.dataset import builtin_corpus
 
     ckpt = workdir / "checkpoint"
     report_path = workdir / "tiny.json"
     report_path.unlink(missing_ok=True)                        # no report until the new checkpoint is complete
-    spec = SMALL if small else FULL
+    spec = SIZES[size]
     planned_steps = steps if steps is not None else spec.steps
-    time_cap = None if (steps is not None or small) else MAX_TRAIN_SECONDS     # small (tests): always exact
+    time_cap = MAX_TRAIN_SECONDS if (steps is None and spec.time_cap) else None
     t_start = time.perf_counter()
     torch.manual_seed(seed)
-    threads = 1 if small or _busy() else 2
+    threads = spec.threads or (1 if _busy() else 2)
     torch.set_num_threads(threads)   # on a shared, busy machine 2 threads spin against other work: 1 is 3-50x faster
     torch.use_deterministic_algorithms(True, warn_only=True)
+    label = size if size != "small" else "tiny (small)"
+    state_dir = workdir / STATE_DIR
+    run_key = {"size": size, "spec": asdict(spec), "seed": seed, "planned_steps": planned_steps, "threads": threads}
+    resume = _load_state(state_dir, run_key) if spec.checkpoint_every else None
 
     say = _say if progress else (lambda msg: None)
-    say(f"building tiny{' (small)' if small else ''} into {workdir}: corpus and tokenizer")
+    say(f"building {label} into {workdir}: corpus and tokenizer")
     # 1-2. corpus, tokenizer, token streams
-    train_docs, val_docs = builtin_corpus("train"), builtin_corpus("validation")
-    if small:                                  # a quarter of the text is plenty for a few hundred small steps
-        train_docs, val_docs = train_docs[::4], val_docs[::2]
-    pairs = qa_pairs(train_docs, seed)
-    tokenizer = train_tokenizer(train_docs + [chat_text(q, a) for q, a in pairs[:2000]], spec.vocab_size)
+    train_docs, val_docs, qa_docs = corpus_texts(spec)
+    pairs = qa_pairs(qa_docs, seed)
+    if resume is not None:                     # the very tokenizer the saved weights were trained with
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(state_dir / "tokenizer")
+        tokenizer.model_max_length = 1 << 30
+    else:
+        tokenizer = train_tokenizer(train_docs[::spec.tokenizer_stride] + [chat_text(q, a) for q, a in pairs[:2000]],
+                                    spec.vocab_size)
     train_ids = token_stream(tokenizer, train_docs)                           # [N]
     chat_ids = token_stream(tokenizer, [chat_text(q, a) for q, a in pairs])   # [M]
     val_ids = token_stream(tokenizer, val_docs)
@@ -268,6 +317,17 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed)
     n_chat = round(spec.batch_size * spec.chat_fraction)
+    start, losses, trained_before = 0, [], 0.0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optimizer"])
+        gen.set_state(resume["generator"])
+        torch.set_rng_state(resume["torch_rng"])
+        start, losses, trained_before = resume["step"], resume["losses"], resume["train_seconds"]
+        say(f"resuming from step {start} of {planned_steps} ({state_dir})")
+    elif spec.checkpoint_every:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        tokenizer.save_pretrained(state_dir / "tokenizer")
 
     # chat windows start where a chat starts, so the model learns "<|im_start|>user ... assistant\n" -> answer
     chat_starts = torch.cat([torch.zeros(1, dtype=torch.long), (chat_ids == 0).nonzero().flatten() + 1])
@@ -282,10 +342,11 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
 
     from .progress import ProgressBar
 
-    done, losses, t_train = 0, [], time.perf_counter()
+    done, t_train = start, time.perf_counter()
     with ProgressBar(progress) as bar:
-        task = bar.add("training tiny" + (" (small)" if small else ""), planned_steps)
-        for step in range(planned_steps):
+        task = bar.add(f"training {label}", planned_steps)
+        bar.update(task, advance=start)
+        for step in range(start, planned_steps):
             # progress drives the schedule: steps done, or wall time used when the time cap binds first, so a
             # busy machine still warms up and anneals fully (just over fewer steps)
             frac = step / planned_steps
@@ -293,10 +354,14 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
                 frac = max(frac, (time.perf_counter() - t_train) / time_cap)
             if frac >= 1.0:
                 break
+            if stop_after is not None and step - start >= stop_after:
+                return None                                    # the saved state carries on next time
             warm = min(1.0, (frac + 1e-3) / 0.05)                              # 5% warmup, cosine to 10%
             for group in opt.param_groups:
                 group["lr"] = spec.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-            batch = torch.cat([windows(train_ids, spec.batch_size - n_chat), windows(chat_ids, n_chat, chat_starts)])
+            batch = windows(train_ids, spec.batch_size - n_chat)                      # [B, S+1]
+            if n_chat:
+                batch = torch.cat([batch, windows(chat_ids, n_chat, chat_starts)])
             out = model(input_ids=batch, labels=batch, output_router_logits=True)   # labels shift inside: S targets
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -305,10 +370,13 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
             done = step + 1
             losses.append(out.loss.item())
             bar.update(task, advance=1, info=f"loss {losses[-1]:.3f} aux {out.aux_loss.item():.3f}")
-    train_seconds = time.perf_counter() - t_train
+            if spec.checkpoint_every and done % spec.checkpoint_every == 0 and done < planned_steps:
+                _save_state(state_dir, run_key, model, opt, gen, done, losses,
+                            trained_before + time.perf_counter() - t_train)
+    train_seconds = trained_before + time.perf_counter() - t_train
 
     # 4. evaluation and save
-    say("evaluating on the validation split and saving the checkpoint")
+    say("evaluating on the held-out split and saving the checkpoint")
     metrics = evaluate(model, val_ids, spec, unigram_logp)
     model.config.output_router_logits = False
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[3, 0], pad_token_id=1)
@@ -322,11 +390,12 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(ckpt, ignore_errors=True)
+    _drop_stale_artifacts(workdir)
     tmp.rename(ckpt)
     report = {
-        "format": TINY_FORMAT, "variant": "small" if small else "full", "seed": seed,
+        "format": TINY_FORMAT, "variant": {"tiny": "full"}.get(size, size), "seed": seed,
         "params": n_params, "threads": threads, "steps": done, "planned_steps": planned_steps,
-        "stopped_by_time_cap": done < planned_steps,
+        "stopped_by_time_cap": done < planned_steps, "resumed_at_step": start if resume is not None else None,
         "train_seconds": round(train_seconds, 1), "build_seconds": round(time.perf_counter() - t_start, 1),
         "train_tokens": int(done * spec.batch_size * spec.seq_len), "corpus_tokens": int(len(train_ids)),
         "chat_pairs": len(pairs), "final_train_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
@@ -334,7 +403,46 @@ def _build(workdir: Path, steps: int | None, small: bool, progress: bool, seed: 
     }
     report_path.parent.mkdir(parents=True, exist_ok=True)
     report_path.write_text(json.dumps(report, indent=1))
+    shutil.rmtree(state_dir, ignore_errors=True)       # the checkpoint is complete: the training state is spent
     return ckpt
+
+
+def _drop_stale_artifacts(workdir: Path) -> None:
+    """Remove what was made from the previous weights: low-bit copies and sensitivities are checked against the
+    model fingerprint, which hashes the config only, so a rebuilt model (same config, new weights) would
+    silently reuse them. (eval/ and ppl-proxy.json also key on the weights' files: they stay.)"""
+    from .calib.sensitivity import JSON_NAME
+
+    for path in [*workdir.glob("experts-*"), workdir / JSON_NAME]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _save_state(state_dir: Path, run_key: dict, model, opt, gen, step: int, losses: list, train_seconds: float):
+    """Everything the next step depends on (weights, optimizer moments, data-order RNG), written atomically."""
+    import torch
+
+    tmp = state_dir / "state.pt.tmp"
+    torch.save({"key": run_key, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "generator": gen.get_state(), "torch_rng": torch.get_rng_state(), "step": step,
+                "losses": list(losses), "train_seconds": train_seconds}, tmp)
+    tmp.replace(state_dir / "state.pt")
+
+
+def _load_state(state_dir: Path, run_key: dict) -> dict | None:
+    """The saved training state of this very run (same recipe, seed, steps, threads), else None."""
+    import torch
+
+    path = state_dir / "state.pt"
+    if not path.exists() or not (state_dir / "tokenizer" / "tokenizer.json").exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception:                                  # a torn or foreign file: start over
+        return None
+    return state if state.get("key") == run_key else None
 
 
 def _busy() -> bool:

@@ -130,21 +130,26 @@ def build_builtin_corpus(out_dir: Path, modules: tuple[str, ...] = BUILTIN_MODUL
                     continue                           # so no validation document is also a training document
                 seen.add(doc["text"])
                 splits[_split_of(doc["name"])].append(doc)
+    return write_corpus(out_dir, splits, {
+        "version": CORPUS_VERSION, "python": sys.version.split()[0], "modules": used, "missing_modules": missing,
+        "docs": {s: len(d) for s, d in splits.items()},
+        "chars": {s: sum(len(x["text"]) for x in d) for s, d in splits.items()},
+    })
+
+
+def write_corpus(out_dir: Path, splits: dict[str, list[dict]], meta: dict) -> dict:
+    """out_dir/<split>.jsonl (one JSON row per document), then meta.json, written last: its presence means the
+    corpus is complete. Each file goes through a temp name, so concurrent builders (same bytes) never tear one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, docs in splits.items():
-        tmp = out_dir / f"{split}.jsonl.{os.getpid()}.tmp"      # concurrent builders write the same bytes
+        tmp = out_dir / f"{split}.jsonl.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             for doc in docs:
                 f.write(json.dumps(doc, ensure_ascii=False) + "\n")
         tmp.replace(out_dir / f"{split}.jsonl")
-    meta = {
-        "version": CORPUS_VERSION, "python": sys.version.split()[0], "modules": used, "missing_modules": missing,
-        "docs": {s: len(d) for s, d in splits.items()},
-        "chars": {s: sum(len(x["text"]) for x in d) for s, d in splits.items()},
-    }
     tmp = out_dir / f"meta.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(out_dir / "meta.json")                        # written last: its presence means complete
+    tmp.replace(out_dir / "meta.json")
     return meta
 
 
@@ -257,7 +262,7 @@ def load_calibration_spec(spec: str) -> dict:
                 "name": spec}
     path = Path(spec).expanduser()
     yaml_path = path if path.suffix in (".yaml", ".yml") else None
-    if yaml_path is None and not path.exists() and spec != "builtin":
+    if yaml_path is None and not path.exists() and spec not in ("builtin", "stdlib"):
         if "/" in spec or path.suffix:
             raise MoectlError(f"calibration source {path} does not exist{_by_name(path)}")
         yaml_path = find_calibration_yaml(spec)
@@ -281,7 +286,7 @@ def load_calibration_spec(spec: str) -> dict:
         settings.update({k: v for k, v in data.items() if k != "description"})
         settings["name"] = yaml_path.stem
         source = str(settings["source"])
-        if source != "builtin" and not Path(source).expanduser().is_absolute():
+        if source not in ("builtin", "stdlib") and not Path(source).expanduser().is_absolute():
             source = str((yaml_path.parent / source).resolve())  # relative to the YAML file
         settings["source"] = source
     for key in ("max_samples", "max_tokens"):
@@ -297,6 +302,10 @@ def load_calibration(spec: str, split: str | None = None, max_samples: int | Non
     split = split or s["split"]
     if s["source"] == "builtin":
         texts = builtin_corpus(split or "train")
+    elif s["source"] == "stdlib":                      # the reference model's corpus (calib/stdlib_corpus.py)
+        from .stdlib_corpus import stdlib_corpus
+
+        texts = stdlib_corpus(split or "train")
     else:
         path = Path(s["source"]).expanduser()
         if not path.exists():

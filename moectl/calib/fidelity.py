@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -184,13 +185,22 @@ def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, prog
         nll = window_nll(eng, windows, progress, decode)
         conts = greedy_continuations(eng, prompts, n)
     ref = {"format": REFERENCE_FORMAT, "format_version": REFERENCE_VERSION, "fingerprint": eng.fingerprint,
-           "key": key, "nll": nll["nll"], "scored": nll["scored"], "continuations": conts}
+           "key": key, "nll": nll["nll"], "scored": nll["scored"], "per_window": nll["per_window"],
+           "continuations": conts}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(ref))
         tmp.replace(path)
     return ref | {"cached": False}
+
+
+def paired_2se(per_window: list[float], base: list[float] | None, scored: int) -> float | None:
+    """Twice the standard error of a perplexity delta (relative, ~ the NLL/token difference) from the paired
+    per-window differences: the sampling noise of the held-out text. None without a per-window baseline."""
+    if not base or len(base) != len(per_window) or len(base) < 2:
+        return None
+    return 2 * statistics.stdev(a - b for a, b in zip(per_window, base)) * math.sqrt(len(base)) / scored
 
 
 def evaluate(eng, windows: list[list[int]], prompts: list[list[int]], n: int, workdir: Path | None,
@@ -205,6 +215,7 @@ def evaluate(eng, windows: list[list[int]], prompts: list[list[int]], n: int, wo
         same, total = agreement(eng, prompts, ref["continuations"])
     ppl, ppl0 = math.exp(stats["nll"] / stats["scored"]), math.exp(ref["nll"] / ref["scored"])
     return {"ppl": ppl, "ppl_lossless": ppl0, "ppl_delta_rel": ppl / ppl0 - 1.0,
+            "ppl_delta_2se": paired_2se(stats["per_window"], ref.get("per_window"), stats["scored"]),
             "greedy_agreement": same / total if total else 1.0,
             "experts_per_token": stats["experts_per_token"], "bytes_per_token": stats["bytes_per_token"],
             "single_expert_fraction": stats["single_expert_fraction"],

@@ -32,9 +32,14 @@ def build_tiny(
                                         help="Training steps (default: 600, or fewer if 120 s of training run out; "
                                              "an explicit --steps has no time cap)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if the workdir has a build."),
-    small: bool = typer.Option(False, "--small", help="The small test variant (seconds)."),
+    small: bool = typer.Option(False, "--small", help="The small test variant (seconds); same as --size small."),
+    size: str = typer.Option("tiny", "--size",
+                             help="tiny (the built-in model, ~2 min), small (tests, seconds), reference (the "
+                                  "fidelity yardstick: ~30 M params on the stdlib's source and docs, ~40 min, "
+                                  "resumable: re-run to continue), or reference-small (its recipe scaled down)."),
     workdir: Optional[str] = typer.Option(None, "--workdir",
-                                          help="Where to build (default ~/.cache/moectl/tiny, or tiny-small)."),
+                                          help="Where to build (default $MOECTL_HOME/<size>, the tiny model's "
+                                               "in tiny, the small one's in tiny-small)."),
     as_json: bool = typer.Option(False, "--json", help="Print tiny.json as one JSON object."),
 ):
     """Build the built-in tiny MoE: corpus, tokenizer, training, checkpoint, tiny.json."""
@@ -43,13 +48,19 @@ def build_tiny(
 
     from rich.console import Console
 
-    from ..recipes import moectl_home
     from .. import tiny
+    from ..errors import MoectlError
+    from ..recipes import moectl_home
 
     console = Console(stderr=as_json)
-    wd = Path(workdir).expanduser() if workdir else moectl_home() / ("tiny-small" if small else "tiny")
+    if small and size not in ("tiny", "small"):
+        raise MoectlError(f"--small and --size {size} disagree; give one of them")
+    size = "small" if small else size
+    if size not in tiny.SIZES:
+        raise MoectlError(f"--size must be one of {', '.join(tiny.SIZES)}, not {size!r}")
+    wd = Path(workdir).expanduser() if workdir else moectl_home() / {"small": "tiny-small"}.get(size, size)
     existed = (wd / "tiny.json").exists() and not force
-    ckpt = tiny.build_tiny(wd, steps=steps, force=force, small=small, progress=not as_json)
+    ckpt = tiny.build_tiny(wd, steps=steps, force=force, size=size, progress=not as_json)
     report = tiny.tiny_report(wd)
     if as_json:
         print(json.dumps(report | {"checkpoint": str(ckpt), "reused": existed}))
