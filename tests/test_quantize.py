@@ -349,3 +349,16 @@ def test_q4_cpu_side_runs_concurrently_with_the_device_side(mixtral, q4, monkeyp
     assert wall < (wall - rt.expert_stage_s) + 0.85 * serial, (wall, rt.expert_stage_s, rt.device_side_s,
                                                               rt.cpu_side_s)
     assert torch.equal(got, want)
+
+
+def test_lowbit_only_in_place_keeps_no_full_precision_experts_in_ram(mixtral, q4):
+    """Issue 28: in place at --precision lowbit-only the full-precision experts stay in the file (never read), so
+    host RAM holds the low-bit copies plus dense, as llama.cpp's does; the output is that of the q4 copies computed
+    on an emulated device with every expert cached (the same weights, another path)."""
+    wd, _ = q4
+    eng = _q4(mixtral, wd)
+    assert eng.store.buffers is None and eng.store.lowbit is not None          # no full-precision experts in RAM
+    L, E = len(eng.moe_layer_ids), eng.adapter.num_experts
+    full = _q4(mixtral, wd, cache_experts=L * E, emulate_device=True)
+    assert full.store.buffers is not None                                      # a device path still has them
+    assert torch.equal(_decode(eng), _decode(full))

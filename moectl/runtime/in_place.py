@@ -29,22 +29,23 @@ class InPlaceExperts(CacheFront):
     matters on a miss, and in place there is none)."""
 
     def __init__(self, store: ExpertStore, policy: ReplacementPolicy, precision: PrecisionPolicy | None = None):
-        if store.buffers is None:
+        # the full copies in the RAM tier, the low-bit ones, or both (lowbit-only leaves the full ones in the file)
+        pools = ([FULL] if store.buffers is not None else []) + ([LOW] if store.lowbit is not None else [])
+        if not pools or (precision is not None and precision.name != "lowbit-only" and FULL not in pools):
             raise ValueError("in-place experts need the RAM tier")
         self.store, self.policy, self.device = store, policy, torch.device("cpu")
         if precision is not None:
             self.precision = precision
         self.slots_per_layer = [store.num_experts] * store.num_layers
-        pools = [FULL] + ([LOW] if store.lowbit is not None else [])
         self.state = CacheState({p: self.slots_per_layer for p in pools}, {p: copy.deepcopy(policy) for p in pools})
-        self.state.policies[FULL] = policy
+        self.state.policies[pools[0]] = policy
         self.views, self.formats = {}, {}
         for p in pools:
             self.state.fill(p)                      # every expert resident from the start: accesses only hit
             self.formats[p] = store.format_of(p)
             buffers = store.buffers if p == FULL else store.lowbit.buffers
             self.views[p] = [[self.formats[p].views(buf[e]) for e in range(store.num_experts)] for buf in buffers]
-        self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in pools})
+        self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in dict.fromkeys([FULL] + pools)})
 
     def plan(self, layer: int, expert: int, scores) -> str:
         return LOW if self.precision.name == "lowbit-only" else FULL

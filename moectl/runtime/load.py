@@ -83,7 +83,10 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     runtime = Runtime(adapter, gating, opts.gate_prefill)
     for moe_idx, (layer_idx, block) in enumerate(blocks):
         block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, block.experts._apply_gate, E)
-    sizes = size_cache(opts, config, adapter, hf, ckpt, dev, dt, L, in_place, prec, low_fmt)
+    # In place at --precision lowbit-only nothing computes from the full-precision experts: they stay in the file
+    # (the store's disk tier, read only if asked), so RAM holds the low-bit copies and dense weights, as llama.cpp's
+    full_tier = "disk" if in_place and prec is not None and prec.name == "lowbit-only" else opts.offload
+    sizes = size_cache(opts, config, adapter, hf, ckpt, dev, dt, L, in_place, prec, low_fmt, full_tier)
     read_dense(hf, config, adapter, ckpt, dev, dt, ref.path)
     prefetch = None if in_place and opts.prefetch == "auto" else opts.prefetch   # in place nothing can miss
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
@@ -93,7 +96,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
                                       fingerprint, L)
     if opts.prefetch == "auto" and prefetch is not None and prefetch.name != "gate-reuse":
         opts.sources["prefetch"] = PREDICTORS                 # auto found the workdir's trained predictors
-    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=opts.offload, pin=(dev.type == "cuda"),
+    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=full_tier, pin=(dev.type == "cuda"),
                         progress=opts.progress)
     if low_fmt is not None:
         from ..quant.int4_cpu import int4pack_layout
@@ -126,9 +129,10 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
 
 
 def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int, in_place: bool, prec,
-               low_fmt) -> Sizes:
+               low_fmt, full_tier: str) -> Sizes:
     """Slots per pool and staging buffers from the options (`moectl/sizing.py`), then the host-memory check: a bad
-    budget, or a configuration the host RAM cannot hold, fails before any weight is read."""
+    budget, or a configuration the host RAM cannot hold, fails before any weight is read. `full_tier`: where the
+    full-precision experts live (ram, or disk: read from the file when needed)."""
     from ..policies.admission import STAGING_BUFFERS, prefetch_staging
 
     E, expert_nbytes = adapter.num_experts, adapter.format(dt).nbytes
@@ -156,7 +160,7 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
     kv = kv_reserve_nbytes(config, dt)
     dense = header_dense_nbytes(ckpt, adapter, dt)                  # what is read into host RAM
     on_host = dev.type == "cpu"
-    need = host_need(opts.offload, on_host, in_place, sum(full), expert_nbytes, L * E, dense, kv,
+    need = host_need(full_tier, on_host, in_place, sum(full), expert_nbytes, L * E, dense, kv,
                      lowbit_nbytes=low_fmt.nbytes if low_fmt is not None else 0, low_slots=sum(low or []))
 
     def fits(free: int) -> list[str]:
