@@ -177,6 +177,7 @@ def measure_copy(device: str, nbytes: int = EXPERT_BYTES_MIXTRAL, repeat: int = 
     `split_rows` chunks, one event each, through `Loader`) against plain `.to(device, non_blocking=True)`."""
     import torch
 
+    from moectl.machine import best_s
     from moectl.runtime.loader import CHUNK_BYTES, CopyJob, DEMAND, Loader, split_rows
 
     rows, row_bytes = nbytes // 4096, 4096
@@ -208,13 +209,7 @@ def measure_copy(device: str, nbytes: int = EXPERT_BYTES_MIXTRAL, repeat: int = 
         return run
 
     def best(fn):
-        fn()
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return nbytes / min(times) / 1e9
+        return nbytes / best_s(fn, repeat) / 1e9
 
     out = {"bytes": nbytes, "chunk_bytes": CHUNK_BYTES, "chunks": len(split_rows(rows, row_bytes, CHUNK_BYTES)),
            "chunked_pinned_gbps": best(chunked), "plain_pinned_gbps": best(plain(pinned)),
