@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_factory import build_family, save_tokenizer  # noqa: E402
 
 from moectl.bench_model import bench_model  # noqa: E402
-from moectl.cache_model import FULL, LOW  # noqa: E402
+from moectl.cache_model import LOW  # noqa: E402
 from moectl.quant.quantize import quantize_model  # noqa: E402
 
 
