@@ -251,7 +251,7 @@ def test_cli_train_predictor(mini_trace, tmp_path, monkeypatch):
 
 
 def test_cli_errors(tmp_path):
-    from moectl.predict.train import run_train_predictor
+    from moectl.predict.run import run_train_predictor
 
     with pytest.raises(MoectlError, match="--traces"):
         run_train_predictor()
@@ -311,7 +311,7 @@ def test_traces_of_another_model_are_refused(mini_trace, tmp_path):
     """--model M with --traces profiled from another model: a clear error, not silent training."""
     from model_factory import build_family
 
-    from moectl.predict.train import run_train_predictor
+    from moectl.predict.run import run_train_predictor
 
     build_family("mixtral", tmp_path / "ck")
     tdir = _write_trace_dir(mini_trace, tmp_path / "traces")

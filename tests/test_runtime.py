@@ -379,7 +379,7 @@ def test_learned_prefetch_from_trained_predictors(tiny_small, tmp_path):
     """profile -> train-predictor (mlp + aux gate) -> the runtime prefetches with them, losslessly."""
     from moectl.calib.profile import run_profile
     from moectl.errors import MoectlError as Err
-    from moectl.predict.train import run_train_predictor
+    from moectl.predict.run import run_train_predictor
 
     texts = [f"The function number {i} returns a list of values, sorted by key." for i in range(12)]
     eng = Engine.load(str(tiny_small), progress=False)
