@@ -58,6 +58,12 @@ def test_predictors_of_another_model_are_one_error_not_an_index_error(model, tmp
     with pytest.raises(MoectlError, match="16 MoE layers x 64 experts"):      # where they are read, given the shape
         load_predictors(preds, expect_shape=(4, 8))
     assert load_predictors(preds, expect_shape=(16, 64)).routing.E == 64
+    # the default prefetch (auto) checks the shape of a workdir's predictors too, and an explicit --predictor that
+    # does not exist is an error, not silently the fallback
+    code, _, err = run_cli(["generate", "--model", str(model), "--prompt", "def", "--max-new-tokens", "2",
+                            "--emulate-device", "--cache-experts", "8", "--predictor", str(tmp_path / "nowhere")],
+                           capsys, monkeypatch)
+    assert_one_error(code, err, "--predictor", "nowhere", "does not exist")
 
 
 def test_train_predictor_refuses_a_trace_of_another_shape(model, tmp_path, capsys, monkeypatch):
