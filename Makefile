@@ -25,7 +25,7 @@ test: install
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo
 
-# The fidelity yardstick (issue 31): build the reference model (~40 min on 2 cores, once; resumable: re-run to
+# The fidelity yardstick (issue 31): build the reference model (~1 h on 2 cores, once; resumable: re-run to
 # continue) and run the fidelity benchmarks on it. Never part of `make test`. Reports go to bench-fidelity/.
 FIDELITY_OUT ?= bench-fidelity
 bench-fidelity: install
