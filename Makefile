@@ -31,7 +31,7 @@ FIDELITY_OUT ?= bench-fidelity
 bench-fidelity: install
 	mkdir -p $(FIDELITY_OUT)
 	HF_HUB_OFFLINE=1 nice -n 10 $(BIN)/moectl build-tiny --size reference
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/fidelity.py --model reference --json $(FIDELITY_OUT)/criteria.json
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/fidelity.py --model reference --max-tokens 4096 --json $(FIDELITY_OUT)/criteria.json
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/precision.py --model reference --json $(FIDELITY_OUT)/precision.json
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/gating.py --model reference --json $(FIDELITY_OUT)/gating.json
 
