@@ -140,7 +140,7 @@ def llamacpp_module():
     return module
 
 
-def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads: int) -> dict:
+def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads: int, chunks: int | None) -> dict:
     """F32 / Q8_0 / Q4_K_M / Q4_0 of the checkpoint by llama.cpp's own converter and quantizer, scored by
     llama-perplexity on the same held-out text (helper C's moectl/llamacpp.py)."""
     import os
@@ -155,9 +155,9 @@ def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads
         llamacpp.convert(ckpt, f32, "f32", root=root)
     def ppl(gguf):                          # one retry: a run under heavy load once printed no final estimate
         try:
-            return llamacpp.perplexity(gguf, text, ctx=ctx, threads=threads, root=root)
+            return llamacpp.perplexity(gguf, text, ctx=ctx, threads=threads, chunks=chunks, root=root)
         except Exception:
-            return llamacpp.perplexity(gguf, text, ctx=ctx, threads=threads, root=root)
+            return llamacpp.perplexity(gguf, text, ctx=ctx, threads=threads, chunks=chunks, root=root)
 
     runs = {"F32": ppl(f32), "F32 (repeat)": ppl(f32)}
     for t in LLAMACPP_TYPES:
@@ -167,7 +167,7 @@ def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads
         runs[t] = ppl(q)
         print(f"llama.cpp {t}: ppl {runs[t]['ppl']:.4f} ± {runs[t]['stderr']:.4f} (F32 {runs['F32']['ppl']:.4f})",
               flush=True)
-    return {"ctx": ctx, "runs": runs,
+    return {"ctx": ctx, "chunks": chunks, "runs": runs,
             "size_bytes": {p.stem: p.stat().st_size for p in out_dir.glob("m-*.gguf")}}
 
 
@@ -195,6 +195,7 @@ def main() -> None:
     ap.add_argument("--only", default="copies,drop,llamacpp,proxy",
                     help="comma list of copies, drop, llamacpp, proxy (the scoreboard's ppl column)")
     ap.add_argument("--llamacpp-ctx", type=int, default=256)
+    ap.add_argument("--llamacpp-chunks", type=int, default=32, help="llama-perplexity --chunks (0: the whole text)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -222,7 +223,8 @@ def main() -> None:
     if "llamacpp" in only:
         texts = load_calibration(res["dataset"])
         try:
-            res["llamacpp"] = llamacpp_rows(ref.path, texts, ref.workdir / "llamacpp", a.llamacpp_ctx, 2)
+            res["llamacpp"] = llamacpp_rows(ref.path, texts, ref.workdir / "llamacpp", a.llamacpp_ctx, 2,
+                                           a.llamacpp_chunks or None)
         except Exception as e:              # the tools are optional (helper C's build): say so, keep the rest
             res["llamacpp"] = {"not_measured": f"{type(e).__name__}: {e}"}
             print(f"llama.cpp not measured: {res['llamacpp']['not_measured']}", flush=True)

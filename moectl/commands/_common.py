@@ -153,11 +153,11 @@ def prepare_model(model: str, workdir=None) -> None:
         from ..tiny import ensure_tiny
 
         ensure_tiny(ref.workdir)
-    if (ref.recipe or {}).get("builtin") == "reference" and not ref.path.exists():     # ~40 min: never implicit
+    if (ref.recipe or {}).get("builtin") == "reference" and not ref.path.exists():     # ~1 h: never implicit
         from ..errors import MoectlError
 
         raise MoectlError(f"the reference model is not built in {ref.workdir}: run `moectl build-tiny --size "
-                          f"reference` (about 40 min on 2 cores, resumable) or `make bench-fidelity`")
+                          f"reference` (about an hour on 2 cores, resumable) or `make bench-fidelity`")
 
 
 class GatingOpts:

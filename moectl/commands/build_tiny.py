@@ -10,7 +10,8 @@ import typer
 def print_tiny_report(report: dict, ckpt, console) -> None:
     from rich.table import Table
 
-    console.print(f"[bold]tiny[/] ({report['variant']}) at {ckpt}: {report['params'] / 1e6:.2f} M params, "
+    name = "reference" if report["variant"].startswith("reference") else "tiny"
+    console.print(f"[bold]{name}[/] ({report['variant']}) at {ckpt}: {report['params'] / 1e6:.2f} M params, "
                   f"{report['steps']} steps ({report['train_tokens']:,} tokens) in {report['train_seconds']:.0f} s"
                   + (" [yellow](stopped by the time cap)[/]" if report.get("stopped_by_time_cap") else ""),
                   highlight=False)
@@ -35,7 +36,7 @@ def build_tiny(
     small: bool = typer.Option(False, "--small", help="The small test variant (seconds); same as --size small."),
     size: str = typer.Option("tiny", "--size",
                              help="tiny (the built-in model, ~2 min), small (tests, seconds), reference (the "
-                                  "fidelity yardstick: ~30 M params on the stdlib's source and docs, ~40 min, "
+                                  "fidelity yardstick: 29 M params on the stdlib's source and docs, ~1 h, "
                                   "resumable: re-run to continue), or reference-small (its recipe scaled down)."),
     workdir: Optional[str] = typer.Option(None, "--workdir",
                                           help="Where to build (default $MOECTL_HOME/<size>, the tiny model's "
