@@ -200,6 +200,27 @@ def test_scoreboard_fits_80_columns_and_cuts_nothing(capsys, monkeypatch):
     assert "…" not in wide and "mix /tok" in wide and "36.5 full 13.4 low 1.4 skip" in wide
 
 
+def test_simulate_table_cuts_no_number_at_80_columns(capsys, monkeypatch):
+    """`simulate`'s own table (13 columns with CPU experts and HOBBIT) cut numbers short at 80 columns ("0.6…"): now
+    every cell is whole and the lines run longer instead; the figures are the --json run's."""
+    from shared_data import SHARED
+
+    trace = SHARED / "traces" / "mixtral-8x7b.gsm8k.jsonl"
+    if not trace.is_file():
+        pytest.skip("needs ../shared/traces")
+    monkeypatch.setenv("COLUMNS", "80")
+    args = ["simulate", "--trace", str(trace), "--cache-fraction", "0.25", "--cpu-experts", "auto", "--lowbit",
+            "q4g64", "--precision", "hobbit"]
+    code, out, _ = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and "…" not in out and "-0.0" not in out
+    code, js, _ = run_cli(args + ["--json"], capsys, monkeypatch)
+    d = json.loads(js)
+    row = next(ln for ln in out.splitlines() if "lru/none" in ln)
+    for v in (f"{d['ms_per_token']:.1f}", f"{d['cpu_ms_per_token']:.1f}", f"{d['fill_copies_per_token']:.2f}",
+              f"{d['lower_bound_ms_per_token']:.1f}"):
+        assert f" {v} " in row
+
+
 def test_readme_relative_calibration_path_says_the_set_name(model, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)                       # outside the repo: README's relative path is not there
     code, _, err = run_cli(["profile", "--model", str(model), "--dataset", "calibration/default.yaml",

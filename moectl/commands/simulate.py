@@ -208,6 +208,8 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "") -
     from rich.console import Console
     from rich.table import Table
 
+    from ..tables import add_fitted_columns, print_fitted
+
     out = Console()
     slots = ", ".join(f"{p} {n}" for p, n in (results[0].get("slots") or {}).items())
     t = Table(title=f"{tr.model}: {tr.num_tokens} rows, {tr.num_layers}x{tr.num_experts} top-{tr.top_k}; "
@@ -217,19 +219,23 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "") -
              ("skip/tok", "skipped_per_token"), ("cpu/tok", "cpu_experts_per_token"), ("cpu ms/tok", "cpu_ms_per_token"),
              ("fill/tok", "fill_copies_per_token")]
     extra = [(c, k) for c, k in extra if any(d[k] for d in results)]
-    for col in ["policy", "hit rate", "/ Belady", "demand/tok", "prefetch/tok", "wasted", "MB/tok",
-                "stall ms/tok", "ms/tok", "bound ms/tok"] + [c for c, _ in extra]:
-        t.add_column(col, justify="left" if col == "policy" else "right")
+    names = ["policy", "hit\nrate", "/\nBelady", "demand\n/tok", "prefetch\n/tok", "wasted", "MB\n/tok",
+             "stall\nms/tok", "ms/tok", "bound\nms/tok"] + [c.replace(" ", "\n").replace("/", "\n/", 1) if "ms" not in c
+                                                             else c.replace(" ", "\n") for c, _ in extra]
+    cells = []
     for d in results:
         bel = d["belady_hit_rate"]
-        t.add_row(f"{d['label']} ({d['replacement']}/{d['prefetch']})" if d["label"] != f"{d['replacement']}/{d['prefetch']}"
-                  else d["label"],
-                  f"{d['hit_rate']:.3f}", "-" if bel is None else f"{d['hit_rate'] / max(bel, 1e-9):.3f}",
-                  f"{d['demand_loads_per_token']:.2f}", f"{d['prefetch_loads_per_token']:.2f}",
-                  f"{d['wasted_prefetch_fraction']:.2f}", f"{d['bytes_per_token'] / 1e6:.0f}",
-                  f"{d['stall_ms_per_token']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
-                  *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra])
-    out.print(t)
+        cells.append([f"{d['label']} ({d['replacement']}/{d['prefetch']})" if d["label"] != f"{d['replacement']}/{d['prefetch']}"
+                      else d["label"],
+                      f"{d['hit_rate']:.3f}", "-" if bel is None else f"{d['hit_rate'] / max(bel, 1e-9):.3f}",
+                      f"{d['demand_loads_per_token']:.2f}", f"{d['prefetch_loads_per_token']:.2f}",
+                      f"{d['wasted_prefetch_fraction']:.2f}", f"{d['bytes_per_token'] / 1e6:.0f}",
+                      f"{round(d['stall_ms_per_token'], 1) + 0.0:.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
+                      *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra]])
+    add_fitted_columns(t, names, cells, left=("policy",), wrap=("policy",))
+    for row in cells:
+        t.add_row(*row)
+    print_fitted(out, t)                                  # narrower would cut numbers short: the lines run longer
 
 
 def _checkpoint_facts(model: str, trace):

@@ -228,6 +228,8 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
     from rich.console import Console
     from rich.table import Table
 
+    from ..tables import add_fitted_columns, print_fitted
+
     out = Console()
     t = Table(title=title or f"scoreboard: {setup.facts.name}, {setup.budget} on {setup.hardware}",
               box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
@@ -245,17 +247,12 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
         notes += [n for n in r["notes"] if n not in notes]
     cells = [[get(r) + ("".join(f"[{notes.index(n) + 1}]" for n in r["notes"]) if name == "preset" else "")
               for name, get in cols] for r in rows]
-    widths = []                                           # each column's narrowest: a word, or a whole number
-    for j, (name, _) in enumerate(cols):
-        text = name in ("fidelity", "mix /tok") and not wide     # wrap at words; the rest never breaks or shrinks
-        words = [w for c in cells for w in (c[j].split() if text else [c[j]])] + name.split("\n")
-        widths.append(max(len(w) for w in words))
-        t.add_column(name, justify="left" if name in ("preset", "fidelity", "mix /tok") else "right", no_wrap=not text,
-                     min_width=widths[-1])
+    names = [name for name, _ in cols]
+    wrap = () if wide else ("fidelity", "mix /tok")            # wrap at words; the rest never breaks or shrinks
+    add_fitted_columns(t, names, cells, left=("preset", "fidelity", "mix /tok"), wrap=wrap)
     for row in cells:
         t.add_row(*row)
-    need = sum(widths) + 2 * len(widths)                 # narrower would cut cells short: let the lines run longer
-    Console(width=max(out.width, need)).print(t)
+    print_fitted(out, t)
     for i, n in enumerate(notes):
         out.print(f"[{i + 1}] {n}", highlight=False, markup=False)
     measured = [r.get("ppl_delta_proxy") is not None for r in rows]
