@@ -376,6 +376,9 @@ def main(argv=None) -> int:
     for s in steps:
         if s.name.split(":")[0] in skip:
             s.status = "skipped"
+        elif s.name == "llamacpp" and '"--cuda"' not in (ROOT / "bench" / "vs_llamacpp.py").read_text():
+            s.status, s.output = "skipped", "bench/vs_llamacpp.py builds llama.cpp for the CPU only (no --cuda yet)"
+            print(f"[{s.name}] skipped: {s.output}")
         elif a.dry_run and not s.cpu:
             s.status = "printed"
             print(f"[dry run] {s.name}: {s.line}")

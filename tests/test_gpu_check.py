@@ -50,8 +50,9 @@ def test_dry_run_prints_every_step_and_runs_the_cpu_parts(tmp_path):
     r = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in r["steps"]}
     # the GPU steps are printed, never run, and every one is in the report with its command
-    for name in ("install", "tests", "copy", "quantize", "llamacpp") + tuple(f"bench:{b}" for b in gpu_check.BENCH_ROWS):
+    for name in ("install", "tests", "copy", "quantize") + tuple(f"bench:{b}" for b in gpu_check.BENCH_ROWS):
         assert steps[name]["status"] == "printed" and f"[dry run] {name}:" in p.stdout
+    assert steps["llamacpp"]["status"] == "skipped"           # vs_llamacpp.py builds llama.cpp for the CPU only
     assert "-m cuda" in steps["tests"]["command"] and "--device cuda" in steps["bench:fetch-only"]["command"]
     # the synthetic really was built, at one layer, and loads as a Mixtral checkpoint
     assert steps["synthetic"]["status"] == "ok" and steps["synthetic"]["figures"]["layers"] == 1
