@@ -146,8 +146,7 @@ def install_cmd(a) -> list[str]:
     if have:
         torch_line = f"{have} -m venv --system-site-packages {VENV}"
     else:
-        cuda = driver_cuda()
-        tag = pick_cuda_tag(cuda) if cuda else None
+        tag = pick_cuda_tag(a.driver_cuda) if a.driver_cuda else None
         tag = a.cuda_tag or tag or "cu128"
         torch_line = (f"{sys.executable} -m venv {VENV} && {VENV}/bin/pip install -q torch=={TORCH_VERSION} "
                       f"--index-url https://download.pytorch.org/whl/{tag}")
@@ -355,7 +354,8 @@ def main(argv=None) -> int:
     if a.measure_copy:
         print(json.dumps(measure_copy(a.device)))
         return 0
-    cuda = driver_cuda() is not None and not a.dry_run
+    a.driver_cuda = driver_cuda()
+    cuda = a.driver_cuda is not None and not a.dry_run
     if not cuda and not a.dry_run:
         print("gpu-check: no CUDA on this machine (no nvidia-smi / driver): running --dry-run")
     a.dry_run = not cuda
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
             run_step(s, env, a.timeout)
             print(f"[{s.name}] {s.status} in {s.seconds:.1f} s", flush=True)
     meta = {"dry_run": a.dry_run, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "driver_cuda": driver_cuda(), "model": str(a.model),
+            "python": platform.python_version(), "driver_cuda": a.driver_cuda, "model": str(a.model),
             "layers": a.layers, "cache_experts": a.cache_experts, "torch_pin": TORCH_VERSION,
             "torch": _torch_version(str(VENV / "bin" / "python") if cuda else sys.executable), "gpu": _gpu_name()}
     report = write_report(a.out, steps, meta)

@@ -120,10 +120,10 @@ class RuntimeOptions:
             self.plan_note = f"plan: {path} not used ({given[0]} given)"
             return
         d = load_plan(path)
-        plan_slots(d, d["_path"])
+        slots = plan_slots(d, d["_path"])                   # checked: integers, at least one per layer
         check_plan_model(d, fingerprint, num_layers, num_experts, "the model loaded")
         self.plan_data = d
-        self.slots_per_layer = [int(s) for s in d["slots"]]
+        self.slots_per_layer = slots
         self.sources["slots"] = PLAN
         # its precision comes with its low-bit pools (and the copies, which --lowbit names: never loaded unasked)
         low_pools = any(int(s) for s in d.get("slots_low") or [])
