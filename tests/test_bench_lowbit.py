@@ -10,21 +10,15 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_factory import build_family, save_tokenizer  # noqa: E402
+from test_quantize import mixtral, q4  # noqa: E402,F401  (the fixtures: a tiny Mixtral and its q4g64 copies)
 
 from moectl.bench_model import bench_model  # noqa: E402
 from moectl.cache_model import LOW  # noqa: E402
-from moectl.quant.quantize import quantize_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model_q4(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bl") / "mixtral"
-    build_family("mixtral", d)
-    save_tokenizer(d)
-    wd = tmp_path_factory.mktemp("blwd")
-    quantize_model(str(d), 4, 64, 1, workdir=str(wd), progress=False)
-    return d, wd
+def model_q4(mixtral, q4):
+    return mixtral, q4[0]
 
 
 def _bench(model_q4, **kw):

@@ -138,22 +138,12 @@ def test_cuda_lowbit_pools_match_the_cpu(families, tmp_path):
     quantize_model(str(path), 4, 64, device="cpu" if ON_CPU else "cuda", workdir=str(tmp_path), progress=False)
     kw = dict(workdir=str(tmp_path), lowbit="q4g64", cache_experts=8, progress=False, dtype="float32")
     gpu = _run(_load(path, precision="lowbit-only", **{k: v for k, v in kw.items() if k != "progress"}))
-    cpu = _run_cpu(Engine.load(str(path), emulate_device=True, precision="lowbit-only", **kw))
+    cpu = _run(Engine.load(str(path), emulate_device=True, precision="lowbit-only", **kw))
     assert gpu[1] == cpu[1]
     assert max((a - b).abs().max().item() for a, b in zip(gpu[0], cpu[0])) <= CUDA_ATOL
     ref = _reference_run(path, PROMPT, STEPS)
     hob = _load(path, precision="hobbit", t1=1.0, t2=1.0, **{k: v for k, v in kw.items() if k != "progress"})
     _assert_lossless(_run(hob), ref, "hobbit T1=1")
-
-
-def _run_cpu(eng: Engine):
-    logits, ids, pkv, step = [], [], None, PROMPT
-    for _ in range(STEPS + 1):
-        out, pkv = eng.forward(step, pkv)
-        logits.append(out[0].float())
-        ids.append(int(out[0, -1].argmax()))
-        step = torch.tensor([[ids[-1]]])
-    return logits, ids
 
 
 def test_cuda_budget_holds_on_the_device(families):

@@ -45,6 +45,15 @@ def _reference_run(path, prompt: torch.Tensor, steps: int):
     return logits, ids
 
 
+def assert_runs_as_transformers(path, prompt: torch.Tensor, steps: int, **load_kw) -> None:
+    """Greedy ids equal and logits within LOSSLESS_ATOL: the checkpoint at `path` through `Engine.load(**load_kw)`
+    against transformers' own forward of it."""
+    ref_logits, ref_ids = _reference_run(path, prompt, steps)
+    logits, ids = _engine_run(Engine.load(str(path), progress=False, **load_kw), prompt, steps)
+    assert ids == ref_ids
+    assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits)) <= LOSSLESS_ATOL
+
+
 def _engine_run(eng: Engine, prompt: torch.Tensor, steps: int):
     logits, ids, pkv, step = [], [], None, prompt
     for _ in range(steps + 1):

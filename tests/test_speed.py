@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_factory import build_family  # noqa: E402
-from test_runtime import LOSSLESS_ATOL, _engine_run, _reference_run  # noqa: E402
+from test_runtime import LOSSLESS_ATOL, _engine_run, _reference_run, assert_runs_as_transformers  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
@@ -286,12 +286,7 @@ def test_make_synthetic_writes_a_loadable_checkpoint_shard_by_shard(tmp_path, mo
     assert max(np.prod(s) for s in made) == 300 * 64                                 # one tensor at a time
     cfg = _json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["intermediate_size"] == 96
-    prompt = torch.tensor([[5, 6, 7, 8]])
-    ref_logits, ref_ids = _reference_run(tmp_path / "ck", prompt, 3)
-    logits, ids = _engine_run(Engine.load(str(tmp_path / "ck"), cache_experts=2, emulate_device=True,
-                                          progress=False), prompt, 3)
-    assert ids == ref_ids
-    assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits)) <= LOSSLESS_ATOL
+    assert_runs_as_transformers(tmp_path / "ck", torch.tensor([[5, 6, 7, 8]]), 3, cache_experts=2, emulate_device=True)
     with pytest.raises(MoectlError, match="not empty"):
         make_synthetic(shape=str(tmp_path / "s.yaml"), out=str(tmp_path / "ck"), layers=1, dtype=None, seed=0,
                        as_json=True)

@@ -7,9 +7,8 @@ import torch
 import yaml
 
 from moectl.errors import MoectlError
-from moectl.runtime.engine import Engine
 from moectl.synthetic import write_synthetic
-from test_runtime import LOSSLESS_ATOL, _engine_run, _reference_run, run_cli  # noqa: E402
+from test_runtime import assert_runs_as_transformers, run_cli  # noqa: E402
 
 SMALL = {"num_layers": 4, "moe_layers": 4, "hidden_size": 64, "intermediate_size": 32, "num_experts": 16,
          "top_k": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2000,
@@ -22,12 +21,7 @@ def test_family_checkpoint_runs_as_transformers_does(tmp_path, family, arch):
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["num_hidden_layers"] == 2 and info["shards"] == 3
     assert cfg.get("num_experts", cfg.get("num_local_experts")) == 16 and cfg["num_experts_per_tok"] == 4
-    prompt = torch.tensor([[5, 6, 7, 8]])
-    ref_logits, ref_ids = _reference_run(tmp_path / "ck", prompt, 3)
-    logits, ids = _engine_run(Engine.load(str(tmp_path / "ck"), cache_experts=8, emulate_device=True,
-                                          progress=False), prompt, 3)
-    assert ids == ref_ids
-    assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits)) <= LOSSLESS_ATOL
+    assert_runs_as_transformers(tmp_path / "ck", torch.tensor([[5, 6, 7, 8]]), 3, cache_experts=8, emulate_device=True)
 
 
 def test_synthetic_tokenizer_round_trips_and_generate_runs(tmp_path, capsys):
