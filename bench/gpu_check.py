@@ -17,8 +17,10 @@ Steps, in order (each one a command, printed by --dry-run; the report keeps ever
                row per setup (fetch only, --cpu-experts auto, HOBBIT, moectl-q4, --prefill stream), each beside
                the simulator's prediction of the same run on this machine's measured figures (bench's own
                `predicted` column; the measured hardware profile is written to hardware-measured.yaml too).
-  5 llamacpp   llama.cpp's `--n-cpu-moe` on the same model as GGUF at Q4_0, if bench/vs_llamacpp.py can build it
-               with CUDA here (skipped, with the reason, when it cannot).
+  5 llamacpp   llama.cpp's `--n-cpu-moe` on the same model as GGUF at Q4_0 (bench/llamacpp_cuda.py: built with CUDA
+               here from the source pack carried beside the checkout, `--llamacpp-src`, made on a machine with the
+               index by `python bench/llamacpp_cuda.py --pack llamacpp-src.tar.gz`; skipped, with the reason, when
+               there is no pack or no nvcc). Its row sits beside moectl-q4's in the report.
   6 report     gpu-check.json and gpu-check.md under --out (default $OUT, else ./gpu-check); exit 1 if any
                correctness check failed (tests, or a run that errored).
 
@@ -135,8 +137,8 @@ def plan_steps(a, cuda: bool) -> list[Step]:
                                                     "--prompt-len", "32", "--gen-len", "16", "--repeat", "3",
                                                     "--json"] + opts))
         steps.append(Step(f"predict:{row}", moectl + simulate_args(a, opts), cpu=True))
-    steps.append(Step("llamacpp", [py, str(ROOT / "bench" / "vs_llamacpp.py"), "--cuda", "--n-cpu-moe-budget",
-                                   str(a.cache_experts), "--model", str(a.model), "--quant", "Q4_0", "--json"]))
+    steps.append(Step("llamacpp", [py, str(ROOT / "bench" / "llamacpp_cuda.py"), "--src", str(a.llamacpp_src),
+                                   "--model", str(a.model), "--cache-experts", str(a.cache_experts), "--json"]))
     return steps
 
 
@@ -291,7 +293,8 @@ def write_report(out: Path, steps: list[Step], meta: dict) -> dict:
     report = {"format": "moectl-gpu-check-v1", "meta": meta, "failed": failed, "rows": rows,
               "verdicts": verdicts(rows),
               "steps": [{"name": s.name, "command": s.line, "status": s.status, "seconds": round(s.seconds, 2),
-                         "figures": s.figures, "output_tail": s.output[-1500:] if s.status == "failed" else ""}
+                         "figures": s.figures, "output_tail": s.output[-1500:] if s.status == "failed" else "",
+                         **({"why": s.output} if s.status == "skipped" and s.output else {})}
                         for s in steps]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=1))
@@ -320,6 +323,17 @@ def markdown(r: dict) -> str:
         lines.append(f"| {x['row']} | {f(x['measured_ms_per_token'])} | {f(x['predicted_ms_per_token'])} | "
                      f"{f(x['measured_over_predicted'], '.2f')} | {f(x['hit_rate'], '.1%')} | "
                      f"{f(x['whole_trace_simulated_ms_per_token'])} |")
+    ll = next((s for s in r["steps"] if s["name"] == "llamacpp"), None)
+    q4 = next((x for x in r["rows"] if x["row"] == "moectl-q4"), {})
+    if ll and ll["figures"]:
+        g = ll["figures"]
+        lines += ["", "## moectl-q4 beside llama.cpp (Q4_0, --n-cpu-moe, same model and budget)", "",
+                  "| tool | decode ms/token | prefill tokens/s |", "|---|---|---|",
+                  f"| moectl-q4 | {f(q4.get('measured_ms_per_token'))} | - |",
+                  f"| llama.cpp Q4_0, --n-cpu-moe {g['n_cpu_moe']} | {f(g['decode_ms_per_token'])} | "
+                  f"{f(g['prefill_tokens_per_s'], '.0f')} |"]
+    elif ll:
+        lines += ["", f"llama.cpp step: {ll['status']}" + (f" ({ll['why']})" if ll.get("why") else "")]
     lines += ["", "## Verdicts", ""] + [f"- {v}" for v in r["verdicts"] or ["(no measured rows)"]]
     lines += ["", "## Steps", "", "| step | status | s | command |", "|---|---|---|---|"]
     for s in r["steps"]:
@@ -340,6 +354,8 @@ def parse(argv=None):
     p.add_argument("--model", type=Path, default=None, help="where the synthetic goes (default: under --out)")
     p.add_argument("--trace", type=Path, default=ROOT.parent / "shared" / "traces" / SHARED_TRACE)
     p.add_argument("--wheels", type=Path, default=None, help="wheels for packages the CUDA venv lacks (no index)")
+    p.add_argument("--llamacpp-src", type=Path, default=ROOT / "llamacpp-src.tar.gz",
+                   help="llama.cpp's source pack for step 5 (bench/llamacpp_cuda.py --pack makes it)")
     p.add_argument("--cuda-tag", default=None, help="PyTorch wheel tag to install (default: picked from the driver)")
     p.add_argument("--skip", default="", help="comma list of steps to skip (install, tests, copy, synthetic, "
                    "quantize, bench, llamacpp)")
@@ -376,9 +392,9 @@ def main(argv=None) -> int:
     for s in steps:
         if s.name.split(":")[0] in skip:
             s.status = "skipped"
-        elif s.name == "llamacpp" and '"--cuda"' not in (ROOT / "bench" / "vs_llamacpp.py").read_text():
-            s.status, s.output = "skipped", "bench/vs_llamacpp.py builds llama.cpp for the CPU only (no --cuda yet)"
-            print(f"[{s.name}] skipped: {s.output}")
+        elif s.name == "llamacpp" and (why := llamacpp_unavailable(a, cuda)):
+            s.status, s.output = "skipped", why
+            print(f"[{s.name}] skipped: {why}")
         elif a.dry_run and not s.cpu:
             s.status = "printed"
             print(f"[dry run] {s.name}: {s.line}")
@@ -397,6 +413,16 @@ def main(argv=None) -> int:
     print(f"gpu-check: report in {a.out / 'gpu-check.md'}; "
           + (f"FAILED: {', '.join(report['failed'])}" if report["failed"] else "no correctness failure"))
     return 1 if report["failed"] else 0
+
+
+def llamacpp_unavailable(a, cuda: bool) -> str | None:
+    """Why step 5 cannot run here (None: it can, or the dry run prints it)."""
+    if not a.llamacpp_src.is_file():
+        return (f"no llama.cpp source pack at {a.llamacpp_src}: make it where the package index is reachable "
+                f"(python bench/llamacpp_cuda.py --pack {a.llamacpp_src.name}) and carry it beside the checkout")
+    if cuda and shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+        return "no nvcc (CUDA toolkit) on this machine: llama.cpp cannot be built with CUDA here"
+    return None
 
 
 def write_hardware(path: Path, cuda: bool, env: dict) -> None:

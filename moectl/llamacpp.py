@@ -25,6 +25,10 @@ from .errors import MoectlError
 
 VERSION = "0.3.36"                                  # llama-cpp-python's sdist; vendors llama.cpp
 TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize")
+CUDA_TOOLS = ("llama-bench", "llama-quantize")      # what gpu-check's --n-cpu-moe row needs (bench/llamacpp_cuda.py)
+# Not needed to build the tools or run the converter; left out of a carried source pack (`pack_source`).
+PACK_SKIP = ("models", "docs", "media", "tests", "benches", "examples", "pocs", "ci", "scripts", "app",
+             "tools/server", "tools/ui", "tools/cli", ".github", ".devops")
 
 
 def home() -> Path:
@@ -39,9 +43,14 @@ def tool(name: str, root: Path | None = None) -> Path:
     return (root or home()) / "bin" / name
 
 
-def built(root: Path | None = None) -> bool:
+def cuda_home() -> Path:
+    """Where the CUDA build goes: beside the CPU one, never mixed with it."""
+    return home().with_name(VERSION + "-cuda")
+
+
+def built(root: Path | None = None, tools=TOOLS) -> bool:
     root = root or home()
-    return (root / "BUILT").exists() and all(tool(t, root).exists() for t in TOOLS)
+    return (root / "BUILT").exists() and all(tool(t, root).exists() for t in tools)
 
 
 def check_toolchain() -> None:
@@ -61,12 +70,18 @@ def _run(cmd: list, log: Path, **kw) -> None:
         raise MoectlError(f"{Path(str(cmd[0])).name} failed (exit {r.returncode}); see {log}")
 
 
-def build(jobs: int = 2, root: Path | None = None, echo=print) -> Path:
-    """Fetch, unpack and build llama.cpp's tools once; returns the build root (bin/, src/, build.log)."""
-    root = root or home()
-    if built(root):
+def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = False) -> Path:
+    """Fetch, unpack and build llama.cpp's tools once; returns the build root (bin/, src/, build.log). `cuda`: the
+    CUDA backend for this machine's GPU architecture, and only CUDA_TOOLS (from a carried source pack when the
+    sdist is not there and cannot be fetched: see `pack_source`)."""
+    root = root or (cuda_home() if cuda else home())
+    tools = CUDA_TOOLS if cuda else TOOLS
+    if built(root, tools):
         return root
     check_toolchain()
+    if cuda and shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+        raise MoectlError("building llama.cpp with CUDA needs nvcc (the CUDA toolkit): none on PATH or in "
+                          "/usr/local/cuda/bin")
     root.mkdir(parents=True, exist_ok=True)
     log = root / "build.log"
     sdist = root / f"llama_cpp_python-{VERSION}.tar.gz"
@@ -79,17 +94,39 @@ def build(jobs: int = 2, root: Path | None = None, echo=print) -> Path:
         with tarfile.open(sdist) as tf:
             tf.extractall(root / "src", filter="data")
     bld = root / "build"
-    echo(f"building {', '.join(TOOLS)} into {root / 'bin'} (minutes; log: {log}) ...")
-    _run(["cmake", "-S", src, "-B", bld, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF",
-          "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-          "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
-          "-DLLAMA_BUILD_SERVER=OFF"], log)
-    _run(["cmake", "--build", bld, "-j", jobs, "--target", *TOOLS], log)
+    echo(f"building {', '.join(tools)} into {root / 'bin'} (minutes; log: {log}) ...")
+    _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda)], log)
+    _run(["cmake", "--build", bld, "-j", jobs, "--target", *tools], log)
     (root / "bin").mkdir(exist_ok=True)
-    for t in TOOLS:
+    for t in tools:
         shutil.copy2(bld / "bin" / t, tool(t, root))
     (root / "BUILT").write_text(VERSION + "\n")
     return root
+
+
+def cmake_flags(cuda: bool = False) -> list[str]:
+    """The configuration: static tools, no server, no curl; the CPU backend with native flags, or CUDA for the
+    GPU this machine has (`native`: nvcc compiles for it alone, minutes instead of an hour for every arch)."""
+    backend = (["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_APP=OFF"] if cuda else ["-DGGML_CUDA=OFF", "-DLLAMA_BUILD_EXAMPLES=ON"])
+    return ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_SERVER=OFF", *backend]
+
+
+def pack_source(out: Path, root: Path | None = None) -> Path:
+    """The llama.cpp tree of the fetched sdist, less what the tools' build and the converter never read (PACK_SKIP:
+    test models, docs, the web UI: 76 -> ~10 MB), as a tarball laid out like the sdist, so `build` unpacks it as
+    one. A lent GPU machine has no package index: this is how the source travels with the checkout."""
+    src = source_dir(root)
+    if not (src / "CMakeLists.txt").exists():
+        raise MoectlError(f"no llama.cpp source at {src}: build it here first (python bench/vs_llamacpp.py --build)")
+    base = src.parents[2]                                     # .../src: arcnames start at llama_cpp_python-<ver>/
+    skip = {src / p for p in PACK_SKIP}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w:gz") as tf:
+        tf.add(src, arcname=str(src.relative_to(base)), filter=lambda ti: None if base / ti.name in skip else ti)
+    return out
 
 
 CONVERT_SHIM = """

@@ -44,7 +44,8 @@ def test_dry_run_prints_every_step_and_runs_the_cpu_parts(tmp_path):
     shape.write_text(SMALL)
     out = tmp_path / "report"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--shape", str(shape),
-                        "--out", str(out), "--trace", str(SHARED / "traces" / gpu_check.SHARED_TRACE)],
+                        "--out", str(out), "--trace", str(SHARED / "traces" / gpu_check.SHARED_TRACE),
+                        "--llamacpp-src", str(tmp_path / "no-pack.tar.gz")],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((out / "gpu-check.json").read_text())
@@ -52,7 +53,8 @@ def test_dry_run_prints_every_step_and_runs_the_cpu_parts(tmp_path):
     # the GPU steps are printed, never run, and every one is in the report with its command
     for name in ("install", "tests", "copy", "quantize") + tuple(f"bench:{b}" for b in gpu_check.BENCH_ROWS):
         assert steps[name]["status"] == "printed" and f"[dry run] {name}:" in p.stdout
-    assert steps["llamacpp"]["status"] == "skipped"           # vs_llamacpp.py builds llama.cpp for the CPU only
+    assert steps["llamacpp"]["status"] == "skipped"           # no llama.cpp source pack carried: said, with the fix
+    assert "--pack" in steps["llamacpp"]["why"] and "llama.cpp step: skipped" in (out / "gpu-check.md").read_text()
     assert "-m cuda" in steps["tests"]["command"] and "--device cuda" in steps["bench:fetch-only"]["command"]
     # the synthetic really was built, at one layer, and loads as a Mixtral checkpoint
     assert steps["synthetic"]["status"] == "ok" and steps["synthetic"]["figures"]["layers"] == 1
@@ -88,3 +90,28 @@ def test_rows_and_verdicts_from_measured_figures():
     assert any("AUTO LOSES" in x for x in v)
     assert any(x.startswith("cpu-experts-auto: measured/predicted 2.00") for x in v)
     assert not any(x.startswith("fetch-only") for x in v)
+
+
+def test_llamacpp_step_runs_from_a_carried_pack_and_its_row_sits_beside_moectl_q4(tmp_path):
+    """With a source pack, step 5 is a command (printed in a dry run) for the same model and cache; llama.cpp keeps
+    whole layers' experts on the CPU, as many as the device budget cannot hold; its figures go beside moectl-q4's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import llamacpp_cuda
+
+    assert llamacpp_cuda.n_cpu_moe(layers=8, experts_per_layer=8, cache_experts=16) == 6
+    assert llamacpp_cuda.n_cpu_moe(layers=1, experts_per_layer=8, cache_experts=2) == 1   # not one whole layer
+    pack = tmp_path / "llamacpp-src.tar.gz"
+    pack.write_bytes(b"x")
+    a = gpu_check.parse(["--llamacpp-src", str(pack), "--model", str(tmp_path / "m")])
+    a.cache_experts, a.driver_cuda, a.layers, a.hardware = 16, None, 8, tmp_path / "hw.yaml"
+    assert gpu_check.llamacpp_unavailable(a, cuda=False) is None
+    step = next(s for s in gpu_check.plan_steps(a, cuda=False) if s.name == "llamacpp")
+    assert "llamacpp_cuda.py" in step.line and "--cache-experts 16" in step.line and str(pack) in step.line
+    ll = gpu_check.Step("llamacpp", [], status="ok")
+    ll.figures = {"n_cpu_moe": 6, "decode_ms_per_token": 41.0, "prefill_tokens_per_s": 900.0}
+    q4 = gpu_check.Step("bench:moectl-q4", [])
+    q4.figures = {"runs": {"moectl": {"decode_ms_per_token": 30.0}}}
+    md = gpu_check.write_report(tmp_path / "r", [q4, ll], {"dry_run": False, "host": "h", "cpu": "c", "python": "3",
+                                                         "model": "m", "layers": 8, "cache_experts": 16})
+    text = (tmp_path / "r" / "gpu-check.md").read_text()
+    assert md["failed"] == [] and "| moectl-q4 | 30.0 |" in text and "| llama.cpp Q4_0, --n-cpu-moe 6 | 41.0 | 900 |" in text

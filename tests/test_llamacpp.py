@@ -21,6 +21,13 @@ BUILD_ROOT = llamacpp.home()          # resolved now, before a fixture points MO
 PROMPT = "The function returns the"
 
 
+def test_cuda_build_without_nvcc_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "nvcc" else "/usr/bin/" + name)
+    monkeypatch.setattr(Path, "exists", lambda self: False)
+    with pytest.raises(MoectlError, match=r"with CUDA needs nvcc"):
+        llamacpp.build(root=tmp_path, cuda=True)
+
+
 def test_missing_cmake_or_compiler_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(shutil, "which", lambda name: None if name == "cmake" else "/usr/bin/" + name)
     with pytest.raises(MoectlError, match=r"needs cmake: install it \(Debian/Ubuntu: apt-get install cmake\)"):
@@ -86,3 +93,24 @@ def test_synthetic_checkpoints_convert_and_decode_the_same(family, tmp_path):
     _same_tokens_three_ways(ckpt, gguf, 8)
     q4 = llamacpp.quantize(gguf, tmp_path / "s-Q4_0.gguf", "Q4_0", root=BUILD_ROOT)
     assert q4.stat().st_size < 0.3 * gguf.stat().st_size      # llama-quantize ran on the converted file
+
+
+@needs_build
+def test_carried_source_pack_configures_the_cuda_builds_tools(tmp_path):
+    """gpu-check's llama.cpp source pack (what a lent GPU machine without a package index builds from) is small
+    enough to carry and configures with the CUDA build's flags (the CUDA backend itself needs nvcc: here OFF)."""
+    import subprocess
+    import tarfile
+
+    llamacpp.build(root=BUILD_ROOT)                                # the sdist is fetched once (cached)
+    pack = llamacpp.pack_source(tmp_path / f"llama_cpp_python-{llamacpp.VERSION}.tar.gz", root=BUILD_ROOT)
+    assert pack.stat().st_size < 32 * 2**20                       # the device tool carries 64 MiB in all
+    with tarfile.open(pack) as tf:
+        tf.extractall(tmp_path / "src", filter="data")
+    src = llamacpp.source_dir(tmp_path)
+    assert (src / "convert_hf_to_gguf.py").exists() and (src / "ggml" / "src" / "ggml-cuda").is_dir()
+    assert not (src / "models").exists()
+    flags = [f.replace("GGML_CUDA=ON", "GGML_CUDA=OFF") for f in llamacpp.cmake_flags(cuda=True)
+             if "CUDA_ARCHITECTURES" not in f]
+    p = subprocess.run(["cmake", "-S", str(src), "-B", str(tmp_path / "bld"), *flags], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
