@@ -3,7 +3,8 @@
 import pytest
 
 from moectl.errors import MoectlError
-from moectl.policies.placement import CPU, FETCH, ComputePlacement
+from moectl.policies.miss import decide_miss
+from moectl.policies.placement import CPU, FETCH, ComputePlacement, LayerQueue
 from moectl.policies.precision import FULL, LOW, SKIP, HobbitPrecision, LowbitOnly, make_precision, rank_scores
 from moectl.sim.cost import FixedCost
 
@@ -36,3 +37,17 @@ def test_placement_follows_the_cost_model():
     assert ComputePlacement("never").decide() == FETCH and ComputePlacement("always").decide() == CPU
     with pytest.raises(MoectlError, match="needs a cost model"):
         ComputePlacement("auto")
+
+
+def test_a_layers_misses_go_to_whichever_side_finishes_them_first():
+    """List scheduling over the layer's queue: priced alone, each of two misses is cheaper on the CPU (0.3 s against
+    a 0.4 s copy + 0.03 s compute), but two on the CPU end at 0.6 s, one on each side at 0.43 s. A third goes back to
+    the CPU (0.6 < 0.83). A new queue (the next layer) starts empty."""
+    cost = FixedCost(load=0.4, expert=0.03, cpu_expert=0.3)
+    place = ComputePlacement("auto", cost)
+    assert [place.decide() for _ in range(3)] == [CPU, CPU, CPU]                 # no queue: each priced alone
+    q = LayerQueue()
+    assert [decide_miss(None, FULL, place, queue=q)[0] for _ in range(3)] == [CPU, FETCH, CPU]
+    assert q.cpu_s == pytest.approx(0.6) and q.copy_s == pytest.approx(0.4)
+    assert decide_miss(FULL, FULL, place, queue=q)[0] == "device" and q.cpu_s == pytest.approx(0.6)   # a hit
+    assert decide_miss(None, FULL, place, queue=LayerQueue())[0] == CPU

@@ -20,16 +20,17 @@ DEVICE, FETCH = "device", "fetch"
 
 
 def decide_miss(held: str | None, wanted: str, placement=None, tokens: int = 1, nbytes: float | None = None,
-                host_copy: bool = True) -> tuple[str, str | None]:
+                host_copy: bool = True, queue=None) -> tuple[str, str | None]:
     """(DEVICE | FETCH | CPU | SKIP, precision) for one routed expert. `held`: the precision of its resident or
     staged copy (None: a miss); `wanted`: the precision policy's choice for a miss (FULL, LOW or SKIP);
     `placement`: the ComputePlacement (None: misses are fetched); `tokens`: tokens routed to it; `nbytes`: bytes of
     the `wanted` copy; `host_copy`: the host holds a copy of that precision to compute from (the disk tier keeps
-    no full one)."""
+    no full one); `queue`: the layer's `placement.LayerQueue` (one per layer and step, in the routed order: the
+    runtime and the simulator decide a layer's misses in the same order)."""
     if held is not None:
         return DEVICE, held
     if wanted == SKIP:
         return SKIP, None
-    if placement is not None and host_copy and placement.decide(tokens, nbytes, wanted == LOW) == CPU:
+    if placement is not None and host_copy and placement.decide(tokens, nbytes, wanted == LOW, queue) == CPU:
         return CPU, wanted
     return FETCH, wanted

@@ -11,7 +11,7 @@ import torch
 
 from ..cache_model import FULL
 from ..policies.miss import decide_miss
-from ..policies.placement import CPU
+from ..policies.placement import CPU, LayerQueue
 from ..policies.precision import LOW, SKIP
 
 
@@ -35,11 +35,11 @@ class CpuWorker:
         if self.placement is None or self.placement.mode == "never" or getattr(cache, "jobs", None) is None \
                 or torch.is_grad_enabled():
             return []
-        store, out = cache.store, []
+        store, out, queue = cache.store, [], LayerQueue()
         for e, p in plan.items():
             held = p if p != SKIP and cache.contains(layer, e, p) else None
             where, _ = decide_miss(held, p, self.placement, tokens.get(e, 1), store.nbytes(p) if p != SKIP else None,
-                                   host_copy=p == LOW or store.buffers is not None)
+                                   host_copy=p == LOW or store.buffers is not None, queue=queue)
             if where == CPU:
                 out.append((e, p))
         return out

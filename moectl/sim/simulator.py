@@ -39,7 +39,7 @@ from ..cache_model import COUNTERS, FULL, PHASES, CacheState
 from ..policies.admission import AdmitAll, PrefetchGate
 from ..policies.base import PrefetchPolicy
 from ..policies.miss import DEVICE, FETCH, decide_miss
-from ..policies.placement import CPU, ComputePlacement
+from ..policies.placement import CPU, ComputePlacement, LayerQueue
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
 from ..chunks import CHUNK_BYTES, chunk_count
 from .cost import CostModel, FixedCost
@@ -284,12 +284,13 @@ class Simulator:
             scores = rank_scores(weights) if weights else [0.0] * len(chosen)
         on_device: dict[str, list[int]] = {p: [] for p in self.pools}
         on_cpu: list[tuple[int, str]] = []
+        queue = LayerQueue()
         for e, s in zip(chosen, scores):
             held = next((p for p in self.pools if state.contains(l, e, p)), None) or state.staged_in(l, e)
             wanted = self.precision.decide(s) if held is None else held
             p = self._pool(wanted) if wanted != SKIP else SKIP
             tok = step.tokens_per_expert[l][e] if step.prefill else 1
-            where, p = decide_miss(held, p, self.placement, tok, self.nbytes.get(p))
+            where, p = decide_miss(held, p, self.placement, tok, self.nbytes.get(p), queue=queue)
             if where == DEVICE:
                 on_device[p].append(e)
                 continue
