@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..cache_model import split_slots
 from ..errors import MoectlError
-from ..sizing import lowbit_fraction_for, split_pools, staging_nbytes
+from ..sizing import budget_pools, lowbit_fraction_for, staging_nbytes
 from .budget import BudgetSplit, ModelFacts
 from .curves import Curves, analytic_curves, coarse_grid, extend_curves, measure_curves, slot_grid
 from .dp import allocate
@@ -194,14 +193,14 @@ def dp_plan(curves: Curves, pol: Policies, L: int, E: int, experts_bytes: int, n
 
 def uniform_pools(pol: Policies, L: int, E: int, experts_bytes: int, nbytes: dict) -> tuple[list, list]:
     """The even split of the same bytes, as the runtime and `simulate` make it from a budget without a plan
-    (`moectl/sizing.py`: whole full-size slots, then `split_pools`: HOBBIT gives the default low-bit share of the
-    bytes to low-bit slots, lowbit-only all of them, with no full pool)."""
+    (`sizing.budget_pools`: HOBBIT gives the default low-bit share of the bytes to low-bit slots, lowbit-only all of
+    them, with no full pool)."""
     from ..policies.precision import LOW
 
-    full = split_slots(max(int(experts_bytes // nbytes["full"]), L), L, E, "--budget")
-    if pol.precision == "full":
-        return full, [0] * L
-    return split_pools(full, E, nbytes["full"], nbytes[LOW], lowbit_fraction_for(pol.precision, True, None))
+    low = nbytes[LOW] if pol.precision != "full" else None
+    pools = budget_pools(BudgetSplit(experts_bytes, 0, 0, 0, 0, experts_bytes), L, E, nbytes["full"], low,
+                         lowbit_fraction_for(pol.precision, low is not None, None))
+    return pools.get("full", [0] * L), pools.get(LOW, [0] * L)
 
 
 def spend_spare(slots: list[int], spare: int, E: int) -> list[int]:

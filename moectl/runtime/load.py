@@ -19,7 +19,9 @@ from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
 from ..recipes import resolve_model
-from ..sizing import cache_slots, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
+from ..cache_model import FULL, LOW
+from ..sizing import (budget_pools, cache_slots, lowbit_fraction_for, split_budget, split_pools,
+                      staging_nbytes)
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import check_host_memory, host_alloc, host_need
@@ -162,9 +164,13 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
         full, low = [min(int(s), E) for s in opts.slots_per_layer], plan_low
     elif in_place and opts.slots_per_layer is not None:
         full = [max(1, min(int(s), E)) for s in opts.slots_per_layer]   # no slots in place: for the status only
+    elif pooled and split is not None:                  # the budget's bytes split over the pools (`sizing.py`)
+        fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
+        pools = budget_pools(split, L, E, expert_nbytes, low_fmt.nbytes, fraction)
+        full, low = pools.get(FULL, [0] * L), pools[LOW]
     else:
         full = cache_slots(L, E, opts.cache_experts, split, expert_nbytes, opts.slots_per_layer)
-        if pooled:
+        if pooled:                                      # --cache-experts N buys N full experts' bytes
             fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
             full, low = split_pools(full, E, expert_nbytes, low_fmt.nbytes, fraction)
     kv = kv_reserve_nbytes(config, dt)

@@ -21,7 +21,7 @@ from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_fro
 from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy, make_precision
-from ..sizing import ModelSizes, budget_slots, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
+from ..sizing import ModelSizes, budget_pools, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..trace import Trace
 from .cost import (CostModel, dense_bytes, expert_bytes, kv_reserve_bytes, load_hardware, load_shape, parse_lowbit,
                    shape_for_trace_model, shape_from_hf_config)
@@ -32,12 +32,14 @@ from .simulator import SimResult, Simulator, trace_steps
 def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
                plan: str | Path | dict | None = None, budget: float | None = None,
                cost: CostModel | None = None, facts: ModelSizes | None = None, staging: int = 0,
-               min_slot_bytes: float | None = None) -> list[int]:
+               min_slot_bytes: float | None = None, low_bytes: float | None = None,
+               lowbit_fraction: float = 0.0) -> list[int] | dict:
     """Full-precision slots per layer. `budget` (bytes of device memory) is split as the runtime splits it
-    (`moectl/sizing.py`: dense weights, KV reserve, workspace, `staging` bytes of staging buffers: `budget_staging`)
-    and the rest filled with experts of `cost`'s size (`precision_pools` splits their bytes over precisions);
-    `facts` (a checkpoint's, `plan/budget.py: model_facts`) or, without, estimated from `cost`'s shape;
-    `min_slot_bytes`: the smallest slot served (default `cost`'s expert)."""
+    (`moectl/sizing.py`: dense weights, KV reserve, workspace, `staging` bytes of staging buffers) and the rest
+    filled with experts of `cost`'s size, or with `low_bytes` low-bit copies too ({precision: slots per layer},
+    `sizing.budget_pools`); `budget_sizing` gives those from the options, as the runtime takes them. `facts` (a
+    checkpoint's, `plan/budget.py: model_facts`) or, without, estimated from `cost`'s shape; `min_slot_bytes`:
+    the smallest slot served (default `cost`'s expert)."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     given = sum(x is not None for x in (fraction, experts, plan, budget))
     if given != 1:
@@ -46,7 +48,8 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
         facts = facts or shape_facts(cost.shape, L, E, K, cost.expert_bytes)
         split = split_budget(int(budget), facts, min_slot_bytes=min_slot_bytes or cost.expert_bytes,
                              staging=int(staging))
-        return budget_slots(split, cost.expert_bytes, L, E)
+        pools = budget_pools(split, L, E, cost.expert_bytes, low_bytes, lowbit_fraction)
+        return pools if low_bytes is not None else pools[FULL]
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
@@ -63,15 +66,21 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
     return [min(E, s) for s in slots]
 
 
-def budget_staging(cost: CostModel, prefetch: str, cpu_experts: str, buffers: int | None = None,
-                   precision: str = "full", lowbit: str | None = None) -> tuple[int, float]:
-    """(staging bytes, smallest slot's bytes) the runtime takes off a budget (`runtime/load.py: size_cache`): with
-    prefetch, `buffers` (default `prefetch_staging(cpu_experts)`) copies of what prefetches load (`sizing.staging_nbytes`:
-    low-bit at lowbit-only, where the smallest slot is low-bit too); none without prefetch."""
-    low = expert_bytes(cost.shape, *parse_lowbit(lowbit)) if lowbit is not None else None
-    low_only = precision == "lowbit-only" and low is not None
+def budget_sizing(cost: CostModel, prefetch: str, cpu_experts: str, buffers: int | None = None,
+                  precision: str = "full", lowbit: str | None = None, lowbit_fraction: float | None = None) -> dict:
+    """`capacities`' sizing arguments for a budget, as the runtime takes them (`runtime/load.py: size_cache`): with
+    prefetch, `buffers` (default `prefetch_staging(cpu_experts)`) staging buffers of what prefetches load
+    (`sizing.staging_nbytes`: low-bit at lowbit-only, where the smallest slot is low-bit too), none without; with
+    a low-bit precision, the low-bit copy's bytes and their share of the cache (`sizing.lowbit_fraction_for`)."""
+    pooled = precision != "full" and lowbit is not None
+    low = expert_bytes(cost.shape, *parse_lowbit(lowbit)) if pooled else None
+    low_only = pooled and precision == "lowbit-only"
+    if lowbit_fraction is not None and not 0 <= lowbit_fraction < 1:
+        raise MoectlError(f"--lowbit-fraction {lowbit_fraction:g}: give a share of the cache's bytes in [0, 1)")
     n = 0 if prefetch in (None, "none") else prefetch_staging(cpu_experts) if buffers is None else int(buffers)
-    return staging_nbytes(n, cost.expert_bytes, low, low_only), (low if low_only else cost.expert_bytes)
+    return {"staging": staging_nbytes(n, cost.expert_bytes, low, low_only),
+            "min_slot_bytes": low if low_only else cost.expert_bytes, "low_bytes": low,
+            "lowbit_fraction": lowbit_fraction_for(precision, pooled, lowbit_fraction)}
 
 
 def model_shape(trace: Trace, name: str | None = None) -> dict:
