@@ -98,16 +98,9 @@ def test_generate_uses_no_deprecated_transformers_api(tiny_small):
 def test_bench_takes_the_shared_runtime_options(tiny_small, tmp_path, monkeypatch):
     """bench --model on the shared declaration: --no-plan drops the moectl-plan row (the workdir has a plan), and
     options bench had no flag for before reach its moectl row (--staging-buffers 0 under --prefetch gate-reuse)."""
-    import yaml
+    from test_speed import bench_workdir
 
-    from moectl import machine
-
-    monkeypatch.setattr(machine, "measure", lambda device: {"mem_read_gbps": 20.0, "cpu_expert_gbps": 5.0,
-                                                            "copy_gbps": 10.0, "device": device})
-    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
-    wd = tmp_path / "wd"
-    wd.mkdir()
-    (wd / "plan.yaml").write_text(yaml.safe_dump({"format": "moectl-plan-v1", "fingerprint": None, "slots": [3, 5]}))
+    wd = bench_workdir(tmp_path, monkeypatch)
     base = ["bench", "--model", str(tiny_small), "--workdir", str(wd), "--prompt-len", "4", "--gen-len", "3",
             "--repeat", "1", "--cache-experts", "8", "--baselines", "moectl-plan,lru", "--threads", "1", "--json"]
     runs = {}
