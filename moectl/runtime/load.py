@@ -162,8 +162,8 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
     low = None
     if plan_pools:                                      # checked by `plan_slots`: a layer's full slots may be 0
         full, low = [min(int(s), E) for s in opts.slots_per_layer], plan_low
-    elif in_place and opts.slots_per_layer is not None:
-        full = [max(1, min(int(s), E)) for s in opts.slots_per_layer]   # no slots in place: for the status only
+    elif in_place and opts.plan_data is not None:       # a plan's slots do not apply in place (`plan_slots` checked
+        full = [max(1, min(int(s), E)) for s in opts.slots_per_layer]   # them; a lowbit-only plan's may be 0)
     elif pooled and split is not None:                  # the budget's bytes split over the pools (`sizing.py`)
         fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
         pools = budget_pools(split, L, E, expert_nbytes, low_fmt.nbytes, fraction)
