@@ -38,7 +38,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for cpu in ("never", "auto"):
         for label, prec, lowbit in CONFIGS:
-            r = sim.simulate(tr, caps, a.replacement, "none", cost, belady=False, precision=make_precision(prec),
+            pools = sim.capacities(tr, budget=parse_size(a.budget), cost=cost,      # as `simulate --budget` sizes it
+                                   **sim.budget_sizing(cost, "none", cpu, None, prec, lowbit))
+            r = sim.simulate(tr, pools, a.replacement, "none", cost, belady=False, precision=make_precision(prec),
                              lowbit=lowbit, cpu_experts=cpu)
             slots = ", ".join(f"{p} {n}" for p, n in r.slots.items())
             print(f"| {label} | {cpu} | {slots} | {r.full_loads_per_token:.1f} / {r.lowbit_loads_per_token:.1f} / "

@@ -196,9 +196,11 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
                 baselines: tuple[str, ...] = BASELINES, repeat: int = 3, prefill: str = "cache",
                 progress: bool = True, admission: str = "off", lowbit: str | None = None,
                 precision: str | None = None, t1: float = 0.6, t2: float = 0.9, gating: str | None = None,
-                gating_threshold: float | None = None, gate_prefill: bool = False) -> dict:
-    """`lowbit`/`precision`/`t1`/`t2` and the gating options apply to the moectl rows (the baselines stay lossless
-    and full precision); the prediction models the precision and --cpu-experts, not gating."""
+                gating_threshold: float | None = None, gate_prefill: bool = False,
+                runtime_kw: dict | None = None) -> dict:
+    """`lowbit`/`precision`/`t1`/`t2`, the gating options and `runtime_kw` (more `Engine.load` options: offload,
+    staging, predictor, lowbit_fraction) apply to the moectl rows (the baselines stay lossless and full precision);
+    the prediction models the precision and --cpu-experts, not gating."""
     from .machine import machine_figures
     from .progress import ProgressBar
     from .runtime.engine import Engine
@@ -229,7 +231,7 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
         if plan.get("fingerprint") and plan["fingerprint"] != fp:
             raise MoectlError(f"{ref.workdir / 'plan.yaml'} was made for model {plan['fingerprint']}, not {fp}")
     cached = dict(common, emulate_device=emulate, replay_trace=replay_trace)
-    ours = dict(cached, lowbit=lowbit, precision=precision, t1=t1, t2=t2, gate_prefill=gate_prefill)
+    ours = dict(cached, lowbit=lowbit, precision=precision, t1=t1, t2=t2, gate_prefill=gate_prefill, **(runtime_kw or {}))
     if gating is not None or gating_threshold is not None:
         ours |= dict(gating=gating, gating_threshold=gating_threshold)
     configs = [("moectl", dict(ours, **size, replacement=replacement, prefetch=prefetch, cpu_experts=cpu_experts,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .cache_model import split_slots
+from .cache_model import FULL, LOW, split_slots
 from .errors import MoectlError
 from .recipes import format_bytes, parse_size
 
@@ -95,8 +95,8 @@ def budget_slots(split: BudgetSplit, expert_nbytes: float, num_layers: int, num_
 
 
 def lowbit_fraction_for(precision: str, uses_lowbit: bool, fraction: float | None) -> float:
-    """The low-bit pools' share of the cache bytes: none for full precision, all of it for lowbit-only (the
-    caller keeps one full slot per layer), `--lowbit-fraction` (default DEFAULT_LOWBIT_FRACTION) for HOBBIT."""
+    """The low-bit pools' share of the cache bytes: none for full precision, all of it for lowbit-only (no
+    full-precision pool at all), `--lowbit-fraction` (default DEFAULT_LOWBIT_FRACTION) for HOBBIT."""
     if not uses_lowbit:
         return 0.0
     if precision == "lowbit-only":
@@ -106,14 +106,45 @@ def lowbit_fraction_for(precision: str, uses_lowbit: bool, fraction: float | Non
 
 def split_pools(full_slots: list[int], num_experts: int, full_nbytes: float, low_nbytes: float,
                 fraction: float) -> tuple[list[int], list[int]]:
-    """The cache's bytes (`full_slots` x full bytes) split: `fraction` to low-bit slots, the rest to full slots,
-    each pool's total split evenly over the layers (`split_slots`); at least one slot of each per layer (the
-    only way the split exceeds the bytes), at most E. fraction 1 (lowbit-only): one full slot per layer."""
-    L = len(full_slots)
-    total = sum(full_slots) * full_nbytes
-    n_full = L if fraction >= 1 else max(L, min(L * num_experts, int(total * (1 - fraction)) // full_nbytes))
-    n_low = max(L, min(L * num_experts, (total - n_full * full_nbytes) // low_nbytes))
-    return split_slots(int(n_full), L, num_experts), split_slots(int(n_low), L, num_experts)
+    """The bytes of `full_slots` full-precision slots as per-precision pools (`byte_pools`; `--cache-experts N` with
+    --lowbit buys N full experts' bytes)."""
+    return byte_pools(sum(full_slots) * full_nbytes, len(full_slots), num_experts, full_nbytes, low_nbytes, fraction)
+
+
+def byte_pools(nbytes: float, num_layers: int, num_experts: int, full_nbytes: float, low_nbytes: float,
+               fraction: float) -> tuple[list[int], list[int]]:
+    """The expert cache's `nbytes` split: `fraction` to low-bit slots, the rest to full slots, each pool's total
+    split evenly over the layers (`split_slots`); at least one slot of each per layer (the only way the split
+    exceeds the bytes), at most E. fraction 1 (lowbit-only): every byte low-bit, no full pool (full slots
+    [0] * L): the runtime and the simulator hold the same pools, and prefetches, fills and a streamed prefill copy
+    low-bit copies (`prefetch_precision`)."""
+    L, E = num_layers, num_experts
+    n_full = 0 if fraction >= 1 else max(L, min(L * E, int(nbytes * (1 - fraction)) // full_nbytes))
+    n_low = max(L, min(L * E, (nbytes - n_full * full_nbytes) // low_nbytes))
+    return ([0] * L if n_full == 0 else split_slots(int(n_full), L, E)), split_slots(int(n_low), L, E)
+
+
+def budget_pools(split: BudgetSplit, num_layers: int, num_experts: int, full_nbytes: float,
+                 low_nbytes: float | None = None, fraction: float = 0.0) -> dict[str, list[int]]:
+    """{precision: slots per layer} a budget's expert bytes buy, the runtime's, `simulate`'s, `inspect`'s and the
+    planner's even split alike: full slots only without low-bit copies, else `byte_pools` of the same bytes (not
+    rounded to whole full-size slots first). Pools with no slot are left out (lowbit-only has no full one)."""
+    if low_nbytes is None:
+        return {FULL: budget_slots(split, full_nbytes, num_layers, num_experts)}
+    full, low = byte_pools(split.experts, num_layers, num_experts, full_nbytes, low_nbytes, fraction)
+    return {p: c for p, c in ((FULL, full), (LOW, low)) if sum(c) > 0}
+
+
+def prefetch_precision(pools) -> str:
+    """The copy prefetches, staging buffers and a streamed prefill hold: full precision when there is a full pool,
+    else (lowbit-only) the low-bit one. One rule for the runtime's cache and the simulator."""
+    return FULL if FULL in pools else LOW
+
+
+def staging_nbytes(buffers: int, full_nbytes: float, low_nbytes: float | None, lowbit_only: bool) -> int:
+    """Bytes of `buffers` staging buffers: each holds one copy of the precision prefetches load (`prefetch_precision`:
+    low-bit at lowbit-only, else full)."""
+    return int(buffers * (low_nbytes if lowbit_only and low_nbytes else full_nbytes))
 
 
 def cache_slots(num_layers: int, num_experts: int, cache_experts: int | None = None,

@@ -198,8 +198,8 @@ def test_budget_split_and_inspect_memory_figures(mixtral, q4, capsys, monkeypatc
 
     full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 0.25)        # 8000 bytes: 6 full slots + 20 low-bit slots
     assert full == [2, 2, 1, 1] and low == [5, 5, 5, 5]
-    full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 1.0)         # lowbit-only: one full slot per layer
-    assert full == [1] * 4 and low == [8] * 4                        # 40 asked, capped at E
+    full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 1.0)         # lowbit-only: no full pool at all
+    assert full == [0] * 4 and low == [8] * 4                        # 80 asked, capped at E
     wd, meta = q4
     eng = Engine.load(str(mixtral), workdir=str(wd), lowbit="q4g64", cache_experts=8, emulate_device=True,
                       lowbit_fraction=0.5, progress=False)

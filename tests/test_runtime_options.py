@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from moectl.cli import app
 from moectl.commands._common import _runtime_option_table
 
-RUNTIME_COMMANDS = ("generate", "chat", "eval", "serve")
+RUNTIME_COMMANDS = ("generate", "chat", "eval", "serve", "bench")
 
 
 def options_of(command: str) -> set[str]:
@@ -25,7 +25,11 @@ def test_every_runtime_command_takes_the_same_runtime_options():
     assert {"--gating-threshold", "--gating", "--gate-prefill", "--cpu-experts", "--no-plan"} <= shared
     for command in RUNTIME_COMMANDS:
         assert shared <= options_of(command), (command, shared - options_of(command))
-    assert "--gate-prefill" in options_of("bench")
+    # bench's own help for the two it reads its own way; every flag bench had before still works
+    out = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "300"}).output
+    assert "default: half the experts" in out and "--emulate-device is implied" in out
+    assert {"--model", "--prompt-len", "--gen-len", "--repeat", "--baselines", "--what", "--model-shape",
+            "--json"} <= options_of("bench")
 
 
 def test_generate_json_reports_config_sources_lossy_and_no_future_warning(tiny_small):
@@ -89,3 +93,20 @@ def test_generate_uses_no_deprecated_transformers_api(tiny_small):
                         "--cache-experts", "4", "--json"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "FutureWarning" not in r.stderr and len(json.loads(r.stdout)["token_ids"]) == 3
+
+
+def test_bench_takes_the_shared_runtime_options(tiny_small, tmp_path, monkeypatch):
+    """bench --model on the shared declaration: --no-plan drops the moectl-plan row (the workdir has a plan), and
+    options bench had no flag for before reach its moectl row (--staging-buffers 0 under --prefetch gate-reuse)."""
+    from test_speed import bench_workdir
+
+    wd = bench_workdir(tmp_path, monkeypatch)
+    base = ["bench", "--model", str(tiny_small), "--workdir", str(wd), "--prompt-len", "4", "--gen-len", "3",
+            "--repeat", "1", "--cache-experts", "8", "--baselines", "moectl-plan,lru", "--threads", "1", "--json"]
+    runs = {}
+    for extra in ([], ["--no-plan", "--prefetch", "gate-reuse", "--staging-buffers", "0"]):
+        r = CliRunner().invoke(app, base + extra)
+        assert r.exit_code == 0, r.output
+        runs[tuple(extra)] = json.loads(r.stdout.strip().splitlines()[-1])["runs"]
+    assert set(runs[()]) == {"moectl", "moectl-plan", "lru"}
+    assert set(runs[("--no-plan", "--prefetch", "gate-reuse", "--staging-buffers", "0")]) == {"moectl", "lru"}

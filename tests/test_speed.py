@@ -292,13 +292,11 @@ def test_make_synthetic_writes_a_loadable_checkpoint_shard_by_shard(tmp_path, mo
                        as_json=True)
 
 
-def test_bench_model_json_reports_every_field_and_baseline(tiny_small, tmp_path, capsys, monkeypatch):
-    import json as _json
-
+def bench_workdir(tmp_path, monkeypatch):
+    """A workdir with a plan (slots [3, 5]) and fixed machine figures, for `bench --model`."""
     import yaml
 
     from moectl import machine
-    from test_runtime import run_cli
 
     monkeypatch.setattr(machine, "measure", lambda device: {"mem_read_gbps": 20.0, "cpu_expert_gbps": 5.0,
                                                             "copy_gbps": 10.0, "device": device})
@@ -306,6 +304,15 @@ def test_bench_model_json_reports_every_field_and_baseline(tiny_small, tmp_path,
     wd = tmp_path / "wd"
     wd.mkdir()
     (wd / "plan.yaml").write_text(yaml.safe_dump({"format": "moectl-plan-v1", "fingerprint": None, "slots": [3, 5]}))
+    return wd
+
+
+def test_bench_model_json_reports_every_field_and_baseline(tiny_small, tmp_path, capsys, monkeypatch):
+    import json as _json
+
+    from test_runtime import run_cli
+
+    wd = bench_workdir(tmp_path, monkeypatch)
     code, out, err = run_cli(["bench", "--model", str(tiny_small), "--workdir", str(wd), "--prompt-len", "8",
                               "--gen-len", "5", "--repeat", "1", "--cache-experts", "8", "--json"], capsys)
     assert code == 0, err

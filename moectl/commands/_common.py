@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import typer
 
 from ..policies import PREFETCH_NAMES, REPLACEMENT_NAMES
@@ -141,7 +143,7 @@ class PrecisionOpts:
     def fraction():
         return typer.Option(None, "--lowbit-fraction", min=0.0, max=0.99,
                             help="Share of the expert cache's bytes given to low-bit slots under --precision hobbit "
-                                 "(default 0.25; lowbit-only gives them all but one full slot per layer).")
+                                 "(default 0.25; lowbit-only gives them all: no full-precision slots).")
 
 
 def prepare_model(model: str, workdir=None) -> None:
@@ -180,7 +182,7 @@ class GatingOpts:
         return typer.Option(False, "--gate-prefill", help="Gate the prompt's tokens too (default: decode steps only).")
 
 
-# --- the runtime options, declared once (generate, chat, eval, serve) -------------------------------------------
+# --- the runtime options, declared once (generate, chat, eval, serve, bench) ------------------------------------
 # (field of RuntimeOptions, annotation, its typer option). Every runtime command takes exactly these; the command
 # function receives them as one `opts: RuntimeOptions` (`runtime_options`).
 def _runtime_option_table():
@@ -203,16 +205,25 @@ def _runtime_option_table():
     ]
 
 
-def runtime_options(fn):
+def runtime_options(fn=None, *, helps: dict[str, str] | None = None):
     """Give a command every runtime option (one declaration) and pass them as `opts: RuntimeOptions`: what the
     command leaves unset is the plan's (the workdir's plan.yaml unless --no-plan), else the workdir's artifacts'
-    (predictors for --prefetch auto, the stored T_g for gating), else the built-in default (`RuntimeOptions.resolve`)."""
+    (predictors for --prefetch auto, the stored T_g for gating), else the built-in default (`RuntimeOptions.resolve`).
+    `helps` {field: text}: a command's own help for an option whose default it reads its own way (`bench`: half
+    the experts cached, the CPU emulating a device); the flag, its field and its parsing stay the shared ones."""
+    if fn is None:
+        return lambda f: runtime_options(f, helps=helps)
     import functools
     import inspect
 
     from ..options import RuntimeOptions
 
     table = _runtime_option_table()
+    for i, (n, ann, opt) in enumerate(table):
+        if n in (helps or {}):
+            opt = copy.copy(opt)
+            opt.help = helps[n]
+            table[i] = (n, ann, opt)
     names = [n for n, _, _ in table]
     sig = inspect.signature(fn)
     own = [p for p in sig.parameters.values() if p.name != "opts"]

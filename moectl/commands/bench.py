@@ -8,60 +8,55 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, PrecisionOpts, prepare_model
+from ..options import RuntimeOptions
+from ._common import prepare_model, runtime_options
+
+# bench reads two runtime options its own way (the flags, fields and parsing are the shared ones)
+BENCH_HELPS = {
+    "cache_experts": "Expert slots in total for the moectl and lru rows, split evenly over MoE layers (default: half "
+                     "the experts).",
+    "device": "cpu (the cached rows emulate a device: --emulate-device is implied) or cuda.",
+}
 
 
+@runtime_options(helps=BENCH_HELPS)
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m",
                                         help="Benchmark this model against the baselines (recipe name or checkpoint "
                                              "directory). Without it: --what overhead,predictor."),
-    budget: Optional[str] = CacheOpts.budget(),
-    cache_experts: Optional[int] = typer.Option(None, "--cache-experts", min=1,
-                                                help="Expert slots in total, split evenly over MoE layers (default: "
-                                                     "half the experts)."),
     prompt_len: int = typer.Option(64, "--prompt-len", min=1, help="Prompt tokens (seeded random ids)."),
     gen_len: int = typer.Option(32, "--gen-len", min=2, help="Tokens generated (greedy)."),
     repeat: int = typer.Option(3, "--repeat", min=1, help="Requests per configuration (median request reported)."),
-    replay_trace: Optional[str] = CacheOpts.replay_trace(),
-    device: str = typer.Option("cpu", "--device", help="cpu (the cached runs emulate a device) or cuda."),
-    replacement: str = CacheOpts.replacement(),
-    prefetch: str = CacheOpts.prefetch(),
-    admission: str = CacheOpts.admission(),
-    cpu_experts: str = CacheOpts.cpu_experts(),
-    prefill: str = CacheOpts.prefill(),
     baselines: str = typer.Option(",".join(("all-resident", "transformers", "on-demand", "lru", "moectl-plan")),
-                                  "--baselines", help="Comma list of baselines to run besides moectl."),
-    workdir: Optional[str] = CacheOpts.workdir(),
-    dtype: Optional[str] = CacheOpts.dtype(),
+                                  "--baselines", help="Comma list of baselines to run besides moectl (--no-plan "
+                                                      "drops moectl-plan)."),
     what: str = typer.Option("overhead,predictor", "--what",
                              help="Without --model: comma list of overhead (moectl vs transformers forward), predictor "
                                   "(MLP cost/layer)."),
-    threads: Optional[int] = CacheOpts.threads(),
     model_shape: str = typer.Option("mixtral", "--model-shape",
                                     help="Recipe whose shape sizes the predictor-cost run (default Mixtral-8x7B)."),
-    gating_threshold: Optional[float] = GatingOpts.threshold(),
-    gating: Optional[str] = GatingOpts.spec(),
-    gate_prefill: bool = GatingOpts.prefill(),
-    lowbit: Optional[str] = PrecisionOpts.lowbit(),
-    precision: Optional[str] = PrecisionOpts.precision(),
-    t1: float = PrecisionOpts.t1(),
-    t2: float = PrecisionOpts.t2(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    opts: RuntimeOptions = None,
 ):
     """Measure a model's TTFT, prefill tokens/s, decode ms/token, hit rate, bytes/token, stall and predictor time
     against all-resident, transformers, on-demand and LRU baselines (and the workdir's plan), with the simulator's
-    prediction; or, without --model, the runtime's overhead and the predictor's cost."""
+    prediction; or, without --model, the runtime's overhead and the predictor's cost. The runtime options are
+    generate's (one declaration); the precision, gating and cache options apply to the moectl rows."""
     from rich.console import Console
 
+    o = opts
     if model is not None:
         from ..bench_model import bench_model
 
-        prepare_model(model, workdir)
-        out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
-                          replacement, prefetch or "auto", cpu_experts, dtype,
-                          tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
-                          progress=not as_json, admission=admission or "off", lowbit=lowbit, precision=precision,
-                          t1=t1, t2=t2, gating=gating, gating_threshold=gating_threshold, gate_prefill=gate_prefill)
+        prepare_model(model, o.workdir)
+        rows = tuple(b.strip() for b in baselines.split(",") if b.strip() and not (o.plan is None and
+                                                                                   b.strip() == "moectl-plan"))
+        out = bench_model(model, o.workdir, o.device, o.budget, o.cache_experts, prompt_len, gen_len, o.replay_trace,
+                          o.threads, o.replacement, o.prefetch or "auto", o.cpu_experts, o.dtype, rows, repeat=repeat,
+                          prefill=o.prefill, progress=not as_json, admission=o.admission or "off", lowbit=o.lowbit,
+                          precision=o.precision, t1=o.t1, t2=o.t2, gating=o.gating,
+                          gating_threshold=o.gating_threshold, gate_prefill=o.gate_prefill,
+                          runtime_kw=_moectl_row_options(o))
         if as_json:
             print(json.dumps(out))
         else:
@@ -69,8 +64,14 @@ def bench(
             for k, v in out["notes"].items():
                 Console().print(f"[dim]{k}: {v}[/]", highlight=False)
         return
-    _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision, t1, t2,
-                            gate_prefill)
+    _overhead_and_predictor(what, o.threads, model_shape, o.gating, o.gating_threshold, as_json, o.lowbit,
+                            o.precision, o.t1, o.t2, o.gate_prefill)
+
+
+def _moectl_row_options(o: RuntimeOptions) -> dict:
+    """The shared runtime options bench had no flag for before, as given: passed to the moectl rows' Engine.load."""
+    return {k: v for k, v in (("offload", o.offload if o.offload != "ram" else None), ("staging", o.staging),
+                              ("predictor", o.predictor), ("lowbit_fraction", o.lowbit_fraction)) if v is not None}
 
 
 def _model_table(out: dict):

@@ -24,6 +24,9 @@ def inspect(
                                          "minimum, one slot per layer of each pool)."),
     lowbit_fraction: Optional[float] = typer.Option(None, "--lowbit-fraction", min=0.0, max=0.99,
                                                     help="Share of the cache bytes for low-bit slots (default 0.25)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="With --lowbit, the pools the runtime would "
+                                            "make: hobbit (the default: --lowbit-fraction of the bytes low-bit) or "
+                                            "lowbit-only (every byte low-bit, no full-precision slots)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Family, layers, MoE layers, experts, top-k, the experts' format (as released: MXFP4 / block FP8 stay
@@ -45,7 +48,9 @@ def inspect(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if offload not in ("ram", "disk") or device not in ("cuda", "cpu"):
         raise MoectlError("--offload is ram or disk, --device is cuda or cpu")
-    info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction)
+    if precision not in (None, "full", "hobbit", "lowbit-only"):
+        raise MoectlError(f"--precision is full, hobbit or lowbit-only, not {precision!r}")
+    info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction, precision)
     if as_json:
         print(json.dumps(info))
         return

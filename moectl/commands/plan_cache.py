@@ -69,7 +69,8 @@ def plan_cache(
         prepare_model(model, workdir)
     if precision is None:
         precision = "hobbit" if lowbit else "full"
-    setup = plan_setup(model, budget, hardware, kv_tokens, traces, replacement, prefetch, depth, workdir)
+    setup = plan_setup(model, budget, hardware, kv_tokens, traces, replacement, prefetch, depth, workdir,
+                       lowbit_only=lowbit if precision == "lowbit-only" else None)
     setup.policies.precision, setup.policies.lowbit, setup.policies.t1, setup.policies.t2 = precision, lowbit, t1, t2
     setup.policies.cpu_experts = cpu_experts
     if admission not in ADMISSION_MODES:

@@ -113,7 +113,9 @@ def simulate(
 
     cost = sim.cost_for(tr, hardware, model_shape, bits)
     caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost,
-                          facts=_checkpoint_facts(model_shape or tr.model, tr) if budget is not None else None)
+                          facts=_checkpoint_facts(model_shape or tr.model, tr) if budget is not None else None,
+                          **sim.budget_sizing(cost, prefetch, cpu_experts, staging_buffers, precision, lowbit,
+                                              lowbit_fraction))      # staging and pools as the runtime takes them
     if plan_caps is not None:
         caps = plan_caps
     gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)

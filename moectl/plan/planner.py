@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..cache_model import split_slots
 from ..errors import MoectlError
+from ..sizing import budget_pools, lowbit_fraction_for, staging_nbytes
 from .budget import BudgetSplit, ModelFacts
 from .curves import Curves, analytic_curves, coarse_grid, extend_curves, measure_curves, slot_grid
 from .dp import allocate
@@ -192,19 +192,15 @@ def dp_plan(curves: Curves, pol: Policies, L: int, E: int, experts_bytes: int, n
 
 
 def uniform_pools(pol: Policies, L: int, E: int, experts_bytes: int, nbytes: dict) -> tuple[list, list]:
-    """The even split of the same bytes: every pool the precision policy uses, each layer alike (HOBBIT mode:
-    the simulator's default low-bit share of the bytes)."""
+    """The even split of the same bytes, as the runtime and `simulate` make it from a budget without a plan
+    (`sizing.budget_pools`: HOBBIT gives the default low-bit share of the bytes to low-bit slots, lowbit-only all of
+    them, with no full pool)."""
     from ..policies.precision import LOW
-    from ..sizing import DEFAULT_LOWBIT_FRACTION
 
-    if pol.precision == "full":
-        return split_slots(max(int(experts_bytes // nbytes["full"]), L), L, E, "--budget"), [0] * L
-    if pol.precision == "lowbit-only":
-        return [0] * L, split_slots(max(int(experts_bytes // nbytes[LOW]), L), L, E, "--budget")
-    f = DEFAULT_LOWBIT_FRACTION
-    hi = split_slots(max(int((1 - f) * experts_bytes // nbytes["full"]), L), L, E, "--budget")
-    lo = split_slots(max(int(f * experts_bytes // nbytes[LOW]), L), L, E, "--budget")
-    return hi, lo
+    low = nbytes[LOW] if pol.precision != "full" else None
+    pools = budget_pools(BudgetSplit(experts_bytes, 0, 0, 0, 0, experts_bytes), L, E, nbytes["full"], low,
+                         lowbit_fraction_for(pol.precision, low is not None, None))
+    return pools.get("full", [0] * L), pools.get(LOW, [0] * L)
 
 
 def spend_spare(slots: list[int], spare: int, E: int) -> list[int]:
@@ -315,10 +311,13 @@ def expert_nbytes(facts: ModelFacts, pol: Policies) -> dict:
 
 def reserve_staging(split: BudgetSplit, pol: Policies, nbytes: dict, num_layers: int) -> BudgetSplit:
     """The budget less the staging buffers the runtime gives prefetches under these policies (`prefetch_staging`:
-    two full-precision experts when misses are fetched), when what is left still holds a slot per layer."""
+    two copies of what prefetches load when misses are fetched, `sizing.staging_nbytes`), when what is left still
+    holds a slot per layer."""
     from ..policies.admission import prefetch_staging
+    from ..policies.precision import LOW
 
-    stage = prefetch_staging(pol.cpu_experts) * nbytes["full"] if pol.prefetch != "none" else 0
+    n = prefetch_staging(pol.cpu_experts) if pol.prefetch != "none" else 0
+    stage = staging_nbytes(n, nbytes["full"], nbytes.get(LOW), pol.precision == "lowbit-only")
     if stage == 0 or split.experts - stage < num_layers * min(nbytes.values()):
         return split
     return replace(split, experts=split.experts - stage, staging=stage)

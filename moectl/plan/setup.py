@@ -46,7 +46,9 @@ def load_traces(paths, wd: Path):
 
 
 def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, replacement: str, prefetch: str,
-               depth: int | None, workdir=None) -> Setup:
+               depth: int | None, workdir=None, lowbit_only: str | None = None) -> Setup:
+    """`lowbit_only`: the low-bit copy set of a lowbit-only plan, whose smallest slot (the budget's minimum) is
+    low-bit, as the runtime's."""
     from ..sim.cost import CostModel, load_hardware
     from ..policies import check_names
     from ..trace import check_trace_fits
@@ -54,7 +56,12 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     check_names(replacement, prefetch)                  # a plan is for the runtime: what the runtime takes
     wd = workdir_of(model, workdir)
     facts = model_facts(model, workdir)
-    split = split_budget(budget, facts, kv_tokens)
+    if lowbit_only is not None:
+        from ..sim.cost import parse_lowbit
+
+        split = split_budget(budget, facts, kv_tokens, min_slot_bytes=facts.expert_bytes(*parse_lowbit(lowbit_only)))
+    else:
+        split = split_budget(budget, facts, kv_tokens)
     cost = CostModel(load_hardware(hardware), facts.shape)
     cost.expert_bytes = facts.expert_bytes()
     trace = load_traces(traces, wd)

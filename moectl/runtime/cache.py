@@ -31,6 +31,7 @@ from ..cache_model import FULL, LOW, CacheState, split_slots
 from ..errors import MoectlError
 from ..policies.base import ReplacementPolicy
 from ..policies.precision import PrecisionPolicy
+from ..sizing import prefetch_precision
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_empty
 from .loader import CHUNK_BYTES, DEMAND, PREFETCH, CopyJob, Loader, split_rows
@@ -47,19 +48,24 @@ class DeviceCache(CacheFront):
         if len(slots_per_layer) != store.num_layers:
             raise MoectlError(f"cache plan has {len(slots_per_layer)} layers, the model has {store.num_layers} MoE layers")
         self.store, self.device, self.policy = store, torch.device(device), policy
-        self.slots_per_layer = [max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
-        slots, policies = {FULL: self.slots_per_layer}, {FULL: policy}
+        # full slots [0] * L with a low-bit pool (lowbit-only, `sizing.split_pools`): no full-precision pool at all
+        no_full = low_slots is not None and not any(int(s) for s in slots_per_layer)
+        self.slots_per_layer = [0 if no_full else max(1, min(int(s), store.num_experts)) for s in slots_per_layer]
+        slots, policies = ({}, {}) if no_full else ({FULL: self.slots_per_layer}, {FULL: policy})
         if low_slots is not None:
             if store.lowbit is None:
                 raise MoectlError("a low-bit cache pool needs the store's low-bit copies (--lowbit)")
             slots[LOW] = [max(1, min(int(s), store.num_experts)) for s in low_slots]
-            policies[LOW] = copy.deepcopy(policy)           # the same kind of policy, its own state
+            policies[LOW] = policy if no_full else copy.deepcopy(policy)    # the same kind of policy, its own state
+        # prefetches, staging buffers and the streamed prefill hold this precision's copies (the simulator's rule)
+        self.pf_precision = prefetch_precision(slots)
         if precision is not None:
             if precision.uses_lowbit and LOW not in slots:
                 raise MoectlError(f"{precision.describe()} needs low-bit copies: give --lowbit (see moectl quantize)")
             self.precision = precision
         # Staged prefetches (`staging` buffers, RAM tier): a prediction copies into a staging buffer, never a slot
-        staging = staging if store.buffers is not None else 0
+        in_ram = store.buffers is not None or self.pf_precision == LOW      # staged copies are read from RAM
+        staging = staging if in_ram else 0
         self.state = CacheState(slots, policies, staging)
         self.cuda = self.device.type == "cuda"
         # Per precision: [L] of uint8 [S_l, N] slot pools, and typed views of every slot made once.
@@ -75,16 +81,16 @@ class DeviceCache(CacheFront):
             self.pools[p] = pool
             self.rows[p] = [[buf[s] for s in range(len(buf))] for buf in pool]
             self.views[p] = [[store.format_of(p).views(r) for r in rows] for rows in self.rows[p]]
-        self.pool = self.pools[FULL]                                        # the full-precision slots
+        self.pool = self.pools.get(FULL)                                    # the full-precision slots (if any)
         # CUDA + disk tier: each full slot's pinned host buffer, the target of its shard reads (low-bit copies
         # are in RAM: copied straight from there).
         self.staging = [host_empty((s, store.expert_nbytes), torch.uint8, "allocating pinned staging buffers",
                                    pin=True)
-                        for s in self.slots_per_layer] if self.cuda and store.buffers is None else None
+                        for s in self.slots_per_layer] if self.cuda and store.buffers is None and not no_full else None
         self.pending: dict = {}                                 # (precision, layer, slot) -> Future of a read
-        self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in slots})
+        self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in dict.fromkeys([FULL, *slots])})
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.format = store.format                                          # the full-precision copy's
+        self.format = store.format_of(self.pf_precision)                    # the staged / streamed copies'
         # One copy engine for demand loads and prefetches (threaded on CUDA, synchronous on the CPU).
         self.loader = Loader(threaded=self.cuda, stream=self.copy_stream)
         self.chunk_bytes = CHUNK_BYTES                          # the largest chunk a copy is cut into
@@ -92,12 +98,12 @@ class DeviceCache(CacheFront):
         # Staging buffers, RAM tier only (they are filled by copies): the streamed prefill's two (double buffering),
         # the same ones for staged prefetches in decode. A staged prefetch that its layer uses is installed by swapping
         # its buffer with the slot it takes (`acquire`): typed views are per slot, so no bytes move.
-        self.streaming = stream_prefill and store.buffers is not None
+        self.streaming = stream_prefill and in_ram
         n_stage = max(2 if self.streaming else 0, staging)
         self.stage_views = []
         self.stage_jobs: dict[tuple[int, int], CopyJob] = {}        # (layer, expert) -> its staged prefetch's copy
         if n_stage:
-            N = store.expert_nbytes
+            N = store.nbytes(self.pf_precision)
             stage = (torch.empty(n_stage, N, dtype=torch.uint8, device=self.device) if self.cuda else
                      host_empty((n_stage, N), torch.uint8, "allocating staging buffers", touch=True))
             self.stage_bufs = stage
@@ -116,7 +122,8 @@ class DeviceCache(CacheFront):
         """Bytes the copy engine has committed to now: the unrun chunks of every copy queued or in flight. On the
         CPU the synchronous queue runs a prefetch only when its expert is used, so every prefetch not used yet
         counts (the emulated device has no copy engine running beside compute)."""
-        jobs = [(p, j) for (p, _, _), j in self.jobs.items()] + [(FULL, j) for j in self.stage_jobs.values()]
+        jobs = [(p, j) for (p, _, _), j in self.jobs.items()] + [(self.pf_precision, j)
+                                                                  for j in self.stage_jobs.values()]
         return sum(self.stats.nbytes[p] * (len(j.chunks) - j.done) / len(j.chunks)
                    for p, j in jobs if not j.finished and j.chunks)
 
@@ -193,12 +200,14 @@ class DeviceCache(CacheFront):
 
     # --- streamed prefill (DuoServe) ---------------------------------------------------------
     def stream(self, layer: int, experts: list[int]):
-        """Yield (expert, weights) for a prefill's missed `experts` (full precision), streamed through two staging
-        buffers: the next expert's copy is queued before the current one is computed, so (CUDA) it lands while
-        that computes. Nothing enters the cache; each is one miss (`CacheState.stream`)."""
+        """Yield (expert, weights) for a prefill's missed `experts` (of `pf_precision`: low-bit at lowbit-only),
+        streamed through two staging buffers: the next expert's copy is queued before the current one is computed,
+        so (CUDA) it lands while that computes. Nothing enters the cache; each is one miss (`CacheState.stream`)."""
+        p = self.pf_precision
+
         def issue(i: int) -> CopyJob:
-            self.state.stream(layer, experts[i])
-            return self._copy_job(FULL, layer, experts[i], -1, self.store.host(layer, experts[i]), DEMAND,
+            self.state.stream(layer, experts[i], p)
+            return self._copy_job(p, layer, experts[i], -1, self.store.host(layer, experts[i], p), DEMAND,
                                   dst=self.stage_views[i % 2])
         nxt = issue(0) if experts else None
         for i, e in enumerate(experts):
@@ -264,7 +273,7 @@ class DeviceCache(CacheFront):
         """A staged prefetch no access took: its copy stops (the chunks not run yet are never copied)."""
         job = self.stage_jobs.pop((layer, expert), None)
         if job is not None:
-            self._drop(job, FULL)
+            self._drop(job, self.pf_precision)
 
     def preload(self, sets: dict) -> int:
         """Load a plan's hot set {precision: [[experts] per layer]} into free slots (`CacheState.preload`) and wait
@@ -298,16 +307,18 @@ class DeviceCache(CacheFront):
             self.loader.wait(job)
 
     def prefetch(self, layer: int, expert: int) -> bool:
-        """Start loading (layer, expert) in full precision off the critical path. False if resident or no slot
-        can be freed without evicting an in-use or another predicted expert."""
-        a = self.state.prefetch(layer, expert)
+        """Start loading (layer, expert) off the critical path, in `pf_precision` (full; low-bit at lowbit-only, as
+        the simulator's prefetches). False if resident or no slot can be freed without evicting an in-use or another
+        predicted expert."""
+        p = self.pf_precision
+        a = self.state.prefetch(layer, expert, p)
         if a is None:
             return False
         if a.staged is not None:                                # into a staging buffer: nothing evicted
-            self.stage_jobs[(layer, expert)] = self._copy_job(FULL, layer, expert, -1, self.store.host(layer, expert),
+            self.stage_jobs[(layer, expert)] = self._copy_job(p, layer, expert, -1, self.store.host(layer, expert, p),
                                                               PREFETCH, dst=self.stage_views[a.staged])
             return True
-        self._copy_in(FULL, layer, expert, a.slot, PREFETCH)
+        self._copy_in(p, layer, expert, a.slot, PREFETCH)
         return True
 
 

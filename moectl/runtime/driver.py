@@ -78,8 +78,9 @@ class Runtime(CpuWorker):
                 cache.state.prefetch(target, expert, held)              # protect only
                 return False
             return cache.prefetch(target, expert)
-        backlog_s = self.copy_s * cache.backlog_bytes() / cache.store.expert_nbytes if self.copy_s else 0.0
-        self.prefetch_gate.offer(cache.state, layer, preds, self.copy_s, backlog_s, issue, routed=routed)
+        p = cache.pf_precision                  # the pool prefetches copy into (low-bit at lowbit-only)
+        backlog_s = self.copy_s * cache.backlog_bytes() / cache.store.nbytes(p) if self.copy_s else 0.0
+        self.prefetch_gate.offer(cache.state, layer, preds, self.copy_s, backlog_s, issue, p, routed=routed)
 
     def decode_misses(self, layer: int) -> int:
         """Demand loads of `layer` in decode steps so far (all pools): `layer_done`'s count is the difference."""

@@ -73,6 +73,7 @@ class CacheFront:
     state: CacheState
     stats: CacheStats
     precision: PrecisionPolicy = PrecisionPolicy()       # always full unless the runtime sets another
+    pf_precision: str = FULL                             # the copy prefetches load (low-bit when no full pool)
 
     def device_nbytes(self) -> int:
         """Bytes of device memory the expert cache holds (its slot pools); none when experts are used in place."""
@@ -92,7 +93,7 @@ class CacheFront:
         (`policies/precision.py: rank_scores`). A resident copy of either precision is always used; else the
         precision policy decides, per token, and the copy loaded is the best any token asks for (a token that
         would skip it skips it only if every token does; the driver renormalises)."""
-        if self.state.contains(layer, expert, FULL) or self.state.staged_in(layer, expert) == FULL:
+        if self.contains(layer, expert, FULL) or self.state.staged_in(layer, expert) == FULL:
             return FULL
         low = LOW in self.state.counts
         if low and self.state.contains(layer, expert, LOW):
@@ -108,7 +109,7 @@ class CacheFront:
         return self.state.resident(layer, precision) if precision in self.state.counts else []
 
     def contains(self, layer: int, expert: int, precision: str = FULL) -> bool:
-        return self.state.contains(layer, expert, precision)
+        return precision in self.state.counts and self.state.contains(layer, expert, precision)
 
     def pin(self, layer: int, experts, precision: str = FULL) -> None:
         self.state.pin(layer, experts, precision)

@@ -14,8 +14,7 @@ from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..models import adapter_for
 from ..recipes import format_bytes, resolve_model
-from ..sizing import (DEFAULT_LOWBIT_FRACTION, KV_RESERVE_TOKENS, ModelSizes, budget_slots, split_budget,
-                      split_pools)
+from ..sizing import KV_RESERVE_TOKENS, ModelSizes, budget_pools, lowbit_fraction_for, split_budget
 from ..store.checkpoint import Checkpoint
 from ..store.memory import host_need
 from .offloaded import OffloadedExperts
@@ -152,7 +151,7 @@ def describe(config, adapter, expert_nbytes: int, dense: int, num_moe_layers: in
 
 def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers: int, lowbit: str | None = None,
                 offload: str = "ram", device: str = "cuda", budget: str | None = None,
-                lowbit_fraction: float | None = None, axis: int = 1) -> dict:
+                lowbit_fraction: float | None = None, axis: int = 1, precision: str | None = None) -> dict:
     """Host RAM and device memory of one configuration, by part, from shapes alone (nothing read): dense weights,
     copies per tier, KV reserve, cache slots. Without --budget the cache is the minimum, one slot per layer of
     each pool. `lowbit` (e.g. q4g64) sizes the low-bit tier from the format (HQQ, `axis`, scales in `dtype`)."""
@@ -162,12 +161,14 @@ def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers:
     full = adapter.format(dtype).nbytes
     low = HqqFormat(adapter.layout(), *parse_lowbit(lowbit), axis, dtype).nbytes if lowbit else 0
     kv = kv_reserve_nbytes(config, dtype)
-    split = split_budget(budget, model_facts(config, adapter, dense, L, dtype), min_slot_bytes=full) if budget else None
-    slots = budget_slots(split, full, L, E) if budget else [1] * L
-    low_slots = []
-    if lowbit:
-        f = DEFAULT_LOWBIT_FRACTION if lowbit_fraction is None else lowbit_fraction
-        slots, low_slots = split_pools(slots, E, full, low, f) if budget else (slots, [1] * L)
+    low_only = bool(lowbit) and precision == "lowbit-only"          # no full-precision pool (`sizing.split_pools`)
+    split = split_budget(budget, model_facts(config, adapter, dense, L, dtype),
+                         min_slot_bytes=low if low_only else full) if budget else None
+    pooled = bool(lowbit) and precision != "full"
+    f = lowbit_fraction_for(precision or "hobbit", True, lowbit_fraction) if pooled else 0.0
+    pools = budget_pools(split, L, E, full, low if pooled else None, f) if budget else \
+        {"full": [0 if low_only else 1] * L, **({"low": [1] * L} if pooled else {})}
+    slots, low_slots = pools.get("full", [0] * L), pools.get("low", [])
     on_host = device == "cpu"
     host = host_need(offload, on_host, False, sum(slots), full, L * E, dense, kv, lowbit_nbytes=low,
                      low_slots=sum(low_slots))
@@ -184,7 +185,7 @@ def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers:
 
 def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None, lowbit: str | None = None,
                   offload: str = "ram", device: str = "cuda", budget: str | None = None,
-                  lowbit_fraction: float | None = None) -> dict:
+                  lowbit_fraction: float | None = None, precision: str | None = None) -> dict:
     """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only. Experts are
     sized in their packed format (as released: MXFP4 / block FP8, else `dtype`); the memory needs are the
     GPU runtime's: host RAM with `--offload ram` (experts, pinned) and device memory for the dense weights +
@@ -204,7 +205,7 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     info = describe(config, adapter, expert_nbytes, dense, L)
     weights = sum(math.prod(s) for s in adapter.layout().shapes if len(s) == 2)      # biases are not weights
     info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], L, lowbit, offload, device,
-                                 budget, lowbit_fraction)
+                                 budget, lowbit_fraction, precision=precision)
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "expert_format": fmt.name, "bits_per_weight": expert_nbytes * 8 / weights,
                    "quantization": adapter.quant.describe() if adapter.quant else None,

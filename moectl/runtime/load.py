@@ -19,7 +19,9 @@ from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
 from ..recipes import resolve_model
-from ..sizing import cache_slots, lowbit_fraction_for, split_budget, split_pools
+from ..cache_model import FULL, LOW
+from ..sizing import (budget_pools, cache_slots, lowbit_fraction_for, split_budget, split_pools,
+                      staging_nbytes)
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import check_host_memory, host_alloc, host_need
@@ -117,7 +119,8 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         cache.preload(plan_preload(opts.plan_data, L, E))
     runtime.placement = placement(opts.cpu_experts, opts.cost, config, dev, in_place)
     runtime.prefetch_gate, runtime.copy_s = admission_gate(opts.admission, opts.cost, config, dev, adapter.top_k,
-                                                           store.expert_nbytes, in_place, prefetch, opts.cpu_experts,
+                                                           store.nbytes(cache.pf_precision), in_place, prefetch,
+                                                           opts.cpu_experts,
                                                            staged=cache.state.staging > 0)
     if opts.replay_trace is not None:
         from .replay import RoutingReplay
@@ -132,31 +135,44 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
                low_fmt, full_tier: str) -> Sizes:
     """Slots per pool and staging buffers from the options (`moectl/sizing.py`), then the host-memory check: a bad
     budget, or a configuration the host RAM cannot hold, fails before any weight is read. `full_tier`: where the
-    full-precision experts live (ram, or disk: read from the file when needed)."""
+    full-precision experts live (ram, or disk: read from the file when needed). At lowbit-only there is no
+    full-precision pool: every byte is low-bit slots, and the staging buffers hold low-bit copies."""
     from ..policies.admission import STAGING_BUFFERS, prefetch_staging
 
     E, expert_nbytes = adapter.num_experts, adapter.format(dt).nbytes
     plan_d = opts.plan_data
+    plan_low = [int(s) for s in (plan_d or {}).get("slots_low") or []]
+    pooled = low_fmt is not None and not in_place                  # a low-bit pool beside (or instead of) the full
+    plan_pools = pooled and any(plan_low)                           # the plan's split of the bytes, as it is
+    low_only = pooled and (not any(opts.slots_per_layer) if plan_pools else prec.name == "lowbit-only")
+    stage_nbytes = low_fmt.nbytes if low_only else expert_nbytes   # one copy of what prefetches load
     staging = opts.staging
     if staging is None and plan_d is not None:          # a plan's budget says whether it paid for them
-        staging = int(((plan_d.get("budget") or {}).get("staging") or 0) // expert_nbytes)
+        staging = int(((plan_d.get("budget") or {}).get("staging") or 0) // stage_nbytes)
     # staging buffers: the streamed prefill's two; decode prefetches copy into them too when misses are fetched
-    # (a wrong prediction then evicts nothing: policies/admission.py `prefetch_staging`); RAM tier only
+    # (a wrong prediction then evicts nothing: policies/admission.py `prefetch_staging`); copies from RAM only
     stage_pf = (prefetch_staging(opts.cpu_experts) if staging is None else int(staging)) if (
-        opts.prefetch not in (None, "none") and not in_place and opts.offload == "ram") else 0
-    staging_bytes = max(STAGING_BUFFERS if opts.prefill == "stream" else 0, stage_pf) * expert_nbytes
+        opts.prefetch not in (None, "none") and not in_place and (opts.offload == "ram" or low_only)) else 0
+    staging_bytes = staging_nbytes(max(STAGING_BUFFERS if opts.prefill == "stream" else 0, stage_pf),
+                                   expert_nbytes, low_fmt.nbytes if low_fmt is not None else None, low_only)
     split = None
     if opts.budget is not None:
         facts = model_facts(config, adapter, dense_nbytes(hf, config), L, dt)
-        split = split_budget(opts.budget, facts, staging=staging_bytes)
-    full = cache_slots(L, E, opts.cache_experts, split, expert_nbytes, opts.slots_per_layer)
-    plan_low = [int(s) for s in (plan_d or {}).get("slots_low") or []]
+        split = split_budget(opts.budget, facts, staging=staging_bytes, min_slot_bytes=stage_nbytes)
     low = None
-    if low_fmt is not None and not in_place and any(plan_low):
-        low = plan_low                                              # the plan's split of the bytes
-    elif low_fmt is not None and not in_place:
+    if plan_pools:                                      # checked by `plan_slots`: a layer's full slots may be 0
+        full, low = [min(int(s), E) for s in opts.slots_per_layer], plan_low
+    elif in_place and opts.plan_data is not None:       # a plan's slots do not apply in place (`plan_slots` checked
+        full = [max(1, min(int(s), E)) for s in opts.slots_per_layer]   # them; a lowbit-only plan's may be 0)
+    elif pooled and split is not None:                  # the budget's bytes split over the pools (`sizing.py`)
         fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
-        full, low = split_pools(full, E, expert_nbytes, low_fmt.nbytes, fraction)
+        pools = budget_pools(split, L, E, expert_nbytes, low_fmt.nbytes, fraction)
+        full, low = pools.get(FULL, [0] * L), pools[LOW]
+    else:
+        full = cache_slots(L, E, opts.cache_experts, split, expert_nbytes, opts.slots_per_layer)
+        if pooled:                                      # --cache-experts N buys N full experts' bytes
+            fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
+            full, low = split_pools(full, E, expert_nbytes, low_fmt.nbytes, fraction)
     kv = kv_reserve_nbytes(config, dt)
     dense = header_dense_nbytes(ckpt, adapter, dt)                  # what is read into host RAM
     on_host = dev.type == "cpu"

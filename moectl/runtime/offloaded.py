@@ -87,12 +87,13 @@ class OffloadedExperts(nn.Module):
             tok, slot = tok[keep], slot[keep]
             parts[e] = tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None]   # [t,H]
 
+        p = cache.pf_precision                                  # the copies streamed (low-bit at lowbit-only)
         if (getattr(cache, "streaming", False) and cache.state.phase == "prefill" and not torch.is_grad_enabled()
-                and all(d == FULL for d in plan.values())):
-            missing = [e for e in needed if not cache.contains(layer, e)]
-            self._each_expert({e: FULL for e in needed if e not in missing}, batch)
+                and all(d == p for d in plan.values())):
+            missing = [e for e in needed if not cache.contains(layer, e, p)]
+            self._each_expert({e: p for e in needed if e not in missing}, batch)
             for e, w in cache.stream(layer, missing):            # DuoServe: misses through the staging buffers
-                batch(e, self._expert_fn(e, w))
+                batch(e, self._expert_fn(e, w, p))
             return self._combine(hidden_states, parts)
         counts = torch.bincount(top_k_index[top_k_index >= 0].reshape(-1), minlength=self.num_experts).tolist() \
             if rt.placement is not None else None

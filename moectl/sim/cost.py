@@ -143,7 +143,8 @@ def released_format(cfg: dict) -> dict:
 def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -> float:
     """Bytes of one routed expert (gate, up, down projections; + biases with `expert_bias`, GPT-OSS). `bits`
     None = the checkpoint's own precision: its `expert_format` as released (mxfp4, fp8), else the dtype;
-    quantized copies add one fp16 scale and one zero point per `group_size` weights."""
+    quantized copies add one scale and one zero point per `group_size` weights, in the model's dtype (HQQ's meta:
+    `quant/hqq_format.py`; 4 bytes a group in bf16, 8 in fp32 as the runtime's copies of an fp32 checkpoint)."""
     n = 3 * shape["hidden_size"] * shape["intermediate_size"]
     dtype_bytes = DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
     bias = (2 * shape["intermediate_size"] + shape["hidden_size"]) * dtype_bytes if shape.get("expert_bias") else 0
@@ -157,7 +158,7 @@ def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -
         return n * (FORMAT_BITS[fmt](shape) / 8 if fmt else dtype_bytes) + bias
     if bits >= 16:
         return n * bits / 8 + bias
-    return n * bits / 8 + (n / group_size) * 4 + bias
+    return n * bits / 8 + (n / group_size) * 2 * max(dtype_bytes, 2.0) + bias
 
 
 def parse_lowbit(spec: str) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_fro
 from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy, make_precision
-from ..sizing import ModelSizes, budget_slots, lowbit_fraction_for, split_budget, split_pools
+from ..sizing import ModelSizes, budget_pools, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..trace import Trace
 from .cost import (CostModel, dense_bytes, expert_bytes, kv_reserve_bytes, load_hardware, load_shape, parse_lowbit,
                    shape_for_trace_model, shape_from_hf_config)
@@ -31,20 +31,25 @@ from .simulator import SimResult, Simulator, trace_steps
 
 def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
                plan: str | Path | dict | None = None, budget: float | None = None,
-               cost: CostModel | None = None, facts: ModelSizes | None = None, staging: int = 0) -> list[int]:
+               cost: CostModel | None = None, facts: ModelSizes | None = None, staging: int = 0,
+               min_slot_bytes: float | None = None, low_bytes: float | None = None,
+               lowbit_fraction: float = 0.0) -> list[int] | dict:
     """Full-precision slots per layer. `budget` (bytes of device memory) is split as the runtime splits it
-    (`moectl/sizing.py`: dense weights, KV reserve, workspace, `staging` buffers of `cost`'s expert) and the rest
-    filled with experts of `cost`'s size; `facts` (a checkpoint's, `plan/budget.py: model_facts`) or, without,
-    estimated from `cost`'s shape."""
+    (`moectl/sizing.py`: dense weights, KV reserve, workspace, `staging` bytes of staging buffers) and the rest
+    filled with experts of `cost`'s size, or with `low_bytes` low-bit copies too ({precision: slots per layer},
+    `sizing.budget_pools`); `budget_sizing` gives those from the options, as the runtime takes them. `facts` (a
+    checkpoint's, `plan/budget.py: model_facts`) or, without, estimated from `cost`'s shape; `min_slot_bytes`:
+    the smallest slot served (default `cost`'s expert)."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     given = sum(x is not None for x in (fraction, experts, plan, budget))
     if given != 1:
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
     if budget is not None:
         facts = facts or shape_facts(cost.shape, L, E, K, cost.expert_bytes)
-        split = split_budget(int(budget), facts, min_slot_bytes=cost.expert_bytes,
-                             staging=int(staging * cost.expert_bytes))
-        return budget_slots(split, cost.expert_bytes, L, E)
+        split = split_budget(int(budget), facts, min_slot_bytes=min_slot_bytes or cost.expert_bytes,
+                             staging=int(staging))
+        pools = budget_pools(split, L, E, cost.expert_bytes, low_bytes, lowbit_fraction)
+        return pools if low_bytes is not None else pools[FULL]
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
@@ -59,6 +64,23 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
     if fp and trace.fingerprint and fp != trace.fingerprint:
         raise MoectlError(f"plan was made for model {fp}, the trace is of {trace.fingerprint}")
     return [min(E, s) for s in slots]
+
+
+def budget_sizing(cost: CostModel, prefetch: str, cpu_experts: str, buffers: int | None = None,
+                  precision: str = "full", lowbit: str | None = None, lowbit_fraction: float | None = None) -> dict:
+    """`capacities`' sizing arguments for a budget, as the runtime takes them (`runtime/load.py: size_cache`): with
+    prefetch, `buffers` (default `prefetch_staging(cpu_experts)`) staging buffers of what prefetches load
+    (`sizing.staging_nbytes`: low-bit at lowbit-only, where the smallest slot is low-bit too), none without; with
+    a low-bit precision, the low-bit copy's bytes and their share of the cache (`sizing.lowbit_fraction_for`)."""
+    pooled = precision != "full" and lowbit is not None
+    low = expert_bytes(cost.shape, *parse_lowbit(lowbit)) if pooled else None
+    low_only = pooled and precision == "lowbit-only"
+    if lowbit_fraction is not None and not 0 <= lowbit_fraction < 1:
+        raise MoectlError(f"--lowbit-fraction {lowbit_fraction:g}: give a share of the cache's bytes in [0, 1)")
+    n = 0 if prefetch in (None, "none") else prefetch_staging(cpu_experts) if buffers is None else int(buffers)
+    return {"staging": staging_nbytes(n, cost.expert_bytes, low, low_only),
+            "min_slot_bytes": low if low_only else cost.expert_bytes, "low_bytes": low,
+            "lowbit_fraction": lowbit_fraction_for(precision, pooled, lowbit_fraction)}
 
 
 def model_shape(trace: Trace, name: str | None = None) -> dict:
@@ -176,7 +198,7 @@ def shape_facts(shape: dict, num_layers: int, num_experts: int, top_k: int, expe
 def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: float, low_bytes: float | None,
                     num_experts: int, lowbit_fraction: float | None = None) -> dict[str, list[int]]:
     """Per-precision pools from full-precision slots `caps`, split as the runtime splits them (`sizing.split_pools`:
-    `lowbit_fraction` of the bytes to low-bit slots; full: all full; lowbit-only: all of them low-bit).
+    `lowbit_fraction` of the bytes to low-bit slots; full: all full; lowbit-only: all of them low-bit, no full pool).
     `caps` already {precision: per-layer slots} (a plan's own split) is taken as it is."""
     if isinstance(caps, dict):
         return {p: list(c) for p, c in caps.items() if sum(c) > 0}
@@ -193,10 +215,8 @@ def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: flo
             raise MoectlError(f"the {p} pool gets {int(share * sum(caps) * full_bytes // nbytes)} slots from "
                               f"{share:.0%} of the expert budget, below one per MoE layer ({L}); change "
                               f"--lowbit-fraction or give more memory")
-    if precision.name == "lowbit-only":     # every byte low-bit (the runtime keeps one full slot per layer: not here)
-        return {LOW: split_slots(int(sum(caps) * full_bytes // low_bytes), L, num_experts)}
-    full, low = split_pools(list(caps), num_experts, full_bytes, low_bytes, f)
-    return {FULL: full, LOW: low}
+    full, low = split_pools(list(caps), num_experts, full_bytes, low_bytes, f)   # lowbit-only: no full pool
+    return {p: c for p, c in ((FULL, full), (LOW, low)) if sum(c) > 0}
 
 
 def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostModel,
