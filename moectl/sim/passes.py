@@ -23,9 +23,9 @@ step's compute with no loads, all K experts of a layer priced as resident (an up
 a separate draft model costs `draft_ms` per drafted token (default: a SMALL_DRAFT_PARAMS dense model, its weights read
 once per token at the device's memory bandwidth, plus per-layer overhead for SMALL_DRAFT_LAYERS layers).
 
-`auto` (DraftRule, policies/draft.py): `cost` runs every k in 0..k_max, takes ms_pass(k) = the mean simulated pass
-(draft included) and the acceptance the replays sampled, and keeps the run at the k the rule picks (0 unless it beats
-a plain step by the margin); `online` drives OnlineDraftRule with the simulated pass times, as the runtime drives it
+`auto` (DraftRule, policies/draft.py): `cost` replays every k in 0..k_max, takes ms_pass(k) = the mean simulated pass
+(draft included) and the tokens its passes produced, and keeps the replay at the k the rule picks (0 unless it beats
+a plain step by the margin: so never slower than no drafting on the replayed trace); `online` drives OnlineDraftRule with the simulated pass times, as the runtime drives it
 with measured ones (exploration and re-probes included).
 """
 
@@ -169,39 +169,29 @@ class PassSimulator(Simulator):
 
 def run_draft(make_sim, trace, spec: DraftSpec, hidden_of=None, final_hidden_of=None) -> dict:
     """Replay `trace` with drafting `spec` on fresh simulators from `make_sim()` (a PassSimulator per run). A fixed k:
-    one replay. auto/online: one replay with OnlineDraftRule. auto/cost: a replay per k in 0..k_max, the rule's pick
-    kept; its `draft.by_k` gives every k's ms/token, bytes/token and pass time."""
-    sampled = AcceptanceCounter(prior_weight=0.0, source="sampled in the replays")
-
+    one replay. auto/online: one replay with OnlineDraftRule. auto/cost: a replay per k in 0..k_max and DraftRule's
+    pick kept: tokens per ms of k = the tokens its passes produced (its own sampled acceptance: per pass, the sampled
+    rates' expected_tokens exactly) over their simulated time; `draft.by_k` gives every k's figures."""
     def replay(chooser) -> dict:
-        sim = make_sim()
-        out = sim.run_passes(trace, spec, chooser, hidden_of, final_hidden_of)
-        # every replay drew the same rows: pool what each sampled
-        sampled.tried, sampled.hits = _add(sampled.tried, sim.counter.tried), _add(sampled.hits, sim.counter.hits)
-        return out
+        return make_sim().run_passes(trace, spec, chooser, hidden_of, final_hidden_of)
 
     if spec.tokens is not None:
         return replay(_FixedK(spec.tokens))
     if spec.rule == "online":
         return replay(OnlineDraftRule(spec.k_max, margin=spec.margin))
     runs = {k: replay(_FixedK(k)) for k in range(spec.k_max + 1)}
-    acc = sampled.acceptance() if sampled.tried else Acceptance([0.0])
 
     def ms_pass(k: int) -> float:
         return runs[k]["decode_s"] * 1e3 / max(runs[k]["draft"]["passes"], 1)
-    k = DraftRule(spec.k_max, spec.margin).choose(acc, ms_pass)
+    rates = [runs[k]["draft"]["tokens_per_pass"] / ms_pass(k) for k in range(spec.k_max + 1)]
+    k = DraftRule(spec.k_max, spec.margin).pick(rates)
     out = runs[k]
     out["draft"]["chosen_k"] = k
     out["draft"]["by_k"] = {j: dict(ms_per_token=r["ms_per_token"], bytes_per_token=r["bytes_per_token"],
                                     ms_per_pass=ms_pass(j), tokens_per_pass=r["draft"]["tokens_per_pass"],
-                                    expected_tokens_per_pass=acc.expected_tokens(j))
+                                    expected_tokens_per_pass=spec.acceptance.expected_tokens(j))
                             for j, r in runs.items()}
     return out
-
-
-def _add(a: list[int], b: list[int]) -> list[int]:
-    n = max(len(a), len(b))
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
 def union_ratio(trace, n: int = 4) -> float:
