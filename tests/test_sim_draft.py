@@ -121,10 +121,18 @@ def test_the_draft_costs_its_time():
     assert d["passes"] == 14 and d["drafted_per_pass"] * 14 == pytest.approx(26)
     assert d["draft_ms_per_token"] == pytest.approx(50.0 * 26 / 40)
     assert paid["ms_per_token"] == pytest.approx(free["ms_per_token"] + paid["draft"]["draft_ms_per_token"])
-    # cached: k decode steps of compute with no loads (L x (attention + K experts) + head)
+    # cached: k forwards with no loads: L x attention (0.1 s) + the resident experts' compute (0 here) + head (0)
     cached = replay(tr, 2, 1.0, source="cached", draft_ms=None)
-    per_token = 3 * (0.1 + 2 * 0.0) + 0.0
-    assert cached["draft"]["draft_ms_per_token"] == pytest.approx(1e3 * per_token * 26 / 40)
+    assert cached["draft"]["draft_ms_per_token"] == pytest.approx(1e3 * 3 * 0.1 * 26 / 40)
+
+
+def test_a_cached_draft_computes_only_the_resident_experts():
+    # 1 layer, 2 slots: pass 1 loads {0, 1}; pass 2's draft forward runs row 2 ({0, 1}: both resident, 2 x 0.5 s),
+    # pass 1's draft forward ran row 0 with nothing resident (0 s); attention and head cost nothing here
+    tr = make_trace([[[0, 1]], [[0, 1]], [[0, 1]], [[0, 1]]])
+    cost = FixedCost(load=1.0, attention=0.0, expert=0.5)
+    r = replay(tr, 1, 1.0, cap=2, cost=cost, source="cached", draft_ms=None)
+    assert r["draft"]["passes"] == 2 and r["draft"]["draft_ms_per_token"] == pytest.approx(1e3 * 2 * 0.5 / 4)
 
 
 # ----------------------------------------------------------------------------- the auto rule

@@ -19,7 +19,8 @@ counted (`AcceptanceCounter`) and reported beside the asked acceptance.
 
 The draft's own time comes before its pass, on the compute timeline (the copy engine keeps running): `cached` (the
 target drafting itself with its resident experts only, HOBBIT's skip for the rest) costs per drafted token a decode
-step's compute with no loads, all K experts of a layer priced as resident (an upper bound: a missing one is skipped);
+step's compute with no loads: per layer attention and those of its row's experts resident at the time (the draft
+forward of position j runs the pass's row j, and routes as it: an approximation for a draft that goes wrong);
 a separate draft model costs `draft_ms` per drafted token (default: a SMALL_DRAFT_PARAMS dense model, its weights read
 once per token at the device's memory bandwidth, plus per-layer overhead for SMALL_DRAFT_LAYERS layers).
 
@@ -88,11 +89,9 @@ def small_draft_ms(cost) -> float:
                   + SMALL_DRAFT_LAYERS * cost.hw.layer_overhead_ms * 1e-3)
 
 
-def draft_token_s(cost, spec: DraftSpec, num_layers: int, top_k: int, context: int) -> float:
-    """Seconds to draft one token."""
-    if spec.source == "model":
-        return (small_draft_ms(cost) if spec.draft_ms is None else spec.draft_ms) / 1e3
-    return num_layers * (cost.attention_s(1, context) + top_k * cost.expert_s(1)) + cost.lm_head_s(1)
+def draft_model_s(cost, spec: DraftSpec) -> float:
+    """Seconds a separate draft model takes per drafted token."""
+    return (small_draft_ms(cost) if spec.draft_ms is None else spec.draft_ms) / 1e3
 
 
 def accepted_drafts(u: np.ndarray, acceptance: Acceptance) -> int:
@@ -139,7 +138,7 @@ class PassSimulator(Simulator):
             rows = np.array([s.rows[0] for s in steps[i:i + k + 1]])
             a = accepted_drafts(u[rows[1:]], spec.acceptance)
             t0 = self.clock
-            self._draft(spec, k, trace)
+            self._draft(spec, trace, rows[:k])
             self._step(step if k == 0 else multi_token_step(trace, rows, step.request, step.first_of_request,
                                                             False, a + 1), hidden_of, final_hidden_of)
             chooser.record(k, a, (self.clock - t0) * 1e3)
@@ -149,9 +148,20 @@ class PassSimulator(Simulator):
             i += a + 1
         return self._results() | self._draft_results(spec)
 
-    def _draft(self, spec: DraftSpec, k: int, trace) -> None:
-        """The draft's k tokens, before the pass."""
-        d = k * draft_token_s(self.cost, spec, trace.num_layers, trace.top_k, self.context)
+    def _draft(self, spec: DraftSpec, trace, rows: np.ndarray) -> None:
+        """The draft's k tokens, before the pass: forwards of `rows` (the last accepted token, then the drafts but the
+        last). `cached`: per layer attention and the row's experts resident now (the others skipped), and the head."""
+        if spec.source == "model":
+            d = len(rows) * draft_model_s(self.cost, spec)
+        else:
+            d = 0.0
+            for j, row in enumerate(rows):
+                for l in range(trace.num_layers):
+                    d += self.cost.attention_s(1, self.context + j)
+                    for e in trace.experts[row, l]:
+                        held = next((p for p in self.pools if e >= 0 and self.state.contains(l, int(e), p)), None)
+                        d += self.cost.expert_s(1, self.nbytes[held]) if held else 0.0
+                d += self.cost.lm_head_s(1)
         self.clock += d
         self.draft_time += d
         self.compute_only += d
