@@ -140,7 +140,13 @@ def simulate(
     if gated is not None:
         tr = gated
     prec = make_precision(precision, t1, t2)
-    spec = draft_spec(draft_tokens, acceptance, draft, draft_ms, draft_max, draft_rule, draft_seed)
+    from ..sim.passes import parse_draft
+
+    spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max, draft_rule, draft_seed)
+    if spec is None and plan is not None and plan_d.get("draft"):
+        from ..plan.draft import plan_draft_spec
+
+        spec = plan_draft_spec(plan_d, plan)         # the drafting the plan was made for
     train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
     if train_on:
         sim_paths = {Path(p).expanduser().resolve() for p in trace}
@@ -210,31 +216,6 @@ def simulate(
         return
     _table(results, tr, caps, cost, hardware, prec.describe() if prec.uses_lowbit else "",
            spec.describe() if spec is not None else "")
-
-
-def draft_spec(tokens: str | None, acceptance: str | None, source: str, draft_ms: float | None, k_max: int,
-               rule: str, seed: int):
-    """The DraftSpec of simulate's --draft-* options (None without --draft-tokens)."""
-    from ..errors import MoectlError
-    from ..policies.draft import load_acceptance
-    from ..sim.passes import DraftSpec
-
-    if tokens is None:
-        if acceptance is not None or draft_ms is not None:
-            raise MoectlError("--acceptance / --draft-ms price drafting: give --draft-tokens K (or auto) too")
-        return None
-    if acceptance is None:
-        raise MoectlError("--draft-tokens needs --acceptance P (e.g. 0.85) or the acceptance file the runtime "
-                          "measured (`moectl bench --draft ... --acceptance-out FILE`)")
-    if tokens.strip().lower() == "auto":
-        k = None
-    elif tokens.strip().isdigit():
-        k = int(tokens)
-    else:
-        raise MoectlError(f"--draft-tokens {tokens!r}: give a number of drafted tokens (0, 1, 2, ...) or auto")
-    if draft_ms is not None and source == "cached":
-        source = "model"                     # a draft time per token is a separate model's
-    return DraftSpec(k, load_acceptance(acceptance), source, draft_ms, k_max, rule, seed)
 
 
 def _gated(tr, threshold, spec, gate_prefill, sensitivity):

@@ -76,6 +76,30 @@ class DraftSpec:
         return f"draft {self.source}, k {k}, acceptance {self.acceptance.source or self.acceptance.per_position}"
 
 
+def parse_draft(tokens: str | None, acceptance: str | None, source: str = "cached", draft_ms: float | None = None,
+                k_max: int = 4, rule: str = "cost", seed: int = 0) -> DraftSpec | None:
+    """The DraftSpec of the --draft-tokens / --acceptance / --draft / --draft-ms / --draft-max / --draft-rule options
+    (simulate, plan-cache); None without --draft-tokens."""
+    from ..policies.draft import load_acceptance
+
+    if tokens is None:
+        if acceptance is not None or draft_ms is not None:
+            raise MoectlError("--acceptance / --draft-ms price drafting: give --draft-tokens K (or auto) too")
+        return None
+    if acceptance is None:
+        raise MoectlError("--draft-tokens needs --acceptance P (e.g. 0.85) or the acceptance file the runtime "
+                          "measured (`moectl bench --draft ... --acceptance-out FILE`)")
+    if str(tokens).strip().lower() == "auto":
+        k = None
+    elif str(tokens).strip().isdigit():
+        k = int(tokens)
+    else:
+        raise MoectlError(f"--draft-tokens {tokens!r}: give a number of drafted tokens (0, 1, 2, ...) or auto")
+    if draft_ms is not None and source == "cached":
+        source = "model"                     # a draft time per token is a separate model's
+    return DraftSpec(k, load_acceptance(acceptance), source, draft_ms, k_max, rule, seed)
+
+
 def check_draftable(replacement: str, prefetch: str) -> None:
     """Policies that read the trace's future token by token cannot follow a replay in passes."""
     if replacement == "belady" or prefetch == "oracle":
