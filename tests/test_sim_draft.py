@@ -264,3 +264,35 @@ def test_auto_is_never_slower_than_no_draft_on_the_shared_traces(cpu_experts):
                              draft=DraftSpec(None, Acceptance.constant(p)))
             assert r.ms_per_token <= base.ms_per_token, (f.name, p)
             assert r.draft["chosen_k"] == 0 or r.ms_per_token < base.ms_per_token
+
+
+# ----------------------------------------------------------------------------- plan-cache
+
+def test_plan_cache_plans_for_drafting_and_simulate_replays_it(trace_file, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    from test_bad_input import run_cli
+
+    out = tmp_path / "plan.yaml"
+    base = ["plan-cache", "--model", "mixtral", "--budget", "20GB", "--traces", str(trace_file), "--cpu-experts",
+            "never", "--workdir", str(tmp_path), "--out", str(out)]
+    code, _, err = run_cli(base + ["--draft-tokens", "3", "--acceptance", "1.0"], capsys, monkeypatch)
+    assert code == 0, err
+    plan = yaml.safe_load(out.read_text())
+    d = plan["draft"]
+    assert d["tokens"] == 3 and d["source"] == "cached" and d["chosen_by"] == "fixed"
+    assert d["acceptance"]["per_position"] == [1.0] and d["acceptance"]["format"] == "moectl-acceptance"
+    assert d["no_draft_ms_per_token"] > plan["predicted"]["ms_per_token"]      # all accepted: passes pay here
+    # simulate --plan replays the plan's drafting: what the plan predicted, and the no-draft figure beside it
+    code, stdout, err = run_cli(["simulate", "--trace", str(trace_file), "--plan", str(out), "--json"],
+                                capsys, monkeypatch)
+    assert code == 0, err
+    sim = json.loads(stdout)
+    assert sim["draft"]["passes"] == 6 and sim["ms_per_token"] == pytest.approx(plan["predicted"]["ms_per_token"])
+    assert sim["draft"]["no_draft_ms_per_token"] == pytest.approx(d["no_draft_ms_per_token"])
+    # auto with drafts never accepted: the rule turns drafting off, and says so in the plan
+    code, _, err = run_cli(base + ["--draft-tokens", "auto", "--acceptance", "0.0"], capsys, monkeypatch)
+    assert code == 0, err
+    d = yaml.safe_load(out.read_text())["draft"]
+    assert d["tokens"] == 0 and d["chosen_by"] == "auto" and len(d["by_k"]) == 5
+    assert min(d["by_k"]) == d["by_k"][0]

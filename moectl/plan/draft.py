@@ -6,7 +6,8 @@ drafting it was made for recorded in plan.yaml.
       source: cached | model     what drafts (model: a separate draft model at draft_ms per token)
       draft_ms: null | X
       acceptance: {...}          policies/draft.py Acceptance.to_json(): the per-position acceptance it assumed
-      chosen_by: fixed | auto    auto: DraftRule on the even split's replays at K = 0..k_max (`by_k`: their ms/token)
+      chosen_by: fixed | auto    auto: DraftRule on the even split's replays at K = 0..k_max (`by_k`: their ms/token,
+                                 a list indexed by K)
       no_draft_ms_per_token      the plan's slots replayed without drafting (what drafting gains)
 
 `--draft-tokens auto` picks K once, on the even split of the budget (each K replayed, sim/passes.py run_draft's
@@ -22,7 +23,7 @@ from ..policies.draft import Acceptance
 from ..sim.passes import DraftSpec
 
 
-def choose_tokens(replay, pol, facts, split, spec: DraftSpec) -> tuple[DraftSpec, dict | None]:
+def choose_tokens(replay, pol, facts, split, spec: DraftSpec) -> tuple[DraftSpec, list | None]:
     """`spec` with K fixed: as given, or (auto) DraftRule's pick on the even split's replays; and auto's by_k."""
     if spec.tokens is not None:
         return spec, None
@@ -32,11 +33,11 @@ def choose_tokens(replay, pol, facts, split, spec: DraftSpec) -> tuple[DraftSpec
     split = reserve_staging(split, pol, nbytes, facts.num_layers)
     u_hi, u_lo = uniform_pools(pol, facts.num_layers, facts.num_experts, split.experts, nbytes)
     r = replace(replay, draft=spec).run_warm(pools_of(pol, u_hi, u_lo), pol)
-    by_k = {k: round(v["ms_per_token"], 3) for k, v in r.draft["by_k"].items()}
+    by_k = [round(r.draft["by_k"][k]["ms_per_token"], 3) for k in range(spec.k_max + 1)]
     return replace(spec, tokens=r.draft["chosen_k"]), by_k
 
 
-def draft_record(spec: DraftSpec, by_k: dict | None, no_draft_ms: float | None) -> dict:
+def draft_record(spec: DraftSpec, by_k: list | None, no_draft_ms: float | None) -> dict:
     """plan.yaml's `draft` block."""
     return {"tokens": spec.tokens, "source": spec.source, "draft_ms": spec.draft_ms,
             "acceptance": spec.acceptance.to_json(), "chosen_by": "fixed" if by_k is None else "auto",
