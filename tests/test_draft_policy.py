@@ -131,7 +131,7 @@ def drive(rule: OnlineDraftRule, passes: int, accepted_of, ms_of) -> list[int]:
 def test_online_rule_explores_every_k_first_then_settles_on_the_best():
     rule = OnlineDraftRule(k_max=3, explore=2, reprobe=1000)
     ks = drive(rule, 20, accepted_of=lambda k: k, ms_of=lambda k: 10.0 + 1.0 * k)
-    assert ks[:8] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert ks[:8] == [0, 1, 2, 3, 0, 1, 2, 3]             # round-robin: every k sees the same warm-up
     assert set(ks[8:]) == {3}                    # all drafts accepted, cheap passes: the most drafts
     assert rule.ms_pass(3) == pytest.approx(13.0)
 
@@ -144,9 +144,14 @@ def test_online_rule_turns_itself_off_then_reprobes_and_comes_back():
     assert after.count(0) >= len(after) - 5      # off, bar the re-probes
     probes = [k for k in after if k > 0]
     assert probes and all(k in (1, 2) for k in probes)
+    # each probe that leaves drafting off waits twice as long for the next (a probe costs a whole pass)
+    ks += drive(rule, 160, accepted_of=lambda k: 0, ms_of=lambda k: 10.0 + 2.0 * k)
+    at = [i for i, k in enumerate(ks) if k > 0 and i >= 6]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert gaps[:5] == [8, 16, 32, 64, 64], gaps            # capped at 8 x reprobe
     # the drafts start being right: the re-probes see it and drafting comes back on
     accept_all[0] = True
-    ks = drive(rule, 200, accepted_of=lambda k: k if accept_all[0] else 0, ms_of=lambda k: 10.0 + 2.0 * k)
+    ks = drive(rule, 600, accepted_of=lambda k: k if accept_all[0] else 0, ms_of=lambda k: 10.0 + 2.0 * k)
     assert ks[-10:].count(2) >= 8
     # while on, k = 0 is re-probed now and then to keep its cost current
     assert 0 in ks[-40:]
