@@ -255,7 +255,8 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "", d
               ("no-draft ms/tok", "no_draft_ms_per_token"), ("speedup", "speedup")] if results[0].get("draft") else []
     for d in results:
         if d.get("draft"):
-            d["draft"]["k"] = d["draft"].get("chosen_k", max(d["draft"]["k_passes"], default=0))
+            dr = d["draft"]
+            dr["k"] = dr.get("chosen_k", max(dr["k_passes"], default=0) if dr["rule"] == "fixed" else dr["rule"])
     names = ["policy", "hit\nrate", "/\nBelady", "demand\n/tok", "prefetch\n/tok", "wasted", "MB\n/tok",
              "stall\nms/tok", "ms/tok", "bound\nms/tok"] + [c.replace(" ", "\n").replace("/", "\n/", 1) if "ms" not in c
                                                              else c.replace(" ", "\n") for c, _ in extra + drafts]
