@@ -228,6 +228,7 @@ def test_simulate_reads_an_acceptance_file(trace_file, tmp_path):
     (["--draft-tokens", "2", "--acceptance", "1.7"], "probability"),
     (["--draft-tokens", "2", "--acceptance", "0.8", "--draft", "eagle"], "unknown --draft"),
     (["--draft-tokens", "2", "--acceptance", "0.8", "--replacement", "belady"], "future"),
+    (["--draft-tokens", "2", "--acceptance", "0.8", "--preset", "hobbit"], "--preset"),
 ])
 def test_simulate_draft_bad_input_is_one_clear_error(trace_file, args, match, capsys, monkeypatch):
     err = error_of(["simulate", "-t", str(trace_file), "--cache-fraction", "0.25", *args], capsys, monkeypatch)

@@ -106,6 +106,10 @@ def simulate(
     if preset is not None:
         from ..plan.scoreboard import simulate_preset
 
+        if draft_tokens is not None:
+            raise MoectlError("--preset replays a peer's setup as it runs: without --draft-tokens (give the "
+                              "setup's options instead of --preset to price drafting)")
+
         simulate_preset(tr, preset, budget, hardware, model_shape, plan, as_json)
         return
     from ..options import RuntimeOptions
