@@ -256,7 +256,7 @@ def test_auto_is_never_slower_than_no_draft_on_the_shared_traces(cpu_experts):
     for f in TRACE_FILES:
         tr = load_trace(f)
         first = tr.request_slices()[0][1]
-        tr = tr.select(slice(first.start, min(first.stop, first.start + 64)))
+        tr = tr.select(slice(first.start, min(first.stop, first.start + 48)))
         cost = sim.cost_for(tr, "rtx4090-pcie4")
         caps = sim.capacities(tr, 0.25)
         base = sim.simulate(tr, caps, "lru", "none", cost, cpu_experts=cpu_experts, belady=False)
