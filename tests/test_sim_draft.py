@@ -160,6 +160,13 @@ def test_online_rule_explores_then_keeps_a_paying_k():
     assert set(used) == {0, 1, 2, 3, 4} and max(used, key=used.get) == 4
 
 
+def test_auto_on_a_prompt_alone_drafts_nothing():
+    tr = random_trace(N=6)
+    tr.phase[:] = 0                                                   # PREFILL: no decode row to pass over
+    r = replay(tr, None, 1.0)
+    assert r["draft"]["chosen_k"] == 0 and r["draft"]["passes"] == 0 and r["decode_tokens"] == 0
+
+
 def test_union_ratio():
     tr = make_trace([[[0, 1]], [[1, 2]], [[0, 1]], [[0, 2]], [[5, 6]], [[5, 6]], [[5, 6]], [[5, 6]], [[7, 0]]])
     # windows rows 0-3: {0,1,2} of 8 uses; rows 4-7: {5,6} of 8; row 8 is no full window
@@ -256,7 +263,8 @@ def test_auto_is_never_slower_than_no_draft_on_the_shared_traces(cpu_experts):
     for f in TRACE_FILES:
         tr = load_trace(f)
         first = tr.request_slices()[0][1]
-        tr = tr.select(slice(first.start, min(first.stop, first.start + 48)))
+        decode = np.flatnonzero(tr.phase[first] == DECODE) + first.start
+        tr = tr.select(slice(first.start, decode[min(47, len(decode) - 1)] + 1))     # its prompt + 48 decode rows
         cost = sim.cost_for(tr, "rtx4090-pcie4")
         caps = sim.capacities(tr, 0.25)
         base = sim.simulate(tr, caps, "lru", "none", cost, cpu_experts=cpu_experts, belady=False)

@@ -205,7 +205,7 @@ def simulate(
                                     lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
                                     preload=preload, staging=staging_buffers, belady=False)
                 d["draft"] |= dict(no_draft_ms_per_token=base.ms_per_token, no_draft_bytes_per_token=base.bytes_per_token,
-                                   speedup=base.ms_per_token / res.ms_per_token)
+                                   speedup=base.ms_per_token / res.ms_per_token if res.ms_per_token else 1.0)
             d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
                      experts_per_token=experts_per_token(tr), precision=prec.name, lowbit=lowbit,
                      cpu_experts=cpu_experts, admission=admission,

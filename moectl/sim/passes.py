@@ -217,7 +217,8 @@ def run_draft(make_sim, trace, spec: DraftSpec, hidden_of=None, final_hidden_of=
 
     def ms_pass(k: int) -> float:
         return runs[k]["decode_s"] * 1e3 / max(runs[k]["draft"]["passes"], 1)
-    rates = [runs[k]["draft"]["tokens_per_pass"] / ms_pass(k) for k in range(spec.k_max + 1)]
+    rates = [runs[k]["draft"]["tokens_per_pass"] / ms_pass(k) if ms_pass(k) > 0 else 0.0    # no decode rows: 0
+             for k in range(spec.k_max + 1)]
     k = DraftRule(spec.k_max, spec.margin).pick(rates)
     out = runs[k]
     out["draft"]["chosen_k"] = k
