@@ -37,6 +37,15 @@ def plan_cache(
     admission: str = typer.Option("off", "--admission", help="on: the plan's prefetches pass the admission rule "
                                   "(a copy only when its expected saving beats its copy-engine cost), measured so and "
                                   "recorded for `simulate --plan`"),
+    draft_tokens: str = typer.Option(None, "--draft-tokens", help="plan for speculative decoding: every candidate "
+                                     "replayed in verification passes of K drafts (or auto: DraftRule picks K on the "
+                                     "even split, 0 = off); recorded in plan.yaml's draft block; needs --acceptance"),
+    acceptance: str = typer.Option(None, "--acceptance", help="acceptance of the drafts: a probability per position "
+                                   "(e.g. 0.85), or the JSON file `bench --draft ... --acceptance-out` measured"),
+    draft: str = typer.Option("cached", "--draft", help="cached (the model drafts with its resident experts) or model "
+                              "(a separate draft model at --draft-ms per token)"),
+    draft_ms: float = typer.Option(None, "--draft-ms", help="--draft model: ms per drafted token"),
+    draft_max: int = typer.Option(4, "--draft-max", min=0, help="--draft-tokens auto: the most drafts per pass"),
     out: Path = typer.Option(None, "--out", help="where to write the plan (default <workdir>/plan.yaml)"),
     png: Path = typer.Option(None, "--png", help="slots-per-layer figure (default beside the plan)"),
     compare: bool = typer.Option(False, "--compare", help="also print the scoreboard: every preset on the same "
@@ -56,6 +65,8 @@ def plan_cache(
     from ..errors import MoectlError
     from ..plan import scoreboard as sb
     from ..plan.artifact import PLAN_NAME, write_plan
+    from ..plan.draft import choose_tokens, draft_record
+    from ..sim.passes import check_draftable, parse_draft
     from ..plan.setup import plan_setup
     from ..plan.planner import make_plan
     from ..plan.proxy import Setting, proxies
@@ -77,10 +88,21 @@ def plan_cache(
         raise MoectlError(f"--admission must be {' or '.join(ADMISSION_MODES)}, not {admission!r}")
     setup.policies.admission = admission
     make_precision(precision, t1, t2)                      # a bad name or T1 > T2 fails here
+    spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max)
+    by_k = None
+    if spec is not None:
+        if setup.replay is None:
+            raise MoectlError("--draft-tokens prices verification passes on traces: give --traces (or profile first)")
+        check_draftable(setup.policies.replacement, setup.policies.prefetch)
+        with console.status("choosing the drafted tokens per pass (each K on the even split)"):
+            spec, by_k = choose_tokens(setup.replay, setup.policies, setup.facts, setup.split, spec)
+        setup.replay.draft = spec
     with ProgressBar(console=console, transient=True) as bar:
         task = bar.add("measuring per-layer curves", total=None)
         plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, hardware,
                          progress=lambda: bar.update(task, advance=1))
+    if spec is not None:
+        plan["draft"] = draft_record(spec, by_k, _no_draft_ms(setup, plan))
     path = write_plan(out or setup.workdir / PLAN_NAME, plan, setup.facts.fingerprint)
     figure = draw_slots(plan, png or path.with_suffix(".png"))
     board = None
@@ -105,6 +127,18 @@ def plan_cache(
     if board is not None:
         sb.print_scoreboard(board, setup, wide=wide)
         print_proxy(proxy)
+
+
+def _no_draft_ms(setup, plan: dict) -> float | None:
+    """The plan's slots (and preload) replayed without drafting: ms/token."""
+    from dataclasses import replace
+
+    from ..plan.planner import pools_of
+
+    if setup.replay is None or plan.get("predicted", {}).get("ms_per_token") is None:
+        return None
+    pools = pools_of(setup.policies, plan["slots"], plan.get("slots_low") or [0] * len(plan["slots"]))
+    return replace(setup.replay, draft=None).run(pools, setup.policies, preload=plan.get("preload")).ms_per_token
 
 
 KEPT = {"dp": "the DP's slots", "dp+refine": "the DP's slots, refined by replay",
@@ -150,6 +184,12 @@ def print_plan(plan: dict, path, figure) -> None:
     else:
         out.print(f"predicted (analytic): stall {pred['stall_ms_per_token']:.1f} ms/token, "
                   f"uniform {plan['curve_ms_per_token']['uniform']:.1f}")
+    if plan.get("draft"):
+        d = plan["draft"]
+        out.print(f"drafting: {d['tokens']} {d['source']} drafts per pass ({d['chosen_by']}"
+                  + (f", ms/token by K {d['by_k']}" if d.get("by_k") else "") + f"), acceptance "
+                  f"{d['acceptance']['source'] or d['acceptance']['per_position']}; without drafting the plan's slots "
+                  f"replay {d['no_draft_ms_per_token']:.3g} ms/token")
     out.print(f"wrote {path} and {figure} (curves {plan['timing_s']['curves']:.2f} s, DP {plan['timing_s']['dp']:.3f} s)")
 
 

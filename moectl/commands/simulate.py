@@ -14,7 +14,7 @@ FIELDS = ["hit_rate", "belady_hit_rate", "demand_loads_per_token", "prefetch_loa
           "wasted_prefetch_fraction", "bytes_per_token", "stall_ms_per_token", "ms_per_token",
           "lower_bound_ms_per_token", "tokens", "prefill_misses", "full_loads_per_token", "lowbit_loads_per_token",
           "skipped_per_token", "cpu_experts_per_token", "cpu_ms_per_token", "fill_copies_per_token", "slots",
-          "misses"]
+          "misses", "draft"]
 
 
 def simulate(
@@ -72,6 +72,22 @@ def simulate(
     gate_prefill: bool = typer.Option(False, "--gate-prefill", help="gate prefill rows too"),
     sensitivity: Path = typer.Option(None, "--sensitivity", help="sensitivity.json of the traced model "
                                                                "(for --gating-threshold)"),
+    draft_tokens: str = typer.Option(None, "--draft-tokens", help="speculative decoding: replay the decode tokens in "
+                                     "verification passes of K+1 tokens (the last accepted + K drafts; per layer the "
+                                     "union of their experts loaded or computed once), K a number or auto (the cost "
+                                     "model's rule picks 0..--draft-max, 0 = off); needs --acceptance"),
+    acceptance: str = typer.Option(None, "--acceptance", help="acceptance of the drafts: a probability per position "
+                                   "(e.g. 0.85), or the JSON file `bench --draft ... --acceptance-out` measured"),
+    draft: str = typer.Option("cached", "--draft", help="what drafts: cached (the model itself with its resident "
+                              "experts only: a decode step's compute, no loads) or model (a separate small model "
+                              "costing --draft-ms per token)"),
+    draft_ms: float = typer.Option(None, "--draft-ms", help="--draft model: ms per drafted token (default: a 0.5B "
+                                   "dense model's weights read once per token on --hardware)"),
+    draft_max: int = typer.Option(4, "--draft-max", min=0, help="--draft-tokens auto: the most drafts per pass"),
+    draft_rule: str = typer.Option("cost", "--draft-rule", help="--draft-tokens auto: cost (each K replayed, the "
+                                   "rule keeps the one with the most tokens per ms, 0 unless drafting pays) or online "
+                                   "(the runtime's rule on the simulated pass times: explores, turns off, re-probes)"),
+    draft_seed: int = typer.Option(0, "--draft-seed", help="seed of the sampled acceptance"),
     as_json: bool = typer.Option(False, "--json", help="print JSON (one object, or a list with --compare)"),
 ) -> None:
     """Simulate expert caching + prefetch on real routing: hit rate vs Belady, demand loads, ms/token."""
@@ -89,6 +105,10 @@ def simulate(
     tr = sim.concat(traces)
     if preset is not None:
         from ..plan.scoreboard import simulate_preset
+
+        if draft_tokens is not None:
+            raise MoectlError("--preset replays a peer's setup as it runs: without --draft-tokens (give the "
+                              "setup's options instead of --preset to price drafting)")
 
         simulate_preset(tr, preset, budget, hardware, model_shape, plan, as_json)
         return
@@ -126,6 +146,13 @@ def simulate(
     if gated is not None:
         tr = gated
     prec = make_precision(precision, t1, t2)
+    from ..sim.passes import parse_draft
+
+    spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max, draft_rule, draft_seed)
+    if spec is None and plan is not None and plan_d.get("draft"):
+        from ..plan.draft import plan_draft_spec
+
+        spec = plan_draft_spec(plan_d, plan)         # the drafting the plan was made for
     train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
     if train_on:
         sim_paths = {Path(p).expanduser().resolve() for p in trace}
@@ -172,8 +199,15 @@ def simulate(
             res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
                                depth=depth, per_layer=per_layer, aux_gate=aux_pred, precision=prec, lowbit=lowbit,
                                lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
-                               preload=preload, staging=staging_buffers)
+                               preload=preload, staging=staging_buffers, draft=spec)
             d = {k: getattr(res, k) for k in FIELDS}
+            if spec is not None:                 # the same setting without drafting, beside it
+                base = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces, depth=depth,
+                                    per_layer=per_layer, aux_gate=aux_pred, precision=prec, lowbit=lowbit,
+                                    lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
+                                    preload=preload, staging=staging_buffers, belady=False)
+                d["draft"] |= dict(no_draft_ms_per_token=base.ms_per_token, no_draft_bytes_per_token=base.bytes_per_token,
+                                   speedup=base.ms_per_token / res.ms_per_token if res.ms_per_token else 1.0)
             d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
                      experts_per_token=experts_per_token(tr), precision=prec.name, lowbit=lowbit,
                      cpu_experts=cpu_experts, admission=admission,
@@ -186,7 +220,8 @@ def simulate(
     if as_json:
         print(json.dumps(results if compare else results[0], indent=1))
         return
-    _table(results, tr, caps, cost, hardware, prec.describe() if prec.uses_lowbit else "")
+    _table(results, tr, caps, cost, hardware, prec.describe() if prec.uses_lowbit else "",
+           spec.describe() if spec is not None else "")
 
 
 def _gated(tr, threshold, spec, gate_prefill, sensitivity):
@@ -206,7 +241,7 @@ def _gated(tr, threshold, spec, gate_prefill, sensitivity):
     return gate_trace(tr, policy, gate_prefill) if policy is not None else None
 
 
-def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "") -> None:
+def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "", drafting: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -216,14 +251,21 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "") -
     slots = ", ".join(f"{p} {n}" for p, n in (results[0].get("slots") or {}).items())
     t = Table(title=f"{tr.model}: {tr.num_tokens} rows, {tr.num_layers}x{tr.num_experts} top-{tr.top_k}; "
                     f"{sum(caps)} slots ({sum(caps) / (tr.num_layers * tr.num_experts):.0%}); {hardware}, "
-                    f"expert {cost.expert_bytes / 1e6:.0f} MB" + (f"; {precision}, slots {slots}" if precision else ""))
+                    f"expert {cost.expert_bytes / 1e6:.0f} MB" + (f"; {precision}, slots {slots}" if precision else "")
+                    + (f"; {drafting}" if drafting else ""))
     extra = [("full/tok", "full_loads_per_token"), ("low/tok", "lowbit_loads_per_token"),
              ("skip/tok", "skipped_per_token"), ("cpu/tok", "cpu_experts_per_token"), ("cpu ms/tok", "cpu_ms_per_token"),
              ("fill/tok", "fill_copies_per_token")]
     extra = [(c, k) for c, k in extra if any(d[k] for d in results)]
+    drafts = [("k", "k"), ("tok/pass", "tokens_per_pass"), ("draft ms/tok", "draft_ms_per_token"),
+              ("no-draft ms/tok", "no_draft_ms_per_token"), ("speedup", "speedup")] if results[0].get("draft") else []
+    for d in results:
+        if d.get("draft"):
+            dr = d["draft"]
+            dr["k"] = dr.get("chosen_k", max(dr["k_passes"], default=0) if dr["rule"] == "fixed" else dr["rule"])
     names = ["policy", "hit\nrate", "/\nBelady", "demand\n/tok", "prefetch\n/tok", "wasted", "MB\n/tok",
              "stall\nms/tok", "ms/tok", "bound\nms/tok"] + [c.replace(" ", "\n").replace("/", "\n/", 1) if "ms" not in c
-                                                             else c.replace(" ", "\n") for c, _ in extra]
+                                                             else c.replace(" ", "\n") for c, _ in extra + drafts]
     cells = []
     for d in results:
         bel = d["belady_hit_rate"]
@@ -233,11 +275,17 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "") -
                       f"{d['demand_loads_per_token']:.2f}", f"{d['prefetch_loads_per_token']:.2f}",
                       f"{d['wasted_prefetch_fraction']:.2f}", f"{d['bytes_per_token'] / 1e6:.0f}",
                       f"{round(d['stall_ms_per_token'], 1) + 0.0:.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
-                      *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra]])
+                      *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra],
+                      *[_draft_cell(d["draft"], k) for _, k in drafts]])
     add_fitted_columns(t, names, cells, left=("policy",), wrap=("policy",))
     for row in cells:
         t.add_row(*row)
     print_fitted(out, t)                                  # narrower would cut numbers short: the lines run longer
+
+
+def _draft_cell(draft: dict, key: str) -> str:
+    v = draft[key]
+    return f"{v}" if key == "k" else f"{v:.2f}x" if key == "speedup" else f"{v:.1f}" if "ms" in key else f"{v:.2f}"
 
 
 def _checkpoint_facts(model: str, trace):

@@ -57,6 +57,7 @@ class Replay:
     aux_gate: object = None
     train_traces: list | None = None
     raw: object = None               # the trace before gating (presets gate their own way)
+    draft: object = None             # sim/passes.py DraftSpec: replayed in verification passes (plan/draft.py)
 
     def run(self, caps, pol: Policies, belady: bool = False, replacement: str | None = None,
             prefetch: str | None = None, preload: dict | None = None):
@@ -70,7 +71,8 @@ class Replay:
                         predictor=self.predictor if p in ("mlp", "aux-gate", "routing") else None,
                         train_traces=self.train_traces, depth=pol.depth, per_layer=pol.per_layer,
                         belady=belady, aux_gate=self.aux_gate, precision=make_precision(pol.precision, pol.t1, pol.t2),
-                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts, admission=pol.admission, preload=preload)
+                        lowbit=pol.lowbit, cpu_experts=pol.cpu_experts, admission=pol.admission, preload=preload,
+                        draft=self.draft)
 
     def run_warm(self, caps: dict, pol: Policies, **kw):
         """`run` with pools `caps` starting with their hot set resident (`hot`), as the runtime starts with a plan."""

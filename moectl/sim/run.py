@@ -224,12 +224,14 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
              per_layer: int | None = None, min_score: float | None = None, belady: bool = True,
              replacement_kw: dict | None = None, aux_gate=None, precision: PrecisionPolicy | None = None,
              lowbit: str | None = None, lowbit_fraction: float | None = None, cpu_experts: str = "never",
-             admission: str = "off", preload: dict | None = None, staging: int | None = None) -> SimResult:
+             admission: str = "off", preload: dict | None = None, staging: int | None = None,
+             draft=None) -> SimResult:
     """One configuration on one (possibly concatenated) trace. `predictor`: the routing predictor for
     --prefetch routing, else the mlp one. `caps`: full-precision slots per layer; with a low-bit `precision`
     their bytes are split into per-precision pools (`precision_pools`). `preload`: a plan's hot set, resident
     before the first step (`CacheState.preload`). `staging`: prefetch staging buffers per pool (0: prefetches copy
-    into cache slots, evicting; default `prefetch_staging(cpu_experts)`, as the runtime)."""
+    into cache slots, evicting; default `prefetch_staging(cpu_experts)`, as the runtime). `draft` (a
+    sim/passes.py DraftSpec): replayed in verification passes, its figures under `SimResult.draft`."""
     steps = trace_steps(trace)
     inputs = policy_inputs(trace, train_traces, mlp=None if prefetch == "routing" else predictor,
                            routing=predictor if prefetch == "routing" else None, aux_gate=aux_gate)
@@ -239,17 +241,24 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
         bits, group = parse_lowbit(lowbit)
         nbytes[LOW] = expert_bytes(cost.shape, bits, group)
     pools = precision_pools(caps, precision, cost.expert_bytes, nbytes.get(LOW), trace.num_experts, lowbit_fraction)
-    repl = {p: build_replacement(replacement, inputs, **(replacement_kw or {})) for p in pools}
-    pf = build_prefetch(prefetch, inputs, depth, per_layer, min_score)
     hidden_of = hidden_lookup(trace) if prefetch in ("gate-reuse", "mlp", "aux-gate") else None
     final_of = final_hidden_lookup(trace) if prefetch == "aux-gate" else None
     placement = ComputePlacement(cpu_experts, cost)
     staging = prefetch_staging(cpu_experts) if staging is None else staging
-    adm = make_admission(admission, cost, trace.top_k, cpu_experts=cpu_experts, staged=staging > 0)
-    r = Simulator(pools, repl, pf, cost, precision=precision, nbytes=nbytes,
-                  placement=placement if cpu_experts != "never" else None, admission=adm, preload=preload,
-                  staging=staging).run(
-        steps, hidden_of=hidden_of, final_hidden_of=final_of)
+
+    def make_sim(kind=Simulator):
+        repl = {p: build_replacement(replacement, inputs, **(replacement_kw or {})) for p in pools}
+        return kind(pools, repl, build_prefetch(prefetch, inputs, depth, per_layer, min_score), cost,
+                    precision=precision, nbytes=nbytes, placement=placement if cpu_experts != "never" else None,
+                    admission=make_admission(admission, cost, trace.top_k, cpu_experts=cpu_experts,
+                                             staged=staging > 0), preload=preload, staging=staging)
+    if draft is None:
+        r = make_sim().run(steps, hidden_of=hidden_of, final_hidden_of=final_of)
+    else:
+        from .passes import PassSimulator, check_draftable, run_draft
+
+        check_draftable(replacement, prefetch)
+        r = run_draft(lambda: make_sim(PassSimulator), trace, draft, hidden_of, final_of)
     note = ""
     if replacement == "moe-infinity" and not train_traces and len(trace.request_slices()) < 2:
         note = ("moe-infinity without --train-on on a single-request trace has an empty request collection: "
@@ -270,7 +279,7 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
         full_loads_per_token=r["full_loads_per_token"], lowbit_loads_per_token=r["lowbit_loads_per_token"],
         skipped_per_token=r["skipped_per_token"], cpu_experts_per_token=r["cpu_experts_per_token"],
         cpu_ms_per_token=r["cpu_ms_per_token"], fill_copies_per_token=r["fill_copies_per_token"], slots={p: sum(c) for p, c in pools.items()},
-        stall_ms_per_layer=r["stall_ms_per_layer"])
+        stall_ms_per_layer=r["stall_ms_per_layer"], draft=r.get("draft"))
 
 
 

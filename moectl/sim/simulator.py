@@ -43,7 +43,7 @@ from ..policies.placement import CPU, ComputePlacement, LayerQueue
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
 from ..chunks import CHUNK_BYTES, chunk_count
 from .cost import CostModel, FixedCost
-from .steps import SimResult, Step, trace_steps  # noqa: F401  (re-exported)
+from .steps import SimResult, Step, tokens_of, trace_steps  # noqa: F401  (re-exported)
 
 
 class _Copy:
@@ -227,20 +227,20 @@ class Simulator:
         self.step_stall = self.step_compute = 0.0
         for l in range(self.L):
             self._layer(step, l, hidden_of)
-        head = cost.lm_head_s(1)
+        head = cost.lm_head_s(1 if step.prefill else len(step.rows))     # a verification pass scores every row
         self.t_final = self.clock
         self.clock += head
         self.step_compute += head
         if step.prefill:
             self.prefill_time += self.clock - t_step
         else:
-            self.decode_tokens += 1
+            self.decode_tokens += step.produced
             self.stall += self.step_stall
             self.compute_only += self.step_compute
             self.demand_decode += self.n_demand - demand_before
             self.bytes_decode += self.bytes_copied - bytes_before
-            self.pf.end_token(final_hidden_of(step.rows[0]) if final_hidden_of else None)
-        self.context += len(step.rows)
+            self.pf.end_token(final_hidden_of(step.rows[step.produced - 1]) if final_hidden_of else None)
+        self.context += len(step.rows) if step.prefill else step.produced    # a pass's rejected rows roll back
         for tl, sp, e, _ in state.end_step():
             self.copies.pop((tl, sp, e), None)
 
@@ -278,8 +278,8 @@ class Simulator:
         either precision on the device; else the precision policy's choice, skipped, fetched or computed on the
         CPU."""
         state, chosen, weights = self.state, step.chosen[l], step.weights[l]
-        if step.prefill:
-            scores = [step.scores[l].get(e, 0.0) for e in chosen] if step.scores else [0.0] * len(chosen)
+        if step.scores is not None:       # several rows (prefill, verification pass): each expert's lowest score
+            scores = [step.scores[l].get(e, 0.0) for e in chosen]
         else:
             scores = rank_scores(weights) if weights else [0.0] * len(chosen)
         on_device: dict[str, list[int]] = {p: [] for p in self.pools}
@@ -289,7 +289,7 @@ class Simulator:
             held = next((p for p in self.pools if state.contains(l, e, p)), None) or state.staged_in(l, e)
             wanted = self.precision.decide(s) if held is None else held
             p = self._pool(wanted) if wanted != SKIP else SKIP
-            tok = step.tokens_per_expert[l][e] if step.prefill else 1
+            tok = tokens_of(step, l, e)
             where, p = decide_miss(held, p, self.placement, tok, self.nbytes.get(p), queue=queue)
             if where == DEVICE:
                 on_device[p].append(e)
@@ -305,7 +305,7 @@ class Simulator:
         """The CPU's experts run serially from host RAM, alongside the device's: when they end."""
         t_cpu = self.clock
         for e, p in on_cpu:
-            tok = step.tokens_per_expert[l][e] if step.prefill else 1
+            tok = tokens_of(step, l, e)
             c = self.cost.cpu_expert_s(tok, self.nbytes[p], p == LOW)
             t_cpu += c
             self.cpu_busy += c * (not step.prefill)
@@ -321,7 +321,7 @@ class Simulator:
                 state.pin(l, chunk, p)
                 ready: list[tuple[float, float]] = []      # (ready time, compute time)
                 for e in chunk:
-                    c = self.cost.expert_s(step.tokens_per_expert[l][e] if step.prefill else 1, self.nbytes[p])
+                    c = self.cost.expert_s(tokens_of(step, l, e), self.nbytes[p])
                     self.step_compute += c
                     self.accesses += not step.prefill
                     a = state.access(l, e, p)

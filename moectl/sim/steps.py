@@ -23,6 +23,29 @@ class Step:
     tokens_per_expert: list[dict[int, int]] | None   # prefill: per layer, tokens routed to each expert
     scores: list[dict[int, float]] | None = None     # prefill: per layer, each expert's lowest rank score over the
     #                                                  rows (the precision a miss loads is the best any row asks for)
+    produced: int = 1                      # decode: tokens the step adds to the output (a verification pass: the
+    #                                        accepted drafts + 1; its rejected rows ran but leave the context)
+
+
+def tokens_of(step: Step, l: int, e: int) -> int:
+    """Tokens of `step` routed to expert e in layer l (1 in a one-token decode step)."""
+    return step.tokens_per_expert[l][e] if step.tokens_per_expert else 1
+
+
+def multi_token_step(trace: Trace, rows: np.ndarray, request: str, first: bool, prefill: bool,
+                     produced: int = 1) -> Step:
+    """One step over several rows at once (a prefill, or a verification pass over the last accepted token and its
+    drafts): per layer the union of their experts, ascending, with the tokens routed to each and its lowest rank
+    score (when the trace has gate weights)."""
+    ex, w = trace.experts, trace.weights
+    chosen, counts = [], []
+    for l in range(trace.num_layers):
+        ids, n = np.unique(ex[rows, l], return_counts=True)
+        keep = ids >= 0
+        chosen.append([int(i) for i in ids[keep]])
+        counts.append({int(i): int(c) for i, c in zip(ids[keep], n[keep])})
+    return Step(request, first, prefill, rows, chosen, [None] * trace.num_layers, counts,
+                None if w is None else prefill_scores(ex[rows], w[rows]), produced)
 
 
 def trace_steps(trace: Trace) -> list[Step]:
@@ -35,14 +58,7 @@ def trace_steps(trace: Trace) -> list[Step]:
         pre = rows[trace.phase[rows] == PREFILL]
         first = True
         if len(pre):
-            chosen, counts = [], []
-            for l in range(trace.num_layers):
-                ids, n = np.unique(ex[pre, l], return_counts=True)
-                keep = ids >= 0
-                chosen.append([int(i) for i in ids[keep]])
-                counts.append({int(i): int(c) for i, c in zip(ids[keep], n[keep])})
-            steps.append(Step(req, True, True, pre, chosen, [None] * trace.num_layers, counts,
-                              None if w is None else prefill_scores(ex[pre], w[pre])))
+            steps.append(multi_token_step(trace, pre, req, True, True))
             first = False
         for r in rows[trace.phase[rows] != PREFILL]:
             chosen, weights = [], []
@@ -98,6 +114,8 @@ class SimResult:
     fill_copies_per_token: float = 0.0     # CPU-computed misses copied into the cache while the engine idled
     slots: dict | None = None              # {precision: slots in all}
     stall_ms_per_layer: list | None = None     # decode stall per token by the layer that waited (sums to the stall)
+    draft: dict | None = None              # a replay in verification passes (sim/passes.py): passes, tokens and
+    #                                        accepted drafts per pass, draft ms/token, the acceptance, auto's by_k
 
     def to_dict(self) -> dict:
         return asdict(self)
