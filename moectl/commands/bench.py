@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, GatingOpts, PrecisionOpts, prepare_model
+from ._common import CacheOpts, DraftOpts, GatingOpts, PrecisionOpts, prepare_model
 
 
 def bench(
@@ -46,6 +46,12 @@ def bench(
     precision: Optional[str] = PrecisionOpts.precision(),
     t1: float = PrecisionOpts.t1(),
     t2: float = PrecisionOpts.t2(),
+    draft: Optional[str] = DraftOpts.draft(),
+    draft_tokens: int = DraftOpts.draft_tokens(),
+    draft_rule: str = DraftOpts.draft_rule(),
+    acceptance_out: Optional[str] = typer.Option(None, "--acceptance-out",
+                                                 help="With --draft: write the measured acceptance per position to "
+                                                      "this JSON file (what `moectl simulate --acceptance` reads)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Measure a model's TTFT, prefill tokens/s, decode ms/token, hit rate, bytes/token, stall and predictor time
@@ -55,19 +61,38 @@ def bench(
 
     if model is not None:
         from ..bench_model import bench_model
+        from ..errors import MoectlError
 
+        if acceptance_out is not None and draft is None:
+            raise MoectlError("--acceptance-out needs --draft (the acceptance is measured while drafting)")
+        from ..options import RuntimeOptions
+
+        RuntimeOptions(draft=draft, draft_tokens=draft_tokens, draft_rule=draft_rule, replay_trace=replay_trace).check()
         prepare_model(model, workdir)
         out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
                           replacement, prefetch or "auto", cpu_experts, dtype,
                           tuple(b.strip() for b in baselines.split(",") if b.strip()), repeat=repeat, prefill=prefill,
                           progress=not as_json, admission=admission or "off", lowbit=lowbit, precision=precision,
-                          t1=t1, t2=t2, gating=gating, gating_threshold=gating_threshold, gate_prefill=gate_prefill)
+                          t1=t1, t2=t2, gating=gating, gating_threshold=gating_threshold, gate_prefill=gate_prefill,
+                          draft=draft, draft_tokens=draft_tokens, draft_rule=draft_rule)
+        if draft is not None:
+            out["acceptance"] = out["runs"]["moectl+draft"]["draft"]["acceptance"]
+            if acceptance_out is not None:
+                from pathlib import Path
+
+                Path(acceptance_out).expanduser().write_text(json.dumps(out["acceptance"], indent=1) + "\n")
         if as_json:
             print(json.dumps(out))
         else:
             Console().print(_model_table(out))
             for k, v in out["notes"].items():
                 Console().print(f"[dim]{k}: {v}[/]", highlight=False)
+            if draft is not None:
+                d = out["runs"]["moectl+draft"]["draft"]
+                acc = ", ".join(f"{p:.2f}" for p in d["acceptance"]["per_position"])
+                Console().print(f"[dim]moectl+draft: --draft {d['source']} (K {d['draft_tokens']}, rule {d['rule']}): "
+                                f"{d['tokens_per_pass']:.2f} tokens per pass, acceptance per position [{acc}], same "
+                                f"tokens as without drafting: {d['same_tokens_as_without']}[/]", highlight=False)
         return
     _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision, t1, t2,
                             gate_prefill)
