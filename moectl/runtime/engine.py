@@ -40,7 +40,8 @@ class GenerationResult:
     token_ids: list[int]                    # generated ids only
     prompt_ids: list[int]
     stats: dict = field(default_factory=dict)
-    per_token: list[dict] = field(default_factory=list)   # cache hits/misses/bytes of each forward step
+    per_token: list[dict] = field(default_factory=list)   # cache hits/misses/bytes of each forward step (--draft:
+    #                                                       of each verification pass, with k, accepted, tokens)
 
 
 class Engine:

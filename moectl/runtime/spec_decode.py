@@ -75,7 +75,7 @@ class Speculator:
         return pkv, run
 
     def step(self, eng, pkv, ctx: list[int], out, sampling, k: int, run: dict):
-        t0, bytes0 = time.perf_counter(), eng.cache.stats.as_dict()["bytes_loaded"]
+        t0, mark = time.perf_counter(), eng.cache.stats.as_dict()
         if k <= 0:
             logits, pkv = eng.forward(torch.tensor([[ctx[-1]]]), pkv)
             rollback(pkv, pkv.get_seq_length())                    # (trims sliding-window layers)
@@ -97,7 +97,9 @@ class Speculator:
             produced += 1
             if out.emit(tok):
                 break
-        loaded = eng.cache.stats.as_dict()["bytes_loaded"] - bytes0
+        now = eng.cache.stats.as_dict()
+        delta = {k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")}
+        loaded = delta["bytes_loaded"]
         run["passes"] += 1
         run["drafted"] += max(k, 0)
         run["accepted"] += accepted
@@ -105,8 +107,7 @@ class Speculator:
         run["draft_s"] += t_draft - t0
         run["seconds"] += ms / 1000
         run["bytes"] += loaded
-        run["per_pass"].append({"k": max(k, 0), "accepted": accepted, "tokens": produced, "ms": ms,
-                                "bytes_loaded": loaded})
+        run["per_pass"].append(delta | {"k": max(k, 0), "accepted": accepted, "tokens": produced, "ms": ms})
         return pkv
 
     def stats(self, run: dict) -> dict:
