@@ -8,8 +8,9 @@ with a smaller tiny draft (the tiny model cut to its first layers, sharing its t
              a real GPU has (a Mixtral expert copies in ~14 ms and computes in ~0.5 ms). The rate is measured here.
   in-place   the CPU computing every expert in place from RAM: nothing misses, nothing is copied.
 
-One process, 1 thread; per setting one engine per draft source, every configuration run on the same prompts in turn
-(so load drifts hit all alike); sampling at temperature 0.8, top-p 0.95, seeded (the tiny model's greedy output
+One process, 1 thread; per setting one engine per draft source, every configuration (no draft included) run on the
+same prompt in turn before the next prompt (so load drifts hit all alike; a source's speed-up is against the no-draft
+runs on its own engine); sampling at temperature 0.8, top-p 0.95, seeded (the tiny model's greedy output
 repeats itself, which flatters any draft), `--greedy` to see that. ms/token = decode time after the first token
 over the tokens produced (drafting included); expert bytes/token = bytes copied in decode over those tokens.
 
@@ -70,7 +71,7 @@ def run_setting(setting: str, sources: dict, args, copy_gbps: float | None) -> l
         if copy_gbps:
             eng.cache.emulated_gbps = copy_gbps
         spec = eng.speculator
-        todo = configs(args.k_max) if src_name == next(iter(sources)) else configs(args.k_max)[1:]
+        todo = configs(args.k_max)              # "none" on every engine: each source's speed-up is paired
         acc = {name: {"counter": AcceptanceCounter(source=f"measured: tiny, --draft {src_name}, {setting}, {name}"),
                       "ms": [], "bytes": 0, "tokens": 0, "passes": 0, "rule": OnlineDraftRule(k)
                       if rule == "auto" else FixedDraftRule(k)} for name, k, rule in todo}
@@ -88,15 +89,15 @@ def run_setting(setting: str, sources: dict, args, copy_gbps: float | None) -> l
                 a["passes"] += r.stats["draft"]["passes"] if "draft" in r.stats else n
         for name, k, rule in todo:
             a = acc[name]
-            rows.append({"setting": setting, "draft": "none" if k == 0 else src_name, "config": name,
+            rows.append({"setting": setting, "draft": src_name, "config": name,
                          "acceptance": a["counter"].acceptance().per_position if k else [],
                          "tokens_per_pass": a["tokens"] / max(a["passes"], 1),
                          "ms_per_token": statistics.median(a["ms"]),
                          "expert_bytes_per_token": a["bytes"] / max(a["tokens"], 1)})
         del eng
-    base = next(r["ms_per_token"] for r in rows if r["config"] == "none")
-    for r in rows:
-        r["speedup"] = base / r["ms_per_token"]
+        base = next(r["ms_per_token"] for r in rows if r["config"] == "none" and r["draft"] == src_name)
+        for r in rows[-len(todo):]:
+            r["speedup"] = base / r["ms_per_token"]
     return rows
 
 
