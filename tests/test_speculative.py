@@ -216,3 +216,31 @@ def test_mtp_says_why_not():
     msg = mtp_unavailable(DeepseekV3Config(num_nextn_predict_layers=1, num_hidden_layers=4))
     assert "cannot load them" in msg and "model.layers.4" in msg
     assert "ships no" in mtp_unavailable(DeepseekV3Config(num_nextn_predict_layers=0))
+
+
+def test_bench_and_eval_report_drafting(tiny_small, tmp_path, capsys, monkeypatch):
+    """bench --draft: the row moectl+draft beside moectl, the same tokens, --acceptance-out readable by the
+    simulator's loader; eval --draft: greedy agreement with drafting against without is 1."""
+    from moectl.policies.draft import load_acceptance
+    from tests.test_bad_input import run_cli
+
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    acc = tmp_path / "acc.json"
+    code, out, err = run_cli(["bench", "--model", str(tiny_small), "--baselines", "all-resident", "--repeat", "1",
+                              "--prompt-len", "8", "--gen-len", "12", "--threads", "1", "--cache-experts", "4",
+                              "--prefetch", "none", "--draft", "cached", "--draft-tokens", "2", "--draft-rule",
+                              "always", "--acceptance-out", str(acc), "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    b = json.loads(out)
+    row = b["runs"]["moectl+draft"]
+    assert row["draft"]["same_tokens_as_without"] is True and row["draft"]["tokens_per_pass"] > 1
+    assert {"decode_ms_per_token", "bytes_per_token", "hit_rate"} <= set(row)
+    a = load_acceptance(str(acc))
+    assert a.per_position == b["acceptance"]["per_position"] and a.passes == row["draft"]["acceptance"]["passes"]
+    code, out, err = run_cli(["eval", "--model", str(tiny_small), "--dataset", "builtin", "--max-tokens", "64",
+                              "--window", "32", "--prompts", "2", "--generate", "10", "--threads", "1",
+                              "--emulate-device", "--cache-experts", "4", "--draft", "cached", "--draft-rule",
+                              "always", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    e = json.loads(out)
+    assert e["draft"]["greedy_agreement"] == 1.0 and e["draft"]["identical"] and e["draft"]["tokens"] == 20
