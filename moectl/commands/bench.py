@@ -61,13 +61,8 @@ def bench(
 
     if model is not None:
         from ..bench_model import bench_model
-        from ..errors import MoectlError
 
-        if acceptance_out is not None and draft is None:
-            raise MoectlError("--acceptance-out needs --draft (the acceptance is measured while drafting)")
-        from ..options import RuntimeOptions
-
-        RuntimeOptions(draft=draft, draft_tokens=draft_tokens, draft_rule=draft_rule, replay_trace=replay_trace).check()
+        _check_draft(draft, draft_tokens, draft_rule, replay_trace, acceptance_out)
         prepare_model(model, workdir)
         out = bench_model(model, workdir, device, budget, cache_experts, prompt_len, gen_len, replay_trace, threads,
                           replacement, prefetch or "auto", cpu_experts, dtype,
@@ -76,11 +71,7 @@ def bench(
                           t1=t1, t2=t2, gating=gating, gating_threshold=gating_threshold, gate_prefill=gate_prefill,
                           draft=draft, draft_tokens=draft_tokens, draft_rule=draft_rule)
         if draft is not None:
-            out["acceptance"] = out["runs"]["moectl+draft"]["draft"]["acceptance"]
-            if acceptance_out is not None:
-                from pathlib import Path
-
-                Path(acceptance_out).expanduser().write_text(json.dumps(out["acceptance"], indent=1) + "\n")
+            _draft_acceptance(out, acceptance_out)
         if as_json:
             print(json.dumps(out))
         else:
@@ -96,6 +87,25 @@ def bench(
         return
     _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision, t1, t2,
                             gate_prefill)
+
+
+def _check_draft(draft, draft_tokens: int, draft_rule: str, replay_trace, acceptance_out) -> None:
+    """The draft options' errors before anything loads (the runtime commands' check, `RuntimeOptions.check`)."""
+    from ..errors import MoectlError
+    from ..options import RuntimeOptions
+
+    if acceptance_out is not None and draft is None:
+        raise MoectlError("--acceptance-out needs --draft (the acceptance is measured while drafting)")
+    RuntimeOptions(draft=draft, draft_tokens=draft_tokens, draft_rule=draft_rule, replay_trace=replay_trace).check()
+
+
+def _draft_acceptance(out: dict, path: str | None) -> None:
+    """The drafting row's acceptance on top of the report, and in `path` (`--acceptance-out`) for the simulator."""
+    out["acceptance"] = out["runs"]["moectl+draft"]["draft"]["acceptance"]
+    if path is not None:
+        from pathlib import Path
+
+        Path(path).expanduser().write_text(json.dumps(out["acceptance"], indent=1) + "\n")
 
 
 def _model_table(out: dict):
