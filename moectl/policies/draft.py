@@ -190,7 +190,11 @@ class DraftRule:
         return out
 
     def choose(self, acceptance: Acceptance, ms_pass: Callable[[int], float]) -> int:
-        rates = self.rates(acceptance, ms_pass)
+        return self.pick(self.rates(acceptance, ms_pass))
+
+    def pick(self, rates: list[float]) -> int:
+        """The rule on tokens per ms already known for k = 0..k_max (e.g. replays that sampled their own
+        acceptance): the best k, 0 unless it beats k = 0 by the margin."""
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))      # ties: fewer drafts
         return best if best > 0 and rates[best] > self.margin * rates[0] else 0
 
