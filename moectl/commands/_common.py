@@ -274,7 +274,13 @@ def print_lossy(eng, console=None) -> dict:
     from rich.console import Console
 
     lossy = eng.lossy()
-    (console or Console(stderr=True)).print(
+    console = console or Console(stderr=True)
+    console.print(
         f"[dim]lossy settings: precision {lossy['precision']}; gating {lossy['gating']}; low-bit copies "
         f"{lossy['lowbit'] or 'none'}[/]", highlight=False)
+    spec = getattr(eng, "speculator", None)
+    if spec is not None:                        # drafting is lossless: said on its own line
+        console.print(f"[dim]speculative decoding: --draft {spec.drafter.name}, up to {spec.k_max} tokens per pass, "
+                      f"rule {spec.rule_name}" + (f"; {spec.drafter.note}" if spec.drafter.note else "") + "[/]",
+                      highlight=False)
     return lossy
