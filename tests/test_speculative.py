@@ -244,3 +244,20 @@ def test_bench_and_eval_report_drafting(tiny_small, tmp_path, capsys, monkeypatc
     assert code == 0, err
     e = json.loads(out)
     assert e["draft"]["greedy_agreement"] == 1.0 and e["draft"]["identical"] and e["draft"]["tokens"] == 20
+
+
+def test_sliding_window_layers_roll_back(tmp_path):
+    """GPT-OSS's sliding-window attention (window 32 in the factory model): drafts rolled back past the window keep
+    greedy output identical (the KV cache records its past for crop)."""
+    from moectl.runtime.engine import Engine
+    from tests.model_factory import build_family
+
+    build_family("gpt_oss", tmp_path / "gpt_oss")
+    eng = Engine.load(str(tmp_path / "gpt_oss"), progress=False, threads=1, draft="cached", draft_tokens=3,
+                      draft_rule="always", emulate_device=True, cache_experts=8)
+    ids = list(range(5, 35))                                        # 30 prompt tokens + 30 generated > 32
+    eng.speculator.enabled = False
+    plain = eng.generate(input_ids=ids, max_new_tokens=30, stop_at_eos=False).token_ids
+    eng.speculator.enabled = True
+    res = eng.generate(input_ids=ids, max_new_tokens=30, stop_at_eos=False)
+    assert res.token_ids == plain and res.stats["draft"]["accepted"] > 0
