@@ -98,7 +98,7 @@ class Speculator:
             if out.emit(tok):
                 break
         now = eng.cache.stats.as_dict()
-        delta = {k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")}
+        delta = {c: now[c] - mark[c] for c in ("hits", "misses", "bytes_loaded", "prefetches")}
         loaded = delta["bytes_loaded"]
         run["passes"] += 1
         run["drafted"] += max(k, 0)
