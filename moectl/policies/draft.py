@@ -202,12 +202,14 @@ class DraftRule:
 class OnlineDraftRule:
     """The runtime's use of DraftRule with measured costs: records each pass (k, accepted, ms incl. drafting);
     ms_pass(k) is the running mean of measured passes with k drafts (the last `window` of them, so it follows a
-    warming cache), unknown k are explored first (k = 0, then each k in 1..k_max, tried `explore` times before it is
-    judged), and every `reprobe` passes the setting not in use is probed again: a drafted k while drafting is off
-    (so a turned-off draft can come back: fresh acceptance and pass cost), k = 0 while it is on (its cost drifts
-    too). next_k() -> int; record(k, accepted, ms) -> None; counter: AcceptanceCounter."""
+    warming cache), unknown k are explored first (round-robin over k = 0..k_max, each tried `explore` times before it
+    is judged: so no k is judged on a colder cache than the others), and the setting not in use is probed again: k = 0
+    every `reprobe` passes while drafting is on (its cost drifts too), a drafted k (1..k_max in turn) while it is off
+    (so a turned-off draft can come back: fresh acceptance and pass cost), after `reprobe` passes, then twice as
+    long after each probe that left it off (up to 8x: a probe of a draft that does not pay costs a whole pass).
+    next_k() -> int; record(k, accepted, ms) -> None; counter: AcceptanceCounter."""
 
-    def __init__(self, k_max: int, explore: int = 3, reprobe: int = 32, margin: float = 1.02, window: int = 32):
+    def __init__(self, k_max: int, explore: int = 3, reprobe: int = 32, margin: float = 1.02, window: int = 16):
         self.rule = DraftRule(k_max, margin)
         self.k_max, self.explore, self.reprobe = k_max, explore, reprobe
         self.counter = AcceptanceCounter()
@@ -215,11 +217,14 @@ class OnlineDraftRule:
         self.seen = [0] * (k_max + 1)        # passes recorded per k (all time)
         self.passes = 0
         self._probe_k = 1                    # the next drafted k a re-probe tries while drafting is off
+        self._next_probe = 0                 # pass count at which the next re-probe is due
+        self._off_wait = reprobe             # passes until the next re-probe while off (doubles, up to 8 x reprobe)
 
     def ms_pass(self, k: int) -> float:
-        """Mean measured ms of a pass with k drafts (nan while unmeasured)."""
-        m = self.ms[k]
-        return sum(m) / len(m) if m else float("nan")
+        """Measured ms of a pass with k drafts: the median of the last `window` (robust to the cold start's passes,
+        which the first exploration round pays; nan while unmeasured)."""
+        m = sorted(self.ms[k])
+        return float("nan") if not m else (m[len(m) // 2] + m[(len(m) - 1) // 2]) / 2
 
     def best_k(self) -> int:
         """The rule's choice on what is measured so far."""
@@ -228,15 +233,23 @@ class OnlineDraftRule:
     def next_k(self) -> int:
         if self.k_max == 0:
             return 0
-        for k in range(self.k_max + 1):
-            if self.seen[k] < self.explore:
-                return k
+        least = min(range(self.k_max + 1), key=lambda k: (self.seen[k], k))
+        if self.seen[least] < self.explore:     # round-robin: each k sees the cache as warm as the others
+            return least
         k = self.best_k()
-        if self.reprobe > 0 and self.passes % self.reprobe == self.reprobe - 1:
-            if k > 0:
-                return 0
-            k, self._probe_k = self._probe_k, self._probe_k % self.k_max + 1
+        if k > 0:
+            self._off_wait = self.reprobe
+        if self.reprobe <= 0 or self.passes < self._next_probe:
             return k
+        if self._next_probe == 0:                # just out of exploration: the first probe is one interval away
+            self._next_probe = self.passes + self.reprobe
+            return k
+        if k > 0:
+            self._next_probe = self.passes + self.reprobe
+            return 0
+        self._next_probe = self.passes + self._off_wait
+        self._off_wait = min(2 * self._off_wait, 8 * self.reprobe)
+        k, self._probe_k = self._probe_k, self._probe_k % self.k_max + 1
         return k
 
     def record(self, k: int, accepted: int, ms: float) -> None:
