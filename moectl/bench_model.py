@@ -197,10 +197,12 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
                 progress: bool = True, admission: str = "off", lowbit: str | None = None,
                 precision: str | None = None, t1: float = 0.6, t2: float = 0.9, gating: str | None = None,
                 gating_threshold: float | None = None, gate_prefill: bool = False,
-                runtime_kw: dict | None = None) -> dict:
+                runtime_kw: dict | None = None, draft: str | None = None, draft_tokens: int = 4,
+                draft_rule: str = "auto") -> dict:
     """`lowbit`/`precision`/`t1`/`t2`, the gating options and `runtime_kw` (more `Engine.load` options: offload,
     staging, predictor, lowbit_fraction) apply to the moectl rows (the baselines stay lossless and full precision);
-    the prediction models the precision and --cpu-experts, not gating."""
+    the prediction models the precision and --cpu-experts, not gating. `draft`: also the moectl configuration with
+    speculative decoding (`bench_draft.py`), row "moectl+draft"."""
     from .machine import machine_figures
     from .progress import ProgressBar
     from .runtime.engine import Engine
@@ -252,7 +254,7 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
         configs.append(("lru", dict(cached, **size, replacement="lru", prefetch="none")))
     runs, notes, traces = {}, {}, {}
     with ProgressBar(progress, transient=True) as bar:
-        task = bar.add(f"bench {ref.name}", total=len(configs) + ("transformers" in baselines))
+        task = bar.add(f"bench {ref.name}", total=len(configs) + ("transformers" in baselines) + bool(draft))
         for name, kw in configs:
             eng = Engine.load(model, **kw)
             out, tr = run_engine(eng, ids, gen_len, record=name in ("moectl", "moectl-plan", "all-resident"),
@@ -263,6 +265,14 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
                     "lowbit": o.lowbit, "precision": o.precision if isinstance(o.precision, str) else "full",
                     "t1": o.t1, "t2": o.t2}
             runs[name], traces[name] = out, (tr, eng.prefetch)
+            del eng
+            gc.collect()
+            bar.update(task, advance=1)
+        if draft:                                   # the moectl configuration again, drafting
+            from .bench_draft import draft_row
+
+            eng = Engine.load(model, **configs[0][1], draft=draft, draft_tokens=draft_tokens, draft_rule=draft_rule)
+            runs["moectl+draft"] = draft_row(eng, ids, gen_len, repeat, runs["moectl"].get("tokens"))
             del eng
             gc.collect()
             bar.update(task, advance=1)

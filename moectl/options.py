@@ -22,6 +22,7 @@ from .artifacts.plan import PLAN_POLICIES, plan_policies
 from .errors import MoectlError
 
 FLAG, PLAN, SENSITIVITY, PREDICTORS, DEFAULT = "flag", "plan", "sensitivity.json", "predictors.json", "default"
+DRAFT_RULES = ("auto", "always")           # --draft-rule (runtime/spec_decode.py)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class RuntimeOptions:
     lowbit_fraction: float | None = None
     admission: str | None = None
     staging: int | None = None
+    draft: str | None = None                # speculative decoding: cached | a draft model's path or recipe
+    draft_tokens: int = 4                   # the most tokens drafted per verification pass
+    draft_rule: str = "auto"                # auto: drafting only where it pays (OnlineDraftRule); always: fixed K
     workdir_defaults: bool = False          # CLI: unset prefetch / gating mean the workdir's predictors / stored T_g
     sources: dict = field(default_factory=dict, repr=False)
     plan_data: dict | None = field(default=None, repr=False)   # the plan applied (resolve)
@@ -84,6 +88,13 @@ class RuntimeOptions:
             raise MoectlError("--emulate-device makes the CPU act as a device; it only applies to --device cpu")
         if self.offload not in ("ram", "disk"):
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {self.offload!r}")
+        if self.draft_rule not in DRAFT_RULES:
+            raise MoectlError(f"--draft-rule must be {' or '.join(DRAFT_RULES)}, not {self.draft_rule!r}")
+        if self.draft is not None and self.draft_tokens < 1:
+            raise MoectlError(f"--draft-tokens must be at least 1 with --draft, not {self.draft_tokens}")
+        if self.draft is not None and self.replay_trace is not None:
+            raise MoectlError("--draft and --replay-trace do not go together: a replayed trace routes tokens in "
+                              "order, and drafting runs tokens that are then rolled back")
         return self
 
     def resolve(self, workdir, fingerprint: str, num_layers: int, num_experts: int) -> "RuntimeOptions":

@@ -162,6 +162,30 @@ def prepare_model(model: str, workdir=None) -> None:
                           f"reference` (about an hour on 2 cores, resumable) or `make bench-fidelity`")
 
 
+class DraftOpts:
+    """Speculative decoding (issue 33; runtime/spec_decode.py)."""
+
+    @staticmethod
+    def draft():
+        return typer.Option(None, "--draft",
+                            help="Speculative decoding: draft tokens, then verify them in one pass through the "
+                                 "offloaded layers (a layer loads the union of their experts once). cached: the model "
+                                 "drafts itself with only the experts already on the device (a missing one skipped, the "
+                                 "rest renormalised: drafting loads nothing); PATH or recipe: a small model with the "
+                                 "same tokenizer, run fully resident. Greedy output is the same token for token; "
+                                 "sampled output has the same distribution. Default: off.")
+
+    @staticmethod
+    def draft_tokens():
+        return typer.Option(4, "--draft-tokens", min=1, help="The most tokens drafted per verification pass (K).")
+
+    @staticmethod
+    def draft_rule():
+        return typer.Option("auto", "--draft-rule",
+                            help="auto: draft 0..K tokens per pass, whichever the measured acceptance and pass times "
+                                 "make fastest (off where drafting does not pay); always: K every pass (measurements).")
+
+
 class GatingOpts:
     @staticmethod
     def threshold():
@@ -202,6 +226,8 @@ def _runtime_option_table():
         ("gate_prefill", bool, GatingOpts.prefill()), ("lowbit", Optional[str], PrecisionOpts.lowbit()),
         ("precision", Optional[str], PrecisionOpts.precision()), ("t1", float, PrecisionOpts.t1()),
         ("t2", float, PrecisionOpts.t2()), ("lowbit_fraction", Optional[float], PrecisionOpts.fraction()),
+        ("draft", Optional[str], DraftOpts.draft()), ("draft_tokens", int, DraftOpts.draft_tokens()),
+        ("draft_rule", str, DraftOpts.draft_rule()),
     ]
 
 
@@ -242,13 +268,30 @@ def runtime_options(fn=None, *, helps: dict[str, str] | None = None):
     return command
 
 
+def print_draft_line(d: dict, console=None) -> None:
+    """One line of speculative decoding's figures (stats["draft"] of a generation), on stderr."""
+    from rich.console import Console
+
+    acc = ", ".join(f"{p:.2f}" for p in d["acceptance"]["per_position"])
+    (console or Console(stderr=True)).print(
+        f"[dim]draft {d['source']} (K {d['draft_tokens']}, rule {d['rule']}): {d['passes']} passes, "
+        f"{d['tokens_per_pass']:.2f} tokens/pass, acceptance per position [{acc}], {d['ms_per_token']:.1f} ms/token"
+        + (f"; {d['note']}" if d["note"] else "") + "[/]", highlight=False)
+
+
 def print_lossy(eng, console=None) -> dict:
     """One start-up line naming the lossy settings in force (precision, gating, low-bit copies); returns them for
     `--json`. stderr: JSON on stdout stays clean."""
     from rich.console import Console
 
     lossy = eng.lossy()
-    (console or Console(stderr=True)).print(
+    console = console or Console(stderr=True)
+    console.print(
         f"[dim]lossy settings: precision {lossy['precision']}; gating {lossy['gating']}; low-bit copies "
         f"{lossy['lowbit'] or 'none'}[/]", highlight=False)
+    spec = getattr(eng, "speculator", None)
+    if spec is not None:                        # drafting is lossless: said on its own line
+        console.print(f"[dim]speculative decoding: --draft {spec.drafter.name}, up to {spec.k_max} tokens per pass, "
+                      f"rule {spec.rule_name}" + (f"; {spec.drafter.note}" if spec.drafter.note else "") + "[/]",
+                      highlight=False)
     return lossy

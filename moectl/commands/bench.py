@@ -35,6 +35,9 @@ def bench(
                                   "(MLP cost/layer)."),
     model_shape: str = typer.Option("mixtral", "--model-shape",
                                     help="Recipe whose shape sizes the predictor-cost run (default Mixtral-8x7B)."),
+    acceptance_out: Optional[str] = typer.Option(None, "--acceptance-out",
+                                                 help="With --draft: write the measured acceptance per position to "
+                                                      "this JSON file (what `moectl simulate --acceptance` reads)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     opts: RuntimeOptions = None,
 ):
@@ -48,6 +51,8 @@ def bench(
     if model is not None:
         from ..bench_model import bench_model
 
+        _check_draft(o.draft, acceptance_out)
+        o.check()
         prepare_model(model, o.workdir)
         rows = tuple(b.strip() for b in baselines.split(",") if b.strip() and not (o.plan is None and
                                                                                    b.strip() == "moectl-plan"))
@@ -56,13 +61,22 @@ def bench(
                           prefill=o.prefill, progress=not as_json, admission=o.admission or "off", lowbit=o.lowbit,
                           precision=o.precision, t1=o.t1, t2=o.t2, gating=o.gating,
                           gating_threshold=o.gating_threshold, gate_prefill=o.gate_prefill,
-                          runtime_kw=_moectl_row_options(o))
+                          runtime_kw=_moectl_row_options(o), draft=o.draft, draft_tokens=o.draft_tokens,
+                          draft_rule=o.draft_rule)
+        if o.draft is not None:
+            _draft_acceptance(out, acceptance_out)
         if as_json:
             print(json.dumps(out))
         else:
             Console().print(_model_table(out))
             for k, v in out["notes"].items():
                 Console().print(f"[dim]{k}: {v}[/]", highlight=False)
+            if o.draft is not None:
+                d = out["runs"]["moectl+draft"]["draft"]
+                acc = ", ".join(f"{p:.2f}" for p in d["acceptance"]["per_position"])
+                Console().print(f"[dim]moectl+draft: --draft {d['source']} (K {d['draft_tokens']}, rule {d['rule']}): "
+                                f"{d['tokens_per_pass']:.2f} tokens per pass, acceptance per position [{acc}], same "
+                                f"tokens as without drafting: {d['same_tokens_as_without']}[/]", highlight=False)
         return
     _overhead_and_predictor(what, o.threads, model_shape, o.gating, o.gating_threshold, as_json, o.lowbit,
                             o.precision, o.t1, o.t2, o.gate_prefill)
@@ -72,6 +86,23 @@ def _moectl_row_options(o: RuntimeOptions) -> dict:
     """The shared runtime options bench had no flag for before, as given: passed to the moectl rows' Engine.load."""
     return {k: v for k, v in (("offload", o.offload if o.offload != "ram" else None), ("staging", o.staging),
                               ("predictor", o.predictor), ("lowbit_fraction", o.lowbit_fraction)) if v is not None}
+
+
+def _check_draft(draft, acceptance_out) -> None:
+    """--acceptance-out's error before anything loads (the draft options' own are `RuntimeOptions.check`'s)."""
+    from ..errors import MoectlError
+
+    if acceptance_out is not None and draft is None:
+        raise MoectlError("--acceptance-out needs --draft (the acceptance is measured while drafting)")
+
+
+def _draft_acceptance(out: dict, path: str | None) -> None:
+    """The drafting row's acceptance on top of the report, and in `path` (`--acceptance-out`) for the simulator."""
+    out["acceptance"] = out["runs"]["moectl+draft"]["draft"]["acceptance"]
+    if path is not None:
+        from pathlib import Path
+
+        Path(path).expanduser().write_text(json.dumps(out["acceptance"], indent=1) + "\n")
 
 
 def _model_table(out: dict):

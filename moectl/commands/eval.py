@@ -44,10 +44,15 @@ def eval_(
     lossy = print_lossy(eng)
     windows = token_windows(eng.tokenizer, load_calibration(dataset), window, max_tokens)
     starts = [w[: max(2, window // 4)] for w in windows[:prompts]]
+    spec = eng.speculator
+    if spec is not None:
+        spec.enabled = False                    # the yardstick's figures are without drafting; drafting is checked below
     with ProgressBar(not as_json, transient=True) as bar:
         task = bar.add("eval", total=2 * len(windows))
         r = evaluate(eng, windows, starts, generate, eng.ref.workdir, progress=lambda: bar.update(task, advance=1),
                      decode=decode_steps)
+    if spec is not None:
+        r["draft"] = draft_agreement(eng, starts, generate)
     if as_json:
         print(json.dumps(r | {"lossy": lossy}))
         return
@@ -60,4 +65,27 @@ def eval_(
     t.add_row(f"greedy agreement ({r['greedy_tokens']} tokens)", f"{r['greedy_agreement']:.4f}")
     t.add_row("experts computed per token and MoE layer", f"{r['experts_per_token']:.3f}")
     t.add_row("bytes loaded per token", f"{r['bytes_per_token']:.0f}")
+    if "draft" in r:
+        d = r["draft"]
+        t.add_row(f"greedy tokens equal with --draft {d['source']} ({d['tokens']} tokens)", f"{d['greedy_agreement']:.4f}")
+        t.add_row("tokens per verification pass", f"{d['tokens_per_pass']:.2f}")
     Console().print(t)
+
+
+def draft_agreement(eng, prompts: list[list[int]], n: int) -> dict:
+    """Greedy agreement of speculative decoding: each prompt's n greedy tokens with drafting against without
+    (position by position; they must all be equal), and the draft's acceptance."""
+    from ..calib.fidelity import greedy_continuations
+
+    spec = eng.speculator
+    spec.enabled = False
+    plain = greedy_continuations(eng, prompts, n)
+    spec.enabled = True
+    passes0, tokens0 = spec.counter.passes, spec.counter.accepted + spec.counter.passes
+    drafted = greedy_continuations(eng, prompts, n)
+    same = sum(a == b for x, y in zip(plain, drafted) for a, b in zip(x, y))
+    total = sum(len(x) for x in plain)
+    passes = spec.counter.passes - passes0
+    return {"source": spec.drafter.name, "tokens": total, "greedy_agreement": same / total if total else 1.0,
+            "identical": plain == drafted, "acceptance": spec.acceptance().to_json(),
+            "tokens_per_pass": (spec.counter.accepted + spec.counter.passes - tokens0) / passes if passes else 0.0}

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from ..options import RuntimeOptions
-from ._common import prepare_model, print_lossy, print_plan_note, print_stats_line, runtime_options
+from ._common import (prepare_model, print_draft_line, print_lossy, print_plan_note, print_stats_line,
+                      runtime_options)
 
 
 @runtime_options
@@ -24,7 +25,9 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats (tokens/s, "
                                  "cache hits, bytes loaded, load wait, prefill_ms, ttft_ms, decode_ms_per_token, "
                                  "host RSS), lossy (the settings in force that change outputs), config ({option: [value, "
-                                 "source]}, source flag | plan | sensitivity.json | default)."),
+                                 "source]}, source flag | plan | sensitivity.json | default); with --draft also "
+                                 "acceptance (per position, the file `simulate --acceptance` reads) and draft "
+                                 "(passes, accepted tokens per pass, expert bytes per token, ms per token)."),
     opts: RuntimeOptions = None,
 ):
     """Generate text from a prompt, experts streamed through the device cache."""
@@ -49,9 +52,14 @@ def generate(
                                        "decode_ms_per_token", "host_rss_gb", "host_peak_rss_gb", "experts_per_token",
                                        "cpu_experts", "fills", "prefill_tokens_per_s", "threads",
                                        "low_misses", "full_misses", "skips") if k in res.stats}
+    out = {"text": res.text, "token_ids": res.token_ids, "stats": stats, "lossy": lossy,
+           "config": eng.resolved_options()}
+    if "draft" in res.stats:                 # speculative decoding's figures, its acceptance per position on top
+        out |= {"acceptance": res.stats["draft"]["acceptance"], "draft": res.stats["draft"]}
     if as_json:
-        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": stats, "lossy": lossy,
-                          "config": eng.resolved_options()}))
+        print(json.dumps(out))
     else:
         print()
         print_stats_line(res.stats)
+        if "draft" in res.stats:
+            print_draft_line(res.stats["draft"])

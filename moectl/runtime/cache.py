@@ -94,6 +94,7 @@ class DeviceCache(CacheFront):
         # One copy engine for demand loads and prefetches (threaded on CUDA, synchronous on the CPU).
         self.loader = Loader(threaded=self.cuda, stream=self.copy_stream)
         self.chunk_bytes = CHUNK_BYTES                          # the largest chunk a copy is cut into
+        self.emulated_gbps = None               # emulated device: copies paced to this link speed (benchmarks)
         self.jobs: dict[tuple, CopyJob] = {}                    # (precision, layer, slot) -> its last copy
         # Staging buffers, RAM tier only (they are filled by copies): the streamed prefill's two (double buffering),
         # the same ones for staged prefetches in decode. A staged prefetch that its layer uses is installed by swapping
@@ -175,7 +176,10 @@ class DeviceCache(CacheFront):
         def run(job, i, name, rows):
             d, s = dst[name][rows[0]:rows[1]], srcv[name][rows[0]:rows[1]]
             if not self.cuda:
+                t0 = time.perf_counter()
                 d.copy_(s)
+                if self.emulated_gbps:                      # a chunk takes what the emulated link would
+                    time.sleep(max(0.0, t0 + d.nbytes / (self.emulated_gbps * 1e9) - time.perf_counter()))
                 return None
             with torch.cuda.stream(stream):
                 if i == 0 and job.after is not None:       # compute still reading the slot's old expert

@@ -32,6 +32,7 @@ class Runtime(CpuWorker):
         self.predictor_s = 0.0              # time the prefetch policy took to observe and predict
         self.prefetch_gate = PrefetchGate()        # predictions -> copies: protect resident, admit missing ones
         self.copy_s = 0.0                   # one expert's copy time (the cost model's), for admission
+        self.drafting = False               # `--draft cached` drafting: resident experts only, the cache untouched
         self.init_worker()
 
     def gate(self, layer: int, idx: torch.Tensor, w: torch.Tensor):
@@ -40,7 +41,8 @@ class Runtime(CpuWorker):
         trace's routing first replaces the router's."""
         if self.replay is not None:
             idx, w = self.replay.route(layer, idx, w)
-        if self.gating is None or (idx.shape[0] > 1 and not self.gate_prefill):
+        verify = self.cache.state.phase == "decode"           # a multi-token decode step: speculative verification
+        if self.gating is None or (idx.shape[0] > 1 and not (self.gate_prefill or verify)):
             return idx, w
         idx_np = idx.cpu().numpy()
         e, g = gate_rows(self.gating, layer, idx_np, w.detach().float().cpu().numpy())

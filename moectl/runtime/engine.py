@@ -29,6 +29,7 @@ from .in_place import InPlaceExperts
 from .inspect import (dense_nbytes, header_dense_nbytes, inspect_model, kv_nbytes,  # noqa: F401  (re-exported)
                       kv_reserve_nbytes, load_config, memory_plan, parse_dtype as _dtype)
 from .load import load
+from .speculative import Sampling
 
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
@@ -39,7 +40,8 @@ class GenerationResult:
     token_ids: list[int]                    # generated ids only
     prompt_ids: list[int]
     stats: dict = field(default_factory=dict)
-    per_token: list[dict] = field(default_factory=list)   # cache hits/misses/bytes of each forward step
+    per_token: list[dict] = field(default_factory=list)   # cache hits/misses/bytes of each forward step (--draft:
+    #                                                       of each verification pass, with k, accepted, tokens)
 
 
 class Engine:
@@ -59,6 +61,7 @@ class Engine:
         self.threads = torch.get_num_threads()
         self._prefill_bar = None
         self._prefill_t0 = 0.0
+        self.speculator = None                      # --draft: spec_decode.Speculator
         self.model.model.norm.register_forward_hook(self._on_final_norm)
 
     # --- loading ------------------------------------------------------------------------
@@ -81,6 +84,12 @@ class Engine:
         eng.plan, eng.plan_note = opts.plan_data, opts.plan_note
         parts.runtime.engine = eng
         eng.runtime = parts.runtime
+        if opts.draft is not None:
+            from .draft import make_drafter
+            from .spec_decode import Speculator
+
+            eng.speculator = Speculator(make_drafter(eng, opts.draft), opts.draft_tokens, opts.draft_rule,
+                                        eng.fingerprint)
         return eng
 
     # --- facts --------------------------------------------------------------------------
@@ -112,6 +121,8 @@ class Engine:
             self.observers.remove(obs)
 
     def _on_final_norm(self, module, args, output):
+        if self.runtime.drafting:                       # a draft's forward: nobody observes it
+            return
         h = output[0] if isinstance(output, tuple) else output
         h2 = h.reshape(-1, h.shape[-1])
         for obs in self.observers:
@@ -132,12 +143,13 @@ class Engine:
             self.prefetch.reset()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, past_key_values=None):
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, verify: bool = False):
         """Logits [1,T,V] and the KV cache, for `input_ids` [1,T] after `past_key_values`.
-        A forward without a KV cache, or of several tokens, is a prefill step, else a decode step."""
+        A forward without a KV cache, or of several tokens, is a prefill step, else a decode step; `verify`: the
+        tokens are a speculative verification pass (the last accepted token + drafts), a decode step of T tokens."""
         from transformers import DynamicCache
 
-        decode = past_key_values is not None and input_ids.shape[-1] == 1
+        decode = past_key_values is not None and (input_ids.shape[-1] == 1 or verify)
         self.cache.begin_step("decode" if decode else "prefill")
         if decode and self.prefetch is not None:      # the aux gate: this token's first layer
             t0 = time.perf_counter()
@@ -146,6 +158,8 @@ class Engine:
             self.runtime.offer(-1, after)
         if past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+            if self.speculator is not None:          # drafts are rolled back (sliding-window layers need this)
+                past_key_values.activate_past_recording()
         self._prefill_t0 = time.perf_counter()
         try:
             out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device), past_key_values=past_key_values,
@@ -184,7 +198,53 @@ class Engine:
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, on_token=None,
                  stop_at_eos: bool = True, chat: bool = False, should_stop=None) -> GenerationResult:
         """`on_token(id, text_piece)` after each token; `should_stop()` (checked after it) ends the answer early:
-        a cancelled request, a stop string. The runtime is left clean for the next call either way."""
+        a cancelled request, a stop string. The runtime is left clean for the next call either way. With a draft
+        (`--draft`), decoding is speculative (`spec_decode.py`): the same tokens greedily, the same distribution
+        sampled; stats["draft"] holds its figures."""
+        ids = self._prompt_ids(prompt, input_ids, chat)
+        sampling = Sampling(greedy, temperature, top_p, torch.Generator().manual_seed(seed) if seed is not None
+                            else None)
+        out = TokenSink(self._tokenizer, max_new_tokens, _eos_ids(self.config, self._tokenizer) if stop_at_eos
+                        else set(), on_token, should_stop)
+        before = self.cache.snapshot()
+        calls0, cpu0 = self.runtime.expert_calls, self.runtime.cpu_experts
+        self._requests += 1
+        self.begin_request(f"generate-{self._requests}")
+        t0 = time.perf_counter()
+        mark = self.cache.stats.as_dict()
+        logits, pkv = self.forward(torch.tensor([ids], dtype=torch.long))     # the prompt's forward (prefill)
+        t_prefill = time.perf_counter() - t0
+        per_token = [_step_delta(mark, self.cache.stats.as_dict())]
+        out.emit(sampling.pick(logits[0, -1])[0])
+        ttft = time.perf_counter() - t0
+        per_token[0]["ms"] = ttft * 1000
+        spec = self.speculator if self.speculator is not None and self.speculator.enabled else None
+        t1, run = time.perf_counter(), None
+        if spec is not None and not out.done:
+            pkv, run = spec.decode(self, pkv, ids + out.tokens, out, sampling)
+        else:
+            pkv = self._decode(pkv, out, sampling, per_token)
+        decode_s, elapsed = time.perf_counter() - t1, time.perf_counter() - t0
+        new = out.tokens
+        text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
+        computed = (len(ids) + len(new) - 1) * len(self.moe_layer_ids)           # tokens x layers run
+        stats = run_stats(before, self.cache.snapshot(), len(new), elapsed) | {
+            "prefill_ms": t_prefill * 1000, "ttft_ms": ttft * 1000,
+            "decode_ms_per_token": 1000 * decode_s / (len(new) - 1) if len(new) > 1 else 0.0,
+            "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
+            "experts_per_token": (self.runtime.expert_calls - calls0) / max(computed, 1),
+            "cpu_experts": self.runtime.cpu_experts - cpu0, "threads": self.threads,
+            "prefill_tokens_per_s": len(ids) / t_prefill if t_prefill else 0.0,
+            **self.device_memory(pkv)}
+        if self.runtime.gating is not None:
+            g = self.runtime.gating
+            stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
+        if run is not None:
+            stats["draft"] = spec.stats(run)
+            per_token += run["per_pass"]
+        return GenerationResult(text, new, ids, stats, per_token)
+
+    def _prompt_ids(self, prompt, input_ids, chat: bool) -> list[int]:
         if input_ids is None:
             if prompt is None:
                 raise MoectlError("generate needs a prompt or input_ids")
@@ -192,61 +252,18 @@ class Engine:
         ids = [int(i) for i in (input_ids.reshape(-1).tolist() if torch.is_tensor(input_ids) else input_ids)]
         if not ids:
             raise MoectlError("the prompt encodes to no tokens")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        eos = _eos_ids(self.config, self._tokenizer)
-        before = self.cache.snapshot()
-        calls0, cpu0 = self.runtime.expert_calls, self.runtime.cpu_experts
-        new: list[int] = []
-        text_so_far = ""
-        t0 = time.perf_counter()
-        pkv = None
-        step = torch.tensor([ids], dtype=torch.long)
-        self._requests += 1
-        self.begin_request(f"generate-{self._requests}")
-        per_token = []
-        times = {}                      # prefill forward, first token out, each decode step (seconds)
-        decode_s: list[float] = []
-        for _ in range(max_new_tokens):
-            mark = self.cache.stats.as_dict()
-            t_step = time.perf_counter()
-            first = not new                                 # the prompt's forward (prefill)
-            logits, pkv = self.forward(step, pkv)
-            if first:
-                times["prefill"] = time.perf_counter() - t_step
-            now = self.cache.stats.as_dict()
-            per_token.append({k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")})
-            nxt = sample(logits[0, -1].float().cpu(), greedy, temperature, top_p, gen)
-            per_token[-1]["ms"] = (time.perf_counter() - t_step) * 1000
-            if first:
-                times["ttft"] = time.perf_counter() - t_step
-            else:
-                decode_s.append(time.perf_counter() - t_step)
-            new.append(nxt)
-            if on_token is not None:
-                piece = ""
-                if self._tokenizer is not None:
-                    full = self._tokenizer.decode(new, skip_special_tokens=True)
-                    piece, text_so_far = full[len(text_so_far):], full
-                on_token(nxt, piece)
-            if (stop_at_eos and nxt in eos) or (should_stop is not None and should_stop()):
-                break
-            step = torch.tensor([[nxt]], dtype=torch.long)
-        elapsed = time.perf_counter() - t0
-        after = self.cache.snapshot()
-        text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
-        computed = (len(ids) + len(new) - 1) * len(self.moe_layer_ids)           # tokens x layers run
-        stats = run_stats(before, after, len(new), elapsed) | {
-            "prefill_ms": times["prefill"] * 1000, "ttft_ms": times["ttft"] * 1000,
-            "decode_ms_per_token": 1000 * sum(decode_s) / len(decode_s) if decode_s else 0.0,
-            "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
-            "experts_per_token": (self.runtime.expert_calls - calls0) / max(computed, 1),
-            "cpu_experts": self.runtime.cpu_experts - cpu0, "threads": self.threads,
-            "prefill_tokens_per_s": len(ids) / times["prefill"] if times.get("prefill") else 0.0,
-            **self.device_memory(pkv)}
-        if self.runtime.gating is not None:
-            g = self.runtime.gating
-            stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
-        return GenerationResult(text, new, ids, stats, per_token)
+        return ids
+
+    def _decode(self, pkv, out: "TokenSink", sampling: Sampling, per_token: list):
+        """Plain decoding: one forward per token until `out` says stop."""
+        while not out.done:
+            mark, t = self.cache.stats.as_dict(), time.perf_counter()
+            logits, pkv = self.forward(torch.tensor([[out.tokens[-1]]], dtype=torch.long), pkv)
+            per_token.append(_step_delta(mark, self.cache.stats.as_dict()))
+            nxt = sampling.pick(logits[0, -1])[0]
+            per_token[-1]["ms"] = (time.perf_counter() - t) * 1000
+            out.emit(nxt)
+        return pkv
 
     def lossy(self) -> dict:
         """The settings in force that change outputs (precision, gating, low-bit copies), from the loaded policies."""
@@ -277,15 +294,40 @@ class Engine:
 
 def sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, gen) -> int:
     """Next token from logits [V]: argmax, or temperature + nucleus (top-p) sampling."""
-    if greedy or temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p          # always keeps the top token
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        probs /= probs.sum()
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return Sampling(greedy, temperature, top_p, gen).pick(logits)[0]
+
+
+class TokenSink:
+    """The tokens a generation emits: streamed to `on_token(id, text_piece)`, done at EOS, at `should_stop()` or at
+    `max_new` tokens."""
+
+    def __init__(self, tokenizer, max_new: int, eos: set[int], on_token=None, should_stop=None):
+        self.tokenizer, self.max_new, self.eos = tokenizer, max_new, eos
+        self.on_token, self.should_stop = on_token, should_stop
+        self.tokens: list[int] = []
+        self.text = ""
+        self.done = False
+
+    @property
+    def room(self) -> int:
+        return self.max_new - len(self.tokens)
+
+    def emit(self, tok: int) -> bool:
+        """Add a token; True when generation is over."""
+        self.tokens.append(tok)
+        if self.on_token is not None:
+            piece = ""
+            if self.tokenizer is not None:
+                full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+                piece, self.text = full[len(self.text):], full
+            self.on_token(tok, piece)
+        self.done = (tok in self.eos or (self.should_stop is not None and self.should_stop())
+                     or len(self.tokens) >= self.max_new)
+        return self.done
+
+
+def _step_delta(mark: dict, now: dict) -> dict:
+    return {k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")}
 
 
 def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:

@@ -15,6 +15,10 @@ Precision (`--precision`, `policies/precision.py`): before any expert runs, the 
 serves each routed expert -- a resident one of either precision, else the policy's full / low-bit / skip for the
 expert's rank score -- and a skipped expert's weight is dropped with the token's others renormalised to the
 routed sum (HOBBIT). Full-precision experts run first, then low-bit ones, each from its own slot pool.
+
+Drafting (`--draft cached`, `runtime/draft.py`): while `runtime.drafting` is set, only experts already resident and
+landed on the device run (`_resident_only`); the others are skipped with the same renormalisation, and the cache is
+not touched at all (no access, counter, policy update, copy, prefetch or CPU compute), so drafting loads nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class OffloadedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         rt, layer = self.runtime, self.layer
+        if rt.drafting:
+            return self._resident_only(hidden_states, top_k_index, top_k_weights)
         top_k_index, top_k_weights = rt.gate(layer, top_k_index, top_k_weights)
         cache = rt.cache
         if hidden_states.shape[0] == 1 and len(set(ids := top_k_index[0].tolist())) == len(ids):
@@ -99,6 +105,23 @@ class OffloadedExperts(nn.Module):
             if rt.placement is not None else None
         self._each_expert(plan, batch, {e: counts[e] for e in needed} if counts else None)
         return self._combine(hidden_states, parts)
+
+    def _resident_only(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The draft's experts: each token's routed experts that are resident and landed (`resident_copy`), its
+        weights [T,K] renormalised over them to the routed sum (HOBBIT's skip); a token with none gets 0 (its
+        residual stream passes). Reads slots only: nothing is counted, moved or computed on the CPU."""
+        ids = idx.tolist()
+        held = {e: resident_copy(self.runtime.cache, self.layer, e)
+                for e in {e for row in ids for e in row if 0 <= e < self.num_experts}}
+        held = {e: ws for e, ws in held.items() if ws is not None}
+        kept = w * torch.tensor([[e in held for e in row] for row in ids], device=w.device)   # [T,K]
+        kept = kept * (w.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp_min(1e-30))
+        parts = {}
+        for e in sorted(held):
+            tok, slot = (idx == e).nonzero(as_tuple=True)                  # tokens routed to e
+            fwd = self.runtime.adapter.expert_forward(held[e], x[tok], self.apply_gate)
+            parts[e] = tok, fwd * kept[tok, slot, None]
+        return self._combine(x, parts)
 
     @staticmethod
     def _combine(hidden_states: torch.Tensor, parts: dict) -> torch.Tensor:
@@ -191,6 +214,21 @@ class _ExpertRecompute(torch.autograd.Function):
         finally:
             cache.unpin(m.layer, [e], p)
         return gx, None, None, None, None
+
+
+def resident_copy(cache, layer: int, expert: int):
+    """The weights of a copy of (layer, expert) that is on the device now (full precision first, then low-bit), or
+    None: not resident, or its copy (a prefetch's, a disk read) not landed yet. Changes nothing in the cache: no
+    access is counted, no policy is told, nothing is copied or waited for. In place every expert is resident."""
+    if not hasattr(cache, "landing"):                                      # InPlaceExperts: the host is the device
+        p = cache.plan(layer, expert, [])
+        return cache.formats[p].weights(cache.views[p][layer][expert])
+    for p in cache.precisions:
+        slot = cache.state.slot(layer, expert, p)
+        if slot is None or (p, layer, slot) in cache.pending or cache.landing(layer, expert, p) != 0:
+            continue
+        return cache.store.format_of(p).weights(cache.views[p][layer][slot])
+    return None
 
 
 def _all_landed(w) -> dict:
