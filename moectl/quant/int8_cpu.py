@@ -18,9 +18,10 @@ group's range), the added error RMS ~1.9x q8g64's own (docs/benchmarks.md, `benc
 q8 stays far below q4's error. The product itself is then lossless against `dequantize` of the same codes
 (fp32 accumulation, one bf16 rounding of the output; tests/test_cpu_q8.py).
 
-From `ROWS_KERNEL` tokens up (prefill), the kernel's per-row loop loses to oneDNN's blocked bf16 GEMM by far
-(measured at 1 thread, 28672 x 4096: 116 vs 48 ms at 32 tokens), so there the matrix is dequantised once per call
-and multiplied in bf16: once per T tokens, the cost a prompt amortises.
+The kernel's cost grows with the rows (a per-row loop: a Mixtral expert at 1 thread under load took 27 ms for
+1 token, 197 for 32, 2380 for 128, 8574 for 512; bf16 2749 for 512), while dequantising the matrix costs about
+one kernel call at 100-200 rows. So from `ROWS_KERNEL` rows up (a long prompt's share of an expert) the matrix is
+dequantised once per call and multiplied in bf16 (5400 ms for those 512 tokens: bench/cpu_kernels.py).
 
 On a GPU (a slot the copy engine filled from this layout) `weights` dequantises on the device.
 """
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from ..models.formats import ExpertFormat, Part
 from .hqq_format import HqqFormat
 
-ROWS_KERNEL = 8          # below this many rows the int8 kernel; from it on dequantise + bf16 GEMM
+ROWS_KERNEL = 256        # below this many rows the int8 kernel; from it on dequantise + bf16 GEMM
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
