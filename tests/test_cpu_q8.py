@@ -36,7 +36,9 @@ def test_requantize_is_within_half_a_step_per_row():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=g) * 0.02
     w[5] = 0                                                                     # an all-zero row
-    codes, scale = requantize(w)
+    w0 = w.clone()
+    codes, scale = requantize(w, rows=32)                                        # blocks of rows: 96 = 3 x 32
+    assert torch.equal(w, w0)                                                    # the input is left alone
     assert codes.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (96,)
     assert codes.abs().max() == 127 and scale[5] == 1 and not codes[5].any()
     err = (w - codes.float() * scale.float()[:, None]).abs()
