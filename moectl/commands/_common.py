@@ -121,6 +121,12 @@ class PrecisionOpts:
                                  "(kept in host RAM; a pool of low-bit slots on the device).")
 
     @staticmethod
+    def dense_lowbit():
+        return typer.Option(None, "--dense-lowbit",
+                            help="q8: keep the attention projections and the lm_head int8 per output row on the "
+                                 "CPU (lossy; llama.cpp's quantized files quantize them too). --device cpu, bf16.")
+
+    @staticmethod
     def precision():
         return typer.Option(None, "--precision",
                             help="Which copy a miss loads: full; hobbit (rank score s <= T1 full, <= T2 low-bit, "
@@ -198,6 +204,7 @@ def _runtime_option_table():
         ("replay_trace", Optional[str], CacheOpts.replay_trace()),
         ("gating_threshold", Optional[float], GatingOpts.threshold()), ("gating", Optional[str], GatingOpts.spec()),
         ("gate_prefill", bool, GatingOpts.prefill()), ("lowbit", Optional[str], PrecisionOpts.lowbit()),
+        ("dense_lowbit", Optional[str], PrecisionOpts.dense_lowbit()),
         ("precision", Optional[str], PrecisionOpts.precision()), ("t1", float, PrecisionOpts.t1()),
         ("t2", float, PrecisionOpts.t2()), ("lowbit_fraction", Optional[float], PrecisionOpts.fraction()),
     ]
@@ -239,5 +246,6 @@ def print_lossy(eng, console=None) -> dict:
     lossy = eng.lossy()
     (console or Console(stderr=True)).print(
         f"[dim]lossy settings: precision {lossy['precision']}; gating {lossy['gating']}; low-bit copies "
-        f"{lossy['lowbit'] or 'none'}[/]", highlight=False)
+        f"{lossy['lowbit'] or 'none'}" + (f"; dense weights {lossy['dense_lowbit']}" if lossy.get("dense_lowbit")
+                                           else "") + "[/]", highlight=False)
     return lossy
