@@ -11,34 +11,14 @@ from torch import nn
 from moectl.errors import MoectlError
 from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, check_dense_lowbit, cpu_linears
 from moectl.runtime.engine import Engine
-from model_factory import build_family, save_tokenizer
+from test_cpu_q8 import mixtral_q8, one_thread  # noqa: F401 (fixtures)
 from test_bad_input import assert_one_error, run_cli
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
+from test_quantize import _decode
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dense") / "mixtral"
-    build_family("mixtral", d)
-    save_tokenizer(d)
-    return d
-
-
-def _decode(eng, steps=4):
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    logits, pkv = eng.forward(ids)
-    out = [logits[0, -1]]
-    for t in range(steps):
-        logits, pkv = eng.forward(torch.tensor([[11 + t]]), pkv)
-        out.append(logits[0, -1])
-    return torch.stack(out).float()
+def mixtral(mixtral_q8):
+    return mixtral_q8[0]
 
 
 def test_gemv_swap_keeps_the_module_and_its_products():
@@ -69,7 +49,7 @@ def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral):
     assert GemvLinear not in {kinds[n] for n in kinds if ".self_attn." in n or n == "lm_head"}
     assert all(kinds[n] is not Int8DenseLinear for n in kinds if n.endswith("embed_tokens"))
     assert eng.lossy()["dense_lowbit"] == "q8" and "dense_lowbit" not in base.lossy()
-    a, b = _decode(base), _decode(eng)
+    a, b = _decode(base).float(), _decode(eng).float()
     assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * a.abs().max()   # q8 noise, the same model
 
 
