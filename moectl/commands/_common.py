@@ -193,6 +193,7 @@ def _runtime_option_table():
     from typing import Optional
 
     return [
+        ("dense_lowbit", Optional[str], PrecisionOpts.dense_lowbit()),          # issue 28 (models/dense_cpu.py)
         ("cache_experts", Optional[int], CacheOpts.cache_experts()), ("budget", Optional[str], CacheOpts.budget()),
         ("device", str, CacheOpts.device()), ("emulate_device", bool, CacheOpts.emulate_device()),
         ("offload", str, CacheOpts.offload()), ("replacement", Optional[str], CacheOpts.replacement()),
@@ -204,7 +205,6 @@ def _runtime_option_table():
         ("replay_trace", Optional[str], CacheOpts.replay_trace()),
         ("gating_threshold", Optional[float], GatingOpts.threshold()), ("gating", Optional[str], GatingOpts.spec()),
         ("gate_prefill", bool, GatingOpts.prefill()), ("lowbit", Optional[str], PrecisionOpts.lowbit()),
-        ("dense_lowbit", Optional[str], PrecisionOpts.dense_lowbit()),
         ("precision", Optional[str], PrecisionOpts.precision()), ("t1", float, PrecisionOpts.t1()),
         ("t2", float, PrecisionOpts.t2()), ("lowbit_fraction", Optional[float], PrecisionOpts.fraction()),
     ]
