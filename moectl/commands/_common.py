@@ -246,6 +246,5 @@ def print_lossy(eng, console=None) -> dict:
     lossy = eng.lossy()
     (console or Console(stderr=True)).print(
         f"[dim]lossy settings: precision {lossy['precision']}; gating {lossy['gating']}; low-bit copies "
-        f"{lossy['lowbit'] or 'none'}" + (f"; dense weights {lossy['dense_lowbit']}" if lossy.get("dense_lowbit")
-                                           else "") + "[/]", highlight=False)
+        f"{lossy['lowbit'] or 'none'}[/]", highlight=False)
     return lossy
