@@ -3,7 +3,8 @@ packed checkpoint where it lies costs.
 
 1. A Mixtral-sized expert (H 4096, I 14336) applied to one token: ms and GB/s of weights read, next to the
    measured memory read bandwidth; and the q4 kernel on a cache-resident expert (1024 x 2048): the same GB/s there
-   means the kernel is compute bound. bf16: F.linear on bf16 weights (the runtime's CPU path). q4: torch's CPU int4
+   means the kernel is compute bound. bf16: F.linear on bf16 weights (the runtime's CPU path). q8-per-row: torch's
+   int8 kernel (`aten._weight_int8pack_mm`, the runtime's `Int8Linear`). q4: torch's CPU int4
    kernel (`aten._weight_int4pack_mm_for_cpu`, group 64) on packed random codes. The measurement code is
    `moectl/machine.py`'s, the same the runtime's cost model is fed from.
 2. Released formats: a GPT-OSS expert (gpt-oss-20b's, H = I = 2880) kept MXFP4 (13.2 MB) is dequantised by
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from moectl.machine import cpu_expert_ms, cpu_expert_q4_ms, default_threads, mem_read_gbps
+from moectl.machine import cpu_expert_ms, cpu_expert_q4_ms, cpu_expert_q8_ms, default_threads, mem_read_gbps
 from moectl.models.base import ExpertLayout
 from moectl.quant.fp8_block import Fp8BlockFormat
 from moectl.quant.mxfp4 import Mxfp4Format
@@ -110,21 +111,25 @@ def main() -> None:
     bf16_bytes = 3 * H * I * 2
     bf16_ms = cpu_expert_ms(H, I, torch.bfloat16, repeat=a.repeat)
     q4_ms, q4_bytes = cpu_expert_q4_ms(H, I, 64, a.repeat)
+    q8_ms, q8_bytes = cpu_expert_q8_ms(H, I, a.repeat)
     # the same kernel on an expert small enough to stay in cache (1024 x 2048, 3.5 MB): if it reads no faster than
     # the Mixtral-sized one from DRAM, the kernel's arithmetic, not memory, is what limits it
     small_ms, small_bytes = cpu_expert_q4_ms(1024, 2048, 64, 20 * a.repeat)
     out = {"threads": torch.get_num_threads(), "hidden": H, "intermediate": I, "mem_read_gbps": mem,
            "bf16": {"ms": bf16_ms, "bytes": bf16_bytes, "gbps": bf16_bytes / bf16_ms / 1e6,
                     "fraction_of_mem_bw": bf16_bytes / bf16_ms / 1e6 / mem},
+           "q8-per-row": {"ms": q8_ms, "bytes": q8_bytes, "gbps": q8_bytes / q8_ms / 1e6,
+                          "fraction_of_mem_bw": q8_bytes / q8_ms / 1e6 / mem},
            "q4g64": {"ms": q4_ms, "bytes": q4_bytes, "gbps": q4_bytes / q4_ms / 1e6,
                      "fraction_of_mem_bw": q4_bytes / q4_ms / 1e6 / mem},
            "q4g64_in_cache": {"ms": small_ms, "bytes": small_bytes, "gbps": small_bytes / small_ms / 1e6,
                               "fraction_of_mem_bw": small_bytes / small_ms / 1e6 / mem}}
     if not a.json:
         print(f"memory read bandwidth: {mem:.1f} GB/s ({out['threads']} threads)")
-        for k, shape in (("bf16", f"{H}x{I}"), ("q4g64", f"{H}x{I}"), ("q4g64", "1024x2048 in cache")):
+        for k, shape in (("bf16", f"{H}x{I}"), ("q8-per-row", f"{H}x{I}"), ("q4g64", f"{H}x{I}"),
+                         ("q4g64", "1024x2048 in cache")):
             r = out[k if "cache" not in shape else "q4g64_in_cache"]
-            print(f"{k:6s} expert {shape}, 1 token: {r['ms']:7.2f} ms  {r['bytes'] / 1e6:6.1f} MB  "
+            print(f"{k:10s} expert {shape}, 1 token: {r['ms']:7.2f} ms  {r['bytes'] / 1e6:6.1f} MB  "
                   f"{r['gbps']:5.1f} GB/s = {r['fraction_of_mem_bw']:.0%} of memory bandwidth")
     if not a.no_released:
         out["released"] = released(a.tokens, a.repeat, not a.json)

@@ -46,14 +46,15 @@ def _log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------- moectl's side
 def moectl_run(ckpt: str, workdir: str, lowbit: str | None, threads: int, prompt: int, gen: int,
-               prefill: int) -> dict:
+               prefill: int, dense_lowbit: str | None = None) -> dict:
     """One fresh process: load in place on the CPU, time a prefill of `prefill` tokens and a decode of `gen`
-    tokens after `prompt`; peak RSS of the process."""
+    tokens after `prompt`; peak RSS of the process. `dense_lowbit` q8: attention + lm_head int8 too."""
     code = f"""
 import json, resource, time, torch
 from moectl.runtime.engine import Engine
 eng = Engine.load({ckpt!r}, device="cpu", workdir={workdir!r}, lowbit={lowbit!r},
-                  precision={"lowbit-only" if lowbit else None!r}, threads={threads}, progress=False, gating="none")
+                  precision={"lowbit-only" if lowbit else None!r}, threads={threads}, progress=False, gating="none",
+                  dense_lowbit={dense_lowbit!r})
 g = torch.Generator().manual_seed(0)
 V = eng.config.vocab_size
 with torch.inference_mode():
@@ -151,8 +152,9 @@ def gguf_bytes_per_token(gguf: Path) -> float:
     return total
 
 
-def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None) -> float:
-    """The same for moectl: dense tensors but the embedding, plus top-k experts per layer (the copy's bytes)."""
+def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None, dense_lowbit: str | None = None) -> float:
+    """The same for moectl: dense tensors but the embedding, plus top-k experts per layer (the copy's bytes); with
+    `dense_lowbit` q8 the attention projections and lm_head at one byte a weight (+ a bf16 scale per row)."""
     from moectl.runtime.engine import inspect_model
 
     info = inspect_model(str(ckpt), str(workdir), None)
@@ -162,7 +164,15 @@ def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None) -> flo
     cfg = json.loads((ckpt / "config.json").read_text())
     embed = cfg["vocab_size"] * cfg["hidden_size"] * 2 if "bfloat16" in str(cfg.get("torch_dtype")) else \
         cfg["vocab_size"] * cfg["hidden_size"] * 4
-    return info["dense_bytes"] - embed + info["moe_layers"] * info["top_k"] * per_expert
+    dense = info["dense_bytes"] - embed
+    if dense_lowbit:
+        H, V = cfg["hidden_size"], cfg["vocab_size"]
+        hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+        q, kv = cfg["num_attention_heads"] * hd, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd
+        weights = cfg["num_hidden_layers"] * (2 * H * q + 2 * H * kv) + V * H       # q, o, k, v; lm_head
+        rows = cfg["num_hidden_layers"] * (2 * q + 2 * kv) + V
+        dense -= weights * 2 - (weights + 2 * rows)                                 # bf16 -> int8 + scales
+    return dense + info["moe_layers"] * info["top_k"] * per_expert
 
 
 def summary(xs: list[float]) -> dict:
@@ -170,12 +180,17 @@ def summary(xs: list[float]) -> dict:
 
 
 def compare(shape: str, layers: int, work: Path, threads: list[int], precisions: list[str], repeat: int,
-            gen: int = 64, prompt: int = 32, prefill: int = 512) -> dict:
+            gen: int = 64, prompt: int = 32, prefill: int = 512, dense_lowbit: str | None = None,
+            moectl_only: bool = False) -> dict:
     prep = prepare(shape, layers, work, precisions)
     rows = []
     for p in precisions:
         for t in threads:
             tools = [("moectl", MOECTL_LOWBIT[p] or "bf16")] + [("llama.cpp", qt) for qt in LLAMA_TYPES[p]]
+            if dense_lowbit and p != "bf16":                   # moectl with its dense weights low-bit too
+                tools.insert(1, ("moectl", f"{MOECTL_LOWBIT[p]}+dense-{dense_lowbit}"))
+            if moectl_only:
+                tools = [t for t in tools if t[0] == "moectl"]
             runs: dict = {k: [] for k in tools}
             for r in range(repeat):
                 order = tools if r % 2 == 0 else tools[::-1]          # alternate which tool goes first
@@ -183,12 +198,13 @@ def compare(shape: str, layers: int, work: Path, threads: list[int], precisions:
                     _log(f"{p} t={t} round {r + 1}/{repeat}: {tool} {name}")
                     if tool == "moectl":
                         res = moectl_run(str(prep["checkpoint"]), str(work), MOECTL_LOWBIT[p], t, prompt, gen,
-                                         prefill)
+                                         prefill, dense_lowbit if "+dense" in name else None)
                     else:
                         res = llama_run(prep["ggufs"][name], t, gen, prefill)
                     runs[(tool, name)].append(res)
             for (tool, name), rs in runs.items():
-                nbytes = moectl_bytes_per_token(prep["checkpoint"], work, MOECTL_LOWBIT[p]) if tool == "moectl" \
+                nbytes = moectl_bytes_per_token(prep["checkpoint"], work, MOECTL_LOWBIT[p],
+                                                dense_lowbit if "+dense" in name else None) if tool == "moectl" \
                     else gguf_bytes_per_token(prep["ggufs"][name])
                 dec = summary([x["decode_ms"] for x in rs])
                 rows.append({"precision": p, "threads": t, "tool": tool, "format": name,
@@ -205,11 +221,11 @@ def compare(shape: str, layers: int, work: Path, threads: list[int], precisions:
 def print_table(res: dict) -> None:
     print(f"\n{res['shape']} x {res['layers']} layers (medians of {res['rows'][0]['decode_ms']['n']} alternating "
           f"runs, [min-max]; load average at the end {res['load'][0]:.1f} on 2 cores: a shared machine)")
-    print(f"{'precision':9} {'thr':>3} {'tool':10} {'format':8} {'decode ms/tok':>22} {'prefill tok/s':>22} "
+    print(f"{'precision':9} {'thr':>3} {'tool':10} {'format':15} {'decode ms/tok':>22} {'prefill tok/s':>22} "
           f"{'RSS GB':>6} {'GB/s':>5}")
     for r in res["rows"]:
         d, pf = r["decode_ms"], r["prefill_tps"]
-        print(f"{r['precision']:9} {r['threads']:>3} {r['tool']:10} {r['format']:8} "
+        print(f"{r['precision']:9} {r['threads']:>3} {r['tool']:10} {r['format']:15} "
               f"{d['median']:7.1f} [{d['min']:6.1f}-{d['max']:6.1f}] {pf['median']:7.1f} [{pf['min']:6.1f}-"
               f"{pf['max']:6.1f}] {r['rss_gb']['median']:6.2f} {r['decode_gbps']:5.1f}")
     print(f"  host memory read {res['mem_read_gbps']:.1f} GB/s (GB/s column: bytes a decode token reads / its time)")
@@ -273,6 +289,9 @@ def main() -> None:
     ap.add_argument("--fidelity", action="store_true", help="perplexity deltas on the trained tiny model")
     ap.add_argument("--clean", action="store_true", help="delete the GGUFs afterwards")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--dense-lowbit", default=None, choices=["q8"],
+                    help="also run moectl with --dense-lowbit (attention + lm_head int8) at q8 / q4")
+    ap.add_argument("--moectl-only", action="store_true", help="skip llama.cpp's runs (moectl's variants only)")
     a = ap.parse_args()
     LLAMA_TYPES["q4"] = list(a.q4_types)
     llamacpp.build(echo=_log)
@@ -290,7 +309,8 @@ def main() -> None:
         if a.prepare_only:
             print(json.dumps(prepare(a.shape, a.layers, work, a.precisions)["made"]))
             return
-        res = compare(a.shape, a.layers, work, a.threads, a.precisions, a.repeat)
+        res = compare(a.shape, a.layers, work, a.threads, a.precisions, a.repeat, dense_lowbit=a.dense_lowbit,
+                      moectl_only=a.moectl_only)
         print_table(res)
         from moectl.machine import record_vs_llamacpp
 

@@ -116,6 +116,30 @@ def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) 
         return best_s(run, repeat) * 1e3, nbytes
 
 
+def cpu_expert_q8_ms(hidden: int, inter: int, repeat: int = 5, tokens: int = 1) -> tuple[float, int]:
+    """(milliseconds, bytes read) of one expert FFN on `tokens` tokens from int8 weights with one bf16 scale per
+    output row, through the runtime's own `Int8Linear` (`quant/int8_cpu.py`: torch's int8 kernel at decode).
+    Random codes: speed only."""
+    import torch.nn.functional as F
+
+    from .quant.int8_cpu import Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+
+    def make(n: int, k: int) -> Int8Linear:
+        return Int8Linear(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+                          (torch.rand(n, generator=g) * 1e-3).to(torch.bfloat16))
+    gate_up, down = make(2 * inter, hidden), make(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    nbytes = sum(m.codes.numel() + m.scale.numel() * 2 for m in (gate_up, down))
+
+    def run():
+        gu = gate_up(x)                                                           # [T, 2I]
+        down(F.silu(gu[:, :inter]) * gu[:, inter:])                               # [T, H]
+    with torch.inference_mode():
+        return best_s(run, repeat) * 1e3, nbytes
+
+
 def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -> float:
     """Host -> device copy bandwidth: pinned RAM -> GPU on CUDA, a plain memcpy on the CPU."""
     if device.startswith("cuda"):

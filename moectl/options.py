@@ -49,6 +49,7 @@ class RuntimeOptions:
     prefill: str = "cache"
     plan: str | Path | None = None          # "auto": the workdir's plan.yaml; None: no plan
     lowbit: str | None = None
+    dense_lowbit: str | None = None         # q8: attention + lm_head int8 on the CPU (models/dense_cpu.py)
     precision: str | None = None
     t1: float = 0.6
     t2: float = 0.9
@@ -172,7 +173,8 @@ class RuntimeOptions:
         """The settings in force that change outputs: precision (and its thresholds), low-bit copies, gating."""
         prec = self.precision or "full"
         return {"precision": prec + (f" (T1 {self.t1:g}, T2 {self.t2:g})" if prec == "hobbit" else ""),
-                "lowbit": self.lowbit, "gating": gating_note or "off"}
+                "lowbit": self.lowbit, "gating": gating_note or "off"} | (
+            {"dense_lowbit": self.dense_lowbit} if self.dense_lowbit else {})
 
     def config(self, resolved: dict | None = None) -> dict:
         """{name: [value, source]} of every option (values made JSON-safe), `resolved` overriding values."""

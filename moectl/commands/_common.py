@@ -123,6 +123,12 @@ class PrecisionOpts:
                                  "(kept in host RAM; a pool of low-bit slots on the device).")
 
     @staticmethod
+    def dense_lowbit():
+        return typer.Option(None, "--dense-lowbit",
+                            help="q8: keep the attention projections and the lm_head int8 per output row on the "
+                                 "CPU (lossy; llama.cpp's quantized files quantize them too). --device cpu, bf16.")
+
+    @staticmethod
     def precision():
         return typer.Option(None, "--precision",
                             help="Which copy a miss loads: full; hobbit (rank score s <= T1 full, <= T2 low-bit, "
@@ -213,6 +219,7 @@ def _runtime_option_table():
     from typing import Optional
 
     return [
+        ("dense_lowbit", Optional[str], PrecisionOpts.dense_lowbit()),          # issue 28 (models/dense_cpu.py)
         ("cache_experts", Optional[int], CacheOpts.cache_experts()), ("budget", Optional[str], CacheOpts.budget()),
         ("device", str, CacheOpts.device()), ("emulate_device", bool, CacheOpts.emulate_device()),
         ("offload", str, CacheOpts.offload()), ("replacement", Optional[str], CacheOpts.replacement()),

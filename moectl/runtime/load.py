@@ -17,6 +17,7 @@ import torch
 
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
+from ..models.dense_cpu import check_dense_lowbit, cpu_linears
 from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
 from ..recipes import resolve_model
 from ..cache_model import FULL, LOW
@@ -67,6 +68,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     config, adapter = load_config(ref.path)
     ckpt = Checkpoint(ref.path)
     dt = parse_dtype(opts.dtype, config)
+    check_dense_lowbit(opts.dense_lowbit, dev, dt)
     in_place = dev.type == "cpu" and opts.offload == "ram" and not opts.emulate_device
     from ..machine import set_threads
 
@@ -90,6 +92,8 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     full_tier = "disk" if in_place and prec is not None and prec.name == "lowbit-only" else opts.offload
     sizes = size_cache(opts, config, adapter, hf, ckpt, dev, dt, L, in_place, prec, low_fmt, full_tier)
     read_dense(hf, config, adapter, ckpt, dev, dt, ref.path)
+    if dev.type == "cpu":          # the dense Linears: one-row GEMV, or int8 with --dense-lowbit (models/dense_cpu.py)
+        cpu_linears(hf, opts.dense_lowbit)
     prefetch = None if in_place and opts.prefetch == "auto" else opts.prefetch   # in place nothing can miss
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
         raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "

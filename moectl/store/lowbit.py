@@ -21,7 +21,7 @@ from ..artifact import read_descriptor, require_int
 from ..errors import MoectlError
 from ..progress import ProgressBar
 from ..quant.hqq_format import HqqFormat, parse_lowbit
-from ..quant.int4_cpu import Int4CpuFormat, int4_cpu_ok
+from ..quant.cpu_kernels import cpu_kernel_format
 from ..quant.quantize import FORMAT, KEY, VERSION, copy_paths
 from .checkpoint import byte_view, parse_header, read_at
 from .memory import host_empty
@@ -63,8 +63,8 @@ class LowbitCopies:
     def __init__(self, workdir, name: str, fingerprint: str, adapter, num_layers: int, compute_dtype: torch.dtype,
                  pin: bool = False, progress: bool = True, cpu_kernel: bool = False):
         # cpu_kernel: the experts will be computed on the CPU (a CPU run, or misses placed there with
-        # --cpu-experts); q4 axis-1 copies are then repacked once, here, for torch's int4 CPU kernel
-        # (quant/int4_cpu.py), a layout a GPU slot dequantises too.
+        # --cpu-experts); q4 axis-1 and q8 copies are then repacked once, here, for torch's int4 / int8 CPU
+        # kernels (quant/cpu_kernels.py), layouts a GPU slot dequantises too.
         meta, path = read_lowbit_meta(workdir, name, fingerprint, num_layers, adapter.num_experts)
         self.meta, self.path = meta, path
         self.format = lowbit_format(meta, adapter, compute_dtype, path)
@@ -99,8 +99,9 @@ class LowbitCopies:
                     os.close(fd)
                 self.buffers.append(buf)
                 bar.update(task, advance=1)
-        if cpu_kernel and adapter.linear_callables and int4_cpu_ok(stored):
-            self._repack(Int4CpuFormat(stored), pin)
+        kernel_fmt = cpu_kernel_format(stored) if cpu_kernel and adapter.linear_callables else None
+        if kernel_fmt is not None:
+            self._repack(kernel_fmt, pin)
 
     def _repack(self, fmt, pin: bool) -> None:
         # Every expert converted into `fmt`, one layer at a time (the peak is one extra layer).

@@ -1,0 +1,87 @@
+"""The dense model's Linears on the CPU: torch's one-row GEMV (lossless), or int8 with `--dense-lowbit q8` (lossy).
+
+Legend: N = output rows of a matrix, K = its input columns.
+
+1. GEMV. transformers' `nn.Linear` sends a one-row bf16 product to oneDNN, half the speed of torch's native GEMV
+   (`models/gemv.py`, same output bits), and the dense weights a decode token reads are not small: on the Mixtral
+   shape x 2 layers the attention projections and the lm_head are 430 MB of the 1.84 GB a bf16 token reads. On a
+   CPU every dense `nn.Linear` becomes a `GemvLinear` (the same module, class swapped: parameters, state dict and
+   tied weights unchanged) whose forward takes `gemv.linear` for one row and `F.linear` otherwise.
+2. `--dense-lowbit q8`. llama.cpp's Q4_0 / Q8_0 files quantize every weight (560 MB per q4 token on that shape
+   against moectl's 827 with bf16 attention and lm_head). With this option the attention projections
+   (`*.self_attn.*`) and the lm_head are requantized once at load, symmetric round-to-nearest per output row
+   (`quant/int8_cpu.requantize`: every weight within half a step), and multiplied by torch's int8 kernel
+   (`Int8Linear`); embedding table, norms, routers stay. Lossy: the engine's `lossy()` names it. CPU and bf16
+   only (the kernel's reasons: quant/int8_cpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import MoectlError
+from . import gemv
+
+DENSE_LOWBIT = ("q8",)
+
+
+class GemvLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        y = gemv.linear(x, self.weight)                                            # one row: torch's GEMV
+        return y if self.bias is None else y + self.bias
+
+
+class Int8DenseLinear(nn.Module):
+    """An nn.Linear's product from int8 codes [N, K] and a bf16 scale per row (+ its bias)."""
+
+    def __init__(self, linear: nn.Linear):
+        from ..quant.int8_cpu import requantize
+
+        super().__init__()
+        codes, scale = requantize(linear.weight.detach())
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..quant.int8_cpu import Int8Linear
+
+        y = Int8Linear(self.codes, self.scale)(x)
+        return y if self.bias is None else y + self.bias
+
+
+def check_dense_lowbit(kind: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    if kind is None:
+        return
+    if kind not in DENSE_LOWBIT:
+        raise MoectlError(f"--dense-lowbit {kind!r}: choose {' or '.join(DENSE_LOWBIT)}")
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise MoectlError(f"--dense-lowbit {kind} runs on the CPU with bf16 weights (torch's int8 kernel); this run "
+                          f"is {device.type}, {str(dtype).removeprefix('torch.')}: use --device cpu --dtype bfloat16")
+
+
+def _lowbit_target(name: str, lin: nn.Linear) -> bool:
+    return (".self_attn." in f".{name}" or name.split(".")[-1] == "lm_head") and lin.in_features % 16 == 0
+
+
+def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
+    """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "bytes_before",
+    "bytes_after"}: how many of each, and the int8 matrices' weight bytes before and after."""
+    out = {"gemv": 0, "int8": 0, "bytes_before": 0, "bytes_after": 0}
+    for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+        if dense_lowbit and _lowbit_target(name, lin):
+            parent, _, leaf = name.rpartition(".")
+            q = Int8DenseLinear(lin)
+            setattr(model.get_submodule(parent) if parent else model, leaf, q)
+            out["int8"] += 1
+            out["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
+            out["bytes_after"] += q.codes.numel() + q.scale.numel() * q.scale.element_size()
+        else:
+            lin.__class__ = GemvLinear
+            out["gemv"] += 1
+    return out

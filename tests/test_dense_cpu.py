@@ -1,0 +1,64 @@
+"""The dense model's Linears on the CPU (moectl/models/dense_cpu.py): the one-row GEMV swap is lossless, and
+`--dense-lowbit q8` quantizes the attention and lm_head (lossy, reported), with clear errors where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moectl.errors import MoectlError
+from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, check_dense_lowbit, cpu_linears
+from moectl.runtime.engine import Engine
+from test_cpu_q8 import mixtral_q8, one_thread  # noqa: F401 (fixtures)
+from test_bad_input import assert_one_error, run_cli
+from test_quantize import _decode
+
+
+@pytest.fixture(scope="module")
+def mixtral(mixtral_q8):
+    return mixtral_q8[0]
+
+
+def test_gemv_swap_keeps_the_module_and_its_products():
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False)).to(torch.bfloat16)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    counts = cpu_linears(model)
+    assert counts["gemv"] == 2 and counts["int8"] == 0
+    assert all(type(m) is GemvLinear for m in model)
+    assert model.state_dict().keys() == ref.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    for rows in (1, 5):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        want = F.linear(F.linear(x, ref["0.weight"], ref["0.bias"]), ref["1.weight"])
+        got = model(x)
+        if rows > 1:
+            assert torch.equal(got, want)                                         # the same call
+        else:
+            assert (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
+
+
+def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral):
+    kw = dict(progress=False, dtype="bfloat16", threads=1)
+    base = Engine.load(str(mixtral), **kw)
+    eng = Engine.load(str(mixtral), dense_lowbit="q8", **kw)
+    hf = eng.model
+    kinds = {n: type(m) for n, m in hf.named_modules()}
+    assert kinds["lm_head"] is Int8DenseLinear and kinds["model.layers.0.self_attn.q_proj"] is Int8DenseLinear
+    assert GemvLinear not in {kinds[n] for n in kinds if ".self_attn." in n or n == "lm_head"}
+    assert all(kinds[n] is not Int8DenseLinear for n in kinds if n.endswith("embed_tokens"))
+    assert eng.lossy()["dense_lowbit"] == "q8" and "dense_lowbit" not in base.lossy()
+    a, b = _decode(base).float(), _decode(eng).float()
+    assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * a.abs().max()   # q8 noise, the same model
+
+
+def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):
+    with pytest.raises(MoectlError, match="--device cpu --dtype bfloat16"):
+        check_dense_lowbit("q8", torch.device("cpu"), torch.float32)
+    with pytest.raises(MoectlError, match="choose q8"):
+        check_dense_lowbit("q4", torch.device("cpu"), torch.bfloat16)
+    check_dense_lowbit(None, torch.device("cuda"), torch.float32)                 # not asked: nothing to check
+    code, _, err = run_cli(["generate", "--model", str(mixtral), "--dense-lowbit", "q8", "--prompt", "hi", "-n", "1",
+                            "--threads", "1"], capsys, monkeypatch)
+    assert_one_error(code, err, "--dense-lowbit q8", "float32")
