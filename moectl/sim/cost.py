@@ -53,9 +53,11 @@ class Hardware:
 # A q4 expert computed on the CPU at decode, as a share of the host's memory read bandwidth: measured on this
 # project's 2-core machine, both tools on the same checkpoint (bench/vs_llamacpp.py; docs/benchmarks.md "moectl
 # beside llama.cpp, measured"), and carried to hardware profiles that give only cpu_mem_gbps.
-# Second round (issue 28's CPU kernels: dense GEMV; 03:35-03:41 UTC, load 6-8): moectl 5.39 / llama.cpp 6.04 GB/s
-# a token, host read 7.69 GB/s in the same run (first round: 0.36 / 0.58 at 11.5 GB/s, before the dense GEMV).
-CPU_Q4_SHARE = {"moectl": 0.70, "llamacpp": 0.79}          # 1 thread, Mixtral shape, q4g64 and Q4_0
+# Kept at the first round's shares. A second round (03:35-03:41 UTC, load 6-8) read moectl 5.39 / llama.cpp 6.04 GB/s
+# a token against 7.69 GB/s of host read (0.70 / 0.79), but those are whole tokens, dense weights included, and
+# moectl's dense weights had just moved to the one-row GEMV; one q4g64 expert alone read 3.9 GB/s against 9.8 of
+# host read (bench/cpu_expert.py, 04:09 UTC: 0.40), in line with the first round's expert share.
+CPU_Q4_SHARE = {"moectl": 0.36, "llamacpp": 0.58}          # 1 thread, Mixtral shape, q4g64 and Q4_0
 
 
 def list_hardware() -> list[str]:
