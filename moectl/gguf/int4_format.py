@@ -48,9 +48,9 @@ class GgufInt4Format(ExpertFormat):
         t = dict(self.src.tensors)
         for m, names in self.groups.items():
             if m not in self.int4:
-                tensors.update({n: views[n] for n in names})
+                tensors.update({n: views[n][:t[n].nbytes] for n in names})
                 continue
-            packed = [int4_parts(views[n], t[n].encoding, t[n].shape, self.scale_dtype) for n in names]
+            packed = [int4_parts(views[n][:t[n].nbytes], t[n].encoding, t[n].shape, self.scale_dtype) for n in names]
             tensors[f"{m}.int4"] = torch.cat([p for p, _ in packed])                       # rows: gate, then up
             tensors[f"{m}.sz"] = torch.cat([sz for _, sz in packed], dim=1)                 # [K/G, N, 2]
         return self.pack(tensors, out)

@@ -52,7 +52,7 @@ class InPlaceExperts(CacheFront):
 
     def acquire(self, layer: int, expert: int, precision: str = FULL) -> dict:
         self.state.access(layer, expert, precision)      # counts the hit (and ticks the policies' clock)
-        return self.formats[precision].weights(self.views[precision][layer][expert])
+        return self.store.format_of(precision, layer).weights(self.views[precision][layer][expert])
 
     def prefetch(self, layer: int, expert: int) -> bool:
         return False                                # always resident

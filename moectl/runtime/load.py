@@ -27,7 +27,7 @@ from .cache import DeviceCache
 from .driver import Runtime
 from .in_place import InPlaceExperts
 from .inspect import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
-                      model_facts, parse_device, parse_dtype, skeleton)
+                      model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
 from .offloaded import OffloadedExperts
 from .setup import admission_gate, build_policies, make_gating, make_precision_copies, placement
 
@@ -63,7 +63,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     ref = built(resolve_model(model, opts.workdir))
     dev = parse_device(opts.device)
     config, adapter = load_config(ref.path)
-    ckpt = Checkpoint(ref.path)
+    ckpt = open_checkpoint(ref.path, adapter)
     dt = parse_dtype(opts.dtype, config)
     in_place = dev.type == "cpu" and opts.offload == "ram" and not opts.emulate_device
     from ..machine import set_threads
@@ -177,11 +177,8 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
     dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32)."""
     want = {k: v.dtype for k, v in hf.state_dict().items()}
     state = {}
-    for key in ckpt.keys():
-        name = adapter.skeleton_key(key)
-        if name is not None:
-            t = host_alloc(lambda: adapter.read_dense(ckpt, key), "reading dense weights", ckpt.range(key).nbytes)
-            state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
+    for name, t in dense_tensors(hf, adapter, ckpt):
+        state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in missing if k not in tied]
@@ -194,3 +191,17 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
     for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
         if t.is_meta:
             raise MoectlError(f"weight {name} was not found in {path}")
+
+
+def dense_tensors(hf, adapter, ckpt: Checkpoint):
+    """(skeleton name, tensor) of every non-expert weight: read from the shards one at a time, or a GGUF's
+    dequantised once (moectl/gguf/dense.py, fp32 then cast to the run's dtype by the caller)."""
+    gguf = getattr(adapter, "gguf", None)
+    if gguf is not None:
+        yield from gguf.dense_state_dict(hf, torch.float32).items()
+        return
+    for key in ckpt.keys():
+        name = adapter.skeleton_key(key)
+        if name is not None:
+            yield name, host_alloc(lambda: adapter.read_dense(ckpt, key), "reading dense weights",
+                                   ckpt.range(key).nbytes)

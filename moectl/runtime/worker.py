@@ -72,7 +72,7 @@ class CpuWorker:
             t0 = time.perf_counter()
             with torch.inference_mode(inference):
                 for e, p in experts:
-                    w = fmt(p).weights(self.host_views(layer, e, p))
+                    w = fmt(p, layer).weights(self.host_views(layer, e, p))
                     compute(e, lambda x, w=w: self.cpu_forward(w, x, gate))
             return time.perf_counter() - t0
         return self._cpu_pool.submit(work)
