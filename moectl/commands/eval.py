@@ -12,7 +12,7 @@ from ._common import prepare_model, print_lossy, print_plan_note, runtime_option
 
 @runtime_options
 def eval_(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     dataset: str = typer.Option("default", "--dataset", "-d",
                                 help="Held-out text: calibration YAML name or path, local file, or 'builtin'."),
     max_tokens: int = typer.Option(2048, "--max-tokens", min=2, help="Tokens of held-out text scored."),

@@ -53,6 +53,7 @@ class GgufModel:
         # so a plan or trace made on a Q4_K_M file is not silently used with its Q8_0 (same config otherwise)
         self.config.gguf_expert_encodings = ",".join(
             "+".join(encoding_name(t.encoding) for _, t in self.index.parts(l, 0)) for l in self.index.layers)
+        self.config.gguf_expert_nbytes = self.index.slot_nbytes()    # the simulator's expert size (sim/cost.py)
 
     @property
     def path(self) -> Path:
