@@ -58,11 +58,12 @@ def test_one_format_per_layer_one_size(q4km):
     index = ExpertIndex(GgufFiles(q4km))
     formats = layer_formats(index, "mixtral", torch.float32)
     assert formats[0].name == "gguf-Q4_K+Q6_K" and formats[1].name == "gguf-Q4_K"
-    assert formats[0].nbytes == formats[1].nbytes == index.expert_nbytes(0) > index.expert_nbytes(1)
-    for layer, fmt in formats.items():                   # the parts are the file's ranges, back to back
-        assert [fmt.spans[n] for n, _ in index.parts(layer, 0)] == [
-            (sum(t.nbytes for _, t in index.parts(layer, 0)[:i]), sum(t.nbytes for _, t in index.parts(layer, 0)[:i + 1]))
-            for i in range(3)]
+    assert formats[0].nbytes == formats[1].nbytes == index.expert_nbytes(0) == index.slot_nbytes() > \
+        index.expert_nbytes(1)
+    q4k, q6k = I * H // 256 * 144, I * H // 256 * 210
+    for layer, fmt in formats.items():   # the same spans in every layer: each part as large as the largest layer's
+        assert [fmt.spans[n] for n, _ in index.parts(layer, 0)] == [(0, q4k), (q4k, 2 * q4k), (2 * q4k, 2 * q4k + q6k)]
+    assert not formats[0].padded and formats[1].padded
 
 
 def test_experts_equal_reference(q4km):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..recipes import is_gguf_path
+from ..recipes import is_gguf_path, model_name
 from .config import family_of, gguf_config, gguf_tokenizer
 from .dense import dense_state_dict
 from .encodings import encoding_name
@@ -54,6 +54,7 @@ class GgufModel:
         self.config.gguf_expert_encodings = ",".join(
             "+".join(encoding_name(t.encoding) for _, t in self.index.parts(l, 0)) for l in self.index.layers)
         self.config.gguf_expert_nbytes = self.index.slot_nbytes()    # the simulator's expert size (sim/cost.py)
+        self.config._name_or_path = model_name(self.path)               # shapes and messages name the model
 
     @property
     def path(self) -> Path:
