@@ -124,7 +124,13 @@ def test_inspect_states_what_the_run_holds(q4km, capsys, monkeypatch, tmp_path):
     eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path))
     store = eng.store
     assert store.expert_nbytes == info["bytes_per_expert"]
-    assert sum(b.numel() for b in store.buffers) == info["expert_bytes"] == info["memory"]["full_copies_bytes"]
+    assert info["expert_bytes"] == info["memory"]["full_copies_bytes"] == 2 * 4 * (2 * q4k + q6k)  # slots, RAM tier
+    # in place on the CPU the Q4_K matrices are repacked for the int4 kernel (fp32 scales: 6 bits per weight)
+    cpu = info["gguf"]["cpu_in_place"]
+    assert cpu["int4_repacked"] and sum(b.numel() for b in store.buffers) == cpu["expert_bytes"] == \
+        4 * ((2 * 256 * 256 * 6 // 8 + q6k) + 3 * 256 * 256 * 6 // 8)
+    disk = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path), emulate_device=True)
+    assert sum(b.numel() for b in disk.store.buffers) == info["expert_bytes"]        # the RAM tier: packed as stored
     assert info["dense_bytes"] == dense_nbytes(eng.model, eng.config)
     assert header_dense_nbytes(eng.ckpt, eng.adapter, torch.float32) == sum(
         p.numel() * 4 for p in eng.model.parameters())               # the host check's dense, from the header

@@ -241,11 +241,19 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
 def gguf_facts(adapter, dtype: torch.dtype) -> dict:
     """A GGUF model's figures for `inspect`, from its header (moectl/gguf/experts.py `sizes`): the layers'
     formats (`gguf-Q4_K+Q6_K,gguf-Q4_K`), bits per weight of the experts as stored (packed bytes over weights, all
-    layers), and the file's figures under `gguf`. Empty for a safetensors checkpoint."""
+    layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: Q4 matrices
+    repacked for the int4 kernel, moectl/gguf/cpu.py). Empty for a safetensors checkpoint."""
     g = getattr(adapter, "gguf", None)
     if g is None:
         return {}
+    from ..gguf.cpu import in_place_expert_bytes
+
     s = g.sizes(dtype.itemsize)
+    repacked = in_place_expert_bytes(adapter, dtype)
     return {"expert_format": adapter.format_names(dtype), "bits_per_weight": s["bits_per_weight"],
             "gguf": {k: s[k] for k in ("architecture", "files", "file_bytes", "encodings", "encoding_bits",
-                                       "expert_bytes", "bytes_per_expert", "dense_packed_bytes", "dense_weights")}}
+                                       "expert_bytes", "bytes_per_expert", "dense_packed_bytes", "dense_weights")}
+            | {"cpu_in_place": {"int4_repacked": repacked is not None, "scale_dtype": str(dtype).removeprefix("torch."),
+                                "expert_bytes": repacked if repacked is not None else s["expert_bytes"],
+                                "host_bytes": (repacked if repacked is not None else s["expert_bytes"])
+                                + s["dense_bytes"]}}}

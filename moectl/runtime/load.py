@@ -17,6 +17,7 @@ import torch
 
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
+from ..gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
 from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
 from ..recipes import resolve_model
 from ..sizing import cache_slots, lowbit_fraction_for, split_budget, split_pools
@@ -96,8 +97,11 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
                                       fingerprint, L)
     if opts.prefetch == "auto" and prefetch is not None and prefetch.name != "gate-reuse":
         opts.sources["prefetch"] = PREDICTORS                 # auto found the workdir's trained predictors
-    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=full_tier, pin=(dev.type == "cuda"),
-                        progress=opts.progress)
+    repack = in_place and full_tier == "ram" and int4_repackable(adapter)   # a GGUF's Q4 experts: read, repacked
+    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload="disk" if repack else full_tier,
+                        pin=(dev.type == "cuda"), progress=opts.progress)
+    if repack:
+        opts.plan_note = "; ".join(filter(None, [opts.plan_note, repack_for_cpu(store, dt, opts.progress)]))
     if low_fmt is not None:
         from ..quant.int4_cpu import int4pack_layout
         from ..store.lowbit import LowbitCopies
@@ -160,7 +164,9 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
     kv = kv_reserve_nbytes(config, dt)
     dense = header_dense_nbytes(ckpt, adapter, dt)                  # what is read into host RAM
     on_host = dev.type == "cpu"
-    need = host_need(full_tier, on_host, in_place, sum(full), expert_nbytes, L * E, dense, kv,
+    held = in_place_expert_bytes(adapter, dt) if in_place else None      # a GGUF's experts repacked in place
+    need = host_need(full_tier, on_host, in_place, sum(full), -(-held // (L * E)) if held else expert_nbytes, L * E,
+                     dense, kv,
                      lowbit_nbytes=low_fmt.nbytes if low_fmt is not None else 0, low_slots=sum(low or []))
 
     def fits(free: int) -> list[str]:

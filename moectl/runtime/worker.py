@@ -48,7 +48,7 @@ class CpuWorker:
         key = (layer, expert, precision)
         if key not in self._host_views:
             store = self.cache.store
-            self._host_views[key] = store.format_of(precision).views(store.host(layer, expert, precision))  # no copy
+            self._host_views[key] = store.format_of(precision, layer).views(store.host(layer, expert, precision))  # no copy
         return self._host_views[key]
 
     def cpu_forward(self, w: dict, x: torch.Tensor, apply_gate) -> torch.Tensor:
