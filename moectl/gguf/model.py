@@ -17,7 +17,7 @@ import torch
 from ..errors import MoectlError
 from ..recipes import is_gguf_path, model_name
 from .config import family_of, gguf_config, gguf_tokenizer
-from .dense import dense_state_dict
+from .dense import dense_state_dict, dense_tensors
 from .encodings import encoding_name
 from .experts import ExpertIndex
 from .files import GgufFiles
@@ -74,6 +74,10 @@ class GgufModel:
 
     def dense_state_dict(self, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         return dense_state_dict(self.files, model, dtype)
+
+    def dense_tensors(self, model, dtype_of):
+        """(name, tensor) one at a time, each in `dtype_of(name)` (moectl/gguf/dense.py)."""
+        return dense_tensors(self.files, model, dtype_of)
 
     def expert_formats(self, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
         return layer_formats(self.index, self.family, dtype)

@@ -183,7 +183,7 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
     dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32)."""
     want = {k: v.dtype for k, v in hf.state_dict().items()}
     state = {}
-    for name, t in dense_tensors(hf, adapter, ckpt):
+    for name, t in dense_tensors(hf, adapter, ckpt, lambda name: want.get(name, dt)):
         state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -199,12 +199,12 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
             raise MoectlError(f"weight {name} was not found in {path}")
 
 
-def dense_tensors(hf, adapter, ckpt: Checkpoint):
-    """(skeleton name, tensor) of every non-expert weight: read from the shards one at a time, or a GGUF's
-    dequantised once (moectl/gguf/dense.py, fp32 then cast to the run's dtype by the caller)."""
+def dense_tensors(hf, adapter, ckpt: Checkpoint, dtype_of):
+    """(skeleton name, tensor) of every non-expert weight, one at a time: read from the shards, or a GGUF's
+    dequantised once into `dtype_of(name)` (moectl/gguf/dense.py)."""
     gguf = getattr(adapter, "gguf", None)
     if gguf is not None:
-        yield from gguf.dense_state_dict(hf, torch.float32).items()
+        yield from gguf.dense_tensors(hf, dtype_of)
         return
     for key in ckpt.keys():
         name = adapter.skeleton_key(key)
