@@ -182,7 +182,7 @@ def _missing_part(tiny_small, tmp_path):
 
 
 def _unsupported_encoding(tiny_small, tmp_path):
-    return write_gguf(tiny_small, tmp_path / "q5.gguf", expert_encoding=T.Q5_0)
+    return write_gguf(tiny_small, tmp_path / "iq4.gguf", expert_encoding=T.IQ4_NL)
 
 
 def _contradicting(tiny_small, tmp_path):
@@ -203,7 +203,7 @@ def _unsupported_arch(tiny_small, tmp_path):
 
 BAD = {"truncated": (lambda ts, f, tp: _truncated(f, tp), ["cut.gguf", "truncated"]),
        "missing split part": (lambda ts, f, tp: _missing_part(ts, tp), ["m-00002-of-00003.gguf"]),
-       "unsupported encoding": (lambda ts, f, tp: _unsupported_encoding(ts, tp), ["q5.gguf", "Q5_0"]),
+       "unsupported encoding": (lambda ts, f, tp: _unsupported_encoding(ts, tp), ["iq4.gguf", "IQ4_NL"]),
        "contradicting metadata": (lambda ts, f, tp: _contradicting(ts, tp), ["bad.gguf", "metadata"]),
        "unsupported architecture": (lambda ts, f, tp: _unsupported_arch(ts, tp), ["phi.gguf", "phi2"])}
 

@@ -22,6 +22,10 @@ def eval_(
     decode_steps: bool = typer.Option(False, "--decode-steps", help="Score each window one decode step at a time "
                                       "(what a decode does per token, e.g. HOBBIT's hi/lo/skip on a miss, applies), "
                                       "not as one teacher-forced prefill."),
+    llamacpp_windows: bool = typer.Option(False, "--llamacpp-windows",
+                                          help="Window and score the text as `llama-perplexity -c WINDOW -b WINDOW` "
+                                               "does: one text with its BOS, WINDOW-token chunks each starting "
+                                               "with BOS, only the second half of each chunk scored."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with lossy: the settings in force "
                                  "that change outputs)."),
     opts: RuntimeOptions = None,
@@ -33,7 +37,7 @@ def eval_(
     from rich.table import Table
 
     from ..calib.dataset import load_calibration
-    from ..calib.fidelity import evaluate, token_windows
+    from ..calib.fidelity import evaluate, llamacpp_windows as llama_windows, token_windows
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
 
@@ -42,12 +46,13 @@ def eval_(
     eng = Engine.load(model, options=opts)
     print_plan_note(eng)
     lossy = print_lossy(eng)
-    windows = token_windows(eng.tokenizer, load_calibration(dataset), window, max_tokens)
+    cut = llama_windows if llamacpp_windows else token_windows
+    windows = cut(eng.tokenizer, load_calibration(dataset), window, max_tokens)
     starts = [w[: max(2, window // 4)] for w in windows[:prompts]]
     with ProgressBar(not as_json, transient=True) as bar:
         task = bar.add("eval", total=2 * len(windows))
         r = evaluate(eng, windows, starts, generate, eng.ref.workdir, progress=lambda: bar.update(task, advance=1),
-                     decode=decode_steps)
+                     decode=decode_steps, score_from=window // 2 if llamacpp_windows else 0)
     if as_json:
         print(json.dumps(r | {"lossy": lossy}))
         return
