@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--prompt", default="The function returns the")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--workdir", default=None, help="moectl's artifact directory for this file (nothing is written)")
+    ap.add_argument("--llamacpp-root", default=None, help="llama.cpp's build (default: $MOECTL_HOME's, else "
+                                                          "~/.cache/moectl's)")
     a = ap.parse_args()
 
     import torch
@@ -45,8 +48,12 @@ def main() -> None:
     from moectl.runtime.inspect import dense_nbytes, inspect_model
 
     torch.set_num_threads(a.threads)
-    info = inspect_model(a.gguf, dtype=a.dtype, device="cpu")
-    eng = Engine.load(a.gguf, device="cpu", dtype=a.dtype, threads=a.threads, progress=False, gating="none")
+    root = Path(a.llamacpp_root) if a.llamacpp_root else llamacpp.home()
+    if not llamacpp.built(root):
+        root = Path("~/.cache/moectl/llamacpp").expanduser() / llamacpp.VERSION
+    info = inspect_model(a.gguf, a.workdir, dtype=a.dtype, device="cpu")
+    eng = Engine.load(a.gguf, device="cpu", dtype=a.dtype, threads=a.threads, progress=False, gating="none",
+                      workdir=a.workdir)
     held = {"experts": sum(b.numel() for b in eng.store.buffers), "dense": dense_nbytes(eng.model, eng.config)}
     out = {"file": a.gguf, "threads": a.threads, "tokens": a.tokens, "dtype": a.dtype,
            "inspect": {"expert_format": info["expert_format"], "bits_per_weight": info["bits_per_weight"],
@@ -59,7 +66,7 @@ def main() -> None:
         r = eng.generate(a.prompt, max_new_tokens=a.tokens)
         row = {"moectl_ms": r.stats["decode_ms_per_token"]}
         if not a.no_llamacpp:
-            b = llamacpp.bench(a.gguf, a.threads, prompt=0, gen=a.tokens, reps=1)
+            b = llamacpp.bench(a.gguf, a.threads, prompt=0, gen=a.tokens, reps=1, root=root)
             row |= {"llamacpp_ms": 1000 / b["tokens_per_s"], "llamacpp_rss_gb": b["rss_gb"]}
         rounds.append(row)
         print(row, file=sys.stderr, flush=True)
