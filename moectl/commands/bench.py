@@ -13,8 +13,8 @@ from ._common import CacheOpts, GatingOpts, PrecisionOpts, prepare_model
 
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Benchmark this model against the baselines (recipe name or checkpoint "
-                                             "directory). Without it: --what overhead,predictor."),
+                                        help="Benchmark this model against the baselines (recipe name, checkpoint "
+                                             "directory or .gguf file). Without it: --what overhead,predictor."),
     budget: Optional[str] = CacheOpts.budget(),
     cache_experts: Optional[int] = typer.Option(None, "--cache-experts", min=1,
                                                 help="Expert slots in total, split evenly over MoE layers (default: "
