@@ -125,10 +125,11 @@ def test_inspect_states_what_the_run_holds(q4km, capsys, monkeypatch, tmp_path):
     store = eng.store
     assert store.expert_nbytes == info["bytes_per_expert"]
     assert info["expert_bytes"] == info["memory"]["full_copies_bytes"] == 2 * 4 * (2 * q4k + q6k)  # slots, RAM tier
-    # in place on the CPU the Q4_K matrices are repacked for the int4 kernel (fp32 scales: 6 bits per weight)
+    # in place on the CPU the Q4_K matrices are repacked for the int4 kernel (fp32 scales: 6 bits per weight), the
+    # Q6_K down_proj of layer 0 as two 4-bit planes with fp32 (scale, zero') per 16 weights (12 bits per weight)
     cpu = info["gguf"]["cpu_in_place"]
     assert cpu["int4_repacked"] and sum(b.numel() for b in store.buffers) == cpu["expert_bytes"] == \
-        4 * ((2 * 256 * 256 * 6 // 8 + q6k) + 3 * 256 * 256 * 6 // 8)
+        4 * ((2 * 256 * 256 * 6 // 8 + 256 * 256 * 12 // 8) + 3 * 256 * 256 * 6 // 8)
     disk = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path), emulate_device=True)
     assert sum(b.numel() for b in disk.store.buffers) == info["expert_bytes"]        # the RAM tier: packed as stored
     assert info["dense_bytes"] == dense_nbytes(eng.model, eng.config)

@@ -70,3 +70,47 @@ def int4_dequantized(data: torch.Tensor, encoding: int, shape: tuple[int, int]) 
     N, K = shape
     codes, scale, zero = (_q4_0(data.view(-1, 18)) if encoding == T.Q4_0 else _q4_k(data.view(-1, 144)))
     return ((codes.float() - 8) * scale[:, None] + zero[:, None]).reshape(N, K)
+
+
+# --- Q6_K on the same kernel ------------------------------------------------------------------------------------
+# Q6_K: w = s_j (q - 32), q = lo + 16 hi (lo 4 bits, hi 2 bits), s_j = d sc_j per 16 weights: a group of 16, which
+# the kernel (groups >= 32) has not. So K is doubled: kernel group j holds sub-block j's 16 lo codes then its 16 hi
+# codes, with scale s_j and zero' 8 s_j (so a code c weighs c s_j), and the input row is x's 16 values then the same
+# 16 times 16 (exact: a power of two); the -32 s_j term is one small product with the per-16 sums of x:
+#     W x = int4mm([x_j, 16 x_j]_j; [lo_j, hi_j]_j) - 32 S (sum_16 x),   S = [N, K/16] the scales
+# The same 6 bits per weight, held as 2 x 4 (+ scales): no weight is dequantised; exact up to fp32 summation order.
+def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lo [nb, 256], hi [nb, 256] (weight order) and scales [nb, 16] of Q6_K blocks [nb, 210] (gguf's layout)."""
+    nb = blocks.shape[0]
+    ql, qh = blocks[:, :128].reshape(nb, 2, 1, 64), blocks[:, 128:192].reshape(nb, 2, 1, 32)
+    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(nb, 256)
+    hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(nb, 256)
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float()
+    return lo, hi, d * blocks[:, 192:208].contiguous().view(torch.int8).float()
+
+
+def q6_k_parts(data: torch.Tensor, shape: tuple[int, int],
+               scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes [N, K] uint8 of the doubled [N, 2K] code matrix, (scale, zero') [K/16, N, 2]) of a Q6_K [N, K]."""
+    N, K = shape
+    lo, hi, s = _q6_k(data.view(-1, 210))
+    codes = torch.cat([lo.reshape(N, K // 16, 16), hi.reshape(N, K // 16, 16)], dim=2).reshape(N, 2 * K)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    s = s.reshape(N, K // 16)
+    sz = torch.stack([s, 8 * s], dim=-1).transpose(0, 1).contiguous()                  # [K/16, N, 2]
+    return packed, sz.to(scale_dtype)
+
+
+class Q6KLinear:
+    """y = x @ W^T for a Q6_K W [N, K] held as `q6_k_parts` (x [..., K] in the scales' dtype)."""
+
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor):
+        self.packed, self.sz = packed, sz
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xg = x.reshape(-1, shape[-1] // 16, 16)                                          # [T, K/16, 16]
+        x2 = torch.cat([xg, xg * 16], dim=2).reshape(xg.shape[0], -1)                    # [T, 2K]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.sz)  # [T, N]
+        y = y - 32 * (xg.sum(dim=2) @ self.sz[:, :, 0])                                  # the -32 s_j term
+        return y.reshape(*shape[:-1], y.shape[-1])
