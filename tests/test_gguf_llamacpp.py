@@ -116,13 +116,10 @@ def test_experts_equal_gguf_reference_dequantisation(converted):
 
 
 def _greedy(eng, ids: list[int], n: int) -> list[int]:
-    got, pkv, step = [], None, torch.tensor([ids])
+    from test_runtime import _engine_run
+
     with torch.no_grad():
-        for _ in range(n):
-            out, pkv = eng.forward(step, pkv)
-            got.append(int(out[0, -1].argmax()))
-            step = torch.tensor([[got[-1]]])
-    return got
+        return _engine_run(eng, torch.tensor([ids]), n - 1)[1]
 
 
 def test_f32_gguf_greedy_tokens_equal_the_safetensors_original(converted, tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ from gguf import GGMLQuantizationType as T
 
 from gguf_build import model_from_gguf, write_gguf
 from model_factory import save_tokenizer
-from moectl import cli
 from moectl.runtime.engine import Engine
 from moectl.runtime.inspect import dense_nbytes, header_dense_nbytes
+from test_bad_input import run_cli
 from test_runtime import LOSSLESS_ATOL, _engine_run, _reference_run
 
 PROMPT = torch.tensor([[5, 17, 42, 9, 100, 7]])
@@ -45,17 +44,6 @@ def q4km(tmp_path_factory):
     save_tokenizer(root / "ckpt")
     return write_gguf(root / "ckpt", root / "tiny-Q4_K_M.gguf", dense_encoding=T.Q8_0,
                       expert_encoding=lambda layer, proj: T.Q6_K if (proj == "down" and layer == 0) else T.Q4_K)
-
-
-def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["moectl", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("kw", [{}, {"emulate_device": True, "cache_experts": 6},
