@@ -219,3 +219,27 @@ def test_gguf_name_without_path_separator(f32, tmp_path, monkeypatch, capsys):
                              capsys, monkeypatch)
     assert code == 0, err
     assert json.loads(out)["model"] == "here"
+
+
+def test_chat_and_serve_on_a_gguf(q4km, tmp_path):
+    """`moectl chat` (piped stdin) and `moectl serve` (OpenAI client) take a GGUF: the chat template from its
+    metadata, the server's greedy answer the runtime's own."""
+    import os
+    import subprocess
+    import sys
+
+    from serve_helpers import MODEL, cli_server, greedy_chat
+
+    env = dict(os.environ, MOECTL_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", COLUMNS="200")
+    proc = subprocess.run([sys.executable, "-m", "moectl.cli", "chat", "--model", str(q4km), "--max-new-tokens", "6",
+                           "--greedy", "--threads", "1"], input="hello\n/exit\n", capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert sum("tok/s" in line for line in proc.stdout.splitlines()) == 1
+    eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path / "wd"))
+    assert eng.tokenizer.chat_template                                   # tokenizer.chat_template of the file
+    ids, want = greedy_chat(eng, "hello", 6)
+    with cli_server(q4km, tmp_path) as live:
+        got = live.client().chat.completions.create(model=MODEL, temperature=0, max_tokens=6,
+                                                     messages=[{"role": "user", "content": "hello"}])
+    assert got.choices[0].message.content == want
