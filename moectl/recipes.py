@@ -97,7 +97,7 @@ def resolve_model(spec: str, workdir: str | Path | None = None) -> ModelRef:
         wd = Path(workdir).expanduser() if workdir else moectl_home() / name
         return ModelRef(name, p, None, wd, None)
     if not (recipes_dir() / f"{spec}.yaml").exists():
-        raise MoectlError(f"--model {spec!r} is neither a checkpoint directory, a .gguf file nor a recipe name; "
+        raise MoectlError(f"--model {spec!r} is neither a checkpoint directory nor a recipe name (nor a .gguf file); "
                           f"recipes: {', '.join(list_recipes())}")
     recipe = load_recipe(spec)
     wd = Path(workdir).expanduser() if workdir else moectl_home() / recipe["name"]
