@@ -154,7 +154,7 @@ def test_int4_format_expert_forward(q4km, layer):
     src_bf16 = layer_formats(index, "mixtral", torch.bfloat16)[layer]              # dequantises to bf16
     exact, fast = GgufInt4Format(src), GgufInt4Format(src_bf16, torch.bfloat16)
     assert "down.int4" in exact.spans and "gate_up.int4" in exact.spans
-    assert exact.q6k == ({"down"} if layer == 0 else set())
+    assert exact.planes == ({"down"} if layer == 0 else set())
     if layer == 1:                                   # codes 4 bits + (scale, zero') fp32 per 32: 6 bits a weight
         assert exact.nbytes == 3 * I * H * 6 // 8 and fast.nbytes == 3 * I * H * 5 // 8
     else:                                            # Q6_K: two 4-bit planes + (scale, zero') fp32 per 16: 12 bits

@@ -260,3 +260,18 @@ def test_every_family_runs_its_f32_gguf_as_the_original(family, tmp_path):
     logits, got = _engine_run(Engine.load(str(path), workdir=str(tmp_path / "g"), **kw), PROMPT, 6)
     assert got == want
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= LOSSLESS_ATOL
+
+
+def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path):
+    """Q8_0 experts in place are two 4-bit planes on the int4 kernel (fp32 scales): tokens and logits as
+    transformers' forward of gguf's reference dequantisation, and as the emulated device's dequantise-per-use."""
+    path = write_gguf(tiny_small, tmp_path / "tiny-Q8_0.gguf", expert_encoding=T.Q8_0)
+    eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path))
+    assert all(f.planes == {"gate_up", "down"} for f in eng.store.formats)
+    ref = model_from_gguf(path)
+    with torch.no_grad():
+        want = ref(input_ids=PROMPT).logits[0]
+    got, _ = eng.forward(PROMPT)
+    assert (got[0] - want).abs().max().item() <= LOSSLESS_ATOL
+    slots = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path), emulate_device=True)
+    assert _engine_run(eng, PROMPT, 6)[1] == _engine_run(slots, PROMPT, 6)[1]

@@ -1,13 +1,13 @@
-"""A GGUF's experts on the CPU in place: Q4_0 / Q4_K / Q6_K matrices repacked once, at load, for torch's int4 kernel.
+"""A GGUF's experts on the CPU in place: Q4_0 / Q4_K / Q6_K / Q8_0 matrices repacked once, at load, for torch's int4 kernel.
 
 Legend: L = MoE layers, E = experts per layer, N_l = bytes of one repacked expert of layer l.
 
 In place (`--device cpu --offload ram`, `runtime/in_place.py`) experts are computed where they lie in host RAM.
 A matrix dequantised per use costs tens of ms (docs/gguf.md); Q4_0 and Q4_K are affine per 32 weights, exactly
 what `_weight_int4pack_mm_for_cpu` computes at group 32, so each expert is repacked once (`GgufInt4Format`: the
-same 4-bit codes, per-32 scale and zero; Q6_K as two 4-bit planes, `int4.py: Q6KLinear`) and the repacked buffer is the RAM tier's, not a copy beside it: the
+same 4-bit codes, per-32 scale and zero; Q6_K and Q8_0 as two 4-bit planes, `int4.py: PlanesLinear`) and the repacked buffer is the RAM tier's, not a copy beside it: the
 experts are read from the file by positioned reads one at a time into one scratch buffer, repacked into their
-layer's [E, N_l] buffer, and nothing else stays. Other matrices (Q8_0, Q5_K, MXFP4, ...) keep their GGUF bytes
+layer's [E, N_l] buffer, and nothing else stays. Other matrices (Q5_K, MXFP4, Q4_1, Q5_0, ...) keep their GGUF bytes
 in the same buffer and are dequantised per use. Scales in the run's dtype: fp32 is lossless, bf16
 (`--dtype bf16`) the fast kernel, rounding the scales as any bf16 weight is rounded.
 """
@@ -28,7 +28,7 @@ def int4_repackable(adapter) -> bool:
     g = getattr(adapter, "gguf", None)
     if g is None or adapter.family == "gpt_oss":
         return False
-    return any(GgufInt4Format(f).int4 or GgufInt4Format(f).q6k for f in adapter.formats(torch.float32).values())
+    return any(GgufInt4Format(f).int4 or GgufInt4Format(f).planes for f in adapter.formats(torch.float32).values())
 
 
 def repack_for_cpu(store, dtype: torch.dtype, progress: bool = True) -> str:
@@ -49,9 +49,9 @@ def repack_for_cpu(store, dtype: torch.dtype, progress: bool = True) -> str:
     store.buffers, store.formats = buffers, fmts
     store.ckpt.close()
     mats = sorted({f"{m} ({'+'.join(dict.fromkeys(T(t.encoding).name for n, t in f.src.tensors if n in f.groups[m]))})"
-                   for f in fmts for m in f.int4 | f.q6k})
+                   for f in fmts for m in f.int4 | f.planes})
     exact = "lossless" if dtype == torch.float32 else f"scales rounded to {str(dtype).removeprefix('torch.')}"
-    return (f"gguf: Q4_0/Q4_K/Q6_K expert matrices repacked for the CPU int4 kernel ({', '.join(mats)}; "
+    return (f"gguf: Q4_0/Q4_K/Q6_K/Q8_0 expert matrices repacked for the CPU int4 kernel ({', '.join(mats)}; "
             f"{str(dtype).removeprefix('torch.')} scales, {exact}); other encodings dequantised per use")
 
 

@@ -72,13 +72,17 @@ def int4_dequantized(data: torch.Tensor, encoding: int, shape: tuple[int, int]) 
     return ((codes.float() - 8) * scale[:, None] + zero[:, None]).reshape(N, K)
 
 
-# --- Q6_K on the same kernel ------------------------------------------------------------------------------------
-# Q6_K: w = s_j (q - 32), q = lo + 16 hi (lo 4 bits, hi 2 bits), s_j = d sc_j per 16 weights: a group of 16, which
-# the kernel (groups >= 32) has not. So K is doubled: kernel group j holds sub-block j's 16 lo codes then its 16 hi
-# codes, with scale s_j and zero' 8 s_j (so a code c weighs c s_j), and the input row is x's 16 values then the same
-# 16 times 16 (exact: a power of two); the -32 s_j term is one small product with the per-16 sums of x:
-#     W x = int4mm([x_j, 16 x_j]_j; [lo_j, hi_j]_j) - 32 S (sum_16 x),   S = [N, K/16] the scales
-# The same 6 bits per weight, held as 2 x 4 (+ scales): no weight is dequantised; exact up to fp32 summation order.
+# --- Q6_K and Q8_0 on the same kernel: two 4-bit planes -------------------------------------------------------
+# Q6_K: w = s_j (q - 32), q = lo + 16 hi (lo 4 bits, hi 2), s_j = d sc_j per B = 16 weights; Q8_0: w = d_j (u - 128)
+# with u = q + 128 = lo + 16 hi (4 + 4 bits) per B = 32. The kernel's groups (>= 32, a power of two) are 2B wide on a
+# doubled K: group j holds sub-block j's B low codes then its B high codes, scale s_j and zero' 8 s_j (so a code c
+# weighs c s_j), and the input row is x's B values then the same times 16 (exact: a power of two); the offset term
+# is one small product with the per-B sums of x:
+#     W x = int4mm([x_j, 16 x_j]_j; [lo_j, hi_j]_j) - offset S (sum_B x),   S = [N, K/B] the scales
+# The codes are the file's bits (4 + 4 per weight held): no weight is dequantised; exact up to fp32 summation order.
+PLANES = {T.Q6_K: (16, 32), T.Q8_0: (32, 128)}          # encoding -> (B, offset)
+
+
 def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lo [nb, 256], hi [nb, 256] (weight order) and scales [nb, 16] of Q6_K blocks [nb, 210] (gguf's layout)."""
     nb = blocks.shape[0]
@@ -89,28 +93,37 @@ def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return lo, hi, d * blocks[:, 192:208].contiguous().view(torch.int8).float()
 
 
-def q6_k_parts(data: torch.Tensor, shape: tuple[int, int],
-               scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes [N, K] uint8 of the doubled [N, 2K] code matrix, (scale, zero') [K/16, N, 2]) of a Q6_K [N, K]."""
+def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lo [nb, 32], hi [nb, 32] of u = q + 128 and scales [nb, 1] of Q8_0 blocks [nb, 34]."""
+    u = (blocks[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return u & 15, u >> 4, blocks[:, :2].contiguous().view(torch.float16).float()
+
+
+def plane_parts(data: torch.Tensor, encoding: int, shape: tuple[int, int],
+                scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes [N, K] uint8 of the doubled [N, 2K] code matrix, (scale, zero') [K/B, N, 2]) of a Q6_K or Q8_0
+    matrix [N, K]."""
     N, K = shape
-    lo, hi, s = _q6_k(data.view(-1, 210))
-    codes = torch.cat([lo.reshape(N, K // 16, 16), hi.reshape(N, K // 16, 16)], dim=2).reshape(N, 2 * K)
+    B, _ = PLANES[T(encoding)]
+    lo, hi, s = _q6_k(data.view(-1, 210)) if encoding == T.Q6_K else _q8_0(data.view(-1, 34))
+    codes = torch.cat([lo.reshape(N, K // B, B), hi.reshape(N, K // B, B)], dim=2).reshape(N, 2 * K)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    s = s.reshape(N, K // 16)
-    sz = torch.stack([s, 8 * s], dim=-1).transpose(0, 1).contiguous()                  # [K/16, N, 2]
+    s = s.reshape(N, K // B)
+    sz = torch.stack([s, 8 * s], dim=-1).transpose(0, 1).contiguous()                   # [K/B, N, 2]
     return packed, sz.to(scale_dtype)
 
 
-class Q6KLinear:
-    """y = x @ W^T for a Q6_K W [N, K] held as `q6_k_parts` (x [..., K] in the scales' dtype)."""
+class PlanesLinear:
+    """y = x @ W^T for a Q6_K / Q8_0 W [N, K] held as `plane_parts` (x [..., K] in the scales' dtype)."""
 
-    def __init__(self, packed: torch.Tensor, sz: torch.Tensor):
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, encoding: int):
         self.packed, self.sz = packed, sz
+        self.block, self.offset = PLANES[T(encoding)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        xg = x.reshape(-1, shape[-1] // 16, 16)                                          # [T, K/16, 16]
+        shape, B = x.shape, self.block
+        xg = x.reshape(-1, shape[-1] // B, B)                                            # [T, K/B, B]
         x2 = torch.cat([xg, xg * 16], dim=2).reshape(xg.shape[0], -1)                    # [T, 2K]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.sz)  # [T, N]
-        y = y - 32 * (xg.sum(dim=2) @ self.sz[:, :, 0])                                  # the -32 s_j term
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, 2 * B, self.sz)  # [T, N]
+        y = y - self.offset * (xg.sum(dim=2) @ self.sz[:, :, 0])                         # the -offset s_j term
         return y.reshape(*shape[:-1], y.shape[-1])
