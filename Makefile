@@ -29,7 +29,7 @@ install-llamacpp: install
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[test,llamacpp]"
 
 test-llamacpp: install-llamacpp
-	MOECTL_TEST_LLAMACPP=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/test_llamacpp.py
+	MOECTL_TEST_LLAMACPP=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -s tests/test_llamacpp.py tests/test_gguf_llamacpp.py
 
 bench-llamacpp: install-llamacpp
 	HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/vs_llamacpp.py --shape mixtral --layers 2 --repeat 3

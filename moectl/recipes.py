@@ -54,10 +54,29 @@ def recipe_shape(name: str) -> dict:
 @dataclass
 class ModelRef:
     name: str
-    path: Path               # checkpoint directory
+    path: Path               # checkpoint directory, or a GGUF file (part 1 of a split one)
     family: str | None
     workdir: Path
     recipe: dict | None
+
+    @property
+    def gguf(self) -> bool:
+        """A llama.cpp GGUF file (moectl/gguf/), not a safetensors directory."""
+        return is_gguf_path(self.path)
+
+
+SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}$")       # llama.cpp's split files: name-00001-of-00003.gguf
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir()
+
+
+def model_name(path: Path) -> str:
+    """The artifact workdir's name of a checkpoint path: its directory name, or a GGUF's stem without the split
+    part's `-0000k-of-0000N`."""
+    name = SPLIT_PART.sub("", path.resolve().stem) if is_gguf_path(path) else path.resolve().name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name) or "model"
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -65,20 +84,20 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def resolve_model(spec: str, workdir: str | Path | None = None) -> ModelRef:
-    """A recipe name or checkpoint directory -> where the checkpoint and the artifacts are. Builds nothing:
+    """A recipe name, checkpoint directory or GGUF file -> where the checkpoint and the artifacts are. Builds nothing:
     the built-in tiny model's checkpoint is `<workdir>/checkpoint`, made by the commands that need it
     (`moectl/commands/_common.py: prepare_model`) or `moectl build-tiny`."""
     if not spec:
-        raise MoectlError("--model is required (a recipe name or a checkpoint directory)")
+        raise MoectlError("--model is required (a recipe name, a checkpoint directory or a .gguf file)")
     p = Path(spec).expanduser()
-    if p.is_dir() or _looks_like_path(spec):
+    if p.is_dir() or _looks_like_path(spec) or is_gguf_path(p):
         if not p.exists():
             raise MoectlError(f"model path {p} does not exist")
-        name = re.sub(r"[^A-Za-z0-9._-]+", "-", p.resolve().name) or "model"
+        name = model_name(p)
         wd = Path(workdir).expanduser() if workdir else moectl_home() / name
         return ModelRef(name, p, None, wd, None)
     if not (recipes_dir() / f"{spec}.yaml").exists():
-        raise MoectlError(f"--model {spec!r} is neither a checkpoint directory nor a recipe name; "
+        raise MoectlError(f"--model {spec!r} is neither a checkpoint directory nor a recipe name (nor a .gguf file); "
                           f"recipes: {', '.join(list_recipes())}")
     recipe = load_recipe(spec)
     wd = Path(workdir).expanduser() if workdir else moectl_home() / recipe["name"]

@@ -128,12 +128,18 @@ def drive(rule: OnlineDraftRule, passes: int, accepted_of, ms_of) -> list[int]:
     return ks
 
 
-def test_online_rule_explores_every_k_first_then_settles_on_the_best():
+def test_online_rule_explores_in_increasing_k_while_each_beats_the_last_then_settles_on_the_best():
     rule = OnlineDraftRule(k_max=3, explore=2, reprobe=1000)
     ks = drive(rule, 20, accepted_of=lambda k: k, ms_of=lambda k: 10.0 + 1.0 * k)
-    assert ks[:8] == [0, 1, 2, 3, 0, 1, 2, 3]             # round-robin: every k sees the same warm-up
+    assert ks[:8] == [0, 1, 0, 1, 2, 2, 3, 3]             # round-robin over 0..1, then each next k while it pays
     assert set(ks[8:]) == {3}                    # all drafts accepted, cheap passes: the most drafts
     assert rule.ms_pass(3) == pytest.approx(13.0)
+
+
+def test_online_rule_explores_no_further_than_k_1_where_drafting_does_not_pay():
+    rule = OnlineDraftRule(k_max=4, explore=3, reprobe=1000)
+    ks = drive(rule, 30, accepted_of=lambda k: 0, ms_of=lambda k: 10.0 + 3.0 * k)
+    assert ks[:6] == [0, 1, 0, 1, 0, 1] and set(ks[6:]) == {0}     # k = 2..4 never tried: k = 1 already lost
 
 
 def test_online_rule_turns_itself_off_then_reprobes_and_comes_back():

@@ -29,7 +29,7 @@ def packed(encoding: T, seed: int = 0) -> np.ndarray:
     return quantize(x, encoding)
 
 
-@pytest.mark.parametrize("encoding", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4])
+@pytest.mark.parametrize("encoding", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4])
 def test_dequantize_bit_for_bit(encoding):
     """fp32 values equal gguf's reference exactly (including at an odd start in a buffer: the copy path)."""
     raw = packed(encoding)

@@ -58,11 +58,12 @@ def test_one_format_per_layer_one_size(q4km):
     index = ExpertIndex(GgufFiles(q4km))
     formats = layer_formats(index, "mixtral", torch.float32)
     assert formats[0].name == "gguf-Q4_K+Q6_K" and formats[1].name == "gguf-Q4_K"
-    assert formats[0].nbytes == formats[1].nbytes == index.expert_nbytes(0) > index.expert_nbytes(1)
-    for layer, fmt in formats.items():                   # the parts are the file's ranges, back to back
-        assert [fmt.spans[n] for n, _ in index.parts(layer, 0)] == [
-            (sum(t.nbytes for _, t in index.parts(layer, 0)[:i]), sum(t.nbytes for _, t in index.parts(layer, 0)[:i + 1]))
-            for i in range(3)]
+    assert formats[0].nbytes == formats[1].nbytes == index.expert_nbytes(0) == index.slot_nbytes() > \
+        index.expert_nbytes(1)
+    q4k, q6k = I * H // 256 * 144, I * H // 256 * 210
+    for layer, fmt in formats.items():   # the same spans in every layer: each part as large as the largest layer's
+        assert [fmt.spans[n] for n, _ in index.parts(layer, 0)] == [(0, q4k), (q4k, 2 * q4k), (2 * q4k, 2 * q4k + q6k)]
+    assert not formats[0].padded and formats[1].padded
 
 
 def test_experts_equal_reference(q4km):
@@ -130,7 +131,7 @@ def test_model_sizes_account_for_every_byte(q4km):
     assert (s["family"], s["architecture"]) == ("mixtral", "llama")
 
 
-@pytest.mark.parametrize("layer", [0, 1], ids=["gate_up-int4+down-Q6_K", "all-int4"])
+@pytest.mark.parametrize("layer", [0, 1], ids=["gate_up-int4+down-Q6_K-two-planes", "all-int4"])
 def test_int4_format_expert_forward(q4km, layer):
     """A Q4_K_M layer repacked (GgufInt4Format): Mixtral's expert_forward on its Int4Linear weights equals the same
     forward on the dequantised GGUF weights (fp32 scales: summation order only); bf16 scales stay within bf16
@@ -152,9 +153,12 @@ def test_int4_format_expert_forward(q4km, layer):
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
     src_bf16 = layer_formats(index, "mixtral", torch.bfloat16)[layer]              # dequantises to bf16
     exact, fast = GgufInt4Format(src), GgufInt4Format(src_bf16, torch.bfloat16)
-    assert ("down.int4" in exact.spans) == (layer == 1) and "gate_up.int4" in exact.spans
+    assert "down.int4" in exact.spans and "gate_up.int4" in exact.spans
+    assert exact.planes == ({"down"} if layer == 0 else set())
     if layer == 1:                                   # codes 4 bits + (scale, zero') fp32 per 32: 6 bits a weight
         assert exact.nbytes == 3 * I * H * 6 // 8 and fast.nbytes == 3 * I * H * 5 // 8
+    else:                                            # Q6_K: two 4-bit planes + (scale, zero') fp32 per 16: 12 bits
+        assert exact.nbytes == 2 * I * H * 6 // 8 + I * H * 12 // 8
     for e in range(E):
         buf = src.packed(e)
         want = adapter.expert_forward(src.weights(src.views(buf)), x, gate)

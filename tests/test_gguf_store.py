@@ -59,34 +59,30 @@ def test_per_expert_layout_through_the_store(tiny_small, tmp_path):
     assert torch.equal(buf[-t.nbytes:], torch.from_numpy(g.files.bytes_of(t.file, t.offset, t.nbytes).copy()))
 
 
-def test_mixed_layers_need_per_layer_formats(tiny_small, tmp_path):
+@pytest.mark.parametrize("offload", ["ram", "disk"])
+def test_mixed_layers_per_layer_formats(tiny_small, tmp_path, offload):
+    """Layers of different encodings (Q8_0 then Q4_0, as a Q4_K_M mixes Q4_K and Q6_K): one slot size and the
+    same views for every layer (each part padded to the largest layer's), each layer's own `weights`; every
+    expert equals gguf's reference dequantisation bit for bit."""
     path = write_gguf(tiny_small, tmp_path / "mix.gguf",
-                      expert_encoding=lambda layer, proj: T.Q8_0 if layer == 0 else T.Q4_0)
-    adapter = GgufAdapter(GgufModel(path))
-    with pytest.raises(MoectlError, match=r"mix.gguf: its MoE layers use different encodings \(gguf-Q4_0, "
-                                          r"gguf-Q8_0\); the expert store keeps one format"):
-        adapter.format(torch.float32)
-    assert adapter.format_for(0, torch.float32).name == "gguf-Q8_0"
-    assert adapter.format_for(1, torch.float32).nbytes == adapter.format_for(0, torch.float32).nbytes
-
-
-def test_is_gguf(tmp_path, q8):
-    assert is_gguf(q8) and not is_gguf(tmp_path) and not is_gguf(tmp_path / "model.safetensors")
-
-
-def test_dense_into_meta_skeleton(q8):
-    """What Engine.load will do: a skeleton on meta whose experts are stand-ins takes the GGUF's dense tensors
-    (assign=True) and nothing is left on meta or unexpected."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    g = GgufModel(q8)
-    with init_empty_weights():
-        hf = AutoModelForCausalLM.from_config(g.config, dtype=torch.bfloat16)
-    for layer in hf.model.layers:
-        layer.mlp.experts = torch.nn.Module()                # OffloadedExperts owns no parameters either
-    state = g.dense_state_dict(hf, torch.bfloat16)
-    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
-    assert not missing and not unexpected
-    assert not any(p.is_meta for p in hf.parameters())
-    assert all(v.dtype == torch.bfloat16 for v in state.values())
+                      expert_encoding=lambda layer, proj: T.Q8_0 if layer % 2 == 0 else T.Q4_0)
+    g = GgufModel(path)
+    adapter = GgufAdapter(g)
+    store = ExpertStore(GgufCheckpoint(g), adapter, g.index.layers, torch.float32, offload=offload, progress=False)
+    assert adapter.format_names() == "gguf-Q8_0,gguf-Q4_0"
+    assert store.expert_nbytes == g.index.expert_nbytes(0) == g.index.slot_nbytes() > g.index.expert_nbytes(1)
+    assert {tuple(store.format_of("full", l).spans.items()) for l in range(store.num_layers)} == \
+        {tuple(store.format.spans.items())}
+    for pos, layer in enumerate(g.index.layers):
+        fmt = store.format_of("full", pos)
+        assert fmt.name == ("gguf-Q8_0" if layer % 2 == 0 else "gguf-Q4_0")
+        for e in (0, g.index.num_experts - 1):
+            buf = torch.zeros(store.expert_nbytes, dtype=torch.uint8)
+            store.load_into(pos, e, buf)
+            w = fmt.weights(store.format.views(buf))
+            ref = {}
+            for name, t in g.index.parts(layer, e):
+                ref[name] = torch.from_numpy(reference_dequantize(g.files.bytes_of(t.file, t.offset, t.nbytes),
+                                                                  t.encoding).reshape(t.shape))
+            assert torch.equal(w["gate_up"], torch.cat([ref["gate"], ref["up"]]))
+            assert torch.equal(w["down"], ref["down"])

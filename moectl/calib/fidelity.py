@@ -54,6 +54,20 @@ def token_windows(tokenizer, texts: list[str], window: int, max_tokens: int | No
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
+def llamacpp_windows(tokenizer, texts: list[str], window: int, max_tokens: int | None = None) -> list[list[int]]:
+    """`llama-perplexity -c WINDOW -b WINDOW`'s chunks: the texts as one file (joined by newlines) tokenized as one
+    text with the tokenizer's special tokens (a BOS first when it adds one), cut into WINDOW-token chunks (tail
+    dropped), each chunk's first token replaced by BOS when the tokenizer adds one. Scored with `score_from =
+    WINDOW // 2`: only the second half of each chunk, as llama-perplexity scores."""
+    ids = tokenizer("\n".join(texts), add_special_tokens=True)["input_ids"]
+    bos = tokenizer.bos_token_id if ids and ids[0] == tokenizer.bos_token_id else None
+    n = len(ids) // window if max_tokens is None else min(len(ids), max_tokens) // window
+    if n < 1:
+        raise MoectlError(f"the dataset gives {len(ids)} tokens, fewer than one window of {window}")
+    return [([bos] if bos is not None else ids[i * window:i * window + 1]) + ids[i * window + 1:(i + 1) * window]
+            for i in range(n)]
+
+
 @contextmanager
 def precision_as(eng, policy):
     """The engine's cache with another precision policy for a while (None: full precision only -- the lossless
@@ -109,8 +123,9 @@ def _window_logits(eng, ids: list[int], decode: bool) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def window_nll(eng, windows: list[list[int]], progress=None, decode: bool = False) -> dict:
-    """Summed next-token NLL over the windows, with the tokens scored, experts computed and bytes loaded."""
+def window_nll(eng, windows: list[list[int]], progress=None, decode: bool = False, score_from: int = 0) -> dict:
+    """Summed next-token NLL over the windows, with the tokens scored, experts computed and bytes loaded.
+    `score_from`: the next tokens predicted from positions >= it only (llama-perplexity's second half)."""
     rt, cache = eng.runtime, eng.cache
     calls0, bytes0 = rt.expert_calls, cache.stats.as_dict()["bytes_loaded"]
     nll, scored, computed, per_window = 0.0, 0, 0, []
@@ -118,11 +133,11 @@ def window_nll(eng, windows: list[list[int]], progress=None, decode: bool = Fals
     eng.add_observer(rows)
     try:
         for ids in windows:
-            logits = _window_logits(eng, ids, decode)                        # [W-1,V]
-            target = torch.tensor(ids[1:], device=logits.device)
+            logits = _window_logits(eng, ids, decode)[score_from:]           # [W-1-s,V]
+            target = torch.tensor(ids[1 + score_from:], device=logits.device)
             per_window.append(float(F.cross_entropy(logits, target, reduction="sum")))
             nll += per_window[-1]
-            scored += len(ids) - 1
+            scored += len(ids) - 1 - score_from
             computed += len(ids)
             if progress is not None:
                 progress()
@@ -158,20 +173,23 @@ def agreement(eng, prompts: list[list[int]], continuations: list[list[int]]) -> 
 def weights_id(checkpoint: Path) -> list:
     """Which weights these are, cheaply: each shard's name, size and modification time. The fingerprint hashes
     the config only, so a model retrained with the same config (or a re-downloaded checkpoint) keeps it."""
-    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(checkpoint).glob("*.safetensors"))]
+    files = [Path(checkpoint)] if Path(checkpoint).is_file() else sorted(Path(checkpoint).glob("*.safetensors"))
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]         # a GGUF: the file itself
 
 
-def reference_key(fingerprint: str, weights: list, dtype, windows, prompts, n: int, decode: bool = False) -> str:
+def reference_key(fingerprint: str, weights: list, dtype, windows, prompts, n: int, decode: bool = False,
+                  score_from: int = 0) -> str:
     h = hashlib.sha256(json.dumps({"fp": fingerprint, "weights": weights, "dtype": str(dtype), "windows": windows,
-                                   "prompts": prompts, "n": n} | ({"decode": True} if decode else {})).encode()
+                                   "prompts": prompts, "n": n} | ({"decode": True} if decode else {})
+                                  | ({"score_from": score_from} if score_from else {})).encode()
                        ).hexdigest()
     return h[:16]
 
 
 def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, progress=None,
-                       decode: bool = False) -> dict:
+                       decode: bool = False, score_from: int = 0) -> dict:
     """The lossless perplexity and greedy continuations, from `<workdir>/eval/` when computed before."""
-    key = reference_key(eng.fingerprint, weights_id(eng.ref.path), eng.dtype, windows, prompts, n, decode)
+    key = reference_key(eng.fingerprint, weights_id(eng.ref.path), eng.dtype, windows, prompts, n, decode, score_from)
     path = Path(workdir) / "eval" / f"reference-{key}.json" if workdir is not None else None
     if path is not None and path.exists():
         try:
@@ -182,7 +200,7 @@ def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, prog
                 and ref.get("fingerprint") == eng.fingerprint and ref.get("key") == key:
             return ref | {"cached": True}
     with gating_as(eng, None, False), precision_as(eng, None):
-        nll = window_nll(eng, windows, progress, decode)
+        nll = window_nll(eng, windows, progress, decode, score_from)
         conts = greedy_continuations(eng, prompts, n)
     ref = {"format": REFERENCE_FORMAT, "format_version": REFERENCE_VERSION, "fingerprint": eng.fingerprint,
            "key": key, "nll": nll["nll"], "scored": nll["scored"], "per_window": nll["per_window"],
@@ -204,13 +222,13 @@ def paired_2se(per_window: list[float], base: list[float] | None, scored: int) -
 
 
 def evaluate(eng, windows: list[list[int]], prompts: list[list[int]], n: int, workdir: Path | None,
-             progress=None, decode: bool = False) -> dict:
+             progress=None, decode: bool = False, score_from: int = 0) -> dict:
     """Perplexity with the engine's gating (every token gated as in decode) vs lossless, greedy agreement,
     experts computed and bytes loaded per token (`decode`: every window scored one decode step at a time)."""
-    ref = lossless_reference(eng, windows, prompts, n, workdir, progress, decode)
+    ref = lossless_reference(eng, windows, prompts, n, workdir, progress, decode, score_from)
     gating = eng.runtime.gating
     with gating_as(eng, gating, True):
-        stats = window_nll(eng, windows, progress, decode)
+        stats = window_nll(eng, windows, progress, decode, score_from)
     with gating_as(eng, gating, False):
         same, total = agreement(eng, prompts, ref["continuations"])
     ppl, ppl0 = math.exp(stats["nll"] / stats["scored"]), math.exp(ref["nll"] / ref["scored"])

@@ -22,8 +22,8 @@ BENCH_HELPS = {
 @runtime_options(helps=BENCH_HELPS)
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Benchmark this model against the baselines (recipe name or checkpoint "
-                                             "directory). Without it: --what overhead,predictor."),
+                                        help="Benchmark this model against the baselines (recipe name, checkpoint "
+                                             "directory or .gguf file). Without it: --what overhead,predictor."),
     prompt_len: int = typer.Option(64, "--prompt-len", min=1, help="Prompt tokens (seeded random ids)."),
     gen_len: int = typer.Option(32, "--gen-len", min=2, help="Tokens generated (greedy)."),
     repeat: int = typer.Option(3, "--repeat", min=1, help="Requests per configuration (median request reported)."),

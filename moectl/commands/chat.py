@@ -12,7 +12,7 @@ from ._common import prepare_model, print_lossy, print_plan_note, runtime_option
 
 @runtime_options
 def chat(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, help="Most tokens per answer."),
     greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (default: sampling)."),
     temperature: float = typer.Option(0.8, "--temperature", min=0.0),

@@ -12,7 +12,7 @@ from ._common import prepare_model, print_lossy, print_plan_note, runtime_option
 
 @runtime_options
 def eval_(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     dataset: str = typer.Option("default", "--dataset", "-d",
                                 help="Held-out text: calibration YAML name or path, local file, or 'builtin'."),
     max_tokens: int = typer.Option(2048, "--max-tokens", min=2, help="Tokens of held-out text scored."),
@@ -22,6 +22,10 @@ def eval_(
     decode_steps: bool = typer.Option(False, "--decode-steps", help="Score each window one decode step at a time "
                                       "(what a decode does per token, e.g. HOBBIT's hi/lo/skip on a miss, applies), "
                                       "not as one teacher-forced prefill."),
+    llamacpp_windows: bool = typer.Option(False, "--llamacpp-windows",
+                                          help="Window and score the text as `llama-perplexity -c WINDOW -b WINDOW` "
+                                               "does: one text with its BOS, WINDOW-token chunks each starting "
+                                               "with BOS, only the second half of each chunk scored."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with lossy: the settings in force "
                                  "that change outputs)."),
     opts: RuntimeOptions = None,
@@ -33,7 +37,7 @@ def eval_(
     from rich.table import Table
 
     from ..calib.dataset import load_calibration
-    from ..calib.fidelity import evaluate, token_windows
+    from ..calib.fidelity import evaluate, llamacpp_windows as llama_windows, token_windows
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
 
@@ -42,7 +46,8 @@ def eval_(
     eng = Engine.load(model, options=opts)
     print_plan_note(eng)
     lossy = print_lossy(eng)
-    windows = token_windows(eng.tokenizer, load_calibration(dataset), window, max_tokens)
+    cut = llama_windows if llamacpp_windows else token_windows
+    windows = cut(eng.tokenizer, load_calibration(dataset), window, max_tokens)
     starts = [w[: max(2, window // 4)] for w in windows[:prompts]]
     spec = eng.speculator
     if spec is not None:
@@ -50,7 +55,7 @@ def eval_(
     with ProgressBar(not as_json, transient=True) as bar:
         task = bar.add("eval", total=2 * len(windows))
         r = evaluate(eng, windows, starts, generate, eng.ref.workdir, progress=lambda: bar.update(task, advance=1),
-                     decode=decode_steps)
+                     decode=decode_steps, score_from=window // 2 if llamacpp_windows else 0)
     if spec is not None:
         r["draft"] = draft_agreement(eng, starts, generate)
     if as_json:

@@ -14,7 +14,7 @@ from ._common import (prepare_model, print_draft_line, print_lossy, print_plan_n
 
 @runtime_options
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
     greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (default: sampling)."),

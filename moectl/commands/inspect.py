@@ -11,7 +11,7 @@ from ._common import prepare_model
 
 
 def inspect(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name, checkpoint directory or .gguf file."),
     workdir: Optional[str] = typer.Option(None, "--workdir", help="Artifact directory (default ~/.cache/moectl/<model>)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Size the experts in this dtype (default: the checkpoint's)."),
     lowbit: Optional[str] = typer.Option(None, "--lowbit", help="Size a low-bit copy set too, e.g. q4g64 (HQQ; "

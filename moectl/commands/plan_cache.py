@@ -12,7 +12,7 @@ from ..policies.admission import ADMISSION_MODES
 
 
 def plan_cache(
-    model: str = typer.Option(..., "--model", "-m", help="Checkpoint directory, recipe name, or tiny. A recipe whose "
+    model: str = typer.Option(..., "--model", "-m", help="Checkpoint directory, .gguf file, recipe name, or tiny. A recipe whose "
                               "checkpoint is absent plans from its shape: block and --traces."),
     budget: str = typer.Option(..., "--budget", help="Device memory: 20GB, 20GiB, 20000MB or bytes. Dense weights, the "
                                "KV cache for --kv-tokens and a workspace come off first; the rest holds experts."),

@@ -13,7 +13,7 @@ from ._common import CacheOpts, prepare_model
 
 
 def profile(
-    model: str = typer.Option(..., "--model", "-m", help="recipe name or checkpoint directory"),
+    model: str = typer.Option(..., "--model", "-m", help="recipe name, checkpoint directory or .gguf file"),
     dataset: str = typer.Option(None, "--dataset", "-d",
                                 help="calibration YAML (name or path), local text/JSONL/Parquet file or "
                                      "directory, saved `datasets` directory, or 'builtin' "

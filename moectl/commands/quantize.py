@@ -11,7 +11,7 @@ from ._common import CacheOpts, prepare_model
 
 
 def quantize(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     bits: int = typer.Option(4, "--bits", help="Bits per weight: 8, 4, 3 or 2."),
     group_size: int = typer.Option(64, "--group-size", help="Weights per HQQ group (one scale and zero each); "
                                    "a multiple of 8 dividing every expert matrix."),

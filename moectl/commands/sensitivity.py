@@ -11,7 +11,7 @@ from ._common import CacheOpts, prepare_model
 
 
 def sensitivity(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     dataset: str = typer.Option("default", "--dataset", "-d",
                                 help="Calibration set: YAML name or path, local text/JSONL/Parquet, or 'builtin'."),
     max_tokens: int = typer.Option(4096, "--max-tokens", min=2, help="Calibration tokens used in all."),

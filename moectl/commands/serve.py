@@ -15,7 +15,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 @runtime_options
 def serve(
-    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral) or checkpoint directory."),
+    model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface; set --api-key)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port (0: any free port)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOECTL_API_KEY",

@@ -53,21 +53,30 @@ def dense_names(files: GgufFiles, model) -> dict[str, str]:
 def dense_state_dict(files: GgufFiles, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """{state-dict name: tensor} of every dense tensor, dequantised to `dtype` (the skeleton loads it with
     `load_state_dict(..., assign=True)`); the model's non-expert parameters must all be there."""
+    return dict(dense_tensors(files, model, lambda name: dtype))
+
+
+def dense_tensors(files: GgufFiles, model, dtype_of=lambda name: torch.float32):
+    """(state-dict name, tensor in `dtype_of(name)`) of every dense tensor, one at a time: each read by a
+    positioned read (nothing of the file stays mapped), dequantised in fp32, fixed up, cast, then the next, so
+    loading holds one fp32 temporary at most beside the model."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
-    out, shapes = {}, {k: v.shape for k, v in model.state_dict().items()}
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
     for gguf_name, hf_name in dense_names(files, model).items():
         t = files.tensors[gguf_name]
-        raw = torch.from_numpy(files.bytes_of(t.file, t.offset, t.nbytes))
+        raw = torch.from_numpy(files.read(t.file, t.offset, t.nbytes))
         values = dequantize(raw, t.encoding, t.shape, torch.float32, f"{t.file}: tensor {gguf_name}").numpy()
         values = processor.process(weights=values, name=gguf_name).weights
         want = shapes[hf_name]
         values = torch.from_numpy(np.ascontiguousarray(values)).reshape(want) if values.size == want.numel() \
             else _shape_error(files, gguf_name, values.shape, hf_name, want)
-        out[hf_name] = values.to(dtype)
-    _merge_mla(files, model, out, dtype)
-    return out
+        yield hf_name, values.to(dtype_of(hf_name))
+    out: dict[str, torch.Tensor] = {}
+    _merge_mla(files, model, out, torch.float32)
+    for name, value in out.items():
+        yield name, value.to(dtype_of(name))
 
 
 MLA_SPLIT = re.compile(r"^blk\.(\d+)\.attn_([kv])_b\.weight$")

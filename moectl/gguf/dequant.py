@@ -2,9 +2,11 @@
 
 Legend: N = packed bytes, Q = weights per block.
 
-Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: transformers' torch port of ggml's dequantisation
-(`transformers.integrations.gguf.dequant.dequantize`), F32/F16/BF16: views (widened to fp32), MXFP4 (which
-transformers lacks): here, as ggml's `dequantize_row_mxfp4` / gguf's `MXFP4.dequantize_blocks`. Every one equals
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: transformers' torch port of ggml's dequantisation
+(`transformers.integrations.gguf.dequant.dequantize`), F32/F16/BF16: views (widened to fp32), Q5_0 / Q5_1
+(llama-quantize's fallback for Q4_K / Q5_K rows that are not whole 256-weight blocks, e.g. a 1408-wide
+down_proj; transformers lacks them) as gguf's `Q5_0/Q5_1.dequantize_blocks`, and MXFP4 (which transformers lacks):
+here, as ggml's `dequantize_row_mxfp4` / gguf's `MXFP4.dequantize_blocks`. Every one equals
 `gguf.quants.dequantize` bit for bit in fp32 (tests/test_gguf_dequant.py); the result is then cast to `dtype`.
 """
 
@@ -39,6 +41,24 @@ def _byte_pairs(device: torch.device) -> torch.Tensor:
     return torch.stack([values[b & 15], values[b >> 4]], dim=1).to(device)
 
 
+def dequantize_q5(data: torch.Tensor, affine: bool) -> torch.Tensor:
+    """uint8 [N] of Q5_0 blocks (22 bytes: fp16 d, 32 high bits, 16 bytes of low nibbles: weight j's low nibble
+    is byte j's low half for j < 16, byte j-16's high half after) -> (q - 16) d; Q5_1 (24 bytes: fp16 d, fp16 m, then
+    the same) -> q d + m."""
+    head = 4 if affine else 2
+    blocks = data.view(-1, head + 20)
+    d = blocks[:, :2].contiguous().view(torch.float16).float()                          # [nb, 1]
+    qh = blocks[:, head:head + 4].contiguous().view(torch.int32)                         # [nb, 1]: 32 high bits
+    high = (qh >> torch.arange(32, dtype=torch.int32, device=data.device)) & 1           # [nb, 32]
+    qs = blocks[:, head + 4:].to(torch.int32)                                            # [nb, 16]
+    low = torch.cat([qs & 15, qs >> 4], dim=1)                                           # [nb, 32]
+    q = (low | (high << 4)).float()
+    if not affine:
+        return (d * (q - 16)).reshape(-1)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(-1)
+
+
 def dequantize(data: torch.Tensor, encoding: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
                where: str = "a GGUF tensor") -> torch.Tensor:
     """The tensor of `shape` encoded in the uint8 bytes `data` [N], as `dtype` (computed in fp32)."""
@@ -49,6 +69,8 @@ def dequantize(data: torch.Tensor, encoding: int, shape: tuple[int, ...], dtype:
         out = data.view(_VIEWS[code]).float()
     elif code == T.MXFP4:
         out = dequantize_mxfp4(data)
+    elif code in (T.Q5_0, T.Q5_1):
+        out = dequantize_q5(data, code == T.Q5_1)
     else:
         from transformers.integrations.gguf.dequant import dequantize as blocks_to_values
 

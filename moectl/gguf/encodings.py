@@ -15,7 +15,7 @@ from ..errors import MoectlError
 
 T = GGMLQuantizationType
 # The encodings llama.cpp users' MoE files hold (Q4_K_M = Q4_K + Q6_K, Q5_K_M = Q5_K + Q6_K, GPT-OSS = MXFP4).
-SUPPORTED = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
+SUPPORTED = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
 
 
 def encoding_name(code: int) -> str:

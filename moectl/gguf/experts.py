@@ -97,6 +97,15 @@ class ExpertIndex:
         """Packed bytes of one expert of `layer` (experts of a layer share encodings and shapes)."""
         return sum(t.nbytes for _, t in self.parts(layer, 0))
 
+    def slot_nbytes(self) -> int:
+        """Bytes of the buffer that holds any expert of any layer: each part as large as the largest layer's
+        (moectl/gguf/format.py), what a RAM-tier row and a cache slot hold."""
+        most: dict[str, int] = {}
+        for layer in self.layers:
+            for name, t in self.parts(layer, 0):
+                most[name] = max(most.get(name, 0), t.nbytes)
+        return sum(most.values())
+
     def sizes(self) -> dict:
         """What `inspect` shows, from the header alone: bits per weight over all expert matrices, bytes per expert
         (the largest layer's: a slot must hold any), all experts' bytes, and the encodings' share of them."""

@@ -13,6 +13,8 @@ naming the file (and tensor) before anything runs. The module imports no torch (
 
 from __future__ import annotations
 
+import os
+
 import re
 import struct
 from dataclasses import dataclass
@@ -175,6 +177,19 @@ class GgufFiles:
         if name not in self.tensors:
             raise MoectlError(f"{self.paths[0]} ({self.arch}) has no tensor {name}")
         return self.tensors[name]
+
+    def read(self, file: Path, offset: int, nbytes: int) -> np.ndarray:
+        """uint8 [N], a copy read by positioned reads (the memory map's pages are not touched: they would stay in
+        the process's RSS while the file is mapped)."""
+        out = np.empty(nbytes, dtype=np.uint8)
+        view, done = memoryview(out), 0
+        with open(file, "rb", buffering=0) as f:
+            while done < nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                if n <= 0:
+                    raise MoectlError(f"cannot read {file}: it ended at byte {offset + done} (truncated)")
+                done += n
+        return out
 
     def bytes_of(self, file: Path, offset: int, nbytes: int) -> np.ndarray:
         """uint8 [N] view of the memory map (no copy)."""

@@ -8,9 +8,11 @@ so the RAM tier, a disk read (`ExpertStore` checks each range against its part) 
 the file holds. `weights(views)` dequantises (moectl/gguf/dequant.py) into the family's layout:
   standard families: gate_up [2I, H] = gate rows then up rows, down [H, I]          (the file's [out, in])
   GPT-OSS:           gate_up [H, 2I] with gate in the even columns, gate_up_bias [2I], down [I, H], down_bias [H]
-One format per MoE layer (a Q4_K_M file mixes Q4_K and Q6_K layers); `nbytes` of every layer's format is the
-largest layer's (`pad_to`: the buffer's tail past the parts is unused), so the store and the cache pools keep
-one slot size.
+One format per MoE layer (a Q4_K_M file mixes Q4_K and Q6_K layers, some layers' down_proj differ); every
+layer's parts are padded to the largest layer's part of that name (`part_bytes`: a part's tail past the layer's
+bytes is unused), so all layers' formats have the same parts, spans and `nbytes`: one slot size, and a buffer's
+typed views (`views`) are the same whichever layer's expert it holds. Only `weights` is the layer's own (its
+encodings): the store keeps a format per layer for that (`ExpertStore.format_of(precision, layer)`).
 """
 
 from __future__ import annotations
@@ -24,18 +26,21 @@ from .experts import ExpertIndex
 
 
 class GgufExpertFormat(ExpertFormat):
-    def __init__(self, index: ExpertIndex, layer: int, family: str, dtype: torch.dtype, pad_to: int = 0):
+    def __init__(self, index: ExpertIndex, layer: int, family: str, dtype: torch.dtype,
+                 part_bytes: dict[str, int] | None = None):
         self.index, self.layer, self.family, self.dtype = index, layer, family, dtype
         self.tensors = index.parts(layer, 0)                                   # encodings and shapes of expert 0
         encodings = "+".join(dict.fromkeys(encoding_name(t.encoding) for _, t in self.tensors))
-        super().__init__(f"gguf-{encodings}", [Part(name, (t.nbytes,), torch.uint8) for name, t in self.tensors])
-        self.nbytes = max(self.nbytes, pad_to)
+        part_bytes = part_bytes or {}
+        super().__init__(f"gguf-{encodings}", [Part(name, (max(t.nbytes, part_bytes.get(name, 0)),), torch.uint8)
+                                               for name, t in self.tensors])
+        self.padded = any(p.numel != t.nbytes for p, (_, t) in zip(self.parts, self.tensors))
 
     def fill(self, expert: int, out: torch.Tensor) -> torch.Tensor:
         """Copy expert `expert`'s bytes from the memory-mapped file into `out` [N] (the RAM tier's row)."""
         views = self.views(out)
         for name, t in self.index.parts(self.layer, expert):
-            views[name].copy_(torch.from_numpy(self.index.files.bytes_of(t.file, t.offset, t.nbytes)))
+            views[name][:t.nbytes].copy_(torch.from_numpy(self.index.files.bytes_of(t.file, t.offset, t.nbytes)))
         return out
 
     def packed(self, expert: int) -> torch.Tensor:
@@ -44,7 +49,7 @@ class GgufExpertFormat(ExpertFormat):
 
     def matrices(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{gate, up, down[, *_bias]} dequantised, in the file's orientation ([out, in])."""
-        return {name: dequantize(views[name], t.encoding, t.shape, self.dtype,
+        return {name: dequantize(views[name][:t.nbytes], t.encoding, t.shape, self.dtype,
                                  f"layer {self.layer} {name} experts")
                 for name, t in self.tensors}
 
@@ -62,6 +67,9 @@ class GgufExpertFormat(ExpertFormat):
 
 
 def layer_formats(index: ExpertIndex, family: str, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
-    """One format per MoE layer, all of the largest layer's size."""
-    sizes = {l: GgufExpertFormat(index, l, family, dtype).nbytes for l in index.layers}
-    return {l: GgufExpertFormat(index, l, family, dtype, pad_to=max(sizes.values())) for l in index.layers}
+    """One format per MoE layer, each part as large as the largest layer's: the same views for all layers."""
+    part_bytes: dict[str, int] = {}
+    for layer in index.layers:
+        for name, t in index.parts(layer, 0):
+            part_bytes[name] = max(part_bytes.get(name, 0), t.nbytes)
+    return {l: GgufExpertFormat(index, l, family, dtype, part_bytes) for l in index.layers}

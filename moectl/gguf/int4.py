@@ -70,3 +70,60 @@ def int4_dequantized(data: torch.Tensor, encoding: int, shape: tuple[int, int]) 
     N, K = shape
     codes, scale, zero = (_q4_0(data.view(-1, 18)) if encoding == T.Q4_0 else _q4_k(data.view(-1, 144)))
     return ((codes.float() - 8) * scale[:, None] + zero[:, None]).reshape(N, K)
+
+
+# --- Q6_K and Q8_0 on the same kernel: two 4-bit planes -------------------------------------------------------
+# Q6_K: w = s_j (q - 32), q = lo + 16 hi (lo 4 bits, hi 2), s_j = d sc_j per B = 16 weights; Q8_0: w = d_j (u - 128)
+# with u = q + 128 = lo + 16 hi (4 + 4 bits) per B = 32. The kernel's groups (>= 32, a power of two) are 2B wide on a
+# doubled K: group j holds sub-block j's B low codes then its B high codes, scale s_j and zero' 8 s_j (so a code c
+# weighs c s_j), and the input row is x's B values then the same times 16 (exact: a power of two); the offset term
+# is one small product with the per-B sums of x:
+#     W x = int4mm([x_j, 16 x_j]_j; [lo_j, hi_j]_j) - offset S (sum_B x),   S = [N, K/B] the scales
+# The codes are the file's bits (4 + 4 per weight held): no weight is dequantised; exact up to fp32 summation order.
+PLANES = {T.Q6_K: (16, 32), T.Q8_0: (32, 128)}          # encoding -> (B, offset)
+
+
+def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lo [nb, 256], hi [nb, 256] (weight order) and scales [nb, 16] of Q6_K blocks [nb, 210] (gguf's layout)."""
+    nb = blocks.shape[0]
+    ql, qh = blocks[:, :128].reshape(nb, 2, 1, 64), blocks[:, 128:192].reshape(nb, 2, 1, 32)
+    lo = torch.cat([ql & 15, ql >> 4], dim=2).reshape(nb, 256)
+    hi = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(nb, 256)
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float()
+    return lo, hi, d * blocks[:, 192:208].contiguous().view(torch.int8).float()
+
+
+def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lo [nb, 32], hi [nb, 32] of u = q + 128 and scales [nb, 1] of Q8_0 blocks [nb, 34]."""
+    u = (blocks[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return u & 15, u >> 4, blocks[:, :2].contiguous().view(torch.float16).float()
+
+
+def plane_parts(data: torch.Tensor, encoding: int, shape: tuple[int, int],
+                scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes [N, K] uint8 of the doubled [N, 2K] code matrix, (scale, zero') [K/B, N, 2]) of a Q6_K or Q8_0
+    matrix [N, K]."""
+    N, K = shape
+    B, _ = PLANES[T(encoding)]
+    lo, hi, s = _q6_k(data.view(-1, 210)) if encoding == T.Q6_K else _q8_0(data.view(-1, 34))
+    codes = torch.cat([lo.reshape(N, K // B, B), hi.reshape(N, K // B, B)], dim=2).reshape(N, 2 * K)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    s = s.reshape(N, K // B)
+    sz = torch.stack([s, 8 * s], dim=-1).transpose(0, 1).contiguous()                   # [K/B, N, 2]
+    return packed, sz.to(scale_dtype)
+
+
+class PlanesLinear:
+    """y = x @ W^T for a Q6_K / Q8_0 W [N, K] held as `plane_parts` (x [..., K] in the scales' dtype)."""
+
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, encoding: int):
+        self.packed, self.sz = packed, sz
+        self.block, self.offset = PLANES[T(encoding)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape, B = x.shape, self.block
+        xg = x.reshape(-1, shape[-1] // B, B)                                            # [T, K/B, B]
+        x2 = torch.cat([xg, xg * 16], dim=2).reshape(xg.shape[0], -1)                    # [T, 2K]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, 2 * B, self.sz)  # [T, N]
+        y = y - self.offset * (xg.sum(dim=2) @ self.sz[:, :, 0])                         # the -offset s_j term
+        return y.reshape(*shape[:-1], y.shape[-1])

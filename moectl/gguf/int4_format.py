@@ -5,7 +5,9 @@ Legend: I = expert intermediate size, H = hidden size, G = 32.
 For the CPU in place (experts computed from host RAM): at load each expert's GGUF buffer is repacked once
 (`repack`) into this format, which replaces it. `gate_up` is one kernel matrix [2I, H] when gate and up are both
 Q4 (their codes and per-32 scales stacked row-wise: the same codes, nothing re-quantised); `down` too when it is
-Q4; any other matrix (Q4_K_M's Q6_K down) keeps its GGUF bytes and is dequantised per use. `weights` returns
+Q4. A Q6_K or Q8_0 matrix (Q4_K_M's down_proj in some layers, Q6_K and Q8_0 files) goes onto the same kernel as
+two 4-bit code planes (`int4.py: PlanesLinear`, exact up to summation order); any other matrix keeps its GGUF
+bytes and is dequantised per use. `weights` returns
 `Int4Linear` callables for the repacked ones, which `FamilyAdapter.linear` applies (not GPT-OSS: its
 expert_forward multiplies matrices directly). Scales in fp32 keep it lossless (moectl/gguf/int4.py); bf16 scales
 are the fast path (docs/gguf.md: ~60x faster on this CPU) and round them as any bf16 weight is rounded.
@@ -20,7 +22,7 @@ from ..quant.int4_cpu import Int4Linear
 from .dequant import dequantize
 from .encodings import T
 from .format import GgufExpertFormat
-from .int4 import GROUP, int4_parts
+from .int4 import GROUP, PLANES, PlanesLinear, int4_parts, plane_parts
 
 Q4 = (T.Q4_0, T.Q4_K)
 
@@ -33,13 +35,18 @@ class GgufInt4Format(ExpertFormat):
         t = dict(src.tensors)
         self.groups = {"gate_up": ("gate", "up"), "down": ("down",)}
         self.int4 = {m for m, names in self.groups.items() if all(t[n].encoding in Q4 for n in names)}
+        self.planes = {m for m, names in self.groups.items()            # two 4-bit planes: all Q6_K, or all Q8_0
+                    if len({t[n].encoding for n in names}) == 1 and t[names[0]].encoding in PLANES}
         parts = []
         for m, names in self.groups.items():
-            if m not in self.int4:
-                parts += [Part(n, (t[n].nbytes,), torch.uint8) for n in names]
-                continue
             N, K = sum(t[n].shape[0] for n in names), t[names[0]].shape[1]
-            parts += [Part(f"{m}.int4", (N, K // 2), torch.uint8), Part(f"{m}.sz", (K // GROUP, N, 2), scale_dtype)]
+            if m in self.int4:
+                parts += [Part(f"{m}.int4", (N, K // 2), torch.uint8), Part(f"{m}.sz", (K // GROUP, N, 2), scale_dtype)]
+            elif m in self.planes:
+                B = PLANES[t[names[0]].encoding][0]
+                parts += [Part(f"{m}.int4", (N, K), torch.uint8), Part(f"{m}.sz", (K // B, N, 2), scale_dtype)]
+            else:
+                parts += [Part(n, (t[n].nbytes,), torch.uint8) for n in names]
         super().__init__(f"{src.name}-int4", parts)
 
     def repack(self, src_buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,10 +54,12 @@ class GgufInt4Format(ExpertFormat):
         views, tensors = self.src.views(src_buf), {}
         t = dict(self.src.tensors)
         for m, names in self.groups.items():
-            if m not in self.int4:
-                tensors.update({n: views[n] for n in names})
+            if m not in self.int4 and m not in self.planes:
+                tensors.update({n: views[n][:t[n].nbytes] for n in names})
                 continue
-            packed = [int4_parts(views[n], t[n].encoding, t[n].shape, self.scale_dtype) for n in names]
+            packed = [int4_parts(views[n][:t[n].nbytes], t[n].encoding, t[n].shape, self.scale_dtype)
+                      if m in self.int4 else plane_parts(views[n][:t[n].nbytes], t[n].encoding, t[n].shape, self.scale_dtype)
+                      for n in names]
             tensors[f"{m}.int4"] = torch.cat([p for p, _ in packed])                       # rows: gate, then up
             tensors[f"{m}.sz"] = torch.cat([sz for _, sz in packed], dim=1)                 # [K/G, N, 2]
         return self.pack(tensors, out)
@@ -60,6 +69,8 @@ class GgufInt4Format(ExpertFormat):
         for m, names in self.groups.items():
             if m in self.int4:
                 out[m] = Int4Linear(views[f"{m}.int4"], views[f"{m}.sz"], GROUP)
+            elif m in self.planes:
+                out[m] = PlanesLinear(views[f"{m}.int4"], views[f"{m}.sz"], t[names[0]].encoding)
             else:
                 mats = [dequantize(views[n], t[n].encoding, t[n].shape, self.src.dtype) for n in names]
                 out[m] = torch.cat(mats) if len(mats) > 1 else mats[0]

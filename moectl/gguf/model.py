@@ -14,16 +14,33 @@ from pathlib import Path
 
 import torch
 
+from ..errors import MoectlError
+from ..recipes import is_gguf_path, model_name
 from .config import family_of, gguf_config, gguf_tokenizer
-from .dense import dense_state_dict
+from .dense import dense_state_dict, dense_tensors
+from .encodings import encoding_name
 from .experts import ExpertIndex
 from .files import GgufFiles
 from .format import GgufExpertFormat, layer_formats
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether `--model` names a GGUF file (a directory is a safetensors checkpoint)."""
-    return Path(path).suffix == ".gguf" and not Path(path).is_dir()
+is_gguf = is_gguf_path          # whether `--model` names a GGUF file (a directory is a safetensors checkpoint)
+_OPEN: dict[tuple, "GgufModel"] = {}
+
+
+def open_gguf(path: str | Path) -> "GgufModel":
+    """The GgufModel of `path`, parsed once per process (inspect, sizing and load each ask for it; parsing a
+    152k-token vocabulary takes seconds). Keyed by the file's path, size and mtime: a rewritten file is re-read."""
+    p = Path(path).expanduser().resolve()
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise MoectlError(f"cannot read GGUF file {p}: {e}") from None
+    key = (p, st.st_size, st.st_mtime_ns)
+    if key not in _OPEN:
+        _OPEN.clear()                             # one model at a time: drop the previous file's maps
+        _OPEN[key] = GgufModel(p)
+    return _OPEN[key]
 
 
 class GgufModel:
@@ -32,6 +49,12 @@ class GgufModel:
         self.family = family_of(self.files)
         self.config = gguf_config(self.files)
         self.index = ExpertIndex(self.files)
+        # the experts' encodings, layer by layer, in the config: the fingerprint every artifact records sees them,
+        # so a plan or trace made on a Q4_K_M file is not silently used with its Q8_0 (same config otherwise)
+        self.config.gguf_expert_encodings = ",".join(
+            "+".join(encoding_name(t.encoding) for _, t in self.index.parts(l, 0)) for l in self.index.layers)
+        self.config.gguf_expert_nbytes = self.index.slot_nbytes()    # the simulator's expert size (sim/cost.py)
+        self.config._name_or_path = model_name(self.path)               # shapes and messages name the model
 
     @property
     def path(self) -> Path:
@@ -51,6 +74,10 @@ class GgufModel:
 
     def dense_state_dict(self, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         return dense_state_dict(self.files, model, dtype)
+
+    def dense_tensors(self, model, dtype_of):
+        """(name, tensor) one at a time, each in `dtype_of(name)` (moectl/gguf/dense.py)."""
+        return dense_tensors(self.files, model, dtype_of)
 
     def expert_formats(self, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
         return layer_formats(self.index, self.family, dtype)

@@ -9,17 +9,17 @@ format's part. So:
   GgufCheckpoint  a `Checkpoint` whose ranges are the GGUF tensors (uint8; a stacked `ffn_*_exps` tensor is
                   [E, N/E] so that `range(key, e)` is expert e's bytes); the preadv / page-cache machinery is
                   Checkpoint's own.
-  GgufAdapter     the family's adapter, with `expert_parts` naming the GGUF tensors (rows of stacked ones) and
-                  `format(dtype)` the GGUF format. The store keeps ONE format for all layers: a file whose layers
-                  differ in encoding (Q4_K_M) needs the store to take `format_for(layer)` (docs/gguf.md, wiring);
-                  until then `format` says so in a MoectlError.
+  GgufAdapter     the family's adapter, with `expert_parts` naming the GGUF tensors (rows of stacked ones),
+                  `format(dtype)` the GGUF format whose views every layer shares, and `format_for(layer, dtype)`
+                  the layer's own (its encodings: a Q4_K_M file mixes Q4_K and Q6_K), which the store keeps per
+                  layer for `weights` (`ExpertStore.format_of(precision, layer)`). `gguf` is the GgufModel (the
+                  tokenizer, dense tensors and header sizes the loaders take from it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import MoectlError
 from ..models import adapter_for
 from ..store.checkpoint import ByteRange, Checkpoint
 from .format import GgufExpertFormat
@@ -39,27 +39,33 @@ class GgufAdapter:
     """The family adapter (router, layout, expert_forward ...) with the GGUF's expert keys and format."""
 
     def __init__(self, g: GgufModel):
-        self.g, self.family_adapter = g, adapter_for(g.config)
+        self.gguf, self.family_adapter = g, adapter_for(g.config)
+        self._formats: dict = {}
 
     def __getattr__(self, name):
         return getattr(self.family_adapter, name)
 
     def expert_parts(self, ckpt, layer: int, expert: int) -> list[tuple[str, int | None]]:
         out = []
-        for name, _ in self.g.index.parts(layer, 0):
+        for name, _ in self.gguf.index.parts(layer, 0):
             proj, bias = name.removesuffix("_bias"), name.endswith("_bias")
             stacked = f"blk.{layer}.ffn_{proj}_exps.{'bias' if bias else 'weight'}"
             out.append((stacked, expert) if stacked in ckpt else (f"blk.{layer}.ffn_{proj}.{expert}.weight", None))
         return out
 
+    def formats(self, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
+        """{model layer: its format}, made once per dtype."""
+        if dtype not in self._formats:
+            self._formats[dtype] = self.gguf.expert_formats(dtype)
+        return self._formats[dtype]
+
     def format_for(self, layer: int, dtype: torch.dtype) -> GgufExpertFormat:
-        return self.g.expert_formats(dtype)[layer]
+        return self.formats(dtype)[layer]
 
     def format(self, dtype: torch.dtype) -> GgufExpertFormat:
-        formats = self.g.expert_formats(dtype)
-        kinds = {tuple(p.shape for p in f.parts) + (f.name,) for f in formats.values()}
-        if len(kinds) > 1:
-            raise MoectlError(f"{self.g.path}: its MoE layers use different encodings "
-                              f"({', '.join(sorted({f.name for f in formats.values()}))}); the expert store keeps "
-                              f"one format for all layers (per-layer formats: docs/gguf.md)")
-        return next(iter(formats.values()))
+        """The first MoE layer's format: its parts, views and size are every layer's (format.py)."""
+        return next(iter(self.formats(dtype).values()))
+
+    def format_names(self, dtype: torch.dtype = torch.float32) -> str:
+        """The layers' formats, e.g. `gguf-Q4_K+Q6_K,gguf-Q4_K` in layer order: duplicates dropped."""
+        return ",".join(dict.fromkeys(f.name for f in self.formats(dtype).values()))

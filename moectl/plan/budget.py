@@ -40,7 +40,7 @@ def model_facts(model: str, workdir=None) -> ModelFacts:
 
     try:
         ref = resolve_model(model, workdir)
-        present = ref.path.is_dir()
+        present = ref.path.is_dir() or ref.gguf
     except MoectlError:
         if not (recipes_dir() / f"{model}.yaml").exists():
             raise

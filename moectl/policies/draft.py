@@ -201,9 +201,10 @@ class DraftRule:
 
 class OnlineDraftRule:
     """The runtime's use of DraftRule with measured costs: records each pass (k, accepted, ms incl. drafting);
-    ms_pass(k) is the running mean of measured passes with k drafts (the last `window` of them, so it follows a
-    warming cache), unknown k are explored first (round-robin over k = 0..k_max, each tried `explore` times before it
-    is judged: so no k is judged on a colder cache than the others), and the setting not in use is probed again: k = 0
+    ms_pass(k) is the median of the measured passes with k drafts (the last `window` of them, so it follows a
+    warming cache), unknown k are explored first, in increasing order (round-robin over k = 0..limit, each tried
+    `explore` times before it is judged, so no k is judged on a colder cache than the ones below it; the limit starts
+    at 1 and grows while the last k beats the one below it: `_explore_limit`), and the setting not in use is probed again: k = 0
     every `reprobe` passes while drafting is on (its cost drifts too), a drafted k (1..k_max in turn) while it is off
     (so a turned-off draft can come back: fresh acceptance and pass cost), after `reprobe` passes, then twice as
     long after each probe that left it off (up to 8x: a probe of a draft that does not pay costs a whole pass).
@@ -226,6 +227,17 @@ class OnlineDraftRule:
         m = sorted(self.ms[k])
         return float("nan") if not m else (m[len(m) // 2] + m[(len(m) - 1) // 2]) / 2
 
+    def _explore_limit(self) -> int:
+        """The largest k worth exploring: 1, then one more while the last explored k beats the one below it. Where
+        drafting does not pay, exploring k = 2..k_max too (each a costlier pass) cost a whole request's gain:
+        0.80-0.93x of no drafting on the tiny model with every k explored, against about 0.98x this way."""
+        limit = 1
+        rates = self.rule.rates(self.counter.acceptance(), self.ms_pass)
+        while (limit < self.k_max and min(self.seen[limit - 1], self.seen[limit]) >= self.explore
+               and rates[limit] > rates[limit - 1]):
+            limit += 1
+        return limit
+
     def best_k(self) -> int:
         """The rule's choice on what is measured so far."""
         return self.rule.choose(self.counter.acceptance(), self.ms_pass)
@@ -233,7 +245,8 @@ class OnlineDraftRule:
     def next_k(self) -> int:
         if self.k_max == 0:
             return 0
-        least = min(range(self.k_max + 1), key=lambda k: (self.seen[k], k))
+        limit = self._explore_limit()
+        least = min(range(limit + 1), key=lambda k: (self.seen[k], k))
         if self.seen[least] < self.explore:     # round-robin: each k sees the cache as warm as the others
             return least
         k = self.best_k()

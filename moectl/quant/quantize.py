@@ -88,6 +88,12 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     method = check_method(method, device)
     ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
+    if getattr(adapter, "gguf", None) is not None:
+        s = adapter.gguf.sizes()
+        raise MoectlError(f"{ref.path} is a GGUF file: its experts are already stored low-bit "
+                          f"({adapter.format_names()}, {s['bits_per_weight']:.2f} bits per weight) and run as "
+                          f"stored, that is their full precision here; `moectl quantize` makes low-bit copies "
+                          f"of a safetensors checkpoint's experts")
     dt = parse_dtype(dtype, config)
     check_settings(bits, group, axis, adapter.layout().shapes)
     _, blocks = skeleton(config, adapter, dt, ref.path)

@@ -217,7 +217,7 @@ class DeviceCache(CacheFront):
         for i, e in enumerate(experts):
             job = nxt
             nxt = issue(i + 1) if i + 1 < len(experts) else None
-            yield e, self.format.weights(_Landing(self, job, self.stage_views[i % 2]))
+            yield e, self.store.format_of(FULL, layer).weights(_Landing(self, job, self.stage_views[i % 2]))
 
     def _copy_in(self, p: str, layer: int, expert: int, slot: int, priority: int) -> None:
         """Fill `slot` of pool `p` with the expert: its host buffer (RAM tier, low-bit copies) copied through the
@@ -259,7 +259,7 @@ class DeviceCache(CacheFront):
             self._install(key, expert, a.staged)
         elif not a.hit:
             self._copy_in(precision, layer, expert, a.slot, DEMAND)
-        return self.store.format_of(precision).weights(self._landed(key))
+        return self.store.format_of(precision, layer).weights(self._landed(key))
 
     def _install(self, key: tuple, expert: int, buf: int) -> None:
         """A staged prefetch its layer uses becomes slot `key`'s expert: the staging buffer and the slot swap their

@@ -98,6 +98,10 @@ class Engine:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
+            gguf = getattr(self.adapter, "gguf", None)          # a GGUF file: the tokenizer its metadata describes
+            if gguf is not None:
+                self._tokenizer = gguf.tokenizer()
+                return self._tokenizer
             if not ((self.ref.path / "tokenizer.json").exists() or (self.ref.path / "tokenizer_config.json").exists()
                     or (self.ref.path / "tokenizer.model").exists()):
                 raise MoectlError(f"{self.ref.path} has no tokenizer (tokenizer.json / tokenizer_config.json); "

@@ -44,7 +44,9 @@ class InPlaceExperts(CacheFront):
             self.state.fill(p)                      # every expert resident from the start: accesses only hit
             self.formats[p] = store.format_of(p)
             buffers = store.buffers if p == FULL else store.lowbit.buffers
-            self.views[p] = [[self.formats[p].views(buf[e]) for e in range(store.num_experts)] for buf in buffers]
+            # per layer: a GGUF's experts repacked for the CPU int4 kernel differ in parts by layer (moectl/gguf/cpu.py)
+            self.views[p] = [[store.format_of(p, layer).views(buf[e]) for e in range(store.num_experts)]
+                             for layer, buf in enumerate(buffers)]
         self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in dict.fromkeys([FULL] + pools)})
 
     def plan(self, layer: int, expert: int, scores) -> str:
@@ -52,7 +54,7 @@ class InPlaceExperts(CacheFront):
 
     def acquire(self, layer: int, expert: int, precision: str = FULL) -> dict:
         self.state.access(layer, expert, precision)      # counts the hit (and ticks the policies' clock)
-        return self.formats[precision].weights(self.views[precision][layer][expert])
+        return self.store.format_of(precision, layer).weights(self.views[precision][layer][expert])
 
     def prefetch(self, layer: int, expert: int) -> bool:
         return False                                # always resident

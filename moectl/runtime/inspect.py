@@ -13,7 +13,7 @@ import torch
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..models import adapter_for
-from ..recipes import format_bytes, resolve_model
+from ..recipes import format_bytes, is_gguf_path, resolve_model
 from ..sizing import KV_RESERVE_TOKENS, ModelSizes, budget_pools, lowbit_fraction_for, split_budget
 from ..store.checkpoint import Checkpoint
 from ..store.memory import host_need
@@ -38,15 +38,32 @@ def built(ref):
 
 
 def load_config(path: Path):
-    """(HF config, family adapter) of a checkpoint directory, with clear errors."""
+    """(HF config, family adapter) of a checkpoint directory, with clear errors; of a GGUF file, its config from
+    the metadata and the family adapter reading the GGUF's experts (moectl/gguf/store.py)."""
     from transformers import AutoConfig
 
+    if is_gguf_path(path):
+        from ..gguf.model import open_gguf
+        from ..gguf.store import GgufAdapter
+
+        g = open_gguf(path)
+        return g.config, GgufAdapter(g)
     Checkpoint.check_dir(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:
         raise MoectlError(f"cannot read {Path(path) / 'config.json'}: {e}") from None
     return config, adapter_for(config)
+
+
+def open_checkpoint(path, adapter) -> Checkpoint:
+    """The byte ranges of the checkpoint's tensors (headers only): the safetensors shards, or the GGUF's tensors."""
+    gguf = getattr(adapter, "gguf", None)
+    if gguf is not None:
+        from ..gguf.store import GgufCheckpoint
+
+        return GgufCheckpoint(gguf)
+    return Checkpoint(path)
 
 
 def skeleton(config, adapter, dtype: torch.dtype, path):
@@ -111,7 +128,11 @@ def dense_nbytes(model, config=None) -> int:
 
 
 def header_dense_nbytes(ckpt: Checkpoint, adapter, dtype: torch.dtype) -> int:
-    """Bytes of the non-expert weights once loaded (floating tensors in `dtype`), from the shard headers."""
+    """Bytes of the non-expert weights once loaded (floating tensors in `dtype`), from the shard headers (a GGUF's:
+    every dense tensor dequantised to `dtype`)."""
+    gguf = getattr(adapter, "gguf", None)
+    if gguf is not None:
+        return gguf.sizes(dtype.itemsize)["dense_bytes"]
     return sum(math.prod(r.shape) * (dtype.itemsize if r.dtype.is_floating_point else r.dtype.itemsize)
                for key, r in ckpt.ranges.items() if adapter.skeleton_key(key) is not None)
 
@@ -193,7 +214,7 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     configuration given (--lowbit, --offload, --device, --budget) by part."""
     ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
-    ckpt = Checkpoint(ref.path)                        # validates the shards (headers only)
+    ckpt = open_checkpoint(ref.path, adapter)          # validates the shards (headers only)
     dt = parse_dtype(dtype, config)
     hf, blocks = skeleton(config, adapter, dt, ref.path)
     for moe_idx, (layer_idx, block) in enumerate(blocks):   # the runtime's stand-ins: experts are not dense
@@ -204,6 +225,7 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     dense, kv = dense_nbytes(hf, config), kv_reserve_nbytes(config, dt)
     info = describe(config, adapter, expert_nbytes, dense, L)
     weights = sum(math.prod(s) for s in adapter.layout().shapes if len(s) == 2)      # biases are not weights
+    gguf = gguf_facts(adapter, dt)
     info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], L, lowbit, offload, device,
                                  budget, lowbit_fraction, precision=precision)
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
@@ -214,4 +236,25 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
                    "device_min_bytes": dense + kv + L * expert_nbytes,
                    "device_all_bytes": dense + kv + L * E * expert_nbytes, "kv_reserve_bytes": kv,
                    "moe_layer_ids": [i for i, _ in blocks],
-                   "fingerprint": config_fingerprint(config)}
+                   "fingerprint": config_fingerprint(config)} | gguf
+
+
+def gguf_facts(adapter, dtype: torch.dtype) -> dict:
+    """A GGUF model's figures for `inspect`, from its header (moectl/gguf/experts.py `sizes`): the layers'
+    formats (`gguf-Q4_K+Q6_K,gguf-Q4_K`), bits per weight of the experts as stored (packed bytes over weights, all
+    layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: Q4 matrices
+    repacked for the int4 kernel, moectl/gguf/cpu.py). Empty for a safetensors checkpoint."""
+    g = getattr(adapter, "gguf", None)
+    if g is None:
+        return {}
+    from ..gguf.cpu import in_place_expert_bytes
+
+    s = g.sizes(dtype.itemsize)
+    repacked = in_place_expert_bytes(adapter, dtype)
+    return {"expert_format": adapter.format_names(dtype), "bits_per_weight": s["bits_per_weight"],
+            "gguf": {k: s[k] for k in ("architecture", "files", "file_bytes", "encodings", "encoding_bits",
+                                       "expert_bytes", "bytes_per_expert", "dense_packed_bytes", "dense_weights")}
+            | {"cpu_in_place": {"int4_repacked": repacked is not None, "scale_dtype": str(dtype).removeprefix("torch."),
+                                "expert_bytes": repacked if repacked is not None else s["expert_bytes"],
+                                "host_bytes": (repacked if repacked is not None else s["expert_bytes"])
+                                + s["dense_bytes"]}}}

@@ -18,6 +18,7 @@ import torch
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
+from ..gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
 from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
 from ..recipes import resolve_model
 from ..cache_model import FULL, LOW
@@ -30,7 +31,7 @@ from .cache import DeviceCache
 from .driver import Runtime
 from .in_place import InPlaceExperts
 from .inspect import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
-                      model_facts, parse_device, parse_dtype, skeleton)
+                      model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
 from .offloaded import OffloadedExperts
 from .setup import admission_gate, build_policies, make_gating, make_precision_copies, placement
 
@@ -66,7 +67,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     ref = built(resolve_model(model, opts.workdir))
     dev = parse_device(opts.device)
     config, adapter = load_config(ref.path)
-    ckpt = Checkpoint(ref.path)
+    ckpt = open_checkpoint(ref.path, adapter)
     dt = parse_dtype(opts.dtype, config)
     check_dense_lowbit(opts.dense_lowbit, dev, dt)
     in_place = dev.type == "cpu" and opts.offload == "ram" and not opts.emulate_device
@@ -102,8 +103,11 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
                                       fingerprint, L)
     if opts.prefetch == "auto" and prefetch is not None and prefetch.name != "gate-reuse":
         opts.sources["prefetch"] = PREDICTORS                 # auto found the workdir's trained predictors
-    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=full_tier, pin=(dev.type == "cuda"),
-                        progress=opts.progress)
+    repack = in_place and full_tier == "ram" and int4_repackable(adapter)   # a GGUF's Q4 experts: read, repacked
+    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload="disk" if repack else full_tier,
+                        pin=(dev.type == "cuda"), progress=opts.progress)
+    if repack:
+        opts.plan_note = "; ".join(filter(None, [opts.plan_note, repack_for_cpu(store, dt, opts.progress)]))
     if low_fmt is not None:
         from ..quant.int4_cpu import int4pack_layout
         from ..store.lowbit import LowbitCopies
@@ -180,7 +184,9 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
     kv = kv_reserve_nbytes(config, dt)
     dense = header_dense_nbytes(ckpt, adapter, dt)                  # what is read into host RAM
     on_host = dev.type == "cpu"
-    need = host_need(full_tier, on_host, in_place, sum(full), expert_nbytes, L * E, dense, kv,
+    held = in_place_expert_bytes(adapter, dt) if in_place else None      # a GGUF's experts repacked in place
+    need = host_need(full_tier, on_host, in_place, sum(full), -(-held // (L * E)) if held else expert_nbytes, L * E,
+                     dense, kv,
                      lowbit_nbytes=low_fmt.nbytes if low_fmt is not None else 0, low_slots=sum(low or []))
 
     def fits(free: int) -> list[str]:
@@ -197,11 +203,8 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
     dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32)."""
     want = {k: v.dtype for k, v in hf.state_dict().items()}
     state = {}
-    for key in ckpt.keys():
-        name = adapter.skeleton_key(key)
-        if name is not None:
-            t = host_alloc(lambda: adapter.read_dense(ckpt, key), "reading dense weights", ckpt.range(key).nbytes)
-            state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
+    for name, t in dense_tensors(hf, adapter, ckpt, lambda name: want.get(name, dt)):
+        state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in missing if k not in tied]
@@ -214,3 +217,17 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
     for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
         if t.is_meta:
             raise MoectlError(f"weight {name} was not found in {path}")
+
+
+def dense_tensors(hf, adapter, ckpt: Checkpoint, dtype_of):
+    """(skeleton name, tensor) of every non-expert weight, one at a time: read from the shards, or a GGUF's
+    dequantised once into `dtype_of(name)` (moectl/gguf/dense.py)."""
+    gguf = getattr(adapter, "gguf", None)
+    if gguf is not None:
+        yield from gguf.dense_tensors(hf, dtype_of)
+        return
+    for key in ckpt.keys():
+        name = adapter.skeleton_key(key)
+        if name is not None:
+            yield name, host_alloc(lambda: adapter.read_dense(ckpt, key), "reading dense weights",
+                                   ckpt.range(key).nbytes)

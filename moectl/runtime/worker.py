@@ -48,7 +48,7 @@ class CpuWorker:
         key = (layer, expert, precision)
         if key not in self._host_views:
             store = self.cache.store
-            self._host_views[key] = store.format_of(precision).views(store.host(layer, expert, precision))  # no copy
+            self._host_views[key] = store.format_of(precision, layer).views(store.host(layer, expert, precision))  # no copy
         return self._host_views[key]
 
     def cpu_forward(self, w: dict, x: torch.Tensor, apply_gate) -> torch.Tensor:
@@ -72,7 +72,7 @@ class CpuWorker:
             t0 = time.perf_counter()
             with torch.inference_mode(inference):
                 for e, p in experts:
-                    w = fmt(p).weights(self.host_views(layer, e, p))
+                    w = fmt(p, layer).weights(self.host_views(layer, e, p))
                     compute(e, lambda x, w=w: self.cpu_forward(w, x, gate))
             return time.perf_counter() - t0
         return self._cpu_pool.submit(work)

@@ -90,6 +90,10 @@ def load_shape(name: str) -> dict:
     """The `shape:` block of recipe `name` (a recipe name or a yaml path), with `name` added; or the shape
     of a Hugging Face checkpoint directory (its config.json)."""
     p = Path(name).expanduser()
+    if p.suffix.lower() == ".gguf" and p.is_file():         # a GGUF model: experts at their packed size
+        from ..gguf.shape import gguf_shape
+
+        return gguf_shape(p)
     if p.is_dir() and (p / "config.json").is_file():
         import json
 
@@ -130,7 +134,7 @@ def shape_from_hf_config(cfg: dict) -> dict:
         "dtype": str(g("torch_dtype") or g("dtype") or "float32"),
         "shared_experts": g("n_shared_experts") or 0,
         "shared_expert_intermediate_size": g("shared_expert_intermediate_size") or 0,
-    } | released_format(cfg)
+    } | released_format(cfg) | ({"expert_nbytes": g("gguf_expert_nbytes")} if g("gguf_expert_nbytes") else {})
 
 
 def released_format(cfg: dict) -> dict:
@@ -154,6 +158,8 @@ def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -
     bias = (2 * shape["intermediate_size"] + shape["hidden_size"]) * dtype_bytes if shape.get("expert_bias") else 0
     if bits is not None and not (0 < bits <= 32):
         raise MoectlError(f"--bits must be a precision between 0 and 32 bits (e.g. 16, 8, 4), not {bits:g}")
+    if bits is None and shape.get("expert_nbytes"):        # stated as stored (a GGUF's packed experts)
+        return float(shape["expert_nbytes"])
     if bits is None:
         fmt = shape.get("expert_format")
         if fmt is not None and fmt not in FORMAT_BITS:

@@ -47,6 +47,10 @@ class ExpertStore:
         self.moe_layer_ids = list(moe_layer_ids)              # trace layer -> model layer
         self.layout: ExpertLayout = adapter.layout()
         self.format: ExpertFormat = adapter.format(dtype)
+        # A format per layer where the checkpoint's layers differ in encoding (a GGUF Q4_K_M file): their views
+        # are `self.format`'s (the same parts and size), their `weights` their own (format_of(FULL, layer))
+        per_layer = getattr(adapter, "format_for", None)
+        self.formats = [per_layer(i, dtype) for i in self.moe_layer_ids] if per_layer else None
         self.num_experts = adapter.num_experts
         self.offload = offload
         self.expert_nbytes = self.format.nbytes
@@ -79,8 +83,11 @@ class ExpertStore:
     def num_layers(self) -> int:
         return len(self.moe_layer_ids)
 
-    def format_of(self, precision: str = FULL):
-        return self.format if precision == FULL else self._low().format
+    def format_of(self, precision: str = FULL, layer: int | None = None):
+        """The format of `precision`'s copies; with `layer` (MoE index), that layer's own (its `weights`)."""
+        if precision != FULL:
+            return self._low().format
+        return self.format if self.formats is None or layer is None else self.formats[layer]
 
     def nbytes(self, precision: str = FULL) -> int:
         return self.expert_nbytes if precision == FULL else self._low().expert_nbytes
@@ -116,8 +123,10 @@ class ExpertStore:
                 raise MoectlError(f"{where} has {pos} weights, config says {self.layout.numel}")
         else:
             fparts = self.format.parts
+            padded = getattr(self.format, "padded", False) or self.formats is not None   # parts sized to the largest
             for r, p in zip(parts, fparts):
-                if math.prod(r.shape) != p.numel or (not p.dtype.is_floating_point and r.dtype != p.dtype):
+                n = math.prod(r.shape)
+                if (n > p.numel if padded else n != p.numel) or (not p.dtype.is_floating_point and r.dtype != p.dtype):
                     raise MoectlError(f"{where} has a tensor of shape {tuple(r.shape)} ({r.dtype}) for {p.name}, "
                                       f"the {self.format.name} format of this config says {p.shape} ({p.dtype})")
             if len(parts) != len(fparts):
