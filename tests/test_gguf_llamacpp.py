@@ -2,7 +2,7 @@
 MOECTL_TEST_LLAMACPP=1; the build in $MOECTL_HOME/llamacpp/<version>/ is reused, never rebuilt here):
 
 - every family llama.cpp's converter writes that moectl runs (Mixtral as `llama`, Qwen2-MoE, Qwen3-MoE, OLMoE), tiny,
-  at F32, Q8_0, Q4_0 and Q4_K_M: every expert moectl decodes from the file equals `gguf.quants.dequantize`
+  at F32, Q8_0, Q4_0 and Q4_K_M (GPT-OSS and DeepSeek-V2/V3 at F32 and Q4_0: experts and logits, at the end): every expert moectl decodes from the file equals `gguf.quants.dequantize`
   bit for bit (fp32);
 - greedy tokens of the F32 GGUF through moectl equal the safetensors original's through moectl and through
   transformers;
@@ -158,3 +158,70 @@ def test_perplexity_within_half_a_percent_of_llama_perplexity(converted, qt, tex
     print(f"perplexity {files[qt].parent.name} {qt}: moectl {ours:.4f}, llama-perplexity {llama:.4f}, "
           f"{(ours / llama - 1) * 100:+.3f}%")
     assert abs(ours / llama - 1) < 0.005, (qt, ours, llama)
+
+
+# GPT-OSS and DeepSeek-V2/V3 through llama.cpp's own converter too (lighter: F32 and Q4_0, no perplexity run).
+# llama.cpp's DeepSeek converter splits MLA's kv_b_proj per KV head and asserts as many KV heads as heads, which
+# the real checkpoints have: the tiny configs here are set so.
+MORE_FAMILIES = ("gpt_oss", "deepseek_v2", "deepseek_v3")
+
+
+@pytest.fixture(scope="module", params=MORE_FAMILIES)
+def converted_more(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    import model_factory
+
+    root = tmp_path_factory.mktemp(f"more-{request.param}")
+    cfg = model_factory.family_configs()[request.param]
+    if request.param.startswith("deepseek"):
+        cfg.num_key_value_heads = cfg.num_attention_heads
+        cfg.q_lora_rank = cfg.q_lora_rank or 32     # llama-quantize 0.3.36 requires deepseek2.attention.q_lora_rank
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():                       # random init leaves some tensors at 0: perturb all
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ckpt = root / "ckpt"
+    model.save_pretrained(ckpt)
+    model_factory.save_tokenizer(ckpt)
+    f32 = llamacpp.convert(ckpt, root / "m-F32.gguf", "f32", root=BUILD_ROOT)
+    return ckpt, {"F32": f32, "Q4_0": llamacpp.quantize(f32, root / "m-Q4_0.gguf", "Q4_0", threads=1,
+                                                         root=BUILD_ROOT)}
+
+
+def test_more_families_experts_equal_gguf_reference_dequantisation(converted_more, request):
+    if "gpt_oss" not in request.node.name:
+        return test_experts_equal_gguf_reference_dequantisation(converted_more)
+    from gguf.quants import dequantize as reference
+
+    from moectl.gguf.model import GgufModel
+    from moectl.gguf.store import GgufAdapter, GgufCheckpoint
+    from moectl.store.expert_store import ExpertStore
+
+    for qt, path in converted_more[1].items():   # GPT-OSS: transformers' layout, [H, 2I] with gate/up interleaved
+        g = GgufModel(path)
+        store = ExpertStore(GgufCheckpoint(g), GgufAdapter(g), g.index.layers, torch.float32, offload="ram",
+                            progress=False)
+        for pos, layer in enumerate(g.index.layers):
+            for e in range(g.index.num_experts):
+                w = store.format_of("full", pos).weights(store.format.views(store.host(pos, e)))
+                ref = {n: torch.from_numpy(reference(g.files.bytes_of(t.file, t.offset, t.nbytes), t.encoding)
+                                           .reshape(t.shape)) for n, t in g.index.parts(layer, e)}
+                gu = w["gate_up"]                                                   # [H, 2I]
+                assert torch.equal(gu[:, 0::2], ref["gate"].T), (qt, layer, e)
+                assert torch.equal(gu[:, 1::2], ref["up"].T), (qt, layer, e)
+                assert torch.equal(w["down"], ref["down"].T), (qt, layer, e)                # [I, H]
+
+
+def test_more_families_f32_gguf_runs_as_the_safetensors_original(converted_more, tmp_path):
+    """Logits of the F32 GGUF through moectl equal the safetensors original's through moectl (and greedy tokens)."""
+    from moectl.runtime.engine import Engine
+
+    ckpt, files = converted_more
+    ids = torch.tensor([[5, 17, 42, 9, 100, 7, 33, 2]])
+    g = Engine.load(str(files["F32"]), progress=False, threads=1, workdir=str(tmp_path / "g"))
+    s = Engine.load(str(ckpt), progress=False, threads=1, workdir=str(tmp_path / "s"))
+    lg, ls = g.forward(ids)[0].float(), s.forward(ids)[0].float()
+    assert torch.allclose(lg, ls, atol=1e-5, rtol=0), (lg - ls).abs().max()
+    assert _greedy(g, ids[0].tolist(), 8) == _greedy(s, ids[0].tolist(), 8)
