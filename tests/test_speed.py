@@ -166,7 +166,7 @@ class _EveryOther:
     def __init__(self):
         self.n = 0
 
-    def decide(self, tokens=1, nbytes=None, lowbit=False):
+    def decide(self, tokens=1, nbytes=None, lowbit=False, queue=None):
         self.n += 1
         return "cpu" if self.n % 2 else "fetch"
 

@@ -217,7 +217,7 @@ class DeviceCache(CacheFront):
         for i, e in enumerate(experts):
             job = nxt
             nxt = issue(i + 1) if i + 1 < len(experts) else None
-            yield e, self.store.format_of(FULL, layer).weights(_Landing(self, job, self.stage_views[i % 2]))
+            yield e, self.store.format_of(p, layer).weights(_Landing(self, job, self.stage_views[i % 2]))
 
     def _copy_in(self, p: str, layer: int, expert: int, slot: int, priority: int) -> None:
         """Fill `slot` of pool `p` with the expert: its host buffer (RAM tier, low-bit copies) copied through the
