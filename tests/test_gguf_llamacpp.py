@@ -2,7 +2,7 @@
 MOECTL_TEST_LLAMACPP=1; the build in $MOECTL_HOME/llamacpp/<version>/ is reused, never rebuilt here):
 
 - every family llama.cpp's converter writes that moectl runs (Mixtral as `llama`, Qwen2-MoE, Qwen3-MoE, OLMoE), tiny,
-  at F32, Q8_0, Q4_0 and Q4_K_M (GPT-OSS and DeepSeek-V2/V3 at F32 and Q4_0: experts and logits, at the end): every expert moectl decodes from the file equals `gguf.quants.dequantize`
+  at F32, Q8_0, Q4_0 and Q4_K_M (GPT-OSS and DeepSeek-V2/V3 too, from model_factory's configs, at the end): every expert moectl decodes from the file equals `gguf.quants.dequantize`
   bit for bit (fp32);
 - greedy tokens of the F32 GGUF through moectl equal the safetensors original's through moectl and through
   transformers;
@@ -160,7 +160,7 @@ def test_perplexity_within_half_a_percent_of_llama_perplexity(converted, qt, tex
     assert abs(ours / llama - 1) < 0.005, (qt, ours, llama)
 
 
-# GPT-OSS and DeepSeek-V2/V3 through llama.cpp's own converter too (lighter: F32 and Q4_0, no perplexity run).
+# GPT-OSS and DeepSeek-V2/V3 through llama.cpp's own converter and llama-quantize too, at the same encodings.
 # llama.cpp's DeepSeek converter splits MLA's kv_b_proj per KV head and asserts as many KV heads as heads, which
 # the real checkpoints have: the tiny configs here are set so.
 MORE_FAMILIES = ("gpt_oss", "deepseek_v2", "deepseek_v3")
@@ -185,9 +185,10 @@ def converted_more(request, tmp_path_factory):
     ckpt = root / "ckpt"
     model.save_pretrained(ckpt)
     model_factory.save_tokenizer(ckpt)
-    f32 = llamacpp.convert(ckpt, root / "m-F32.gguf", "f32", root=BUILD_ROOT)
-    return ckpt, {"F32": f32, "Q4_0": llamacpp.quantize(f32, root / "m-Q4_0.gguf", "Q4_0", threads=1,
-                                                         root=BUILD_ROOT)}
+    files = {"F32": llamacpp.convert(ckpt, root / "m-F32.gguf", "f32", root=BUILD_ROOT)}
+    for qt in QTYPES:
+        files[qt] = llamacpp.quantize(files["F32"], root / f"m-{qt}.gguf", qt, threads=1, root=BUILD_ROOT)
+    return ckpt, files
 
 
 def test_more_families_experts_equal_gguf_reference_dequantisation(converted_more, request):
@@ -225,3 +226,10 @@ def test_more_families_f32_gguf_runs_as_the_safetensors_original(converted_more,
     lg, ls = g.forward(ids)[0].float(), s.forward(ids)[0].float()
     assert torch.allclose(lg, ls, atol=1e-5, rtol=0), (lg - ls).abs().max()
     assert _greedy(g, ids[0].tolist(), 8) == _greedy(s, ids[0].tolist(), 8)
+
+
+@pytest.mark.parametrize("qt", ("F32",) + QTYPES)
+def test_more_families_perplexity_within_half_a_percent_of_llama_perplexity(converted_more, qt, text_file, tmp_path,
+                                                                            monkeypatch, capsys):
+    test_perplexity_within_half_a_percent_of_llama_perplexity(converted_more, qt, text_file, tmp_path, monkeypatch,
+                                                              capsys)

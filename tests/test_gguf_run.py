@@ -275,3 +275,24 @@ def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path):
     assert (got[0] - want).abs().max().item() <= LOSSLESS_ATOL
     slots = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path), emulate_device=True)
     assert _engine_run(eng, PROMPT, 6)[1] == _engine_run(slots, PROMPT, 6)[1]
+
+
+@pytest.mark.parametrize("encoding", [T.Q4_0, T.Q8_0], ids=["Q4_0", "Q8_0"])
+def test_in_place_int4_kernel_with_experts_narrower_than_the_kernels_row_block(encoding, tmp_path):
+    """Qwen2-MoE-like experts of 32 rows (gate and up each): repacked in place for the CPU int4 kernel (Q4_0 direct,
+    Q8_0 as two planes), gate and up stacked as one matrix. Packing each and stacking the packed bytes computed
+    garbage when a part is not a whole number of the kernel's row blocks; the run equals transformers' forward of the
+    model rebuilt from gguf's reference dequantisation."""
+    from model_factory import build_family
+
+    ckpt = tmp_path / "ckpt"
+    build_family("qwen2_moe", ckpt)
+    save_tokenizer(ckpt)
+    path = write_gguf(ckpt, tmp_path / "m.gguf", expert_encoding=encoding)
+    with torch.no_grad():
+        want = model_from_gguf(path)(input_ids=PROMPT).logits[0]
+    eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path / "w"))
+    assert eng.store.formats[0].int4 or eng.store.formats[0].planes          # the kernel path, not dequantisation
+    with torch.no_grad():
+        got = eng.forward(PROMPT)[0][0].float()
+    assert (got - want).abs().max().item() <= LOSSLESS_ATOL

@@ -44,9 +44,17 @@ def _q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return codes, scale, 8 * scale - (dmin * m).flatten()
 
 
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of 4-bit codes [N, K] int32: packed [N, K/2] uint8. It interleaves rows in blocks, so
+    matrices stacked by rows (gate, then up) are packed as one: packing each and stacking the results is only the
+    same when each has a whole number of the kernel's row blocks (Mixtral's 14336 rows; not a 32-row expert)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
 def int4_parts(data: torch.Tensor, encoding: int, shape: tuple[int, int],
-               scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes [N, K/2] uint8, (scale, zero') [K/G, N, 2]) of the Q4_0 / Q4_K matrix [N, K] in `data`."""
+               scale_dtype: torch.dtype = torch.float32, pack: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes [N, K/2] uint8, (scale, zero') [K/G, N, 2]) of the Q4_0 / Q4_K matrix [N, K] in `data`
+    (`pack=False`: the codes [N, K] int32, for `pack_codes` after stacking)."""
     N, K = shape
     if encoding == T.Q4_0:
         codes, scale, zero = _q4_0(data.view(-1, 18))
@@ -55,9 +63,8 @@ def int4_parts(data: torch.Tensor, encoding: int, shape: tuple[int, int],
     else:
         raise ValueError(f"only Q4_0 and Q4_K map onto the int4 kernel, not {T(encoding).name}")
     q = codes.reshape(N, K).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     sz = torch.stack([scale, zero], dim=-1).reshape(N, K // GROUP, 2).transpose(0, 1).contiguous()  # [K/G, N, 2]
-    return packed, sz.to(scale_dtype)
+    return (pack_codes(q) if pack else q), sz.to(scale_dtype)
 
 
 def repack_int4(data: torch.Tensor, encoding: int, shape: tuple[int, int]) -> Int4Linear:
@@ -100,17 +107,16 @@ def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def plane_parts(data: torch.Tensor, encoding: int, shape: tuple[int, int],
-                scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                scale_dtype: torch.dtype = torch.float32, pack: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes [N, K] uint8 of the doubled [N, 2K] code matrix, (scale, zero') [K/B, N, 2]) of a Q6_K or Q8_0
-    matrix [N, K]."""
+    matrix [N, K] (`pack=False`: the codes [N, 2K] int32, as `int4_parts`)."""
     N, K = shape
     B, _ = PLANES[T(encoding)]
     lo, hi, s = _q6_k(data.view(-1, 210)) if encoding == T.Q6_K else _q8_0(data.view(-1, 34))
     codes = torch.cat([lo.reshape(N, K // B, B), hi.reshape(N, K // B, B)], dim=2).reshape(N, 2 * K)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     s = s.reshape(N, K // B)
     sz = torch.stack([s, 8 * s], dim=-1).transpose(0, 1).contiguous()                   # [K/B, N, 2]
-    return packed, sz.to(scale_dtype)
+    return (pack_codes(codes) if pack else codes.to(torch.int32)), sz.to(scale_dtype)
 
 
 class PlanesLinear:

@@ -22,7 +22,7 @@ from ..quant.int4_cpu import Int4Linear
 from .dequant import dequantize
 from .encodings import T
 from .format import GgufExpertFormat
-from .int4 import GROUP, PLANES, PlanesLinear, int4_parts, plane_parts
+from .int4 import GROUP, PLANES, PlanesLinear, int4_parts, pack_codes, plane_parts
 
 Q4 = (T.Q4_0, T.Q4_K)
 
@@ -57,11 +57,11 @@ class GgufInt4Format(ExpertFormat):
             if m not in self.int4 and m not in self.planes:
                 tensors.update({n: views[n][:t[n].nbytes] for n in names})
                 continue
-            packed = [int4_parts(views[n][:t[n].nbytes], t[n].encoding, t[n].shape, self.scale_dtype)
-                      if m in self.int4 else plane_parts(views[n][:t[n].nbytes], t[n].encoding, t[n].shape, self.scale_dtype)
-                      for n in names]
-            tensors[f"{m}.int4"] = torch.cat([p for p, _ in packed])                       # rows: gate, then up
-            tensors[f"{m}.sz"] = torch.cat([sz for _, sz in packed], dim=1)                 # [K/G, N, 2]
+            parts = (int4_parts if m in self.int4 else plane_parts)
+            codes = [parts(views[n][:t[n].nbytes], t[n].encoding, t[n].shape, self.scale_dtype, pack=False)
+                     for n in names]
+            tensors[f"{m}.int4"] = pack_codes(torch.cat([q for q, _ in codes]))            # rows: gate, then up
+            tensors[f"{m}.sz"] = torch.cat([sz for _, sz in codes], dim=1)                  # [K/G, N, 2]
         return self.pack(tensors, out)
 
     def weights(self, views: dict[str, torch.Tensor]) -> dict:
