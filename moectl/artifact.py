@@ -43,17 +43,22 @@ def parse_text(text: str, path) -> object:
         raise MoectlError(f"{where(path, e.lineno)}: not valid JSON ({e.msg}): truncated or corrupt") from None
 
 
-def read_descriptor(path, fmt: str | tuple[str, ...], *, what: str, version_key: str | None = None,
-                    max_version: int = 1, expect_fingerprint: str | None = None) -> dict:
-    """Parse an artifact's descriptor and check its format, version and (optionally) fingerprint."""
-    p = Path(path)
+def read_parsed(p: Path, what: str):
+    """The file `p` parsed (`parse_text`): one MoectlError naming `what` when it is missing, unreadable or corrupt."""
     if not p.is_file():
         raise MoectlError(f"{what} {p} does not exist")
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise MoectlError(f"{p}: cannot read the {what} ({e})") from None
-    d = parse_text(text, p)
+    return parse_text(text, p)
+
+
+def read_descriptor(path, fmt: str | tuple[str, ...], *, what: str, version_key: str | None = None,
+                    max_version: int = 1, expect_fingerprint: str | None = None) -> dict:
+    """Parse an artifact's descriptor and check its format, version and (optionally) fingerprint."""
+    p = Path(path)
+    d = read_parsed(p, what)
     if not isinstance(d, dict):
         raise MoectlError(f"{where(p, 1)}: a {what} is a mapping with a `format` key, this holds a "
                           f"{type(d).__name__}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..artifact import parse_text
+from ..artifact import read_parsed
 from ..errors import MoectlError
 
 ACCEPTANCE_FORMAT, ACCEPTANCE_VERSION = "moectl-acceptance", 1
@@ -117,11 +117,7 @@ def load_acceptance(spec: str | float) -> Acceptance:
     path = Path(str(spec))
     if not path.is_file():
         raise MoectlError(f"acceptance {spec!r} is neither a probability (e.g. 0.85) nor an existing file")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise MoectlError(f"{path}: cannot read the acceptance file ({e})") from None
-    d = parse_text(text, path)
+    d = read_parsed(path, "acceptance file")
     if isinstance(d, dict) and d.get("format") != ACCEPTANCE_FORMAT and isinstance(d.get("acceptance"), dict):
         d = d["acceptance"]                  # a bench/generate --json report: its "acceptance" field
     return Acceptance.from_json(d, where=str(path))
