@@ -93,14 +93,15 @@ def converted(request, tiny_small, tmp_path_factory):
     return ckpt, files
 
 
-def test_experts_equal_gguf_reference_dequantisation(converted):
+def _experts_and_references(files: dict):
+    """(encoding, layer, expert, moectl's weights, {gate, up, down: gguf's reference dequantisation}) of every expert
+    of every file."""
     from gguf.quants import dequantize as reference
 
     from moectl.gguf.model import GgufModel
     from moectl.gguf.store import GgufAdapter, GgufCheckpoint
     from moectl.store.expert_store import ExpertStore
 
-    _, files = converted
     for qt, path in files.items():
         g = GgufModel(path)
         store = ExpertStore(GgufCheckpoint(g), GgufAdapter(g), g.index.layers, torch.float32, offload="ram",
@@ -111,8 +112,13 @@ def test_experts_equal_gguf_reference_dequantisation(converted):
                 w = fmt.weights(store.format.views(store.host(pos, e)))
                 ref = {n: torch.from_numpy(reference(g.files.bytes_of(t.file, t.offset, t.nbytes), t.encoding)
                                            .reshape(t.shape)) for n, t in g.index.parts(layer, e)}
-                assert torch.equal(w["gate_up"], torch.cat([ref["gate"], ref["up"]])), (qt, layer, e)
-                assert torch.equal(w["down"], ref["down"]), (qt, layer, e)
+                yield qt, layer, e, w, ref
+
+
+def test_experts_equal_gguf_reference_dequantisation(converted):
+    for qt, layer, e, w, ref in _experts_and_references(converted[1]):
+        assert torch.equal(w["gate_up"], torch.cat([ref["gate"], ref["up"]])), (qt, layer, e)
+        assert torch.equal(w["down"], ref["down"]), (qt, layer, e)
 
 
 def _greedy(eng, ids: list[int], n: int) -> list[int]:
@@ -194,25 +200,11 @@ def converted_more(request, tmp_path_factory):
 def test_more_families_experts_equal_gguf_reference_dequantisation(converted_more, request):
     if "gpt_oss" not in request.node.name:
         return test_experts_equal_gguf_reference_dequantisation(converted_more)
-    from gguf.quants import dequantize as reference
-
-    from moectl.gguf.model import GgufModel
-    from moectl.gguf.store import GgufAdapter, GgufCheckpoint
-    from moectl.store.expert_store import ExpertStore
-
-    for qt, path in converted_more[1].items():   # GPT-OSS: transformers' layout, [H, 2I] with gate/up interleaved
-        g = GgufModel(path)
-        store = ExpertStore(GgufCheckpoint(g), GgufAdapter(g), g.index.layers, torch.float32, offload="ram",
-                            progress=False)
-        for pos, layer in enumerate(g.index.layers):
-            for e in range(g.index.num_experts):
-                w = store.format_of("full", pos).weights(store.format.views(store.host(pos, e)))
-                ref = {n: torch.from_numpy(reference(g.files.bytes_of(t.file, t.offset, t.nbytes), t.encoding)
-                                           .reshape(t.shape)) for n, t in g.index.parts(layer, e)}
-                gu = w["gate_up"]                                                   # [H, 2I]
-                assert torch.equal(gu[:, 0::2], ref["gate"].T), (qt, layer, e)
-                assert torch.equal(gu[:, 1::2], ref["up"].T), (qt, layer, e)
-                assert torch.equal(w["down"], ref["down"].T), (qt, layer, e)                # [I, H]
+    for qt, layer, e, w, ref in _experts_and_references(converted_more[1]):
+        gu = w["gate_up"]                       # GPT-OSS: transformers' layout, [H, 2I] with gate/up interleaved
+        assert torch.equal(gu[:, 0::2], ref["gate"].T), (qt, layer, e)
+        assert torch.equal(gu[:, 1::2], ref["up"].T), (qt, layer, e)
+        assert torch.equal(w["down"], ref["down"].T), (qt, layer, e)                # [I, H]
 
 
 def test_more_families_f32_gguf_runs_as_the_safetensors_original(converted_more, tmp_path):
