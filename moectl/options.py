@@ -56,8 +56,8 @@ class RuntimeOptions:
     lowbit_fraction: float | None = None
     admission: str | None = None
     staging: int | None = None
-    draft: str | None = None                # speculative decoding: cached | a draft model's path or recipe
-    draft_tokens: int = 4                   # the most tokens drafted per verification pass
+    draft: str | None = None                # speculative decoding: cached | a draft model's path or recipe | none
+    draft_tokens: int | None = None         # the most tokens drafted per verification pass (None: the plan's, else 4)
     draft_rule: str = "auto"                # auto: drafting only where it pays (OnlineDraftRule); always: fixed K
     workdir_defaults: bool = False          # CLI: unset prefetch / gating mean the workdir's predictors / stored T_g
     sources: dict = field(default_factory=dict, repr=False)
@@ -91,7 +91,7 @@ class RuntimeOptions:
             raise MoectlError(f"--offload must be 'ram' or 'disk', not {self.offload!r}")
         if self.draft_rule not in DRAFT_RULES:
             raise MoectlError(f"--draft-rule must be {' or '.join(DRAFT_RULES)}, not {self.draft_rule!r}")
-        if self.draft is not None and self.draft_tokens < 1:
+        if self.draft_tokens is not None and self.draft_tokens < 1:
             raise MoectlError(f"--draft-tokens must be at least 1 with --draft, not {self.draft_tokens}")
         if self.draft is not None and self.replay_trace is not None:
             raise MoectlError("--draft and --replay-trace do not go together: a replayed trace routes tokens in "
@@ -101,6 +101,9 @@ class RuntimeOptions:
     def resolve(self, workdir, fingerprint: str, num_layers: int, num_experts: int) -> "RuntimeOptions":
         self.check()
         self._apply_plan(workdir, fingerprint, num_layers, num_experts)
+        if self.draft == "none":                                # --draft none: not even the plan's drafting
+            self.draft = None
+        self.set("draft_tokens", 4, DEFAULT)
         cuda, wd = self.device != "cpu", self.workdir_defaults
         for name, value in (("replacement", "lru"), ("admission", "off"),
                             ("cpu_experts", "auto" if cuda else "never"),        # in place on a CPU nothing misses
@@ -141,6 +144,7 @@ class RuntimeOptions:
         low_pools = any(int(s) for s in d.get("slots_low") or [])
         self.take_plan(d, ("replacement", "prefetch", "cpu_experts", "admission") + (("precision",) if low_pools
                                                                                     else ()))
+        self._take_plan_draft(d)
         if self.staging is None and (d.get("budget") or {}).get("staging") is not None:
             self.sources["staging"] = PLAN
         pred = d.get("predicted") or {}
@@ -148,6 +152,20 @@ class RuntimeOptions:
         self.plan_note = (f"plan: {d['_path']} ({sum(d['slots'])} expert slots, {min(d['slots'])}-{max(d['slots'])} "
                           f"per layer" + (f"; predicted {ms:.3g} ms/token on {d.get('hardware')}" if ms else "")
                           + "; --no-plan ignores it)")
+
+    def _take_plan_draft(self, plan: dict) -> None:
+        """A plan made with `plan-cache --draft-tokens` (`plan/draft.py`'s `draft` block) drafts as it was priced:
+        `--draft cached` when it drafted with the resident experts and found some K that pays (tokens > 0; 0 means
+        its replay found drafting does not pay here), and its K for a draft the command names. A draft model's path
+        is not in the plan: with `source: model` only K is taken, when the command gives `--draft PATH`."""
+        block = plan.get("draft") or {}
+        tokens = int(block.get("tokens") or 0)
+        if tokens < 1:
+            return
+        if block.get("source") == "cached":
+            self.set("draft", "cached", PLAN)
+        if self.draft not in (None, "none"):
+            self.set("draft_tokens", tokens, PLAN)
 
     def take_plan(self, plan: dict, names=PLAN_POLICIES):
         """The plan's value (`artifacts/plan.py: plan_policies`) of each option in `names` left unset, HOBBIT's T1/T2

@@ -110,3 +110,39 @@ def test_bench_takes_the_shared_runtime_options(tiny_small, tmp_path, monkeypatc
         runs[tuple(extra)] = json.loads(r.stdout.strip().splitlines()[-1])["runs"]
     assert set(runs[()]) == {"moectl", "moectl-plan", "lru"}
     assert set(runs[("--no-plan", "--prefetch", "gate-reuse", "--staging-buffers", "0")]) == {"moectl", "lru"}
+
+
+def test_a_plan_made_for_drafting_drafts_as_it_was_priced(tiny_small, tmp_path):
+    """plan-cache --draft-tokens writes a `draft` block; the runtime takes it (flag > plan > default)."""
+    from moectl.runtime.engine import Engine
+
+    probe = Engine.load(str(tiny_small), progress=False)
+    L = len(probe.moe_layer_ids)
+
+    def plan_with(draft: dict | None):
+        path = tmp_path / f"plan-{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(json.dumps({"format": "moectl-plan-v1", "slots": [2] * L,
+                                    **({"draft": draft} if draft is not None else {})}))
+        return str(path)
+
+    cached3 = plan_with({"tokens": 3, "source": "cached", "draft_ms": None})
+    eng = Engine.load(str(tiny_small), plan=cached3, emulate_device=True, progress=False)
+    o = eng.options
+    assert (o.draft, o.sources["draft"], o.draft_tokens, o.sources["draft_tokens"]) == ("cached", "plan", 3, "plan")
+    assert eng.speculator is not None and eng.speculator.k_max == 3
+    # flags win: another K, or no drafting at all
+    eng = Engine.load(str(tiny_small), plan=cached3, emulate_device=True, draft_tokens=2, progress=False)
+    assert (eng.options.draft_tokens, eng.options.sources["draft_tokens"]) == (2, "flag")
+    eng = Engine.load(str(tiny_small), plan=cached3, emulate_device=True, draft="none", progress=False)
+    assert eng.options.draft is None and eng.speculator is None
+    # a plan whose replay found drafting does not pay (tokens 0), a plan without the block: no drafting, K default
+    for plan in (plan_with({"tokens": 0, "source": "cached"}), plan_with(None)):
+        eng = Engine.load(str(tiny_small), plan=plan, emulate_device=True, progress=False)
+        assert eng.speculator is None and eng.options.draft is None
+        assert (eng.options.draft_tokens, eng.options.sources["draft_tokens"]) == (4, "default")
+    # a draft model's plan gives K only, to the draft the command names
+    model_plan = plan_with({"tokens": 2, "source": "model", "draft_ms": 1.0})
+    eng = Engine.load(str(tiny_small), plan=model_plan, emulate_device=True, progress=False)
+    assert eng.speculator is None
+    eng = Engine.load(str(tiny_small), plan=model_plan, emulate_device=True, draft="cached", progress=False)
+    assert (eng.speculator.k_max, eng.options.sources["draft_tokens"]) == (2, "plan")

@@ -178,12 +178,14 @@ class DraftOpts:
                                  "offloaded layers (a layer loads the union of their experts once). cached: the model "
                                  "drafts itself with only the experts already on the device (a missing one skipped, the "
                                  "rest renormalised: drafting loads nothing); PATH or recipe: a small model with the "
-                                 "same tokenizer, run fully resident. Greedy output is the same token for token; "
-                                 "sampled output has the same distribution. Default: off.")
+                                 "same tokenizer, run fully resident; none: no drafting. Greedy output is the same token "
+                                 "for token; sampled output has the same distribution. Default: the plan's (plan-cache "
+                                 "--draft-tokens with the cached draft), else off.")
 
     @staticmethod
     def draft_tokens():
-        return typer.Option(4, "--draft-tokens", min=1, help="The most tokens drafted per verification pass (K).")
+        return typer.Option(None, "--draft-tokens", min=1, help="The most tokens drafted per verification pass (K; "
+                            "default: the plan's, when plan-cache planned for drafting, else 4).")
 
     @staticmethod
     def draft_rule():
@@ -233,7 +235,7 @@ def _runtime_option_table():
         ("gate_prefill", bool, GatingOpts.prefill()), ("lowbit", Optional[str], PrecisionOpts.lowbit()),
         ("precision", Optional[str], PrecisionOpts.precision()), ("t1", float, PrecisionOpts.t1()),
         ("t2", float, PrecisionOpts.t2()), ("lowbit_fraction", Optional[float], PrecisionOpts.fraction()),
-        ("draft", Optional[str], DraftOpts.draft()), ("draft_tokens", int, DraftOpts.draft_tokens()),
+        ("draft", Optional[str], DraftOpts.draft()), ("draft_tokens", Optional[int], DraftOpts.draft_tokens()),
         ("draft_rule", str, DraftOpts.draft_rule()),
     ]
 

@@ -48,6 +48,8 @@ def bench(
     from rich.console import Console
 
     o = opts
+    if o.draft == "none":                       # bench's rows without drafting are its baseline already
+        o.draft = None
     if model is not None:
         from ..bench_model import bench_model
 
