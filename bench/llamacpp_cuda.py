@@ -75,9 +75,8 @@ def quantized(model: Path, work: Path, root: Path) -> Path:
 
 def bench_gpu(gguf: Path, ncmoe: int, root: Path, threads: int, reps: int = 3) -> dict:
     """llama-bench's prefill (512 tokens) and decode (64 tokens) with --n-cpu-moe: ms/token and tokens/s."""
-    out, rss = llamacpp.run_tool("llama-bench", ["-m", gguf, "-ngl", 99, "--n-cpu-moe", ncmoe, "-t", threads,
-                                                 "-p", 512, "-n", 64, "-r", reps, "-o", "json"], root)
-    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    rows, rss = llamacpp.bench_rows(gguf, ["-ngl", 99, "--n-cpu-moe", ncmoe, "-t", threads, "-p", 512, "-n", 64,
+                                           "-r", reps], root)
     pp = next(r for r in rows if r.get("n_prompt", 0) > 0)
     tg = next(r for r in rows if r.get("n_gen", 0) > 0)
     return {"decode_ms_per_token": 1000 / tg["avg_ts"], "decode_tokens_per_s": tg["avg_ts"],

@@ -48,6 +48,12 @@ def cuda_home() -> Path:
     return home().with_name(VERSION + "-cuda")
 
 
+def nvcc() -> str | None:
+    """The CUDA compiler a CUDA build would use: on PATH, else the toolkit's usual place; None when neither."""
+    found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return found if Path(found).exists() else None
+
+
 def built(root: Path | None = None, tools=TOOLS) -> bool:
     root = root or home()
     return (root / "BUILT").exists() and all(tool(t, root).exists() for t in tools)
@@ -79,7 +85,7 @@ def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = Fals
     if built(root, tools):
         return root
     check_toolchain()
-    if cuda and shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+    if cuda and nvcc() is None:
         raise MoectlError("building llama.cpp with CUDA needs nvcc (the CUDA toolkit): none on PATH or in "
                           "/usr/local/cuda/bin")
     root.mkdir(parents=True, exist_ok=True)
@@ -230,14 +236,18 @@ def greedy_tokens(gguf: str | Path, prompt: str, n: int, threads: int = 1, root:
 def bench(gguf: str | Path, threads: int, prompt: int = 0, gen: int = 64, reps: int = 3,
           root: Path | None = None) -> dict:
     """`llama-bench -o json` at one thread count: {"tokens_per_s", "stddev", "samples", "rss_gb"}."""
-    import json
-
-    out, rss = run_tool("llama-bench", ["-m", gguf, "-t", threads, "-p", prompt, "-n", gen, "-r", reps,
-                                        "-o", "json"], root)
-    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    rows, rss = bench_rows(gguf, ["-t", threads, "-p", prompt, "-n", gen, "-r", reps], root)
     r = rows[0]
     return {"tokens_per_s": r["avg_ts"], "stddev": r["stddev_ts"], "samples": r.get("samples_ts", []),
             "rss_gb": rss}
+
+
+def bench_rows(gguf: str | Path, args: list, root: Path | None = None) -> tuple[list[dict], float]:
+    """`llama-bench -m gguf ARGS -o json`: its result rows (one per test it ran) and its peak RSS in GB."""
+    import json
+
+    out, rss = run_tool("llama-bench", ["-m", gguf, *args, "-o", "json"], root)
+    return json.loads(out[out.index("["):out.rindex("]") + 1]), rss
 
 
 def perplexity(gguf: str | Path, text_file: str | Path, ctx: int, threads: int = 1, chunks: int | None = None,
