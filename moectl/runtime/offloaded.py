@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..cache_model import FULL, LOW
+from ..policies.draft import pass_order
 from ..policies.precision import SKIP, rank_scores
 
 
@@ -80,7 +81,10 @@ class OffloadedExperts(nn.Module):
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
             return out
-        needed = [e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts]   # one host sync
+        if cache.state.phase == "decode":           # a verification pass: the latest tokens' experts run last
+            needed = [e for e in pass_order(top_k_index.tolist()) if e < self.num_experts]   # one host sync
+        else:
+            needed = [e for e in top_k_index.unique().tolist() if 0 <= e < self.num_experts]
         rt.expert_calls += int((top_k_index >= 0).sum())
         cache.route(layer, needed, None)                                            # batched: once each
         rt.on_route(layer, top_k_index, top_k_weights, hidden_states)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..policies.draft import pass_order
 from ..trace import PREFILL, Trace
 
 
@@ -35,14 +36,14 @@ def tokens_of(step: Step, l: int, e: int) -> int:
 def multi_token_step(trace: Trace, rows: np.ndarray, request: str, first: bool, prefill: bool,
                      produced: int = 1) -> Step:
     """One step over several rows at once (a prefill, or a verification pass over the last accepted token and its
-    drafts): per layer the union of their experts, ascending, with the tokens routed to each and its lowest rank
+    drafts): per layer the union of their experts (ascending in a prefill; `pass_order` in a pass), with the tokens routed to each and its lowest rank
     score (when the trace has gate weights)."""
     ex, w = trace.experts, trace.weights
     chosen, counts = [], []
     for l in range(trace.num_layers):
         ids, n = np.unique(ex[rows, l], return_counts=True)
         keep = ids >= 0
-        chosen.append([int(i) for i in ids[keep]])
+        chosen.append([int(i) for i in ids[keep]] if prefill else pass_order(ex[rows, l].tolist()))
         counts.append({int(i): int(c) for i, c in zip(ids[keep], n[keep])})
     return Step(request, first, prefill, rows, chosen, [None] * trace.num_layers, counts,
                 None if w is None else prefill_scores(ex[rows], w[rows]), produced)
