@@ -145,4 +145,8 @@ def test_demo_runs_steps_skips_missing_and_reports_failures(tiny_small, tmp_path
     assert "skipped" in rows["no-such-command"]
     assert "failed" in rows["generate"] and "bogus" in rows["generate"]
     assert "ok" in rows["chat"] and "hit rate" in rows["chat"]
+    import re
+
+    slots = re.search(r"with (\d+)(?: \+ (\d+) low-bit)? expert slots", rows["chat"])  # every pool's slots
+    assert slots and int(slots.group(1)) + int(slots.group(2) or 0) > 0
     assert "you> hello" in out and "cache hit rate" in out

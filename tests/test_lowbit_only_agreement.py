@@ -120,3 +120,20 @@ def test_lowbit_only_streams_prefill_misses_through_low_bit_staging_buffers(q4):
     pre = cache.state.per_layer("prefill", LOW)
     assert sum(pre["misses"]) > 0 and sum(pre["evictions"]) == 0                # streamed: nothing evicted
     assert got.token_ids == want.token_ids
+
+
+def test_live_views_count_the_low_bit_pool(q4):
+    """serve's cache page and /metrics (runtime/live.py) at lowbit-only: the low-bit slots and their hits, not the
+    absent full pool's zeros."""
+    from moectl.runtime.live import layer_hits, residency
+
+    ckpt, wd = q4
+    eng = _load(ckpt, wd, emulate_device=True, cache_experts=8, prefetch="none", cpu_experts="never")
+    eng.generate(input_ids=[5, 9, 13, 2, 7], max_new_tokens=6, stop_at_eos=False)
+    rows, res = layer_hits(eng.cache), residency(eng.cache)
+    low = [eng.cache.state.capacity(layer, "low") for layer in range(eng.cache.state.num_layers)]
+    assert eng.cache.precisions == ["low"] and sum(low) > 0
+    assert [r["slots"] for r in res] == low
+    assert all(set(r["resident"].values()) <= {"q4g64"} for r in res) and any(r["resident"] for r in res)
+    stats = eng.cache.stats.as_dict()
+    assert sum(r["hits"] for r in rows) == stats["hits"] and sum(r["misses"] for r in rows) == stats["misses"] > 0

@@ -145,7 +145,11 @@ def demo(
     console.file.write("\n")
     print_stats_line(result.stats, console)
     s = result.stats
-    slots = sum(eng.cache.slots_per_layer)
+    per_pool: dict[str, int] = {}                  # slots per precision (lowbit-only has no full-precision pool)
+    for layer in eng.cache.state.pools:
+        for p, pool in layer.items():
+            per_pool[p] = per_pool.get(p, 0) + pool.capacity
+    slots = " + ".join(f"{n} low-bit" if p == "low" else str(n) for p, n in per_pool.items())
     rows.append(("chat", "[green]ok[/]", f"{s['tokens']} tokens at {s['tokens_per_s']:.1f} tok/s, hit rate "
                  f"{s['hit_rate']:.0%} with {slots} expert slots, {format_bytes(s['bytes_loaded'])} loaded, "
                  f"{prefetch_note(eng)}",
