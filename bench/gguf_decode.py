@@ -4,7 +4,7 @@
 
 One process loads FILE with `--model FILE` (CPU, experts in place: Q4_0/Q4_K matrices repacked for the int4 kernel,
 others dequantised per use) and states: `inspect`'s figures from the header, the bytes the run then holds (expert
-buffers, dense tensors), the process's RSS after load and its peak (getrusage). Then `rounds` paired rounds, each
+buffers, dense tensors), the process's RSS after load and its peak (VmHWM). Then `rounds` paired rounds, each
 one moectl greedy decode of `tokens` tokens (ms/token of the decode steps) and one `llama-bench -p 0 -n tokens
 -r 1 -t threads` on the same file (ms/token = 1000 / tokens per second), alternated so that load on a shared
 machine hits both alike; medians and every round printed, JSON with --json.
@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def rss_gb() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 1e9
 
 
 def main() -> None:
@@ -46,6 +41,7 @@ def main() -> None:
     from moectl import llamacpp
     from moectl.runtime.engine import Engine
     from moectl.runtime.inspect import dense_nbytes, inspect_model
+    from moectl.store.memory import rss_bytes
 
     torch.set_num_threads(a.threads)
     root = Path(a.llamacpp_root) if a.llamacpp_root else llamacpp.home()
@@ -60,7 +56,7 @@ def main() -> None:
                        "file_expert_bytes": info["gguf"]["expert_bytes"], "dense_bytes": info["dense_bytes"],
                        "cpu_in_place": info["gguf"]["cpu_in_place"], "file_bytes": info["gguf"]["file_bytes"]},
            "held": held, "note": eng.plan_note,
-           "rss_after_load_gb": rss_gb(), "peak_rss_after_load_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
+           "rss_after_load_gb": rss_bytes()[0] / 1e9, "peak_rss_after_load_gb": rss_bytes()[1] / 1e9}
     rounds = []
     for _ in range(a.rounds):
         r = eng.generate(a.prompt, max_new_tokens=a.tokens)
@@ -71,7 +67,7 @@ def main() -> None:
         rounds.append(row)
         print(row, file=sys.stderr, flush=True)
     out["rounds"] = rounds
-    out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    out["peak_rss_gb"] = rss_bytes()[1] / 1e9
     out["moectl_ms_median"] = statistics.median(r["moectl_ms"] for r in rounds)
     if not a.no_llamacpp:
         out["llamacpp_ms_median"] = statistics.median(r["llamacpp_ms"] for r in rounds)
