@@ -13,6 +13,8 @@ machine: the spread of a round is the load's, not the kernel's). Kernels:
   q4g64 / q4g128 torch's int4 kernel `_weight_int4pack_mm_for_cpu` (quant/int4_cpu.py), group 64 / 128
   dyn-quant-4bit torch's `_dyn_quant_matmul_4bit` (int8 dynamic activations x int4; KleidiAI on Arm, on x86 a
                  reference fallback); T <= 32 only (it takes minutes at 512)
+  moectl-q8g64 / moectl-q4g64  moectl's own int8-activation kernels (moectl/kernels, quant/vnni.py: VnniLinear),
+                 where they build
 
 And `--q8-error`: on a Gaussian 14336 x 4096 matrix, the RMS error of HQQ's q8g64 (rtn) against the weights, and of
 q8g64 requantized per output row (quant/int8_cpu.py's load-time repack) against the weights and against q8g64.
@@ -30,8 +32,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moectl import kernels
 from moectl.models.gemv import linear
 from moectl.quant.int8_cpu import Int8Linear, requantize
+from moectl.quant.vnni import VnniLinear, pack_codes, pack_scales
 
 
 def _expert(H: int, I: int, g: torch.Generator) -> dict:
@@ -58,8 +62,16 @@ def _expert(H: int, I: int, g: torch.Generator) -> dict:
                                                        k, n)
         return (lambda x: torch.ops.aten._dyn_quant_matmul_4bit(x.float(), p, group, k, n)), n * k // 2
 
+    def vnni_op(n, k, bits):
+        codes = pack_codes(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g), bits)
+        sm = pack_scales((torch.rand(n, k // 64, generator=g) * 0.01).bfloat16(),
+                         (torch.randn(n, k // 64, generator=g) * 0.01).bfloat16(), k)
+        return VnniLinear(codes, sm, n), codes.numel() + sm.numel() * 2
+
     makers = {"bf16": bf16, "q8-per-row": int8, "q8-kernel-only": lambda n, k: int8(n, k, True),
               "q4g64": lambda n, k: int4(n, k, 64), "q4g128": lambda n, k: int4(n, k, 128), "dyn-quant-4bit": dyn4}
+    if kernels.library() is not None:                   # moectl's own (moectl/kernels): int8 activations, VNNI
+        makers |= {"moectl-q8g64": lambda n, k: vnni_op(n, k, 8), "moectl-q4g64": lambda n, k: vnni_op(n, k, 4)}
     out = {}
     for name, make in makers.items():
         (gu, b1), (dn, b2) = make(2 * I, H), make(H, I)

@@ -48,7 +48,7 @@ def _log(msg: str) -> None:
 def moectl_run(ckpt: str, workdir: str, lowbit: str | None, threads: int, prompt: int, gen: int,
                prefill: int, dense_lowbit: str | None = None) -> dict:
     """One fresh process: load in place on the CPU, time a prefill of `prefill` tokens and a decode of `gen`
-    tokens after `prompt`; peak RSS of the process. `dense_lowbit` q8: attention + lm_head int8 too."""
+    tokens after `prompt`; peak RSS of the process. `dense_lowbit` q8 / q4: attention + lm_head low-bit too."""
     code = f"""
 import json, resource, time, torch
 from moectl.runtime.engine import Engine
@@ -154,7 +154,8 @@ def gguf_bytes_per_token(gguf: Path) -> float:
 
 def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None, dense_lowbit: str | None = None) -> float:
     """The same for moectl: dense tensors but the embedding, plus top-k experts per layer (the copy's bytes); with
-    `dense_lowbit` q8 the attention projections and lm_head at one byte a weight (+ a bf16 scale per row)."""
+    `dense_lowbit` q8 the attention projections and lm_head at one byte a weight (+ a bf16 scale per row), q4 the
+    attention projections at q4g64 (half a byte + 2 bf16 per 64) and the lm_head int8."""
     from moectl.runtime.engine import inspect_model
 
     info = inspect_model(str(ckpt), str(workdir), None)
@@ -169,9 +170,10 @@ def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None, dense_
         H, V = cfg["hidden_size"], cfg["vocab_size"]
         hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
         q, kv = cfg["num_attention_heads"] * hd, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd
-        weights = cfg["num_hidden_layers"] * (2 * H * q + 2 * H * kv) + V * H       # q, o, k, v; lm_head
-        rows = cfg["num_hidden_layers"] * (2 * q + 2 * kv) + V
-        dense -= weights * 2 - (weights + 2 * rows)                                 # bf16 -> int8 + scales
+        attn = cfg["num_hidden_layers"] * (2 * H * q + 2 * H * kv)                  # q, o, k, v
+        rows = cfg["num_hidden_layers"] * (2 * q + 2 * kv)
+        attn_after = attn * (0.5 + 4 / 64) if dense_lowbit == "q4" else attn + 2 * rows
+        dense -= (attn + V * H) * 2 - (attn_after + V * H + 2 * V)                  # bf16 -> low-bit + scales
     return dense + info["moe_layers"] * info["top_k"] * per_expert
 
 
@@ -259,18 +261,29 @@ def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int =
         g = f32 if qt == "F32" else llamacpp.quantize(f32, work / f"tiny-{qt}.gguf", qt)
         out["llama.cpp"][qt] = llamacpp.perplexity(g, work / "heldout.txt", ctx, threads, chunks=len(ids) // ctx - 8)
     windows = token_windows(eng.tokenizer, [text], ctx, max_tokens)
-    for name, lowbit in (("lossless", None), ("q8g64", "q8g64"), ("q4g64", "q4g64"), ("q4g64-hqq", "q4g64")):
-        if lowbit:
+    # fp32 rows: the copies dequantised per use (no CPU kernel takes fp32); bf16 rows: what a bf16 checkpoint runs
+    # on this CPU, moectl's int8-activation kernels (q8g64 / q4g64, `moectl/kernels`) and `--dense-lowbit q4`
+    rows = (("lossless", None, "float32", None), ("q8g64", "q8g64", "float32", None),
+            ("q4g64", "q4g64", "float32", None), ("q4g64-hqq", "q4g64", "float32", None),
+            ("bf16 lossless", None, "bfloat16", None), ("bf16 q8g64", "q8g64", "bfloat16", None),
+            ("bf16 q4g64", "q4g64", "bfloat16", None), ("bf16 q4g64+dense-q4", "q4g64", "bfloat16", "q4"))
+    for name, lowbit, dtype, dense in rows:
+        if lowbit and "bf16" not in name:
             quantize_model(str(ckpt), int(lowbit[1]), 64, 1, device="cpu", workdir=str(wd), progress=False,
                            method="hqq" if name.endswith("hqq") else "rtn")
+        if name == "bf16 q8g64":                         # the rtn copies the fp32 rows used (hqq's were last)
+            for bits in (8, 4):
+                quantize_model(str(ckpt), bits, 64, 1, device="cpu", workdir=str(wd), progress=False, method="rtn")
         e = Engine.load(str(ckpt), workdir=str(wd), lowbit=lowbit, precision="lowbit-only" if lowbit else None,
-                        progress=False, gating="none", device="cpu")
+                        progress=False, gating="none", device="cpu", dtype=dtype, dense_lowbit=dense)
         r = window_nll(e, windows)
-        out["moectl"][name] = {"ppl": math.exp(r["nll"] / r["scored"]), "scored": r["scored"]}
+        out["moectl"][name] = {"ppl": math.exp(r["nll"] / r["scored"]), "scored": r["scored"],
+                               "kernel": type(e.store.lowbit.format).__name__ if lowbit else None}
     for tool, base in (("llama.cpp", "F32"), ("moectl", "lossless")):
         b = out[tool][base]["ppl"]
-        for v in out[tool].values():
-            v["delta_pct"] = (v["ppl"] / b - 1) * 100
+        for k, v in out[tool].items():
+            ref = out["moectl"]["bf16 lossless"]["ppl"] if k.startswith("bf16") else b
+            v["delta_pct"] = (v["ppl"] / ref - 1) * 100
     return out
 
 
@@ -289,7 +302,7 @@ def main() -> None:
     ap.add_argument("--fidelity", action="store_true", help="perplexity deltas on the trained tiny model")
     ap.add_argument("--clean", action="store_true", help="delete the GGUFs afterwards")
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--dense-lowbit", default=None, choices=["q8"],
+    ap.add_argument("--dense-lowbit", default=None, choices=["q8", "q4"],
                     help="also run moectl with --dense-lowbit (attention + lm_head int8) at q8 / q4")
     ap.add_argument("--moectl-only", action="store_true", help="skip llama.cpp's runs (moectl's variants only)")
     a = ap.parse_args()

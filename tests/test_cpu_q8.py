@@ -60,11 +60,38 @@ def test_int8_linear_is_lossless_against_its_dequantised_matrix(rows):
     assert torch.equal(dequantize(codes, scale), (codes.float() * scale.float()[:, None]).bfloat16())
 
 
-def test_q8_copies_take_the_int8_kernel_on_the_cpu_and_match_its_reference(mixtral_q8, monkeypatch):
-    """A bf16 model's q8g64 copies are repacked at load (Int8CpuFormat); its decode logits equal the same copies
-    computed through the dequantised matrices (the kernel switched off), up to bf16 rounding, and stay close to
-    the lossless run (q8 error, requantized)."""
+def test_q8_copies_take_moectls_kernel_where_it_builds(mixtral_q8, monkeypatch):
+    """Where moectl's CPU kernels build, q8g64 copies are repacked for them (VnniFormat: the copy's own codes, scales
+    and zeros, no per-row requantization); the logits differ from HQQ's dequantise-then-matmul of the same copies
+    only by the int8 activations (what llama.cpp's Q8_0 x Q8_0 products do), of the order of the copy's own error."""
+    from moectl import kernels
+    from moectl.quant.vnni import VnniFormat
     from test_quantize import _decode
+
+    if kernels.library() is None:
+        pytest.skip(f"moectl's CPU kernels cannot run here: {kernels.why_not()}")
+    d, wd = mixtral_q8
+    kw = dict(workdir=str(wd), lowbit="q8g64", precision="lowbit-only", progress=False, dtype="bfloat16",
+              threads=1)
+    eng = Engine.load(str(d), **kw)
+    assert isinstance(eng.store.lowbit.format, VnniFormat)
+    assert eng.store.lowbit.expert_nbytes < 0.54 * eng.store.expert_nbytes          # 8 bits + 2 bf16 per 64
+    fast = _decode(eng)
+    lossless = _decode(Engine.load(str(d), workdir=str(wd), progress=False, dtype="bfloat16", threads=1))
+    monkeypatch.setattr(lowbit, "cpu_kernel_format", lambda fmt: None)           # HQQ's q8g64, dequantised per use
+    hqq = _decode(Engine.load(str(d), **kw))
+    assert not torch.equal(fast, hqq)                                              # the int8 activations
+    assert (fast - lossless).abs().max() <= 3 * (hqq - lossless).abs().max()      # ~8-bit noise on both sides
+
+
+def test_q8_copies_take_torchs_int8_kernel_and_match_its_reference(mixtral_q8, monkeypatch):
+    """Where moectl's kernels do not run, a bf16 model's q8g64 copies are repacked at load for torch's int8 kernel
+    (Int8CpuFormat); its decode logits equal the same copies computed through the dequantised matrices (the kernel
+    switched off), up to bf16 rounding, and stay close to the lossless run (q8 error, requantized)."""
+    from moectl.quant import cpu_kernels
+    from test_quantize import _decode
+
+    monkeypatch.setattr(cpu_kernels, "vnni_ok", lambda fmt: False)
 
     d, wd = mixtral_q8
     kw = dict(workdir=str(wd), lowbit="q8g64", precision="lowbit-only", progress=False, dtype="bfloat16",

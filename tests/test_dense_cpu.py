@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moectl import kernels
 from moectl.errors import MoectlError
 from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, check_dense_lowbit, cpu_linears
 from moectl.runtime.engine import Engine
@@ -53,11 +54,36 @@ def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral):
     assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * a.abs().max()   # q8 noise, the same model
 
 
+@pytest.mark.skipif(kernels.library() is None, reason="moectl's CPU kernels cannot run here")
+def test_dense_lowbit_q4_is_llamacpps_q4_0_mix(mixtral):
+    """q4: attention projections q4g64 through moectl's q4 kernel, the lm_head int8 (llama.cpp's Q4_0 files keep the
+    output tensor at Q6_K); fewer bytes than q8, said in lossy(), the same model within q4 noise."""
+    from moectl.models.dense_cpu import Q4DenseLinear
+
+    kw = dict(progress=False, dtype="bfloat16", threads=1)
+    base, q8 = Engine.load(str(mixtral), **kw), Engine.load(str(mixtral), dense_lowbit="q8", **kw)
+    eng = Engine.load(str(mixtral), dense_lowbit="q4", **kw)
+    kinds = {n: type(m) for n, m in eng.model.named_modules()}
+    assert kinds["model.layers.0.self_attn.q_proj"] is Q4DenseLinear and kinds["lm_head"] is Int8DenseLinear
+    assert eng.lossy()["dense_lowbit"] == "q4"
+    attn = [(n, m) for n, m in eng.model.named_modules() if isinstance(m, Q4DenseLinear)]
+    attn_q8 = {n: m for n, m in q8.model.named_modules() if isinstance(m, Int8DenseLinear)}
+    assert attn and all(sum(b.nbytes for b in m.buffers()) < 0.6 * attn_q8[n].codes.nbytes for n, m in attn)
+    a, b, c = _decode(base).float(), _decode(eng).float(), _decode(q8).float()
+    err_q4, err_q8 = (a - b).norm() / a.norm(), (a - c).norm() / a.norm()
+    assert err_q8 < err_q4 < 0.2                                                  # q4 noise > q8's, the same model
+
+
 def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):
     with pytest.raises(MoectlError, match="--device cpu --dtype bfloat16"):
         check_dense_lowbit("q8", torch.device("cpu"), torch.float32)
-    with pytest.raises(MoectlError, match="choose q8"):
+    with pytest.raises(MoectlError, match="choose q8 or q4"):
+        check_dense_lowbit("q2", torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    monkeypatch.setattr(kernels, "why_not", lambda: "this CPU lacks avx512_vnni")
+    with pytest.raises(MoectlError, match="q4 needs moectl's CPU kernels.*lacks avx512_vnni"):
         check_dense_lowbit("q4", torch.device("cpu"), torch.bfloat16)
+    monkeypatch.undo()
     check_dense_lowbit(None, torch.device("cuda"), torch.float32)                 # not asked: nothing to check
     code, _, err = run_cli(["generate", "--model", str(mixtral), "--dense-lowbit", "q8", "--prompt", "hi", "-n", "1",
                             "--threads", "1"], capsys, monkeypatch)

@@ -59,16 +59,32 @@ def test_stored_copy_dequantises_exactly_as_hqq(mixtral, q4):
             assert got[name].shape == full[name].shape
 
 
-def test_cpu_int4_kernel_matches_hqq_dequantisation(mixtral, q4, monkeypatch):
-    """On a CPU the q4 copies of a bf16 model are repacked for torch's int4 kernel; its logits match the
-    dequantise-then-matmul path up to bf16 rounding (far closer than either is to lossless)."""
+@pytest.fixture(params=["moectl-q4", "torch-int4"])
+def q4_kernel(request, monkeypatch):
+    """Which CPU kernel q4 copies are repacked for: moectl's own (moectl/kernels; skipped where it cannot be built)
+    or torch's int4 kernel (what runs where moectl's cannot)."""
+    from moectl import kernels
+    from moectl.quant import cpu_kernels
+
+    if request.param == "moectl-q4" and kernels.library() is None:
+        pytest.skip(f"moectl's CPU kernels cannot run here: {kernels.why_not()}")
+    if request.param == "torch-int4":
+        monkeypatch.setattr(cpu_kernels, "vnni_ok", lambda fmt: False)
+    return request.param
+
+
+def test_cpu_int4_kernel_matches_hqq_dequantisation(mixtral, q4, q4_kernel, monkeypatch):
+    """On a CPU the q4 copies of a bf16 model are repacked for a CPU kernel (moectl's int8 x int4 one where it
+    builds, else torch's int4 kernel); its logits match the dequantise-then-matmul path up to bf16 rounding and,
+    for moectl's, the int8 activations (far closer than either is to lossless)."""
     from moectl.quant.int4_cpu import Int4CpuFormat
+    from moectl.quant.vnni import VnniFormat
     from moectl.store import lowbit
 
     wd, _ = q4
     kw = dict(workdir=str(wd), lowbit="q4g64", precision="lowbit-only", progress=False, dtype="bfloat16")
     eng = Engine.load(str(mixtral), **kw)
-    assert isinstance(eng.store.lowbit.format, Int4CpuFormat)
+    assert type(eng.store.lowbit.format) is {"moectl-q4": VnniFormat, "torch-int4": Int4CpuFormat}[q4_kernel]
     fast = _decode(eng)
     monkeypatch.setattr(lowbit, "cpu_kernel_format", lambda fmt: None)
     slow_eng = Engine.load(str(mixtral), **kw)
@@ -275,35 +291,44 @@ def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, caps
     assert Engine.load(str(mixtral), cpu_experts="never", **kw).runtime.placement is None
 
 
-def test_a_gpu_slot_dequantises_the_cpu_kernel_layout(mixtral, q4):
-    """With --cpu-experts on a GPU one host copy of a q4 expert serves both sides, in the int4 CPU kernel's layout;
-    a slot copied to the device is dequantised there. The same function, run here on the CPU, gives HQQ's own
-    weights (up to the bf16 rounding of zero') and the kernel's products; on another device `weights` returns
-    dense matrices (shapes checked on the meta device)."""
-    from moectl.quant.int4_cpu import Int4CpuFormat, Int4Linear, dequantize, int4pack_layout
+def test_a_gpu_slot_dequantises_the_cpu_kernel_layout(mixtral, q4, q4_kernel):
+    """With --cpu-experts on a GPU one host copy of a q4 expert serves both sides, in the CPU kernel's layout; a slot
+    copied to the device is dequantised there. The same function, run here on the CPU, gives HQQ's own weights (up
+    to the bf16 rounding of zero') and the kernel's products; on another device `weights` returns dense matrices
+    (shapes checked on the meta device)."""
+    from moectl.quant import int4_cpu, vnni
     from moectl.store.lowbit import LowbitCopies
 
-    assert int4pack_layout() is not None                     # x86 builds (AVX2, AVX-512) pack in row blocks
+    assert int4_cpu.int4pack_layout() is not None            # x86 builds (AVX2, AVX-512) pack in row blocks
     wd, _ = q4
     eng = Engine.load(str(mixtral), workdir=str(wd), progress=False, dtype="bfloat16")
     hqq = LowbitCopies(wd, "q4g64", eng.fingerprint, eng.adapter, 4, torch.bfloat16, progress=False)
     kern = LowbitCopies(wd, "q4g64", eng.fingerprint, eng.adapter, 4, torch.bfloat16, progress=False, cpu_kernel=True)
-    assert isinstance(kern.format, Int4CpuFormat)
+    if q4_kernel == "moectl-q4":
+        assert isinstance(kern.format, vnni.VnniFormat)
+        linear = vnni.VnniLinear
+        deq = lambda v, name, shape: vnni.dequantize(v[f"{name}.q4"], v[f"{name}.sm"], *shape)  # noqa: E731
+        tol = 0.03                                           # int8 activations (ggml's Q8_0 for its Q4_0 dots)
+    else:
+        assert isinstance(kern.format, int4_cpu.Int4CpuFormat)
+        linear = int4_cpu.Int4Linear
+        deq = lambda v, name, shape: int4_cpu.dequantize(v[f"{name}.int4"], v[f"{name}.sz"], 64)  # noqa: E731
+        tol = 0.02
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for layer, expert in [(0, 0), (3, 5)]:
         ref = hqq.format.weights(hqq.format.views(hqq.host(layer, expert)))
         v = kern.format.views(kern.host(layer, expert))
         on_cpu = kern.format.weights(v)
         for name in ("gate_up", "down"):
-            w = dequantize(v[f"{name}.int4"], v[f"{name}.sz"], 64)
+            w = deq(v, name, ref[name].shape)
             assert w.shape == ref[name].shape and w.dtype == torch.bfloat16
             assert (w.float() - ref[name].float()).abs().max() <= 0.01 * ref[name].float().abs().max()
-            assert isinstance(on_cpu[name], Int4Linear)
+            assert isinstance(on_cpu[name], linear)
             xi = x if name == "gate_up" else torch.randn(3, w.shape[1]).to(torch.bfloat16)
             y = on_cpu[name](xi).float()
-            assert (y - xi.float() @ w.float().t()).abs().max() <= 0.02 * y.abs().max()
+            assert (y - xi.float() @ w.float().t()).abs().max() <= tol * y.abs().max()
         meta = kern.format.weights({k: torch.empty_like(t, device="meta") for k, t in v.items()})
-        assert all(meta[n].shape == ref[n].shape and not isinstance(meta[n], Int4Linear) for n in ("gate_up", "down"))
+        assert all(meta[n].shape == ref[n].shape and not isinstance(meta[n], linear) for n in ("gate_up", "down"))
 
 
 def _q4(mixtral, wd, **kw):

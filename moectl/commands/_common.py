@@ -126,7 +126,8 @@ class PrecisionOpts:
     def dense_lowbit():
         return typer.Option(None, "--dense-lowbit",
                             help="q8: keep the attention projections and the lm_head int8 per output row on the "
-                                 "CPU (lossy; llama.cpp's quantized files quantize them too). --device cpu, bf16.")
+                                 "CPU; q4: the attention projections q4g64, the lm_head int8 (llama.cpp's Q4_0 mix). "
+                                 "Lossy; llama.cpp's quantized files quantize them too. --device cpu, bf16.")
 
     @staticmethod
     def precision():

@@ -13,6 +13,9 @@ Legend: N = output rows of a matrix, K = its input columns.
    (`quant/int8_cpu.requantize`: every weight within half a step), and multiplied by torch's int8 kernel
    (`Int8Linear`); embedding table, norms, routers stay. Lossy: the engine's `lossy()` names it. CPU and bf16
    only (the kernel's reasons: quant/int8_cpu.py).
+3. `--dense-lowbit q4`: the mix of llama.cpp's Q4_0 files (attention Q4_0, output tensor Q6_K): the attention
+   projections q4g64 round-to-nearest (`quant/vnni.quantize_rtn`) through moectl's q4 kernel, the lm_head
+   int8 as in 2 (its error reaches every logit directly). Needs moectl's CPU kernels (`moectl/kernels`).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..errors import MoectlError
 from . import gemv
 
-DENSE_LOWBIT = ("q8",)
+DENSE_LOWBIT = ("q8", "q4")
 
 
 class GemvLinear(nn.Linear):
@@ -55,33 +59,62 @@ class Int8DenseLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Q4DenseLinear(nn.Module):
+    """An nn.Linear's product from q4g64 codes in moectl's kernel layout (+ its bias)."""
+
+    def __init__(self, linear: nn.Linear):
+        from ..quant.vnni import quantize_rtn
+
+        super().__init__()
+        codes, sm = quantize_rtn(linear.weight.detach(), bits=4)
+        self.register_buffer("codes", codes)
+        self.register_buffer("sm", sm)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..quant.vnni import VnniLinear
+
+        y = VnniLinear(self.codes, self.sm, self.out_features)(x)
+        return y if self.bias is None else y + self.bias
+
+
 def check_dense_lowbit(kind: str | None, device: torch.device, dtype: torch.dtype) -> None:
     if kind is None:
         return
     if kind not in DENSE_LOWBIT:
         raise MoectlError(f"--dense-lowbit {kind!r}: choose {' or '.join(DENSE_LOWBIT)}")
     if device.type != "cpu" or dtype != torch.bfloat16:
-        raise MoectlError(f"--dense-lowbit {kind} runs on the CPU with bf16 weights (torch's int8 kernel); this run "
+        raise MoectlError(f"--dense-lowbit {kind} runs on the CPU with bf16 weights (its CPU kernels); this run "
                           f"is {device.type}, {str(dtype).removeprefix('torch.')}: use --device cpu --dtype bfloat16")
+    if kind == "q4" and kernels.library() is None:
+        raise MoectlError(f"--dense-lowbit q4 needs moectl's CPU kernels, which cannot run here: {kernels.why_not()} "
+                          "(--dense-lowbit q8 runs on torch's int8 kernel)")
 
 
-def _lowbit_target(name: str, lin: nn.Linear) -> bool:
-    return (".self_attn." in f".{name}" or name.split(".")[-1] == "lm_head") and lin.in_features % 16 == 0
+def _lowbit_linear(kind: str, name: str, lin: nn.Linear) -> nn.Module | None:
+    """The low-bit module replacing `lin` under `--dense-lowbit kind`, or None where it stays (GEMV)."""
+    attention, head = ".self_attn." in f".{name}", name.split(".")[-1] == "lm_head"
+    if attention and kind == "q4" and lin.in_features % 64 == 0:
+        return Q4DenseLinear(lin)
+    if (attention or head) and lin.in_features % 16 == 0:
+        return Int8DenseLinear(lin)
+    return None
 
 
 def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
-    """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "bytes_before",
-    "bytes_after"}: how many of each, and the int8 matrices' weight bytes before and after."""
-    out = {"gemv": 0, "int8": 0, "bytes_before": 0, "bytes_after": 0}
+    """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "q4", "bytes_before",
+    "bytes_after"}: how many of each, and the low-bit matrices' weight bytes before and after."""
+    out = {"gemv": 0, "int8": 0, "q4": 0, "bytes_before": 0, "bytes_after": 0}
     for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
-        if dense_lowbit and _lowbit_target(name, lin):
-            parent, _, leaf = name.rpartition(".")
-            q = Int8DenseLinear(lin)
-            setattr(model.get_submodule(parent) if parent else model, leaf, q)
-            out["int8"] += 1
-            out["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
-            out["bytes_after"] += q.codes.numel() + q.scale.numel() * q.scale.element_size()
-        else:
+        q = _lowbit_linear(dense_lowbit, name, lin) if dense_lowbit else None
+        if q is None:
             lin.__class__ = GemvLinear
             out["gemv"] += 1
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, q)
+        out["q4" if isinstance(q, Q4DenseLinear) else "int8"] += 1
+        out["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
+        out["bytes_after"] += sum(b.numel() * b.element_size() for b in q.buffers())
     return out

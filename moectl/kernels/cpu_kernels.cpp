@@ -1,0 +1,219 @@
+// moectl's CPU kernels, compiled on first use by moectl/kernels/__init__.py and called through ctypes.
+//
+// Legend: M = tokens (rows of x), N = output rows of a weight, K = its input columns, G = ceil(K / 64) blocks of
+//         64 inputs, NG = ceil(N / 16) groups of 16 output rows (one 512-bit vector of fp32 lanes: lane r = row r).
+//
+// 1. q4 / q8 x int8 (what llama.cpp's repacked Q4_0 GEMV does, on moectl's own affine q4g64 / q8g64 copies).
+//    Weights: codes q in [0, 2^bits), w = (q - 2^(bits-1)) * s + m per block of 64 inputs (HQQ's w = (q - z) * s
+//    with m = (2^(bits-1) - z) * s; at q4 the values torch's int4 kernel computes with). Packed per 16 rows x 64
+//    inputs (512 bytes at q4, 1024 at q8):
+//        q4: byte 64 c + 4 r + i  (c < 8, r < 16, i < 4) = q[row r][4 c + i] | q[row r][4 (c + 8) + i] << 4
+//        q8: byte 64 c + 4 r + i  (c < 16)                = q[row r][4 c + i]
+//    so a 64-byte load (and at q4 `& 15`, `>> 4 & 15`) gives vectors whose 32-bit lane r holds 4 consecutive codes
+//    of row r.
+//    Scales: per 16 rows x 64 inputs, 16 bf16 s then 16 bf16 m (one part with the codes' grouping, so a copy is
+//    two parts per matrix). Activations are quantized per block of 64 to int8 (d = amax / 127; llama.cpp's Q8_0 uses blocks of 32).
+//    `vpdpbusd` (u8 codes x the block's 4 activations broadcast) adds 4 products into each row's lane, 16 of them
+//    make a block's integer dot for 16 rows at once, and two FMAs apply the block: s d dot + (m - 8 s) d sum(a).
+//    Rows per lane means no horizontal sums and one float step per 16 rows x 64 inputs.
+//    N not a multiple of 16: zero rows pad the last group; K not a multiple of 64: code 0 and activation 0 pad.
+// 2. bf16 x bf16 -> fp32 (`vdpbf16ps`): one-row products of dense bf16 matrices (exact products, fp32 sums).
+//
+// Threads: at::parallel_for over output row groups, i.e. torch's own OpenMP pool and torch.set_num_threads
+// (built with -fopenmp against torch's libgomp).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {                     // round to nearest even, as torch's .to(bfloat16)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);   // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// 16 bf16 -> 16 fp32
+inline __m512 load_bf16x16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+constexpr int MT = 8;                                      // tokens per pass over a row group's codes
+
+}  // namespace
+
+// x [M, K] bf16 -> aq [M, 64 G] int8 (input order, zero-padded), d [M, G] fp32 (amax / 127 of each block),
+// xs [M, G] fp32 (d * sum(a) of each block).
+extern "C" void moectl_q8_act(const uint16_t* x, int64_t M, int64_t K, int8_t* aq, float* d, float* xs) {
+    const int64_t G = (K + 63) / 64;
+    at::parallel_for(0, M * G, 1024, [&](int64_t j0, int64_t j1) {      // a decode row runs inline
+        for (int64_t j = j0; j < j1; ++j) {
+            const int64_t m = j / G, b = j % G;
+            float blk[64], amax = 0.f;
+            for (int i = 0; i < 64; ++i) {
+                const int64_t k = b * 64 + i;
+                blk[i] = k < K ? bf16_to_f32(x[m * K + k]) : 0.f;
+                amax = std::fmax(amax, std::fabs(blk[i]));
+            }
+            const float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
+            int sum = 0;
+            for (int i = 0; i < 64; ++i) {
+                int q = static_cast<int>(std::nearbyint(blk[i] * inv));
+                q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                sum += q;
+                aq[m * G * 64 + b * 64 + i] = static_cast<int8_t>(q);
+            }
+            d[m * G + b] = dd;
+            xs[m * G + b] = dd * static_cast<float>(sum);
+        }
+    });
+}
+
+namespace {
+
+inline int32_t four(const int8_t* p) {                     // 4 activations as one 32-bit word, for a broadcast
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// A block's 64 codes of 16 rows as 16 vectors of unsigned bytes, vector c holding inputs 4c .. 4c+3 of row r in
+// 32-bit lane r. 4 bits: 8 loads, each giving c (low nibbles) and c + 8 (high nibbles); 8 bits: 16 loads.
+template <int BITS>
+inline void load_block(const uint8_t* blk, __m512i* q) {
+    if constexpr (BITS == 4) {
+        const __m512i low4 = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < 8; ++c) {
+            const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+            q[c] = _mm512_and_si512(v, low4);
+            q[c + 8] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+    } else {
+        for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512(blk + 64 * c);
+    }
+}
+
+// One group of 16 rows against T tokens (m0 .. m0+T-1); y[t][16] fp32. T is a template argument so the
+// accumulators stay in registers.
+template <int BITS, int T>
+inline void lowbit_group(const uint8_t* wq, const uint16_t* sm, const int8_t* aq, const float* d,
+                         const float* xs, int64_t G, int64_t m0, float* y) {
+    constexpr int64_t BLOCK = 8 * BITS * 16;               // bytes of 16 rows x 64 codes
+    const __m512 center = _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1)));   // codes are stored + 8 / + 128
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < G; ++b) {
+        __m512i q[16];
+        load_block<BITS>(wq + b * BLOCK, q);
+        const __m512 s = load_bf16x16(sm + b * 32);
+        const __m512 off = _mm512_fmadd_ps(s, center, load_bf16x16(sm + b * 32 + 16));   // m - 8 s (m - 128 s)
+        for (int t = 0; t < T; ++t) {
+            const int8_t* a = aq + ((m0 + t) * G + b) * 64;
+            __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();   // two chains: dpbusd latency
+            for (int c = 0; c < 16; c += 2) {
+                d0 = _mm512_dpbusd_epi32(d0, q[c], _mm512_set1_epi32(four(a + 4 * c)));
+                d1 = _mm512_dpbusd_epi32(d1, q[c + 1], _mm512_set1_epi32(four(a + 4 * c + 4)));
+            }
+            const int64_t j = (m0 + t) * G + b;
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+            acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(d[j])), acc[t]);
+            acc[t] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[j]), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + 16 * t, acc[t]);
+}
+
+template <int BITS>
+void lowbit_matmul(const int8_t* aq, const float* d, const float* xs, int64_t M, int64_t N, int64_t K,
+                   const uint8_t* codes, const uint16_t* sm, uint16_t* y) {
+    constexpr int64_t BLOCK = 8 * BITS * 16;
+    const int64_t G = (K + 63) / 64, NG = (N + 15) / 16;
+    // Chunks of at least ~256 KB of codes x tokens: a small matrix runs inline rather than waking the pool (whose
+    // threads then spin on the cores the other side of a GPU run, the copy engine and the CPU worker, needs).
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (G * BLOCK * std::min<int64_t>(M, MT)));
+    at::parallel_for(0, NG, grain, [&](int64_t g0, int64_t g1) {
+        alignas(64) float out[MT * 16];
+        for (int64_t g = g0; g < g1; ++g) {
+            const uint8_t* wq = codes + g * G * BLOCK;
+            const uint16_t* smg = sm + g * G * 32;
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                const int64_t mt = M - m0 < MT ? M - m0 : MT;
+                switch (mt) {
+                    case 1: lowbit_group<BITS, 1>(wq, smg, aq, d, xs, G, m0, out); break;
+                    case 2: lowbit_group<BITS, 2>(wq, smg, aq, d, xs, G, m0, out); break;
+                    case 3: lowbit_group<BITS, 3>(wq, smg, aq, d, xs, G, m0, out); break;
+                    case 4: lowbit_group<BITS, 4>(wq, smg, aq, d, xs, G, m0, out); break;
+                    case 5: lowbit_group<BITS, 5>(wq, smg, aq, d, xs, G, m0, out); break;
+                    case 6: lowbit_group<BITS, 6>(wq, smg, aq, d, xs, G, m0, out); break;
+                    case 7: lowbit_group<BITS, 7>(wq, smg, aq, d, xs, G, m0, out); break;
+                    default: lowbit_group<BITS, MT>(wq, smg, aq, d, xs, G, m0, out);
+                }
+                const int64_t rows = N - 16 * g < 16 ? N - 16 * g : 16;
+                for (int64_t t = 0; t < mt; ++t)
+                    for (int64_t r = 0; r < rows; ++r) y[(m0 + t) * N + 16 * g + r] = f32_to_bf16(out[16 * t + r]);
+            }
+        }
+    });
+}
+
+}  // namespace
+
+// y [M, N] bf16 = x @ W^T for a low-bit W of `bits` 4 or 8: codes [NG, G, 8 bits 16] u8, sm [NG, G, 2, 16] bf16
+// (s, then m, of each row's block); aq / d / xs from moectl_q8_act.
+extern "C" void moectl_lowbit_matmul(const int8_t* aq, const float* d, const float* xs, int64_t M, int64_t N,
+                                     int64_t K, const uint8_t* codes, const uint16_t* sm, int64_t bits, uint16_t* y) {
+    if (bits == 4)
+        lowbit_matmul<4>(aq, d, xs, M, N, K, codes, sm, y);
+    else
+        lowbit_matmul<8>(aq, d, xs, M, N, K, codes, sm, y);
+}
+
+// y [M, N] bf16 = x [M, K] bf16 @ W [N, K]^T bf16, fp32 sums; K % 32 == 0, M <= 4 (one-row products mostly).
+extern "C" void moectl_bf16_gemv(const uint16_t* x, int64_t M, int64_t N, int64_t K, const uint16_t* w, uint16_t* y) {
+    constexpr int R = 4;                                   // rows at once: independent chains of vdpbf16ps
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        int64_t n = n0;
+        for (; n + R <= n1; n += R) {
+            __m512 acc[R][4];
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < M; ++t) acc[r][t] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32) {
+                __m512bh xv[4];
+                for (int t = 0; t < M; ++t)
+                    xv[t] = (__m512bh)_mm512_loadu_si512(x + t * K + k);
+                for (int r = 0; r < R; ++r) {
+                    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
+                    for (int t = 0; t < M; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < M; ++t) y[t * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][t]));
+        }
+        for (; n < n1; ++n) {
+            for (int t = 0; t < M; ++t) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t k = 0; k < K; k += 32)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k),
+                                           (__m512bh)_mm512_loadu_si512(x + t * K + k));
+                y[t * N + n] = f32_to_bf16(_mm512_reduce_add_ps(acc));
+            }
+        }
+    });
+}
+

@@ -1,0 +1,58 @@
+"""torch-facing calls of the CPU kernels (`cpu_kernels.cpp`): tensors in, tensors out.
+
+Legend: M = tokens, N = output rows, K = input columns, G = ceil(K / 64) blocks, NG = ceil(N / 16) row groups.
+
+Every function needs `moectl.kernels.library()` (callers check it) and CPU tensors; the q4 layout is
+`moectl/quant/vnni.py`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library
+
+
+def _p(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def blocks(K: int) -> int:
+    """G: 64-input blocks of a row."""
+    return -(-K // 64)
+
+
+def q8_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16 -> (aq [M, 64 G] int8, d [M, G] fp32, xs [M, G] fp32): int8 per block of 64, its scale, and
+    the block's sum of d * a."""
+    x = x.contiguous()
+    M, K = x.shape
+    G = blocks(K)
+    aq = torch.empty(M, G * 64, dtype=torch.int8)
+    d = torch.empty(M, G, dtype=torch.float32)
+    xs = torch.empty(M, G, dtype=torch.float32)
+    library().moectl_q8_act(_p(x), M, K, _p(aq), _p(d), _p(xs))
+    return aq, d, xs
+
+
+def lowbit_matmul(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, N: int, bits: int) -> torch.Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the low-bit layout of `bits` 4 or 8 (moectl/quant/vnni.py):
+    codes [NG, G, 8 bits 16] uint8, sm [NG, G, 2, 16] bf16."""
+    M, K = x.shape
+    assert bits in (4, 8) and codes.shape[1:] == (blocks(K), 8 * bits * 16) and codes.is_contiguous()
+    assert sm.is_contiguous() and sm.dtype == torch.bfloat16
+    aq, d, xs = q8_act(x)
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    library().moectl_lowbit_matmul(_p(aq), _p(d), _p(xs), M, N, K, _p(codes), _p(sm), bits, _p(y))
+    return y
+
+
+def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [M, N] bf16 = x [M, K] @ w [N, K]^T, both bf16, fp32 sums; M <= 4, K % 32 == 0."""
+    x = x.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    assert M <= 4 and K % 32 == 0 and w.is_contiguous() and w.shape[1] == K
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    library().moectl_bf16_gemv(_p(x), M, N, K, _p(w), _p(y))
+    return y

@@ -1,0 +1,173 @@
+"""VnniFormat: a q4 / q8 HQQ copy repacked for moectl's own int8-activation CPU kernel (`moectl/kernels`).
+
+Legend: N = output rows of a matrix, K = its input columns, G = ceil(K / 64) blocks, NG = ceil(N / 16) row
+groups, T = tokens, C = 2^(bits - 1) (the code centre: 8 at q4, 128 at q8).
+
+The copy's own codes, scales and zeros (at q4 the values `Int4CpuFormat`, torch's int4 kernel, computes with:
+w = (q - C) scale + zero', zero' = (C - z) scale rounded to the compute dtype), in the layout `cpu_kernels.cpp`
+reads:
+
+    {name}.qN   codes [NG, G, 8 bits 16] uint8: 16 rows x 64 inputs per block, row r's codes in 32-bit lane r
+    {name}.sm   [NG, G, 2, 16] bf16: the scale of each row's block (a group of 128 repeats it over 2 blocks),
+                then its zero'
+
+What differs from a dequantise-and-multiply is the activations: quantized to int8 per block of 64 (absmax / 127),
+as llama.cpp quantizes them to Q8_0 for its Q4_0 / Q8_0 dot products. That is lossy on top of the copy (each
+activation within half a step of amax / 127 of its block); docs/benchmarks.md has the perplexity it costs. At q8
+it replaces torch's int8 kernel (`int8_cpu.py`), which needed the copy requantized per output row (1.9x q8g64's
+error): here the q8g64 copy is computed as it is.
+
+On a GPU (a slot the copy engine filled from this layout, with `--cpu-experts`) `weights` dequantises in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..kernels import ops
+from ..models.formats import ExpertFormat, Part
+from .hqq_format import PACKING, HqqFormat
+
+BITS = (4, 8)
+
+
+def _grouped(N: int, K: int) -> tuple[int, int]:
+    return -(-N // 16), ops.blocks(K)
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] (0 .. 2^bits - 1) -> [NG, G, 8 bits 16] uint8 in the kernel's order (N and K padded with 0)."""
+    N, K = q.shape
+    NG, G = _grouped(N, K)
+    qp = torch.zeros(NG * 16, G * 64, dtype=torch.uint8, device=q.device)
+    qp[:N, :K] = q
+    if bits == 8:
+        return qp.view(NG, 16, G, 16, 4).permute(0, 2, 3, 1, 4).reshape(NG, G, 1024)   # [NG, G, c, r, i]
+    qv = qp.view(NG, 16, G, 2, 8, 4).permute(0, 2, 4, 1, 5, 3)            # [NG, G, c, r, i, h]: k = 4 (c + 8 h) + i
+    return (qv[..., 0] | (qv[..., 1] << 4)).reshape(NG, G, 512)
+
+
+def unpack_codes(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """`pack_codes`' inverse: [NG, G, 8 bits 16] -> [N, K] uint8, on codes' device."""
+    NG, G, nb = codes.shape
+    if nb == 1024:
+        q = codes.view(NG, G, 16, 16, 4).permute(0, 3, 1, 2, 4)              # [NG, r, G, c, i]
+        return q.reshape(NG * 16, G * 64)[:N, :K]
+    v = codes.view(NG, G, 8, 16, 4)                                         # [NG, G, c, r, i]
+    q = torch.stack([v & 15, v >> 4], -1)                                   # [.., h]
+    return q.permute(0, 3, 1, 5, 2, 4).reshape(NG * 16, G * 64)[:N, :K]     # [NG, r, G, h, c, i]
+
+
+def pack_scales(scale: torch.Tensor, zero: torch.Tensor, K: int) -> torch.Tensor:
+    """Per-(row, group) scale and zero' [N, SG] -> sm [NG, G, 2, 16] per (row group, block, s|m, row), each group's
+    values repeated over its blocks (blocks past K and rows past N: 0)."""
+    N, SG = scale.shape
+    NG, G = _grouped(N, K)
+    out = torch.zeros(2, NG * 16, G, dtype=scale.dtype, device=scale.device)
+    for i, v in enumerate((scale, zero)):
+        out[i, :N, :K // 64] = v.repeat_interleave(K // 64 // SG, 1)
+    return out.view(2, NG, 16, G).permute(1, 3, 0, 2).contiguous()
+
+
+def unpack_scales(sm: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sm [NG, G, 2, 16] -> (scale, zero') per (row, block of 64), [N, K / 64] each."""
+    v = sm.permute(2, 0, 3, 1).reshape(2, -1, sm.shape[1])[:, :N, :K // 64]
+    return v[0], v[1]
+
+
+def dequantize(codes: torch.Tensor, sm: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """W [N, K] in sm's dtype, on codes' device: w = (q - C) s + m per block of 64, in fp32, rounded once."""
+    centre = 8 if codes.shape[-1] == 512 else 128
+    q = unpack_codes(codes, N, K).float().view(N, K // 64, 64)
+    s, m = (v.float()[..., None] for v in unpack_scales(sm, N, K))
+    return ((q - centre) * s + m).view(N, K).to(sm.dtype)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int = 4, group: int = 64, rows: int = 4096) -> tuple[torch.Tensor, ...]:
+    """(codes, sm) of W [N, K] in this layout: HQQ's affine round-to-nearest (what `moectl quantize --method rtn`
+    writes), `rows` rows at a time (fp32 temporaries stay small)."""
+    from hqq.core.quantize import Quantizer
+
+    N, K = w.shape
+    out = []
+    for r in range(0, N, rows):
+        wr = w[r:r + rows]
+        q, meta = Quantizer.quantize(wr, nbits=bits, group_size=group, axis=1, optimize=False, bitpack=False,
+                                     compute_dtype=torch.float32, device="cpu")
+        scale, zero = meta["scale"].float().view(-1, K // group), meta["zero"].float().view(-1, K // group)
+        centre = 1 << (bits - 1)
+        out.append((q.view(-1, K).to(torch.uint8), scale.to(w.dtype), ((centre - zero) * scale).to(w.dtype)))
+    q, scale, zero_ = (torch.cat(parts) for parts in zip(*out))
+    return pack_codes(q, bits), pack_scales(scale, zero_, K)
+
+
+class VnniLinear:
+    """y = x @ W^T for W [N, K] in the low-bit layout (callable x [..., K] -> [..., N])."""
+
+    def __init__(self, codes: torch.Tensor, sm: torch.Tensor, N: int):
+        self.codes, self.sm, self.N = codes, sm, N
+        self.bits = codes.shape[-1] // 128
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = ops.lowbit_matmul(x.reshape(-1, shape[-1]), self.codes, self.sm, self.N, self.bits)   # [T, N]
+        return y.reshape(*shape[:-1], self.N)
+
+
+def vnni_ok(fmt: HqqFormat) -> bool:
+    """Whether the kernel takes this copy set: q4 or q8 grouped along the input axis in multiples of 64, bf16
+    compute, and the kernels built on this machine."""
+    shapes = dict(zip(fmt.layout.names, fmt.layout.shapes))
+    return (fmt.bits in BITS and fmt.axis == 1 and fmt.group % 64 == 0 and fmt.compute_dtype == torch.bfloat16
+            and all(shapes[m][1] % fmt.group == 0 for m in fmt.matrices) and kernels.library() is not None)
+
+
+class VnniFormat(ExpertFormat):
+    def __init__(self, hqq: HqqFormat):
+        self.hqq, self.group, self.compute_dtype, self.matrices = hqq, hqq.group, hqq.compute_dtype, hqq.matrices
+        self.shapes = {}
+        parts = []
+        for name, shape in zip(hqq.layout.names, hqq.layout.shapes):
+            if name not in self.matrices:
+                parts.append(Part(name, tuple(shape), hqq.compute_dtype))
+                continue
+            N, K = shape
+            NG, G = _grouped(N, K)
+            self.shapes[name] = (N, K)
+            parts += [Part(f"{name}.q{hqq.bits}", (NG, G, 128 * hqq.bits), torch.uint8),
+                      Part(f"{name}.sm", (NG, G, 2, 16), hqq.compute_dtype)]
+        super().__init__(hqq.name, parts)
+
+    def repack(self, hqq_buf: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the HQQ buffer `hqq_buf`'s expert into `out` [N] in this format."""
+        from hqq.core.quantize import Quantizer
+
+        v = self.hqq.views(hqq_buf)
+        parts = {}
+        for name, shape in zip(self.hqq.layout.names, self.hqq.layout.shapes):
+            if name not in self.matrices:
+                parts[name] = v[name]
+                continue
+            N, K = shape
+            bits = self.hqq.bits
+            q = Quantizer.unpack[PACKING[bits]](v[f"{name}.W_q"], dtype=torch.uint8)[:N * K // self.group]
+            q = q.reshape(N, K)                                                            # axis 1: row-major
+            scale = v[f"{name}.scale"].float().reshape(N, K // self.group)
+            zero = v[f"{name}.zero"].float().reshape(N, K // self.group)
+            zero_ = ((1 << (bits - 1)) - zero) * scale
+            parts[f"{name}.q{bits}"] = pack_codes(q, bits)
+            parts[f"{name}.sm"] = pack_scales(scale.to(self.compute_dtype), zero_.to(self.compute_dtype), K)
+        self.pack(parts, out)
+
+    def weights(self, views: dict[str, torch.Tensor]) -> dict:
+        """On the CPU each matrix is a `VnniLinear`; on a GPU it is dequantised there."""
+        out = {}
+        for name in self.hqq.layout.names:
+            if name not in self.matrices:
+                out[name] = views[name]
+                continue
+            codes, sm = views[f"{name}.q{self.hqq.bits}"], views[f"{name}.sm"]
+            N, K = self.shapes[name]
+            out[name] = VnniLinear(codes, sm, N) if codes.device.type == "cpu" else dequantize(codes, sm, N, K)
+        return out
