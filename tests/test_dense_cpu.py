@@ -10,7 +10,7 @@ from torch import nn
 
 from moectl import kernels
 from moectl.errors import MoectlError
-from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, check_dense_lowbit, cpu_linears
+from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, VnniDenseLinear, check_dense_lowbit, cpu_linears
 from moectl.runtime.engine import Engine
 from test_cpu_q8 import mixtral_q8, one_thread  # noqa: F401 (fixtures)
 from test_bad_input import assert_one_error, run_cli
@@ -40,15 +40,23 @@ def test_gemv_swap_keeps_the_module_and_its_products():
             assert (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
 
 
-def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral):
+@pytest.mark.parametrize("path", ["moectl-kernels", "torch-int8"])
+def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral, path, monkeypatch):
+    """q8: attention and lm_head q8g64 through moectl's kernels where they build, else int8 per row through torch's
+    kernel; said in lossy(), the same model within q8 noise."""
+    if path == "moectl-kernels" and kernels.library() is None:
+        pytest.skip(f"moectl's CPU kernels cannot run here: {kernels.why_not()}")
+    if path == "torch-int8":
+        monkeypatch.setattr(kernels, "library", lambda: None)
+    want = VnniDenseLinear if path == "moectl-kernels" else Int8DenseLinear
     kw = dict(progress=False, dtype="bfloat16", threads=1)
     base = Engine.load(str(mixtral), **kw)
     eng = Engine.load(str(mixtral), dense_lowbit="q8", **kw)
     hf = eng.model
     kinds = {n: type(m) for n, m in hf.named_modules()}
-    assert kinds["lm_head"] is Int8DenseLinear and kinds["model.layers.0.self_attn.q_proj"] is Int8DenseLinear
+    assert kinds["lm_head"] is want and kinds["model.layers.0.self_attn.q_proj"] is want
     assert GemvLinear not in {kinds[n] for n in kinds if ".self_attn." in n or n == "lm_head"}
-    assert all(kinds[n] is not Int8DenseLinear for n in kinds if n.endswith("embed_tokens"))
+    assert all(kinds[n] is not want for n in kinds if n.endswith("embed_tokens"))
     assert eng.lossy()["dense_lowbit"] == "q8" and "dense_lowbit" not in base.lossy()
     a, b = _decode(base).float(), _decode(eng).float()
     assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * a.abs().max()   # q8 noise, the same model
@@ -56,19 +64,19 @@ def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral):
 
 @pytest.mark.skipif(kernels.library() is None, reason="moectl's CPU kernels cannot run here")
 def test_dense_lowbit_q4_is_llamacpps_q4_0_mix(mixtral):
-    """q4: attention projections q4g64 through moectl's q4 kernel, the lm_head int8 (llama.cpp's Q4_0 files keep the
-    output tensor at Q6_K); fewer bytes than q8, said in lossy(), the same model within q4 noise."""
-    from moectl.models.dense_cpu import Q4DenseLinear
-
+    """q4: attention projections q4g64 through moectl's q4 kernel, the lm_head q8g64 (llama.cpp's Q4_0 files keep
+    the output tensor at Q6_K); fewer bytes than q8, said in lossy(), the same model within q4 noise."""
     kw = dict(progress=False, dtype="bfloat16", threads=1)
     base, q8 = Engine.load(str(mixtral), **kw), Engine.load(str(mixtral), dense_lowbit="q8", **kw)
     eng = Engine.load(str(mixtral), dense_lowbit="q4", **kw)
-    kinds = {n: type(m) for n, m in eng.model.named_modules()}
-    assert kinds["model.layers.0.self_attn.q_proj"] is Q4DenseLinear and kinds["lm_head"] is Int8DenseLinear
+    mods = dict(eng.model.named_modules())
+    assert isinstance(mods["model.layers.0.self_attn.q_proj"], VnniDenseLinear)
+    assert mods["model.layers.0.self_attn.q_proj"].bits == 4 and mods["lm_head"].bits == 8
     assert eng.lossy()["dense_lowbit"] == "q4"
-    attn = [(n, m) for n, m in eng.model.named_modules() if isinstance(m, Q4DenseLinear)]
-    attn_q8 = {n: m for n, m in q8.model.named_modules() if isinstance(m, Int8DenseLinear)}
-    assert attn and all(sum(b.nbytes for b in m.buffers()) < 0.6 * attn_q8[n].codes.nbytes for n, m in attn)
+    attn = [(n, m) for n, m in mods.items() if isinstance(m, VnniDenseLinear) and m.bits == 4]
+    attn_q8 = dict(q8.model.named_modules())
+    nbytes = lambda m: sum(b.nbytes for b in m.buffers())  # noqa: E731
+    assert attn and all(nbytes(m) < 0.6 * nbytes(attn_q8[n]) for n, m in attn)
     a, b, c = _decode(base).float(), _decode(eng).float(), _decode(q8).float()
     err_q4, err_q8 = (a - b).norm() / a.norm(), (a - c).norm() / a.norm()
     assert err_q8 < err_q4 < 0.2                                                  # q4 noise > q8's, the same model

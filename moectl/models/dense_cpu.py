@@ -1,4 +1,4 @@
-"""The dense model's Linears on the CPU: torch's one-row GEMV (lossless), or int8 with `--dense-lowbit q8` (lossy).
+"""The dense model's Linears on the CPU: torch's one-row GEMV (lossless), or low-bit with `--dense-lowbit` (lossy).
 
 Legend: N = output rows of a matrix, K = its input columns.
 
@@ -9,13 +9,16 @@ Legend: N = output rows of a matrix, K = its input columns.
    tied weights unchanged) whose forward takes `gemv.linear` for one row and `F.linear` otherwise.
 2. `--dense-lowbit q8`. llama.cpp's Q4_0 / Q8_0 files quantize every weight (560 MB per q4 token on that shape
    against moectl's 827 with bf16 attention and lm_head). With this option the attention projections
-   (`*.self_attn.*`) and the lm_head are requantized once at load, symmetric round-to-nearest per output row
-   (`quant/int8_cpu.requantize`: every weight within half a step), and multiplied by torch's int8 kernel
-   (`Int8Linear`); embedding table, norms, routers stay. Lossy: the engine's `lossy()` names it. CPU and bf16
-   only (the kernel's reasons: quant/int8_cpu.py).
+   (`*.self_attn.*`) and the lm_head are quantized once at load and multiplied low-bit; embedding table, norms,
+   routers stay. Where moectl's CPU kernels build (`moectl/kernels`) they become q8g64 round-to-nearest
+   (`quant/vnni.quantize_rtn`, what `moectl quantize --method rtn` makes of experts) through the int8-activation
+   kernel (`VnniDenseLinear`); elsewhere they are requantized symmetric per output row (`quant/int8_cpu.
+   requantize`: every weight within half a step) for torch's int8 kernel (`Int8DenseLinear`). Lossy: the
+   engine's `lossy()` names it. CPU and bf16 only.
 3. `--dense-lowbit q4`: the mix of llama.cpp's Q4_0 files (attention Q4_0, output tensor Q6_K): the attention
-   projections q4g64 round-to-nearest (`quant/vnni.quantize_rtn`) through moectl's q4 kernel, the lm_head
-   int8 as in 2 (its error reaches every logit directly). Needs moectl's CPU kernels (`moectl/kernels`).
+   projections q4g64, the lm_head q8g64 (its error reaches every logit directly), both through moectl's
+   kernels, which it needs. Measured: the lm_head on torch's per-row int8 kernel took 10.4 ms a token at one
+   thread on the Mixtral shape (12.6 GB/s), a quarter of a q4 token; the q8g64 kernel reads it at ~20 GB/s.
 """
 
 from __future__ import annotations
@@ -59,17 +62,17 @@ class Int8DenseLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Q4DenseLinear(nn.Module):
-    """An nn.Linear's product from q4g64 codes in moectl's kernel layout (+ its bias)."""
+class VnniDenseLinear(nn.Module):
+    """An nn.Linear's product from q4g64 / q8g64 codes in moectl's kernel layout (+ its bias)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, bits: int):
         from ..quant.vnni import quantize_rtn
 
         super().__init__()
-        codes, sm = quantize_rtn(linear.weight.detach(), bits=4)
+        codes, sm = quantize_rtn(linear.weight.detach(), bits=bits)
         self.register_buffer("codes", codes)
         self.register_buffer("sm", sm)
-        self.bias = linear.bias
+        self.bias, self.bits = linear.bias, bits
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,17 +98,18 @@ def check_dense_lowbit(kind: str | None, device: torch.device, dtype: torch.dtyp
 def _lowbit_linear(kind: str, name: str, lin: nn.Linear) -> nn.Module | None:
     """The low-bit module replacing `lin` under `--dense-lowbit kind`, or None where it stays (GEMV)."""
     attention, head = ".self_attn." in f".{name}", name.split(".")[-1] == "lm_head"
-    if attention and kind == "q4" and lin.in_features % 64 == 0:
-        return Q4DenseLinear(lin)
-    if (attention or head) and lin.in_features % 16 == 0:
-        return Int8DenseLinear(lin)
-    return None
+    if not (attention or head):
+        return None
+    if kernels.library() is not None and lin.in_features % 64 == 0:
+        return VnniDenseLinear(lin, 4 if kind == "q4" and attention else 8)
+    return Int8DenseLinear(lin) if lin.in_features % 16 == 0 else None
 
 
 def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
-    """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "q4", "bytes_before",
-    "bytes_after"}: how many of each, and the low-bit matrices' weight bytes before and after."""
-    out = {"gemv": 0, "int8": 0, "q4": 0, "bytes_before": 0, "bytes_after": 0}
+    """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "q8", "q4", "bytes_before",
+    "bytes_after"}: how many of each (int8: torch's per-row kernel; q8 / q4: moectl's), and the low-bit matrices'
+    weight bytes before and after."""
+    out = {"gemv": 0, "int8": 0, "q8": 0, "q4": 0, "bytes_before": 0, "bytes_after": 0}
     for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
         q = _lowbit_linear(dense_lowbit, name, lin) if dense_lowbit else None
         if q is None:
@@ -114,7 +118,7 @@ def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
             continue
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, q)
-        out["q4" if isinstance(q, Q4DenseLinear) else "int8"] += 1
+        out[f"q{q.bits}" if isinstance(q, VnniDenseLinear) else "int8"] += 1
         out["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
         out["bytes_after"] += sum(b.numel() * b.element_size() for b in q.buffers())
     return out
