@@ -97,7 +97,7 @@ def library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.moectl_q8_act.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
     lib.moectl_lowbit_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr]
-    lib.moectl_bf16_gemv.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    lib.moectl_bf16_gemv.argtypes = [ptr, i64, i64, ptr, ptr]
     for f in (lib.moectl_q8_act, lib.moectl_lowbit_matmul, lib.moectl_bf16_gemv):
         f.restype = None
     return lib

@@ -17,7 +17,8 @@
 //    make a block's integer dot for 16 rows at once, and two FMAs apply the block: s d dot + (m - 8 s) d sum(a).
 //    Rows per lane means no horizontal sums and one float step per 16 rows x 64 inputs.
 //    N not a multiple of 16: zero rows pad the last group; K not a multiple of 64: code 0 and activation 0 pad.
-// 2. bf16 x bf16 -> fp32 (`vdpbf16ps`): one-row products of dense bf16 matrices (exact products, fp32 sums).
+// 2. bf16 x bf16 -> fp32 (`vdpbf16ps`): one-row products of dense bf16 matrices (exact products, fp32 sums),
+//    8 rows at a time.
 //
 // Threads: at::parallel_for over output row groups, i.e. torch's own OpenMP pool and torch.set_num_threads
 // (built with -fopenmp against torch's libgomp).
@@ -184,36 +185,28 @@ extern "C" void moectl_lowbit_matmul(const int8_t* aq, const float* d, const flo
         lowbit_matmul<8>(aq, d, xs, M, N, K, codes, sm, y);
 }
 
-// y [M, N] bf16 = x [M, K] bf16 @ W [N, K]^T bf16, fp32 sums; K % 32 == 0, M <= 4 (one-row products mostly).
-extern "C" void moectl_bf16_gemv(const uint16_t* x, int64_t M, int64_t N, int64_t K, const uint16_t* w, uint16_t* y) {
-    constexpr int R = 4;                                   // rows at once: independent chains of vdpbf16ps
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+// y [N] bf16 = W [N, K] bf16 @ x [K] bf16, fp32 sums; K % 32 == 0 (a decode token's dense products).
+extern "C" void moectl_bf16_gemv(const uint16_t* x, int64_t N, int64_t K, const uint16_t* w, uint16_t* y) {
+    constexpr int R = 8;                                   // rows at once: 8 streams, 8 independent vdpbf16ps chains
+    const int64_t grain = std::max<int64_t>(R, (int64_t{1} << 18) / (2 * K));   // >= ~256 KB a chunk
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
         int64_t n = n0;
         for (; n + R <= n1; n += R) {
-            __m512 acc[R][4];
-            for (int r = 0; r < R; ++r)
-                for (int t = 0; t < M; ++t) acc[r][t] = _mm512_setzero_ps();
+            __m512 acc[R];
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
             for (int64_t k = 0; k < K; k += 32) {
-                __m512bh xv[4];
-                for (int t = 0; t < M; ++t)
-                    xv[t] = (__m512bh)_mm512_loadu_si512(x + t * K + k);
-                for (int r = 0; r < R; ++r) {
-                    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
-                    for (int t = 0; t < M; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
-                }
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+                for (int r = 0; r < R; ++r)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k), xv);
             }
-            for (int r = 0; r < R; ++r)
-                for (int t = 0; t < M; ++t) y[t * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][t]));
+            for (int r = 0; r < R; ++r) y[n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r]));
         }
         for (; n < n1; ++n) {
-            for (int t = 0; t < M; ++t) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t k = 0; k < K; k += 32)
-                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k),
-                                           (__m512bh)_mm512_loadu_si512(x + t * K + k));
-                y[t * N + n] = f32_to_bf16(_mm512_reduce_add_ps(acc));
-            }
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k),
+                                       (__m512bh)_mm512_loadu_si512(x + k));
+            y[n] = f32_to_bf16(_mm512_reduce_add_ps(acc));
         }
     });
 }
-

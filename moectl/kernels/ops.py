@@ -48,11 +48,9 @@ def lowbit_matmul(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, N: int
 
 
 def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """y [M, N] bf16 = x [M, K] @ w [N, K]^T, both bf16, fp32 sums; M <= 4, K % 32 == 0."""
-    x = x.contiguous()
-    M, K = x.shape
-    N = w.shape[0]
-    assert M <= 4 and K % 32 == 0 and w.is_contiguous() and w.shape[1] == K
-    y = torch.empty(M, N, dtype=torch.bfloat16)
-    library().moectl_bf16_gemv(_p(x), M, N, K, _p(w), _p(y))
+    """y [N] bf16 = w [N, K] @ x [K], both bf16 and contiguous, fp32 sums; K % 32 == 0."""
+    N, K = w.shape
+    assert x.numel() == K and K % 32 == 0 and w.is_contiguous() and x.is_contiguous()
+    y = torch.empty(N, dtype=torch.bfloat16)
+    library().moectl_bf16_gemv(_p(x), N, K, _p(w), _p(y))
     return y

@@ -6,6 +6,10 @@ measured here 23 vs 9.6 ms at 1 thread, 49 vs 27 ms at 2 (a 28672 x 4096 gate_up
 two rows up oneDNN's blocked GEMM is the faster one, so only single-row products take the native path, by
 switching oneDNN off for that one call (a process-wide flag: a matmul another thread starts meanwhile merely
 takes torch's native kernel, with the same result). fp32 never goes to oneDNN, so it is left alone.
+
+Where moectl's CPU kernels build (`moectl/kernels`), a one-row bf16 product takes their `vdpbf16ps` GEMV instead
+(8 rows a pass; exact products, fp32 sums in another order than torch's, one bf16 rounding): torch's GEMV read a
+bf16 decode token's weights at 19 GB/s at one thread here, where llama.cpp's BF16 read 23 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,12 +17,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+from ..kernels import ops
+
 REDUCED = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) (no bias), through torch's native GEMV when x is one row of a reduced dtype on the CPU."""
+    """F.linear(x, w) (no bias), through a one-row GEMV when x is one row of a reduced dtype on the CPU: moectl's
+    for bf16 where it builds, else torch's native one."""
     if w.dtype in REDUCED and x.device.type == "cpu" and x.numel() == x.shape[-1]:
+        if (x.dtype == w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
+                and kernels.library() is not None):
+            return ops.bf16_gemv(x.contiguous(), w).view(*x.shape[:-1], w.shape[0])
         was = torch._C._get_mkldnn_enabled()
         torch._C._set_mkldnn_enabled(False)
         try:

@@ -29,8 +29,9 @@ import functools
 
 import torch
 
-from ..models.formats import ExpertFormat, Part
+from ..models.formats import Part
 from .hqq_format import HqqFormat
+from .repacked import RepackedFormat
 
 KERNEL_GROUPS = (32, 64, 128, 256)
 
@@ -111,47 +112,19 @@ def int4_cpu_ok(fmt: HqqFormat) -> bool:
             and all(shapes[m][1] % fmt.group == 0 and shapes[m][0] % 16 == 0 for m in fmt.matrices))
 
 
-class Int4CpuFormat(ExpertFormat):
-    def __init__(self, hqq: HqqFormat):
-        self.hqq, self.group, self.compute_dtype = hqq, hqq.group, hqq.compute_dtype
-        self.matrices = hqq.matrices
-        parts = []
-        for name, shape in zip(hqq.layout.names, hqq.layout.shapes):
-            if name not in self.matrices:
-                parts.append(Part(name, tuple(shape), hqq.compute_dtype))
-                continue
-            N, K = shape
-            parts += [Part(f"{name}.int4", (N, K // 2), torch.uint8),
-                      Part(f"{name}.sz", (K // hqq.group, N, 2), hqq.compute_dtype)]
-        super().__init__(hqq.name, parts)
+class Int4CpuFormat(RepackedFormat):
+    def matrix_parts(self, name: str, shape: tuple) -> list[Part]:
+        N, K = shape
+        return [Part(f"{name}.int4", (N, K // 2), torch.uint8),
+                Part(f"{name}.sz", (K // self.group, N, 2), self.compute_dtype)]
 
-    def repack(self, hqq_buf: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the HQQ buffer `hqq_buf`'s expert into `out` [N] in this format."""
-        from hqq.core.quantize import Quantizer
+    def repack_matrix(self, name: str, shape: tuple, views: dict) -> dict[str, torch.Tensor]:
+        q, scale, zero = self.codes(name, shape, views)
+        return {f"{name}.int4": torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1),
+                f"{name}.sz": torch.stack([scale, (8 - zero) * scale], -1).transpose(0, 1)}
 
-        v = self.hqq.views(hqq_buf)
-        parts = {}
-        for name, shape in zip(self.hqq.layout.names, self.hqq.layout.shapes):
-            if name not in self.matrices:
-                parts[name] = v[name]
-                continue
-            N, K = shape
-            q = Quantizer.unpack["4bit_u8"](v[f"{name}.W_q"], dtype=torch.uint8).reshape(N, K)   # axis 1: row-major
-            scale = v[f"{name}.scale"].float().reshape(N, K // self.group)
-            zero = v[f"{name}.zero"].float().reshape(N, K // self.group)
-            parts[f"{name}.int4"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            parts[f"{name}.sz"] = torch.stack([scale, (8 - zero) * scale], -1).transpose(0, 1)
-        self.pack(parts, out)
-
-    def weights(self, views: dict[str, torch.Tensor]) -> dict:
-        """On the CPU each matrix is an `Int4Linear` (the kernel reads the packed codes); on a GPU (a slot the copy
-        engine filled from this layout) it is dequantised there."""
-        out = {}
-        for name in self.hqq.layout.names:
-            if name not in self.matrices:
-                out[name] = views[name]
-                continue
-            packed, sz = views[f"{name}.int4"], views[f"{name}.sz"]
-            out[name] = Int4Linear(packed, sz, self.group) if packed.device.type == "cpu" else \
-                dequantize(packed, sz, self.group)
-        return out
+    def matrix_weights(self, name: str, shape: tuple, views: dict):
+        """On the CPU an `Int4Linear` (the kernel reads the packed codes); on a GPU (a slot the copy engine filled
+        from this layout) dequantised there."""
+        packed, sz = views[f"{name}.int4"], views[f"{name}.sz"]
+        return Int4Linear(packed, sz, self.group) if packed.device.type == "cpu" else dequantize(packed, sz, self.group)

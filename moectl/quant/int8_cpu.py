@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.formats import ExpertFormat, Part
+from ..models.formats import Part
 from .hqq_format import HqqFormat
+from .repacked import RepackedFormat
 
 ROWS_KERNEL = 256        # below this many rows the int8 kernel; from it on dequantise + bf16 GEMM
 
@@ -86,39 +87,19 @@ def int8_cpu_ok(fmt: HqqFormat) -> bool:
                     if name in fmt.matrices))
 
 
-class Int8CpuFormat(ExpertFormat):
-    def __init__(self, hqq: HqqFormat):
-        self.hqq, self.compute_dtype, self.matrices = hqq, hqq.compute_dtype, hqq.matrices
-        parts = []
-        for name, shape in zip(hqq.layout.names, hqq.layout.shapes):
-            if name not in self.matrices:
-                parts.append(Part(name, tuple(shape), hqq.compute_dtype))
-                continue
-            parts += [Part(f"{name}.int8", tuple(shape), torch.int8), Part(f"{name}.scale", (shape[0],),
-                                                                             hqq.compute_dtype)]
-        super().__init__(hqq.name, parts)
+class Int8CpuFormat(RepackedFormat):
+    def matrix_parts(self, name: str, shape: tuple) -> list[Part]:
+        return [Part(f"{name}.int8", shape, torch.int8), Part(f"{name}.scale", (shape[0],), self.compute_dtype)]
 
-    def repack(self, hqq_buf: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the HQQ buffer `hqq_buf`'s expert into `out` [N] in this format."""
+    def repack_matrix(self, name: str, shape: tuple, views: dict) -> dict[str, torch.Tensor]:
         from hqq.core.quantize import Quantizer
 
-        views = self.hqq.views(hqq_buf)
-        parts = {}
-        for name in self.hqq.layout.names:
-            if name in self.matrices:                    # HQQ's dequantisation, what the runtime computed with
-                w = Quantizer.dequantize(views[f"{name}.W_q"], self.hqq.meta(name, views)).to(self.compute_dtype)
-                parts[f"{name}.int8"], parts[f"{name}.scale"] = requantize(w, self.compute_dtype)
-            else:
-                parts[name] = views[name].to(self.compute_dtype)
-        self.pack(parts, out)
+        # HQQ's dequantisation, what the runtime computed with, requantized per row
+        w = Quantizer.dequantize(views[f"{name}.W_q"], self.hqq.meta(name, views)).to(self.compute_dtype)
+        codes, scale = requantize(w, self.compute_dtype)
+        return {f"{name}.int8": codes, f"{name}.scale": scale}
 
-    def weights(self, views: dict[str, torch.Tensor]) -> dict:
-        """On the CPU each matrix is an `Int8Linear`; on a GPU it is dequantised there."""
-        out = {}
-        for name in self.hqq.layout.names:
-            if name not in self.matrices:
-                out[name] = views[name]
-                continue
-            codes, scale = views[f"{name}.int8"], views[f"{name}.scale"]
-            out[name] = Int8Linear(codes, scale) if codes.device.type == "cpu" else dequantize(codes, scale)
-        return out
+    def matrix_weights(self, name: str, shape: tuple, views: dict):
+        """On the CPU an `Int8Linear`; on a GPU dequantised there."""
+        codes, scale = views[f"{name}.int8"], views[f"{name}.scale"]
+        return Int8Linear(codes, scale) if codes.device.type == "cpu" else dequantize(codes, scale)

@@ -26,8 +26,9 @@ import torch
 
 from .. import kernels
 from ..kernels import ops
-from ..models.formats import ExpertFormat, Part
-from .hqq_format import PACKING, HqqFormat
+from ..models.formats import Part
+from .hqq_format import HqqFormat
+from .repacked import RepackedFormat
 
 BITS = (4, 8)
 
@@ -123,51 +124,20 @@ def vnni_ok(fmt: HqqFormat) -> bool:
             and all(shapes[m][1] % fmt.group == 0 for m in fmt.matrices) and kernels.library() is not None)
 
 
-class VnniFormat(ExpertFormat):
-    def __init__(self, hqq: HqqFormat):
-        self.hqq, self.group, self.compute_dtype, self.matrices = hqq, hqq.group, hqq.compute_dtype, hqq.matrices
-        self.shapes = {}
-        parts = []
-        for name, shape in zip(hqq.layout.names, hqq.layout.shapes):
-            if name not in self.matrices:
-                parts.append(Part(name, tuple(shape), hqq.compute_dtype))
-                continue
-            N, K = shape
-            NG, G = _grouped(N, K)
-            self.shapes[name] = (N, K)
-            parts += [Part(f"{name}.q{hqq.bits}", (NG, G, 128 * hqq.bits), torch.uint8),
-                      Part(f"{name}.sm", (NG, G, 2, 16), hqq.compute_dtype)]
-        super().__init__(hqq.name, parts)
+class VnniFormat(RepackedFormat):
+    def matrix_parts(self, name: str, shape: tuple) -> list[Part]:
+        NG, G = _grouped(*shape)
+        return [Part(f"{name}.q{self.hqq.bits}", (NG, G, 128 * self.hqq.bits), torch.uint8),
+                Part(f"{name}.sm", (NG, G, 2, 16), self.compute_dtype)]
 
-    def repack(self, hqq_buf: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the HQQ buffer `hqq_buf`'s expert into `out` [N] in this format."""
-        from hqq.core.quantize import Quantizer
+    def repack_matrix(self, name: str, shape: tuple, views: dict) -> dict[str, torch.Tensor]:
+        bits, K = self.hqq.bits, shape[1]
+        q, scale, zero = self.codes(name, shape, views)
+        zero_ = ((1 << (bits - 1)) - zero) * scale
+        return {f"{name}.q{bits}": pack_codes(q, bits),
+                f"{name}.sm": pack_scales(scale.to(self.compute_dtype), zero_.to(self.compute_dtype), K)}
 
-        v = self.hqq.views(hqq_buf)
-        parts = {}
-        for name, shape in zip(self.hqq.layout.names, self.hqq.layout.shapes):
-            if name not in self.matrices:
-                parts[name] = v[name]
-                continue
-            N, K = shape
-            bits = self.hqq.bits
-            q = Quantizer.unpack[PACKING[bits]](v[f"{name}.W_q"], dtype=torch.uint8)[:N * K // self.group]
-            q = q.reshape(N, K)                                                            # axis 1: row-major
-            scale = v[f"{name}.scale"].float().reshape(N, K // self.group)
-            zero = v[f"{name}.zero"].float().reshape(N, K // self.group)
-            zero_ = ((1 << (bits - 1)) - zero) * scale
-            parts[f"{name}.q{bits}"] = pack_codes(q, bits)
-            parts[f"{name}.sm"] = pack_scales(scale.to(self.compute_dtype), zero_.to(self.compute_dtype), K)
-        self.pack(parts, out)
-
-    def weights(self, views: dict[str, torch.Tensor]) -> dict:
-        """On the CPU each matrix is a `VnniLinear`; on a GPU it is dequantised there."""
-        out = {}
-        for name in self.hqq.layout.names:
-            if name not in self.matrices:
-                out[name] = views[name]
-                continue
-            codes, sm = views[f"{name}.q{self.hqq.bits}"], views[f"{name}.sm"]
-            N, K = self.shapes[name]
-            out[name] = VnniLinear(codes, sm, N) if codes.device.type == "cpu" else dequantize(codes, sm, N, K)
-        return out
+    def matrix_weights(self, name: str, shape: tuple, views: dict):
+        """On the CPU a `VnniLinear`; on a GPU dequantised there."""
+        codes, sm = views[f"{name}.q{self.hqq.bits}"], views[f"{name}.sm"]
+        return VnniLinear(codes, sm, shape[0]) if codes.device.type == "cpu" else dequantize(codes, sm, *shape)
