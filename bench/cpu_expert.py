@@ -3,9 +3,11 @@ packed checkpoint where it lies costs.
 
 1. A Mixtral-sized expert (H 4096, I 14336) applied to one token: ms and GB/s of weights read, next to the
    measured memory read bandwidth; and the q4 kernel on a cache-resident expert (1024 x 2048): the same GB/s there
-   means the kernel is compute bound. bf16: F.linear on bf16 weights (the runtime's CPU path). q8-per-row: torch's
-   int8 kernel (`aten._weight_int8pack_mm`, the runtime's `Int8Linear`). q4: torch's CPU int4
-   kernel (`aten._weight_int4pack_mm_for_cpu`, group 64) on packed random codes. The measurement code is
+   means the kernel is compute bound. bf16: the runtime's one-row product on bf16 weights (`models/gemv.py`).
+   q8 and q4: the kernel the runtime computes a q8g64 / q4g64 copy with on this CPU, moectl's own
+   (`moectl/kernels`, int8 activations) where it builds, else torch's int8 kernel (`aten._weight_int8pack_mm`,
+   per-row scales: the row's label says "q8-per-row") and int4 kernel (`aten._weight_int4pack_mm_for_cpu`), on
+   random codes. The measurement code is
    `moectl/machine.py`'s, the same the runtime's cost model is fed from.
 2. Released formats: a GPT-OSS expert (gpt-oss-20b's, H = I = 2880) kept MXFP4 (13.2 MB) is dequantised by
    `Mxfp4Format.weights` at every use, then multiplied; a bf16 copy (49.8 MB) is only multiplied. Per token
@@ -23,10 +25,14 @@ import time
 
 import torch
 
+from moectl import kernels
 from moectl.machine import cpu_expert_ms, cpu_expert_q4_ms, cpu_expert_q8_ms, default_threads, mem_read_gbps
 from moectl.models.base import ExpertLayout
 from moectl.quant.fp8_block import Fp8BlockFormat
 from moectl.quant.mxfp4 import Mxfp4Format
+
+Q8 = "q8g64" if kernels.library() is not None else "q8-per-row"     # the kernel's own copy, or torch's requantized
+
 
 def _ms(fn, repeat: int) -> float:
     fn()
@@ -118,7 +124,7 @@ def main() -> None:
     out = {"threads": torch.get_num_threads(), "hidden": H, "intermediate": I, "mem_read_gbps": mem,
            "bf16": {"ms": bf16_ms, "bytes": bf16_bytes, "gbps": bf16_bytes / bf16_ms / 1e6,
                     "fraction_of_mem_bw": bf16_bytes / bf16_ms / 1e6 / mem},
-           "q8-per-row": {"ms": q8_ms, "bytes": q8_bytes, "gbps": q8_bytes / q8_ms / 1e6,
+           Q8: {"ms": q8_ms, "bytes": q8_bytes, "gbps": q8_bytes / q8_ms / 1e6,
                           "fraction_of_mem_bw": q8_bytes / q8_ms / 1e6 / mem},
            "q4g64": {"ms": q4_ms, "bytes": q4_bytes, "gbps": q4_bytes / q4_ms / 1e6,
                      "fraction_of_mem_bw": q4_bytes / q4_ms / 1e6 / mem},
@@ -126,7 +132,7 @@ def main() -> None:
                               "fraction_of_mem_bw": small_bytes / small_ms / 1e6 / mem}}
     if not a.json:
         print(f"memory read bandwidth: {mem:.1f} GB/s ({out['threads']} threads)")
-        for k, shape in (("bf16", f"{H}x{I}"), ("q8-per-row", f"{H}x{I}"), ("q4g64", f"{H}x{I}"),
+        for k, shape in (("bf16", f"{H}x{I}"), (Q8, f"{H}x{I}"), ("q4g64", f"{H}x{I}"),
                          ("q4g64", "1024x2048 in cache")):
             r = out[k if "cache" not in shape else "q4g64_in_cache"]
             print(f"{k:10s} expert {shape}, 1 token: {r['ms']:7.2f} ms  {r['bytes'] / 1e6:6.1f} MB  "

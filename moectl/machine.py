@@ -6,9 +6,9 @@ Four figures decide fetch vs CPU compute of a missed expert (`policies/placement
   mem_read_gbps   host memory read bandwidth: a sum over a buffer far larger than the caches
   cpu_expert_gbps a one-token expert FFN (gate/up [2I,H], down [H,I]) computed on the CPU from host RAM, as
                   GB/s of weights read (a GEMV reads every weight once; this is what an expert costs the CPU)
-  cpu_lowbit_gbps the same FFN from q4g64 packed weights with torch's int4 CPU kernel, as GB/s of packed bytes
-                  (how a low-bit miss is computed on the CPU; the kernel is compute bound on some CPUs, so
-                  this is not mem_read_gbps)
+  cpu_lowbit_gbps the same FFN from q4g64 packed weights through the runtime's q4 kernel (moectl's own where it
+                  builds, else torch's int4 kernel), as GB/s of packed bytes (how a low-bit miss is computed on
+                  the CPU; a kernel may be compute bound, so this is not mem_read_gbps)
   copy_gbps       host -> device copy: pinned RAM -> GPU on CUDA; on a CPU-only machine the memcpy an
                   emulated device's slot fill does
 A 16 MB-per-matrix expert is big enough to leave the caches and small enough to measure in well under a second;
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "moectl-machine-v3"            # v2: cpu_lowbit_gbps; v3: bf16 GEMV through models/gemv.py
+FORMAT = "moectl-machine-v4"            # v2: cpu_lowbit_gbps; v3: bf16 GEMV through models/gemv.py;
+                                        # v4: q4 / q8 through moectl's own kernels where they build
 
 
 def default_threads(hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
@@ -92,52 +93,69 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
         return best_s(run, repeat) * 1e3
 
 
-def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) -> tuple[float, int]:
-    """(milliseconds, bytes read) of one expert FFN on one token from 4-bit packed weights with torch's CPU int4
-    kernel (`aten._weight_int4pack_mm_for_cpu`: bf16 activations, one bf16 scale and zero per `group` weights).
-    Random codes: speed only (the rate the runtime prices a low-bit miss computed on the CPU at)."""
+def _vnni_linear(n: int, k: int, bits: int, g: torch.Generator):
+    """An [n, k] weight of random codes in moectl's kernel layout (`quant/vnni.py`), and its bytes."""
+    from .quant.vnni import VnniLinear, pack_codes, pack_scales
+
+    codes = pack_codes(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g), bits)
+    sm = pack_scales((torch.rand(n, k // 64, generator=g) * 0.01).bfloat16(),
+                     (torch.randn(n, k // 64, generator=g) * 0.01).bfloat16(), k)
+    return VnniLinear(codes, sm, n), codes.numel() + sm.numel() * 2
+
+
+def _ffn_ms(gate_up, down, inter: int, hidden: int, tokens: int, repeat: int, g: torch.Generator) -> float:
     import torch.nn.functional as F
 
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+
+    def run():
+        gu = gate_up(x)                                                           # [T, 2I]
+        down(F.silu(gu[:, :inter]) * gu[:, inter:])                               # [T, H]
+    with torch.inference_mode():
+        return best_s(run, repeat) * 1e3
+
+
+def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) -> tuple[float, int]:
+    """(milliseconds, bytes read) of one expert FFN on one token from q4g64 weights through the kernel the runtime
+    computes a q4 copy with on this CPU: moectl's own (`moectl/kernels`, int8 activations) where it builds, else
+    torch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`: bf16 activations, one bf16 scale and zero per
+    `group` weights). Random codes: speed only (the rate the runtime prices a low-bit miss computed on the CPU at)."""
+    from . import kernels
+
     g = torch.Generator().manual_seed(0)
+    if kernels.library() is not None:
+        (gu, b1), (dn, b2) = _vnni_linear(2 * inter, hidden, 4, g), _vnni_linear(hidden, inter, 4, g)
+        return _ffn_ms(gu, dn, inter, hidden, 1, repeat, g), b1 + b2
 
     def pack(n: int, k: int):                            # an [n, k] weight: packed codes + [k/group, n, 2] scales
         codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
         return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
                 (torch.randn(k // group, n, 2, generator=g) * 0.01).to(torch.bfloat16))
     gate_up, down = pack(2 * inter, hidden), pack(hidden, inter)
-    x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     nbytes = sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in (gate_up, down))
-
-    def run():
-        gu = mm(x, gate_up[0], group, gate_up[1])                                # [1, 2I]
-        mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[0], group, down[1])       # [1, H]
-    with torch.inference_mode():
-        return best_s(run, repeat) * 1e3, nbytes
+    return _ffn_ms(lambda x: mm(x, gate_up[0], group, gate_up[1]), lambda x: mm(x, down[0], group, down[1]),
+                   inter, hidden, 1, repeat, g), nbytes
 
 
 def cpu_expert_q8_ms(hidden: int, inter: int, repeat: int = 5, tokens: int = 1) -> tuple[float, int]:
-    """(milliseconds, bytes read) of one expert FFN on `tokens` tokens from int8 weights with one bf16 scale per
-    output row, through the runtime's own `Int8Linear` (`quant/int8_cpu.py`: torch's int8 kernel at decode).
-    Random codes: speed only."""
-    import torch.nn.functional as F
-
+    """(milliseconds, bytes read) of one expert FFN on `tokens` tokens from q8 weights through the kernel the runtime
+    uses on this CPU: moectl's own (q8g64, int8 activations) where it builds, else `Int8Linear` (`quant/int8_cpu.py`:
+    torch's int8 kernel, one bf16 scale per output row). Random codes: speed only."""
+    from . import kernels
     from .quant.int8_cpu import Int8Linear
 
     g = torch.Generator().manual_seed(0)
+    if kernels.library() is not None:
+        (gu, b1), (dn, b2) = _vnni_linear(2 * inter, hidden, 8, g), _vnni_linear(hidden, inter, 8, g)
+        return _ffn_ms(gu, dn, inter, hidden, tokens, repeat, g), b1 + b2
 
     def make(n: int, k: int) -> Int8Linear:
         return Int8Linear(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
                           (torch.rand(n, generator=g) * 1e-3).to(torch.bfloat16))
     gate_up, down = make(2 * inter, hidden), make(hidden, inter)
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     nbytes = sum(m.codes.numel() + m.scale.numel() * 2 for m in (gate_up, down))
-
-    def run():
-        gu = gate_up(x)                                                           # [T, 2I]
-        down(F.silu(gu[:, :inter]) * gu[:, inter:])                               # [T, H]
-    with torch.inference_mode():
-        return best_s(run, repeat) * 1e3, nbytes
+    return _ffn_ms(gate_up, down, inter, hidden, tokens, repeat, g), nbytes
 
 
 def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -> float:

@@ -53,11 +53,14 @@ class Hardware:
 # A q4 expert computed on the CPU at decode, as a share of the host's memory read bandwidth: measured on this
 # project's 2-core machine, both tools on the same checkpoint (bench/vs_llamacpp.py; docs/benchmarks.md "moectl
 # beside llama.cpp, measured"), and carried to hardware profiles that give only cpu_mem_gbps.
-# Kept at the first round's shares. A second round (03:35-03:41 UTC, load 6-8) read moectl 5.39 / llama.cpp 6.04 GB/s
-# a token against 7.69 GB/s of host read (0.70 / 0.79), but those are whole tokens, dense weights included, and
-# moectl's dense weights had just moved to the one-row GEMV; one q4g64 expert alone read 3.9 GB/s against 9.8 of
-# host read (bench/cpu_expert.py, 04:09 UTC: 0.40), in line with the first round's expert share.
-CPU_Q4_SHARE = {"moectl": 0.36, "llamacpp": 0.58}          # 1 thread, Mixtral shape, q4g64 and Q4_0
+# Third round (moectl's own int8-activation q4 kernel, `moectl/kernels`): both tools' whole decode tokens at one
+# thread at the same precision (moectl q4g64 + `--dense-lowbit q4`, llama.cpp Q4_0; Mixtral shape x 2 layers,
+# 18:52-18:58 UTC), bytes a token reads / its time over the host read rate measured in that run: moectl 17.5 /
+# 31.4 GB/s = 0.56, llama.cpp 19.5 / 31.4 = 0.62. Whole tokens for both, so the same measure on both sides (a
+# whole token's rate is a lower bound on its experts' rate: one q4g64 expert alone read 0.67-0.75 of the host
+# rate through moectl's kernel, bench/cpu_expert.py; llama.cpp's experts cannot be timed alone). Was 0.36 / 0.58
+# with torch's int4 kernel.
+CPU_Q4_SHARE = {"moectl": 0.56, "llamacpp": 0.62}          # 1 thread, Mixtral shape, q4g64 and Q4_0
 
 
 def list_hardware() -> list[str]:
