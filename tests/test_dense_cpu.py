@@ -96,3 +96,21 @@ def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):
     code, _, err = run_cli(["generate", "--model", str(mixtral), "--dense-lowbit", "q8", "--prompt", "hi", "-n", "1",
                             "--threads", "1"], capsys, monkeypatch)
     assert_one_error(code, err, "--dense-lowbit q8", "float32")
+
+
+def test_one_token_cpu_forward_runs_with_onednn_off_and_restores_it(mixtral, monkeypatch):
+    """Engine.forward of one token on a CPU turns oneDNN off for the step (the routers' own F.linear then takes the
+    native GEMV) and back on after, also when the step fails; a prompt keeps oneDNN (its GEMMs are oneDNN's)."""
+    from moectl.models import gemv
+
+    seen = []
+    eng = Engine.load(str(mixtral), progress=False, dtype="bfloat16", threads=1)
+    real = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda **kw: (seen.append(torch._C._get_mkldnn_enabled()), real(**kw))[1])
+    assert torch._C._get_mkldnn_enabled()
+    _, pkv = eng.forward(torch.tensor([[1, 2, 3]]), None)
+    eng.forward(torch.tensor([[4]]), pkv)
+    assert seen == [True, False] and torch._C._get_mkldnn_enabled()
+    with pytest.raises(RuntimeError, match="boom"), gemv.native_one_row():
+        raise RuntimeError("boom")
+    assert torch._C._get_mkldnn_enabled()

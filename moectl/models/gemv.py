@@ -14,6 +14,8 @@ bf16 decode token's weights at 19 GB/s at one thread here, where llama.cpp's BF1
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,22 @@ from .. import kernels
 from ..kernels import ops
 
 REDUCED = (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def native_one_row(on: bool = True):
+    """oneDNN off for a one-token CPU forward (`Engine.forward`): the products `linear` does not see, the routers'
+    own `F.linear` with a weight Parameter, then take torch's native GEMV too (0.14 ms a layer through oneDNN, 7 us
+    native, on the Mixtral shape; paired, 0.4-0.5 ms a 2-layer token). The flag is process-wide, as in `linear`."""
+    if not on:
+        yield
+        return
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

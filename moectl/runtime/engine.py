@@ -18,6 +18,7 @@ import torch
 
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
+from ..models import gemv
 from ..options import RuntimeOptions
 from ..policies.base import PrefetchPolicy
 from ..sizing import DEFAULT_LOWBIT_FRACTION, split_pools  # noqa: F401  (re-exported: bench, tests)
@@ -166,8 +167,10 @@ class Engine:
                 past_key_values.activate_past_recording()
         self._prefill_t0 = time.perf_counter()
         try:
-            out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device), past_key_values=past_key_values,
-                                                use_cache=True), f"running the model on {input_ids.shape[-1]} tokens")
+            with gemv.native_one_row(self.device.type == "cpu" and input_ids.shape[-1] == 1):
+                out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device),
+                                                    past_key_values=past_key_values, use_cache=True),
+                                 f"running the model on {input_ids.shape[-1]} tokens")
         finally:
             if self._prefill_bar is not None:
                 self._prefill_bar[0].__exit__(None, None, None)
