@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from moectl import kernels
 from moectl.models.gemv import linear
 from moectl.quant.int8_cpu import Int8Linear, requantize
-from moectl.quant.vnni import VnniLinear, pack_codes, pack_scales
+from moectl.quant.vnni import random_linear
 
 
 def _expert(H: int, I: int, g: torch.Generator) -> dict:
@@ -62,16 +62,11 @@ def _expert(H: int, I: int, g: torch.Generator) -> dict:
                                                        k, n)
         return (lambda x: torch.ops.aten._dyn_quant_matmul_4bit(x.float(), p, group, k, n)), n * k // 2
 
-    def vnni_op(n, k, bits):
-        codes = pack_codes(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g), bits)
-        sm = pack_scales((torch.rand(n, k // 64, generator=g) * 0.01).bfloat16(),
-                         (torch.randn(n, k // 64, generator=g) * 0.01).bfloat16(), k)
-        return VnniLinear(codes, sm, n), codes.numel() + sm.numel() * 2
-
     makers = {"bf16": bf16, "q8-per-row": int8, "q8-kernel-only": lambda n, k: int8(n, k, True),
               "q4g64": lambda n, k: int4(n, k, 64), "q4g128": lambda n, k: int4(n, k, 128), "dyn-quant-4bit": dyn4}
     if kernels.library() is not None:                   # moectl's own (moectl/kernels): int8 activations, VNNI
-        makers |= {"moectl-q8g64": lambda n, k: vnni_op(n, k, 8), "moectl-q4g64": lambda n, k: vnni_op(n, k, 4)}
+        makers |= {"moectl-q8g64": lambda n, k: random_linear(n, k, 8, g),
+                   "moectl-q4g64": lambda n, k: random_linear(n, k, 4, g)}
     out = {}
     for name, make in makers.items():
         (gu, b1), (dn, b2) = make(2 * I, H), make(H, I)

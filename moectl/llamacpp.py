@@ -22,6 +22,7 @@ import tarfile
 from pathlib import Path
 
 from .errors import MoectlError
+from .recipes import moectl_home
 
 VERSION = "0.3.36"                                  # llama-cpp-python's sdist; vendors llama.cpp
 TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize")
@@ -32,7 +33,7 @@ PACK_SKIP = ("models", "docs", "media", "tests", "benches", "examples", "pocs", 
 
 
 def home() -> Path:
-    return Path(os.environ.get("MOECTL_HOME", "~/.cache/moectl")).expanduser() / "llamacpp" / VERSION
+    return moectl_home() / "llamacpp" / VERSION
 
 
 def source_dir(root: Path | None = None) -> Path:

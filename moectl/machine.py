@@ -93,16 +93,6 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
         return best_s(run, repeat) * 1e3
 
 
-def _vnni_linear(n: int, k: int, bits: int, g: torch.Generator):
-    """An [n, k] weight of random codes in moectl's kernel layout (`quant/vnni.py`), and its bytes."""
-    from .quant.vnni import VnniLinear, pack_codes, pack_scales
-
-    codes = pack_codes(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g), bits)
-    sm = pack_scales((torch.rand(n, k // 64, generator=g) * 0.01).bfloat16(),
-                     (torch.randn(n, k // 64, generator=g) * 0.01).bfloat16(), k)
-    return VnniLinear(codes, sm, n), codes.numel() + sm.numel() * 2
-
-
 def _ffn_ms(gate_up, down, inter: int, hidden: int, tokens: int, repeat: int, g: torch.Generator) -> float:
     import torch.nn.functional as F
 
@@ -121,10 +111,11 @@ def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) 
     torch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`: bf16 activations, one bf16 scale and zero per
     `group` weights). Random codes: speed only (the rate the runtime prices a low-bit miss computed on the CPU at)."""
     from . import kernels
+    from .quant.vnni import random_linear
 
     g = torch.Generator().manual_seed(0)
     if kernels.library() is not None:
-        (gu, b1), (dn, b2) = _vnni_linear(2 * inter, hidden, 4, g), _vnni_linear(hidden, inter, 4, g)
+        (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 4, g), random_linear(hidden, inter, 4, g)
         return _ffn_ms(gu, dn, inter, hidden, 1, repeat, g), b1 + b2
 
     def pack(n: int, k: int):                            # an [n, k] weight: packed codes + [k/group, n, 2] scales
@@ -144,10 +135,11 @@ def cpu_expert_q8_ms(hidden: int, inter: int, repeat: int = 5, tokens: int = 1) 
     torch's int8 kernel, one bf16 scale per output row). Random codes: speed only."""
     from . import kernels
     from .quant.int8_cpu import Int8Linear
+    from .quant.vnni import random_linear
 
     g = torch.Generator().manual_seed(0)
     if kernels.library() is not None:
-        (gu, b1), (dn, b2) = _vnni_linear(2 * inter, hidden, 8, g), _vnni_linear(hidden, inter, 8, g)
+        (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 8, g), random_linear(hidden, inter, 8, g)
         return _ffn_ms(gu, dn, inter, hidden, tokens, repeat, g), b1 + b2
 
     def make(n: int, k: int) -> Int8Linear:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..recipes import moectl_home
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
          "-mavx512vnni", "-mavx512bf16", "-mfma", "-mf16c"]
@@ -47,8 +49,8 @@ def _cpu_ok() -> str | None:
 
 
 def _compiler() -> str | None:
-    return next((shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c and
-                 shutil.which(c)), None)
+    found = (shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
+    return next((path for path in found if path), None)
 
 
 def _build(cxx: str) -> Path:
@@ -59,7 +61,7 @@ def _build(cxx: str) -> Path:
     cmd = [cxx, *FLAGS, abi, *[f"-I{p}" for p in include_paths()], str(SOURCE), f"-L{lib_dir}", "-lc10",
            "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), abi, torch.__version__, cxx]).encode())
-    home = Path(os.environ.get("MOECTL_HOME", "~/.cache/moectl")).expanduser() / "kernels" / key.hexdigest()[:16]
+    home = moectl_home() / "kernels" / key.hexdigest()[:16]
     out = home / "libmoectl_cpu.so"
     if out.exists():
         return out

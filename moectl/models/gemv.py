@@ -48,10 +48,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if (x.dtype == w.dtype == torch.bfloat16 and w.shape[1] % 32 == 0 and w.is_contiguous()
                 and kernels.library() is not None):
             return ops.bf16_gemv(x.contiguous(), w).view(*x.shape[:-1], w.shape[0])
-        was = torch._C._get_mkldnn_enabled()
-        torch._C._set_mkldnn_enabled(False)
-        try:
+        with native_one_row():
             return F.linear(x, w)
-        finally:
-            torch._C._set_mkldnn_enabled(was)
     return F.linear(x, w)

@@ -37,6 +37,11 @@ def _grouped(N: int, K: int) -> tuple[int, int]:
     return -(-N // 16), ops.blocks(K)
 
 
+def code_bits(codes: torch.Tensor) -> int:
+    """4 or 8: a block of 16 rows x 64 codes is 8 x bits x 16 bytes."""
+    return codes.shape[-1] // 128
+
+
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [N, K] (0 .. 2^bits - 1) -> [NG, G, 8 bits 16] uint8 in the kernel's order (N and K padded with 0)."""
     N, K = q.shape
@@ -51,8 +56,8 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """`pack_codes`' inverse: [NG, G, 8 bits 16] -> [N, K] uint8, on codes' device."""
-    NG, G, nb = codes.shape
-    if nb == 1024:
+    NG, G, _ = codes.shape
+    if code_bits(codes) == 8:
         q = codes.view(NG, G, 16, 16, 4).permute(0, 3, 1, 2, 4)              # [NG, r, G, c, i]
         return q.reshape(NG * 16, G * 64)[:N, :K]
     v = codes.view(NG, G, 8, 16, 4)                                         # [NG, G, c, r, i]
@@ -79,7 +84,7 @@ def unpack_scales(sm: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch
 
 def dequantize(codes: torch.Tensor, sm: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """W [N, K] in sm's dtype, on codes' device: w = (q - C) s + m per block of 64, in fp32, rounded once."""
-    centre = 8 if codes.shape[-1] == 512 else 128
+    centre = 1 << (code_bits(codes) - 1)
     q = unpack_codes(codes, N, K).float().view(N, K // 64, 64)
     s, m = (v.float()[..., None] for v in unpack_scales(sm, N, K))
     return ((q - centre) * s + m).view(N, K).to(sm.dtype)
@@ -108,12 +113,20 @@ class VnniLinear:
 
     def __init__(self, codes: torch.Tensor, sm: torch.Tensor, N: int):
         self.codes, self.sm, self.N = codes, sm, N
-        self.bits = codes.shape[-1] // 128
+        self.bits = code_bits(codes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = ops.lowbit_matmul(x.reshape(-1, shape[-1]), self.codes, self.sm, self.N, self.bits)   # [T, N]
         return y.reshape(*shape[:-1], self.N)
+
+
+def random_linear(n: int, k: int, bits: int, g: torch.Generator) -> tuple[VnniLinear, int]:
+    """An [n, k] weight of random codes and scales in this layout (speed measurements), and its bytes."""
+    codes = pack_codes(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g), bits)
+    sm = pack_scales((torch.rand(n, k // 64, generator=g) * 0.01).bfloat16(),
+                     (torch.randn(n, k // 64, generator=g) * 0.01).bfloat16(), k)
+    return VnniLinear(codes, sm, n), codes.numel() + sm.numel() * 2
 
 
 def vnni_ok(fmt: HqqFormat) -> bool:
