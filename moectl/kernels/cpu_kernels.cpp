@@ -9,18 +9,22 @@
 //    inputs (512 bytes at q4, 1024 at q8):
 //        q4: byte 64 c + 4 r + i  (c < 8, r < 16, i < 4) = q[row r][4 c + i] | q[row r][4 (c + 8) + i] << 4
 //        q8: byte 64 c + 4 r + i  (c < 16)                = q[row r][4 c + i]
-//    so a 64-byte load (and at q4 `& 15`, `>> 4 & 15`) gives vectors whose 32-bit lane r holds 4 consecutive codes
-//    of row r.
+//    so a 64-byte load (and at q4 `& 0x0f`, `& 0xf0`: the high codes x16, undone by one shift of their sum) gives
+//    vectors whose 32-bit lane r holds 4 consecutive codes of row r.
 //    Scales: per 16 rows x 64 inputs, 16 bf16 s then 16 bf16 m (one part with the codes' grouping, so a copy is
-//    two parts per matrix). Activations are quantized per block of 64 to int8 (d = amax / 127; llama.cpp's Q8_0 uses blocks of 32).
+//    two parts per matrix). Activations are quantized per block of 64 to int8 (d = amax / 127; llama.cpp's Q8_0
+//    uses blocks of 32).
 //    `vpdpbusd` (u8 codes x the block's 4 activations broadcast) adds 4 products into each row's lane, 16 of them
 //    make a block's integer dot for 16 rows at once, and two FMAs apply the block: s d dot + (m - 8 s) d sum(a).
 //    Rows per lane means no horizontal sums and one float step per 16 rows x 64 inputs.
 //    N not a multiple of 16: zero rows pad the last group; K not a multiple of 64: code 0 and activation 0 pad.
 // 2. bf16 x bf16 -> fp32 (`vdpbf16ps`): one-row products of dense bf16 matrices (exact products, fp32 sums),
 //    8 rows at a time.
+// 3. One query token's attention over a KV cache (decode): scores, softmax (with an optional sink logit per head,
+//    GPT-OSS's) and the weighted sum of values in fp32, grouped heads reading their key/value head in place.
 //
-// Threads: at::parallel_for over output row groups, i.e. torch's own OpenMP pool and torch.set_num_threads
+// Threads: at::parallel_for over output row groups (attention: key/value heads), i.e. torch's own OpenMP pool and
+// torch.set_num_threads
 // (built with -fopenmp against torch's libgomp).
 
 #include <ATen/Parallel.h>
@@ -55,7 +59,10 @@ inline __m512 load_bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-constexpr int MT = 8;                                      // tokens per pass over a row group's codes
+constexpr int MT = 8;
+#ifndef PF
+#define PF 4
+#endif                                      // tokens per pass over a row group's codes
 
 }  // namespace
 
@@ -95,15 +102,17 @@ inline int32_t four(const int8_t* p) {                     // 4 activations as o
 }
 
 // A block's 64 codes of 16 rows as 16 vectors of unsigned bytes, vector c holding inputs 4c .. 4c+3 of row r in
-// 32-bit lane r. 4 bits: 8 loads, each giving c (low nibbles) and c + 8 (high nibbles); 8 bits: 16 loads.
+// 32-bit lane r. 8 bits: 16 loads. 4 bits: 8 loads, each giving c (low nibbles, & 0x0f) and c + 8 taken in place
+// (& 0xf0, i.e. 16 x the code): their products come out x16 and one shift of the summed dot undoes it, where a
+// shift per load would cost 8.
 template <int BITS>
 inline void load_block(const uint8_t* blk, __m512i* q) {
     if constexpr (BITS == 4) {
-        const __m512i low4 = _mm512_set1_epi8(0x0f);
+        const __m512i lo = _mm512_set1_epi8(0x0f), hi = _mm512_set1_epi8(static_cast<char>(0xf0));
         for (int c = 0; c < 8; ++c) {
             const __m512i v = _mm512_loadu_si512(blk + 64 * c);
-            q[c] = _mm512_and_si512(v, low4);
-            q[c + 8] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            q[c] = _mm512_and_si512(v, lo);
+            q[c + 8] = _mm512_and_si512(v, hi);
         }
     } else {
         for (int c = 0; c < 16; ++c) q[c] = _mm512_loadu_si512(blk + 64 * c);
@@ -121,19 +130,38 @@ inline void lowbit_group(const uint8_t* wq, const uint16_t* sm, const int8_t* aq
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < G; ++b) {
         __m512i q[16];
+        if constexpr (BITS == 4)    // the block PF ahead into L1 (past a group's end: the next group's, or nothing)
+            for (int c = 0; c < BLOCK / 64; ++c)
+                _mm_prefetch(reinterpret_cast<const char*>(wq + (b + PF) * BLOCK + 64 * c), _MM_HINT_T0);
         load_block<BITS>(wq + b * BLOCK, q);
         const __m512 s = load_bf16x16(sm + b * 32);
         const __m512 off = _mm512_fmadd_ps(s, center, load_bf16x16(sm + b * 32 + 16));   // m - 8 s (m - 128 s)
         for (int t = 0; t < T; ++t) {
             const int8_t* a = aq + ((m0 + t) * G + b) * 64;
-            __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();   // two chains: dpbusd latency
-            for (int c = 0; c < 16; c += 2) {
-                d0 = _mm512_dpbusd_epi32(d0, q[c], _mm512_set1_epi32(four(a + 4 * c)));
-                d1 = _mm512_dpbusd_epi32(d1, q[c + 1], _mm512_set1_epi32(four(a + 4 * c + 4)));
+            __m512i dot;
+            if constexpr (BITS == 4) {
+                // four independent chains: with two, dpbusd's latency rather than its throughput bounds a decode
+                // row (with the in-place high nibbles: one 14336 x 4096 q4 matrix not in cache, one token, one
+                // thread, 1.83 -> 1.51 ms; 32 tokens 13.5 -> 11.1 ms).
+                // d0, d1: vectors 0-7; d2, d3: 8-15, x16.
+                __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+                for (int c = 0; c < 8; c += 2) {
+                    d0 = _mm512_dpbusd_epi32(d0, q[c], _mm512_set1_epi32(four(a + 4 * c)));
+                    d1 = _mm512_dpbusd_epi32(d1, q[c + 1], _mm512_set1_epi32(four(a + 4 * c + 4)));
+                    d2 = _mm512_dpbusd_epi32(d2, q[c + 8], _mm512_set1_epi32(four(a + 4 * c + 32)));
+                    d3 = _mm512_dpbusd_epi32(d3, q[c + 9], _mm512_set1_epi32(four(a + 4 * c + 36)));
+                }
+                dot = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_srai_epi32(_mm512_add_epi32(d2, d3), 4));
+            } else {                                        // q8 reads twice the bytes: two chains keep up
+                __m512i d0 = _mm512_setzero_si512(), d1 = d0;
+                for (int c = 0; c < 16; c += 2) {
+                    d0 = _mm512_dpbusd_epi32(d0, q[c], _mm512_set1_epi32(four(a + 4 * c)));
+                    d1 = _mm512_dpbusd_epi32(d1, q[c + 1], _mm512_set1_epi32(four(a + 4 * c + 4)));
+                }
+                dot = _mm512_add_epi32(d0, d1);
             }
             const int64_t j = (m0 + t) * G + b;
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-            acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(d[j])), acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(d[j])), acc[t]);
             acc[t] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[j]), acc[t]);
         }
     }
@@ -207,6 +235,55 @@ extern "C" void moectl_bf16_gemv(const uint16_t* x, int64_t N, int64_t K, const 
                 acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k),
                                        (__m512bh)_mm512_loadu_si512(x + k));
             y[n] = f32_to_bf16(_mm512_reduce_add_ps(acc));
+        }
+    });
+}
+
+// One query token's attention (decode). q [H, Dk] bf16 (contiguous); k [KV, S, Dk], v [KV, S, Dv] bf16 with head
+// stride kh / vh and row stride ks / vs (elements; the last dimension contiguous); H a multiple of KV, query head h
+// reads key/value head h / (H / KV). sinks: null, or [H] fp32 logits that join each head's softmax (not its sum).
+// out [H, Dv] bf16. Dk % 32 == 0, Dv % 16 == 0, Dv <= 512.
+extern "C" void moectl_decode_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t H,
+                                        int64_t KV, int64_t S, int64_t Dk, int64_t Dv, int64_t kh, int64_t ks,
+                                        int64_t vh, int64_t vs, float scale, const float* sinks, uint16_t* out) {
+    const int64_t rep = H / KV;
+    // a key/value head's bytes per chunk >= ~256 KB: a short cache runs inline, as the products do
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, S * (Dk + Dv) * 2));
+    at::parallel_for(0, KV, grain, [&](int64_t g0, int64_t g1) {
+        std::vector<float> p(S);
+        __m512 acc[32];                                    // Dv <= 512
+        for (int64_t g = g0; g < g1; ++g) {
+            for (int64_t r = 0; r < rep; ++r) {
+                const int64_t h = g * rep + r;
+                const uint16_t* qh = q + h * Dk;
+                float mx = sinks ? sinks[h] : -INFINITY;
+                for (int64_t s = 0; s < S; ++s) {                                   // scores: q . k_s * scale
+                    const uint16_t* ksr = k + g * kh + s * ks;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < Dk; i += 32)
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(ksr + i),
+                                             (__m512bh)_mm512_loadu_si512(qh + i));
+                    p[s] = _mm512_reduce_add_ps(a) * scale;
+                    mx = std::fmax(mx, p[s]);
+                }
+                float sum = sinks ? std::exp(sinks[h] - mx) : 0.f;
+                for (int64_t s = 0; s < S; ++s) {
+                    p[s] = std::exp(p[s] - mx);
+                    sum += p[s];
+                }
+                for (int64_t i = 0; i < Dv / 16; ++i) acc[i] = _mm512_setzero_ps();
+                for (int64_t s = 0; s < S; ++s) {                                   // sum_s p_s v_s
+                    const uint16_t* vsr = v + g * vh + s * vs;
+                    const __m512 ps = _mm512_set1_ps(p[s]);
+                    for (int64_t i = 0; i < Dv / 16; ++i) acc[i] = _mm512_fmadd_ps(ps, load_bf16x16(vsr + 16 * i), acc[i]);
+                }
+                const float inv = 1.f / sum;
+                alignas(64) float o[16];
+                for (int64_t i = 0; i < Dv / 16; ++i) {
+                    _mm512_store_ps(o, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
+                    for (int j = 0; j < 16; ++j) out[h * Dv + 16 * i + j] = f32_to_bf16(o[j]);
+                }
+            }
         }
     });
 }

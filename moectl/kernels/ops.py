@@ -1,6 +1,7 @@
 """torch-facing calls of the CPU kernels (`cpu_kernels.cpp`): tensors in, tensors out.
 
-Legend: M = tokens, N = output rows, K = input columns, G = ceil(K / 64) blocks, NG = ceil(N / 16) row groups.
+Legend: M = tokens, N = output rows, K = input columns, G = ceil(K / 64) blocks, NG = ceil(N / 16) row groups;
+        H = query heads, KV = key/value heads, S = cached positions, Dk / Dv = key / value head size.
 
 Every function needs `moectl.kernels.library()` (callers check it) and CPU tensors; the q4 layout is
 `moectl/quant/vnni.py`'s.
@@ -54,3 +55,19 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(N, dtype=torch.bfloat16)
     library().moectl_bf16_gemv(_p(x), N, K, _p(w), _p(y))
     return y
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token's attention: q [H, Dk], k [KV, S, Dk], v [KV, S, Dv] (bf16; k and v may be strided views,
+    their last dimension contiguous), sinks [H] fp32 or None -> out [H, Dv] bf16. Dk % 32 == 0, Dv % 16 == 0, Dv <= 512."""
+    q = q.contiguous()
+    (H, Dk), (KV, S, Dv) = q.shape, v.shape
+    assert k.shape == (KV, S, Dk) and H % KV == 0 and Dk % 32 == 0 and Dv % 16 == 0 and Dv <= 512
+    assert k.stride(-1) == v.stride(-1) == 1 and q.dtype == k.dtype == v.dtype == torch.bfloat16
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
+    out = torch.empty(H, Dv, dtype=torch.bfloat16)
+    library().moectl_decode_attention(_p(q), _p(k), _p(v), H, KV, S, Dk, Dv, k.stride(0), k.stride(1), v.stride(0),
+                                      v.stride(1), scale, 0 if sinks is None else _p(sinks), _p(out))
+    return out

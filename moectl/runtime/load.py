@@ -17,6 +17,7 @@ import torch
 
 from ..errors import MoectlError
 from ..fingerprint import config_fingerprint
+from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
 from ..gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
 from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
@@ -95,6 +96,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     read_dense(hf, config, adapter, ckpt, dev, dt, ref.path)
     if dev.type == "cpu":          # the dense Linears: one-row GEMV, or int8 with --dense-lowbit (models/dense_cpu.py)
         cpu_linears(hf, opts.dense_lowbit)
+        cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
     prefetch = None if in_place and opts.prefetch == "auto" else opts.prefetch   # in place nothing can miss
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
         raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "
