@@ -41,7 +41,8 @@ def _all_visible(mask: torch.Tensor | None) -> bool:
 def _kernel_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, dropout: float, kwargs) -> bool:
     return (query.shape[0] == 1 and query.shape[2] == 1 and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.bfloat16
-            and query.shape[-1] % 32 == 0 and value.shape[-1] % 16 == 0 and value.shape[-1] <= 512 and query.shape[1] % key.shape[1] == 0
+            and query.shape[-1] % 32 == 0 and value.shape[-1] % 16 == 0 and value.shape[-1] <= 512
+            and query.shape[1] % key.shape[1] == 0
             and key.stride(-1) == 1 and value.stride(-1) == 1
             and not dropout and kwargs.get("softcap") is None and _all_visible(mask))
 
