@@ -130,9 +130,9 @@ inline void lowbit_group(const uint8_t* wq, const uint16_t* sm, const int8_t* aq
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < G; ++b) {
         __m512i q[16];
-        if constexpr (BITS == 4)    // the block PF ahead into L1 (past a group's end: the next group's, or nothing)
+        if constexpr (BITS == 4)    // the block PF ahead (past a group's end: the next group's, or nothing)
             for (int c = 0; c < BLOCK / 64; ++c)
-                _mm_prefetch(reinterpret_cast<const char*>(wq + (b + PF) * BLOCK + 64 * c), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(wq + (b + PF) * BLOCK + 64 * c), _MM_HINT_NTA);
         load_block<BITS>(wq + b * BLOCK, q);
         const __m512 s = load_bf16x16(sm + b * 32);
         const __m512 off = _mm512_fmadd_ps(s, center, load_bf16x16(sm + b * 32 + 16));   // m - 8 s (m - 128 s)
