@@ -103,7 +103,9 @@ def library() -> ctypes.CDLL | None:
     lib.moectl_lowbit_matmul.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr]
     lib.moectl_bf16_gemv.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.moectl_decode_attention.argtypes = [ptr, ptr, ptr, *[i64] * 9, ctypes.c_float, ptr, ptr]
-    for f in (lib.moectl_q8_act, lib.moectl_lowbit_matmul, lib.moectl_bf16_gemv, lib.moectl_decode_attention):
+    lib.moectl_experts_decode.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr]
+    for f in (lib.moectl_q8_act, lib.moectl_lowbit_matmul, lib.moectl_bf16_gemv, lib.moectl_decode_attention,
+              lib.moectl_experts_decode):
         f.restype = None
     return lib
 

@@ -9,6 +9,8 @@ Every function needs `moectl.kernels.library()` (callers check it) and CPU tenso
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import library
@@ -48,6 +50,27 @@ def lowbit_matmul(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, N: int
     return y
 
 
+def experts_decode(x: torch.Tensor, experts: list, weights: list[float]) -> torch.Tensor:
+    """One token through a layer's experts: x [1, H] bf16; `experts` [(gate_up, down)] of `quant/vnni.VnniLinear`
+    (gate_up [2I, H]: gate rows then up rows; down [H, I]); `weights` one per expert -> out [1, H] bf16 =
+    sum_k bf16(weights[k] * down_k(silu(gate_k x) * up_k x)) in the order given, rounded as the torch operations
+    round (cpu_kernels.cpp, 3.). Every gate_up of one bit width, every down of one."""
+    x = x.contiguous()
+    H, K = x.shape[-1], len(experts)
+    (g0, d0) = experts[0]
+    I = g0.N // 2
+    assert x.numel() == H and x.dtype == torch.bfloat16 and K == len(weights) and K > 0
+    assert all(g.N == 2 * I and d.N == H and g.bits == g0.bits and d.bits == d0.bits for g, d in experts)
+    assert all(g.codes.shape[1] == blocks(H) and d.codes.shape[1] == blocks(I) for g, d in experts)
+    ptrs = ctypes.c_void_p * K
+    out = torch.empty(1, H, dtype=torch.bfloat16)
+    library().moectl_experts_decode(_p(x), H, I, K, ptrs(*[_p(g.codes) for g, _ in experts]),
+                                    ptrs(*[_p(g.sm) for g, _ in experts]), g0.bits,
+                                    ptrs(*[_p(d.codes) for _, d in experts]), ptrs(*[_p(d.sm) for _, d in experts]),
+                                    d0.bits, (ctypes.c_float * K)(*weights), _p(out))
+    return out
+
+
 def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y [N] bf16 = w [N, K] @ x [K], both bf16 and contiguous, fp32 sums; K % 32 == 0."""
     N, K = w.shape
@@ -60,7 +83,8 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token's attention: q [H, Dk], k [KV, S, Dk], v [KV, S, Dv] (bf16; k and v may be strided views,
-    their last dimension contiguous), sinks [H] fp32 or None -> out [H, Dv] bf16. Dk % 32 == 0, Dv % 16 == 0, Dv <= 512."""
+    their last dimension contiguous), sinks [H] fp32 or None -> out [H, Dv] bf16. Dk % 32 == 0, Dv % 16 == 0,
+    Dv <= 512."""
     q = q.contiguous()
     (H, Dk), (KV, S, Dv) = q.shape, v.shape
     assert k.shape == (KV, S, Dk) and H % KV == 0 and Dk % 32 == 0 and Dv % 16 == 0 and Dv <= 512

@@ -28,6 +28,8 @@ class InPlaceExperts(CacheFront):
     low-bit buffer in place; any other computes from the full copies, all resident (HOBBIT's choice only
     matters on a miss, and in place there is none)."""
 
+    in_place = True                 # views stay valid for the whole forward (offloaded.py may defer computing them)
+
     def __init__(self, store: ExpertStore, policy: ReplacementPolicy, precision: PrecisionPolicy | None = None):
         # the full copies in the RAM tier, the low-bit ones, or both (lowbit-only leaves the full ones in the file)
         pools = ([FULL] if store.buffers is not None else []) + ([LOW] if store.lowbit is not None else [])

@@ -29,8 +29,11 @@ import torch
 from torch import nn
 
 from ..cache_model import FULL, LOW
+from ..kernels import ops
+from ..models.base import FamilyAdapter
 from ..policies.draft import pass_order
 from ..policies.precision import SKIP, rank_scores
+from ..quant.vnni import VnniLinear
 
 
 class OffloadedExperts(nn.Module):
@@ -41,6 +44,9 @@ class OffloadedExperts(nn.Module):
         self.runtime = runtime
         self.apply_gate = apply_gate        # the family's act(gate) * up (GPT-OSS: clamped SwiGLU)
         self.num_experts = num_experts
+        # transformers' SiLU gating through the base adapter's FFN: what the fused decode call computes
+        self.fusable = (_is_silu_gate(apply_gate)
+                        and type(runtime.adapter).expert_forward is FamilyAdapter.expert_forward)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -67,8 +73,17 @@ class OffloadedExperts(nn.Module):
                 kept = torch.tensor([plan.get(e) != SKIP for e in top_k_index[0].tolist()], device=w.device)
                 w = w * (w.sum() / (w * kept).sum())
             ys: dict[int, torch.Tensor] = {}
+            # In place on the CPU (weights where they lie, nothing pinned or evicted meanwhile) experts in moectl's
+            # low-bit layout wait for one fused call (`kernels.ops.experts_decode`: ~15 torch operations and 4
+            # kernel calls fewer an expert, the same roundings)
+            fuse = (self.fusable and getattr(cache, "in_place", False) and hidden_states.dtype == torch.bfloat16)
+            deferred: dict[int, dict] = {}
 
             def one(e, expert):
+                ws = getattr(expert, "weights", None)
+                if fuse and ws is not None and all(isinstance(ws.get(m), VnniLinear) for m in ("gate_up", "down")):
+                    deferred[e] = ws
+                    return
                 ys[e] = expert(hidden_states) * w[pos[e]]                           # [1,H]
 
             # admission learns how often a decode layer waits for a copy (nothing to count with it off)
@@ -77,6 +92,12 @@ class OffloadedExperts(nn.Module):
             self._each_expert(plan, one)
             if learn:
                 rt.prefetch_gate.layer_done(rt.decode_misses(layer) - misses, rt.cpu_experts - cpu)
+            if deferred and not ys:
+                order, wl = sorted(deferred), w.float().tolist()
+                return ops.experts_decode(hidden_states, [(deferred[e]["gate_up"], deferred[e]["down"]) for e in order],
+                                          [wl[pos[e]] for e in order]).view_as(hidden_states)
+            for e, ws in deferred.items():                                          # beside others: one by one
+                ys[e] = rt.adapter.expert_forward(ws, hidden_states, self.apply_gate) * w[pos[e]]
             out = torch.zeros_like(hidden_states)                                   # [1,H]
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
@@ -191,7 +212,19 @@ class OffloadedExperts(nn.Module):
         if torch.is_grad_enabled():             # a backward will follow (`moectl sensitivity`)
             w = _all_landed(w)
             return lambda x: _ExpertRecompute.apply(x, self, e, w, precision)
-        return lambda x: self.runtime.adapter.expert_forward(w, x, self.apply_gate)
+        fwd = lambda x: self.runtime.adapter.expert_forward(w, x, self.apply_gate)   # noqa: E731
+        fwd.weights = w                                                         # for the fused decode call
+        return fwd
+
+
+def _is_silu_gate(apply_gate) -> bool:
+    """Whether `apply_gate` is transformers' default gating (gate, up = chunk(2); act(gate) * up) with SiLU."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    owner = getattr(apply_gate, "__self__", None)
+    return (getattr(apply_gate, "__func__", None) is _default_apply_gate
+            and isinstance(getattr(owner, "act_fn", None), (SiLUActivation, nn.SiLU)))
 
 
 class _ExpertRecompute(torch.autograd.Function):
