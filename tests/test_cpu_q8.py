@@ -110,3 +110,29 @@ def test_q8_copies_take_torchs_int8_kernel_and_match_its_reference(mixtral_q8, m
     print(f"max |logit diff| kernel-ref {(fast - ref).abs().max():.4f} hqq-lossless {(hqq - lossless).abs().max():.4f}"
           f" kernel-lossless {(fast - lossless).abs().max():.4f} kernel-hqq {(fast - hqq).abs().max():.4f}")
     assert (fast - lossless).abs().max() <= 3 * (hqq - lossless).abs().max()      # the second rounding: same order
+
+
+def test_in_place_decode_fuses_a_layers_experts_bit_for_bit(mixtral_q8, monkeypatch):
+    """In place at lowbit-only, a decode token's experts of a layer go through one fused call
+    (`ops.experts_decode`), with the logits of the expert-by-expert path; prefill keeps the batched path."""
+    from moectl import kernels
+    from moectl.kernels import ops
+    from moectl.runtime.offloaded import OffloadedExperts
+    from test_quantize import _decode
+
+    if kernels.library() is None:
+        pytest.skip(f"moectl's CPU kernels cannot run here: {kernels.why_not()}")
+    d, wd = mixtral_q8
+    eng = Engine.load(str(d), workdir=str(wd), lowbit="q8g64", precision="lowbit-only", progress=False,
+                      dtype="bfloat16", threads=1)
+    blocks = [m for m in eng.model.modules() if isinstance(m, OffloadedExperts)]
+    assert blocks and all(b.fusable for b in blocks)
+    calls = []
+    real = ops.experts_decode
+    monkeypatch.setattr(ops, "experts_decode", lambda x, ex, w: calls.append(len(ex)) or real(x, ex, w))
+    fused = _decode(eng)
+    assert calls and set(calls) == {eng.config.num_experts_per_tok}
+    n = len(calls)
+    for b in blocks:
+        b.fusable = False
+    assert torch.equal(_decode(eng), fused) and len(calls) == n

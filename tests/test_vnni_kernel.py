@@ -118,3 +118,24 @@ def test_switched_off_says_why():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "MOECTL_CPU_KERNELS": "0"}).stdout
     assert out.strip() == "True MOECTL_CPU_KERNELS=0"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_experts_decode_is_the_composed_torch_path_bit_for_bit(bits):
+    """One fused call (q8 activations once, SiLU gating, the weighted bf16 sum in the order given) equals the torch
+    operations the runtime composes otherwise, bit for bit: I = 200 leaves a SiLU tail (torch's scalar path) and a
+    padded activation block."""
+    H, I, weights = 128, 200, [0.61, 0.25, 0.14]
+    experts = []
+    for _ in weights:
+        gu = vnni.quantize_rtn(torch.randn(2 * I, H, generator=GEN).bfloat16() * 0.05, bits=bits)
+        dn = vnni.quantize_rtn(torch.randn(H, I, generator=GEN).bfloat16() * 0.05, bits=bits)
+        experts.append((vnni.VnniLinear(*gu, 2 * I), vnni.VnniLinear(*dn, H)))
+    x = torch.randn(1, H, generator=GEN).bfloat16()
+    want = torch.zeros(1, H, dtype=torch.bfloat16)
+    for (gu, dn), w in zip(experts, weights):
+        gate, up = gu(x).chunk(2, -1)
+        want = want + (dn(torch.nn.functional.silu(gate) * up) * torch.tensor(w)).to(torch.bfloat16)
+    got = ops.experts_decode(x, experts, weights)
+    assert got.shape == (1, H) and torch.equal(got, want)
+    assert not torch.equal(ops.experts_decode(x, experts[::-1], weights[::-1]), torch.zeros_like(want))
