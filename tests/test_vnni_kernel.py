@@ -128,9 +128,9 @@ def test_experts_decode_is_the_composed_torch_path_bit_for_bit(bits):
     H, I, weights = 128, 200, [0.61, 0.25, 0.14]
     experts = []
     for _ in weights:
-        gu = vnni.quantize_rtn(torch.randn(2 * I, H, generator=GEN).bfloat16() * 0.05, bits=bits)
-        dn = vnni.quantize_rtn(torch.randn(H, I, generator=GEN).bfloat16() * 0.05, bits=bits)
-        experts.append((vnni.VnniLinear(*gu, 2 * I), vnni.VnniLinear(*dn, H)))
+        (gq, gs, gz), (dq, ds, dz) = _lowbit(2 * I, H, bits), _lowbit(H, I, bits)
+        experts.append((vnni.VnniLinear(vnni.pack_codes(gq, bits), vnni.pack_scales(gs, gz, H), 2 * I),
+                        vnni.VnniLinear(vnni.pack_codes(dq, bits), vnni.pack_scales(ds, dz, I), H)))
     x = torch.randn(1, H, generator=GEN).bfloat16()
     want = torch.zeros(1, H, dtype=torch.bfloat16)
     for (gu, dn), w in zip(experts, weights):
