@@ -154,8 +154,8 @@ def gguf_bytes_per_token(gguf: Path) -> float:
 
 def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None, dense_lowbit: str | None = None) -> float:
     """The same for moectl: dense tensors but the embedding, plus top-k experts per layer (the copy's bytes); with
-    `dense_lowbit` q8 the attention projections and lm_head at one byte a weight (+ a bf16 scale per row), q4 the
-    attention projections at q4g64 (half a byte + 2 bf16 per 64) and the lm_head int8."""
+    `dense_lowbit` (moectl's kernels' layouts, 2 bf16 per 64 weights) q8 the attention projections and lm_head
+    q8g64, q4 the attention projections q4g64 and the lm_head q6g64 (models/dense_cpu.py)."""
     from moectl.runtime.engine import inspect_model
 
     info = inspect_model(str(ckpt), str(workdir), None)
@@ -171,9 +171,9 @@ def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None, dense_
         hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
         q, kv = cfg["num_attention_heads"] * hd, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd
         attn = cfg["num_hidden_layers"] * (2 * H * q + 2 * H * kv)                  # q, o, k, v
-        rows = cfg["num_hidden_layers"] * (2 * q + 2 * kv)
-        attn_after = attn * (0.5 + 4 / 64) if dense_lowbit == "q4" else attn + 2 * rows
-        dense -= (attn + V * H) * 2 - (attn_after + V * H + 2 * V)                  # bf16 -> low-bit + scales
+        attn_bits, head_bits = (4, 6) if dense_lowbit == "q4" else (8, 8)
+        per = lambda bits: bits / 8 + 4 / 64                                        # noqa: E731 (bytes a weight)
+        dense -= (attn + V * H) * 2 - (attn * per(attn_bits) + V * H * per(head_bits))   # bf16 -> low-bit
     return dense + info["moe_layers"] * info["top_k"] * per_expert
 
 

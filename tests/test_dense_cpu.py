@@ -10,6 +10,7 @@ from torch import nn
 
 from moectl import kernels
 from moectl.errors import MoectlError
+from moectl.quant import vnni
 from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, VnniDenseLinear, check_dense_lowbit, cpu_linears
 from moectl.runtime.engine import Engine
 from test_cpu_q8 import mixtral_q8, one_thread  # noqa: F401 (fixtures)
@@ -64,14 +65,15 @@ def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral, pa
 
 @pytest.mark.skipif(kernels.library() is None, reason="moectl's CPU kernels cannot run here")
 def test_dense_lowbit_q4_is_llamacpps_q4_0_mix(mixtral):
-    """q4: attention projections q4g64 through moectl's q4 kernel, the lm_head q8g64 (llama.cpp's Q4_0 files keep
-    the output tensor at Q6_K); fewer bytes than q8, said in lossy(), the same model within q4 noise."""
+    """q4: attention projections q4g64 through moectl's q4 kernel, the lm_head q6g64 (llama.cpp's Q4_0 files keep
+    the output tensor at Q6_K); fewer bytes than q8, said in lossy(), the same model within q4 noise, the lm_head's
+    error between q8's and q4's."""
     kw = dict(progress=False, dtype="bfloat16", threads=1)
     base, q8 = Engine.load(str(mixtral), **kw), Engine.load(str(mixtral), dense_lowbit="q8", **kw)
     eng = Engine.load(str(mixtral), dense_lowbit="q4", **kw)
     mods = dict(eng.model.named_modules())
     assert isinstance(mods["model.layers.0.self_attn.q_proj"], VnniDenseLinear)
-    assert mods["model.layers.0.self_attn.q_proj"].bits == 4 and mods["lm_head"].bits == 8
+    assert mods["model.layers.0.self_attn.q_proj"].bits == 4 and mods["lm_head"].bits == 6
     assert eng.lossy()["dense_lowbit"] == "q4"
     attn = [(n, m) for n, m in mods.items() if isinstance(m, VnniDenseLinear) and m.bits == 4]
     attn_q8 = dict(q8.model.named_modules())
@@ -80,6 +82,11 @@ def test_dense_lowbit_q4_is_llamacpps_q4_0_mix(mixtral):
     a, b, c = _decode(base).float(), _decode(eng).float(), _decode(q8).float()
     err_q4, err_q8 = (a - b).norm() / a.norm(), (a - c).norm() / a.norm()
     assert err_q8 < err_q4 < 0.2                                                  # q4 noise > q8's, the same model
+    assert nbytes(mods["lm_head"]) < 0.85 * nbytes(attn_q8["lm_head"])
+    w = base.model.lm_head.weight.float()
+    errs = {b: (vnni.dequantize(*vnni.quantize_rtn(w.bfloat16(), bits=b), *w.shape).float() - w).norm() / w.norm()
+            for b in (4, 6, 8)}
+    assert errs[8] < errs[6] < errs[4] / 3                                       # 6 bits: ~4x finer than 4
 
 
 def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):

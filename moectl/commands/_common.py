@@ -127,7 +127,7 @@ class PrecisionOpts:
         return typer.Option(None, "--dense-lowbit",
                             help="q8: keep the attention projections and the lm_head 8-bit on the CPU (q8g64 "
                                  "through moectl's kernels; int8 per row where they cannot build); q4: the attention "
-                                 "projections q4g64, the lm_head q8g64 (llama.cpp's Q4_0 mix; needs the kernels). "
+                                 "projections q4g64, the lm_head q6g64 (llama.cpp's Q4_0 mix; needs the kernels). "
                                  "Lossy; llama.cpp's quantized files quantize them too. --device cpu, bf16.")
 
     @staticmethod

@@ -3,12 +3,15 @@
 // Legend: M = tokens (rows of x), N = output rows of a weight, K = its input columns, G = ceil(K / 64) blocks of
 //         64 inputs, NG = ceil(N / 16) groups of 16 output rows (one 512-bit vector of fp32 lanes: lane r = row r).
 //
-// 1. q4 / q8 x int8 (what llama.cpp's repacked Q4_0 GEMV does, on moectl's own affine q4g64 / q8g64 copies).
+// 1. q4 / q6 / q8 x int8 (what llama.cpp's repacked Q4_0 GEMV does, on moectl's own affine q4g64 / q8g64 copies;
+//    q6g64 for a q4 model's lm_head, as llama.cpp's Q4_0 files keep their output tensor at Q6_K).
 //    Weights: codes q in [0, 2^bits), w = (q - 2^(bits-1)) * s + m per block of 64 inputs (HQQ's w = (q - z) * s
 //    with m = (2^(bits-1) - z) * s; at q4 the values torch's int4 kernel computes with). Packed per 16 rows x 64
 //    inputs (512 bytes at q4, 1024 at q8):
 //        q4: byte 64 c + 4 r + i  (c < 8, r < 16, i < 4) = q[row r][4 c + i] | q[row r][4 (c + 8) + i] << 4
 //        q8: byte 64 c + 4 r + i  (c < 16)                = q[row r][4 c + i]
+//        q6: the q4 layout of the low 4 bits (512 bytes), then byte 512 + 64 c + 4 r + i (c < 4) = the high 2 bits of
+//            q[row r][4 (c + 4 j) + i] at bits 2j, 2j+1 (j < 4)                                     (768 bytes)
 //    so a 64-byte load (and at q4 `& 0x0f`, `& 0xf0`: the high codes x16, undone by one shift of their sum) gives
 //    vectors whose 32-bit lane r holds 4 consecutive codes of row r.
 //    Scales: per 16 rows x 64 inputs, 16 bf16 s then 16 bf16 m (one part with the codes' grouping, so a copy is
@@ -128,25 +131,58 @@ inline void load_block(const uint8_t* blk, __m512i* q) {
 
 // One group of 16 rows against T tokens (m0 .. m0+T-1); y[t][16] fp32. T is a template argument so the
 // accumulators stay in registers.
+// q6's integer dot of one block for 16 rows: the q4 layout of the low nibbles (512 bytes), then the 2 high bits of
+// vectors c, c+4, c+8, c+12 in bits 0-1, 2-3, 4-5, 6-7 of 4 vectors (256 bytes), each masked in place (x1, x4,
+// x16, x64) and unscaled by one shift of its sum. Read from the block per token (32 vectors would not fit the
+// registers); 32 dpbusd in 8 chains.
+inline __m512i q6_dot(const uint8_t* blk, const int8_t* a) {
+    const __m512i lo = _mm512_set1_epi8(0x0f), hi = _mm512_set1_epi8(static_cast<char>(0xf0));
+    __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+    for (int c = 0; c < 8; c += 2) {
+        const __m512i v0 = _mm512_loadu_si512(blk + 64 * c), v1 = _mm512_loadu_si512(blk + 64 * c + 64);
+        d0 = _mm512_dpbusd_epi32(d0, _mm512_and_si512(v0, lo), _mm512_set1_epi32(four(a + 4 * c)));
+        d1 = _mm512_dpbusd_epi32(d1, _mm512_and_si512(v1, lo), _mm512_set1_epi32(four(a + 4 * c + 4)));
+        d2 = _mm512_dpbusd_epi32(d2, _mm512_and_si512(v0, hi), _mm512_set1_epi32(four(a + 4 * c + 32)));
+        d3 = _mm512_dpbusd_epi32(d3, _mm512_and_si512(v1, hi), _mm512_set1_epi32(four(a + 4 * c + 36)));
+    }
+    __m512i e0 = _mm512_setzero_si512(), e1 = e0, e2 = e0, e3 = e0;
+    for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + 512 + 64 * c);
+        e0 = _mm512_dpbusd_epi32(e0, _mm512_and_si512(v, _mm512_set1_epi8(0x03)), _mm512_set1_epi32(four(a + 4 * c)));
+        e1 = _mm512_dpbusd_epi32(e1, _mm512_and_si512(v, _mm512_set1_epi8(0x0c)),
+                                 _mm512_set1_epi32(four(a + 4 * c + 16)));
+        e2 = _mm512_dpbusd_epi32(e2, _mm512_and_si512(v, _mm512_set1_epi8(0x30)),
+                                 _mm512_set1_epi32(four(a + 4 * c + 32)));
+        e3 = _mm512_dpbusd_epi32(e3, _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(0xc0))),
+                                 _mm512_set1_epi32(four(a + 4 * c + 48)));
+    }
+    const __m512i low = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_srai_epi32(_mm512_add_epi32(d2, d3), 4));
+    const __m512i high = _mm512_add_epi32(_mm512_add_epi32(e0, _mm512_srai_epi32(e1, 2)),
+                                          _mm512_add_epi32(_mm512_srai_epi32(e2, 4), _mm512_srai_epi32(e3, 6)));
+    return _mm512_add_epi32(low, _mm512_slli_epi32(high, 4));
+}
+
 template <int BITS, int T>
 inline void lowbit_group(const uint8_t* wq, const uint16_t* sm, const int8_t* aq, const float* d,
                          const float* xs, int64_t G, int64_t m0, float* y) {
     constexpr int64_t BLOCK = 8 * BITS * 16;               // bytes of 16 rows x 64 codes
-    const __m512 center = _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1)));   // codes are stored + 8 / + 128
+    const __m512 center = _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1)));   // codes stored + 8 / 32 / 128
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < G; ++b) {
         __m512i q[16];
-        if constexpr (BITS == 4)    // the block PF ahead (past a group's end: the next group's, or nothing)
+        if constexpr (BITS != 8)    // the block PF ahead (past a group's end: the next group's, or nothing)
             for (int c = 0; c < BLOCK / 64; ++c)
                 _mm_prefetch(reinterpret_cast<const char*>(wq + (b + PF) * BLOCK + 64 * c), _MM_HINT_NTA);
-        load_block<BITS>(wq + b * BLOCK, q);
+        if constexpr (BITS != 6) load_block<BITS>(wq + b * BLOCK, q);
         const __m512 s = load_bf16x16(sm + b * 32);
         const __m512 off = _mm512_fmadd_ps(s, center, load_bf16x16(sm + b * 32 + 16));   // m - 8 s (m - 128 s)
         for (int t = 0; t < T; ++t) {
             const int8_t* a = aq + ((m0 + t) * G + b) * 64;
             __m512i dot;
-            if constexpr (BITS == 4) {
+            if constexpr (BITS == 6) {
+                dot = q6_dot(wq + b * BLOCK, a);
+            } else if constexpr (BITS == 4) {
                 // four independent chains: with two, dpbusd's latency rather than its throughput bounds a decode
                 // row (with the in-place high nibbles: one 14336 x 4096 q4 matrix not in cache, one token, one
                 // thread, 1.83 -> 1.51 ms; 32 tokens 13.5 -> 11.1 ms).
@@ -210,12 +246,14 @@ void lowbit_matmul(const int8_t* aq, const float* d, const float* xs, int64_t M,
 
 }  // namespace
 
-// y [M, N] bf16 = x @ W^T for a low-bit W of `bits` 4 or 8: codes [NG, G, 8 bits 16] u8, sm [NG, G, 2, 16] bf16
+// y [M, N] bf16 = x @ W^T for a low-bit W of `bits` 4, 6 or 8: codes [NG, G, 8 bits 16] u8, sm [NG, G, 2, 16] bf16
 // (s, then m, of each row's block); aq / d / xs from moectl_q8_act.
 extern "C" void moectl_lowbit_matmul(const int8_t* aq, const float* d, const float* xs, int64_t M, int64_t N,
                                      int64_t K, const uint8_t* codes, const uint16_t* sm, int64_t bits, uint16_t* y) {
     if (bits == 4)
         lowbit_matmul<4>(aq, d, xs, M, N, K, codes, sm, y);
+    else if (bits == 6)
+        lowbit_matmul<6>(aq, d, xs, M, N, K, codes, sm, y);
     else
         lowbit_matmul<8>(aq, d, xs, M, N, K, codes, sm, y);
 }

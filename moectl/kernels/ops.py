@@ -39,10 +39,10 @@ def q8_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def lowbit_matmul(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, N: int, bits: int) -> torch.Tensor:
-    """y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the low-bit layout of `bits` 4 or 8 (moectl/quant/vnni.py):
+    """y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the low-bit layout of `bits` 4, 6 or 8 (moectl/quant/vnni.py):
     codes [NG, G, 8 bits 16] uint8, sm [NG, G, 2, 16] bf16."""
     M, K = x.shape
-    assert bits in (4, 8) and codes.shape[1:] == (blocks(K), 8 * bits * 16) and codes.is_contiguous()
+    assert bits in (4, 6, 8) and codes.shape[1:] == (blocks(K), 8 * bits * 16) and codes.is_contiguous()
     assert sm.is_contiguous() and sm.dtype == torch.bfloat16
     aq, d, xs = q8_act(x)
     y = torch.empty(M, N, dtype=torch.bfloat16)

@@ -16,9 +16,9 @@ Legend: N = output rows of a matrix, K = its input columns.
    requantize`: every weight within half a step) for torch's int8 kernel (`Int8DenseLinear`). Lossy: the
    engine's `lossy()` names it. CPU and bf16 only.
 3. `--dense-lowbit q4`: the mix of llama.cpp's Q4_0 files (attention Q4_0, output tensor Q6_K): the attention
-   projections q4g64, the lm_head q8g64 (its error reaches every logit directly), both through moectl's
-   kernels, which it needs. Measured: the lm_head on torch's per-row int8 kernel took 10.4 ms a token at one
-   thread on the Mixtral shape (12.6 GB/s), a quarter of a q4 token; the q8g64 kernel reads it at ~20 GB/s.
+   projections q4g64, the lm_head q6g64 (its error reaches every logit directly), both through moectl's
+   kernels, which it needs. The lm_head is most of a 2-layer token's dense bytes (Mixtral's 32000 x 4096: 139 MB
+   at q8g64, 107 at q6g64; Qwen3's 151936 x 2048: 330 and 253).
 """
 
 from __future__ import annotations
@@ -101,15 +101,15 @@ def _lowbit_linear(kind: str, name: str, lin: nn.Linear) -> nn.Module | None:
     if not (attention or head):
         return None
     if kernels.library() is not None and lin.in_features % 64 == 0:
-        return VnniDenseLinear(lin, 4 if kind == "q4" and attention else 8)
+        return VnniDenseLinear(lin, 8 if kind == "q8" else 4 if attention else 6)
     return Int8DenseLinear(lin) if lin.in_features % 16 == 0 else None
 
 
 def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
-    """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "q8", "q4", "bytes_before",
-    "bytes_after"}: how many of each (int8: torch's per-row kernel; q8 / q4: moectl's), and the low-bit matrices'
-    weight bytes before and after."""
-    out = {"gemv": 0, "int8": 0, "q8": 0, "q4": 0, "bytes_before": 0, "bytes_after": 0}
+    """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "q8", "q6", "q4",
+    "bytes_before", "bytes_after"}: how many of each (int8: torch's per-row kernel; q8 / q6 / q4: moectl's), and the
+    low-bit matrices' weight bytes before and after."""
+    out = {"gemv": 0, "int8": 0, "q8": 0, "q6": 0, "q4": 0, "bytes_before": 0, "bytes_after": 0}
     for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
         q = _lowbit_linear(dense_lowbit, name, lin) if dense_lowbit else None
         if q is None:

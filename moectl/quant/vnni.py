@@ -30,7 +30,7 @@ from ..models.formats import Part
 from .hqq_format import HqqFormat
 from .repacked import RepackedFormat
 
-BITS = (4, 8)
+BITS = (4, 8)                   # expert copies; 6 serves a q4 model's lm_head (--dense-lowbit q4)
 
 
 def _grouped(N: int, K: int) -> tuple[int, int]:
@@ -38,7 +38,7 @@ def _grouped(N: int, K: int) -> tuple[int, int]:
 
 
 def code_bits(codes: torch.Tensor) -> int:
-    """4 or 8: a block of 16 rows x 64 codes is 8 x bits x 16 bytes."""
+    """4, 6 or 8: a block of 16 rows x 64 codes is 8 x bits x 16 bytes."""
     return codes.shape[-1] // 128
 
 
@@ -50,6 +50,14 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     qp[:N, :K] = q
     if bits == 8:
         return qp.view(NG, 16, G, 16, 4).permute(0, 2, 3, 1, 4).reshape(NG, G, 1024)   # [NG, G, c, r, i]
+    if bits == 6:                       # the low nibbles as q4, then the high 2 bits of vectors c + 4 j at bits 2 j
+        hv = (qp >> 4).view(NG, 16, G, 4, 4, 4).permute(0, 2, 4, 1, 5, 3)   # [NG, G, c, r, i, j]: k = 4 (c + 4 j) + i
+        high = hv[..., 0] | hv[..., 1] << 2 | hv[..., 2] << 4 | hv[..., 3] << 6
+        return torch.cat([_pack4(qp & 15, NG, G), high.reshape(NG, G, 256)], -1)
+    return _pack4(qp, NG, G)
+
+
+def _pack4(qp: torch.Tensor, NG: int, G: int) -> torch.Tensor:
     qv = qp.view(NG, 16, G, 2, 8, 4).permute(0, 2, 4, 1, 5, 3)            # [NG, G, c, r, i, h]: k = 4 (c + 8 h) + i
     return (qv[..., 0] | (qv[..., 1] << 4)).reshape(NG, G, 512)
 
@@ -57,12 +65,18 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(codes: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """`pack_codes`' inverse: [NG, G, 8 bits 16] -> [N, K] uint8, on codes' device."""
     NG, G, _ = codes.shape
-    if code_bits(codes) == 8:
+    bits = code_bits(codes)
+    if bits == 8:
         q = codes.view(NG, G, 16, 16, 4).permute(0, 3, 1, 2, 4)              # [NG, r, G, c, i]
         return q.reshape(NG * 16, G * 64)[:N, :K]
-    v = codes.view(NG, G, 8, 16, 4)                                         # [NG, G, c, r, i]
+    v = codes[..., :512].reshape(NG, G, 8, 16, 4)                           # [NG, G, c, r, i]
     q = torch.stack([v & 15, v >> 4], -1)                                   # [.., h]
-    return q.permute(0, 3, 1, 5, 2, 4).reshape(NG * 16, G * 64)[:N, :K]     # [NG, r, G, h, c, i]
+    q = q.permute(0, 3, 1, 5, 2, 4).reshape(NG * 16, G * 64)                # [NG, r, G, h, c, i]
+    if bits == 6:
+        h = codes[..., 512:].reshape(NG, G, 4, 16, 4)                       # [NG, G, c, r, i]
+        h = torch.stack([h >> 2 * j & 3 for j in range(4)], -1)             # [.., j]
+        q = q | h.permute(0, 3, 1, 5, 2, 4).reshape(NG * 16, G * 64) << 4   # [NG, r, G, j, c, i]
+    return q[:N, :K]
 
 
 def pack_scales(scale: torch.Tensor, zero: torch.Tensor, K: int) -> torch.Tensor:
