@@ -60,8 +60,8 @@ V = eng.config.vocab_size
 with torch.inference_mode():
     ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
     eng.forward(ids[:, :8], None)                                  # warm-up
-    t0 = time.perf_counter(); eng.forward(ids, None); t_pre = time.perf_counter() - t0
-    out, pkv = eng.forward(ids[:, :{prompt}], None)
+    t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
+    out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
     nxt = out[:, -1:].argmax(-1)
     t0 = time.perf_counter()
     for _ in range({gen}):

@@ -148,10 +148,12 @@ class Engine:
             self.prefetch.reset()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, past_key_values=None, verify: bool = False):
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, verify: bool = False, last_only: bool = False):
         """Logits [1,T,V] and the KV cache, for `input_ids` [1,T] after `past_key_values`.
         A forward without a KV cache, or of several tokens, is a prefill step, else a decode step; `verify`: the
-        tokens are a speculative verification pass (the last accepted token + drafts), a decode step of T tokens."""
+        tokens are a speculative verification pass (the last accepted token + drafts), a decode step of T tokens.
+        `last_only`: the last position's logits only, [1,1,V] (a prompt's prefill: the lm_head of every position is
+        512 x 151936 x 2048 multiply-adds for a 512-token Qwen3 prompt, wasted)."""
         from transformers import DynamicCache
 
         decode = past_key_values is not None and (input_ids.shape[-1] == 1 or verify)
@@ -168,8 +170,9 @@ class Engine:
         self._prefill_t0 = time.perf_counter()
         try:
             with gemv.native_one_row(self.device.type == "cpu" and input_ids.shape[-1] == 1):
-                out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device),
-                                                    past_key_values=past_key_values, use_cache=True),
+                out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device), use_cache=True,
+                                                    past_key_values=past_key_values,
+                                                    logits_to_keep=1 if last_only else 0),
                                  f"running the model on {input_ids.shape[-1]} tokens")
         finally:
             if self._prefill_bar is not None:
@@ -219,7 +222,7 @@ class Engine:
         self.begin_request(f"generate-{self._requests}")
         t0 = time.perf_counter()
         mark = self.cache.stats.as_dict()
-        logits, pkv = self.forward(torch.tensor([ids], dtype=torch.long))     # the prompt's forward (prefill)
+        logits, pkv = self.forward(torch.tensor([ids], dtype=torch.long), last_only=True)   # the prompt's prefill
         t_prefill = time.perf_counter() - t0
         per_token = [_step_delta(mark, self.cache.stats.as_dict())]
         out.emit(sampling.pick(logits[0, -1])[0])
