@@ -45,8 +45,9 @@ class OffloadedExperts(nn.Module):
         self.apply_gate = apply_gate        # the family's act(gate) * up (GPT-OSS: clamped SwiGLU)
         self.num_experts = num_experts
         # transformers' SiLU gating through the base adapter's FFN: what the fused decode call computes
+        # (a bound method's function: a GGUF's adapter hands its family adapter's through)
         self.fusable = (_is_silu_gate(apply_gate)
-                        and type(runtime.adapter).expert_forward is FamilyAdapter.expert_forward)
+                        and getattr(runtime.adapter.expert_forward, "__func__", None) is FamilyAdapter.expert_forward)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
