@@ -60,7 +60,9 @@ class Hardware:
 # whole token's rate is a lower bound on its experts' rate: one q4g64 expert alone read 0.67-0.75 of the host
 # rate through moectl's kernel, bench/cpu_expert.py; llama.cpp's experts cannot be timed alone). Was 0.36 / 0.58
 # with torch's int4 kernel.
-CPU_Q4_SHARE = {"moectl": 0.56, "llamacpp": 0.62}          # 1 thread, Mixtral shape, q4g64 and Q4_0
+# Fourth round (four dpbusd chains and a prefetch in the q4 kernel, the decode attention kernel, fused experts, a
+# q6 lm_head; 21:29-21:38 UTC): moectl q4g64 + dense q4 22.6 / 32.4 GB/s = 0.70, llama.cpp Q4_0 19.0 / 32.4 = 0.59.
+CPU_Q4_SHARE = {"moectl": 0.70, "llamacpp": 0.59}          # 1 thread, Mixtral shape, q4g64 and Q4_0
 
 
 def list_hardware() -> list[str]:
