@@ -67,10 +67,11 @@ inline __m512 load_bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-constexpr int MT = 8;
-#ifndef PF
-#define PF 4
-#endif                                      // tokens per pass over a row group's codes
+constexpr int MT = 8;                                      // tokens per pass over a row group's codes
+// q4 / q6 blocks a row group prefetches ahead (non-temporal: the stream stays out of L2/L3). One 14336 x 4096 q4
+// matrix not in cache, one token, one thread: 1.65 -> 1.50 ms with it; 2 blocks did no better, 8 and 16 worse; q8,
+// twice the bytes per operation, gained nothing.
+constexpr int64_t PF = 4;
 
 }  // namespace
 
@@ -129,12 +130,43 @@ inline void load_block(const uint8_t* blk, __m512i* q) {
     }
 }
 
-// One group of 16 rows against T tokens (m0 .. m0+T-1); y[t][16] fp32. T is a template argument so the
-// accumulators stay in registers.
-// q6's integer dot of one block for 16 rows: the q4 layout of the low nibbles (512 bytes), then the 2 high bits of
-// vectors c, c+4, c+8, c+12 in bits 0-1, 2-3, 4-5, 6-7 of 4 vectors (256 bytes), each masked in place (x1, x4,
-// x16, x64) and unscaled by one shift of its sum. Read from the block per token (32 vectors would not fit the
-// registers); 32 dpbusd in 8 chains.
+// 16 rows' integer dot of a q4 block (vectors q from load_block<4>: 8-15 are x16) with its 64 activations a. Four
+// independent chains: with two, dpbusd's latency rather than its throughput bounds a decode row (with the in-place
+// high nibbles: one 14336 x 4096 q4 matrix not in cache, one token, one thread, 1.83 -> 1.51 ms; 32 tokens 13.5 ->
+// 11.1 ms).
+inline __m512i q4_dot(const __m512i* q, const int8_t* a) {
+    __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
+    for (int c = 0; c < 8; c += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, q[c], _mm512_set1_epi32(four(a + 4 * c)));
+        d1 = _mm512_dpbusd_epi32(d1, q[c + 1], _mm512_set1_epi32(four(a + 4 * c + 4)));
+        d2 = _mm512_dpbusd_epi32(d2, q[c + 8], _mm512_set1_epi32(four(a + 4 * c + 32)));
+        d3 = _mm512_dpbusd_epi32(d3, q[c + 9], _mm512_set1_epi32(four(a + 4 * c + 36)));
+    }
+    return _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_srai_epi32(_mm512_add_epi32(d2, d3), 4));
+}
+
+// The dot of a q6 block's high 2 bits (its 256 bytes after the q4 layout of the low nibbles): vectors c, c+4, c+8,
+// c+12 in bits 0-1, 2-3, 4-5, 6-7 of 4 vectors, each masked in place (x1, x4, x16, x64) and unscaled by one shift
+// of its sum.
+inline __m512i q6_high_dot(const uint8_t* hb, const int8_t* a) {
+    __m512i e0 = _mm512_setzero_si512(), e1 = e0, e2 = e0, e3 = e0;
+    for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(hb + 64 * c);
+        e0 = _mm512_dpbusd_epi32(e0, _mm512_and_si512(v, _mm512_set1_epi8(0x03)), _mm512_set1_epi32(four(a + 4 * c)));
+        e1 = _mm512_dpbusd_epi32(e1, _mm512_and_si512(v, _mm512_set1_epi8(0x0c)),
+                                 _mm512_set1_epi32(four(a + 4 * c + 16)));
+        e2 = _mm512_dpbusd_epi32(e2, _mm512_and_si512(v, _mm512_set1_epi8(0x30)),
+                                 _mm512_set1_epi32(four(a + 4 * c + 32)));
+        e3 = _mm512_dpbusd_epi32(e3, _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(0xc0))),
+                                 _mm512_set1_epi32(four(a + 4 * c + 48)));
+    }
+    return _mm512_add_epi32(_mm512_add_epi32(e0, _mm512_srai_epi32(e1, 2)),
+                            _mm512_add_epi32(_mm512_srai_epi32(e2, 4), _mm512_srai_epi32(e3, 6)));
+}
+
+// A q6 block's integer dot: the low nibbles (a q4 block) read and masked per token too, not held as load_block's
+// 16 vectors as q4's are (held, the q6 product of one 14336 x 4096 matrix, one token, one thread, took 2.4 ms
+// instead of 1.9), plus the high bits x16.
 inline __m512i q6_dot(const uint8_t* blk, const int8_t* a) {
     const __m512i lo = _mm512_set1_epi8(0x0f), hi = _mm512_set1_epi8(static_cast<char>(0xf0));
     __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
@@ -145,23 +177,12 @@ inline __m512i q6_dot(const uint8_t* blk, const int8_t* a) {
         d2 = _mm512_dpbusd_epi32(d2, _mm512_and_si512(v0, hi), _mm512_set1_epi32(four(a + 4 * c + 32)));
         d3 = _mm512_dpbusd_epi32(d3, _mm512_and_si512(v1, hi), _mm512_set1_epi32(four(a + 4 * c + 36)));
     }
-    __m512i e0 = _mm512_setzero_si512(), e1 = e0, e2 = e0, e3 = e0;
-    for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(blk + 512 + 64 * c);
-        e0 = _mm512_dpbusd_epi32(e0, _mm512_and_si512(v, _mm512_set1_epi8(0x03)), _mm512_set1_epi32(four(a + 4 * c)));
-        e1 = _mm512_dpbusd_epi32(e1, _mm512_and_si512(v, _mm512_set1_epi8(0x0c)),
-                                 _mm512_set1_epi32(four(a + 4 * c + 16)));
-        e2 = _mm512_dpbusd_epi32(e2, _mm512_and_si512(v, _mm512_set1_epi8(0x30)),
-                                 _mm512_set1_epi32(four(a + 4 * c + 32)));
-        e3 = _mm512_dpbusd_epi32(e3, _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(0xc0))),
-                                 _mm512_set1_epi32(four(a + 4 * c + 48)));
-    }
     const __m512i low = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_srai_epi32(_mm512_add_epi32(d2, d3), 4));
-    const __m512i high = _mm512_add_epi32(_mm512_add_epi32(e0, _mm512_srai_epi32(e1, 2)),
-                                          _mm512_add_epi32(_mm512_srai_epi32(e2, 4), _mm512_srai_epi32(e3, 6)));
-    return _mm512_add_epi32(low, _mm512_slli_epi32(high, 4));
+    return _mm512_add_epi32(low, _mm512_slli_epi32(q6_high_dot(blk + 512, a), 4));
 }
 
+// One group of 16 rows against T tokens (m0 .. m0+T-1); y[t][16] fp32. T is a template argument so the
+// accumulators stay in registers.
 template <int BITS, int T>
 inline void lowbit_group(const uint8_t* wq, const uint16_t* sm, const int8_t* aq, const float* d,
                          const float* xs, int64_t G, int64_t m0, float* y) {
@@ -183,18 +204,7 @@ inline void lowbit_group(const uint8_t* wq, const uint16_t* sm, const int8_t* aq
             if constexpr (BITS == 6) {
                 dot = q6_dot(wq + b * BLOCK, a);
             } else if constexpr (BITS == 4) {
-                // four independent chains: with two, dpbusd's latency rather than its throughput bounds a decode
-                // row (with the in-place high nibbles: one 14336 x 4096 q4 matrix not in cache, one token, one
-                // thread, 1.83 -> 1.51 ms; 32 tokens 13.5 -> 11.1 ms).
-                // d0, d1: vectors 0-7; d2, d3: 8-15, x16.
-                __m512i d0 = _mm512_setzero_si512(), d1 = d0, d2 = d0, d3 = d0;
-                for (int c = 0; c < 8; c += 2) {
-                    d0 = _mm512_dpbusd_epi32(d0, q[c], _mm512_set1_epi32(four(a + 4 * c)));
-                    d1 = _mm512_dpbusd_epi32(d1, q[c + 1], _mm512_set1_epi32(four(a + 4 * c + 4)));
-                    d2 = _mm512_dpbusd_epi32(d2, q[c + 8], _mm512_set1_epi32(four(a + 4 * c + 32)));
-                    d3 = _mm512_dpbusd_epi32(d3, q[c + 9], _mm512_set1_epi32(four(a + 4 * c + 36)));
-                }
-                dot = _mm512_add_epi32(_mm512_add_epi32(d0, d1), _mm512_srai_epi32(_mm512_add_epi32(d2, d3), 4));
+                dot = q4_dot(q, a);
             } else {                                        // q8 reads twice the bytes: two chains keep up
                 __m512i d0 = _mm512_setzero_si512(), d1 = d0;
                 for (int c = 0; c < 16; c += 2) {
