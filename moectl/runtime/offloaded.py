@@ -78,14 +78,14 @@ class OffloadedExperts(nn.Module):
             # low-bit layout wait for one fused call (`kernels.ops.experts_decode`: ~15 torch operations and 4
             # kernel calls fewer an expert, the same roundings)
             fuse = (self.fusable and getattr(cache, "in_place", False) and hidden_states.dtype == torch.bfloat16)
-            deferred: dict[int, dict] = {}
+            deferred = {}
 
             def one(e, expert):
                 ws = getattr(expert, "weights", None)
                 if fuse and ws is not None and all(isinstance(ws.get(m), VnniLinear) for m in ("gate_up", "down")):
-                    deferred[e] = ws
-                    return
-                ys[e] = expert(hidden_states) * w[pos[e]]                           # [1,H]
+                    deferred[e] = expert
+                else:
+                    ys[e] = expert(hidden_states) * w[pos[e]]                       # [1,H]
 
             # admission learns how often a decode layer waits for a copy (nothing to count with it off)
             learn = cache.state.phase == "decode" and rt.prefetch_gate.admission.learns
@@ -95,10 +95,10 @@ class OffloadedExperts(nn.Module):
                 rt.prefetch_gate.layer_done(rt.decode_misses(layer) - misses, rt.cpu_experts - cpu)
             if deferred and not ys:
                 order, wl = sorted(deferred), w.float().tolist()
-                return ops.experts_decode(hidden_states, [(deferred[e]["gate_up"], deferred[e]["down"]) for e in order],
-                                          [wl[pos[e]] for e in order]).view_as(hidden_states)
-            for e, ws in deferred.items():                                          # beside others: one by one
-                ys[e] = rt.adapter.expert_forward(ws, hidden_states, self.apply_gate) * w[pos[e]]
+                pairs = [(deferred[e].weights["gate_up"], deferred[e].weights["down"]) for e in order]
+                return ops.experts_decode(hidden_states, pairs, [wl[pos[e]] for e in order]).view_as(hidden_states)
+            for e, expert in deferred.items():                                      # beside others: one by one
+                ys[e] = expert(hidden_states) * w[pos[e]]
             out = torch.zeros_like(hidden_states)                                   # [1,H]
             for e in sorted(ys):
                 out = out + ys[e].to(out.dtype)
