@@ -3,12 +3,14 @@
     python bench/gpu_check.py [--out DIR] [--dry-run] [--layers N] [--wheels DIR] [--skip STEP,...]
 
 Steps, in order (each one a command, printed by --dry-run; the report keeps every command, figure and failure):
-  1 install    a venv of its own (`.venv-cuda`, never the CPU `.venv`) with a CUDA torch and the project:
-               - if an interpreter on this machine already has a CUDA torch (GPU images ship one), the venv sees it
-                 (`--system-site-packages`): no download, and the report names its version beside the pin;
-               - else torch==TORCH_VERSION from the PyTorch index of the newest CUDA tag the driver can run
-                 (`nvidia-smi` prints the driver's highest CUDA version; TORCH_CUDA_TAGS lists the pin's wheels).
-               Then `pip install -e .` (no index needed for what is already there; `--wheels DIR` for the rest).
+  1 install    a CUDA torch and the project's packages, never in the CPU `.venv`:
+               - if an interpreter on this machine already has a CUDA torch (GPU images ship one), every step runs
+                 on it, with `--wheels DIR` installed into `.venv-cuda/site` (first on PYTHONPATH, beside the
+                 checkout): no download, and the report names its torch beside the pin. Not a venv made from it:
+                 such images hold torch in a venv of their own, which `--system-site-packages` would not see;
+               - else a venv `.venv-cuda` with torch==TORCH_VERSION from the PyTorch index of the newest CUDA tag
+                 the driver can run (`nvidia-smi` prints the driver's highest CUDA version; TORCH_CUDA_TAGS lists
+                 the pin's wheels), then `pip install -e .`.
   2 tests      `pytest -m cuda`: the CUDA twins of the runtime's CPU tests (tests/test_cuda.py).
   3 copy       one Mixtral expert (352 MB bf16) host -> device: the runtime's chunked copy engine from pinned memory
                against a plain `tensor.to(device, non_blocking=True)` of the same bytes (pageable and pinned).
@@ -48,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH_VERSION = "2.13.0"                            # the Makefile's pin
 TORCH_CUDA_TAGS = {"cu126": (12, 6), "cu128": (12, 8), "cu130": (13, 0)}   # wheels the pinned version is built for
 VENV = ROOT / ".venv-cuda"
+SITE = VENV / "site"                                # --wheels, when the machine's own CUDA interpreter is used
 SHARED_TRACE = "mixtral-8x7b.gsm8k.jsonl"
 EXPERT_BYTES_MIXTRAL = 3 * 4096 * 14336 * 2         # one bf16 Mixtral expert: gate, up, down
 # The rows of step 4: name -> the `moectl bench` options that make the setup (the cache size is added).
@@ -120,11 +123,19 @@ def default_layers(ram: int, expert_bytes: int = EXPERT_BYTES_MIXTRAL, experts: 
 
 
 # --- the steps -----------------------------------------------------------------------------------------------
+def step_python(a, cuda: bool) -> str:
+    """The interpreter every step runs on: the machine's own CUDA one, else the venv the install step makes."""
+    if not cuda:
+        return sys.executable
+    return getattr(a, "cuda_python", None) or str(VENV / "bin" / "python")
+
+
 def plan_steps(a, cuda: bool) -> list[Step]:
-    py = str(VENV / "bin" / "python") if cuda else sys.executable
+    py = step_python(a, cuda)
     moectl = [py, "-m", "moectl.cli"]
     steps = [Step("install", install_cmd(a)),
-             Step("tests", [py, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"]),
+             Step("tests", [py, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider",
+                                    "--continue-on-collection-errors"]),
              Step("copy", [py, str(Path(__file__)), "--measure-copy", "--device", "cuda"]),
              Step("synthetic", moectl + ["make-synthetic", "--shape", a.shape, "--layers", str(a.layers), "--out",
                                          str(a.model), "--json"], cpu=True),
@@ -144,21 +155,27 @@ def plan_steps(a, cuda: bool) -> list[Step]:
 
 def install_cmd(a) -> list[str]:
     """One shell line: the venv, its torch, the project (printed as is by --dry-run)."""
-    have = python_with_cuda_torch()
+    have = getattr(a, "cuda_python", None)
     if have:
-        torch_line = f"{have} -m venv --system-site-packages {VENV}"
+        # the project itself comes from PYTHONPATH (the checkout), so nothing is installed but the wheels
+        line = f"rm -rf {SITE} && mkdir -p {SITE}"
+        if a.wheels:
+            line += f" && {have} -m pip install -q --no-index --no-deps --no-compile --target {SITE} {a.wheels}/*.whl"
+        py = have
     else:
         tag = pick_cuda_tag(a.driver_cuda) if a.driver_cuda else None
         tag = a.cuda_tag or tag or "cu128"
-        torch_line = (f"{sys.executable} -m venv {VENV} && {VENV}/bin/pip install -q torch=={TORCH_VERSION} "
-                      f"--index-url https://download.pytorch.org/whl/{tag}")
-    wheels = f" && {VENV}/bin/pip install -q --no-index --no-deps {a.wheels}/*.whl" if a.wheels else ""
-    project = f" && {VENV}/bin/pip install -q --no-deps --no-build-isolation -e {ROOT}"
+        line = (f"{sys.executable} -m venv {VENV} && {VENV}/bin/pip install -q torch=={TORCH_VERSION} "
+                f"--index-url https://download.pytorch.org/whl/{tag}")
+        if a.wheels:
+            line += f" && {VENV}/bin/pip install -q --no-index --no-deps {a.wheels}/*.whl"
+        line += f" && {VENV}/bin/pip install -q --no-deps --no-build-isolation -e {ROOT}"
+        py = f"{VENV}/bin/python"
     # what the tests and commands import: a GPU image without an index lacks some (carry them: --wheels)
-    check = (f" && {VENV}/bin/python -c \"import importlib.util as u, sys; m = [n for n in {NEEDED!r} "
-             "if u.find_spec(n) is None]; sys.exit('missing in the CUDA venv (pass --wheels DIR): ' + ', '.join(m)) "
+    check = (f" && {py} -c \"import importlib.util as u, sys; m = [n for n in {NEEDED!r} "
+             "if u.find_spec(n) is None]; sys.exit('missing for the CUDA steps (pass --wheels DIR): ' + ', '.join(m)) "
              "if m else None\"")
-    return ["bash", "-c", torch_line + wheels + project + check]
+    return ["bash", "-c", line + check]
 
 
 def simulate_args(a, opts: list[str]) -> list[str]:
@@ -372,6 +389,7 @@ def main(argv=None) -> int:
         return 0
     a.driver_cuda = driver_cuda()
     cuda = a.driver_cuda is not None and not a.dry_run
+    a.cuda_python = python_with_cuda_torch() if cuda else None
     if not cuda and not a.dry_run:
         print("gpu-check: no CUDA on this machine (no nvidia-smi / driver): running --dry-run")
     a.dry_run = not cuda
@@ -385,8 +403,8 @@ def main(argv=None) -> int:
     a.cache_experts = max(a.layers, round(CACHE_SHARE * experts))
     a.out.mkdir(parents=True, exist_ok=True)
     a.hardware = a.out / "hardware-measured.yaml"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    write_hardware(a.hardware, cuda, env)
+    # the checkout first, then the carried wheels (they shadow the image's older transformers and the like)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(SITE)]))
     skip = {x.strip() for x in a.skip.split(",") if x.strip()}
     steps = plan_steps(a, cuda)
     for s in steps:
@@ -405,10 +423,12 @@ def main(argv=None) -> int:
                 continue
             run_step(s, env, a.timeout)
             print(f"[{s.name}] {s.status} in {s.seconds:.1f} s", flush=True)
+        if s.name == "install":                     # the interpreter exists now: measure the machine on it
+            write_hardware(a.hardware, step_python(a, cuda), cuda, env)
     meta = {"dry_run": a.dry_run, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version(), "driver_cuda": a.driver_cuda, "model": str(a.model),
             "layers": a.layers, "cache_experts": a.cache_experts, "torch_pin": TORCH_VERSION,
-            "torch": _torch_version(str(VENV / "bin" / "python") if cuda else sys.executable), "gpu": _gpu_name()}
+            "torch": _torch_version(step_python(a, cuda), env), "gpu": _gpu_name()}
     report = write_report(a.out, steps, meta)
     print(f"gpu-check: report in {a.out / 'gpu-check.md'}; "
           + (f"FAILED: {', '.join(report['failed'])}" if report["failed"] else "no correctness failure"))
@@ -425,21 +445,21 @@ def llamacpp_unavailable(a, cuda: bool) -> str | None:
     return None
 
 
-def write_hardware(path: Path, cuda: bool, env: dict) -> None:
+def write_hardware(path: Path, py: str, cuda: bool, env: dict) -> None:
     """This machine's measured figures as a hardware profile (`moectl simulate --hardware FILE`); on a machine
     without CUDA the 'device' is this CPU (what an emulated device is)."""
     code = ("import json,sys,yaml; from moectl.machine import machine_figures, machine_hardware; "
             f"h = machine_hardware(machine_figures({'cuda' if cuda else 'cpu'!r})); "
             "d = dict(h.__dict__); d['name'] = 'measured'; sys.stdout.write(yaml.safe_dump(d))")
-    py = str(VENV / "bin" / "python") if cuda else sys.executable
     p = subprocess.run([py, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
-    if p.returncode != 0:
-        raise SystemExit(f"error: measuring this machine failed:\n{p.stderr[-2000:]}")
+    if p.returncode != 0:            # the predictions then fall back to the named profile; the report says why
+        print(f"gpu-check: measuring this machine failed:\n{p.stderr[-2000:]}", flush=True)
+        return
     path.write_text("# measured by bench/gpu_check.py (moectl.machine.machine_figures)\n" + p.stdout)
 
 
-def _torch_version(py: str) -> str | None:
-    p = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+def _torch_version(py: str, env: dict) -> str | None:
+    p = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, env=env)
     return p.stdout.strip() or None
 
 
