@@ -13,8 +13,10 @@ Steps, in order (each one a command, printed by --dry-run; the report keeps ever
                  the pin's wheels), then `pip install -e .`.
   2 tests      `pytest -m cuda`: the CUDA twins of the runtime's CPU tests (tests/test_cuda.py).
   3 copy       one Mixtral expert (352 MB bf16) host -> device: the runtime's chunked copy engine from pinned memory
-               against a plain `tensor.to(device, non_blocking=True)` of the same bytes (pageable and pinned).
-  4 bench      a Mixtral-shaped synthetic (`--layers`, default: ~20 GB of experts or what host RAM allows), the
+               against a plain `tensor.to(device, non_blocking=True)` of the same bytes (pageable and pinned);
+               then a decode token's attention through torch's SDPA, the first call at each new KV length (what a
+               decode does) and at a length seen before, with and without cuDNN's backend.
+  4 bench      a Mixtral-shaped synthetic (`--layers`, default 2: 5.6 GB of experts), the
                shared Mixtral trace replayed, `moectl bench --device cuda` at a budget of 25 % of the experts, one
                row per setup (fetch only, --cpu-experts auto, HOBBIT, moectl-q4, --prefill stream), each beside
                the simulator's prediction of the same run on this machine's measured figures (bench's own
@@ -117,9 +119,11 @@ def host_ram_bytes() -> int:
 
 
 def default_layers(ram: int, expert_bytes: int = EXPERT_BYTES_MIXTRAL, experts: int = 8) -> int:
-    """Layers of the Mixtral-shaped synthetic: ~20 GB of experts, or what half the host RAM holds."""
+    """Layers of the Mixtral-shaped synthetic: 2 (5.6 GB of experts), or what half the host RAM holds. On an H200
+    machine the whole check then takes ~5 min (docs/gpu-check.md), inside a lent machine's 10-minute call;
+    `--layers 7` makes the 20 GB of a real cache budget."""
     per_layer = expert_bytes * experts
-    return max(1, min(round(20e9 / per_layer), int(0.5 * ram // per_layer)))
+    return max(1, min(2, int(0.5 * ram // per_layer)))
 
 
 # --- the steps -----------------------------------------------------------------------------------------------
@@ -136,7 +140,8 @@ def plan_steps(a, cuda: bool) -> list[Step]:
     steps = [Step("install", install_cmd(a)),
              Step("tests", [py, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider",
                                     "--continue-on-collection-errors"]),
-             Step("copy", [py, str(Path(__file__)), "--measure-copy", "--device", "cuda"]),
+             Step("copy", [py, str(Path(__file__)), "--measure-copy", "--device", "cuda", "--json"]),
+             Step("attention", [py, str(Path(__file__)), "--measure-attention", "--device", "cuda", "--json"]),
              Step("synthetic", moectl + ["make-synthetic", "--shape", a.shape, "--layers", str(a.layers), "--out",
                                          str(a.model), "--json"], cpu=True),
              Step("quantize", moectl + ["quantize", "--model", str(a.model), "--bits", "4", "--group-size", "64",
@@ -237,6 +242,39 @@ def measure_copy(device: str, nbytes: int = EXPERT_BYTES_MIXTRAL, repeat: int = 
     return out
 
 
+# --- step 3b: a decode token's attention, first call at each new length ----------------------------------------
+def measure_attention(device: str, lengths: int = 8, start: int = 100) -> dict:
+    """Milliseconds of one decode token's attention on the Mixtral shape (1 query, 32 heads, 8 KV heads of 128)
+    through torch's SDPA as transformers calls it, at `lengths` new KV lengths in turn (what a decode does: every
+    step a length not seen before) and again at a length already seen; once with torch's default backends and
+    once without cuDNN's. On the first GPU run the profile showed cuDNN's attention at 45 ms of host time a call
+    over a request of new lengths, the median bench request (lengths seen before) hid it; this tells a per-shape
+    plan build from a one-time cost."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def one(L: int):
+        q = torch.randn(1, 32, 1, 128, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 8, L, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1e3
+
+    out = {}
+    for name, backends in (("default", None), ("no_cudnn", [SDPBackend.FLASH_ATTENTION,
+                                                              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])):
+        base = start + (0 if name == "default" else 10 * lengths)       # lengths neither run has seen
+        with (sdpa_kernel(backends) if backends else torch.inference_mode()):
+            first = [one(base + i) for i in range(lengths)]
+            again = [one(base + lengths - 1) for _ in range(lengths)]
+        out[name] = {"first_call_ms": sorted(first)[len(first) // 2], "first_call_max_ms": max(first),
+                     "seen_length_ms": sorted(again)[len(again) // 2]}
+    return out
+
+
 # --- running and reporting -----------------------------------------------------------------------------------
 def run_step(s: Step, env: dict, timeout: float) -> None:
     t0 = time.perf_counter()
@@ -283,8 +321,14 @@ def rows_table(steps: list[Step]) -> list[dict]:
         rows.append({"row": row, "measured_ms_per_token": measured, "predicted_ms_per_token": bench_pred,
                      "measured_over_predicted": measured / bench_pred if measured and bench_pred else None,
                      "whole_trace_simulated_ms_per_token": simulated,
-                     "hit_rate": run.get("hit_rate"), "bytes_per_token": run.get("bytes_per_token"),
-                     "cpu_experts_per_token": run.get("cpu_experts_per_token")})
+                     "hit_rate": run.get("hit_rate"), "predicted_hit_rate": ((b.figures.get("predicted") or {})
+                                                                             .get("moectl") or {}).get("hit_rate")
+                     if b else None,
+                     "bytes_per_token": run.get("bytes_per_token"),
+                     "cpu_experts_per_token": run.get("cpu_experts_per_token"),
+                     "first_request_ms_per_token": (run.get("decode_ms_per_token_each") or [None])[0],
+                     **{k: run.get(f"{k}_ms_per_token") for k in ("expert_stage", "device_side", "cpu_side")},
+                     "threads": run.get("threads")})
     return rows
 
 
@@ -333,13 +377,23 @@ def markdown(r: dict) -> str:
                   f"| runtime: chunked ({copy['chunks']} chunks), pinned, copy stream | {copy['chunked_pinned_gbps']:.1f} |",
                   f"| plain .to(non_blocking) from pinned | {copy['plain_pinned_gbps']:.1f} |",
                   f"| plain .to(non_blocking) from pageable | {copy['plain_pageable_gbps']:.1f} |", ""]
+    att = next((s["figures"] for s in r["steps"] if s["name"] == "attention" and s["figures"]), None)
+    if att:
+        lines += ["## A decode token's attention (Mixtral shape, torch SDPA), ms", "",
+                  "| backends | first call at a new length (median / max) | at a length seen before |", "|---|---|---|"]
+        lines += [f"| {k} | {v['first_call_ms']:.3f} / {v['first_call_max_ms']:.3f} | {v['seen_length_ms']:.3f} |"
+                  for k, v in att.items()] + [""]
     lines += ["## Bench rows: measured vs the simulator's prediction of the same run", "",
-              "| row | measured ms/token | predicted ms/token | measured/predicted | hit rate | "
-              "simulated, whole trace at the full shape |", "|---|---|---|---|---|---|"]
+              "Median request of three; `first` is the first request's decode (one-time costs). The expert stage is "
+              "the layers' expert time (wall); `CPU side` the worker's CPU experts.", "",
+              "| row | measured ms/token | first | expert stage | CPU side | predicted ms/token | measured/predicted "
+              "| hit rate (predicted) | simulated, whole trace at the full shape |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
-        lines.append(f"| {x['row']} | {f(x['measured_ms_per_token'])} | {f(x['predicted_ms_per_token'])} | "
-                     f"{f(x['measured_over_predicted'], '.2f')} | {f(x['hit_rate'], '.1%')} | "
-                     f"{f(x['whole_trace_simulated_ms_per_token'])} |")
+        lines.append(f"| {x['row']} | {f(x['measured_ms_per_token'])} | {f(x.get('first_request_ms_per_token'))} | "
+                     f"{f(x.get('expert_stage'))} | {f(x.get('cpu_side'))} | {f(x['predicted_ms_per_token'])} | "
+                     f"{f(x['measured_over_predicted'], '.2f')} | {f(x['hit_rate'], '.1%')} "
+                     f"({f(x.get('predicted_hit_rate'), '.1%')}) | {f(x['whole_trace_simulated_ms_per_token'])} |")
     ll = next((s for s in r["steps"] if s["name"] == "llamacpp"), None)
     q4 = next((x for x in r["rows"] if x["row"] == "moectl-q4"), {})
     if ll and ll["figures"]:
@@ -365,8 +419,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="report directory (default $OUT, else ./gpu-check)")
     p.add_argument("--dry-run", action="store_true", help="print every step, run only what a CPU can")
-    p.add_argument("--layers", type=int, default=None, help="layers of the synthetic (default: ~20 GB of experts "
-                   "or half the host RAM; 1 in a dry run)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the synthetic (default: 2, 5.6 GB of "
+                   "experts, or what half the host RAM holds; 1 in a dry run)")
     p.add_argument("--shape", default="mixtral", help="recipe (or yaml) whose shape the synthetic takes")
     p.add_argument("--model", type=Path, default=None, help="where the synthetic goes (default: under --out)")
     p.add_argument("--trace", type=Path, default=ROOT.parent / "shared" / "traces" / SHARED_TRACE)
@@ -376,8 +430,10 @@ def parse(argv=None):
     p.add_argument("--cuda-tag", default=None, help="PyTorch wheel tag to install (default: picked from the driver)")
     p.add_argument("--skip", default="", help="comma list of steps to skip (install, tests, copy, synthetic, "
                    "quantize, bench, llamacpp)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per step")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per step")
     p.add_argument("--measure-copy", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--measure-attention", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)   # the measure steps print JSON anyway
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -386,6 +442,9 @@ def main(argv=None) -> int:
     a = parse(argv)
     if a.measure_copy:
         print(json.dumps(measure_copy(a.device)))
+        return 0
+    if a.measure_attention:
+        print(json.dumps(measure_attention(a.device)))
         return 0
     a.driver_cuda = driver_cuda()
     cuda = a.driver_cuda is not None and not a.dry_run

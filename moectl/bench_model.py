@@ -39,6 +39,10 @@ import torch
 from .errors import MoectlError
 
 BASELINES = ("all-resident", "transformers", "on-demand", "lru", "moectl-plan")
+# The runtime's timers (driver.Runtime, runtime/worker.py), reported per decode token: the layers' expert stages
+# (wall, both sides overlapped), this thread's side of them (fetch + device experts), the CPU worker's experts and
+# how long a layer waited for it. Decode time minus the expert stage is everything else (attention, norms, Python).
+_STAGES = ("expert_stage_s", "device_side_s", "cpu_side_s", "cpu_wait_s")
 
 
 def _prompt(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -75,6 +79,7 @@ def run_engine(eng, ids: torch.Tensor, gen_len: int, record: bool = False, repea
     rt, cache = eng.runtime, eng.cache
     times, traces = [], []
     tot = {"hits": 0, "misses": 0, "bytes": 0, "wait": 0.0, "cpu": 0, "pred": 0.0, "steps": 0}
+    split = dict.fromkeys(_STAGES, 0.0)                # where a decode token's time went (seconds, all requests)
     for r in range(repeat):
         rec = None
         if record:
@@ -85,7 +90,8 @@ def run_engine(eng, ids: torch.Tensor, gen_len: int, record: bool = False, repea
         marks = {}
 
         def mark():
-            marks.update(stats=cache.snapshot(), cpu=rt.cpu_experts, pred=rt.predictor_s)
+            marks.update(stats=cache.snapshot(), cpu=rt.cpu_experts, pred=rt.predictor_s,
+                         stages={k: getattr(rt, k) for k in _STAGES})
         out = _run_steps(eng.forward, ids, gen_len, on_prefill=mark)
         after, before = cache.snapshot(), marks["stats"]
         tot["hits"] += after["decode"]["hits"] - before["decode"]["hits"]
@@ -95,18 +101,25 @@ def run_engine(eng, ids: torch.Tensor, gen_len: int, record: bool = False, repea
         tot["cpu"] += rt.cpu_experts - marks["cpu"]
         tot["pred"] += rt.predictor_s - marks["pred"]
         tot["steps"] += out["decode_steps"]
+        for k in _STAGES:
+            split[k] += getattr(rt, k) - marks["stages"][k]
         times.append(out)
         if rec is not None:
             eng.remove_observer(rec)
             traces.append(_trace_of(eng, rec.finish_request(), ids.shape[-1], f"bench-{r}"))
     out = sorted(times, key=lambda o: o["decode_ms_per_token"])[len(times) // 2]     # the median request
+    # each request in turn: the first pays one-time costs the median hides (a GPU's lazily loaded kernels, plans
+    # built per new shape), which a user's first request pays too
+    each = {"decode_ms_per_token_each": [o["decode_ms_per_token"] for o in times],
+            "prefill_ms_each": [o["prefill_ms"] for o in times]}
     steps, n = tot["steps"], tot["hits"] + tot["misses"]
     out = dict(out) | {
         "repeat": repeat, "hit_rate": tot["hits"] / n if n else 1.0, "decode_misses": tot["misses"],
         "bytes_per_token": tot["bytes"] / steps, "stall_ms_per_token": tot["wait"] * 1e3 / steps,
         "cpu_experts_per_token": tot["cpu"] / steps, "predictor_ms_per_token": tot["pred"] * 1e3 / steps,
+        **{f"{k[:-2]}_ms_per_token": v * 1e3 / steps for k, v in split.items()},
         "prefill_misses": cache.snapshot()["prefill"]["misses"], "slots_per_layer": list(cache.slots_per_layer),
-        "pools": _pools(cache)}
+        "pools": _pools(cache)} | each
     trace = None
     if traces:
         from .sim.run import concat

@@ -11,7 +11,8 @@ Four figures decide fetch vs CPU compute of a missed expert (`policies/placement
                   the CPU; a kernel may be compute bound, so this is not mem_read_gbps)
   copy_gbps       host -> device copy: pinned RAM -> GPU on CUDA; on a CPU-only machine the memcpy an
                   emulated device's slot fill does
-A 16 MB-per-matrix expert is big enough to leave the caches and small enough to measure in well under a second;
+A 16 MB-per-matrix expert is small enough to measure in well under a second; the timed calls cycle through
+copies of it that together pass twice the last-level cache (`cold_copies`), so each reads its weights from RAM;
 the result is cached in `$MOECTL_HOME/machine.json` under a key of host, CPU, torch version, threads and
 device, so a later start reads the file instead of measuring.
 
@@ -29,28 +30,33 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "moectl-machine-v4"            # v2: cpu_lowbit_gbps; v3: bf16 GEMV through models/gemv.py;
-                                        # v4: q4 / q8 through moectl's own kernels where they build
+FORMAT = "moectl-machine-v5"            # v2: cpu_lowbit_gbps; v3: bf16 GEMV through models/gemv.py;
+                                        # v4: q4 / q8 through moectl's own kernels where they build;
+                                        # v5: expert rates from copies cycled past the last-level cache
 
 
-def default_threads(hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
+def default_threads(hidden_size: int | None = None, intermediate_size: int | None = None,
+                    drives_gpu: bool = False) -> int:
     """The runtime's intra-op thread count when --threads is not given. Small matrices are dispatch bound:
     more threads only add synchronisation (and on a loaded 2-core machine a waiting thread can slow a small op
     100x), so models whose expert matrices are under ~4M weights get 1 thread; larger ones get every core this
-    process may run on."""
+    process may run on -- but one, when the process drives a GPU (`drives_gpu`) on 4 cores or more: the thread
+    launching its kernels then never waits behind torch's CPU threads. Measured on an H200 beside 16 Xeon cores
+    (docs/gpu-check.md): a CPU-computed Mixtral expert took 13.5 ms at 16 threads and 6.1 ms at 15."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if hidden_size is not None and intermediate_size is not None and hidden_size * intermediate_size < 4 * 2**20:
         return 1
-    return max(1, cores)
+    return max(1, cores - 1 if drives_gpu and cores >= 4 else cores)
 
 
-def set_threads(n: int | None, hidden_size: int | None = None, intermediate_size: int | None = None) -> int:
+def set_threads(n: int | None, hidden_size: int | None = None, intermediate_size: int | None = None,
+                drives_gpu: bool = False) -> int:
     """Set torch's intra-op threads to `n` (--threads) or the default above; returns the count set."""
     from .errors import MoectlError
 
     if n is not None and n < 1:
         raise MoectlError(f"--threads must be >= 1, not {n}")
-    n = n or default_threads(hidden_size, intermediate_size)
+    n = n or default_threads(hidden_size, intermediate_size, drives_gpu)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -73,32 +79,60 @@ def mem_read_gbps(nbytes: int = 512 * 2**20, repeat: int = 5) -> float:
     return nbytes / best_s(lambda: x.sum(), repeat) / 1e9
 
 
+def llc_bytes() -> int:
+    """The largest CPU cache's size (sysfs; 32 MiB where it cannot be read)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
+                         else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 * 2**20)
+
+
+def cold_copies(nbytes: int) -> int:
+    """How many copies of an `nbytes` expert the timed calls cycle through, so that each call reads its weights
+    from RAM as a decode token's experts are read: between two uses of a copy the others read twice the
+    last-level cache. One copy of a 48 MB expert on a server CPU with 100+ MB of L3 measured 149 GB/s against
+    109 GB/s of RAM (docs/gpu-check.md), and that rate priced CPU experts 2x too cheap."""
+    return 1 if nbytes >= 2 * llc_bytes() else 1 + -(-2 * llc_bytes() // nbytes)
+
+
+def _cycle(items: list):
+    """next() over `items` forever (the timed calls' copies, in turn)."""
+    from itertools import cycle
+
+    return cycle(items).__next__
+
+
 def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, tokens: int = 1,
                   repeat: int = 5) -> float:
     """Milliseconds of one expert FFN (act(x W_gate) * (x W_up)) W_down on `tokens` tokens on the CPU, through
-    the runtime's own linear (`models/gemv.py`: torch's native GEMV for one token)."""
-    import torch.nn.functional as F
-
+    the runtime's own linear (`models/gemv.py`: torch's native GEMV for one token), weights read from RAM."""
     from .models.gemv import linear
 
     g = torch.Generator().manual_seed(0)
-    gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.02).to(dtype)      # [2I, H]
-    down = (torch.randn(hidden, inter, generator=g) * 0.02).to(dtype)             # [H, I]
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)                        # [T, H]
+    nbytes = 3 * hidden * inter * torch.finfo(dtype).bits // 8
 
-    def run():
-        gu = linear(x, gate_up)                                                   # [T, 2I]
-        linear(F.silu(gu[:, :inter]) * gu[:, inter:], down)
-    with torch.inference_mode():
-        return best_s(run, repeat) * 1e3
+    def expert():
+        gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.02).to(dtype)      # [2I, H]
+        down = (torch.randn(hidden, inter, generator=g) * 0.02).to(dtype)             # [H, I]
+        return (lambda x: linear(x, gate_up)), (lambda x: linear(x, down))
+    return _ffn_ms([expert() for _ in range(cold_copies(nbytes))], inter, hidden, tokens, repeat, g, dtype)
 
 
-def _ffn_ms(gate_up, down, inter: int, hidden: int, tokens: int, repeat: int, g: torch.Generator) -> float:
+def _ffn_ms(experts: list, inter: int, hidden: int, tokens: int, repeat: int, g: torch.Generator,
+            dtype: torch.dtype = torch.bfloat16) -> float:
+    """Best milliseconds of one expert FFN, each timed call on the next of `experts` [(gate_up, down)]."""
     import torch.nn.functional as F
 
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    following = _cycle(experts)
 
     def run():
+        gate_up, down = following()
         gu = gate_up(x)                                                           # [T, 2I]
         down(F.silu(gu[:, :inter]) * gu[:, inter:])                               # [T, H]
     with torch.inference_mode():
@@ -115,18 +149,24 @@ def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) 
 
     g = torch.Generator().manual_seed(0)
     if kernels.library() is not None:
-        (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 4, g), random_linear(hidden, inter, 4, g)
-        return _ffn_ms(gu, dn, inter, hidden, 1, repeat, g), b1 + b2
+        def expert():
+            (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 4, g), random_linear(hidden, inter, 4, g)
+            return (gu, dn), b1 + b2
+        first, nbytes = expert()
+        experts = [first] + [expert()[0] for _ in range(cold_copies(nbytes) - 1)]
+        return _ffn_ms(experts, inter, hidden, 1, repeat, g), nbytes
 
     def pack(n: int, k: int):                            # an [n, k] weight: packed codes + [k/group, n, 2] scales
         codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
         return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2),
                 (torch.randn(k // group, n, 2, generator=g) * 0.01).to(torch.bfloat16))
-    gate_up, down = pack(2 * inter, hidden), pack(hidden, inter)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-    nbytes = sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in (gate_up, down))
-    return _ffn_ms(lambda x: mm(x, gate_up[0], group, gate_up[1]), lambda x: mm(x, down[0], group, down[1]),
-                   inter, hidden, 1, repeat, g), nbytes
+
+    def expert():
+        gate_up, down = pack(2 * inter, hidden), pack(hidden, inter)
+        return (lambda x: mm(x, gate_up[0], group, gate_up[1])), (lambda x: mm(x, down[0], group, down[1]))
+    nbytes = 3 * hidden * inter // 2 + 3 * hidden * inter // group * 4       # codes + bf16 scale and zero pairs
+    return _ffn_ms([expert() for _ in range(cold_copies(nbytes))], inter, hidden, 1, repeat, g), nbytes
 
 
 def cpu_expert_q8_ms(hidden: int, inter: int, repeat: int = 5, tokens: int = 1) -> tuple[float, int]:
@@ -139,15 +179,19 @@ def cpu_expert_q8_ms(hidden: int, inter: int, repeat: int = 5, tokens: int = 1) 
 
     g = torch.Generator().manual_seed(0)
     if kernels.library() is not None:
-        (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 8, g), random_linear(hidden, inter, 8, g)
-        return _ffn_ms(gu, dn, inter, hidden, tokens, repeat, g), b1 + b2
+        def expert():
+            (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 8, g), random_linear(hidden, inter, 8, g)
+            return (gu, dn), b1 + b2
+        first, nbytes = expert()
+        experts = [first] + [expert()[0] for _ in range(cold_copies(nbytes) - 1)]
+        return _ffn_ms(experts, inter, hidden, tokens, repeat, g), nbytes
 
     def make(n: int, k: int) -> Int8Linear:
         return Int8Linear(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
                           (torch.rand(n, generator=g) * 1e-3).to(torch.bfloat16))
-    gate_up, down = make(2 * inter, hidden), make(hidden, inter)
-    nbytes = sum(m.codes.numel() + m.scale.numel() * 2 for m in (gate_up, down))
-    return _ffn_ms(gate_up, down, inter, hidden, tokens, repeat, g), nbytes
+    nbytes = 3 * hidden * inter + 3 * hidden * 2                              # codes + a bf16 scale per row
+    experts = [(make(2 * inter, hidden), make(hidden, inter)) for _ in range(cold_copies(nbytes))]
+    return _ffn_ms(experts, inter, hidden, tokens, repeat, g), nbytes
 
 
 def copy_gbps(nbytes: int = 256 * 2**20, device: str = "cpu", repeat: int = 5) -> float:

@@ -2,7 +2,8 @@
 
     budget = dense     everything resident besides the expert cache (attention, routers, shared experts, head)
            + KV        the KV cache for `kv_tokens` tokens (K and V, every layer; default KV_RESERVE_TOKENS)
-           + workspace activations and fp32 logits of one prefill chunk of WORKSPACE_TOKENS tokens
+           + workspace activations and fp32 logits of one prefill chunk of WORKSPACE_TOKENS tokens, and the
+                       math libraries' own buffers (DEVICE_LIBRARY_BYTES)
            + staging   buffers predicted / streamed experts are copied into instead of cache slots
            + experts   the cache's slots, split over precisions (`split_pools`) and layers (`split_slots`)
 
@@ -22,6 +23,10 @@ from .recipes import format_bytes, parse_size
 
 KV_RESERVE_TOKENS = 4096        # --budget keeps room for this many tokens of KV cache
 WORKSPACE_TOKENS = 512          # a prefill chunk's activations and fp32 logits stay allocated while it runs
+# cuBLAS / cuBLASLt workspaces: torch's CUDA allocator holds them from the first matmul on (measured on an H200 with
+# torch 2.11: 52 MB beyond a tiny model's weights, KV and activations; docs/gpu-check.md). Reserved whatever the
+# device, so plan-cache, simulate and the runtime keep one sizing.
+DEVICE_LIBRARY_BYTES = 64 << 20
 # Share of the expert cache's bytes given to low-bit slots under `--precision hobbit` (`--lowbit-fraction`):
 # see docs/benchmarks.md (bench/precision.py) for why.
 DEFAULT_LOWBIT_FRACTION = 0.25
@@ -48,9 +53,10 @@ class ModelSizes:
 
 
 def workspace_bytes(shape: dict, tokens: int = WORKSPACE_TOKENS) -> int:
-    """fp32 logits of one chunk + a handful of [T, D] / [T, 2I] activations (what a forward holds at its peak)."""
+    """fp32 logits of one chunk + a handful of [T, D] / [T, 2I] activations (what a forward holds at its peak), and
+    the math libraries' workspaces."""
     D, V, inter = shape["hidden_size"], shape.get("vocab_size") or 32000, shape["intermediate_size"]
-    return int(tokens * (V + 8 * D + 2 * inter) * 4)
+    return int(tokens * (V + 8 * D + 2 * inter) * 4) + DEVICE_LIBRARY_BYTES
 
 
 @dataclass

@@ -42,6 +42,14 @@ def test_bench_rows_run_and_predict_at_the_precision_asked_for(model_q4):
 def test_bench_prediction_models_cpu_experts(model_q4):
     r = _bench(model_q4, cpu_experts="always")
     assert r["runs"]["moectl"]["cpu_experts"] == "always" and r["runs"]["moectl"]["cpu_experts_per_token"] > 0
+    # where a decode token's time went: the CPU worker computed (and a layer waited for it at most as long as the
+    # expert stages took); the stages are part of the token; one figure per request
+    m = r["runs"]["moectl"]
+    assert m["cpu_side_ms_per_token"] > 0 and m["cpu_wait_ms_per_token"] <= m["expert_stage_ms_per_token"]
+    assert 0 < m["device_side_ms_per_token"] <= m["expert_stage_ms_per_token"] <= m["decode_ms_per_token"]
+    assert m["decode_ms_per_token_each"] == [m["decode_ms_per_token"]] and len(m["prefill_ms_each"]) == 1
+    never = _bench(model_q4)["runs"]["moectl"]
+    assert never["cpu_side_ms_per_token"] == 0 == never["cpu_wait_ms_per_token"]
     # misses computed on the CPU are not copied: neither the run nor its prediction moves expert bytes for them
     assert r["predicted"]["moectl"]["bytes_per_token"] < _bench(model_q4)["predicted"]["moectl"]["bytes_per_token"]
     assert "moectl prediction" not in r["notes"]

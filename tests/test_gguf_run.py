@@ -132,7 +132,10 @@ def test_packed_size_in_sizing_simulate_and_plan(q4km, tmp_path, capsys, monkeyp
     slot = 2 * 256 * 256 // 256 * 144 + 256 * 256 // 256 * 210
     assert expert_bytes(load_shape(str(q4km))) == slot                           # simulate --model-shape x.gguf
     assert model_facts(str(q4km), str(tmp_path)).full_expert_bytes == slot        # plan-cache, --budget
-    common = ["--model", str(q4km), "--budget", "18MB", "--device", "cpu", "--json", "--workdir", str(tmp_path)]
+    from moectl.sizing import DEVICE_LIBRARY_BYTES
+
+    budget = str(18_000_000 + DEVICE_LIBRARY_BYTES)                               # 18 MB besides the libraries'
+    common = ["--model", str(q4km), "--budget", budget, "--device", "cpu", "--json", "--workdir", str(tmp_path)]
     code, out, err = run_cli(["inspect", *common], capsys, monkeypatch)
     assert code == 0, err
     plan = json.loads(out)["memory"]

@@ -33,8 +33,8 @@ def test_cuda_tag_follows_the_driver():
 
 def test_synthetic_layers_follow_host_ram():
     per_layer = gpu_check.EXPERT_BYTES_MIXTRAL * 8                # 2.8 GB of experts per Mixtral layer
-    assert gpu_check.default_layers(128 * 2**30) == round(20e9 / per_layer)      # ~20 GB of experts
-    assert gpu_check.default_layers(24 * 2**30) == int(0.5 * 24 * 2**30 // per_layer)   # half of a small host
+    assert gpu_check.default_layers(128 * 2**30) == 2                            # fits a lent machine's call
+    assert gpu_check.default_layers(8 * 2**30) == int(0.5 * 8 * 2**30 // per_layer) == 1   # half a small host
     assert gpu_check.default_layers(2**30) == 1
 
 

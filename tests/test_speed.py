@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -242,6 +243,12 @@ def test_threads_default_and_override(mixtral):
 
     assert default_threads(64, 128) == 1                                # dispatch bound: one thread
     assert default_threads(4096, 14336) >= 1
+    # driving a GPU leaves one core to the launching thread, from 4 cores up
+    for cores, cpu_only, gpu in ((16, 16, 15), (4, 4, 3), (2, 2, 2), (1, 1, 1)):
+        with mock.patch("os.sched_getaffinity", return_value=set(range(cores))):
+            assert default_threads(4096, 14336) == cpu_only
+            assert default_threads(4096, 14336, drives_gpu=True) == gpu
+            assert default_threads(64, 128, drives_gpu=True) == 1
     eng = Engine.load(str(mixtral), threads=2, progress=False)
     assert eng.threads == 2 and torch.get_num_threads() == 2
     eng = Engine.load(str(mixtral), progress=False)

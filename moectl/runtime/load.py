@@ -74,7 +74,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     in_place = dev.type == "cpu" and opts.offload == "ram" and not opts.emulate_device
     from ..machine import set_threads
 
-    n_threads = set_threads(opts.threads, config.hidden_size, adapter.expert_intermediate)
+    n_threads = set_threads(opts.threads, config.hidden_size, adapter.expert_intermediate, dev.type == "cuda")
     hf, blocks = skeleton(config, adapter, dt, ref.path)
     L, E, fingerprint = len(blocks), adapter.num_experts, config_fingerprint(config)
     opts.resolve(ref.workdir, fingerprint, L, E)
