@@ -115,18 +115,21 @@ def _model_table(out: dict):
     t = Table(title=f"moectl bench {out['model']} ({out['device']}, {out['threads']} threads, prompt "
                     f"{out['prompt_len']}, {out['gen_len']} tokens)")
     for col in ("run", "TTFT ms", "prefill tok/s", "decode ms/tok", "hit rate", "bytes/tok", "stall ms/tok",
-                "predictor ms/tok", "predicted ms/tok", "measured/predicted"):
+                "experts ms/tok", "CPU experts ms/tok", "predictor ms/tok", "predicted ms/tok", "measured/predicted"):
         t.add_column(col, justify="left" if col == "run" else "right")
     f = lambda v, fmt: "" if v is None else format(v, fmt)          # noqa: E731
     for name, r in out["runs"].items():
         p = out["predicted"].get(name, {})
         t.add_row(name, f(r["ttft_ms"], ".1f"), f(r["prefill_tokens_per_s"], ".0f"), f(r["decode_ms_per_token"], ".2f"),
                   f(r.get("hit_rate"), ".1%"), format_bytes(r["bytes_per_token"]) if "bytes_per_token" in r else "",
-                  f(r.get("stall_ms_per_token"), ".2f"), f(r.get("predictor_ms_per_token"), ".3f"),
+                  f(r.get("stall_ms_per_token"), ".2f"), f(r.get("expert_stage_ms_per_token"), ".2f"),
+                  f(r.get("cpu_side_ms_per_token"), ".2f"), f(r.get("predictor_ms_per_token"), ".3f"),
                   f(p.get("decode_ms_per_token"), ".2f"), f(out["measured_over_predicted"].get(name), ".2f"))
+    t.caption = ("experts: the layers' expert stages (wall: fetches, device and CPU experts overlapped); CPU experts: "
+                 "the worker's time on them")
     if out["all_resident_over_transformers"] is not None:
-        t.caption = (f"all-resident / transformers decode time: {out['all_resident_over_transformers']:.3f} "
-                     f"(goal <= {out['goal_all_resident_ratio']})")
+        t.caption += (f"\nall-resident / transformers decode time: {out['all_resident_over_transformers']:.3f} "
+                      f"(goal <= {out['goal_all_resident_ratio']})")
     return t
 
 
