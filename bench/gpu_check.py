@@ -83,6 +83,48 @@ class Step:
         return " ".join(shlex.quote(c) for c in self.cmd)
 
 
+# What the lent GPU machines' image lacks, or holds at other versions than constraints.txt (read off the first run,
+# docs/gpu-check.md): `--fetch-wheels DIR` downloads these, at constraints.txt's versions, for the image's Python,
+# on a machine with the package index; the check then takes `--wheels DIR`.
+IMAGE_LACKS = ("transformers", "huggingface_hub", "hf-xet", "tokenizers", "httpx2", "httpcore2", "truststore",
+               "datasets", "dill", "multiprocess", "fastapi", "starlette", "pydantic", "pydantic_core",
+               "annotated-types", "typing-inspection", "uvicorn", "openai", "jiter", "sniffio", "termcolor", "gguf",
+               "typer", "typing_extensions", "opentelemetry-api", "annotated-doc", "shellingham")
+NO_WHEEL = ("hqq",)                                 # source only on the index: built into a wheel here
+IMAGE_PYTHON = "3.12"
+MANYLINUX = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64")
+
+
+def pinned_versions(constraints: Path = ROOT / "constraints.txt") -> dict[str, str]:
+    """{normalised name: version} from constraints.txt."""
+    out = {}
+    for line in constraints.read_text().splitlines():
+        if "==" in line and not line.lstrip().startswith("#"):
+            name, version = line.split("==", 1)
+            out[_norm(name)] = version.strip()
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def wheel_commands(dest: Path, python: str = sys.executable) -> list[list[str]]:
+    """The pip commands `--fetch-wheels` runs: binary wheels for the image's Python, then the source-only ones
+    built here (pure Python)."""
+    pins = pinned_versions()
+    missing = [n for n in IMAGE_LACKS + NO_WHEEL if _norm(n) not in pins]
+    if missing:
+        raise SystemExit(f"error: constraints.txt pins no version of {', '.join(missing)}")
+    plat = [a for p in MANYLINUX for a in ("--platform", p)]
+    return [[python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+             IMAGE_PYTHON, "--implementation", "cp", *plat, "-d", str(dest),
+             *[f"{n}=={pins[_norm(n)]}" for n in IMAGE_LACKS]],
+            [python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest),
+             *[f"{n}=={pins[_norm(n)]}" for n in NO_WHEEL]]]
+
+
 # --- facts about this machine --------------------------------------------------------------------------------
 def driver_cuda() -> tuple[int, int] | None:
     """The highest CUDA version the driver runs (`nvidia-smi`'s header), or None without a driver."""
@@ -431,6 +473,9 @@ def parse(argv=None):
     p.add_argument("--skip", default="", help="comma list of steps to skip (install, tests, copy, synthetic, "
                    "quantize, bench, llamacpp)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per step")
+    p.add_argument("--fetch-wheels", type=Path, default=None, metavar="DIR",
+                   help="download the wheels the lent machines' image lacks into DIR (needs the package index), "
+                        "then exit; carry DIR and pass --wheels DIR there")
     p.add_argument("--measure-copy", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--measure-attention", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)   # the measure steps print JSON anyway
@@ -440,6 +485,14 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.fetch_wheels:
+        a.fetch_wheels.mkdir(parents=True, exist_ok=True)
+        for cmd in wheel_commands(a.fetch_wheels):
+            if subprocess.run(cmd).returncode:
+                print(f"error: {' '.join(cmd[:5])} ... failed")
+                return 2
+        print(f"wheels in {a.fetch_wheels}: carry it and run with --wheels {a.fetch_wheels}")
+        return 0
     if a.measure_copy:
         print(json.dumps(measure_copy(a.device)))
         return 0

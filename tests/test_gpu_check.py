@@ -31,6 +31,16 @@ def test_cuda_tag_follows_the_driver():
     assert gpu_check.pick_cuda_tag((11, 8)) is None               # too old for the pinned torch's wheels
 
 
+def test_wheels_for_the_image_come_at_the_pinned_versions(tmp_path):
+    pins = gpu_check.pinned_versions()
+    download, build = gpu_check.wheel_commands(tmp_path)
+    assert "--only-binary=:all:" in download and download[download.index("--python-version") + 1] == "3.12"
+    asked = {a.split("==")[0]: a.split("==")[1] for a in download + build if "==" in a}
+    assert set(asked) == set(gpu_check.IMAGE_LACKS + gpu_check.NO_WHEEL)
+    assert all(v == pins[gpu_check._norm(n)] for n, v in asked.items())         # constraints.txt's, every one
+    assert asked["transformers"] == pins["transformers"] and build[3] == "wheel"
+
+
 def test_synthetic_layers_follow_host_ram():
     per_layer = gpu_check.EXPERT_BYTES_MIXTRAL * 8                # 2.8 GB of experts per Mixtral layer
     assert gpu_check.default_layers(128 * 2**30) == 2                            # fits a lent machine's call
