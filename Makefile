@@ -40,7 +40,7 @@ demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo
 
 # Every CUDA path run, checked and timed (bench/gpu_check.py; report in $$OUT or ./gpu-check). With a GPU it runs on
-# the interpreter that has the CUDA torch (its own .venv-cuda, never .venv); without one it says so and does the
+# the interpreter that has the CUDA torch (carried wheels on PYTHONPATH; never .venv); without one it says so and does the
 # dry run (the steps printed, the CPU parts run) from .venv. GPU_CHECK_ARGS: e.g. --layers 4 --wheels DIR (made by
 # `bench/gpu_check.py --fetch-wheels DIR` where the index is reachable; docs/gpu-check.md has the lent machines' recipe).
 gpu-check:
