@@ -165,9 +165,17 @@ def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads
         if not q.exists():
             llamacpp.quantize(f32, q, t, root=root)
         runs[t] = ppl(q)
-        print(f"llama.cpp {t}: ppl {runs[t]['ppl']:.4f} ± {runs[t]['stderr']:.4f} (F32 {runs['F32']['ppl']:.4f})",
-              flush=True)
-    return {"ctx": ctx, "chunks": chunks, "runs": runs,
+        err = runs[t].get("stderr")             # None over the first `chunks` chunks (a running estimate)
+        print(f"llama.cpp {t}: ppl {runs[t]['ppl']:.4f}" + (f" ± {err:.4f}" if err is not None else "")
+              + f" (F32 {runs['F32']['ppl']:.4f})", flush=True)
+    # paired, token by token against F32's saved logits (llama-perplexity --kl-divergence): the delta's own noise
+    paired = {t: llamacpp.kl_divergence(f32, out_dir / f"m-{t}.gguf", text, ctx=ctx, threads=threads, chunks=chunks,
+                                        root=root, logits=out_dir / f"F32-{ctx}-{chunks or 'all'}.kld")
+              for t in ["F32"] + LLAMACPP_TYPES}
+    for t, r in paired.items():
+        print(f"llama.cpp {t} vs F32, paired: PPL ratio {r['ppl_ratio'] - 1:+.3%} ± {2 * r['ppl_ratio_err']:.3%} (2se), "
+              f"KLD {r['kld']}, same top token {r['same_top']}", flush=True)
+    return {"ctx": ctx, "chunks": chunks, "runs": runs, "paired": paired,
             "size_bytes": {p.stem: p.stat().st_size for p in out_dir.glob("m-*.gguf")}}
 
 
@@ -255,9 +263,14 @@ def print_tables(res: dict) -> None:
     lc = res.get("llamacpp", {})
     if "runs" in lc:
         f32 = lc["runs"]["F32"]["ppl"]
-        print(f"\n| llama.cpp (ctx {lc['ctx']}) | ppl ± stderr | vs F32 |\n|---|---|---|")
+        print(f"\n| llama.cpp (ctx {lc['ctx']}, {lc['chunks'] or 'all'} chunks) | ppl | vs F32 | paired vs F32 ± 2se | "
+              f"beyond noise | KLD | same top token |\n|---|---|---|---|---|---|---|")
         for name, r in lc["runs"].items():
-            print(f"| {name} | {r['ppl']:.4f} ± {r['stderr']:.4f} | {r['ppl'] / f32 - 1:+.2%} |")
+            q = lc.get("paired", {}).get(name.split(" ")[0]) if name != "F32 (repeat)" else None
+            pair = (f"{q['ppl_ratio'] - 1:+.3%} ± {2 * q['ppl_ratio_err']:.3%} | "
+                    f"{'yes' if abs(q['ppl_ratio'] - 1) > 2 * q['ppl_ratio_err'] else 'no'} | {q['kld'] or 0:.5f} | "
+                    f"{q['same_top'] or 0:.2%}") if q else "| | |"
+            print(f"| {name} | {r['ppl']:.4f} | {r['ppl'] / f32 - 1:+.2%} | {pair} |")
     px = res.get("proxy", {})
     if px.get("settings"):
         print("\n| scoreboard setting | ppl delta ± 2se | greedy agreement | experts/token/layer |\n|---|---|---|---|")

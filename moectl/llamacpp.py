@@ -206,6 +206,47 @@ def run_tool(name: str, args: list, root: Path | None = None) -> tuple[str, floa
     return out, usage.ru_maxrss / 2**20                # ru_maxrss is in KiB on Linux
 
 
+def kl_divergence(base: str | Path, gguf: str | Path, text_file: str | Path, ctx: int, threads: int = 1,
+                  chunks: int | None = None, root: Path | None = None, logits: str | Path | None = None) -> dict:
+    """`gguf` against `base` on the same chunks of a text file, through llama-perplexity's KL-divergence mode: the
+    base's logits are saved once (`logits`, default beside `base`), then `gguf` is scored token by token against
+    them. Returns {"ppl_ratio", "ppl_ratio_err", "ln_ratio", "ln_ratio_err", "kld", "same_top"}: the paired
+    statistics llama.cpp prints (PPL(Q)/PPL(base) and its uncertainty over the same tokens), which a difference
+    of two perplexities, each with its own error, cannot give."""
+    import re
+
+    logits = Path(logits) if logits else Path(f"{base}.kld-{ctx}-{chunks or 'all'}")
+    args = ["-f", text_file, "-c", ctx, "-t", threads, "-b", ctx, "--kl-divergence-base", logits]
+    if chunks:
+        args += ["--chunks", chunks]
+    if not logits.exists():
+        run_tool("llama-perplexity", ["-m", base, *args], root)
+    out, _ = run_tool("llama-perplexity", ["-m", gguf, *args, "--kl-divergence"], root)
+
+    def stat(label: str, text: str) -> tuple[float, float] | None:
+        # identical logits (a file against itself) print their spread as "-nan": no spread at all
+        m = re.search(re.escape(label) + r"\s*:\s*([-0-9.]+|-?nan)\s*±\s*([0-9.]+|-?nan)", text)
+        if m is None:
+            return None
+        value, err = (float(g.lstrip("-")) if "nan" in g else float(g) for g in m.groups())
+        return (0.0 if value != value else value), (0.0 if err != err else err)
+    if stat("Mean PPL(Q)/PPL(base)", out) is None:      # its asynchronous logger can lose the last lines: once more
+        out, _ = run_tool("llama-perplexity", ["-m", gguf, *args, "--kl-divergence"], root)
+    ratio, ln_ratio = stat("Mean PPL(Q)/PPL(base)", out), stat("Mean ln(PPL(Q)/PPL(base))", out)
+    if ratio is None or ln_ratio is None:
+        raise MoectlError(f"llama-perplexity --kl-divergence printed no PPL(Q)/PPL(base):\n{out[-1500:]}")
+    # the KL divergence and the top-token agreement come last; the last per-chunk line has both when they are lost
+    kld, top = stat("Mean    KLD", out), re.search(r"Same top p\s*:\s*([0-9.]+)\s*±", out)
+    rows = re.findall(r"^\s*\d+\s+[0-9.]+ ±\s+[0-9.]+\s+[-0-9.]+ ±\s+(?:[0-9.]+|-?nan)\s+([-0-9.]+) ±\s+([0-9.]+)\s+[-0-9.]+ ±"
+                      r"\s+[0-9.]+ %\s+([0-9.]+) ±", out, re.M)
+    if kld is None and rows:
+        kld = float(rows[-1][0]), float(rows[-1][1])
+    same_top = float(top.group(1)) if top else float(rows[-1][2]) if rows else None
+    return {"ppl_ratio": ratio[0], "ppl_ratio_err": ratio[1], "ln_ratio": ln_ratio[0], "ln_ratio_err": ln_ratio[1],
+            "kld": kld[0] if kld else None, "kld_err": kld[1] if kld else None,
+            "same_top": same_top / 100 if same_top is not None else None}
+
+
 def tokenize(gguf: str | Path, text: str, root: Path | None = None) -> list[int]:
     """llama.cpp's tokenization of `text` (no BOS added), by `llama-tokenize --ids`."""
     out, _ = run_tool("llama-tokenize", ["-m", gguf, "-p", text, "--ids", "--no-bos", "--log-disable"], root)

@@ -166,6 +166,22 @@ def test_perplexity_within_half_a_percent_of_llama_perplexity(converted, qt, tex
     assert abs(ours / llama - 1) < 0.005, (qt, ours, llama)
 
 
+def test_kl_divergence_pairs_a_quantized_file_with_f32(converted, text_file, tmp_path):
+    """`llamacpp.kl_divergence` (bench/fidelity.py's paired llama.cpp rows): F32 against itself is a ratio of 1 with
+    an error near 0 and KLD ~0; Q4_0 against F32 has the same ratio as the two plain perplexities, and a KLD above
+    Q8_0's."""
+    _, files = converted
+    logits = tmp_path / "f32.kld"
+    kw = dict(ctx=CTX, threads=1, chunks=CHUNKS, root=BUILD_ROOT, logits=logits)
+    same = llamacpp.kl_divergence(files["F32"], files["F32"], text_file, **kw)
+    assert abs(same["ppl_ratio"] - 1) < 1e-3 and same["ppl_ratio_err"] < 1e-3 and abs(same["kld"]) < 1e-4
+    q8, q4 = (llamacpp.kl_divergence(files["F32"], files[t], text_file, **kw) for t in ("Q8_0", "Q4_0"))
+    plain = {t: llamacpp.perplexity(files[t], text_file, CTX, 1, chunks=CHUNKS, root=BUILD_ROOT)["ppl"]
+             for t in ("F32", "Q4_0")}
+    assert q4["ppl_ratio"] == pytest.approx(plain["Q4_0"] / plain["F32"], rel=2e-3)
+    assert q4["ppl_ratio_err"] > 0 and q4["kld"] > q8["kld"] > 0 and 0 < q4["same_top"] <= q8["same_top"] <= 1
+
+
 # GPT-OSS and DeepSeek-V2/V3 through llama.cpp's own converter and llama-quantize too, at the same encodings.
 # llama.cpp's DeepSeek converter splits MLA's kv_b_proj per KV head and asserts as many KV heads as heads, which
 # the real checkpoints have: the tiny configs here are set so.
