@@ -47,14 +47,14 @@ gpu-check:
 	@if command -v nvidia-smi >/dev/null 2>&1; then HF_HUB_OFFLINE=1 $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS); \
 	else $(MAKE) -s install && HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS); fi
 
-# The fidelity yardstick (issue 31): build the reference model (~1 h on 2 cores, once; resumable: re-run to
+# The fidelity yardstick (issue 31): build the reference model (~45 min on 2 cores, once; resumable: re-run to
 # continue) and run the fidelity benchmarks on it. Never part of `make test`. Reports go to bench-fidelity/.
 FIDELITY_OUT ?= bench-fidelity
 bench-fidelity: install
 	mkdir -p $(FIDELITY_OUT)
 	HF_HUB_OFFLINE=1 nice -n 10 $(BIN)/moectl build-tiny --size reference
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/fidelity.py --model reference --max-tokens 4096 --json $(FIDELITY_OUT)/criteria.json
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/precision.py --model reference --json $(FIDELITY_OUT)/precision.json
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/fidelity.py --model reference --max-tokens 32768 --llamacpp-chunks 0 --json $(FIDELITY_OUT)/criteria.json
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/precision.py --model reference --max-tokens 4096 --decode-tokens 2048 --json $(FIDELITY_OUT)/precision.json
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/gating.py --model reference --json $(FIDELITY_OUT)/gating.json
 
 # The newest versions pyproject.toml allows, in a venv of their own: run before moving constraints.txt on.

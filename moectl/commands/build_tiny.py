@@ -36,7 +36,7 @@ def build_tiny(
     small: bool = typer.Option(False, "--small", help="The small test variant (seconds); same as --size small."),
     size: str = typer.Option("tiny", "--size",
                              help="tiny (the built-in model, ~2 min), small (tests, seconds), reference (the "
-                                  "fidelity yardstick: 29 M params on the stdlib's source and docs, ~1 h, "
+                                  "fidelity yardstick: 29 M params on the stdlib's source and docs, ~45 min, "
                                   "resumable: re-run to continue), or reference-small (its recipe scaled down)."),
     workdir: Optional[str] = typer.Option(None, "--workdir",
                                           help="Where to build (default $MOECTL_HOME/<size>, the tiny model's "
