@@ -106,15 +106,19 @@ def expert_drop(ckpt: Path, windows, scored: int) -> dict:
     return {"base_ppl": math.exp(sum(base) / scored), "layers": rows, "no_experts": no_experts}
 
 
-def moectl_copies(model: str, workdir: str, windows, base, scored: int, threads: int) -> list[dict]:
+def moectl_copies(model: str, workdir: str, windows, base, scored: int, threads: int,
+                  methods: tuple[str, ...] = ("rtn",)) -> list[dict]:
+    """Every COPIES setting made by each of `methods` (`moectl quantize --method`: rtn, CPU's default; hqq,
+    HQQ's optimiser, a GPU's), computed for every expert, against the lossless pass on the same windows."""
     rows = []
-    for bits, group, axis in COPIES:
-        meta = quantize_model(model, bits, group, axis, workdir=workdir, progress=False)
+    for (bits, group, axis), method in ((c, m) for m in methods for c in COPIES):
+        meta = quantize_model(model, bits, group, axis, workdir=workdir, progress=False, method=method)
         eng = Engine.load(model, workdir=workdir, lowbit=f"q{bits}g{group}", precision="lowbit-only",
                           threads=threads, progress=False)
         r = window_nll(eng, windows)
         rel_err = sum(x["rel_error"] for x in meta["layers"]) / len(meta["layers"])
-        rows.append({"copy": f"q{bits}g{group} axis {axis}", "rel_weight_error": rel_err,
+        rows.append({"copy": f"q{bits}g{group} axis {axis}" + (f" ({method})" if len(methods) > 1 else ""),
+                     "method": method, "rel_weight_error": rel_err,
                      "bytes_per_expert": meta["bytes_per_expert"], **delta(r["per_window"], base, scored)})
         print(f"{rows[-1]['copy']}: Δppl {rows[-1]['ppl_delta']:+.2%} ± {rows[-1]['ppl_delta_2se']:.2%} "
               f"(weight error {rel_err:.3f})", flush=True)
@@ -204,6 +208,8 @@ def main() -> None:
                     help="comma list of copies, drop, llamacpp, proxy (the scoreboard's ppl column)")
     ap.add_argument("--llamacpp-ctx", type=int, default=256)
     ap.add_argument("--llamacpp-chunks", type=int, default=32, help="llama-perplexity --chunks (0: the whole text)")
+    ap.add_argument("--methods", default="rtn", help="comma list of `moectl quantize --method`s the copies are made "
+                    "by (rtn, hqq)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -225,7 +231,8 @@ def main() -> None:
           f"run-to-run (2 vs 1 thread) {res['run_to_run']['ppl_delta']:+.5%}", flush=True)
     del eng
     if "copies" in only:
-        res["copies"] = moectl_copies(a.model, str(ref.workdir), windows, base["per_window"], scored, a.threads)
+        res["copies"] = moectl_copies(a.model, str(ref.workdir), windows, base["per_window"], scored, a.threads,
+                                      tuple(a.methods.split(",")))
     if "drop" in only:
         res["drop"] = expert_drop(ref.path, windows, scored)
     if "llamacpp" in only:

@@ -238,9 +238,10 @@ def print_table(res: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------- fidelity
-def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int = 1) -> dict:
-    """Perplexity deltas, each tool against its own full-precision run, on the tiny model's held-out text."""
-    from moectl.calib.dataset import builtin_corpus
+def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int = 1, model: str = "tiny") -> dict:
+    """Perplexity deltas, each tool against its own full-precision run, on the model's held-out text (`model`:
+    tiny, or the reference model `make bench-fidelity` builds, on calibration/reference.yaml)."""
+    from moectl.calib.dataset import builtin_corpus, load_calibration
     from moectl.calib.fidelity import token_windows, window_nll
     from moectl.quant.quantize import quantize_model
     from moectl.runtime.engine import Engine
@@ -248,9 +249,17 @@ def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int =
 
     import math
 
-    ckpt = ensure_tiny(Path(os.environ.get("MOECTL_HOME", "~/.cache/moectl")).expanduser() / "tiny")
+    if model == "tiny":
+        ckpt = ensure_tiny(Path(os.environ.get("MOECTL_HOME", "~/.cache/moectl")).expanduser() / "tiny")
+        text = "\n\n".join(builtin_corpus("validation"))
+    else:
+        from bench.models import bench_model, held_out_dataset
+
+        ref = bench_model(model)
+        if not (ref.path / "config.json").is_file():
+            raise SystemExit(f"error: no {model} model at {ref.path}: make bench-fidelity builds it")
+        ckpt, text = ref.path, "\n\n".join(load_calibration(held_out_dataset(ref)))
     wd = ckpt.parent
-    text = "\n\n".join(builtin_corpus("validation"))
     eng = Engine.load(str(ckpt), workdir=str(wd), progress=False, gating="none", device="cpu")
     ids = eng.tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     text = eng.tokenizer.decode(ids)                       # the same tokens for both tools
@@ -302,6 +311,8 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="where the checkpoint, GGUFs and copies go "
                     "(default $MOECTL_HOME/vs_llamacpp/<shape>-<layers>)")
     ap.add_argument("--fidelity", action="store_true", help="perplexity deltas on the trained tiny model")
+    ap.add_argument("--fidelity-model", default="tiny", help="--fidelity's model: tiny, or reference (make "
+                    "bench-fidelity builds it)")
     ap.add_argument("--clean", action="store_true", help="delete the GGUFs afterwards")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--dense-lowbit", default=None, choices=["q8", "q4"],
@@ -314,7 +325,8 @@ def main() -> None:
         return
     home = Path(os.environ.get("MOECTL_HOME", "~/.cache/moectl")).expanduser() / "vs_llamacpp"
     if a.fidelity:
-        res = fidelity(Path(a.work or home / "fidelity"))
+        res = fidelity(Path(a.work or home / ("fidelity" if a.fidelity_model == "tiny" else
+                                               f"fidelity-{a.fidelity_model}")), model=a.fidelity_model)
         for tool in ("llama.cpp", "moectl"):
             for k, v in res[tool].items():
                 print(f"{tool:10} {k:10} ppl {v['ppl']:8.4f}  delta {v['delta_pct']:+.3f} %")
