@@ -257,7 +257,10 @@ def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, caps
 
     wd = tmp_path / "wd"
     shutil.copytree(q4[0], wd)
-    code, _, err = run_cli(["plan-cache", "--model", str(mixtral), "--workdir", str(wd), "--budget", "20MB",
+    from moectl.sizing import DEVICE_LIBRARY_BYTES
+
+    code, _, err = run_cli(["plan-cache", "--model", str(mixtral), "--workdir", str(wd), "--budget",
+                            str(20_000_000 + DEVICE_LIBRARY_BYTES),                # 20 MB besides the libraries'
                             "--kv-tokens", "64"], capsys, monkeypatch)
     assert code == 0, err
     f = wd / "plan.yaml"
