@@ -136,8 +136,9 @@ def test_demo_runs_steps_skips_missing_and_reports_failures(tiny_small, tmp_path
     ])
     result = CliRunner().invoke(app, ["demo", "--workdir", str(workdir), "--question", "hello"],
                                 env={"COLUMNS": "200"})
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output             # the failed step fails the demo, after the summary
     out = result.output
+    assert "demo: generate failed" in out
     assert (workdir / "traces").is_dir()
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 4}
     assert "reused" in rows["build-tiny"] and "val ppl" in rows["build-tiny"]
