@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -309,7 +310,7 @@ def measure_attention(device: str, lengths: int = 8, start: int = 100) -> dict:
     for name, backends in (("default", None), ("no_cudnn", [SDPBackend.FLASH_ATTENTION,
                                                               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])):
         base = start + (0 if name == "default" else 10 * lengths)       # lengths neither run has seen
-        with (sdpa_kernel(backends) if backends else torch.inference_mode()):
+        with sdpa_kernel(backends) if backends else nullcontext():
             first = [one(base + i) for i in range(lengths)]
             again = [one(base + lengths - 1) for _ in range(lengths)]
         out[name] = {"first_call_ms": sorted(first)[len(first) // 2], "first_call_max_ms": max(first),
@@ -357,15 +358,13 @@ def rows_table(steps: list[Step]) -> list[dict]:
     for row in BENCH_ROWS:
         b, p = by.get(f"bench:{row}"), by.get(f"predict:{row}")
         run = (b.figures.get("runs") or {}).get("moectl", {}) if b else {}
-        measured = run.get("decode_ms_per_token")
-        bench_pred = ((b.figures.get("predicted") or {}).get("moectl") or {}).get("decode_ms_per_token") if b else None
+        pred = ((b.figures.get("predicted") or {}).get("moectl") or {}) if b else {}
+        measured, bench_pred = run.get("decode_ms_per_token"), pred.get("decode_ms_per_token")
         simulated = p.figures.get("ms_per_token") if p else None
         rows.append({"row": row, "measured_ms_per_token": measured, "predicted_ms_per_token": bench_pred,
                      "measured_over_predicted": measured / bench_pred if measured and bench_pred else None,
                      "whole_trace_simulated_ms_per_token": simulated,
-                     "hit_rate": run.get("hit_rate"), "predicted_hit_rate": ((b.figures.get("predicted") or {})
-                                                                             .get("moectl") or {}).get("hit_rate")
-                     if b else None,
+                     "hit_rate": run.get("hit_rate"), "predicted_hit_rate": pred.get("hit_rate"),
                      "bytes_per_token": run.get("bytes_per_token"),
                      "cpu_experts_per_token": run.get("cpu_experts_per_token"),
                      "first_request_ms_per_token": (run.get("decode_ms_per_token_each") or [None])[0],
@@ -564,7 +563,7 @@ def write_hardware(path: Path, py: str, cuda: bool, env: dict) -> None:
             f"h = machine_hardware(machine_figures({'cuda' if cuda else 'cpu'!r})); "
             "d = dict(h.__dict__); d['name'] = 'measured'; sys.stdout.write(yaml.safe_dump(d))")
     p = subprocess.run([py, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
-    if p.returncode != 0:            # the predictions then fall back to the named profile; the report says why
+    if p.returncode != 0:            # the rest of the check still runs; the predict steps fail for want of the file
         print(f"gpu-check: measuring this machine failed:\n{p.stderr[-2000:]}", flush=True)
         return
     path.write_text("# measured by bench/gpu_check.py (moectl.machine.machine_figures)\n" + p.stdout)

@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import time
+from itertools import cycle
 from pathlib import Path
 
 import torch
@@ -97,14 +98,19 @@ def cold_copies(nbytes: int) -> int:
     from RAM as a decode token's experts are read: between two uses of a copy the others read twice the
     last-level cache. One copy of a 48 MB expert on a server CPU with 100+ MB of L3 measured 149 GB/s against
     109 GB/s of RAM (docs/gpu-check.md), and that rate priced CPU experts 2x too cheap."""
-    return 1 if nbytes >= 2 * llc_bytes() else 1 + -(-2 * llc_bytes() // nbytes)
+    llc = llc_bytes()
+    return 1 if nbytes >= 2 * llc else 1 + -(-2 * llc // nbytes)
 
 
-def _cycle(items: list):
-    """next() over `items` forever (the timed calls' copies, in turn)."""
-    from itertools import cycle
+def _cold_experts(make) -> tuple[list, int]:
+    """`make()` -> ((gate_up, down), bytes one expert reads): the first expert, then as many more as
+    `cold_copies` of its bytes asks for; and those bytes."""
+    first, nbytes = make()
+    return [first] + [make()[0] for _ in range(cold_copies(nbytes) - 1)], nbytes
 
-    return cycle(items).__next__
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, tokens: int = 1,
@@ -114,13 +120,12 @@ def cpu_expert_ms(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16, 
     from .models.gemv import linear
 
     g = torch.Generator().manual_seed(0)
-    nbytes = 3 * hidden * inter * torch.finfo(dtype).bits // 8
 
-    def expert():
+    def make():
         gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.02).to(dtype)      # [2I, H]
         down = (torch.randn(hidden, inter, generator=g) * 0.02).to(dtype)             # [H, I]
-        return (lambda x: linear(x, gate_up)), (lambda x: linear(x, down))
-    return _ffn_ms([expert() for _ in range(cold_copies(nbytes))], inter, hidden, tokens, repeat, g, dtype)
+        return ((lambda x: linear(x, gate_up)), (lambda x: linear(x, down))), _nbytes(gate_up, down)
+    return _ffn_ms(_cold_experts(make)[0], inter, hidden, tokens, repeat, g, dtype)
 
 
 def _ffn_ms(experts: list, inter: int, hidden: int, tokens: int, repeat: int, g: torch.Generator,
@@ -129,14 +134,24 @@ def _ffn_ms(experts: list, inter: int, hidden: int, tokens: int, repeat: int, g:
     import torch.nn.functional as F
 
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    following = _cycle(experts)
+    following = cycle(experts)
 
     def run():
-        gate_up, down = following()
+        gate_up, down = next(following)
         gu = gate_up(x)                                                           # [T, 2I]
         down(F.silu(gu[:, :inter]) * gu[:, inter:])                               # [T, H]
     with torch.inference_mode():
         return best_s(run, repeat) * 1e3
+
+
+def _vnni_expert(hidden: int, inter: int, bits: int, g: torch.Generator):
+    """A `_cold_experts` maker: one expert of random codes in moectl's own kernel layout at `bits`."""
+    from .quant.vnni import random_linear
+
+    def make():
+        (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, bits, g), random_linear(hidden, inter, bits, g)
+        return (gu, dn), b1 + b2
+    return make
 
 
 def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) -> tuple[float, int]:
@@ -145,15 +160,10 @@ def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) 
     torch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`: bf16 activations, one bf16 scale and zero per
     `group` weights). Random codes: speed only (the rate the runtime prices a low-bit miss computed on the CPU at)."""
     from . import kernels
-    from .quant.vnni import random_linear
 
     g = torch.Generator().manual_seed(0)
     if kernels.library() is not None:
-        def expert():
-            (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 4, g), random_linear(hidden, inter, 4, g)
-            return (gu, dn), b1 + b2
-        first, nbytes = expert()
-        experts = [first] + [expert()[0] for _ in range(cold_copies(nbytes) - 1)]
+        experts, nbytes = _cold_experts(_vnni_expert(hidden, inter, 4, g))
         return _ffn_ms(experts, inter, hidden, 1, repeat, g), nbytes
 
     def pack(n: int, k: int):                            # an [n, k] weight: packed codes + [k/group, n, 2] scales
@@ -162,11 +172,12 @@ def cpu_expert_q4_ms(hidden: int, inter: int, group: int = 64, repeat: int = 5) 
                 (torch.randn(k // group, n, 2, generator=g) * 0.01).to(torch.bfloat16))
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
-    def expert():
+    def make():
         gate_up, down = pack(2 * inter, hidden), pack(hidden, inter)
-        return (lambda x: mm(x, gate_up[0], group, gate_up[1])), (lambda x: mm(x, down[0], group, down[1]))
-    nbytes = 3 * hidden * inter // 2 + 3 * hidden * inter // group * 4       # codes + bf16 scale and zero pairs
-    return _ffn_ms([expert() for _ in range(cold_copies(nbytes))], inter, hidden, 1, repeat, g), nbytes
+        return (((lambda x: mm(x, gate_up[0], group, gate_up[1])), (lambda x: mm(x, down[0], group, down[1]))),
+                _nbytes(*gate_up, *down))
+    experts, nbytes = _cold_experts(make)
+    return _ffn_ms(experts, inter, hidden, 1, repeat, g), nbytes
 
 
 def cpu_expert_q8_ms(hidden: int, inter: int, repeat: int = 5, tokens: int = 1) -> tuple[float, int]:
@@ -175,22 +186,20 @@ def cpu_expert_q8_ms(hidden: int, inter: int, repeat: int = 5, tokens: int = 1) 
     torch's int8 kernel, one bf16 scale per output row). Random codes: speed only."""
     from . import kernels
     from .quant.int8_cpu import Int8Linear
-    from .quant.vnni import random_linear
 
     g = torch.Generator().manual_seed(0)
     if kernels.library() is not None:
-        def expert():
-            (gu, b1), (dn, b2) = random_linear(2 * inter, hidden, 8, g), random_linear(hidden, inter, 8, g)
-            return (gu, dn), b1 + b2
-        first, nbytes = expert()
-        experts = [first] + [expert()[0] for _ in range(cold_copies(nbytes) - 1)]
+        experts, nbytes = _cold_experts(_vnni_expert(hidden, inter, 8, g))
         return _ffn_ms(experts, inter, hidden, tokens, repeat, g), nbytes
 
-    def make(n: int, k: int) -> Int8Linear:
+    def linear8(n: int, k: int) -> Int8Linear:
         return Int8Linear(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
                           (torch.rand(n, generator=g) * 1e-3).to(torch.bfloat16))
-    nbytes = 3 * hidden * inter + 3 * hidden * 2                              # codes + a bf16 scale per row
-    experts = [(make(2 * inter, hidden), make(hidden, inter)) for _ in range(cold_copies(nbytes))]
+
+    def make():
+        gate_up, down = linear8(2 * inter, hidden), linear8(hidden, inter)
+        return (gate_up, down), _nbytes(gate_up.codes, gate_up.scale, down.codes, down.scale)
+    experts, nbytes = _cold_experts(make)
     return _ffn_ms(experts, inter, hidden, tokens, repeat, g), nbytes
 
 

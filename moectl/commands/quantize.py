@@ -21,8 +21,9 @@ def quantize(
                                          "present)."),
     method: Optional[str] = typer.Option(None, "--method", help="rtn: round-to-nearest per group (minutes on a "
                                          "CPU); hqq: HQQ's optimiser refines scales and zeros (hours for Mixtral on "
-                                         "a CPU, seconds per layer on a GPU). Default: rtn on cpu, hqq on cuda. On the reference model hqq's q4g64 "
-                                         "copies cost +0.06 % perplexity, rtn's +0.20 % (docs/benchmarks.md)."),
+                                         "a CPU, seconds per layer on a GPU). Default: rtn on cpu, hqq on cuda. On "
+                                         "the reference model hqq's q4g64 copies cost +0.06 % perplexity, rtn's "
+                                         "+0.20 % (docs/benchmarks.md)."),
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="dtype of scales, zeros and the dequantised weights "
                                         "(default: the checkpoint's)."),
