@@ -35,9 +35,9 @@ import json
 import sys
 from pathlib import Path
 
-from moectl.sim import run as sim
+from moectl.sim import simulate as sim
 from moectl.policies.admission import prefetch_staging
-from moectl.trace import load_trace
+from moectl.core.trace import load_trace
 
 SIBLING = {"olmoe.math": "olmoe.code", "olmoe.code": "olmoe.math", "qwen.math": "qwen.code",
            "qwen.code": "qwen.math", "gptoss.math": "gptoss.code", "gptoss.code": "gptoss.math",

@@ -3,12 +3,12 @@ packed checkpoint where it lies costs.
 
 1. A Mixtral-sized expert (H 4096, I 14336) applied to one token: ms and GB/s of weights read, next to the
    measured memory read bandwidth; and the q4 kernel on a cache-resident expert (1024 x 2048): the same GB/s there
-   means the kernel is compute bound. bf16: the runtime's one-row product on bf16 weights (`models/gemv.py`).
+   means the kernel is compute bound. bf16: the runtime's one-row product on bf16 weights (`kernels/gemv.py`).
    q8 and q4: the kernel the runtime computes a q8g64 / q4g64 copy with on this CPU, moectl's own
    (`moectl/kernels`, int8 activations) where it builds, else torch's int8 kernel (`aten._weight_int8pack_mm`,
    per-row scales: the row's label says "q8-per-row") and int4 kernel (`aten._weight_int4pack_mm_for_cpu`), on
    random codes. The measurement code is
-   `moectl/machine.py`'s, the same the runtime's cost model is fed from.
+   `moectl/runtime/machine.py`'s, the same the runtime's cost model is fed from.
 2. Released formats: a GPT-OSS expert (gpt-oss-20b's, H = I = 2880) kept MXFP4 (13.2 MB) is dequantised by
    `Mxfp4Format.weights` at every use, then multiplied; a bf16 copy (49.8 MB) is only multiplied. Per token
    count, ms of dequantising alone, MXFP4 dequantise + FFN, bf16 FFN. The same for a block-FP8 expert
@@ -26,10 +26,10 @@ import time
 import torch
 
 from moectl import kernels
-from moectl.machine import cpu_expert_ms, cpu_expert_q4_ms, cpu_expert_q8_ms, default_threads, mem_read_gbps
+from moectl.runtime.machine import cpu_expert_ms, cpu_expert_q4_ms, cpu_expert_q8_ms, default_threads, mem_read_gbps
 from moectl.models.base import ExpertLayout
-from moectl.quant.fp8_block import Fp8BlockFormat
-from moectl.quant.mxfp4 import Mxfp4Format
+from moectl.formats.fp8_block import Fp8BlockFormat
+from moectl.formats.mxfp4 import Mxfp4Format
 
 Q8 = "q8g64" if kernels.library() is not None else "q8-per-row"     # the kernel's own copy, or torch's requantized
 

@@ -6,18 +6,18 @@ One Mixtral expert FFN (gate_up [2I, H], down [H, I]; H 4096, I 14336) on T toke
 ms, and GB/s of weights read (the bytes each format holds / the time). Rounds alternate the kernels (a shared
 machine: the spread of a round is the load's, not the kernel's). Kernels:
 
-  bf16           the runtime's bf16 path (models/gemv.py: torch's GEMV for one row, oneDNN from two)
-  q8-per-row     torch's int8 kernel `_weight_int8pack_mm` (quant/int8_cpu.py's Int8Linear: from ROWS_KERNEL rows
+  bf16           the runtime's bf16 path (kernels/gemv.py: torch's GEMV for one row, oneDNN from two)
+  q8-per-row     torch's int8 kernel `_weight_int8pack_mm` (formats/int8_cpu.py's Int8Linear: from ROWS_KERNEL rows
                  it dequantises and multiplies in bf16)
   q8-kernel-only the int8 kernel at every T (what Int8Linear avoids for a prompt)
-  q4g64 / q4g128 torch's int4 kernel `_weight_int4pack_mm_for_cpu` (quant/int4_cpu.py), group 64 / 128
+  q4g64 / q4g128 torch's int4 kernel `_weight_int4pack_mm_for_cpu` (formats/int4_cpu.py), group 64 / 128
   dyn-quant-4bit torch's `_dyn_quant_matmul_4bit` (int8 dynamic activations x int4; KleidiAI on Arm, on x86 a
                  reference fallback); T <= 32 only (it takes minutes at 512)
-  moectl-q8g64 / moectl-q4g64  moectl's own int8-activation kernels (moectl/kernels, quant/vnni.py: VnniLinear),
+  moectl-q8g64 / moectl-q4g64  moectl's own int8-activation kernels (moectl/kernels, formats/vnni.py: VnniLinear),
                  where they build
 
 And `--q8-error`: on a Gaussian 14336 x 4096 matrix, the RMS error of HQQ's q8g64 (rtn) against the weights, and of
-q8g64 requantized per output row (quant/int8_cpu.py's load-time repack) against the weights and against q8g64.
+q8g64 requantized per output row (formats/int8_cpu.py's load-time repack) against the weights and against q8g64.
 
     PYTHONPATH=. python bench/cpu_kernels.py --threads 1 --tokens 1 32 512 --rounds 2 [--q8-error] [--json]
 """
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from moectl import kernels
-from moectl.models.gemv import linear
-from moectl.quant.int8_cpu import Int8Linear, requantize
-from moectl.quant.vnni import random_linear
+from moectl.kernels.gemv import linear
+from moectl.formats.int8_cpu import Int8Linear, requantize
+from moectl.formats.vnni import random_linear
 
 
 def _expert(H: int, I: int, g: torch.Generator) -> dict:

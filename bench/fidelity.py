@@ -126,27 +126,27 @@ def moectl_copies(model: str, workdir: str, windows, base, scored: int, threads:
 
 
 def llamacpp_module():
-    """moectl.llamacpp (helper C's, issue 28); before that branch is merged, the file MOECTL_LLAMACPP_PY names."""
+    """llamacpp (helper C's, issue 28); before that branch is merged, the file MOECTL_LLAMACPP_PY names."""
     import importlib.util
     import os
 
     try:
-        from moectl import llamacpp
+        import llamacpp
         return llamacpp
     except ImportError:
         path = os.environ.get("MOECTL_LLAMACPP_PY")
         if not path:
             raise
-    spec = importlib.util.spec_from_file_location("moectl.llamacpp", path)
+    spec = importlib.util.spec_from_file_location("llamacpp", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["moectl.llamacpp"] = module
+    sys.modules["llamacpp"] = module
     spec.loader.exec_module(module)
     return module
 
 
 def llamacpp_rows(ckpt: Path, texts: list[str], out_dir: Path, ctx: int, threads: int, chunks: int | None) -> dict:
     """F32 / Q8_0 / Q4_K_M / Q4_0 of the checkpoint by llama.cpp's own converter and quantizer, scored by
-    llama-perplexity on the same held-out text (helper C's moectl/llamacpp.py)."""
+    llama-perplexity on the same held-out text (helper C's bench/llamacpp.py)."""
     import os
 
     llamacpp = llamacpp_module()

@@ -38,9 +38,9 @@ def main() -> None:
 
     import torch
 
-    from moectl import llamacpp
+    import llamacpp
     from moectl.runtime.engine import Engine
-    from moectl.runtime.inspect import dense_nbytes, inspect_model
+    from moectl.store.facts import dense_nbytes, inspect_model
     from moectl.store.memory import rss_bytes
 
     torch.set_num_threads(a.threads)

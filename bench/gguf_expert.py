@@ -1,9 +1,9 @@
 """One GGUF-encoded expert matrix on this machine's CPU: what computing it where it lies costs per use.
 
 For each encoding llama.cpp users' MoE files hold, a matrix [rows, cols] (default 2048 x 2048: Qwen3-30B-A3B's
-expert is 768 x 2048, Mixtral's 14336 x 4096) of valid random blocks: ms to dequantise it with moectl/gguf/dequant.py
+expert is 768 x 2048, Mixtral's 14336 x 4096) of valid random blocks: ms to dequantise it with moectl/formats/gguf_dequant.py
 (fp32), ms of that plus the matmul for one token, and for Q4_0 / Q4_K ms of the int4 kernel on the repacked codes
-(moectl/gguf/int4.py, fp32 activations and scales, lossless; and with bf16 activations and scales, which rounds the
+(moectl/formats/gguf_int4_repack.py, fp32 activations and scales, lossless; and with bf16 activations and scales, which rounds the
 scales). Medians of --repeat runs, encodings interleaved.
 
     PYTHONPATH=. python bench/gguf_expert.py [--rows 2048 --cols 2048] [--threads 1] [--repeat 9] [--json]
@@ -26,10 +26,10 @@ from gguf.quants import quantize
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gguf_build import k_blocks  # noqa: E402
 
-from moectl.gguf.dequant import dequantize  # noqa: E402
-from moectl.gguf.encodings import bits_per_weight  # noqa: E402
-from moectl.gguf.int4 import repack_int4  # noqa: E402
-from moectl.quant.int4_cpu import Int4Linear  # noqa: E402
+from moectl.formats.gguf_dequant import dequantize  # noqa: E402
+from moectl.formats.gguf_encodings import bits_per_weight  # noqa: E402
+from moectl.formats.gguf_int4_repack import repack_int4  # noqa: E402
+from moectl.formats.int4_cpu import Int4Linear  # noqa: E402
 
 ENCODINGS = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
 

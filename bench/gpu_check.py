@@ -243,7 +243,7 @@ def measure_copy(device: str, nbytes: int = EXPERT_BYTES_MIXTRAL, repeat: int = 
     `split_rows` chunks, one event each, through `Loader`) against plain `.to(device, non_blocking=True)`."""
     import torch
 
-    from moectl.machine import best_s
+    from moectl.runtime.machine import best_s
     from moectl.runtime.loader import CHUNK_BYTES, CopyJob, DEMAND, Loader, split_rows
 
     rows, row_bytes = nbytes // 4096, 4096
@@ -559,14 +559,14 @@ def llamacpp_unavailable(a, cuda: bool) -> str | None:
 def write_hardware(path: Path, py: str, cuda: bool, env: dict) -> None:
     """This machine's measured figures as a hardware profile (`moectl simulate --hardware FILE`); on a machine
     without CUDA the 'device' is this CPU (what an emulated device is)."""
-    code = ("import json,sys,yaml; from moectl.machine import machine_figures, machine_hardware; "
+    code = ("import json,sys,yaml; from moectl.runtime.machine import machine_figures, machine_hardware; "
             f"h = machine_hardware(machine_figures({'cuda' if cuda else 'cpu'!r})); "
             "d = dict(h.__dict__); d['name'] = 'measured'; sys.stdout.write(yaml.safe_dump(d))")
     p = subprocess.run([py, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode != 0:            # the rest of the check still runs; the predict steps fail for want of the file
         print(f"gpu-check: measuring this machine failed:\n{p.stderr[-2000:]}", flush=True)
         return
-    path.write_text("# measured by bench/gpu_check.py (moectl.machine.machine_figures)\n" + p.stdout)
+    path.write_text("# measured by bench/gpu_check.py (moectl.runtime.machine.machine_figures)\n" + p.stdout)
 
 
 def _torch_version(py: str, env: dict) -> str | None:

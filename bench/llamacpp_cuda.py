@@ -4,7 +4,7 @@
     python bench/llamacpp_cuda.py --src llamacpp-src.tar.gz --model CKPT --cache-experts N --json   # on the GPU
 
 A lent GPU machine has no package index, so llama.cpp's source travels with the checkout: `--pack` trims the
-llama-cpp-python sdist this machine fetched for bench/vs_llamacpp.py (`moectl/llamacpp.py: pack_source`; the sdist is
+llama-cpp-python sdist this machine fetched for bench/vs_llamacpp.py (`bench/llamacpp.py: pack_source`; the sdist is
 76 MB, over the device tool's carry limit). On the GPU machine it:
   1. builds llama-bench and llama-quantize with GGML_CUDA=ON for the local GPU (`-DCMAKE_CUDA_ARCHITECTURES=native`)
      into $MOECTL_HOME/llamacpp/<version>-cuda/ (reused when built);
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moectl import llamacpp  # noqa: E402
+import llamacpp  # noqa: E402
 from moectl.errors import MoectlError  # noqa: E402
 
 DEFAULT_PACK = ROOT / "llamacpp-src.tar.gz"          # gitignored: carried to the device beside the checkout

@@ -13,7 +13,7 @@ import json
 
 from moectl.calib.dataset import load_calibration
 from moectl.commands._common import prepare_model
-from moectl.recipes import REPO_ROOT, ModelRef, resolve_model
+from moectl.core.recipes import REPO_ROOT, ModelRef, resolve_model
 
 MODEL_HELP = "recipe name (tiny, reference) or checkpoint directory; reference: make bench-fidelity builds it"
 

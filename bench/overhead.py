@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from moectl.benchmarks import runtime_overhead
+from moectl.benchmark.overhead import runtime_overhead
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

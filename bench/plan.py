@@ -2,7 +2,7 @@
 on every shared trace (and a profiled tiny trace), and the scoreboards of issues 12 and 18.
 
   1. time: curves (simulator runs) + DP, at Mixtral-8x7B (the shared trace) and Qwen3-30B-A3B (48 x 128 top-8; no
-     shared trace of it, so a synthetic one with OLMoE's (top-8) popularity and reuse, moectl/synthetic_trace.py) shapes.
+     shared trace of it, so a synthetic one with OLMoE's (top-8) popularity and reuse, moectl/synth/trace.py) shapes.
   2. plan vs uniform: full-precision plans (replacement ours, no prefetch: the shared traces have no hidden
      states) at a budget holding ~25 % of the bf16 experts (Mixtral: 20 GB), stall ms/token of both, the margin.
   3. scoreboards on rtx4090-pcie4: Mixtral-8x7B at 20 GB (one trace: plan and judgement on it); Qwen1.5-MoE and
@@ -42,9 +42,9 @@ from moectl.plan.budget import model_facts, split_budget  # noqa: E402
 from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)
-from moectl.plan.setup import plan_setup, stored_gating  # noqa: E402
-from moectl.synthetic_trace import save, synthesize_like  # noqa: E402
-from moectl.trace import Trace, load_trace, write_jsonl  # noqa: E402
+from moectl.plan.inputs import plan_setup, stored_gating  # noqa: E402
+from moectl.synth.trace import save, synthesize_like  # noqa: E402
+from moectl.core.trace import Trace, load_trace, write_jsonl  # noqa: E402
 
 SHARED = Path(os.environ.get("MOECTL_SHARED") or Path(__file__).resolve().parents[2] / "shared") / "traces"
 HW = "rtx4090-pcie4"

@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moectl.predict.routing import train_routing_predictor  # noqa: E402
-from moectl.sim.run import capacities, cost_for, simulate  # noqa: E402
-from moectl.trace import load_trace  # noqa: E402
+from moectl.sim.simulate import capacities, cost_for, simulate  # noqa: E402
+from moectl.core.trace import load_trace  # noqa: E402
 
 REPLACEMENTS = ["lru", "lfu", "moe-infinity", "hobbit", "ours"]
 FRACTIONS = [0.25, 0.5]
@@ -194,8 +194,8 @@ def main() -> None:
 
 def tiny_checkpoint(tmp: Path) -> Path:
     """The full tiny model when `moectl build-tiny` made it, else the small variant built into `tmp`."""
-    from moectl.recipes import resolve_model
-    from moectl.tiny import _built, build_tiny
+    from moectl.core.recipes import resolve_model
+    from moectl.synth.tiny import _built, build_tiny
 
     wd = resolve_model("tiny", None).workdir
     if _built(wd):

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moectl.models.base import ExpertLayout  # noqa: E402
-from moectl.quant.hqq_format import HqqFormat  # noqa: E402
+from moectl.formats.hqq import HqqFormat  # noqa: E402
 
 H, I = 4096, 14336                  # Mixtral-8x7B hidden and expert intermediate size
 EXPERTS = 32 * 8                    # Mixtral-8x7B routed experts
@@ -86,7 +86,7 @@ def mixtral_memory() -> list[dict]:
     from transformers import MixtralConfig
 
     from moectl.models import adapter_for
-    from moectl.runtime.inspect import dense_nbytes, memory_plan, skeleton as _skeleton
+    from moectl.store.facts import dense_nbytes, memory_plan, skeleton as _skeleton
     from moectl.runtime.offloaded import OffloadedExperts
 
     config = MixtralConfig()                                     # the defaults are Mixtral-8x7B's shape

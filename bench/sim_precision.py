@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 
 from moectl.policies.precision import make_precision
-from moectl.recipes import parse_size
-from moectl.sim import run as sim
-from moectl.trace import load_trace
+from moectl.core.recipes import parse_size
+from moectl.sim import simulate as sim
+from moectl.core.trace import load_trace
 
 CONFIGS = [("bf16 only", "full", None), ("HOBBIT hi/lo/skip q4g64", "hobbit", "q4g64"),
            ("lowbit-only q4g64", "lowbit-only", "q4g64"), ("lowbit-only q3g64", "lowbit-only", "q3g64"),

@@ -103,7 +103,7 @@ def main() -> int:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="moectl-soak-"))
     if a.model is None:
-        from moectl.tiny import build_tiny
+        from moectl.synth.tiny import build_tiny
 
         print("building the small tiny model ...", flush=True)
         a.model = str(build_tiny(tmp / "tiny", small=True, progress=False))

@@ -60,10 +60,10 @@ def configs(k_max: int) -> list[tuple[str, int, str]]:
 
 
 def run_setting(setting: str, sources: dict, args, copy_gbps: float | None) -> list[dict]:
-    from moectl.policies.draft import AcceptanceCounter
+    from moectl.policies.draft_length import AcceptanceCounter
     from moectl.runtime.engine import Engine
     from moectl.runtime.spec_decode import FixedDraftRule
-    from moectl.policies.draft import OnlineDraftRule
+    from moectl.policies.draft_length import OnlineDraftRule
 
     rows = []
     for src_name, src in sources.items():
@@ -115,8 +115,8 @@ def main() -> None:
     torch.set_num_threads(1)
     SETTINGS["emulated"]["cache_experts"] = args.cache_experts
     from moectl.commands._common import prepare_model
-    from moectl.recipes import resolve_model
-    from moectl.truncate import truncate_checkpoint
+    from moectl.core.recipes import resolve_model
+    from moectl.synth.truncate import truncate_checkpoint
 
     prepare_model("tiny")
     small = Path(tempfile.mkdtemp(prefix="moectl-draft-")) / f"tiny-{args.draft_layers}layer"

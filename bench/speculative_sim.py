@@ -13,7 +13,7 @@ with misses fetched (`--cpu-experts never`) and with `--cpu-experts auto`. Each 
 and one of its cells by e.g. `moectl simulate -t mixtral-8x7b.gsm8k.jsonl --cache-fraction 0.25 --draft-tokens 4
 --acceptance 0.85 --draft-seed S`. Acceptance is sampled per trace row (seeds 0..N-1, `--seeds`; the same draws
 for every K); each figure is the mean over the seeds. The union column is the distinct experts of 4 consecutive
-decode tokens over 4 tokens' experts (sim/passes.py: union_ratio).
+decode tokens over 4 tokens' experts (sim/spec_passes.py: union_ratio).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import json
 import statistics
 from pathlib import Path
 
-from moectl.policies.draft import load_acceptance
-from moectl.sim import run as sim
-from moectl.sim.passes import DraftSpec, union_ratio
-from moectl.trace import load_trace
+from moectl.policies.draft_length import load_acceptance
+from moectl.sim import simulate as sim
+from moectl.sim.spec_passes import DraftSpec, union_ratio
+from moectl.core.trace import load_trace
 
 HELD_OUT = ["mixtral-8x7b.gsm8k", "olmoe.code", "qwen.code", "qwen1.5-moe.cooking_1", "gptoss.code", "granite.code"]
 

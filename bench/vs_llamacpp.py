@@ -1,6 +1,6 @@
 """moectl beside llama.cpp itself, on this machine: same checkpoint, same precision, same threads, alternating runs.
 
-1. llama.cpp is built from the `llama-cpp-python` sdist (`moectl/llamacpp.py`, cached in
+1. llama.cpp is built from the `llama-cpp-python` sdist (`bench/llamacpp.py`, cached in
    `$MOECTL_HOME/llamacpp/<version>/`); a checkpoint made by `moectl make-synthetic` (random weights, a recipe's
    real shapes, a byte-level BPE tokenizer) is converted by llama.cpp's own `convert_hf_to_gguf.py` to BF16 and
    quantized by its own `llama-quantize` to Q8_0, Q4_0 and Q4_K_M; moectl makes its q8g64 / q4g64 copies with
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moectl import llamacpp  # noqa: E402
+import llamacpp  # noqa: E402
 
 LLAMA_TYPES = {"bf16": ["BF16"], "q8": ["Q8_0"], "q4": ["Q4_0", "Q4_K_M"]}
 MOECTL_LOWBIT = {"bf16": None, "q8": "q8g64", "q4": "q4g64"}
@@ -100,9 +100,9 @@ def llama_run(gguf: Path, threads: int, gen: int, prefill: int) -> dict:
 
 def prepare(shape: str, layers: int, work: Path, precisions: list[str]) -> dict:
     """The checkpoint, llama.cpp's GGUFs and moectl's copies (each made once, timed)."""
-    from moectl.synthetic import write_synthetic
+    from moectl.synth.checkpoint import write_synthetic
     from moectl.sim.cost import load_shape
-    from moectl.recipes import load_recipe
+    from moectl.core.recipes import load_recipe
 
     ckpt = work / "checkpoint"
     made = {}
@@ -216,7 +216,7 @@ def compare(shape: str, layers: int, work: Path, threads: list[int], precisions:
                              "decode_ms": summary([x["decode_ms"] for x in rs]),
                              "prefill_tps": summary([x["prefill_tps"] for x in rs]),
                              "rss_gb": summary([x["rss_gb"] for x in rs])})
-    from moectl.machine import mem_read_gbps
+    from moectl.runtime.machine import mem_read_gbps
 
     return {"shape": shape, "layers": layers, "made": prep["made"], "rows": rows, "mem_read_gbps": mem_read_gbps(),
             "load": os.getloadavg(), "llamacpp_version": llamacpp.VERSION}
@@ -245,7 +245,7 @@ def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int =
     from moectl.calib.fidelity import token_windows, window_nll
     from moectl.quant.quantize import quantize_model
     from moectl.runtime.engine import Engine
-    from moectl.tiny import ensure_tiny
+    from moectl.synth.tiny import ensure_tiny
 
     import math
 
@@ -339,7 +339,7 @@ def main() -> None:
         res = compare(a.shape, a.layers, work, a.threads, a.precisions, a.repeat, dense_lowbit=a.dense_lowbit,
                       moectl_only=a.moectl_only)
         print_table(res)
-        from moectl.machine import record_vs_llamacpp
+        from moectl.runtime.machine import record_vs_llamacpp
 
         record_vs_llamacpp(res)                       # machine.json: this machine's measured rates
         if a.clean:

@@ -16,7 +16,7 @@ def print_stats_line(stats: dict, console=None) -> None:
     """One status line: tokens/s, hit rate, bytes loaded, load wait."""
     from rich.console import Console
 
-    from .recipes import format_bytes
+    from .core.recipes import format_bytes
 
     (console or Console()).print(
         f"[dim]{stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s | cache hit rate {stats['hit_rate']:.1%} "

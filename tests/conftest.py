@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# bench/llamacpp.py (the llama.cpp harness of the bench scripts) is imported by the llama.cpp tests as `llamacpp`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -22,7 +26,7 @@ def tiny_small(tmp_path_factory) -> Path:
 
     Its workdir (with tiny.json) is the parent directory; the corpus cache lives in a private MOECTL_HOME
     (`<tmp>/home`, also available as `tiny_small.parent.parent / "home"`)."""
-    from moectl.tiny import build_tiny
+    from moectl.synth.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("tiny_small")
     old = os.environ.get("MOECTL_HOME")

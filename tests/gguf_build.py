@@ -250,7 +250,7 @@ def model_from_gguf(path: Path):
     plain reference forward of what moectl reads from the file."""
     from transformers import AutoModelForCausalLM
 
-    from moectl.gguf.model import GgufModel
+    from moectl.store.gguf.model import GgufModel
 
     g = GgufModel(path)
     model = AutoModelForCausalLM.from_config(g.config, dtype=torch.float32).eval()

@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantize import mixtral, q4  # noqa: E402,F401  (the fixtures: a tiny Mixtral and its q4g64 copies)
 
-from moectl.bench_model import bench_model  # noqa: E402
-from moectl.cache_model import LOW  # noqa: E402
+from moectl.benchmark.model import bench_model  # noqa: E402
+from moectl.core.cache_model import LOW  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One cache model: the rules of moectl/cache_model.py on hand-made cases, and the runtime and the simulator
+"""One cache model: the rules of moectl/core/cache_model.py on hand-made cases, and the runtime and the simulator
 agreeing exactly (per layer and phase: hits, misses, evictions) on a trace the runtime recorded.
 
 Legend: L = MoE layers, E = experts, K = top-k.
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from moectl.cache_model import CacheState, split_slots
+from moectl.core.cache_model import CacheState, split_slots
 from moectl.errors import MoectlError
 from moectl.policies import LRU
 from tests.shared_data import SHARED_TRACES, needs_shared
@@ -161,8 +161,8 @@ def recorded(tiny_small, tmp_path_factory):
 @pytest.mark.parametrize("repl", POLICIES)
 def test_runtime_and_simulator_agree_per_layer_and_phase(recorded, slots, prefetch, repl):
     from moectl.sim.cost import CostModel, load_hardware, shape_from_hf_config
-    from moectl.sim.run import capacities, simulate
-    from moectl.trace import load_trace
+    from moectl.sim.simulate import capacities, simulate
+    from moectl.core.trace import load_trace
 
     ckpt, runs = recorded
     n, out, runtime = runs[(slots, prefetch, repl)]
@@ -267,8 +267,8 @@ def test_with_staging_the_simulated_cache_evolves_as_without_prefetch():
     are fetched) the decode evictions per layer equal the no-prefetch run's, and each right prediction replaces one
     of its misses; prefetching into slots (staging 0) changes what is evicted."""
     from moectl.sim.cost import CostModel, load_hardware
-    from moectl.sim.run import capacities, cost_for, simulate
-    from moectl.trace import load_trace
+    from moectl.sim.simulate import capacities, cost_for, simulate
+    from moectl.core.trace import load_trace
 
     tr = load_trace(SHARED_TRACES / "olmoe.math.jsonl")
     cost = cost_for(tr, "rtx4090-pcie4")
@@ -287,8 +287,8 @@ def test_staged_admission_is_not_slower_than_no_prefetch_on_the_shared_mixtral_t
     """Issue 13's admission claim on two rows of bench/admission.py (misses fetched, staged, EAM): Mixtral request 1 at
     25 % cached, where a lone early copy on thin evidence once made it 0.0006 % slower (a staged copy now waits for
     its score bucket to show it pays), and the whole file at 50 %, where admitted copies make it faster."""
-    from moectl.sim.run import capacities, cost_for, simulate
-    from moectl.trace import load_trace
+    from moectl.sim.simulate import capacities, cost_for, simulate
+    from moectl.core.trace import load_trace
 
     whole = load_trace(SHARED_TRACES / "mixtral-8x7b.gsm8k.jsonl")
     request_1 = whole.select(whole.request_slices()[1][1])

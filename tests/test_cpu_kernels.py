@@ -1,9 +1,9 @@
-"""CPU kernels of the decode path: one-token bf16 products through torch's native GEMV (models/gemv.py)."""
+"""CPU kernels of the decode path: one-token bf16 products through torch's native GEMV (kernels/gemv.py)."""
 
 import torch
 import torch.nn.functional as F
 
-from moectl.models import gemv
+from moectl.kernels import gemv
 from moectl.models.base import FamilyAdapter
 
 
@@ -38,7 +38,7 @@ def test_expert_linear_takes_the_gemv_for_one_token(monkeypatch):
 def test_vs_llamacpp_rates_are_recorded_beside_the_machine_figures(tmp_path):
     import json
 
-    from moectl import machine
+    from moectl.runtime import machine
 
     res = {"shape": "mixtral", "layers": 2, "mem_read_gbps": 10.0, "llamacpp_version": "0.3.36", "load": (3.0,),
            "rows": [{"tool": "llama.cpp", "format": "Q4_0", "threads": 2, "decode_gbps": 4.0,

@@ -1,4 +1,4 @@
-"""The q8 CPU kernel path (moectl/quant/int8_cpu.py): q8 copies requantized per output row at load, multiplied by
+"""The q8 CPU kernel path (moectl/formats/int8_cpu.py): q8 copies requantized per output row at load, multiplied by
 torch's int8 kernel; lossless against the dequantised per-row copy, the requantization bounded by half a step."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moectl.quant import int8_cpu
-from moectl.quant.int8_cpu import Int8CpuFormat, Int8Linear, dequantize, requantize
+from moectl.formats import int8_cpu
+from moectl.formats.int8_cpu import Int8CpuFormat, Int8Linear, dequantize, requantize
 from moectl.quant.quantize import quantize_model
 from moectl.runtime.engine import Engine
 from moectl.store import lowbit
@@ -65,7 +65,7 @@ def test_q8_copies_take_moectls_kernel_where_it_builds(mixtral_q8, monkeypatch):
     and zeros, no per-row requantization); the logits differ from HQQ's dequantise-then-matmul of the same copies
     only by the int8 activations (what llama.cpp's Q8_0 x Q8_0 products do), of the order of the copy's own error."""
     from moectl import kernels
-    from moectl.quant.vnni import VnniFormat
+    from moectl.formats.vnni import VnniFormat
     from test_quantize import _decode
 
     if kernels.library() is None:
@@ -88,7 +88,7 @@ def test_q8_copies_take_torchs_int8_kernel_and_match_its_reference(mixtral_q8, m
     """Where moectl's kernels do not run, a bf16 model's q8g64 copies are repacked at load for torch's int8 kernel
     (Int8CpuFormat); its decode logits equal the same copies computed through the dequantised matrices (the kernel
     switched off), up to bf16 rounding, and stay close to the lossless run (q8 error, requantized)."""
-    from moectl.quant import cpu_kernels
+    from moectl.formats import cpu_layout as cpu_kernels
     from test_quantize import _decode
 
     monkeypatch.setattr(cpu_kernels, "vnni_ok", lambda fmt: False)

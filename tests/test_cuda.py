@@ -149,9 +149,9 @@ def test_cuda_lowbit_pools_match_the_cpu(families, tmp_path):
 def test_cuda_budget_holds_on_the_device(families):
     """Twin of test_runtime.py::test_budget_option_on_a_model: what torch allocated on the GPU over load and a
     whole generation (`device_peak_allocated_bytes`) stays within --budget."""
-    from moectl.runtime.inspect import dense_nbytes, kv_reserve_nbytes
+    from moectl.store.facts import dense_nbytes, kv_reserve_nbytes
     from moectl.sim.cost import shape_from_hf_config
-    from moectl.sizing import workspace_bytes
+    from moectl.core.sizing import workspace_bytes
 
     path = families["mixtral"]
     probe = Engine.load(str(path), dtype="bfloat16", progress=False)

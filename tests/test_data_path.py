@@ -18,7 +18,7 @@ from model_factory import build_family, save_tokenizer  # noqa: E402
 from test_runtime import _engine_run, _reference_run, run_cli  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
-from moectl.recipes import format_bytes  # noqa: E402
+from moectl.core.recipes import format_bytes  # noqa: E402
 from moectl.runtime.cache import DeviceCache  # noqa: E402
 from moectl.runtime.engine import Engine, header_dense_nbytes, kv_reserve_nbytes  # noqa: E402
 from moectl.runtime.in_place import InPlaceExperts  # noqa: E402

@@ -10,7 +10,7 @@ from torch import nn
 
 from moectl import kernels
 from moectl.errors import MoectlError
-from moectl.quant import vnni
+from moectl.formats import vnni
 from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, VnniDenseLinear, check_dense_lowbit, cpu_linears
 from moectl.runtime.engine import Engine
 from test_cpu_q8 import mixtral_q8, one_thread  # noqa: F401 (fixtures)
@@ -108,7 +108,7 @@ def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):
 def test_one_token_cpu_forward_runs_with_onednn_off_and_restores_it(mixtral, monkeypatch):
     """Engine.forward of one token on a CPU turns oneDNN off for the step (the routers' own F.linear then takes the
     native GEMV) and back on after, also when the step fails; a prompt keeps oneDNN (its GEMMs are oneDNN's)."""
-    from moectl.models import gemv
+    from moectl.kernels import gemv
 
     seen = []
     eng = Engine.load(str(mixtral), progress=False, dtype="bfloat16", threads=1)

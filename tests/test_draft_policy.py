@@ -1,4 +1,4 @@
-"""moectl/policies/draft.py: acceptance math, its measurement, its file, and the rules that pick k."""
+"""moectl/policies/draft_length.py: acceptance math, its measurement, its file, and the rules that pick k."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from moectl.errors import MoectlError
-from moectl.policies.draft import (ACCEPTANCE_FORMAT, ACCEPTANCE_VERSION, Acceptance, AcceptanceCounter, DraftRule,
-                                   OnlineDraftRule, load_acceptance)
+from moectl.policies.draft_length import (ACCEPTANCE_FORMAT, ACCEPTANCE_VERSION, Acceptance, AcceptanceCounter,
+                                          DraftRule, OnlineDraftRule, load_acceptance)
 
 
 def test_expected_tokens_is_one_plus_the_chance_of_reaching_each_draft():

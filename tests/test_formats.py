@@ -3,7 +3,7 @@
 import torch
 
 from moectl.models.base import ExpertLayout
-from moectl.models.formats import DenseFormat, ExpertFormat, Part
+from moectl.formats.expert import DenseFormat, ExpertFormat, Part
 
 
 def test_dense_format_is_the_layout_without_padding():

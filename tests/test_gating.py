@@ -237,7 +237,7 @@ def test_simulate_score_gating_saves_loads_on_a_real_trace():
 
 
 def test_gate_trace_marks_dropped_experts_in_decode_only():
-    from moectl.trace import DECODE, PREFILL, Trace
+    from moectl.core.trace import DECODE, PREFILL, Trace
 
     ex = np.array([[[0, 1]], [[2, 3]]], np.int16)
     w = np.array([[[0.9, 0.1]], [[0.9, 0.1]]], np.float16)

@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as reference, quantize
 
 from gguf_build import k_blocks
-from moectl.gguf.dequant import dequantize
-from moectl.gguf.int4 import int4_dequantized, repack_int4
+from moectl.formats.gguf_dequant import dequantize
+from moectl.formats.gguf_int4_repack import int4_dequantized, repack_int4
 
 ROWS, COLS = 32, 512
 

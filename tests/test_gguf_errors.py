@@ -11,9 +11,9 @@ from gguf import GGUFWriter
 
 from gguf_build import write_gguf
 from moectl.errors import MoectlError
-from moectl.gguf.config import gguf_config
-from moectl.gguf.experts import ExpertIndex
-from moectl.gguf.files import GgufFiles
+from moectl.store.gguf.config import gguf_config
+from moectl.store.gguf.experts import ExpertIndex
+from moectl.store.gguf.files import GgufFiles
 
 
 @pytest.fixture(scope="module")

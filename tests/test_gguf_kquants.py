@@ -15,11 +15,11 @@ from gguf.quants import dequantize as reference_dequantize
 
 from gguf_build import model_from_gguf, write_gguf
 from model_factory import save_tokenizer
-from moectl.gguf.config import gguf_config
-from moectl.gguf.experts import ExpertIndex
-from moectl.gguf.files import GgufFiles
-from moectl.gguf.format import layer_formats
-from moectl.gguf.int4 import repack_int4
+from moectl.store.gguf.config import gguf_config
+from moectl.store.gguf.experts import ExpertIndex
+from moectl.store.gguf.files import GgufFiles
+from moectl.formats.gguf import layer_formats
+from moectl.formats.gguf_int4_repack import repack_int4
 
 H = I = 256
 E = 4
@@ -111,14 +111,14 @@ def test_dense_dequantised_and_model_runs(q4km):
 
 def test_sizing_modules_import_no_torch():
     """files, encodings and experts (what sizing and `inspect` need) import neither torch nor transformers."""
-    code = ("import sys, moectl.gguf.files, moectl.gguf.encodings, moectl.gguf.experts; "
+    code = ("import sys, moectl.store.gguf.files, moectl.formats.gguf_encodings, moectl.store.gguf.experts; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_model_sizes_account_for_every_byte(q4km):
-    from moectl.gguf.model import GgufModel
+    from moectl.store.gguf.model import GgufModel
 
     g = GgufModel(q4km)
     s = g.sizes(dense_bytes_per_weight=2)
@@ -138,7 +138,7 @@ def test_int4_format_expert_forward(q4km, layer):
     rounding."""
     import torch.nn.functional as F
 
-    from moectl.gguf.int4_format import GgufInt4Format
+    from moectl.formats.gguf_int4 import GgufInt4Format
     from moectl.models import adapter_for
 
     g_files = GgufFiles(q4km)

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moectl import cli, llamacpp
+from moectl import cli
+import llamacpp
 
 needs_build = pytest.mark.skipif(not os.environ.get("MOECTL_TEST_LLAMACPP"),
                                  reason="llama.cpp build: run `make test-llamacpp`")
@@ -98,8 +99,8 @@ def _experts_and_references(files: dict):
     of every file."""
     from gguf.quants import dequantize as reference
 
-    from moectl.gguf.model import GgufModel
-    from moectl.gguf.store import GgufAdapter, GgufCheckpoint
+    from moectl.store.gguf.model import GgufModel
+    from moectl.store.gguf.store import GgufAdapter, GgufCheckpoint
     from moectl.store.expert_store import ExpertStore
 
     for qt, path in files.items():

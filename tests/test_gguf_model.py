@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from gguf_build import model_from_gguf, write_gguf
 from model_factory import build_family, save_tokenizer
-from moectl.gguf.config import gguf_config, gguf_tokenizer
-from moectl.gguf.experts import ExpertIndex
-from moectl.gguf.files import GgufFiles
-from moectl.gguf.format import layer_formats
+from moectl.store.gguf.config import gguf_config, gguf_tokenizer
+from moectl.store.gguf.experts import ExpertIndex
+from moectl.store.gguf.files import GgufFiles
+from moectl.formats.gguf import layer_formats
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_metadata_equals_gguf_reader(mixtral_gguf):
     """The whole-array metadata reads give what gguf's own reader gives (strings, numbers, string and int arrays)."""
     from gguf import GGUFReader
 
-    from moectl.gguf.files import field_value
+    from moectl.store.gguf.files import field_value
 
     stock = {k: field_value(f) for k, f in GGUFReader(mixtral_gguf).fields.items() if not k.startswith("GGUF.")}
     ours = GgufFiles(mixtral_gguf).meta

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf_build import model_from_gguf, write_gguf
 from model_factory import save_tokenizer
 from moectl.runtime.engine import Engine
-from moectl.runtime.inspect import dense_nbytes, header_dense_nbytes
+from moectl.store.facts import dense_nbytes, header_dense_nbytes
 from test_bad_input import run_cli
 from test_runtime import LOSSLESS_ATOL, _engine_run, _reference_run
 
@@ -132,7 +132,7 @@ def test_packed_size_in_sizing_simulate_and_plan(q4km, tmp_path, capsys, monkeyp
     slot = 2 * 256 * 256 // 256 * 144 + 256 * 256 // 256 * 210
     assert expert_bytes(load_shape(str(q4km))) == slot                           # simulate --model-shape x.gguf
     assert model_facts(str(q4km), str(tmp_path)).full_expert_bytes == slot        # plan-cache, --budget
-    from moectl.sizing import DEVICE_LIBRARY_BYTES
+    from moectl.core.sizing import DEVICE_LIBRARY_BYTES
 
     budget = str(18_000_000 + DEVICE_LIBRARY_BYTES)                               # 18 MB besides the libraries'
     common = ["--model", str(q4km), "--budget", budget, "--device", "cpu", "--json", "--workdir", str(tmp_path)]
@@ -149,8 +149,8 @@ def test_packed_size_in_sizing_simulate_and_plan(q4km, tmp_path, capsys, monkeyp
 
 
 def test_fingerprint_sees_the_encodings(tiny_small, f32, tmp_path):
-    from moectl.fingerprint import config_fingerprint
-    from moectl.gguf.model import GgufModel
+    from moectl.core.fingerprint import config_fingerprint
+    from moectl.store.gguf.model import GgufModel
 
     q8 = write_gguf(tiny_small, tmp_path / "tiny-Q8_0.gguf", expert_encoding=T.Q8_0)
     assert config_fingerprint(GgufModel(q8).config) != config_fingerprint(GgufModel(f32).config)

@@ -12,8 +12,8 @@ from gguf.quants import dequantize as reference_dequantize
 
 from gguf_build import write_gguf
 from moectl.errors import MoectlError
-from moectl.gguf.model import GgufModel, is_gguf
-from moectl.gguf.store import GgufAdapter, GgufCheckpoint
+from moectl.store.gguf.model import GgufModel, is_gguf
+from moectl.store.gguf.store import GgufAdapter, GgufCheckpoint
 from moectl.store.expert_store import ExpertStore
 
 

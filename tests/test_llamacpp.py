@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moectl import llamacpp
+import llamacpp
 from moectl.errors import MoectlError
 
 needs_build = pytest.mark.skipif(not os.environ.get("MOECTL_TEST_LLAMACPP"),
@@ -82,7 +82,7 @@ def test_tiny_model_at_f32_gives_the_same_greedy_tokens_in_llamacpp_transformers
 @needs_build
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_synthetic_checkpoints_convert_and_decode_the_same(family, tmp_path):
-    from moectl.synthetic import write_synthetic
+    from moectl.synth.checkpoint import write_synthetic
 
     shape = {"num_layers": 2, "moe_layers": 2, "hidden_size": 128, "intermediate_size": 64, "num_experts": 16,
              "top_k": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1500,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from moectl.cache_model import LOW
+from moectl.core.cache_model import LOW
 from moectl.sim.cost import FixedCost
 
 
@@ -54,9 +54,9 @@ def test_runtime_and_simulator_agree_at_lowbit_only_with_prefetch(q4, tmp_path, 
     from moectl.policies import LRU
     from moectl.policies.admission import make_admission
     from moectl.policies.placement import ComputePlacement
-    from moectl.sim.run import precision_pools
+    from moectl.sim.simulate import precision_pools
     from moectl.sim.simulator import Simulator, trace_steps
-    from moectl.trace import PREFILL, load_trace
+    from moectl.core.trace import PREFILL, load_trace
     from test_runtime_admission import Scripted
 
     torch.set_num_threads(1)
@@ -123,9 +123,9 @@ def test_lowbit_only_streams_prefill_misses_through_low_bit_staging_buffers(q4):
 
 
 def test_live_views_count_the_low_bit_pool(q4):
-    """serve's cache page and /metrics (runtime/live.py) at lowbit-only: the low-bit slots and their hits, not the
+    """serve's cache page and /metrics (runtime/live_view.py) at lowbit-only: the low-bit slots and their hits, not the
     absent full pool's zeros."""
-    from moectl.runtime.live import layer_hits, residency
+    from moectl.runtime.live_view import layer_hits, residency
 
     ckpt, wd = q4
     eng = _load(ckpt, wd, emulate_device=True, cache_experts=8, prefetch="none", cpu_experts="never")

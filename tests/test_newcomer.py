@@ -17,7 +17,7 @@ from model_factory import build_family, save_tokenizer
 from test_bad_input import assert_one_error, run_cli
 
 from moectl.errors import MoectlError
-from moectl.trace import DECODE, Trace, write_jsonl
+from moectl.core.trace import DECODE, Trace, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def toy_trace(path, L: int, E: int, K: int, n: int = 6, model: str = "toy"):
 
 def routing_predictors(out, L: int, E: int, K: int):
     """Routing-only predictors of an L x E model's imported traces (no fingerprint), as train-predictor saves them."""
-    from moectl.predict.artifact import save_predictors
+    from moectl.predict.predictors_file import save_predictors
     from moectl.predict.routing import RoutingPredictor
 
     save_predictors(out, fingerprint=None, model="olmoe-like", num_layers=L, num_experts=E, top_k=K, lookahead=[1],
@@ -48,7 +48,7 @@ def routing_predictors(out, L: int, E: int, K: int):
 
 
 def test_predictors_of_another_model_are_one_error_not_an_index_error(model, tmp_path, capsys, monkeypatch):
-    from moectl.predict.artifact import load_predictors
+    from moectl.predict.predictors_file import load_predictors
 
     preds = routing_predictors(tmp_path / "p", 16, 64, 8)
     code, _, err = run_cli(["generate", "--model", str(model), "--prompt", "def", "--max-new-tokens", "2",
@@ -101,7 +101,7 @@ def test_replay_trace_of_another_shape_is_one_error(model, tmp_path, capsys, mon
 
 def test_make_synthetic_prefix_replays_its_recipes_deeper_trace(tmp_path):
     from moectl.runtime.engine import Engine
-    from moectl.synthetic import write_synthetic
+    from moectl.synth.checkpoint import write_synthetic
 
     shape = {"name": "small", "num_layers": 4, "moe_layers": 4, "hidden_size": 64, "intermediate_size": 96,
              "num_experts": 8, "top_k": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -204,8 +204,8 @@ def test_bad_input_is_one_clear_error(args, needles, tmp_path, capsys, monkeypat
 def test_scoreboard_presets_on_mixtral(tmp_path):
     from moectl.plan.planner import make_plan
     from moectl.plan.scoreboard import PRESET_NAMES, get_preset, run_preset
-    from moectl.plan.setup import setup_from_trace
-    from moectl.trace import load_trace
+    from moectl.plan.inputs import setup_from_trace
+    from moectl.core.trace import load_trace
 
     setup = setup_from_trace(load_trace(MIXTRAL_TRACE), "20GB", "rtx4090-pcie4")
     plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, "rtx4090-pcie4")
@@ -248,7 +248,7 @@ def test_tiny_plans_never_replay_worse_than_the_even_split(tiny_profiled):
     where curves that charged wasted gate-reuse prefetches as stall made the DP lose (4, 6, 9, 10 of 16 slots:
     -2 to -52 %); and the curves measure the replay's objective: at an even split their sum is its stall."""
     from moectl.plan.planner import make_plan
-    from moectl.plan.setup import plan_setup
+    from moectl.plan.inputs import plan_setup
 
     ckpt, wd, facts, minimum = tiny_profiled
     for n in (4, 6, 9, 10):
@@ -297,7 +297,7 @@ def test_a_dp_plan_that_replays_worse_is_not_kept(tiny_profiled):
     """keep_best's fallback: given slots that replay worse than the even split, the kept plan is a replay-checked
     move away from them or from the even split, or the even split, and never replays worse than the even split."""
     from moectl.plan import planner as P
-    from moectl.plan.setup import plan_setup
+    from moectl.plan.inputs import plan_setup
 
     ckpt, wd, facts, minimum = tiny_profiled
     s = plan_setup(str(ckpt), str(minimum + 9 * facts.expert_bytes()), "rtx4090-pcie4", KV_TOKENS, None, "ours",
@@ -395,7 +395,7 @@ def test_scoreboard_ppl_delta_proxy_from_moectl_eval_on_the_tiny_model(tiny_prof
     no tiny model is built."""
     import shutil
 
-    from moectl.fingerprint import checkpoint_fingerprint
+    from moectl.core.fingerprint import checkpoint_fingerprint
     from moectl.plan import proxy as px
 
     ckpt, wd, facts, minimum = tiny_profiled

@@ -11,7 +11,7 @@ from moectl.errors import MoectlError
 from moectl.policies import (PREFETCH_NAMES, REPLACEMENT_NAMES, Belady, EAMPrefetch, GateReuse, Hobbit, LFU, LRU,
                              MLPPrefetch, MoEInfinity, Ours, make_prefetch, make_replacement)
 from moectl.sim.simulator import Simulator, trace_steps
-from moectl.trace import DECODE, HiddenSamples, Trace, load_trace
+from moectl.core.trace import DECODE, HiddenSamples, Trace, load_trace
 
 from shared_data import TRACE_FILES, needs_shared
 
@@ -183,7 +183,7 @@ def test_gate_reuse_predicts_next_layer_on_tiny_mixtral(tiny_hidden_trace):
 
 
 def test_gate_reuse_cuts_demand_loads_in_simulation(tiny_hidden_trace):
-    from moectl.sim.run import capacities, hidden_lookup
+    from moectl.sim.simulate import capacities, hidden_lookup
 
     tr = tiny_hidden_trace
     steps, caps = trace_steps(tr), capacities(tr, fraction=0.5)

@@ -122,7 +122,7 @@ def test_a_bad_budget_fails_before_any_weight_is_read(family, tied, tmp_path, mo
 # ----------------------------------------------------------------------------- resolve_model builds nothing
 
 def test_resolve_model_never_builds_and_the_runtime_does_not_import_calibration(tmp_path):
-    from moectl.recipes import resolve_model
+    from moectl.core.recipes import resolve_model
     from moectl.runtime.engine import Engine
 
     ref = resolve_model("tiny", tmp_path / "wd")
@@ -130,7 +130,7 @@ def test_resolve_model_never_builds_and_the_runtime_does_not_import_calibration(
     with pytest.raises(MoectlError, match="moectl build-tiny"):
         Engine.load("tiny", workdir=str(tmp_path / "wd"), progress=False)
     code = ("import sys, moectl.runtime.engine, moectl.runtime.cache; "
-            "print([m for m in sys.modules if m.startswith(('moectl.tiny', 'moectl.calib', 'moectl.predict.train'))])")
+            "print([m for m in sys.modules if m.startswith(('moectl.synth.tiny', 'moectl.calib', 'moectl.predict.train'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -138,7 +138,7 @@ def test_resolve_model_never_builds_and_the_runtime_does_not_import_calibration(
 def test_routing_trainer_honours_epochs():
     """--epochs reaches the routing trainer (it was capped at 20 passes)."""
     from moectl.predict.routing import train_routing_predictor
-    from moectl.trace import Trace
+    from moectl.core.trace import Trace
 
     rng = np.random.default_rng(0)
     N, L, E, K = 120, 3, 8, 2

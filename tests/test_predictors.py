@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from moectl.errors import MoectlError
-from moectl.predict.artifact import load_predictors, save_predictors
+from moectl.predict.predictors_file import load_predictors, save_predictors
 from moectl.predict.metrics import set_metrics
 from moectl.predict.mlp import measure_predict_cost
 from moectl.predict.train import (TEST, TRAIN, VAL, gather_hidden, split_rows, train_aux_gate, train_mlp)
-from moectl.trace import HiddenSamples, Trace
+from moectl.core.trace import HiddenSamples, Trace
 
 from shared_data import SHARED_TRACES, needs_shared  # noqa: E402
 DOC_MODULES = ["json", "os", "re", "collections", "textwrap", "argparse", "logging", "typing", "functools",
@@ -208,7 +208,7 @@ def test_prediction_cost_mixtral_sizes():
 
 # ------------------------------------------------------------------------------------------------- CLI
 def _write_trace_dir(trace: Trace, out: Path) -> Path:
-    from moectl.calib.trace_io import TraceWriter
+    from moectl.artifacts.trace import TraceWriter
 
     w = TraceWriter(out, {"model": trace.model, "family": "mixtral", "fingerprint": trace.fingerprint,
                           "num_layers": trace.num_layers, "moe_layer_ids": list(range(trace.num_layers)),
@@ -251,7 +251,7 @@ def test_cli_train_predictor(mini_trace, tmp_path, monkeypatch):
 
 
 def test_cli_errors(tmp_path):
-    from moectl.predict.run import run_train_predictor
+    from moectl.predict.pipeline import run_train_predictor
 
     with pytest.raises(MoectlError, match="--traces"):
         run_train_predictor()
@@ -273,7 +273,7 @@ def test_routing_other_file_beats_frequency(model):
     Kept short for the suite (first 160 decode tokens of each file, lookahead 1); the full matrix
     (both directions, lookahead 1-3, all 512 tokens) is in the train-predictor report."""
     from moectl.predict.train import evaluate_routing, train_routing
-    from moectl.trace import load_trace
+    from moectl.core.trace import load_trace
 
     train = load_trace(SHARED_TRACES / f"{model}.math.jsonl").select(slice(0, 160))
     test = load_trace(SHARED_TRACES / f"{model}.code.jsonl").select(slice(0, 160))
@@ -311,7 +311,7 @@ def test_traces_of_another_model_are_refused(mini_trace, tmp_path):
     """--model M with --traces profiled from another model: a clear error, not silent training."""
     from model_factory import build_family
 
-    from moectl.predict.run import run_train_predictor
+    from moectl.predict.pipeline import run_train_predictor
 
     build_family("mixtral", tmp_path / "ck")
     tdir = _write_trace_dir(mini_trace, tmp_path / "traces")

@@ -64,7 +64,7 @@ def q4_kernel(request, monkeypatch):
     """Which CPU kernel q4 copies are repacked for: moectl's own (moectl/kernels; skipped where it cannot be built)
     or torch's int4 kernel (what runs where moectl's cannot)."""
     from moectl import kernels
-    from moectl.quant import cpu_kernels
+    from moectl.formats import cpu_layout as cpu_kernels
 
     if request.param == "moectl-q4" and kernels.library() is None:
         pytest.skip(f"moectl's CPU kernels cannot run here: {kernels.why_not()}")
@@ -77,8 +77,8 @@ def test_cpu_int4_kernel_matches_hqq_dequantisation(mixtral, q4, q4_kernel, monk
     """On a CPU the q4 copies of a bf16 model are repacked for a CPU kernel (moectl's int8 x int4 one where it
     builds, else torch's int4 kernel); its logits match the dequantise-then-matmul path up to bf16 rounding and,
     for moectl's, the int8 activations (far closer than either is to lossless)."""
-    from moectl.quant.int4_cpu import Int4CpuFormat
-    from moectl.quant.vnni import VnniFormat
+    from moectl.formats.int4_cpu import Int4CpuFormat
+    from moectl.formats.vnni import VnniFormat
     from moectl.store import lowbit
 
     wd, _ = q4
@@ -257,7 +257,7 @@ def test_a_plan_with_low_bit_pools_is_run_as_planned(mixtral, q4, tmp_path, caps
 
     wd = tmp_path / "wd"
     shutil.copytree(q4[0], wd)
-    from moectl.sizing import DEVICE_LIBRARY_BYTES
+    from moectl.core.sizing import DEVICE_LIBRARY_BYTES
 
     code, _, err = run_cli(["plan-cache", "--model", str(mixtral), "--workdir", str(wd), "--budget",
                             str(20_000_000 + DEVICE_LIBRARY_BYTES),                # 20 MB besides the libraries'
@@ -299,7 +299,7 @@ def test_a_gpu_slot_dequantises_the_cpu_kernel_layout(mixtral, q4, q4_kernel):
     copied to the device is dequantised there. The same function, run here on the CPU, gives HQQ's own weights (up
     to the bf16 rounding of zero') and the kernel's products; on another device `weights` returns dense matrices
     (shapes checked on the meta device)."""
-    from moectl.quant import int4_cpu, vnni
+    from moectl.formats import int4_cpu, vnni
     from moectl.store.lowbit import LowbitCopies
 
     assert int4_cpu.int4pack_layout() is not None            # x86 builds (AVX2, AVX-512) pack in row blocks

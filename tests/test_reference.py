@@ -81,7 +81,7 @@ def test_real_stdlib_corpus_held_out_text_is_not_in_training(home):
 
 
 def test_reference_small_resumes_to_the_weights_of_an_uninterrupted_run(home, tmp_path):
-    from moectl.tiny import REFERENCE_SMALL, STATE_DIR, build_tiny
+    from moectl.synth.tiny import REFERENCE_SMALL, STATE_DIR, build_tiny
 
     assert REFERENCE_SMALL.checkpoint_every == 8 and REFERENCE_SMALL.steps == 32
     whole = build_tiny(tmp_path / "whole", size="reference-small", progress=False)
@@ -103,7 +103,7 @@ def test_reference_small_resumes_to_the_weights_of_an_uninterrupted_run(home, tm
 
 
 def test_a_state_of_another_run_is_not_resumed(home, tmp_path):
-    from moectl.tiny import STATE_DIR, build_tiny
+    from moectl.synth.tiny import STATE_DIR, build_tiny
 
     assert build_tiny(tmp_path / "w", size="reference-small", progress=False, stop_after=9) is None
     assert (tmp_path / "w" / STATE_DIR / "state.pt").exists()
@@ -127,7 +127,7 @@ def test_build_tiny_size_errors(home, tmp_path):
 
 
 def test_reference_recipe_resolves_to_its_workdir_and_is_not_built_on_first_use(home):
-    from moectl.recipes import resolve_model
+    from moectl.core.recipes import resolve_model
 
     ref = resolve_model("reference")
     assert ref.workdir == home / "reference" and ref.path == home / "reference" / "checkpoint"
@@ -150,7 +150,7 @@ def test_bench_models_pick_each_models_held_out_text(home):
     from bench.models import fit_texts, held_out_dataset
     from moectl.calib.dataset import builtin_corpus, load_calibration
     from moectl.calib.stdlib_corpus import stdlib_corpus
-    from moectl.recipes import resolve_model
+    from moectl.core.recipes import resolve_model
 
     tiny, reference = resolve_model("tiny"), resolve_model("reference")
     assert held_out_dataset(tiny) == "default"
@@ -163,7 +163,7 @@ def test_bench_models_pick_each_models_held_out_text(home):
 
 
 def test_a_rebuild_drops_what_the_old_weights_made(home, tmp_path):
-    from moectl.tiny import build_tiny
+    from moectl.synth.tiny import build_tiny
 
     wd = tmp_path / "w"
     build_tiny(wd, size="reference-small", steps=2, progress=False)

@@ -18,7 +18,7 @@ from test_runtime import LOSSLESS_ATOL, _engine_run, run_cli  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.models.base import ExpertLayout  # noqa: E402
-from moectl.quant import fp8_block, mxfp4  # noqa: E402
+from moectl.formats import fp8_block, mxfp4  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
 
 DECODE_STEPS = 8

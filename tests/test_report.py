@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from moectl.calib.report import analyze, hit_rates, reuse_stats, usage_entropy
 from moectl.cli import app
 from moectl.policies.base import LRU
-from moectl.trace import Trace
+from moectl.core.trace import Trace
 
 from shared_data import SHARED_TRACES, needs_shared  # noqa: E402
 

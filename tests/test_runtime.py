@@ -15,7 +15,7 @@ from model_factory import build_family, family_configs, save_tokenizer  # noqa: 
 
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
-from moectl.sizing import ModelSizes, budget_slots, split_budget, workspace_bytes  # noqa: E402
+from moectl.core.sizing import ModelSizes, budget_slots, split_budget, workspace_bytes  # noqa: E402
 
 FAMILIES = list(family_configs())
 DECODE_STEPS = 16
@@ -388,7 +388,7 @@ def test_learned_prefetch_from_trained_predictors(tiny_small, tmp_path):
     """profile -> train-predictor (mlp + aux gate) -> the runtime prefetches with them, losslessly."""
     from moectl.calib.profile import run_profile
     from moectl.errors import MoectlError as Err
-    from moectl.predict.run import run_train_predictor
+    from moectl.predict.pipeline import run_train_predictor
 
     texts = [f"The function number {i} returns a list of values, sorted by key." for i in range(12)]
     eng = Engine.load(str(tiny_small), progress=False)

@@ -1,4 +1,4 @@
-"""Speculative decoding in the simulator (sim/passes.py, `simulate --draft-tokens`): passes, loads, the draft's cost,
+"""Speculative decoding in the simulator (sim/spec_passes.py, `simulate --draft-tokens`): passes, loads, the draft's cost,
 the auto rule, and bad input."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 
 from moectl.errors import MoectlError
 from moectl.policies import LRU
-from moectl.policies.draft import Acceptance, pass_order
+from moectl.policies.draft_length import Acceptance, pass_order
 from moectl.sim.cost import FixedCost
-from moectl.sim.passes import DraftSpec, PassSimulator, accepted_drafts, run_draft, union_ratio
+from moectl.sim.spec_passes import DraftSpec, PassSimulator, accepted_drafts, run_draft, union_ratio
 from moectl.sim.simulator import Simulator, trace_steps
-from moectl.trace import DECODE, Trace
+from moectl.core.trace import DECODE, Trace
 
 from shared_data import TRACE_FILES, needs_shared
 
@@ -268,8 +268,8 @@ def test_an_acceptance_file_of_another_format_is_a_clear_error(trace_file, tmp_p
 @needs_shared
 @pytest.mark.parametrize("cpu_experts", ["never", "auto"])
 def test_auto_is_never_slower_than_no_draft_on_the_shared_traces(cpu_experts):
-    from moectl.sim import run as sim
-    from moectl.trace import load_trace
+    from moectl.sim import simulate as sim
+    from moectl.core.trace import load_trace
 
     for f in TRACE_FILES:
         tr = load_trace(f)

@@ -8,16 +8,16 @@ import json
 import numpy as np
 import pytest
 
-from moectl.cache_model import FULL
+from moectl.core.cache_model import FULL
 from moectl.errors import MoectlError
 from moectl.policies import LRU, PrefetchPolicy
 from moectl.policies.admission import AdmitAll, PrefetchAdmission, make_admission
 from moectl.policies.placement import ComputePlacement
 from moectl.policies.precision import LOW, HobbitPrecision, LowbitOnly
 from moectl.sim.cost import CostModel, FixedCost, expert_bytes, load_hardware, load_shape, parse_lowbit
-from moectl.sim.run import capacities, precision_pools
+from moectl.sim.simulate import capacities, precision_pools
 from moectl.sim.simulator import Simulator, trace_steps
-from moectl.trace import DECODE, Trace
+from moectl.core.trace import DECODE, Trace
 
 NBYTES = {FULL: 1.0, LOW: 0.25}            # a low-bit copy is a quarter of the full one
 
@@ -108,7 +108,7 @@ def test_lowbit_spec_and_bytes():
 
 def test_budget_keeps_dense_weights_and_kv_reserve():
     from moectl.sim.cost import dense_bytes, kv_reserve_bytes
-    from moectl.sizing import workspace_bytes
+    from moectl.core.sizing import workspace_bytes
 
     shape = load_shape("mixtral")
     cm = CostModel(load_hardware("rtx4090-pcie4"), shape)
@@ -289,7 +289,7 @@ def test_admission_window_counts_the_cpu_share_of_a_layer():
 
 
 def test_a_layer_fetching_a_miss_leaves_no_idle_compute():
-    from moectl.cache_model import CacheState
+    from moectl.core.cache_model import CacheState
     from moectl.policies.admission import PrefetchGate
 
     # 0.1 s attention, 0.2 s of expert compute in a layer without demand loads (q = 0.5 at the start)
@@ -423,7 +423,7 @@ def test_simulate_precision_cpu_and_admission_flags(mixtral_weighted, tmp_path):
 
 
 def test_a_prediction_batch_never_evicts_its_own_resident_experts():
-    from moectl.cache_model import CacheState
+    from moectl.core.cache_model import CacheState
 
     st = CacheState([2], LRU())
     st.access(0, 0)                     # expert 0 least recently used, then 2

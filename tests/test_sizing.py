@@ -1,4 +1,4 @@
-"""One sizing (moectl/sizing.py): the same --budget and model buy the same expert slots in the runtime, plan-cache,
+"""One sizing (moectl/core/sizing.py): the same --budget and model buy the same expert slots in the runtime, plan-cache,
 simulate and inspect (issue 29: they used to disagree on the workspace and the KV reserve)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _trace(tmp_path, model, L, E, K):
 def test_the_same_budget_gives_the_same_slots_everywhere(tiny_small, tmp_path):
     from moectl.plan.budget import model_facts
     from moectl.runtime.engine import Engine
-    from moectl.sizing import workspace_bytes
+    from moectl.core.sizing import workspace_bytes
 
     facts = model_facts(str(tiny_small))
     L, E, K = facts.num_layers, facts.num_experts, facts.top_k
@@ -72,7 +72,7 @@ def test_the_same_budget_gives_the_same_low_bit_pools_everywhere(tiny_small, q4_
     the runtime's copies take (fp32 checkpoint: fp32 scales and zeros), and at lowbit-only there is no full pool."""
     from moectl.plan.budget import model_facts
     from moectl.runtime.engine import Engine
-    from moectl.sizing import workspace_bytes
+    from moectl.core.sizing import workspace_bytes
 
     facts = model_facts(str(tiny_small))
     L, E, K = facts.num_layers, facts.num_experts, facts.top_k

@@ -63,7 +63,7 @@ def test_greedy_acceptance_is_the_argmax_prefix():
 @pytest.fixture(scope="module")
 def draft_model(tiny_small, tmp_path_factory):
     """A smaller tiny draft: the tiny model cut to its first layer, sharing its tokenizer."""
-    from moectl.truncate import truncate_checkpoint
+    from moectl.synth.truncate import truncate_checkpoint
 
     return truncate_checkpoint(tiny_small, tmp_path_factory.mktemp("draft") / "tiny-1layer", 1)
 
@@ -211,7 +211,7 @@ def test_cli_draft_errors_and_json(tiny_small, tmp_path, capsys, monkeypatch):
 def test_mtp_says_why_not():
     from transformers import DeepseekV3Config
 
-    from moectl.runtime.draft import mtp_unavailable
+    from moectl.runtime.draft_sources import mtp_unavailable
 
     msg = mtp_unavailable(DeepseekV3Config(num_nextn_predict_layers=1, num_hidden_layers=4))
     assert "cannot load them" in msg and "model.layers.4" in msg
@@ -221,7 +221,7 @@ def test_mtp_says_why_not():
 def test_bench_and_eval_report_drafting(tiny_small, tmp_path, capsys, monkeypatch):
     """bench --draft: the row moectl+draft beside moectl, the same tokens, --acceptance-out readable by the
     simulator's loader; eval --draft: greedy agreement with drafting against without is 1."""
-    from moectl.policies.draft import load_acceptance
+    from moectl.policies.draft_length import load_acceptance
     from tests.test_bad_input import run_cli
 
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
@@ -264,7 +264,7 @@ def test_sliding_window_layers_roll_back(tmp_path):
 
 
 def test_a_verification_pass_runs_its_latest_tokens_experts_last(tiny_small, monkeypatch):
-    """The runtime orders a pass's experts as the simulator does (`policies/draft.py: pass_order`): the cache's
+    """The runtime orders a pass's experts as the simulator does (`policies/draft_length.py: pass_order`): the cache's
     chunks get that order in every multi-token decode call, and a prefill keeps ascending ids."""
     import moectl.runtime.offloaded as offloaded
 

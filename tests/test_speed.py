@@ -212,7 +212,7 @@ def test_cpu_side_runs_concurrently_with_the_device_side(mixtral, monkeypatch):
 
 
 def test_replay_trace_forces_the_routing(mixtral, tmp_path):
-    from moectl.trace import DECODE, PREFILL, Trace, write_jsonl
+    from moectl.core.trace import DECODE, PREFILL, Trace, write_jsonl
 
     N, L, E = 9, 4, 8
     rng = np.random.default_rng(0)
@@ -239,7 +239,7 @@ def test_replay_trace_forces_the_routing(mixtral, tmp_path):
 
 
 def test_threads_default_and_override(mixtral):
-    from moectl.machine import default_threads
+    from moectl.runtime.machine import default_threads
 
     assert default_threads(64, 128) == 1                                # dispatch bound: one thread
     assert default_threads(4096, 14336) >= 1
@@ -258,7 +258,7 @@ def test_threads_default_and_override(mixtral):
 
 
 def test_machine_figures_are_cached_per_machine(tmp_path, monkeypatch):
-    from moectl import machine
+    from moectl.runtime import machine
 
     calls = []
     monkeypatch.setattr(machine, "measure", lambda device: calls.append(device) or
@@ -303,7 +303,7 @@ def bench_workdir(tmp_path, monkeypatch):
     """A workdir with a plan (slots [3, 5]) and fixed machine figures, for `bench --model`."""
     import yaml
 
-    from moectl import machine
+    from moectl.runtime import machine
 
     monkeypatch.setattr(machine, "measure", lambda device: {"mem_read_gbps": 20.0, "cpu_expert_gbps": 5.0,
                                                             "copy_gbps": 10.0, "device": device})

@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from moectl.errors import MoectlError
-from moectl.synthetic import write_synthetic
+from moectl.synth.checkpoint import write_synthetic
 from test_runtime import assert_runs_as_transformers, run_cli  # noqa: E402
 
 SMALL = {"num_layers": 4, "moe_layers": 4, "hidden_size": 64, "intermediate_size": 32, "num_experts": 16,

@@ -1,4 +1,4 @@
-"""Synthetic routing traces (`moectl trace synthesize`, moectl/synthetic_trace.py): fitted statistics reproduced,
+"""Synthetic routing traces (`moectl trace synthesize`, moectl/synth/trace.py): fitted statistics reproduced,
 carried across shapes as documented, deterministic per seed, bad input one error line.
 
 Legend: L = MoE layers, E = experts, K = top-k.
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from moectl.errors import MoectlError
-from moectl.sim.run import capacities, cost_for, simulate
-from moectl.synthetic_trace import SYNTHETIC_FORMAT_VERSION, RoutingStats, fit_stats, synthesize
-from moectl.trace import load_trace
+from moectl.sim.simulate import capacities, cost_for, simulate
+from moectl.synth.trace import SYNTHETIC_FORMAT_VERSION, RoutingStats, fit_stats, synthesize
+from moectl.core.trace import load_trace
 
 from shared_data import SHARED_TRACES, needs_shared
 from test_bad_input import assert_one_error, run_cli

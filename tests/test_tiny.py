@@ -59,7 +59,7 @@ def test_tiny_small_is_an_ordinary_hf_checkpoint(tiny_small):
 
 
 def test_build_is_deterministic_and_cached(tmp_path, tiny_small, monkeypatch):
-    from moectl.tiny import build_tiny
+    from moectl.synth.tiny import build_tiny
 
     monkeypatch.setenv("MOECTL_HOME", str(tiny_small.parent.parent / "home"))    # reuse the session's corpus cache
     a = build_tiny(tmp_path / "a", steps=3, small=True, progress=False)

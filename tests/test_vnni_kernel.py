@@ -15,7 +15,7 @@ from moectl import kernels
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason=f"kernels cannot run: {kernels.why_not()}")
 
 from moectl.kernels import ops  # noqa: E402
-from moectl.quant import vnni  # noqa: E402
+from moectl.formats import vnni  # noqa: E402
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -92,7 +92,7 @@ def test_lowbit_product_is_exact_for_its_int8_activations(M, N, K, group, bits):
 def test_bf16_gemv_sums_exact_products_in_fp32(N):
     """One row: the kernel's output is the fp64 product rounded once to bf16, up to fp32 sums; `gemv.linear` (the
     runtime's one-row path, dense and experts) takes it for bf16."""
-    from moectl.models import gemv
+    from moectl.kernels import gemv
 
     w = torch.randn(N, 4096, generator=GEN).bfloat16()
     x = torch.randn(1, 4096, generator=GEN).bfloat16()

@@ -1,4 +1,4 @@
-"""plan.yaml (written by `moectl plan-cache`, plan/artifact.py): its format and its reader, for everything that
+"""plan.yaml (written by `moectl plan-cache`, plan/plan_file.py): its format and its reader, for everything that
 applies a plan (the runtime options, `simulate --plan`). No torch.
 
     {format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer], slots_low: [per layer, optional],
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from ..artifact import check_shape, is_int, read_descriptor, require_list, where
-from ..cache_model import FULL, LOW
+from .versioned import check_shape, is_int, read_descriptor, require_list, where
+from ..core.cache_model import FULL, LOW
 from ..errors import MoectlError
 
 PLAN_FORMAT = "moectl-plan-v1"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..artifact import read_descriptor
+from .versioned import read_descriptor
 from ..errors import MoectlError
 
 FORMAT = "moectl-sensitivity"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import MoectlError
-from .trace_io import TraceWriter
+from ..artifacts.trace import TraceWriter
 
 
 def hidden_sample_bytes(num_layers: int, hidden_size: int) -> int:

@@ -6,7 +6,7 @@ Legend: N = tokens, L = MoE layers, K = top-k, E = experts, C = cache sizes (exp
 - reuse: for every (token, layer, expert) access, was that expert used before by the same request
   (within-request reuse, with its distance in tokens), only by an earlier request (across), or never (cold);
 - hit rate vs cache size: a per-layer pool of C experts, the trace replayed through the simulator (the
-  runtime's cache rules, `moectl/cache_model.py`) with the replacement policy objects the runtime uses
+  runtime's cache rules, `moectl/core/cache_model.py`) with the replacement policy objects the runtime uses
   (`LRU`, and `Belady`/MIN, which knows the future: the upper bound); C >= K.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MoectlError
-from ..trace import Trace, expert_activation_matrix
+from ..core.trace import Trace, expert_activation_matrix
 
 
 # --- statistics -----------------------------------------------------------------------------------

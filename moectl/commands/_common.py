@@ -156,11 +156,11 @@ class PrecisionOpts:
 
 def prepare_model(model: str, workdir=None) -> None:
     """Build the built-in tiny model on first use (the runtime itself never builds or trains anything)."""
-    from ..recipes import resolve_model
+    from ..core.recipes import resolve_model
 
     ref = resolve_model(model, str(workdir) if workdir else None)
     if (ref.recipe or {}).get("builtin") == "tiny" and not ref.path.exists():
-        from ..tiny import ensure_tiny
+        from ..synth.tiny import ensure_tiny
 
         ensure_tiny(ref.workdir)
     if (ref.recipe or {}).get("builtin") == "reference" and not ref.path.exists():     # ~1 h: never implicit
@@ -253,7 +253,7 @@ def runtime_options(fn=None, *, helps: dict[str, str] | None = None):
     import functools
     import inspect
 
-    from ..options import RuntimeOptions
+    from ..setting.options import RuntimeOptions
 
     table = _runtime_option_table()
     for i, (n, ann, opt) in enumerate(table):

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..options import RuntimeOptions
+from ..setting.options import RuntimeOptions
 from ._common import prepare_model, runtime_options
 
 # bench reads two runtime options its own way (the flags, fields and parsing are the shared ones)
@@ -51,7 +51,7 @@ def bench(
     if o.draft == "none":                       # bench's rows without drafting are its baseline already
         o.draft = None
     if model is not None:
-        from ..bench_model import bench_model
+        from ..benchmark.model import bench_model
 
         _check_draft(o.draft, acceptance_out)
         o.check()
@@ -110,7 +110,7 @@ def _draft_acceptance(out: dict, path: str | None) -> None:
 def _model_table(out: dict):
     from rich.table import Table
 
-    from ..recipes import format_bytes
+    from ..core.recipes import format_bytes
 
     t = Table(title=f"moectl bench {out['model']} ({out['device']}, {out['threads']} threads, prompt "
                     f"{out['prompt_len']}, {out['gen_len']} tokens)")
@@ -138,9 +138,9 @@ def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold
     from rich.console import Console
     from rich.table import Table
 
-    from ..benchmarks import predictor_cost, runtime_overhead
+    from ..benchmark.overhead import predictor_cost, runtime_overhead
     from ..errors import MoectlError
-    from ..recipes import recipe_shape
+    from ..core.recipes import recipe_shape
 
     parts = [w.strip() for w in what.split(",") if w.strip()]
     unknown = set(parts) - {"overhead", "predictor"}

@@ -49,9 +49,9 @@ def build_tiny(
 
     from rich.console import Console
 
-    from .. import tiny
+    from ..synth import tiny
     from ..errors import MoectlError
-    from ..recipes import moectl_home
+    from ..core.recipes import moectl_home
 
     console = Console(stderr=as_json)
     if small and size not in ("tiny", "small"):

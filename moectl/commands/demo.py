@@ -45,7 +45,7 @@ def _size(path: Path) -> int:
 
 
 def _made(workdir: Path, names: list[str]) -> str:
-    from ..recipes import format_bytes
+    from ..core.recipes import format_bytes
 
     parts = [f"{n} ({format_bytes(_size(workdir / n))})" for n in names if (workdir / n).exists()]
     return ", ".join(parts) if parts else "nothing new on disk"
@@ -91,7 +91,7 @@ def demo(
     from rich.table import Table
 
     from ..cli import app as cli_app
-    from ..recipes import format_bytes, resolve_model
+    from ..core.recipes import format_bytes, resolve_model
     from .build_tiny import print_tiny_report
 
     console = Console()
@@ -103,7 +103,7 @@ def demo(
     # 1. the model
     console.rule("[bold]build the tiny model")
     t0 = time.perf_counter()
-    from ..tiny import build_tiny, tiny_report
+    from ..synth.tiny import build_tiny, tiny_report
 
     existed = (wd / "tiny.json").exists()
     ckpt = build_tiny(wd)
@@ -125,7 +125,7 @@ def demo(
     # 3. one chat answer through the offloading runtime
     console.rule("[bold]chat")
     t0 = time.perf_counter()
-    from ..commands._common import prefetch_note, print_stats_line
+    from ._common import prefetch_note, print_stats_line
     from ..runtime.engine import Engine
     from ..serve.chat import ChatSession
 

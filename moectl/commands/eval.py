@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from ..options import RuntimeOptions
+from ..setting.options import RuntimeOptions
 from ._common import prepare_model, print_lossy, print_plan_note, runtime_options
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..options import RuntimeOptions
+from ..setting.options import RuntimeOptions
 from ._common import (prepare_model, print_draft_line, print_lossy, print_plan_note, print_stats_line,
                       runtime_options)
 

@@ -36,7 +36,7 @@ def inspect(
     from rich.console import Console
     from rich.table import Table
 
-    from ..recipes import format_bytes
+    from ..core.recipes import format_bytes
     from ..runtime.engine import inspect_model
 
     prepare_model(model, workdir)
@@ -71,7 +71,7 @@ def inspect(
 def memory_table(m: dict):
     from rich.table import Table
 
-    from ..recipes import format_bytes
+    from ..core.recipes import format_bytes
 
     what = (f"full copies in {'RAM' if m['offload'] == 'ram' else 'shards on disk'}"
             + (f" + {m['lowbit']} copies in RAM" if m["lowbit"] else "") + f", on {m['device']}")

@@ -19,16 +19,16 @@ def make_synthetic(
     """Write a random-weight checkpoint with the shapes of a real model, shard by shard (one tensor in RAM at a
     time): real-size experts for `moectl bench` / `generate` without downloading the model; route it with
     --replay-trace."""
-    from ..recipes import format_bytes
-    from ..runtime.inspect import parse_dtype as _dtype
+    from ..core.recipes import format_bytes
+    from ..store.facts import parse_dtype as _dtype
     from ..sim.cost import load_shape
-    from ..synthetic import write_synthetic
+    from ..synth.checkpoint import write_synthetic
 
     from pathlib import Path
 
     import yaml
 
-    from ..recipes import load_recipe
+    from ..core.recipes import load_recipe
 
     s = load_shape(shape)
     p = Path(shape).expanduser()

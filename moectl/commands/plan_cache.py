@@ -64,13 +64,13 @@ def plan_cache(
 
     from ..errors import MoectlError
     from ..plan import scoreboard as sb
-    from ..plan.artifact import PLAN_NAME, write_plan
-    from ..plan.draft import choose_tokens, draft_record
-    from ..sim.passes import check_draftable, parse_draft
-    from ..plan.setup import plan_setup
+    from ..plan.plan_file import PLAN_NAME, write_plan
+    from ..plan.speculative import choose_tokens, draft_record
+    from ..sim.spec_passes import check_draftable, parse_draft
+    from ..plan.inputs import plan_setup
     from ..plan.planner import make_plan
     from ..plan.proxy import Setting, proxies
-    from ..tiny import tiny_report
+    from ..synth.tiny import tiny_report
     from ..policies.precision import make_precision
     from ..progress import ProgressBar
     from ._common import prepare_model
@@ -150,7 +150,7 @@ def print_plan(plan: dict, path, figure) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..recipes import format_bytes
+    from ..core.recipes import format_bytes
 
     out = Console()
     b, pred, uni = plan["budget"], plan["predicted"], plan.get("uniform")

@@ -53,7 +53,7 @@ def profile(
     from ..progress import ProgressBar
     from ..calib.profile import run_profile
     from ..errors import MoectlError
-    from ..recipes import format_bytes, resolve_model
+    from ..core.recipes import format_bytes, resolve_model
     from ..runtime.engine import Engine
 
     console = Console(stderr=as_json)
@@ -66,7 +66,7 @@ def profile(
     prepare_model(model, workdir)
     ref = resolve_model(model, str(workdir) if workdir else None)
     if dataset is None:
-        from ..recipes import REPO_ROOT
+        from ..core.recipes import REPO_ROOT
 
         dataset = ((ref.recipe or {}).get("defaults") or {}).get("calibration") or "default"
         if not Path(dataset).exists() and (REPO_ROOT / dataset).exists():
@@ -109,7 +109,7 @@ def profile(
                "hidden_samples": res.hidden_samples, "seconds": round(res.seconds, 3),
                "tokens_per_s": round(res.tokens_per_s, 1), "interrupted": res.interrupted}
     # the cache statistics of the recorded run: `moectl simulate` on the trace with the same sizes and
-    # policies gives the same counts (the shared rules of moectl/cache_model.py)
+    # policies gives the same counts (the shared rules of moectl/core/cache_model.py)
     summary["cache"] = {ph: {k: v for k, v in eng.cache.state.totals(ph).items() if k in ("hits", "misses")}
                         for ph in ("prefill", "decode")}
     summary["cache"].update(replacement=replacement or "lru", prefetch=prefetch, slots=sum(eng.cache.slots_per_layer))

@@ -36,7 +36,7 @@ def quantize(
     from rich.table import Table
 
     from ..quant.quantize import quantize_model
-    from ..recipes import format_bytes
+    from ..core.recipes import format_bytes
 
     prepare_model(model, workdir)
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,

@@ -24,11 +24,11 @@ def report(
 
     from ..calib.report import analyze, summary_json, write_plots
     from ..errors import MoectlError
-    from ..trace import PHASES, load_trace
+    from ..core.trace import PHASES, load_trace
 
     console = Console(stderr=as_json)
     if traces.is_dir():                                     # hidden samples are not needed here
-        from ..calib.trace_io import read_trace_dir
+        from ..artifacts.trace import read_trace_dir
 
         trace = read_trace_dir(traces, hidden=False)
     else:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..options import RuntimeOptions
+from ..setting.options import RuntimeOptions
 from ._common import prepare_model, print_lossy, print_plan_note, runtime_options
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

@@ -96,9 +96,9 @@ def simulate(
     from rich.console import Console
 
     from ..errors import MoectlError
-    from ..sim import run as sim
+    from ..sim import simulate as sim
     from ..policies.gating import experts_per_token
-    from ..trace import load_trace
+    from ..core.trace import load_trace
 
     console = Console(stderr=True)
     traces = [load_trace(p) for p in trace]
@@ -112,13 +112,13 @@ def simulate(
 
         simulate_preset(tr, preset, budget, hardware, model_shape, plan, as_json)
         return
-    from ..options import RuntimeOptions
+    from ..setting.options import RuntimeOptions
 
     opts = RuntimeOptions(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1,
                           t2=t2, cpu_experts=cpu_experts, admission=admission)
     plan_caps, plan_gating, preload = None, None, None
     if plan is not None:
-        from ..plan.artifact import apply_plan
+        from ..plan.plan_file import apply_plan
 
         plan_d = sim.load_plan(plan)
         plan_caps, plan_gating = apply_plan(plan_d, tr, opts)
@@ -129,7 +129,7 @@ def simulate(
     admission = opts.admission or "off"
     from ..policies.admission import prefetch_staging
     from ..policies.precision import make_precision
-    from ..recipes import parse_size
+    from ..core.recipes import parse_size
 
     cost = sim.cost_for(tr, hardware, model_shape, bits)
     caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost,
@@ -146,11 +146,11 @@ def simulate(
     if gated is not None:
         tr = gated
     prec = make_precision(precision, t1, t2)
-    from ..sim.passes import parse_draft
+    from ..sim.spec_passes import parse_draft
 
     spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max, draft_rule, draft_seed)
     if spec is None and plan is not None and plan_d.get("draft"):
-        from ..plan.draft import plan_draft_spec
+        from ..plan.speculative import plan_draft_spec
 
         spec = plan_draft_spec(plan_d, plan)         # the drafting the plan was made for
     train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
@@ -165,7 +165,7 @@ def simulate(
             if (t.num_layers, t.num_experts) != (tr.num_layers, tr.num_experts):
                 raise MoectlError(f"--train-on trace {t.model} is not of the simulated model {tr.model}")
     if predictor is not None:
-        from ..predict.artifact import load_predictors
+        from ..predict.predictors_file import load_predictors
 
         ps = load_predictors(predictor, expect_fingerprint=tr.fingerprint)
         routing_pred, mlp_pred, aux_pred = ps.routing, ps.mlp, ps.aux_gate

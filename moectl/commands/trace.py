@@ -1,5 +1,5 @@
 """`moectl trace import|export|synthesize`: moe-routing-v1 JSONL <-> moectl trace directory, and synthetic traces
-at a recipe's shape calibrated on a real one (`moectl/synthetic_trace.py`)."""
+at a recipe's shape calibrated on a real one (`moectl/synth/trace.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 
 def _default_trace_dir(model_name: str) -> Path:
     """<MOECTL_HOME>/<model>/traces (never builds or resolves a checkpoint)."""
-    from ..recipes import moectl_home
+    from ..core.recipes import moectl_home
 
     return moectl_home() / model_name.replace("/", "--") / "traces"
 
@@ -19,7 +19,7 @@ def _default_trace_dir(model_name: str) -> Path:
 def _check_recipe_shape(model_name: str, meta: dict) -> None:
     """A recipe name whose shape disagrees with the trace is a clear error (wrong --model-name)."""
     from ..errors import MoectlError
-    from ..recipes import list_recipes, load_recipe
+    from ..core.recipes import list_recipes, load_recipe
 
     if model_name not in list_recipes():
         return
@@ -42,7 +42,7 @@ def trace_import(
     """Import a moe-routing-v1 JSONL trace as a trace directory (exact: `trace export` gives the file back)."""
     from rich.console import Console
 
-    from ..calib.trace_io import import_jsonl
+    from ..artifacts.trace import import_jsonl
 
     def check(t) -> None:
         _check_recipe_shape(model_name, {"num_layers": t.num_layers, "num_experts": t.num_experts,
@@ -68,7 +68,7 @@ def trace_export(
     """Export a trace directory as moe-routing-v1 JSONL (hidden samples and router logits are dropped)."""
     from rich.console import Console
 
-    from ..calib.trace_io import export_jsonl, read_meta
+    from ..artifacts.trace import export_jsonl, read_meta
 
     meta = read_meta(trace_dir)
     export_jsonl(trace_dir, out)
@@ -93,10 +93,10 @@ def trace_synthesize(
     the same family (for models with no trace, e.g. gpt-oss-120b from gpt-oss-20b's). It is NOT a profile: its
     header says so (`source` starts with "synthetic", a `synthetic` record holds the generator's format_version,
     the seed and the trace it was fitted on). How it is fitted and how statistics carry across shapes:
-    moectl/synthetic_trace.py; how well it reproduces the real traces: docs/benchmarks.md (issue 19)."""
+    moectl/synth/trace.py; how well it reproduces the real traces: docs/benchmarks.md (issue 19)."""
     from rich.console import Console
 
-    from ..synthetic_trace import fit_stats, save, synthesize_like, writable
+    from ..synth.trace import fit_stats, save, synthesize_like, writable
 
     writable(out)
     trace, fitted, target = synthesize_like(like, model, tokens, seed, requests)

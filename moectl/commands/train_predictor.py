@@ -32,7 +32,7 @@ def train_predictor(
 
     from rich.console import Console
 
-    from ..predict.run import run_train_predictor
+    from ..predict.pipeline import run_train_predictor
 
     console = Console(stderr=as_json)
     result = run_train_predictor(model=model, traces=traces or [], kind=kind, lookahead=lookahead, epochs=epochs,

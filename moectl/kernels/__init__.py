@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..recipes import moectl_home
+from ..core.recipes import moectl_home
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",

@@ -4,7 +4,7 @@ Legend: M = tokens, N = output rows, K = input columns, G = ceil(K / 64) blocks,
         H = query heads, KV = key/value heads, S = cached positions, Dk / Dv = key / value head size.
 
 Every function needs `moectl.kernels.library()` (callers check it) and CPU tensors; the q4 layout is
-`moectl/quant/vnni.py`'s.
+`moectl/formats/vnni.py`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def q8_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def lowbit_matmul(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, N: int, bits: int) -> torch.Tensor:
-    """y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the low-bit layout of `bits` 4, 6 or 8 (moectl/quant/vnni.py):
+    """y [M, N] bf16 = x [M, K] bf16 @ W^T, W in the low-bit layout of `bits` 4, 6 or 8 (moectl/formats/vnni.py):
     codes [NG, G, 8 bits 16] uint8, sm [NG, G, 2, 16] bf16."""
     M, K = x.shape
     assert bits in (4, 6, 8) and codes.shape[1:] == (blocks(K), 8 * bits * 16) and codes.is_contiguous()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import MoectlError
 from .base import ExpertLayout, FamilyAdapter
-from .formats import DenseFormat, ExpertFormat, Part
+from ..formats.expert import DenseFormat, ExpertFormat, Part
 from .deepseek_v2 import DeepseekV2Adapter
 from .deepseek_v3 import DeepseekV3Adapter
 from .gpt_oss import GptOssAdapter

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MoectlError
-from ..quant.released import released_quant
-from .formats import DenseFormat, ExpertFormat
-from . import gemv
+from ..formats.released import released_quant
+from ..formats.expert import DenseFormat, ExpertFormat
+from ..kernels import gemv
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     """The matrices one expert computes with (names and shapes, in on-disk packed order). How they are
-    stored as bytes is an `ExpertFormat` (`moectl/models/formats.py`): `DenseFormat(layout, dtype)` for the
+    stored as bytes is an `ExpertFormat` (`moectl/formats/expert.py`): `DenseFormat(layout, dtype)` for the
     checkpoint's own tensors, a quantized format for low-bit copies."""
 
     names: tuple[str, ...]
@@ -148,7 +148,7 @@ class FamilyAdapter:
         `ExpertFormat.weights(views)`: the layout's matrices, dequantised if the copy was low-bit."""
         return self.linear(apply_gate(self.linear(x, w["gate_up"])), w["down"])
 
-    # Formats whose `weights` may return a callable instead of a matrix (`moectl/quant/int4_cpu.py`) are only
+    # Formats whose `weights` may return a callable instead of a matrix (`moectl/formats/int4_cpu.py`) are only
     # used with adapters whose expert_forward goes through `linear`.
     linear_callables = True
 

@@ -3,7 +3,7 @@
 Legend: N = output rows of a matrix, K = its input columns.
 
 1. GEMV. transformers' `nn.Linear` sends a one-row bf16 product to oneDNN, half the speed of torch's native GEMV
-   (`models/gemv.py`, same output bits), and the dense weights a decode token reads are not small: on the Mixtral
+   (`kernels/gemv.py`, same output bits), and the dense weights a decode token reads are not small: on the Mixtral
    shape x 2 layers the attention projections and the lm_head are 430 MB of the 1.84 GB a bf16 token reads. On a
    CPU every dense `nn.Linear` becomes a `GemvLinear` (the same module, class swapped: parameters, state dict and
    tied weights unchanged) whose forward takes `gemv.linear` for one row and `F.linear` otherwise.
@@ -29,7 +29,7 @@ from torch import nn
 
 from .. import kernels
 from ..errors import MoectlError
-from . import gemv
+from ..kernels import gemv
 
 DENSE_LOWBIT = ("q8", "q4")
 
@@ -46,7 +46,7 @@ class Int8DenseLinear(nn.Module):
     """An nn.Linear's product from int8 codes [N, K] and a bf16 scale per row (+ its bias)."""
 
     def __init__(self, linear: nn.Linear):
-        from ..quant.int8_cpu import requantize
+        from ..formats.int8_cpu import requantize
 
         super().__init__()
         codes, scale = requantize(linear.weight.detach())
@@ -56,7 +56,7 @@ class Int8DenseLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..quant.int8_cpu import Int8Linear
+        from ..formats.int8_cpu import Int8Linear
 
         y = Int8Linear(self.codes, self.scale)(x)
         return y if self.bias is None else y + self.bias
@@ -66,7 +66,7 @@ class VnniDenseLinear(nn.Module):
     """An nn.Linear's product from q4g64 / q8g64 codes in moectl's kernel layout (+ its bias)."""
 
     def __init__(self, linear: nn.Linear, bits: int):
-        from ..quant.vnni import quantize_rtn
+        from ..formats.vnni import quantize_rtn
 
         super().__init__()
         codes, sm = quantize_rtn(linear.weight.detach(), bits=bits)
@@ -76,7 +76,7 @@ class VnniDenseLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..quant.vnni import VnniLinear
+        from ..formats.vnni import VnniLinear
 
         y = VnniLinear(self.codes, self.sm, self.out_features)(x)
         return y if self.bias is None else y + self.bias

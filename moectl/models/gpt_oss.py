@@ -2,7 +2,7 @@
 transposed with biases: gate_up [E,H,2I] with gate = [..., ::2] and up = [..., 1::2] interleaved,
 down [E,I,H]; the activation is a clamped SwiGLU (the experts module's own `_apply_gate`).
 As released (openai/gpt-oss-*) the projections are MXFP4 `*_blocks` / `*_scales` ([E, out, in/32, 16] /
-[E, out, in/32]); they stay packed (`moectl/quant/mxfp4.py`)."""
+[E, out, in/32]); they stay packed (`moectl/formats/mxfp4.py`)."""
 
 from __future__ import annotations
 

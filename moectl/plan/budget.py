@@ -6,8 +6,8 @@
            + experts (the cache the plan splits over layers and precisions)
 
 The minimum is dense + KV + workspace + one slot per MoE layer of the smallest precision served; below it
-is one clear error that states the minimum. The split itself is `moectl/sizing.py` (the runtime's, simulate's and
-inspect's too); this file finds the facts: from the checkpoint (`runtime/inspect.py`: dense bytes of the
+is one clear error that states the minimum. The split itself is `moectl/core/sizing.py` (the runtime's, simulate's and
+inspect's too); this file finds the facts: from the checkpoint (`store/facts.py`: dense bytes of the
 skeleton, KV bytes per token) or, for a recipe without a checkpoint, from its `shape:` block.
 """
 
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import MoectlError
 from ..sim.cost import dense_bytes, expert_bytes, kv_reserve_bytes
-from ..sizing import (WORKSPACE_TOKENS, BudgetSplit, ModelSizes, split_budget,  # noqa: F401  (moved to sizing)
-                      workspace_bytes)
+from ..core.sizing import WORKSPACE_TOKENS, BudgetSplit, ModelSizes, split_budget, workspace_bytes  # noqa: F401  (moved to sizing)
 
 
 @dataclass
@@ -36,7 +35,7 @@ class ModelFacts(ModelSizes):
 def model_facts(model: str, workdir=None) -> ModelFacts:
     """Facts of a checkpoint (or the built tiny model), else of a recipe's `shape:` block when its checkpoint
     is absent (plans from traces alone)."""
-    from ..recipes import load_recipe, recipes_dir, resolve_model
+    from ..core.recipes import load_recipe, recipes_dir, resolve_model
 
     try:
         ref = resolve_model(model, workdir)
@@ -57,7 +56,7 @@ def model_facts(model: str, workdir=None) -> ModelFacts:
 
 
 def _checkpoint_facts(model: str, workdir) -> ModelFacts:
-    from ..runtime.inspect import inspect_model, kv_reserve_nbytes, load_config, parse_dtype
+    from ..store.facts import inspect_model, kv_reserve_nbytes, load_config, parse_dtype
     from ..sim.cost import shape_from_hf_config
 
     info = inspect_model(model, workdir)

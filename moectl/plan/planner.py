@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from ..errors import MoectlError
-from ..sizing import budget_pools, lowbit_fraction_for, staging_nbytes
+from ..core.sizing import budget_pools, lowbit_fraction_for, staging_nbytes
 from .budget import BudgetSplit, ModelFacts
 from .curves import Curves, analytic_curves, coarse_grid, extend_curves, measure_curves, slot_grid
 from .dp import allocate
@@ -57,14 +57,14 @@ class Replay:
     aux_gate: object = None
     train_traces: list | None = None
     raw: object = None               # the trace before gating (presets gate their own way)
-    draft: object = None             # sim/passes.py DraftSpec: replayed in verification passes (plan/draft.py)
+    draft: object = None             # sim/spec_passes.py DraftSpec: replayed in verification passes (plan/speculative.py)
 
     def run(self, caps, pol: Policies, belady: bool = False, replacement: str | None = None,
             prefetch: str | None = None, preload: dict | None = None):
         """`caps`: full-precision slots per layer, or {precision: slots per layer} (a plan's pools); `preload`: the
         plan's hot set, resident before the first step."""
         from ..policies.precision import make_precision
-        from ..sim.run import simulate
+        from ..sim.simulate import simulate
 
         p = prefetch or pol.prefetch
         return simulate(self.trace, caps, replacement or pol.replacement, p, self.cost,
@@ -81,8 +81,8 @@ class Replay:
     def hot(self, caps: dict) -> dict:
         """The preload of pools `caps` {precision: per-layer slots}: the experts this replay's decode rows use
         most (`cache_model.hot_experts`)."""
-        from ..cache_model import hot_experts
-        from ..trace import DECODE
+        from ..core.cache_model import hot_experts
+        from ..core.trace import DECODE
 
         tr = self.trace
         return hot_experts(tr.experts[tr.phase == DECODE] if (tr.phase == DECODE).any() else tr.experts, caps)
@@ -96,7 +96,7 @@ def objective(pol: Policies) -> str:
 
 def pools_of(pol: Policies, n_hi, n_lo) -> dict:
     """{precision: per-layer slots} for the simulator from per-layer (n_hi, n_lo)."""
-    from ..cache_model import FULL
+    from ..core.cache_model import FULL
     from ..policies.precision import LOW
 
     out = {}
@@ -112,7 +112,7 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
     layer (the wait for its demand loads and late prefetches: the per-layer terms of the very sum the plan's replay
     minimises; a wasted prefetch costs only where its copy delayed one of them); with CPU compute of misses, every
     non-resident use times the cheaper of computing it on the CPU and fetching it."""
-    from ..trace import DECODE
+    from ..core.trace import DECODE
 
     tr, cost = replay.trace, replay.cost
     L = tr.num_layers
@@ -327,7 +327,7 @@ def reserve_staging(split: BudgetSplit, pol: Policies, nbytes: dict, num_layers:
 
 def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None, pol: Policies,
               hardware: str, progress=None) -> dict:
-    """The plan as plan.yaml holds it (without format/fingerprint headers: see plan/artifact.py)."""
+    """The plan as plan.yaml holds it (without format/fingerprint headers: see plan/plan_file.py)."""
     t0 = time.perf_counter()
     L, E = facts.num_layers, facts.num_experts
     nbytes = expert_nbytes(facts, pol)

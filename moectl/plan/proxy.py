@@ -65,14 +65,14 @@ def setting_of(precision: str, lowbit: str | None, t1: float, t2: float, gated: 
 
 
 def tiny_workdir() -> Path:
-    from ..recipes import resolve_model
+    from ..core.recipes import resolve_model
 
     return resolve_model("tiny").workdir
 
 
 def _identity(wd: Path) -> dict:
     from ..calib.fidelity import weights_id
-    from ..fingerprint import checkpoint_fingerprint
+    from ..core.fingerprint import checkpoint_fingerprint
 
     ckpt = wd / "checkpoint"
     return {"fingerprint": checkpoint_fingerprint(ckpt), "weights": [list(w) for w in weights_id(ckpt)]}
@@ -92,7 +92,7 @@ def proxies(wd: Path | None = None, measure: bool = True, settings=SETTINGS, ev:
     """{"label", "status", "path", "settings": {key: eval result or {"not_measured": why}}} for the tiny model in
     `wd` (default: `moectl build-tiny`'s workdir). Cached results are reused; missing ones are measured when
     `measure`, else reported as not measured. Never fails for want of a built tiny model."""
-    from ..tiny import tiny_report
+    from ..synth.tiny import tiny_report
     from .scoreboard import PROXY_LABEL as LABEL
 
     wd = Path(wd) if wd is not None else tiny_workdir()
@@ -125,7 +125,7 @@ def measure_setting(wd: Path, s: Setting, ev: dict) -> dict:
     from ..calib.dataset import load_calibration
     from ..calib.fidelity import evaluate, token_windows
     from ..calib.sensitivity import JSON_NAME
-    from ..quant.hqq_format import parse_lowbit
+    from ..formats.hqq import parse_lowbit
     from ..quant.quantize import quantize_model
     from ..runtime.engine import Engine
 
@@ -141,7 +141,7 @@ def measure_setting(wd: Path, s: Setting, ev: dict) -> dict:
     if s.lowbit is not None:
         bits, group = parse_lowbit(s.lowbit)
         quantize_model(ckpt, bits, group, 0 if bits <= 2 else 1, workdir=str(wd), progress=False)  # no-op if made
-    from ..tiny import tiny_report
+    from ..synth.tiny import tiny_report
 
     spec = tiny_report(wd)["spec"]
     slots = max(spec["num_layers"], round(ev["cache_fraction"] * spec["num_layers"] * spec["num_experts"]))

@@ -140,7 +140,7 @@ def _llamacpp(setup, trace, pol) -> dict:
     """llama.cpp's static placement, computed from the cost model: dense weights on the GPU, whole layers of q4
     experts on the GPU as far as the expert budget holds them, every other expert computed on the CPU from host
     RAM (the hardware profile's CPU rate for low-bit copies); nothing crosses PCIe per token. Layers run one after another."""
-    from ..trace import DECODE
+    from ..core.trace import DECODE
     from .planner import expert_nbytes
 
     cost, L, E = setup.cost, setup.facts.num_layers, setup.facts.num_experts
@@ -168,7 +168,7 @@ def _llamacpp(setup, trace, pol) -> dict:
 
 
 def _has_hidden(replay) -> bool:
-    from ..sim.run import hidden_lookup
+    from ..sim.simulate import hidden_lookup
 
     return hidden_lookup(replay.trace) is not None and bool(replay.trace.routers)
 
@@ -193,7 +193,7 @@ def _adapmoe_gating(setup, trace):
 
 def _adapmoe_dp(trace, C: int, L: int, E: int, load_s: float, prefetch: bool) -> list[int]:
     """AdapMoE's DP on its analytic model, a_i (single-expert ratio) profiled on the (gated) trace."""
-    from ..trace import DECODE
+    from ..core.trace import DECODE
     from .curves import analytic_curves
     from .planner import dp_slots
 
@@ -310,8 +310,8 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
     """`moectl simulate --trace T --preset NAME --budget SIZE`: one scoreboard row on one trace."""
     import json
 
-    from ..sim.run import load_plan
-    from .setup import setup_from_trace
+    from ..sim.simulate import load_plan
+    from .inputs import setup_from_trace
 
     preset = get_preset(name)
     if budget is None:
@@ -319,7 +319,7 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
     setup = setup_from_trace(trace, budget, hardware, model_shape)
     plan = None
     if plan_path is not None:
-        from .artifact import check_plan_model
+        from .plan_file import check_plan_model
 
         plan = load_plan(plan_path)
         check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from ..artifact import check_shape
+from ..artifacts.versioned import check_shape
 from ..errors import MoectlError
 from .aux_gate import AuxGatePrefetch
 from .base import LRU, PrefetchPolicy, ReplacementPolicy

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache_model import FULL
+from ..core.cache_model import FULL
 from .placement import CPU, ComputePlacement
 
 ADMISSION_MODES = ("on", "off")
@@ -272,7 +272,7 @@ def make_admission(mode: str, cost=None, top_k: int = 1, context: int = 512, cpu
     if mode == "on":
         if cost is None:
             raise MoectlError("--admission on needs a cost model (the compute time of a layer)")
-        from ..chunks import chunk_count         # the copy engine's chunks (no device code)
+        from ..core.copy_chunks import chunk_count  # the copy engine's chunks (no device code)
 
         on_cpu = ComputePlacement(cpu_experts, cost).decide(1) == CPU          # where a decode miss runs
         return PrefetchAdmission(cost.attention_s(1, context), top_k * cost.expert_s(1),

@@ -1,7 +1,7 @@
 """Policy interfaces. No device code here: the runtime and the simulator drive the same objects.
 
 Events carry (layer, expert, now). `layer` is the trace/MoE layer index (0..L-1, MoE layers only),
-`now` the logical clock of `moectl/cache_model.py: CacheState` (one tick per access and per prefetch
+`now` the logical clock of `moectl/core/cache_model.py: CacheState` (one tick per access and per prefetch
 insert), which the runtime and the simulator share, so policies behave identically in both. That
 module's docstring is the rule set: event order, phases, counting, when predicted experts may go.
 Prefetch policies see decode steps only (observe, predict, end_token, predict_after_token).

@@ -147,7 +147,7 @@ def gate_trace(trace, policy: GatingPolicy, gate_prefill: bool = False):
 
     if trace.weights is None:
         raise MoectlError(f"trace {trace.source or trace.model} has no gate weights: gating needs them")
-    from ..trace import DECODE
+    from ..core.trace import DECODE
 
     experts, weights = trace.experts.copy(), trace.weights.copy()
     rows = np.ones(trace.num_tokens, bool) if gate_prefill else trace.phase == DECODE
@@ -159,7 +159,7 @@ def gate_trace(trace, policy: GatingPolicy, gate_prefill: bool = False):
 
 def experts_per_token(trace, decode_only: bool = True) -> float:
     """Mean experts computed per token and MoE layer (decode rows by default)."""
-    from ..trace import DECODE
+    from ..core.trace import DECODE
 
     ex = trace.experts[trace.phase == DECODE] if decode_only else trace.experts
     return float((ex >= 0).sum() / max(ex.shape[0] * trace.num_layers, 1))

@@ -19,7 +19,7 @@ same way.
 
 from __future__ import annotations
 
-from ..cache_model import FULL, LOW          # the copies (pool names) a decision picks
+from ..core.cache_model import FULL, LOW  # the copies (pool names) a decision picks
 from ..errors import MoectlError
 
 SKIP = "skip"

@@ -190,7 +190,7 @@ class RoutingPrefetch(PrefetchPolicy):
 def eams_from_traces(traces, chunk: int = 64) -> list[np.ndarray]:
     """Request EAMs of calibration traces (decode rows), long requests cut into `chunk`-token pieces so a
     single long trace still gives the collection several entries."""
-    from ..trace import PREFILL, expert_activation_matrix
+    from ..core.trace import PREFILL, expert_activation_matrix
 
     out = []
     for tr in traces:

@@ -75,7 +75,7 @@ class MLPPredictorSet:
                 self.layers[l] = SourceLayerMLP(hidden_size, num_experts, ds, width, use_chosen)
         self._infer: dict[int, tuple] = {}        # float32 weights laid out for predict_scores
 
-    # -- serialisation (artifact.py stores config() in predictors.json, state_dict() in safetensors) --
+    # -- serialisation (artifacts/versioned.py stores config() in predictors.json, state_dict() in safetensors) --
     def config(self) -> dict:
         return {"num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k,
                 "hidden_size": self.hidden_size, "lookaheads": self.lookaheads, "width": self.width,

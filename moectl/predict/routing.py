@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..trace import PREFILL, Trace
+from ..core.trace import PREFILL, Trace
 
 FEATURES = ["nn", "nn_conf", "prev1", "prev2", "ema", "aff", "pop", "agree"]
 

@@ -1,5 +1,5 @@
 """Training and held-out evaluation of the hidden-state predictors (mlp, aux-gate); routing is delegated; the
-command's orchestration is `predict/run.py`.
+command's orchestration is `predict/pipeline.py`.
 
 Legend: S = hidden samples (tokens with a stored MoE input), L = MoE layers, K = top-k, E = experts,
 D = hidden size, n_d = lookaheads of a source layer.
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import MoectlError
-from ..trace import Trace
+from ..core.trace import Trace
 from .aux_gate import AuxGate
 from .metrics import frequency_scores, gate_reuse_scores, ks_for, mean_metrics, multi_hot, set_metrics
 from .mlp import MLPPredictorSet
@@ -287,7 +287,7 @@ def evaluate_routing(pred, test: Trace, train: list[Trace]) -> dict:
     popular experts in the `train` traces) and the previous token's choice at the target layer (ties broken by
     frequency), all on the same tokens. `test` must not be among `train` (e.g. the other file of the model).
     """
-    from ..trace import PREFILL
+    from ..core.trace import PREFILL
 
     L, E, K = test.num_layers, test.num_experts, test.top_k
     ks = ks_for(K, E)

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import MoectlError
 from ..progress import ProgressBar
-from .hqq_format import HqqFormat, check_settings, lowbit_name
+from ..formats.hqq import HqqFormat, check_settings, lowbit_name
 from .methods import check_method, optimize
 
 FORMAT, VERSION = "moectl-lowbit-copies", 1
@@ -74,9 +74,9 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     on a CPU, hqq on a GPU). `on_expert(layer, expert)` runs after each expert (tests use it to interrupt a run)."""
     from safetensors.torch import load_file, save_file
 
-    from ..fingerprint import config_fingerprint
-    from ..recipes import resolve_model
-    from ..runtime.inspect import built, load_config, parse_dtype, skeleton
+    from ..core.fingerprint import config_fingerprint
+    from ..core.recipes import resolve_model
+    from ..store.facts import built, load_config, parse_dtype, skeleton
     from ..store.checkpoint import Checkpoint
     from ..store.expert_store import ExpertStore
 

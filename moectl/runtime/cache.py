@@ -1,4 +1,4 @@
-"""DeviceCache: the shared cache bookkeeping (`moectl/cache_model.py`) + the tensor copies it implies.
+"""DeviceCache: the shared cache bookkeeping (`moectl/core/cache_model.py`) + the tensor copies it implies.
 
 Legend: L = MoE layers, S_l = slots of layer l, N = bytes of one packed expert (`ExpertFormat.nbytes`).
 
@@ -27,16 +27,16 @@ import time
 
 import torch
 
-from ..cache_model import FULL, LOW, CacheState, split_slots
+from ..core.cache_model import FULL, LOW, CacheState, split_slots
 from ..errors import MoectlError
 from ..policies.base import ReplacementPolicy
 from ..policies.precision import PrecisionPolicy
-from ..sizing import prefetch_precision
+from ..core.sizing import prefetch_precision
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_empty
 from .loader import CHUNK_BYTES, DEMAND, PREFETCH, CopyJob, Loader, split_rows
 
-from .front import CacheFront, CacheStats
+from .cache_front import CacheFront, CacheStats
 
 __all__ = ["CacheFront", "CacheStats", "DeviceCache", "split_slots"]
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..cache_model import COUNTERS
+from ..core.cache_model import COUNTERS
 from ..policies.admission import PrefetchGate
 from ..policies.gating import GatingPolicy, gate_rows
 from .worker import CpuWorker

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import MoectlError
-from ..fingerprint import config_fingerprint
-from ..models import gemv
-from ..options import RuntimeOptions
+from ..core.fingerprint import config_fingerprint
+from ..kernels import gemv
+from ..setting.options import RuntimeOptions
 from ..policies.base import PrefetchPolicy
-from ..sizing import DEFAULT_LOWBIT_FRACTION, split_pools  # noqa: F401  (re-exported: bench, tests)
+from ..core.sizing import DEFAULT_LOWBIT_FRACTION, split_pools  # noqa: F401  (re-exported: bench, tests)
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_alloc, rss_bytes
 from .cache import DeviceCache
 from .in_place import InPlaceExperts
-from .inspect import (dense_nbytes, header_dense_nbytes, inspect_model, kv_nbytes,  # noqa: F401  (re-exported)
-                      kv_reserve_nbytes, load_config, memory_plan, parse_dtype as _dtype)
+from ..store.facts import (dense_nbytes, header_dense_nbytes, inspect_model, kv_nbytes, kv_reserve_nbytes,
+                           load_config, memory_plan, parse_dtype as _dtype)  # noqa: F401  (re-exported)
 from .load import load
 from .speculative import Sampling
 
@@ -68,7 +68,7 @@ class Engine:
     # --- loading ------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str, **options) -> "Engine":
-        """Load `model` with the options of `moectl/options.py: RuntimeOptions` (its fields, by name), resolved
+        """Load `model` with the options of `moectl/setting/options.py: RuntimeOptions` (its fields, by name), resolved
         flag > plan.yaml > artifact default > built-in default (`runtime/load.py` says what loading does).
         `emulate_device` (CPU only): give the CPU its own expert slots that misses copy into, as a GPU has.
         `cpu_experts` auto|never|always: a missed expert computed on the CPU from host RAM instead of fetched
@@ -86,7 +86,7 @@ class Engine:
         parts.runtime.engine = eng
         eng.runtime = parts.runtime
         if opts.draft is not None:
-            from .draft import make_drafter
+            from .draft_sources import make_drafter
             from .spec_decode import Speculator
 
             eng.speculator = Speculator(make_drafter(eng, opts.draft), opts.draft_tokens, opts.draft_rule,

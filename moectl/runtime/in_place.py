@@ -16,11 +16,11 @@ import copy
 
 import torch
 
-from ..cache_model import FULL, LOW, CacheState
+from ..core.cache_model import FULL, LOW, CacheState
 from ..policies.base import ReplacementPolicy
 from ..policies.precision import PrecisionPolicy
 from ..store.expert_store import ExpertStore
-from .front import CacheFront, CacheStats
+from .cache_front import CacheFront, CacheStats
 
 
 class InPlaceExperts(CacheFront):
@@ -46,7 +46,7 @@ class InPlaceExperts(CacheFront):
             self.state.fill(p)                      # every expert resident from the start: accesses only hit
             self.formats[p] = store.format_of(p)
             buffers = store.buffers if p == FULL else store.lowbit.buffers
-            # per layer: a GGUF's experts repacked for the CPU int4 kernel differ in parts by layer (moectl/gguf/cpu.py)
+            # per layer: a GGUF's experts repacked for the CPU int4 kernel differ in parts by layer (moectl/store/gguf/cpu.py)
             self.views[p] = [[store.format_of(p, layer).views(buf[e]) for e in range(store.num_experts)]
                              for layer, buf in enumerate(buffers)]
         self.stats = CacheStats(self.state, {p: store.nbytes(p) for p in dict.fromkeys([FULL] + pools)})

@@ -1,11 +1,11 @@
 """Loading: a checkpoint into the runtime without materialising its experts.
 
-config -> family adapter -> the options resolved (`moectl/options.py`: flag > plan > artifact default > built-in)
--> the cache's size (`moectl/sizing.py`) and a host-memory check from the shard headers (a clear error before
+config -> family adapter -> the options resolved (`moectl/setting/options.py`: flag > plan > artifact default > built-in)
+-> the cache's size (`moectl/core/sizing.py`) and a host-memory check from the shard headers (a clear error before
 anything is read) -> skeleton under `init_empty_weights`, each MoE block's experts swapped for `OffloadedExperts`
 -> non-expert tensors read onto the device -> routed experts into the `ExpertStore` (host RAM, or left on disk;
 with `--lowbit` the `moectl quantize` copies too) -> the cache: `InPlaceExperts` on a CPU with experts in RAM
-(nothing copied), else `DeviceCache` slots -> the policies (`runtime/setup.py`).
+(nothing copied), else `DeviceCache` slots -> the policies (`runtime/policy_objects.py`).
 """
 
 from __future__ import annotations
@@ -16,25 +16,24 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..fingerprint import config_fingerprint
+from ..core.fingerprint import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
-from ..gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
-from ..options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
-from ..recipes import resolve_model
-from ..cache_model import FULL, LOW
-from ..sizing import (budget_pools, cache_slots, lowbit_fraction_for, split_budget, split_pools,
-                      staging_nbytes)
+from ..store.gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
+from ..setting.options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
+from ..core.recipes import resolve_model
+from ..core.cache_model import FULL, LOW
+from ..core.sizing import budget_pools, cache_slots, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import check_host_memory, host_alloc, host_need
 from .cache import DeviceCache
 from .driver import Runtime
 from .in_place import InPlaceExperts
-from .inspect import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
-                      model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
+from ..store.facts import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
+                           model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
 from .offloaded import OffloadedExperts
-from .setup import admission_gate, build_policies, make_gating, make_precision_copies, placement
+from .policy_objects import admission_gate, build_policies, make_gating, make_precision_copies, placement
 
 
 @dataclass
@@ -72,7 +71,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     dt = parse_dtype(opts.dtype, config)
     check_dense_lowbit(opts.dense_lowbit, dev, dt)
     in_place = dev.type == "cpu" and opts.offload == "ram" and not opts.emulate_device
-    from ..machine import set_threads
+    from .machine import set_threads
 
     n_threads = set_threads(opts.threads, config.hidden_size, adapter.expert_intermediate, dev.type == "cuda")
     hf, blocks = skeleton(config, adapter, dt, ref.path)
@@ -111,11 +110,11 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     if repack:
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, repack_for_cpu(store, dt, opts.progress)]))
     if low_fmt is not None:
-        from ..quant.int4_cpu import int4pack_layout
+        from ..formats.int4_cpu import int4pack_layout
         from ..store.lowbit import LowbitCopies
 
         # On a GPU, misses the CPU may compute (--cpu-experts auto|always) keep the int4 CPU kernel's layout too,
-        # when this torch's packing is one the device can dequantise (quant/int4_cpu.py)
+        # when this torch's packing is one the device can dequantise (formats/int4_cpu.py)
         kernel = dev.type == "cpu" or (opts.cpu_experts != "never" and int4pack_layout() is not None)
         store.lowbit = LowbitCopies(ref.workdir, opts.lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
                                     progress=opts.progress, cpu_kernel=kernel)
@@ -143,7 +142,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
 
 def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int, in_place: bool, prec,
                low_fmt, full_tier: str) -> Sizes:
-    """Slots per pool and staging buffers from the options (`moectl/sizing.py`), then the host-memory check: a bad
+    """Slots per pool and staging buffers from the options (`moectl/core/sizing.py`), then the host-memory check: a bad
     budget, or a configuration the host RAM cannot hold, fails before any weight is read. `full_tier`: where the
     full-precision experts live (ram, or disk: read from the file when needed). At lowbit-only there is no
     full-precision pool: every byte is low-bit slots, and the staging buffers hold low-bit copies."""
@@ -174,7 +173,7 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
         full, low = [min(int(s), E) for s in opts.slots_per_layer], plan_low
     elif in_place and opts.plan_data is not None:       # a plan's slots do not apply in place (`plan_slots` checked
         full = [max(1, min(int(s), E)) for s in opts.slots_per_layer]   # them; a lowbit-only plan's may be 0)
-    elif pooled and split is not None:                  # the budget's bytes split over the pools (`sizing.py`)
+    elif pooled and split is not None:                  # the budget's bytes split over the pools (`core/sizing.py`)
         fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
         pools = budget_pools(split, L, E, expert_nbytes, low_fmt.nbytes, fraction)
         full, low = pools.get(FULL, [0] * L), pools[LOW]
@@ -223,7 +222,7 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
 
 def dense_tensors(hf, adapter, ckpt: Checkpoint, dtype_of):
     """(skeleton name, tensor) of every non-expert weight, one at a time: read from the shards, or a GGUF's
-    dequantised once into `dtype_of(name)` (moectl/gguf/dense.py)."""
+    dequantised once into `dtype_of(name)` (moectl/store/gguf/dense.py)."""
     gguf = getattr(adapter, "gguf", None)
     if gguf is not None:
         yield from gguf.dense_tensors(hf, dtype_of)

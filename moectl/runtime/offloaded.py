@@ -5,7 +5,7 @@ Legend: T = tokens in this forward, K = top-k, H = hidden size.
 The MoE block calls `experts(x [T,H], top_k_index [T,K], top_k_weights [T,K])` exactly as it
 calls the stock module; we gate the routing (adaptive top-k, when a gating policy is set), give the cache
 the router's choice, tell the runtime (observers, prefetch), then compute the experts in the cache's
-order (resident first, chunks of the slot count): the rule set of `moectl/cache_model.py`, which the
+order (resident first, chunks of the slot count): the rule set of `moectl/core/cache_model.py`, which the
 simulator follows too.
 
 Outputs are summed in ascending expert id, as transformers' own loop does, whatever order the cache
@@ -16,7 +16,7 @@ serves each routed expert -- a resident one of either precision, else the policy
 expert's rank score -- and a skipped expert's weight is dropped with the token's others renormalised to the
 routed sum (HOBBIT). Full-precision experts run first, then low-bit ones, each from its own slot pool.
 
-Drafting (`--draft cached`, `runtime/draft.py`): while `runtime.drafting` is set, only experts already resident and
+Drafting (`--draft cached`, `runtime/draft_sources.py`): while `runtime.drafting` is set, only experts already resident and
 landed on the device run (`_resident_only`); the others are skipped with the same renormalisation, and the cache is
 not touched at all (no access, counter, policy update, copy, prefetch or CPU compute), so drafting loads nothing.
 """
@@ -28,12 +28,12 @@ import time
 import torch
 from torch import nn
 
-from ..cache_model import FULL, LOW
+from ..core.cache_model import FULL, LOW
 from ..kernels import ops
 from ..models.base import FamilyAdapter
-from ..policies.draft import pass_order
+from ..policies.draft_length import pass_order
 from ..policies.precision import SKIP, rank_scores
-from ..quant.vnni import VnniLinear
+from ..formats.vnni import VnniLinear
 
 
 class OffloadedExperts(nn.Module):

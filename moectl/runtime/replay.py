@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import MoectlError
-from ..trace import Trace, check_trace_fits, load_trace
+from ..core.trace import Trace, check_trace_fits, load_trace
 
 
 class RoutingReplay:

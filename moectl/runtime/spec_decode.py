@@ -18,7 +18,7 @@ misses and bytes count as decode's, prefetch predicts after it (from its first t
 to be kept) and gating applies to every row; per MoE layer the union of the K+1 tokens' experts is resolved once by
 the decode miss rule (hit, fetch, CPU compute with the tokens' count, low-bit or skip), each expert then applied
 to the tokens routed to it (`OffloadedExperts.forward`'s multi-token path). The experts of rejected drafts are
-loaded too: that is the price `auto` weighs (`policies/draft.py: OnlineDraftRule`, the cost model's rule on
+loaded too: that is the price `auto` weighs (`policies/draft_length.py: OnlineDraftRule`, the cost model's rule on
 measured pass times and acceptance).
 """
 
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..policies.draft import AcceptanceCounter, OnlineDraftRule
+from ..policies.draft_length import AcceptanceCounter, OnlineDraftRule
 
 
 def rollback(pkv, keep: int) -> None:

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..cache_model import FULL
+from ..core.cache_model import FULL
 from ..policies.miss import decide_miss
 from ..policies.placement import CPU, LayerQueue
 from ..policies.precision import LOW, SKIP
@@ -59,7 +59,7 @@ class CpuWorker:
         """Run `compute(e, expert)` for `experts` [(expert, precision)] on the CPU worker thread from their host
         copies; torch ops release the GIL, so it runs while this thread fetches and computes the device's experts.
         A low-bit copy is computed as the store holds it: q4 axis-1 copies in torch's int4 CPU kernel layout
-        (`quant/int4_cpu.py`, no dequantisation), others dequantised here."""
+        (`formats/int4_cpu.py`, no dequantisation), others dequantised here."""
         from concurrent.futures import ThreadPoolExecutor
 
         if self._cpu_pool is None:

@@ -99,7 +99,7 @@ def _read_lines(interactive: bool, console, stdin: TextIO) -> Iterable[str]:
 def print_session_stats(session: ChatSession, console) -> None:
     from rich.table import Table
 
-    from ..recipes import format_bytes
+    from ..core.recipes import format_bytes
 
     t = session.totals.as_dict()
     cache = session.engine.cache

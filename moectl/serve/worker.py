@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..runtime.live import layer_hits, residency
+from ..runtime.live_view import layer_hits, residency
 from .protocol import StopMatcher
 
 SNAPSHOT_EVERY_S = 0.02      # live state at most this often while generating (residency of L x E experts)

@@ -44,7 +44,7 @@ class Hardware:
     gpu_memory_gb: float = 24.0
     cpu_gflops: float | None = None       # CPU GEMM speed; None = cpu_cores x 50 GFLOP/s (AVX2/AVX-512 FMA)
     cpu_lowbit_gbps: float | None = None  # CPU rate over a low-bit copy's packed bytes (torch's int4 kernel is
-                                          # compute bound on some CPUs: moectl/machine.py measures it); None =
+                                          # compute bound on some CPUs: moectl/runtime/machine.py measures it); None =
                                           # cpu_mem_gbps x CPU_Q4_SHARE["moectl"] (measured beside llama.cpp)
     cpu_llamacpp_gbps: float | None = None  # llama.cpp's CPU rate over a q4 expert's bytes; None = cpu_mem_gbps x
                                             # CPU_Q4_SHARE["llamacpp"]
@@ -96,7 +96,7 @@ def load_shape(name: str) -> dict:
     of a Hugging Face checkpoint directory (its config.json)."""
     p = Path(name).expanduser()
     if p.suffix.lower() == ".gguf" and p.is_file():         # a GGUF model: experts at their packed size
-        from ..gguf.shape import gguf_shape
+        from ..store.gguf.shape import gguf_shape
 
         return gguf_shape(p)
     if p.is_dir() and (p / "config.json").is_file():
@@ -157,7 +157,7 @@ def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -
     """Bytes of one routed expert (gate, up, down projections; + biases with `expert_bias`, GPT-OSS). `bits`
     None = the checkpoint's own precision: its `expert_format` as released (mxfp4, fp8), else the dtype;
     quantized copies add one scale and one zero point per `group_size` weights, in the model's dtype (HQQ's meta:
-    `quant/hqq_format.py`; 4 bytes a group in bf16, 8 in fp32 as the runtime's copies of an fp32 checkpoint)."""
+    `formats/hqq.py`; 4 bytes a group in bf16, 8 in fp32 as the runtime's copies of an fp32 checkpoint)."""
     n = 3 * shape["hidden_size"] * shape["intermediate_size"]
     dtype_bytes = DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
     bias = (2 * shape["intermediate_size"] + shape["hidden_size"]) * dtype_bytes if shape.get("expert_bias") else 0

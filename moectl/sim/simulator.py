@@ -1,6 +1,6 @@
 """Trace-driven discrete-event simulator of an expert cache with prefetch.
 
-What is resident, what is evicted and every hit/miss count come from `moectl/cache_model.py:
+What is resident, what is evicted and every hit/miss count come from `moectl/core/cache_model.py:
 CacheState`, driven by the rule set in its docstring exactly as the runtime drives it (a prefill's
 experts in chunks of the slot count, resident first; prefetch in decode steps only; predictions
 spent when their layer routes). This file adds time. Two timelines:
@@ -35,13 +35,13 @@ from collections import deque
 
 import numpy as np
 
-from ..cache_model import COUNTERS, FULL, PHASES, CacheState
+from ..core.cache_model import COUNTERS, FULL, PHASES, CacheState
 from ..policies.admission import AdmitAll, PrefetchGate
 from ..policies.base import PrefetchPolicy
 from ..policies.miss import DEVICE, FETCH, decide_miss
 from ..policies.placement import CPU, ComputePlacement, LayerQueue
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
-from ..chunks import CHUNK_BYTES, chunk_count
+from ..core.copy_chunks import CHUNK_BYTES, chunk_count
 from .cost import CostModel, FixedCost
 from .steps import SimResult, Step, tokens_of, trace_steps  # noqa: F401  (re-exported)
 

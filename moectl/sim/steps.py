@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..policies.draft import pass_order
-from ..trace import PREFILL, Trace
+from ..policies.draft_length import pass_order
+from ..core.trace import PREFILL, Trace
 
 
 @dataclass
@@ -115,7 +115,7 @@ class SimResult:
     fill_copies_per_token: float = 0.0     # CPU-computed misses copied into the cache while the engine idled
     slots: dict | None = None              # {precision: slots in all}
     stall_ms_per_layer: list | None = None     # decode stall per token by the layer that waited (sums to the stall)
-    draft: dict | None = None              # a replay in verification passes (sim/passes.py): passes, tokens and
+    draft: dict | None = None              # a replay in verification passes (sim/spec_passes.py): passes, tokens and
     #                                        accepted drafts per pass, draft ms/token, the acceptance, auto's by_k
 
     def to_dict(self) -> dict:

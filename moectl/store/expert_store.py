@@ -29,10 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from ..cache_model import FULL       # the copies a store can serve are the cache's pool names
+from ..core.cache_model import FULL  # the copies a store can serve are the cache's pool names
 from ..errors import MoectlError
 from ..models.base import ExpertLayout, FamilyAdapter
-from ..models.formats import DenseFormat, ExpertFormat
+from ..formats.expert import DenseFormat, ExpertFormat
 from ..progress import ProgressBar
 from .checkpoint import ByteRange, Checkpoint, byte_view
 from .memory import host_empty

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import read_descriptor, require_int
+from ..artifacts.versioned import read_descriptor, require_int
 from ..errors import MoectlError
 from ..progress import ProgressBar
-from ..quant.hqq_format import HqqFormat, parse_lowbit
-from ..quant.cpu_kernels import cpu_kernel_format
+from ..formats.hqq import HqqFormat, parse_lowbit
+from ..formats.cpu_layout import cpu_kernel_format
 from ..quant.quantize import FORMAT, KEY, VERSION, copy_paths
 from .checkpoint import byte_view, parse_header, read_at
 from .memory import host_empty
@@ -64,7 +64,7 @@ class LowbitCopies:
                  pin: bool = False, progress: bool = True, cpu_kernel: bool = False):
         # cpu_kernel: the experts will be computed on the CPU (a CPU run, or misses placed there with
         # --cpu-experts); q4 axis-1 and q8 copies are then repacked once, here, for torch's int4 / int8 CPU
-        # kernels (quant/cpu_kernels.py), layouts a GPU slot dequantises too.
+        # kernels (formats/cpu_layout.py), layouts a GPU slot dequantises too.
         meta, path = read_lowbit_meta(workdir, name, fingerprint, num_layers, adapter.num_experts)
         self.meta, self.path = meta, path
         self.format = lowbit_format(meta, adapter, compute_dtype, path)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..recipes import format_bytes
+from ..core.recipes import format_bytes
 
 FREE_ENV = "MOECTL_FREE_MEMORY_BYTES"
 
@@ -91,7 +91,7 @@ def free_host_bytes() -> tuple[int, str]:
     """(bytes free for a new load, where the figure comes from)."""
     env = os.environ.get(FREE_ENV)
     if env:
-        from ..recipes import parse_size
+        from ..core.recipes import parse_size
 
         return parse_size(env), FREE_ENV
     avail = None

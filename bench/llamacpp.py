@@ -1,0 +1,312 @@
+"""llama.cpp itself, built here from the source the package index carries: the other side of `bench/vs_llamacpp.py`.
+
+The `llama-cpp-python` source distribution vendors the whole llama.cpp tree (`vendor/llama.cpp`: its CMake
+project, tools, `convert_hf_to_gguf.py` and `gguf-py`). `build()` fetches that sdist at a pinned version with
+`pip download --no-binary :all: --no-deps`, unpacks it and builds the tools the comparison needs (CPU backend,
+native flags, `-j2`) into `$MOECTL_HOME/llamacpp/<version>/`; a finished build (its `bin/` plus a stamp file) is
+reused. Nothing of llama.cpp is changed: `convert()` runs its converter unmodified and only tells it the
+pre-tokenizer of moectl's tiny tokenizers (`make-synthetic`'s and `build-tiny`'s byte-level BPE uses GPT-2's
+split, which llama.cpp names "gpt-2"; the converter recognises a pre-tokenizer by a hash of the token ids of its
+test text, and a new vocabulary has a new hash) by answering its `get_vocab_base_pre` with that name.
+
+Torch-free: this module only runs processes and reads files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from moectl.errors import MoectlError
+from moectl.core.recipes import moectl_home
+
+VERSION = "0.3.36"                                  # llama-cpp-python's sdist; vendors llama.cpp
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize")
+CUDA_TOOLS = ("llama-bench", "llama-quantize")      # what gpu-check's --n-cpu-moe row needs (bench/llamacpp_cuda.py)
+# Not needed to build the tools or run the converter; left out of a carried source pack (`pack_source`).
+PACK_SKIP = ("models", "docs", "media", "tests", "benches", "examples", "pocs", "ci", "scripts", "app",
+             "tools/server", "tools/ui", "tools/cli", ".github", ".devops")
+
+
+def home() -> Path:
+    return moectl_home() / "llamacpp" / VERSION
+
+
+def source_dir(root: Path | None = None) -> Path:
+    return (root or home()) / "src" / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+
+
+def tool(name: str, root: Path | None = None) -> Path:
+    return (root or home()) / "bin" / name
+
+
+def cuda_home() -> Path:
+    """Where the CUDA build goes: beside the CPU one, never mixed with it."""
+    return home().with_name(VERSION + "-cuda")
+
+
+def nvcc() -> str | None:
+    """The CUDA compiler a CUDA build would use: on PATH, else the toolkit's usual place; None when neither."""
+    found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return found if Path(found).exists() else None
+
+
+def built(root: Path | None = None, tools=TOOLS) -> bool:
+    root = root or home()
+    return (root / "BUILT").exists() and all(tool(t, root).exists() for t in tools)
+
+
+def check_toolchain() -> None:
+    """One clear error naming the Debian package when cmake or a C++ compiler is missing."""
+    if shutil.which("cmake") is None:
+        raise MoectlError("building llama.cpp needs cmake: install it (Debian/Ubuntu: apt-get install cmake)")
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise MoectlError("building llama.cpp needs a C++ compiler: install one (Debian/Ubuntu: apt-get install g++)")
+
+
+def _run(cmd: list, log: Path, **kw) -> None:
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(map(str, cmd)) + "\n")
+        f.flush()
+        r = subprocess.run(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, **kw)
+    if r.returncode:
+        raise MoectlError(f"{Path(str(cmd[0])).name} failed (exit {r.returncode}); see {log}")
+
+
+def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = False) -> Path:
+    """Fetch, unpack and build llama.cpp's tools once; returns the build root (bin/, src/, build.log). `cuda`: the
+    CUDA backend for this machine's GPU architecture, and only CUDA_TOOLS (from a carried source pack when the
+    sdist is not there and cannot be fetched: see `pack_source`)."""
+    root = root or (cuda_home() if cuda else home())
+    tools = CUDA_TOOLS if cuda else TOOLS
+    if built(root, tools):
+        return root
+    check_toolchain()
+    if cuda and nvcc() is None:
+        raise MoectlError("building llama.cpp with CUDA needs nvcc (the CUDA toolkit): none on PATH or in "
+                          "/usr/local/cuda/bin")
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "build.log"
+    sdist = root / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.exists():
+        echo(f"fetching llama-cpp-python {VERSION} (source) ...")
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+              f"llama-cpp-python=={VERSION}", "-d", root], log)
+    src = source_dir(root)
+    if not (src / "CMakeLists.txt").exists():
+        with tarfile.open(sdist) as tf:
+            tf.extractall(root / "src", filter="data")
+    bld = root / "build"
+    echo(f"building {', '.join(tools)} into {root / 'bin'} (minutes; log: {log}) ...")
+    _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda)], log)
+    _run(["cmake", "--build", bld, "-j", jobs, "--target", *tools], log)
+    (root / "bin").mkdir(exist_ok=True)
+    for t in tools:
+        shutil.copy2(bld / "bin" / t, tool(t, root))
+    (root / "BUILT").write_text(VERSION + "\n")
+    return root
+
+
+def cmake_flags(cuda: bool = False) -> list[str]:
+    """The configuration: static tools, no server, no curl; the CPU backend with native flags, or CUDA for the
+    GPU this machine has (`native`: nvcc compiles for it alone, minutes instead of an hour for every arch)."""
+    backend = (["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_APP=OFF"] if cuda else ["-DGGML_CUDA=OFF", "-DLLAMA_BUILD_EXAMPLES=ON"])
+    return ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_SERVER=OFF", *backend]
+
+
+def pack_source(out: Path, root: Path | None = None) -> Path:
+    """The llama.cpp tree of the fetched sdist, less what the tools' build and the converter never read (PACK_SKIP:
+    test models, docs, the web UI: 76 -> ~10 MB), as a tarball laid out like the sdist, so `build` unpacks it as
+    one. A lent GPU machine has no package index: this is how the source travels with the checkout."""
+    src = source_dir(root)
+    if not (src / "CMakeLists.txt").exists():
+        raise MoectlError(f"no llama.cpp source at {src}: build it here first (python bench/vs_llamacpp.py --build)")
+    base = src.parents[2]                                     # .../src: arcnames start at llama_cpp_python-<ver>/
+    skip = {src / p for p in PACK_SKIP}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w:gz") as tf:
+        tf.add(src, arcname=str(src.relative_to(base)), filter=lambda ti: None if base / ti.name in skip else ti)
+    return out
+
+
+CONVERT_SHIM = """
+import sys
+sys.path.insert(0, {gguf!r})
+sys.argv = [{script!r}] + {args!r}
+sys.path.insert(0, {srcdir!r})
+import convert_hf_to_gguf as c
+try:
+    from conversion.base import TextModel as base         # llama.cpp since its converter became a package
+except ImportError:
+    base = getattr(c, "TextModel", None) or c.Model
+orig = base.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return orig(self, tokenizer)
+    except NotImplementedError:
+        if {pre!r}:
+            return {pre!r}          # moectl's tiny tokenizer: GPT-2's byte-level split
+        raise
+base.get_vocab_base_pre = get_vocab_base_pre
+c.main()
+"""
+
+
+def convert(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre: str = "gpt-2",
+            root: Path | None = None, log: Path | None = None) -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py` on a Hugging Face checkpoint, told the tiny tokenizer's pre-tokenizer."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is None:     # its Llama-family vocab path imports it first
+        raise MoectlError("llama.cpp's converter needs sentencepiece: pip install 'moectl[llamacpp]' "
+                          "(make install-llamacpp)")
+    src = source_dir(root)
+    script = src / "convert_hf_to_gguf.py"
+    if not script.exists():
+        raise MoectlError(f"llama.cpp's converter is not at {script}: build first (bench/vs_llamacpp.py --build)")
+    args = [str(model_dir), "--outfile", str(out), "--outtype", outtype]
+    code = CONVERT_SHIM.format(gguf=str(src / "gguf-py"), script=str(script), args=args, srcdir=str(src), pre=pre)
+    log = log or Path(str(out) + ".convert.log")
+    _run([sys.executable, "-c", code], log)
+    return Path(out)
+
+
+def quantize(gguf_in: str | Path, gguf_out: str | Path, qtype: str, threads: int = 2,
+             root: Path | None = None) -> Path:
+    """llama.cpp's own `llama-quantize` (Q8_0, Q4_0, Q4_K_M, ...)."""
+    _run([tool("llama-quantize", root), gguf_in, gguf_out, qtype, threads], Path(str(gguf_out) + ".log"))
+    return Path(gguf_out)
+
+
+def run_tool(name: str, args: list, root: Path | None = None) -> tuple[str, float]:
+    """Run tool `name`; returns (stdout + stderr, peak RSS in GB of the tool's process, from `wait4`)."""
+    exe = tool(name, root)
+    if not exe.exists():
+        raise MoectlError(f"{exe} is missing: build llama.cpp first (python bench/vs_llamacpp.py --build)")
+    import tempfile
+
+    # Into a file opened by a shell that then execs the tool (same pid, so wait4's peak RSS is the tool's): run
+    # straight from Python, through a pipe or a file, llama.cpp's asynchronous logger lost its last lines here
+    # (the perplexity tool's "Final estimate"); redirected by the shell it never did.
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as f:
+        p = subprocess.Popen(["bash", "-c", 'exec "$0" "$@" > "$MOECTL_TOOL_LOG" 2>&1', str(exe), *map(str, args)],
+                             env=dict(os.environ, MOECTL_TOOL_LOG=f.name))
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out = Path(f.name).read_text(errors="replace")
+    if p.returncode:
+        raise MoectlError(f"{name} failed (exit {p.returncode}):\n{out[-2000:]}")
+    return out, usage.ru_maxrss / 2**20                # ru_maxrss is in KiB on Linux
+
+
+def kl_divergence(base: str | Path, gguf: str | Path, text_file: str | Path, ctx: int, threads: int = 1,
+                  chunks: int | None = None, root: Path | None = None, logits: str | Path | None = None) -> dict:
+    """`gguf` against `base` on the same chunks of a text file, through llama-perplexity's KL-divergence mode: the
+    base's logits are saved once (`logits`, default beside `base`), then `gguf` is scored token by token against
+    them. Returns {"ppl_ratio", "ppl_ratio_err", "ln_ratio", "ln_ratio_err", "kld", "same_top"}: the paired
+    statistics llama.cpp prints (PPL(Q)/PPL(base) and its uncertainty over the same tokens), which a difference
+    of two perplexities, each with its own error, cannot give."""
+    import re
+
+    logits = Path(logits) if logits else Path(f"{base}.kld-{ctx}-{chunks or 'all'}")
+    args = ["-f", text_file, "-c", ctx, "-t", threads, "-b", ctx, "--kl-divergence-base", logits]
+    if chunks:
+        args += ["--chunks", chunks]
+    if not logits.exists():
+        run_tool("llama-perplexity", ["-m", base, *args], root)
+    out, _ = run_tool("llama-perplexity", ["-m", gguf, *args, "--kl-divergence"], root)
+
+    def stat(label: str, text: str) -> tuple[float, float] | None:
+        # identical logits (a file against itself) print their spread as "-nan": no spread at all
+        m = re.search(re.escape(label) + r"\s*:\s*([-0-9.]+|-?nan)\s*±\s*([0-9.]+|-?nan)", text)
+        if m is None:
+            return None
+        value, err = (float(g.lstrip("-")) if "nan" in g else float(g) for g in m.groups())
+        return (0.0 if value != value else value), (0.0 if err != err else err)
+    if stat("Mean PPL(Q)/PPL(base)", out) is None:      # its asynchronous logger can lose the last lines: once more
+        out, _ = run_tool("llama-perplexity", ["-m", gguf, *args, "--kl-divergence"], root)
+    ratio, ln_ratio = stat("Mean PPL(Q)/PPL(base)", out), stat("Mean ln(PPL(Q)/PPL(base))", out)
+    if ratio is None or ln_ratio is None:
+        raise MoectlError(f"llama-perplexity --kl-divergence printed no PPL(Q)/PPL(base):\n{out[-1500:]}")
+    # the KL divergence and the top-token agreement come last; the last per-chunk line has both when they are lost
+    kld, top = stat("Mean    KLD", out), re.search(r"Same top p\s*:\s*([0-9.]+)\s*±", out)
+    rows = re.findall(r"^\s*\d+\s+[0-9.]+ ±\s+[0-9.]+\s+[-0-9.]+ ±\s+(?:[0-9.]+|-?nan)\s+([-0-9.]+) ±\s+([0-9.]+)\s+[-0-9.]+ ±"
+                      r"\s+[0-9.]+ %\s+([0-9.]+) ±", out, re.M)
+    if kld is None and rows:
+        kld = float(rows[-1][0]), float(rows[-1][1])
+    same_top = float(top.group(1)) if top else float(rows[-1][2]) if rows else None
+    return {"ppl_ratio": ratio[0], "ppl_ratio_err": ratio[1], "ln_ratio": ln_ratio[0], "ln_ratio_err": ln_ratio[1],
+            "kld": kld[0] if kld else None, "kld_err": kld[1] if kld else None,
+            "same_top": same_top / 100 if same_top is not None else None}
+
+
+def tokenize(gguf: str | Path, text: str, root: Path | None = None) -> list[int]:
+    """llama.cpp's tokenization of `text` (no BOS added), by `llama-tokenize --ids`."""
+    out, _ = run_tool("llama-tokenize", ["-m", gguf, "-p", text, "--ids", "--no-bos", "--log-disable"], root)
+    line = [l for l in out.splitlines() if l.startswith("[")][-1]
+    return [int(x) for x in line.strip("[]").split(",") if x.strip()]
+
+
+def greedy_tokens(gguf: str | Path, prompt: str, n: int, threads: int = 1, root: Path | None = None,
+                  workdir: Path | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) of a greedy `llama-completion` run. The ids are read back from the session
+    file `--prompt-cache-all` writes (magic, version, count, int32 tokens, then the KV state)."""
+    import struct
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=workdir) as d:
+        session = Path(d) / "session.bin"
+        run_tool("llama-completion", ["-m", gguf, "-p", prompt, "-n", n, "--temp", 0, "--top-k", 1, "-t", threads,
+                                      "-no-cnv", "--no-warmup", "--prompt-cache", session, "--prompt-cache-all",
+                                      "-c", 512, "--seed", 0, "--ignore-eos"], root)
+        raw = session.read_bytes()
+    magic, version, count = struct.unpack_from("<III", raw, 0)
+    ids = list(struct.unpack_from(f"<{count}i", raw, 12))
+    prompt_ids = tokenize(gguf, prompt, root)
+    if ids[:len(prompt_ids)] != prompt_ids:
+        raise MoectlError(f"llama-completion's session does not start with the prompt's tokens: {ids[:8]}...")
+    return prompt_ids, ids[len(prompt_ids):]
+
+
+def bench(gguf: str | Path, threads: int, prompt: int = 0, gen: int = 64, reps: int = 3,
+          root: Path | None = None) -> dict:
+    """`llama-bench -o json` at one thread count: {"tokens_per_s", "stddev", "samples", "rss_gb"}."""
+    rows, rss = bench_rows(gguf, ["-t", threads, "-p", prompt, "-n", gen, "-r", reps], root)
+    r = rows[0]
+    return {"tokens_per_s": r["avg_ts"], "stddev": r["stddev_ts"], "samples": r.get("samples_ts", []),
+            "rss_gb": rss}
+
+
+def bench_rows(gguf: str | Path, args: list, root: Path | None = None) -> tuple[list[dict], float]:
+    """`llama-bench -m gguf ARGS -o json`: its result rows (one per test it ran) and its peak RSS in GB."""
+    import json
+
+    out, rss = run_tool("llama-bench", ["-m", gguf, *args, "-o", "json"], root)
+    return json.loads(out[out.index("["):out.rindex("]") + 1]), rss
+
+
+def perplexity(gguf: str | Path, text_file: str | Path, ctx: int, threads: int = 1, chunks: int | None = None,
+               root: Path | None = None) -> dict:
+    """`llama-perplexity` on a text file: {"ppl", "stderr"}. With `chunks`, the perplexity over the first `chunks`
+    chunks of `ctx` tokens: the running estimate it prints after chunk `chunks` (it is run for one chunk more:
+    here its asynchronous logger lost the last chunk's line and the "Final estimate" line at exit, under load)."""
+    import re
+
+    args = ["-m", gguf, "-f", text_file, "-c", ctx, "-t", threads, "-b", ctx]
+    if chunks:
+        args += ["--chunks", chunks + 1]
+    out, _ = run_tool("llama-perplexity", args, root)
+    running = {int(i): float(v) for i, v in re.findall(r"\[(\d+)\]([0-9.]+),", out)}
+    if chunks and chunks in running:
+        return {"ppl": running[chunks], "stderr": None, "chunks": chunks}
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+    if m and not chunks:
+        return {"ppl": float(m.group(1)), "stderr": float(m.group(2)), "chunks": max(running, default=0)}
+    raise MoectlError(f"llama-perplexity printed no estimate for {chunks or 'all'} chunks:\n{out[-1500:]}")

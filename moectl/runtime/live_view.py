@@ -1,0 +1,39 @@
+"""What the expert cache is doing right now, for live views (`moectl serve`'s cache page and /metrics).
+
+Legend: L = MoE layers, E = experts, K = top-k.
+
+`layer_hits` reads the per-layer hit/miss counters of the cache state (`moectl/core/cache_model.py`), the same
+counters `DeviceCache.stats` sums.
+`residency` lists which experts each layer holds on the device and at what precision.
+"""
+
+from __future__ import annotations
+
+
+def layer_hits(cache) -> list[dict]:
+    """Per MoE layer: hits, misses and hit rate so far, both phases and every pool (full and low-bit), from the
+    cache's own counters."""
+    from ..core.cache_model import PHASES
+
+    counts = [cache.state.per_layer(ph, p) for ph in PHASES for p in cache.precisions]
+    layers = range(cache.state.num_layers)
+    hits = [sum(c["hits"][layer] for c in counts) for layer in layers]
+    misses = [sum(c["misses"][layer] for c in counts) for layer in layers]
+    return [{"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0} for h, m in zip(hits, misses)]
+
+
+def residency(cache) -> list[dict]:
+    """Per MoE layer: slot count (all pools) and the resident experts with the precision of their copy (the full copy's format
+    name: bf16, fp32, mxfp4 or fp8 as released; or the low-bit copy set's name, e.g. q4g64); an expert resident in
+    both pools reports the full copy."""
+    names = {"full": cache.store.format.name}
+    if getattr(cache.store, "lowbit", None) is not None:
+        names["low"] = cache.store.lowbit.name
+    out = []
+    for layer in range(cache.state.num_layers):
+        slots = sum(cache.state.capacity(layer, p) for p in cache.precisions)    # every pool (lowbit-only: low-bit)
+        resident = {}
+        for p in reversed(cache.precisions):
+            resident.update({int(e): names[p] for e in cache.resident(layer, p)})
+        out.append({"slots": slots, "resident": dict(sorted(resident.items()))})
+    return out

@@ -1,0 +1,260 @@
+"""What a checkpoint needs, from its config and shard headers alone (nothing but the dense skeleton on meta):
+the facts the sizing (`moectl/core/sizing.py`) takes (dense bytes of the skeleton, KV bytes), the memory a
+configuration needs by part (`memory_plan`, `moectl inspect`), and the checks every loader of a checkpoint shares
+(a built model, a readable config, a dtype, a device)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..errors import MoectlError
+from ..core.fingerprint import config_fingerprint
+from ..models import adapter_for
+from ..core.recipes import format_bytes, is_gguf_path, resolve_model
+from ..core.sizing import KV_RESERVE_TOKENS, ModelSizes, budget_pools, lowbit_fraction_for, split_budget
+from .checkpoint import Checkpoint
+from .memory import host_need
+from ..runtime.offloaded import OffloadedExperts
+
+
+def model_facts(config, adapter, dense: int, num_moe_layers: int, dtype: torch.dtype) -> ModelSizes:
+    """The sizing's facts of a loaded config: dense bytes of the skeleton, KV bytes per token, the shape."""
+    from ..sim.cost import shape_from_hf_config
+
+    shape = shape_from_hf_config(config.to_dict())
+    return ModelSizes(shape.get("name", "model"), shape, num_moe_layers, adapter.num_experts, adapter.top_k, dense,
+                      kv_reserve_nbytes(config, dtype, 1), config_fingerprint(config),
+                      full_expert_bytes=adapter.format(dtype).nbytes)
+
+
+def built(ref):
+    """`ref`, or a clear error when it is the built-in tiny model and nobody built it yet."""
+    if (ref.recipe or {}).get("builtin") == "tiny" and not ref.path.exists():
+        raise MoectlError(f"the built-in tiny model is not built in {ref.workdir} yet: run `moectl build-tiny`")
+    return ref
+
+
+def load_config(path: Path):
+    """(HF config, family adapter) of a checkpoint directory, with clear errors; of a GGUF file, its config from
+    the metadata and the family adapter reading the GGUF's experts (moectl/store/gguf/store.py)."""
+    from transformers import AutoConfig
+
+    if is_gguf_path(path):
+        from .gguf.model import open_gguf
+        from .gguf.store import GgufAdapter
+
+        g = open_gguf(path)
+        return g.config, GgufAdapter(g)
+    Checkpoint.check_dir(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise MoectlError(f"cannot read {Path(path) / 'config.json'}: {e}") from None
+    return config, adapter_for(config)
+
+
+def open_checkpoint(path, adapter) -> Checkpoint:
+    """The byte ranges of the checkpoint's tensors (headers only): the safetensors shards, or the GGUF's tensors."""
+    gguf = getattr(adapter, "gguf", None)
+    if gguf is not None:
+        from .gguf.store import GgufCheckpoint
+
+        return GgufCheckpoint(gguf)
+    return Checkpoint(path)
+
+
+def skeleton(config, adapter, dtype: torch.dtype, path):
+    """The model with parameters on meta (buffers such as rotary tables real) and its MoE blocks."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    blocks = adapter.moe_blocks(hf)
+    if not blocks:
+        raise MoectlError(f"{path} has no sparse MoE layers; moectl offloads experts of MoE models")
+    return hf, blocks
+
+
+def parse_device(device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoectlError("--device cuda asked for, but torch sees no CUDA device (CPU build, or no GPU)")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise MoectlError(f"--device must be cpu or cuda, not {device!r}")
+    return torch.device(device)
+
+
+def parse_dtype(dtype, config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    name = str(name).replace("torch.", "")
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise MoectlError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16")
+    return table[name]
+
+
+def kv_nbytes(past_key_values) -> int:
+    """Bytes of the key/value tensors a transformers KV cache holds (0 for None)."""
+    if past_key_values is None:
+        return 0
+    n = 0
+    for layer in getattr(past_key_values, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if torch.is_tensor(t):
+                n += t.numel() * t.element_size()
+    return n
+
+
+def dense_nbytes(model, config=None) -> int:
+    """Bytes of everything resident besides the expert cache (OffloadedExperts own no parameters). Works on
+    the skeleton before loading too (meta parameters count by shape and dtype): tied output embeddings
+    count once."""
+    seen, n = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None and emb is not None and out.weight is not emb.weight:     # not tied yet
+            n -= out.weight.numel() * out.weight.element_size()
+    return n
+
+
+def header_dense_nbytes(ckpt: Checkpoint, adapter, dtype: torch.dtype) -> int:
+    """Bytes of the non-expert weights once loaded (floating tensors in `dtype`), from the shard headers (a GGUF's:
+    every dense tensor dequantised to `dtype`)."""
+    gguf = getattr(adapter, "gguf", None)
+    if gguf is not None:
+        return gguf.sizes(dtype.itemsize)["dense_bytes"]
+    return sum(math.prod(r.shape) * (dtype.itemsize if r.dtype.is_floating_point else r.dtype.itemsize)
+               for key, r in ckpt.ranges.items() if adapter.skeleton_key(key) is not None)
+
+
+def host_options(free: int, offload: str, on_host: bool, in_place: bool, slots: int, expert_nbytes: int,
+                 num_layers: int, num_experts: int, dense: int, kv: int) -> list[str]:
+    """Configurations of this model that fit `free` bytes of host RAM, for the not-enough-memory error."""
+    out = []
+    total = num_layers * num_experts
+    if on_host and offload == "ram" and not in_place:
+        need = host_need("ram", True, True, 0, expert_nbytes, total, dense, kv).total
+        if need <= free:
+            out.append(f"drop --emulate-device (experts computed in place: {format_bytes(need)})")
+    fixed = host_need("disk", on_host, False, 0, expert_nbytes, total, dense, kv).total
+    n = min(total, (free - fixed) // expert_nbytes) if free > fixed else 0
+    if n >= num_layers and (offload == "ram" or n < slots):
+        need = host_need("disk", on_host, False, int(n), expert_nbytes, total, dense, kv).total
+        out.append(f"--offload disk --cache-experts {int(n)} ({format_bytes(need)})")
+    return out
+
+
+def kv_reserve_nbytes(config, dtype: torch.dtype, tokens: int = KV_RESERVE_TOKENS) -> int:
+    """Bytes of the KV cache for `tokens` tokens (K and V, every layer) at the config's shapes."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()
+
+
+def describe(config, adapter, expert_nbytes: int, dense: int, num_moe_layers: int) -> dict:
+    E = adapter.num_experts
+    return {"family": adapter.family, "layers": int(config.num_hidden_layers), "moe_layers": num_moe_layers,
+            "experts": E, "top_k": adapter.top_k, "hidden_size": int(config.hidden_size),
+            "expert_intermediate_size": adapter.expert_intermediate, "bytes_per_expert": expert_nbytes,
+            "dense_bytes": dense, "expert_bytes": expert_nbytes * E * num_moe_layers,
+            "total_bytes": dense + expert_nbytes * E * num_moe_layers}
+
+
+def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers: int, lowbit: str | None = None,
+                offload: str = "ram", device: str = "cuda", budget: str | None = None,
+                lowbit_fraction: float | None = None, axis: int = 1, precision: str | None = None) -> dict:
+    """Host RAM and device memory of one configuration, by part, from shapes alone (nothing read): dense weights,
+    copies per tier, KV reserve, cache slots. Without --budget the cache is the minimum, one slot per layer of
+    each pool. `lowbit` (e.g. q4g64) sizes the low-bit tier from the format (HQQ, `axis`, scales in `dtype`)."""
+    from ..formats.hqq import HqqFormat, parse_lowbit
+
+    L, E = num_moe_layers, adapter.num_experts
+    full = adapter.format(dtype).nbytes
+    low = HqqFormat(adapter.layout(), *parse_lowbit(lowbit), axis, dtype).nbytes if lowbit else 0
+    kv = kv_reserve_nbytes(config, dtype)
+    low_only = bool(lowbit) and precision == "lowbit-only"          # no full-precision pool (`sizing.split_pools`)
+    split = split_budget(budget, model_facts(config, adapter, dense, L, dtype),
+                         min_slot_bytes=low if low_only else full) if budget else None
+    pooled = bool(lowbit) and precision != "full"
+    f = lowbit_fraction_for(precision or "hobbit", True, lowbit_fraction) if pooled else 0.0
+    pools = budget_pools(split, L, E, full, low if pooled else None, f) if budget else \
+        {"full": [0 if low_only else 1] * L, **({"low": [1] * L} if pooled else {})}
+    slots, low_slots = pools.get("full", [0] * L), pools.get("low", [])
+    on_host = device == "cpu"
+    host = host_need(offload, on_host, False, sum(slots), full, L * E, dense, kv, lowbit_nbytes=low,
+                     low_slots=sum(low_slots))
+    dev = 0 if on_host else dense + kv + (split.workspace if split else 0) + sum(slots) * full + sum(low_slots) * low
+    return {"offload": offload, "device": device, "lowbit": lowbit, "budget": budget,
+            "bytes_per_expert_full": full, "bytes_per_expert_lowbit": low, "full_copies_bytes": L * E * full,
+            "lowbit_copies_bytes": L * E * low, "dense_bytes": dense, "kv_reserve_bytes": kv,
+            "workspace_bytes": split.workspace if split else 0,
+            "full_slots": sum(slots), "lowbit_slots": sum(low_slots),
+            "host": {"dense": host.dense, "full_copies": host.experts, "lowbit_copies": host.lowbit,
+                     "cache_buffers": host.cache, "kv_reserve": host.kv, "total": host.total},
+            "device_total": dev}
+
+
+def inspect_model(model: str, workdir: str | None = None, dtype: str | None = None, lowbit: str | None = None,
+                  offload: str = "ram", device: str = "cuda", budget: str | None = None,
+                  lowbit_fraction: float | None = None, precision: str | None = None) -> dict:
+    """Family, layers, experts, sizes of a checkpoint, from its config and shard headers only. Experts are
+    sized in their packed format (as released: MXFP4 / block FP8, else `dtype`); the memory needs are the
+    GPU runtime's: host RAM with `--offload ram` (experts, pinned) and device memory for the dense weights +
+    KV reserve + one expert slot per layer (the minimum), or + every expert (all resident); `memory` is the
+    configuration given (--lowbit, --offload, --device, --budget) by part."""
+    ref = built(resolve_model(model, workdir))
+    config, adapter = load_config(ref.path)
+    ckpt = open_checkpoint(ref.path, adapter)          # validates the shards (headers only)
+    dt = parse_dtype(dtype, config)
+    hf, blocks = skeleton(config, adapter, dt, ref.path)
+    for moe_idx, (layer_idx, block) in enumerate(blocks):   # the runtime's stand-ins: experts are not dense
+        block.experts = OffloadedExperts(moe_idx, layer_idx, None, None, adapter.num_experts)
+    fmt = adapter.format(dt)
+    expert_nbytes = fmt.nbytes
+    L, E = len(blocks), adapter.num_experts
+    dense, kv = dense_nbytes(hf, config), kv_reserve_nbytes(config, dt)
+    info = describe(config, adapter, expert_nbytes, dense, L)
+    weights = sum(math.prod(s) for s in adapter.layout().shapes if len(s) == 2)      # biases are not weights
+    gguf = gguf_facts(adapter, dt)
+    info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], L, lowbit, offload, device,
+                                 budget, lowbit_fraction, precision=precision)
+    return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
+                   "expert_format": fmt.name, "bits_per_weight": expert_nbytes * 8 / weights,
+                   "quantization": adapter.quant.describe() if adapter.quant else None,
+                   "host_ram_bytes": host_need("ram", False, False, 0, expert_nbytes, L * E,
+                                               header_dense_nbytes(ckpt, adapter, dt), kv).total,
+                   "device_min_bytes": dense + kv + L * expert_nbytes,
+                   "device_all_bytes": dense + kv + L * E * expert_nbytes, "kv_reserve_bytes": kv,
+                   "moe_layer_ids": [i for i, _ in blocks],
+                   "fingerprint": config_fingerprint(config)} | gguf
+
+
+def gguf_facts(adapter, dtype: torch.dtype) -> dict:
+    """A GGUF model's figures for `inspect`, from its header (moectl/store/gguf/experts.py `sizes`): the layers'
+    formats (`gguf-Q4_K+Q6_K,gguf-Q4_K`), bits per weight of the experts as stored (packed bytes over weights, all
+    layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: Q4 matrices
+    repacked for the int4 kernel, moectl/store/gguf/cpu.py). Empty for a safetensors checkpoint."""
+    g = getattr(adapter, "gguf", None)
+    if g is None:
+        return {}
+    from .gguf.cpu import in_place_expert_bytes
+
+    s = g.sizes(dtype.itemsize)
+    repacked = in_place_expert_bytes(adapter, dtype)
+    return {"expert_format": adapter.format_names(dtype), "bits_per_weight": s["bits_per_weight"],
+            "gguf": {k: s[k] for k in ("architecture", "files", "file_bytes", "encodings", "encoding_bits",
+                                       "expert_bytes", "bytes_per_expert", "dense_packed_bytes", "dense_weights")}
+            | {"cpu_in_place": {"int4_repacked": repacked is not None, "scale_dtype": str(dtype).removeprefix("torch."),
+                                "expert_bytes": repacked if repacked is not None else s["expert_bytes"],
+                                "host_bytes": (repacked if repacked is not None else s["expert_bytes"])
+                                + s["dense_bytes"]}}}

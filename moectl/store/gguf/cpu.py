@@ -1,0 +1,64 @@
+"""A GGUF's experts on the CPU in place: Q4_0 / Q4_K / Q6_K / Q8_0 matrices repacked once, at load, for torch's int4 kernel.
+
+Legend: L = MoE layers, E = experts per layer, N_l = bytes of one repacked expert of layer l.
+
+In place (`--device cpu --offload ram`, `runtime/in_place.py`) experts are computed where they lie in host RAM.
+A matrix dequantised per use costs tens of ms (docs/gguf.md); Q4_0 and Q4_K are affine per 32 weights, exactly
+what `_weight_int4pack_mm_for_cpu` computes at group 32, so each expert is repacked once (`GgufInt4Format`: the
+same 4-bit codes, per-32 scale and zero; Q6_K and Q8_0 as two 4-bit planes, `int4.py: PlanesLinear`) and the repacked buffer is the RAM tier's, not a copy beside it: the
+experts are read from the file by positioned reads one at a time into one scratch buffer, repacked into their
+layer's [E, N_l] buffer, and nothing else stays. Other matrices (Q5_K, MXFP4, Q4_1, Q5_0, ...) keep their GGUF bytes
+in the same buffer and are dequantised per use. Scales in the run's dtype: fp32 is lossless, bf16
+(`--dtype bf16`) the fast kernel, rounding the scales as any bf16 weight is rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...progress import ProgressBar
+from ..memory import host_empty
+from ...formats.gguf_encodings import T
+from ...formats.gguf_int4 import GgufInt4Format
+
+
+def int4_repackable(adapter) -> bool:
+    """Whether some expert matrix of this GGUF model maps onto the int4 kernel (not GPT-OSS: its expert_forward
+    multiplies matrices, it takes no kernel callables)."""
+    g = getattr(adapter, "gguf", None)
+    if g is None or adapter.family == "gpt_oss":
+        return False
+    return any(GgufInt4Format(f).int4 or GgufInt4Format(f).planes for f in adapter.formats(torch.float32).values())
+
+
+def repack_for_cpu(store, dtype: torch.dtype, progress: bool = True) -> str:
+    """The store's experts (read from the file: it was opened on the disk tier) as int4-kernel buffers in host RAM,
+    one [E, N_l] per layer; `store.formats` become the repacked ones. Returns the note said at load."""
+    fmts = [GgufInt4Format(f, dtype) for f in store.formats]
+    scratch = torch.empty(store.expert_nbytes, dtype=torch.uint8)
+    buffers = []
+    with ProgressBar(progress, transient=True) as bar:
+        task = bar.add("repacking experts for the CPU int4 kernel", store.num_layers * store.num_experts)
+        for layer, fmt in enumerate(fmts):
+            buf = host_empty((store.num_experts, fmt.nbytes), torch.uint8, "repacking experts into RAM", touch=True)
+            for e in range(store.num_experts):
+                store.load_into(layer, e, scratch)
+                fmt.repack(scratch, buf[e])
+                bar.update(task, advance=1)
+            buffers.append(buf)
+    store.buffers, store.formats = buffers, fmts
+    store.ckpt.close()
+    mats = sorted({f"{m} ({'+'.join(dict.fromkeys(T(t.encoding).name for n, t in f.src.tensors if n in f.groups[m]))})"
+                   for f in fmts for m in f.int4 | f.planes})
+    exact = "lossless" if dtype == torch.float32 else f"scales rounded to {str(dtype).removeprefix('torch.')}"
+    return (f"gguf: Q4_0/Q4_K/Q6_K/Q8_0 expert matrices repacked for the CPU int4 kernel ({', '.join(mats)}; "
+            f"{str(dtype).removeprefix('torch.')} scales, {exact}); other encodings dequantised per use")
+
+
+def in_place_expert_bytes(adapter, dtype: torch.dtype) -> int | None:
+    """Bytes of all experts as the CPU in place holds them (repacked: `repack_for_cpu`), from the header alone;
+    None when nothing is repacked (the packed GGUF bytes are held as they are)."""
+    if not int4_repackable(adapter):
+        return None
+    E = adapter.num_experts
+    return sum(E * GgufInt4Format(f, dtype).nbytes for f in adapter.formats(dtype).values())

@@ -1,0 +1,104 @@
+"""The dense (non-expert) tensors of a GGUF model, dequantised once, under the model's own state-dict names.
+
+Legend: H = hidden size.
+
+Names: transformers' `get_gguf_hf_weights_map` (gguf's `TensorNameMap` run over the model's parameters, the
+converter's map read backwards). Values: transformers' per-architecture `TENSOR_PROCESSORS` undo llama.cpp's
+transforms (the `llama` architecture's Q/K row permutation; Qwen-MoE's shared-expert gate [H] -> [1, H]); GPT-OSS's
+`attn_sinks.weight` is the model's `sinks`. Routed experts are not here (`ExpertIndex`): they stay packed.
+A tensor the model does not know, or a model parameter the file lacks, is a MoectlError naming it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from ...errors import MoectlError
+from ...formats.gguf_dequant import dequantize
+from .experts import _is_expert
+from .files import GgufFiles
+
+# moectl family -> the gguf architecture name transformers' name map wants (its own hack list lacks some)
+GGUF_MODEL_TYPE = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
+                   "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+
+
+def dense_names(files: GgufFiles, model) -> dict[str, str]:
+    """GGUF name -> model state-dict name for every dense tensor of the file."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor, GGUF_MODEL_TYPE[model.config.model_type],
+                                    model.config.num_hidden_layers)
+    if model.config.model_type == "gpt_oss":
+        for layer in range(model.config.num_hidden_layers):
+            names[f"blk.{layer}.attn_sinks.weight"] = f"model.layers.{layer}.self_attn.sinks"
+    if model.config.model_type == "deepseek_v3":   # the name map reads the bias as the router's own
+        for layer in range(model.config.num_hidden_layers):
+            names[f"blk.{layer}.exp_probs_b.bias"] = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    out = {}
+    for name in files.tensors:
+        if _is_expert(name) or MLA_SPLIT.match(name):
+            continue
+        if name not in names:
+            raise MoectlError(f"{files.tensors[name].file}: tensor {name} has no place in a "
+                              f"{model.config.model_type} model")
+        out[name] = names[name]
+    return out
+
+
+def dense_state_dict(files: GgufFiles, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """{state-dict name: tensor} of every dense tensor, dequantised to `dtype` (the skeleton loads it with
+    `load_state_dict(..., assign=True)`); the model's non-expert parameters must all be there."""
+    return dict(dense_tensors(files, model, lambda name: dtype))
+
+
+def dense_tensors(files: GgufFiles, model, dtype_of=lambda name: torch.float32):
+    """(state-dict name, tensor in `dtype_of(name)`) of every dense tensor, one at a time: each read by a
+    positioned read (nothing of the file stays mapped), dequantised in fp32, fixed up, cast, then the next, so
+    loading holds one fp32 temporary at most beside the model."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    for gguf_name, hf_name in dense_names(files, model).items():
+        t = files.tensors[gguf_name]
+        raw = torch.from_numpy(files.read(t.file, t.offset, t.nbytes))
+        values = dequantize(raw, t.encoding, t.shape, torch.float32, f"{t.file}: tensor {gguf_name}").numpy()
+        values = processor.process(weights=values, name=gguf_name).weights
+        want = shapes[hf_name]
+        values = torch.from_numpy(np.ascontiguousarray(values)).reshape(want) if values.size == want.numel() \
+            else _shape_error(files, gguf_name, values.shape, hf_name, want)
+        yield hf_name, values.to(dtype_of(hf_name))
+    out: dict[str, torch.Tensor] = {}
+    _merge_mla(files, model, out, torch.float32)
+    for name, value in out.items():
+        yield name, value.to(dtype_of(name))
+
+
+MLA_SPLIT = re.compile(r"^blk\.(\d+)\.attn_([kv])_b\.weight$")
+
+
+def _merge_mla(files: GgufFiles, model, out: dict, dtype: torch.dtype) -> None:
+    """DeepSeek files from today's converter split kv_b_proj [heads*(nope+v), kv_lora] into attn_k_b
+    [heads, kv_lora, nope] (transposed, for llama.cpp's absorbed MLA) and attn_v_b [heads, v, kv_lora]: joined back."""
+    layers = sorted({int(m[1]) for n in files.tensors if (m := MLA_SPLIT.match(n))})
+    for layer in layers:
+        k_b, v_b = (files.tensors.get(f"blk.{layer}.attn_{x}_b.weight") for x in "kv")
+        if k_b is None or v_b is None:
+            raise MoectlError(f"{files.paths[0]}: layer {layer} has only one of attn_k_b / attn_v_b")
+        k, v = (dequantize(torch.from_numpy(files.bytes_of(t.file, t.offset, t.nbytes)), t.encoding, t.shape,
+                           torch.float32, f"{t.file}: tensor blk.{layer}") for t in (k_b, v_b))
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        want = model.state_dict()[name].shape
+        kv = torch.cat([k.transpose(1, 2), v], dim=1)                              # [heads, nope + v, kv_lora]
+        out[name] = (kv.reshape(want) if kv.numel() == want.numel() else
+                     _shape_error(files, k_b.name, tuple(kv.shape), name, want)).to(dtype)
+
+
+def _shape_error(files, gguf_name, got, hf_name, want):
+    raise MoectlError(f"{files.tensors[gguf_name].file}: tensor {gguf_name} is {list(got)}, but the model's "
+                      f"{hf_name} is {list(want)} (metadata contradicts tensors)")

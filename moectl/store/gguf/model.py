@@ -1,0 +1,83 @@
+"""GgufModel: everything moectl reads from one GGUF model, opened once (what `--model x.gguf` will hold).
+
+    g = GgufModel(path)                 # parse the header(s), memory-map the file(s); checks (files.py, config.py)
+    g.family, g.config, g.index         # moectl family, transformers config, ExpertIndex
+    g.tokenizer()                       # transformers' GGUF tokenizer converter
+    g.sizes(2)                          # header-only figures for inspect / sizing (dense at 2 bytes/weight)
+    g.dense_state_dict(skeleton, dtype) # dense tensors dequantised once, under the skeleton's names
+    g.expert_formats(dtype)             # {layer: GgufExpertFormat}: the packed experts' "full" precision
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...errors import MoectlError
+from ...core.recipes import is_gguf_path, model_name
+from .config import family_of, gguf_config, gguf_tokenizer
+from .dense import dense_state_dict, dense_tensors
+from ...formats.gguf_encodings import encoding_name
+from .experts import ExpertIndex
+from .files import GgufFiles
+from ...formats.gguf import GgufExpertFormat, layer_formats
+
+
+is_gguf = is_gguf_path          # whether `--model` names a GGUF file (a directory is a safetensors checkpoint)
+_OPEN: dict[tuple, "GgufModel"] = {}
+
+
+def open_gguf(path: str | Path) -> "GgufModel":
+    """The GgufModel of `path`, parsed once per process (inspect, sizing and load each ask for it; parsing a
+    152k-token vocabulary takes seconds). Keyed by the file's path, size and mtime: a rewritten file is re-read."""
+    p = Path(path).expanduser().resolve()
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise MoectlError(f"cannot read GGUF file {p}: {e}") from None
+    key = (p, st.st_size, st.st_mtime_ns)
+    if key not in _OPEN:
+        _OPEN.clear()                             # one model at a time: drop the previous file's maps
+        _OPEN[key] = GgufModel(p)
+    return _OPEN[key]
+
+
+class GgufModel:
+    def __init__(self, path: str | Path):
+        self.files = GgufFiles(path)
+        self.family = family_of(self.files)
+        self.config = gguf_config(self.files)
+        self.index = ExpertIndex(self.files)
+        # the experts' encodings, layer by layer, in the config: the fingerprint every artifact records sees them,
+        # so a plan or trace made on a Q4_K_M file is not silently used with its Q8_0 (same config otherwise)
+        self.config.gguf_expert_encodings = ",".join(
+            "+".join(encoding_name(t.encoding) for _, t in self.index.parts(l, 0)) for l in self.index.layers)
+        self.config.gguf_expert_nbytes = self.index.slot_nbytes()    # the simulator's expert size (sim/cost.py)
+        self.config._name_or_path = model_name(self.path)               # shapes and messages name the model
+
+    @property
+    def path(self) -> Path:
+        return self.files.paths[0]
+
+    def tokenizer(self):
+        return gguf_tokenizer(self.files)
+
+    def sizes(self, dense_bytes_per_weight: int = 2) -> dict:
+        """`ExpertIndex.sizes()` (experts packed, as stored) plus what a run holds in host RAM with the experts in
+        RAM: the packed experts and the dense tensors dequantised once (`dense_bytes_per_weight`: 2 for bf16)."""
+        s = self.index.sizes()
+        dense = s["dense_weights"] * dense_bytes_per_weight
+        return s | {"family": self.family, "architecture": self.files.arch, "files": [str(p) for p in self.files.paths],
+                    "file_bytes": sum(p.stat().st_size for p in self.files.paths), "dense_bytes": dense,
+                    "host_bytes_ram_tier": s["expert_bytes"] + dense}
+
+    def dense_state_dict(self, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        return dense_state_dict(self.files, model, dtype)
+
+    def dense_tensors(self, model, dtype_of):
+        """(name, tensor) one at a time, each in `dtype_of(name)` (moectl/store/gguf/dense.py)."""
+        return dense_tensors(self.files, model, dtype_of)
+
+    def expert_formats(self, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
+        return layer_formats(self.index, self.family, dtype)
