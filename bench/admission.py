@@ -37,7 +37,7 @@ from pathlib import Path
 
 from moectl.sim import simulate as sim
 from moectl.policies.admission import prefetch_staging
-from moectl.core.trace import load_trace
+from moectl.artifacts.trace_dir import load_trace
 
 SIBLING = {"olmoe.math": "olmoe.code", "olmoe.code": "olmoe.math", "qwen.math": "qwen.code",
            "qwen.code": "qwen.math", "gptoss.math": "gptoss.code", "gptoss.code": "gptoss.math",

@@ -44,7 +44,9 @@ from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G,
                                     ratios, run_preset)
 from moectl.plan.inputs import plan_setup, stored_gating  # noqa: E402
 from moectl.synth.trace import save, synthesize_like  # noqa: E402
-from moectl.core.trace import Trace, load_trace, write_jsonl  # noqa: E402
+from moectl.artifacts.trace_dir import load_trace
+from moectl.artifacts.routing_jsonl import write_jsonl
+from moectl.core.trace import Trace  # noqa: E402
 
 SHARED = Path(os.environ.get("MOECTL_SHARED") or Path(__file__).resolve().parents[2] / "shared") / "traces"
 HW = "rtx4090-pcie4"

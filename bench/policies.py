@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moectl.predict.routing import train_routing_predictor  # noqa: E402
 from moectl.sim.simulate import capacities, cost_for, simulate  # noqa: E402
-from moectl.core.trace import load_trace  # noqa: E402
+from moectl.artifacts.trace_dir import load_trace  # noqa: E402
 
 REPLACEMENTS = ["lru", "lfu", "moe-infinity", "hobbit", "ours"]
 FRACTIONS = [0.25, 0.5]
@@ -216,7 +216,8 @@ def tiny_section(quick: bool = False) -> dict:
     from moectl.calib.profile import run_profile
     from moectl.predict.train import train_aux_gate, train_mlp
     from moectl.runtime.engine import Engine
-    from moectl.sim.cost import CostModel, load_hardware, shape_from_hf_config
+    from moectl.core.shapes import shape_from_hf_config
+    from moectl.sim.cost import CostModel, load_hardware
 
     torch.set_num_threads(1)
     res: dict = {}

@@ -15,7 +15,7 @@ import argparse
 from moectl.policies.precision import make_precision
 from moectl.core.recipes import parse_size
 from moectl.sim import simulate as sim
-from moectl.core.trace import load_trace
+from moectl.artifacts.trace_dir import load_trace
 
 CONFIGS = [("bf16 only", "full", None), ("HOBBIT hi/lo/skip q4g64", "hobbit", "q4g64"),
            ("lowbit-only q4g64", "lowbit-only", "q4g64"), ("lowbit-only q3g64", "lowbit-only", "q3g64"),

@@ -26,7 +26,7 @@ from pathlib import Path
 from moectl.policies.draft_length import load_acceptance
 from moectl.sim import simulate as sim
 from moectl.sim.spec_passes import DraftSpec, union_ratio
-from moectl.core.trace import load_trace
+from moectl.artifacts.trace_dir import load_trace
 
 HELD_OUT = ["mixtral-8x7b.gsm8k", "olmoe.code", "qwen.code", "qwen1.5-moe.cooking_1", "gptoss.code", "granite.code"]
 

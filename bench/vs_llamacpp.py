@@ -101,7 +101,7 @@ def llama_run(gguf: Path, threads: int, gen: int, prefill: int) -> dict:
 def prepare(shape: str, layers: int, work: Path, precisions: list[str]) -> dict:
     """The checkpoint, llama.cpp's GGUFs and moectl's copies (each made once, timed)."""
     from moectl.synth.checkpoint import write_synthetic
-    from moectl.sim.cost import load_shape
+    from moectl.core.shapes import load_shape
     from moectl.core.recipes import load_recipe
 
     ckpt = work / "checkpoint"

@@ -160,9 +160,10 @@ def recorded(tiny_small, tmp_path_factory):
 @pytest.mark.parametrize("prefetch", ["none", "gate-reuse"])
 @pytest.mark.parametrize("repl", POLICIES)
 def test_runtime_and_simulator_agree_per_layer_and_phase(recorded, slots, prefetch, repl):
-    from moectl.sim.cost import CostModel, load_hardware, shape_from_hf_config
+    from moectl.core.shapes import shape_from_hf_config
+    from moectl.sim.cost import CostModel, load_hardware
     from moectl.sim.simulate import capacities, simulate
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     ckpt, runs = recorded
     n, out, runtime = runs[(slots, prefetch, repl)]
@@ -268,7 +269,7 @@ def test_with_staging_the_simulated_cache_evolves_as_without_prefetch():
     of its misses; prefetching into slots (staging 0) changes what is evicted."""
     from moectl.sim.cost import CostModel, load_hardware
     from moectl.sim.simulate import capacities, cost_for, simulate
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     tr = load_trace(SHARED_TRACES / "olmoe.math.jsonl")
     cost = cost_for(tr, "rtx4090-pcie4")
@@ -288,7 +289,7 @@ def test_staged_admission_is_not_slower_than_no_prefetch_on_the_shared_mixtral_t
     25 % cached, where a lone early copy on thin evidence once made it 0.0006 % slower (a staged copy now waits for
     its score bucket to show it pays), and the whole file at 50 %, where admitted copies make it faster."""
     from moectl.sim.simulate import capacities, cost_for, simulate
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     whole = load_trace(SHARED_TRACES / "mixtral-8x7b.gsm8k.jsonl")
     request_1 = whole.select(whole.request_slices()[1][1])

@@ -150,7 +150,7 @@ def test_cuda_budget_holds_on_the_device(families):
     """Twin of test_runtime.py::test_budget_option_on_a_model: what torch allocated on the GPU over load and a
     whole generation (`device_peak_allocated_bytes`) stays within --budget."""
     from moectl.store.facts import dense_nbytes, kv_reserve_nbytes
-    from moectl.sim.cost import shape_from_hf_config
+    from moectl.core.shapes import shape_from_hf_config
     from moectl.core.sizing import workspace_bytes
 
     path = families["mixtral"]

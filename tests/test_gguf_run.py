@@ -127,10 +127,11 @@ def test_inspect_states_what_the_run_holds(q4km, capsys, monkeypatch, tmp_path):
 
 def test_packed_size_in_sizing_simulate_and_plan(q4km, tmp_path, capsys, monkeypatch):
     from moectl.plan.budget import model_facts
-    from moectl.sim.cost import expert_bytes, load_shape
+    from moectl.core.shapes import expert_bytes
+    from moectl.store.gguf.shape import gguf_shape
 
     slot = 2 * 256 * 256 // 256 * 144 + 256 * 256 // 256 * 210
-    assert expert_bytes(load_shape(str(q4km))) == slot                           # simulate --model-shape x.gguf
+    assert expert_bytes(gguf_shape(q4km)) == slot                           # simulate --model-shape x.gguf
     assert model_facts(str(q4km), str(tmp_path)).full_expert_bytes == slot        # plan-cache, --budget
     from moectl.core.sizing import DEVICE_LIBRARY_BYTES
 
@@ -149,7 +150,7 @@ def test_packed_size_in_sizing_simulate_and_plan(q4km, tmp_path, capsys, monkeyp
 
 
 def test_fingerprint_sees_the_encodings(tiny_small, f32, tmp_path):
-    from moectl.core.fingerprint import config_fingerprint
+    from moectl.models import config_fingerprint
     from moectl.store.gguf.model import GgufModel
 
     q8 = write_gguf(tiny_small, tmp_path / "tiny-Q8_0.gguf", expert_encoding=T.Q8_0)

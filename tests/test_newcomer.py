@@ -17,7 +17,8 @@ from model_factory import build_family, save_tokenizer
 from test_bad_input import assert_one_error, run_cli
 
 from moectl.errors import MoectlError
-from moectl.core.trace import DECODE, Trace, write_jsonl
+from moectl.artifacts.routing_jsonl import write_jsonl
+from moectl.core.trace import DECODE, Trace
 
 
 @pytest.fixture(scope="module")

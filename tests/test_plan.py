@@ -205,7 +205,7 @@ def test_scoreboard_presets_on_mixtral(tmp_path):
     from moectl.plan.planner import make_plan
     from moectl.plan.scoreboard import PRESET_NAMES, get_preset, run_preset
     from moectl.plan.inputs import setup_from_trace
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     setup = setup_from_trace(load_trace(MIXTRAL_TRACE), "20GB", "rtx4090-pcie4")
     plan = make_plan(setup.facts, setup.split, setup.cost, setup.replay, setup.policies, "rtx4090-pcie4")
@@ -395,7 +395,7 @@ def test_scoreboard_ppl_delta_proxy_from_moectl_eval_on_the_tiny_model(tiny_prof
     no tiny model is built."""
     import shutil
 
-    from moectl.core.fingerprint import checkpoint_fingerprint
+    from moectl.models import checkpoint_fingerprint
     from moectl.plan import proxy as px
 
     ckpt, wd, facts, minimum = tiny_profiled

@@ -11,7 +11,8 @@ from moectl.errors import MoectlError
 from moectl.policies import (PREFETCH_NAMES, REPLACEMENT_NAMES, Belady, EAMPrefetch, GateReuse, Hobbit, LFU, LRU,
                              MLPPrefetch, MoEInfinity, Ours, make_prefetch, make_replacement)
 from moectl.sim.simulator import Simulator, trace_steps
-from moectl.core.trace import DECODE, HiddenSamples, Trace, load_trace
+from moectl.artifacts.trace_dir import load_trace
+from moectl.core.trace import DECODE, HiddenSamples, Trace
 
 from shared_data import TRACE_FILES, needs_shared
 

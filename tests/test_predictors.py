@@ -208,7 +208,7 @@ def test_prediction_cost_mixtral_sizes():
 
 # ------------------------------------------------------------------------------------------------- CLI
 def _write_trace_dir(trace: Trace, out: Path) -> Path:
-    from moectl.artifacts.trace import TraceWriter
+    from moectl.artifacts.trace_dir import TraceWriter
 
     w = TraceWriter(out, {"model": trace.model, "family": "mixtral", "fingerprint": trace.fingerprint,
                           "num_layers": trace.num_layers, "moe_layer_ids": list(range(trace.num_layers)),
@@ -273,7 +273,7 @@ def test_routing_other_file_beats_frequency(model):
     Kept short for the suite (first 160 decode tokens of each file, lookahead 1); the full matrix
     (both directions, lookahead 1-3, all 512 tokens) is in the train-predictor report."""
     from moectl.predict.train import evaluate_routing, train_routing
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     train = load_trace(SHARED_TRACES / f"{model}.math.jsonl").select(slice(0, 160))
     test = load_trace(SHARED_TRACES / f"{model}.code.jsonl").select(slice(0, 160))

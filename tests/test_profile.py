@@ -116,7 +116,7 @@ def _reference(ckpt, prompts: list[list[int]], generate: int, eos: set[int]):
 
 
 def test_recorded_routing_equals_transformers_reference(tiny, tmp_path):
-    from moectl.artifacts.trace import read_trace_dir
+    from moectl.artifacts.trace_dir import read_trace_dir
     from moectl.core.trace import DECODE, PREFILL
 
     ckpt, data = tiny
@@ -149,7 +149,7 @@ def test_recorded_routing_equals_transformers_reference(tiny, tmp_path):
 
 
 def test_interrupt_leaves_valid_shards_and_resume_completes(tiny, tmp_path):
-    from moectl.artifacts.trace import read_meta, read_trace_dir
+    from moectl.artifacts.trace_dir import read_meta, read_trace_dir
 
     ckpt, data = tiny
     _, full = _profile(ckpt, data, tmp_path / "full", max_tokens=16, generate=3, hidden_samples=7, shard_rows=1)
@@ -176,8 +176,8 @@ def test_interrupt_leaves_valid_shards_and_resume_completes(tiny, tmp_path):
 
 
 def test_fingerprint_mismatch_and_truncated_shard_are_clear_errors(tiny, tmp_path):
-    from moectl.artifacts.trace import read_trace_dir
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import read_trace_dir
+    from moectl.artifacts.trace_dir import load_trace
 
     ckpt, data = tiny
     eng, _ = _profile(ckpt, data, tmp_path / "t", max_tokens=8, shard_rows=8)
@@ -197,7 +197,7 @@ def test_profile_cli_json_and_export(tiny, tmp_path):
     from typer.testing import CliRunner
 
     from moectl.cli import app
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     ckpt, data = tiny
     r = CliRunner().invoke(app, ["profile", "--model", str(ckpt), "--dataset", str(data), "--max-tokens", "12",
@@ -230,7 +230,7 @@ def test_other_families_dense_first_layer_and_router_bias(family, tiny, tmp_path
     attribute): recorded ids equal the ids the experts module of the reference model receives."""
     from transformers import AutoModelForCausalLM
 
-    from moectl.artifacts.trace import read_trace_dir
+    from moectl.artifacts.trace_dir import read_trace_dir
 
     ckpt = tmp_path / family
     build_family(family, ckpt)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moectl.errors import MoectlError
-from moectl.quant.quantize import copy_paths, quantize_model
+from moectl.artifacts.lowbit import copy_paths
+from moectl.quant.quantize import quantize_model
 from moectl.runtime.engine import Engine
 from model_factory import build_family, save_tokenizer
 from test_bad_input import assert_one_error, run_cli

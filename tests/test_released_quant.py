@@ -215,7 +215,7 @@ def test_inspect_gpt_oss_120b_at_mxfp4_size(tmp_path, capsys, monkeypatch):
 
 
 def test_cost_model_prices_released_experts():
-    from moectl.sim.cost import expert_bytes, load_shape, shape_from_hf_config
+    from moectl.core.shapes import expert_bytes, load_shape, shape_from_hf_config
 
     for name, experts in (("gpt-oss-20b", 24 * 32), ("gpt-oss-120b", 36 * 128)):
         shape = load_shape(name)

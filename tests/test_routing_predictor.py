@@ -11,7 +11,8 @@ import torch
 from moectl.policies import LRU, RoutingPrefetch
 from moectl.predict.routing import RoutingPredictor, multi_hot, train_routing_predictor
 from moectl.sim.simulator import Simulator, trace_steps
-from moectl.core.trace import DECODE, Trace, load_trace
+from moectl.artifacts.trace_dir import load_trace
+from moectl.core.trace import DECODE, Trace
 
 from shared_data import SHARED_TRACES as SHARED, needs_shared  # noqa: E402
 L, E, K = 8, 16, 2

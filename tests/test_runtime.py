@@ -144,7 +144,7 @@ def test_budget_option_on_a_model(family_dirs):
     with pytest.raises(MoectlError, match="minimum"):
         Engine.load(path, budget="100KB", progress=False)
     from moectl.runtime.engine import dense_nbytes, kv_reserve_nbytes
-    from moectl.sim.cost import shape_from_hf_config
+    from moectl.core.shapes import shape_from_hf_config
     need = dense_nbytes(eng.model) + kv_reserve_nbytes(eng.config, torch.float32) + 8 * eng.store.expert_nbytes \
         + workspace_bytes(shape_from_hf_config(eng.config.to_dict()))     # the one sizing: a workspace too
     assert Engine.load(path, budget=need, emulate_device=True, progress=False).cache.slots_per_layer == [2, 2, 2, 2]

@@ -136,7 +136,8 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
     from moectl.policies import LRU
     from moectl.policies.admission import make_admission
     from moectl.sim.simulator import Simulator, trace_steps
-    from moectl.core.trace import PREFILL, load_trace
+    from moectl.artifacts.trace_dir import load_trace
+    from moectl.core.trace import PREFILL
 
     texts = builtin_corpus("validation")[:3]
     _, _, L, E, cost = reference

@@ -269,7 +269,7 @@ def test_an_acceptance_file_of_another_format_is_a_clear_error(trace_file, tmp_p
 @pytest.mark.parametrize("cpu_experts", ["never", "auto"])
 def test_auto_is_never_slower_than_no_draft_on_the_shared_traces(cpu_experts):
     from moectl.sim import simulate as sim
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     for f in TRACE_FILES:
         tr = load_trace(f)

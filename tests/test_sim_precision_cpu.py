@@ -14,7 +14,8 @@ from moectl.policies import LRU, PrefetchPolicy
 from moectl.policies.admission import AdmitAll, PrefetchAdmission, make_admission
 from moectl.policies.placement import ComputePlacement
 from moectl.policies.precision import LOW, HobbitPrecision, LowbitOnly
-from moectl.sim.cost import CostModel, FixedCost, expert_bytes, load_hardware, load_shape, parse_lowbit
+from moectl.core.shapes import expert_bytes, load_shape, parse_lowbit
+from moectl.sim.cost import CostModel, FixedCost, load_hardware
 from moectl.sim.simulate import capacities, precision_pools
 from moectl.sim.simulator import Simulator, trace_steps
 from moectl.core.trace import DECODE, Trace
@@ -107,7 +108,7 @@ def test_lowbit_spec_and_bytes():
 
 
 def test_budget_keeps_dense_weights_and_kv_reserve():
-    from moectl.sim.cost import dense_bytes, kv_reserve_bytes
+    from moectl.core.shapes import dense_bytes, kv_reserve_bytes
     from moectl.core.sizing import workspace_bytes
 
     shape = load_shape("mixtral")

@@ -10,7 +10,8 @@ import yaml
 
 from moectl.errors import MoectlError
 from moectl.policies import LRU, PrefetchPolicy
-from moectl.sim.cost import CostModel, FixedCost, load_hardware, load_shape
+from moectl.core.shapes import load_shape
+from moectl.sim.cost import CostModel, FixedCost, load_hardware
 from moectl.sim.simulate import capacities
 from moectl.sim.simulator import Simulator, trace_steps
 from moectl.core.trace import DECODE, PREFILL, Trace
@@ -233,7 +234,7 @@ def test_preload_is_the_planning_traces_hot_set_and_saves_the_first_tokens_misse
     """A plan's preload: per layer the experts its trace used most (ties to the lower id), up to the slots; with it
     `simulate --plan` starts warm, so the first tokens miss less than the same slots started empty."""
     from moectl.core.cache_model import hot_experts
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     ex = np.array([[[3, 1]], [[3, 5]], [[1, 3]], [[6, -1]]], dtype=np.int16)      # [N 4, L 1, K 2]
     assert hot_experts(ex, {"full": [2]}) == {"full": [[3, 1]]}       # most used first
@@ -290,9 +291,10 @@ def test_mlp_prefetch_on_held_out_requests_of_the_tiny_model(tiny_small, tmp_pat
     from moectl.calib.profile import run_profile
     from moectl.predict.train import train_mlp
     from moectl.runtime.engine import Engine
-    from moectl.sim.cost import CostModel, load_hardware, shape_from_hf_config
+    from moectl.core.shapes import shape_from_hf_config
+    from moectl.sim.cost import CostModel, load_hardware
     from moectl.sim.simulate import simulate
-    from moectl.core.trace import load_trace
+    from moectl.artifacts.trace_dir import load_trace
 
     eng = Engine.load(model=str(tiny_small), device="cpu", progress=False)
     texts = builtin_corpus("validation")[:24]

@@ -212,7 +212,8 @@ def test_cpu_side_runs_concurrently_with_the_device_side(mixtral, monkeypatch):
 
 
 def test_replay_trace_forces_the_routing(mixtral, tmp_path):
-    from moectl.core.trace import DECODE, PREFILL, Trace, write_jsonl
+    from moectl.artifacts.routing_jsonl import write_jsonl
+    from moectl.core.trace import DECODE, PREFILL, Trace
 
     N, L, E = 9, 4, 8
     rng = np.random.default_rng(0)

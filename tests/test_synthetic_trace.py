@@ -14,7 +14,7 @@ import pytest
 from moectl.errors import MoectlError
 from moectl.sim.simulate import capacities, cost_for, simulate
 from moectl.synth.trace import SYNTHETIC_FORMAT_VERSION, RoutingStats, fit_stats, synthesize
-from moectl.core.trace import load_trace
+from moectl.artifacts.trace_dir import load_trace
 
 from shared_data import SHARED_TRACES, needs_shared
 from test_bad_input import assert_one_error, run_cli

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from moectl.artifacts.trace import TraceWriter, export_jsonl, import_jsonl, read_meta, read_trace_dir
+from moectl.artifacts.trace_dir import TraceWriter, export_jsonl, import_jsonl, read_meta, read_trace_dir
 from moectl.cli import app
 from moectl.errors import MoectlError
-from moectl.core.trace import DECODE, PREFILL, Trace, expert_activation_matrices, expert_activation_matrix, load_trace
+from moectl.artifacts.trace_dir import load_trace
+from moectl.core.trace import DECODE, PREFILL, Trace, expert_activation_matrices, expert_activation_matrix
 
 from shared_data import SHARED, TRACE_FILES as TRACES, needs_shared  # noqa: E402
 
@@ -129,7 +130,7 @@ def test_corrupt_directories_are_clear_errors(tmp_path):
 
 
 def test_write_jsonl_of_a_profiled_trace_uses_short_decimals(tmp_path):
-    from moectl.core.trace import write_jsonl
+    from moectl.artifacts.routing_jsonl import write_jsonl
 
     t = Trace("m", 1, 4, 2, ["a", "a"], np.array([0, 1], np.int32), np.array([0, 1], np.uint8),
               np.array([[[3, -1]], [[0, 2]]], np.int16), np.array([[[0.8003, 0]], [[0.6, 0.4]]], np.float16))

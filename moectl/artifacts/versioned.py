@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from ..errors import MoectlError
-from ..core.fingerprint import check_fingerprint
+from ..core.fingerprint import check_fingerprint, shape_text
 
 
 def where(path, line: int | None = None) -> str:
@@ -77,12 +77,6 @@ def read_descriptor(path, fmt: str | tuple[str, ...], *, what: str, version_key:
     if expect_fingerprint is not None:
         check_fingerprint(d.get("fingerprint"), expect_fingerprint, what, p)
     return d
-
-
-def shape_text(layers: int, experts: int, top_k: int | None = None) -> str:
-    """`16 MoE layers x 64 experts, top-8`: a model's or an artifact's routing shape, as errors say it."""
-    s = lambda n: "" if n == 1 else "s"           # noqa: E731
-    return f"{layers} MoE layer{s(layers)} x {experts} expert{s(experts)}" + ("" if top_k is None else f", top-{top_k}")
 
 
 def check_shape(what: str, have: tuple, model: str, want: tuple, fix: str) -> None:

@@ -219,7 +219,7 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
     from ..runtime.machine import machine_figures
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
-    from ..sim.cost import shape_from_hf_config
+    from ..core.shapes import shape_from_hf_config
     from ..sim.simulate import load_plan, plan_slots
 
     if prompt_len < 1 or gen_len < 2:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import MoectlError
-from ..artifacts.trace import TraceWriter
+from ..artifacts.trace_dir import TraceWriter
 
 
 def hidden_sample_bytes(num_layers: int, hidden_size: int) -> int:

@@ -21,7 +21,7 @@ def make_synthetic(
     --replay-trace."""
     from ..core.recipes import format_bytes
     from ..store.facts import parse_dtype as _dtype
-    from ..sim.cost import load_shape
+    from ..core.shapes import load_shape
     from ..synth.checkpoint import write_synthetic
 
     from pathlib import Path

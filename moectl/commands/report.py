@@ -24,11 +24,12 @@ def report(
 
     from ..calib.report import analyze, summary_json, write_plots
     from ..errors import MoectlError
-    from ..core.trace import PHASES, load_trace
+    from ..artifacts.trace_dir import load_trace
+    from ..core.trace import PHASES
 
     console = Console(stderr=as_json)
     if traces.is_dir():                                     # hidden samples are not needed here
-        from ..artifacts.trace import read_trace_dir
+        from ..artifacts.trace_dir import read_trace_dir
 
         trace = read_trace_dir(traces, hidden=False)
     else:

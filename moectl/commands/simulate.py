@@ -98,9 +98,14 @@ def simulate(
     from ..errors import MoectlError
     from ..sim import simulate as sim
     from ..policies.gating import experts_per_token
-    from ..core.trace import load_trace
+    from ..artifacts.trace_dir import load_trace
 
     console = Console(stderr=True)
+    model_shape_arg = model_shape
+    if model_shape is not None and model_shape.lower().endswith(".gguf"):   # a GGUF's shape comes from its header
+        from ..store.gguf.shape import gguf_shape
+
+        model_shape = gguf_shape(model_shape)
     traces = [load_trace(p) for p in trace]
     tr = sim.concat(traces)
     if preset is not None:
@@ -133,7 +138,7 @@ def simulate(
 
     cost = sim.cost_for(tr, hardware, model_shape, bits)
     caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost,
-                          facts=_checkpoint_facts(model_shape or tr.model, tr) if budget is not None else None,
+                          facts=_checkpoint_facts(model_shape_arg or tr.model, tr) if budget is not None else None,
                           **sim.budget_sizing(cost, prefetch, cpu_experts, staging_buffers, precision, lowbit,
                                               lowbit_fraction))      # staging and pools as the runtime takes them
     if plan_caps is not None:

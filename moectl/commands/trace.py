@@ -42,7 +42,7 @@ def trace_import(
     """Import a moe-routing-v1 JSONL trace as a trace directory (exact: `trace export` gives the file back)."""
     from rich.console import Console
 
-    from ..artifacts.trace import import_jsonl
+    from ..artifacts.trace_dir import import_jsonl
 
     def check(t) -> None:
         _check_recipe_shape(model_name, {"num_layers": t.num_layers, "num_experts": t.num_experts,
@@ -68,7 +68,7 @@ def trace_export(
     """Export a trace directory as moe-routing-v1 JSONL (hidden samples and router logits are dropped)."""
     from rich.console import Console
 
-    from ..artifacts.trace import export_jsonl, read_meta
+    from ..artifacts.trace_dir import export_jsonl, read_meta
 
     meta = read_meta(trace_dir)
     export_jsonl(trace_dir, out)

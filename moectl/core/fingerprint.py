@@ -2,7 +2,8 @@
 
 A fingerprint is `<family>:<12 hex chars>`, a hash of the model's config with the keys that do
 not change the computation (paths, versions, dtype) left out, so the same checkpoint in bf16 or
-fp32, or copied elsewhere, keeps its fingerprint.
+fp32, or copied elsewhere, keeps its fingerprint. The fingerprint of a transformers config needs its family:
+`models.config_fingerprint`.
 """
 
 from __future__ import annotations
@@ -26,20 +27,6 @@ def model_fingerprint(config: dict, family: str) -> str:
     return f"{family}:{digest[:12]}"
 
 
-def config_fingerprint(config) -> str:
-    """The fingerprint of a model from its transformers config (what every artifact records)."""
-    from ..models import adapter_for
-
-    return model_fingerprint(config.to_dict(), adapter_for(config).family)
-
-
-def checkpoint_fingerprint(path) -> str:
-    """The fingerprint of the checkpoint directory `path` (reads config.json only)."""
-    from transformers import AutoConfig
-
-    return config_fingerprint(AutoConfig.from_pretrained(str(path)))
-
-
 def check_fingerprint(artifact_fp: str | None, model_fp: str, what: str, path: object = "") -> None:
     """Raise a clear error when an artifact was made for another model."""
     if artifact_fp is None:
@@ -50,3 +37,9 @@ def check_fingerprint(artifact_fp: str | None, model_fp: str, what: str, path: o
             f"{what}{where} was made for model {artifact_fp}, but the model loaded is {model_fp}. "
             f"Re-create it for this model (or point --model at the model it was made for)."
         )
+
+
+def shape_text(layers: int, experts: int, top_k: int | None = None) -> str:
+    """`16 MoE layers x 64 experts, top-8`: a model's or an artifact's routing shape, as errors say it."""
+    s = lambda n: "" if n == 1 else "s"           # noqa: E731
+    return f"{layers} MoE layer{s(layers)} x {experts} expert{s(experts)}" + ("" if top_k is None else f", top-{top_k}")

@@ -17,7 +17,7 @@ import yaml
 
 from ..errors import MoectlError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def recipes_dir() -> Path:

@@ -17,12 +17,24 @@ encodings): the store keeps a format per layer for that (`ExpertStore.format_of(
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .expert import ExpertFormat, Part
 from .gguf_dequant import dequantize
 from .gguf_encodings import encoding_name
-from ..store.gguf.experts import ExpertIndex
+
+
+class ExpertIndex(Protocol):
+    """What a format reads of a GGUF file's expert index (the store's `store/gguf/experts.py: ExpertIndex`): its MoE
+    layers, each expert's tensors (name, and an entry with `file`, `offset`, `nbytes`, `encoding`, `shape`), and the
+    open files (`files.bytes_of(file, offset, nbytes)`)."""
+
+    layers: list[int]
+    files: object
+
+    def parts(self, layer: int, expert: int) -> list[tuple[str, object]]: ...
 
 
 class GgufExpertFormat(ExpertFormat):

@@ -1,10 +1,11 @@
-"""Family adapters, one file each. `adapter_for(config)` picks one by `config.model_type`."""
+"""Family adapters, one file each. `adapter_for(config)` picks one by `config.model_type`; a model's fingerprint
+names its family, so it is taken here too (`config_fingerprint`, `checkpoint_fingerprint`)."""
 
 from __future__ import annotations
 
+from ..core.fingerprint import model_fingerprint
 from ..errors import MoectlError
-from .base import ExpertLayout, FamilyAdapter
-from ..formats.expert import DenseFormat, ExpertFormat, Part
+from .base import FamilyAdapter
 from .deepseek_v2 import DeepseekV2Adapter
 from .deepseek_v3 import DeepseekV3Adapter
 from .gpt_oss import GptOssAdapter
@@ -31,4 +32,14 @@ def adapter_for(config) -> FamilyAdapter:
     raise MoectlError(f"unsupported model family {mt!r}; supported: {', '.join(sorted(FAMILIES))}")
 
 
-__all__ = ["ADAPTERS", "FAMILIES", "DenseFormat", "ExpertFormat", "ExpertLayout", "FamilyAdapter", "Part", "adapter_for"]
+
+def config_fingerprint(config) -> str:
+    """The fingerprint of a model from its transformers config (what every artifact records)."""
+    return model_fingerprint(config.to_dict(), adapter_for(config).family)
+
+
+def checkpoint_fingerprint(path) -> str:
+    """The fingerprint of the checkpoint directory `path` (reads config.json only)."""
+    from transformers import AutoConfig
+
+    return config_fingerprint(AutoConfig.from_pretrained(str(path)))

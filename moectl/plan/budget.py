@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MoectlError
-from ..sim.cost import dense_bytes, expert_bytes, kv_reserve_bytes
+from ..core.shapes import dense_bytes, expert_bytes, kv_reserve_bytes
 from ..core.sizing import WORKSPACE_TOKENS, BudgetSplit, ModelSizes, split_budget, workspace_bytes  # noqa: F401  (moved to sizing)
 
 
@@ -57,7 +57,7 @@ def model_facts(model: str, workdir=None) -> ModelFacts:
 
 def _checkpoint_facts(model: str, workdir) -> ModelFacts:
     from ..store.facts import inspect_model, kv_reserve_nbytes, load_config, parse_dtype
-    from ..sim.cost import shape_from_hf_config
+    from ..core.shapes import shape_from_hf_config
 
     info = inspect_model(model, workdir)
     config, _ = load_config(info["path"])

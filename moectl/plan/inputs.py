@@ -37,7 +37,7 @@ def workdir_of(model: str, workdir) -> Path:
 
 def load_traces(paths, wd: Path):
     from ..sim.simulate import concat
-    from ..core.trace import load_trace
+    from ..artifacts.trace_dir import load_trace
 
     if not paths:
         default = wd / "traces"
@@ -57,7 +57,7 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     wd = workdir_of(model, workdir)
     facts = model_facts(model, workdir)
     if lowbit_only is not None:
-        from ..sim.cost import parse_lowbit
+        from ..core.shapes import parse_lowbit
 
         split = split_budget(budget, facts, kv_tokens, min_slot_bytes=facts.expert_bytes(*parse_lowbit(lowbit_only)))
     else:
@@ -120,7 +120,8 @@ def _prefetch(name: str, replay: Replay, wd: Path | None, facts: ModelFacts) -> 
 def setup_from_trace(trace, budget: str, hardware: str, model_shape: str | None = None, kv_tokens: int = 4096,
                      replacement: str = "ours", prefetch: str = "auto") -> Setup:
     """A setup for `simulate --preset`: the model's facts from the trace's shape (recipe or --model-shape)."""
-    from ..sim.cost import CostModel, dense_bytes, kv_reserve_bytes, load_hardware
+    from ..core.shapes import dense_bytes, kv_reserve_bytes
+    from ..sim.cost import CostModel, load_hardware
     from ..sim.simulate import model_shape as shape_of
     from .budget import ModelFacts
 

@@ -300,7 +300,7 @@ def summary(res, cost) -> dict:
 def expert_nbytes(facts: ModelFacts, pol: Policies) -> dict:
     """{precision: bytes of one expert copy} the plan uses."""
     from ..policies.precision import LOW
-    from ..sim.cost import parse_lowbit
+    from ..core.shapes import parse_lowbit
 
     out = {"full": facts.expert_bytes()}
     if pol.precision != "full":

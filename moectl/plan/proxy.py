@@ -72,7 +72,7 @@ def tiny_workdir() -> Path:
 
 def _identity(wd: Path) -> dict:
     from ..calib.fidelity import weights_id
-    from ..core.fingerprint import checkpoint_fingerprint
+    from ..models import checkpoint_fingerprint
 
     ckpt = wd / "checkpoint"
     return {"fingerprint": checkpoint_fingerprint(ckpt), "weights": [list(w) for w in weights_id(ckpt)]}

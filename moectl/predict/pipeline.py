@@ -56,7 +56,8 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
                         console=None, progress: bool = False) -> dict:
     """What `moectl train-predictor` does; returns the result dict its --json prints."""
     from ..core.recipes import moectl_home
-    from ..core.trace import check_trace_fits, load_trace
+    from ..artifacts.trace_dir import load_trace
+    from ..core.trace import check_trace_fits
     from .predictors_file import save_predictors
 
     t_start = time.monotonic()

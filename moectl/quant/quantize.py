@@ -9,12 +9,7 @@ is there; with its optimiser (`--method hqq`, the GPU's default) or round-to-nea
 buffer per expert, so a copy is one transfer. A finished layer is written to `<stem>.parts/layer-NNN.safetensors`
 (written to a temporary name, then renamed: Ctrl-C leaves finished layers and nothing half-written), with the
 settings in its metadata; a second run skips the layers whose part matches the settings and redoes the rest.
-When every layer is done the parts become the copy set:
-
-    <workdir>/experts-q{bits}g{group}.safetensors         one file, tensors `layers.{l}.experts` [E, N]
-    (or experts-q{bits}g{group}-0000i-of-0000L.safetensors, one per layer, when the set exceeds SHARD_BYTES)
-    <workdir>/experts-q{bits}g{group}.json                 settings, per-layer relative error, bytes per expert,
-                                                           format version, model fingerprint (written last)
+When every layer is done the parts become the copy set (its files: `artifacts/lowbit.py`).
 
 HQQ is deterministic, so an interrupted run resumed gives the file an uninterrupted run gives.
 """
@@ -30,19 +25,11 @@ from pathlib import Path
 
 import torch
 
+from ..artifacts.lowbit import FORMAT, KEY, SHARD_BYTES, VERSION, copy_paths
 from ..errors import MoectlError
 from ..progress import ProgressBar
 from ..formats.hqq import HqqFormat, check_settings, lowbit_name
 from .methods import check_method, optimize
-
-FORMAT, VERSION = "moectl-lowbit-copies", 1
-SHARD_BYTES = 4 * 2**30              # a copy set bigger than this is written one shard per layer
-KEY = "layers.{l}.experts"
-
-
-def copy_paths(workdir: Path, name: str) -> tuple[Path, Path]:
-    """(JSON descriptor, parts directory) of the copy set `name` (e.g. q4g64) in `workdir`."""
-    return Path(workdir) / f"experts-{name}.json", Path(workdir) / f"experts-{name}.parts"
 
 
 def _settings(fingerprint: str, fmt: HqqFormat, dtype: torch.dtype, method: str) -> dict:
@@ -74,7 +61,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     on a CPU, hqq on a GPU). `on_expert(layer, expert)` runs after each expert (tests use it to interrupt a run)."""
     from safetensors.torch import load_file, save_file
 
-    from ..core.fingerprint import config_fingerprint
+    from ..models import config_fingerprint
     from ..core.recipes import resolve_model
     from ..store.facts import built, load_config, parse_dtype, skeleton
     from ..store.checkpoint import Checkpoint

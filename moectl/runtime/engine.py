@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import MoectlError
-from ..core.fingerprint import config_fingerprint
+from ..models import config_fingerprint
 from ..kernels import gemv
 from ..setting.options import RuntimeOptions
 from ..policies.base import PrefetchPolicy

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..core.fingerprint import config_fingerprint
+from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
 from ..store.gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..errors import MoectlError
-from ..core.trace import Trace, check_trace_fits, load_trace
+from ..artifacts.trace_dir import load_trace
+from ..core.trace import Trace, check_trace_fits
 
 
 class RoutingReplay:

@@ -23,8 +23,9 @@ from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy, make_precision
 from ..core.sizing import ModelSizes, budget_pools, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..core.trace import Trace
-from .cost import (CostModel, dense_bytes, expert_bytes, kv_reserve_bytes, load_hardware, load_shape, parse_lowbit,
-                   shape_for_trace_model, shape_from_hf_config)
+from ..core.shapes import (dense_bytes, expert_bytes, kv_reserve_bytes, load_shape, parse_lowbit,
+                           shape_for_trace_model, shape_from_hf_config)
+from .cost import CostModel, load_hardware
 from .simulator import SimResult, Simulator, trace_steps
 
 
@@ -83,10 +84,13 @@ def budget_sizing(cost: CostModel, prefetch: str, cpu_experts: str, buffers: int
             "lowbit_fraction": lowbit_fraction_for(precision, pooled, lowbit_fraction)}
 
 
-def model_shape(trace: Trace, name: str | None = None) -> dict:
-    """The shape used for byte and time costs: --model-shape, else the recipe listing the trace's model
-    in trace_names, else the trace's own HF config (profiled traces)."""
-    if name:
+def model_shape(trace: Trace, name: str | dict | None = None) -> dict:
+    """The shape used for byte and time costs: --model-shape (a recipe or checkpoint name, or a shape already read,
+    as a GGUF file's is by the command: `store/gguf/shape.py`), else the recipe listing the trace's model in
+    trace_names, else the trace's own HF config (profiled traces)."""
+    if isinstance(name, dict):
+        shape = dict(name)
+    elif name:
         shape = load_shape(name)
     else:
         shape = shape_for_trace_model(trace.model)

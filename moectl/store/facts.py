@@ -11,18 +11,16 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..core.fingerprint import config_fingerprint
-from ..models import adapter_for
+from ..models import adapter_for, config_fingerprint
 from ..core.recipes import format_bytes, is_gguf_path, resolve_model
 from ..core.sizing import KV_RESERVE_TOKENS, ModelSizes, budget_pools, lowbit_fraction_for, split_budget
 from .checkpoint import Checkpoint
 from .memory import host_need
-from ..runtime.offloaded import OffloadedExperts
 
 
 def model_facts(config, adapter, dense: int, num_moe_layers: int, dtype: torch.dtype) -> ModelSizes:
     """The sizing's facts of a loaded config: dense bytes of the skeleton, KV bytes per token, the shape."""
-    from ..sim.cost import shape_from_hf_config
+    from ..core.shapes import shape_from_hf_config
 
     shape = shape_from_hf_config(config.to_dict())
     return ModelSizes(shape.get("name", "model"), shape, num_moe_layers, adapter.num_experts, adapter.top_k, dense,
@@ -217,8 +215,8 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     ckpt = open_checkpoint(ref.path, adapter)          # validates the shards (headers only)
     dt = parse_dtype(dtype, config)
     hf, blocks = skeleton(config, adapter, dt, ref.path)
-    for moe_idx, (layer_idx, block) in enumerate(blocks):   # the runtime's stand-ins: experts are not dense
-        block.experts = OffloadedExperts(moe_idx, layer_idx, None, None, adapter.num_experts)
+    for _, block in blocks:          # experts are not dense: a stand-in owning no weights, as the runtime's own
+        block.experts = torch.nn.Module()
     fmt = adapter.format(dt)
     expert_nbytes = fmt.nbytes
     L, E = len(blocks), adapter.num_experts

@@ -256,7 +256,7 @@ def synthesize_like(like, recipe: str, tokens: int, seed: int = 0,
     """(trace, statistics fitted on trace file `like`, the same carried to `recipe`'s shape): what
     `moectl trace synthesize` writes. The trace's model is the recipe's first trace name (how simulate finds it)."""
     from ..core.recipes import list_recipes, load_recipe
-    from ..core.trace import load_trace
+    from ..artifacts.trace_dir import load_trace
 
     if recipe not in list_recipes():
         raise MoectlError(f"no recipe {recipe!r}; recipes: {', '.join(list_recipes())}")
@@ -279,7 +279,7 @@ def writable(out) -> Path:
 
     out = Path(out)
     if out.suffix != ".jsonl":                       # a trace directory: never beside another trace's files
-        from ..artifacts.trace import require_new_dir
+        from ..artifacts.trace_dir import require_new_dir
 
         require_new_dir(out)
     try:
@@ -294,8 +294,8 @@ def save(trace: Trace, out) -> Path:
     `synthetic` record (seed, what it was fitted on) beside the source."""
     from pathlib import Path
 
-    from ..artifacts.trace import TraceWriter
-    from ..core.trace import write_jsonl
+    from ..artifacts.trace_dir import TraceWriter
+    from ..artifacts.routing_jsonl import write_jsonl
 
     out = writable(out)
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k

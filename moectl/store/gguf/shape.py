@@ -7,14 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...core.recipes import model_name
+from ...core.shapes import shape_from_hf_config
 from .config import config_dict
 from .experts import ExpertIndex
 from .files import GgufFiles
 
 
 def gguf_shape(path: str | Path) -> dict:
-    from ...sim.cost import shape_from_hf_config
-
     files = GgufFiles(path)
     index = ExpertIndex(files)
     return shape_from_hf_config(config_dict(files) | {"gguf_expert_nbytes": index.slot_nbytes()}) | {

@@ -1,4 +1,5 @@
-"""Trace directories on disk: `meta.json` + `shard-*.safetensors` (+ `routers.safetensors`).
+"""Trace directories on disk: `meta.json` + `shard-*.safetensors` (+ `routers.safetensors`); `load_trace(path)` reads
+a trace directory or a moe-routing-v1 JSONL file (`routing_jsonl.py`).
 
 Legend: N = rows (tokens), n = rows of one shard, L = MoE layers, K = top-k, E = experts,
 D = hidden size, s = hidden samples in a shard.
@@ -53,6 +54,7 @@ from .versioned import read_descriptor, require_int, require_list
 from ..errors import MoectlError
 from ..core.fingerprint import check_fingerprint
 from ..core.trace import HiddenSamples, Trace
+from .routing_jsonl import read_jsonl, write_jsonl
 
 FORMAT, VERSION = "moectl-trace", 1
 META = "meta.json"
@@ -298,8 +300,6 @@ def import_jsonl(src: str | Path, out_dir: str | Path, model_name: str | None = 
                  shard_rows: int = 65536, check=None) -> dict:
     """moe-routing-v1 JSONL -> trace directory, keeping what an exact export needs. `check(trace)`
     may raise before anything is written."""
-    from ..core.trace import read_jsonl
-
     src, out_dir = Path(src), require_new_dir(out_dir)
     if not src.is_file():
         raise MoectlError(f"{src} is not a file; expected a moe-routing-v1 JSONL trace")
@@ -329,8 +329,6 @@ def import_jsonl(src: str | Path, out_dir: str | Path, model_name: str | None = 
 
 def export_jsonl(trace_dir: str | Path, out: str | Path) -> Path:
     """Trace directory -> moe-routing-v1 JSONL (byte-identical to the original for imported traces)."""
-    from ..core.trace import write_jsonl
-
     trace = read_trace_dir(trace_dir, hidden=False)
     header = trace.extra.get("jsonl_header")
     return write_jsonl(trace, out, header=header, exact_weights=read_exact_weights(trace_dir))
@@ -338,3 +336,13 @@ def export_jsonl(trace_dir: str | Path, out: str | Path) -> Path:
 
 __all__ = ["FORMAT", "VERSION", "TraceWriter", "read_meta", "read_trace_dir", "read_exact_weights",
            "require_new_dir", "import_jsonl", "export_jsonl"]
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load a trace directory or a moe-routing-v1 JSONL file."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise MoectlError(f"trace {p} does not exist")
+    if p.is_dir() or p.suffix == ".safetensors":
+        return read_trace_dir(p if p.is_dir() else p.parent)
+    return read_jsonl(p)
