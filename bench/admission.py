@@ -74,7 +74,7 @@ def predictors(tr, train, kinds=None):
 
     out = {"eam": {}}
     if train is not None and want("routing"):
-        from moectl.predict.routing import train_routing_predictor
+        from moectl.predictors.routing import train_routing_predictor
 
         out["routing"] = dict(predictor=train_routing_predictor([train], lookahead=[1, 2])[0])
     if sim.hidden_lookup(tr) is not None and tr.routers:

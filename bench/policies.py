@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moectl.predict.routing import train_routing_predictor  # noqa: E402
+from moectl.predictors.routing import train_routing_predictor  # noqa: E402
 from moectl.sim.simulate import capacities, cost_for, simulate  # noqa: E402
 from moectl.artifacts.trace_dir import load_trace  # noqa: E402
 
@@ -212,7 +212,7 @@ def tiny_section(quick: bool = False) -> dict:
 
     import torch
 
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.predict.train import train_aux_gate, train_mlp
     from moectl.runtime.engine import Engine

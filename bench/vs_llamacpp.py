@@ -241,7 +241,8 @@ def print_table(res: dict) -> None:
 def fidelity(work: Path, ctx: int = 128, max_tokens: int = 16384, threads: int = 1, model: str = "tiny") -> dict:
     """Perplexity deltas, each tool against its own full-precision run, on the model's held-out text (`model`:
     tiny, or the reference model `make bench-fidelity` builds, on calibration/reference.yaml)."""
-    from moectl.calib.dataset import builtin_corpus, load_calibration
+    from moectl.calib.builtin_corpus import builtin_corpus
+    from moectl.calib.dataset import load_calibration
     from moectl.calib.fidelity import token_windows, window_nll
     from moectl.quant.quantize import quantize_model
     from moectl.runtime.engine import Engine

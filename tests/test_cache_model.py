@@ -132,7 +132,7 @@ def recorded(tiny_small, tmp_path_factory):
     cache counters and trace."""
     import torch
 
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.runtime.engine import Engine
 

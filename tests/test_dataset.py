@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from moectl.calib.dataset import build_builtin_corpus, clean_pydoc, load_calibration
+from moectl.calib.builtin_corpus import build_builtin_corpus, clean_pydoc
+from moectl.calib.dataset import load_calibration
 from moectl.errors import MoectlError
 
 TEXTS = ["The first calibration text.", "A second one, with unicode: héllo ✓.", "Third text about experts."]
@@ -82,7 +83,7 @@ def test_builtin_corpus_and_default_yaml(home):
 
 
 def test_builtin_corpus_is_deterministic(tmp_path, home):
-    from moectl.calib.dataset import BUILTIN_MODULES
+    from moectl.calib.builtin_corpus import BUILTIN_MODULES
 
     load_calibration("builtin")                               # make sure the cached one exists
     cached = next(home.glob("corpus/*/"))

@@ -71,7 +71,7 @@ def _family_checkpoint(family: str, out: Path, width: int) -> Path:
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
 
     f = tmp_path_factory.mktemp("lc_text") / "heldout.txt"
     f.write_text(" ".join(" ".join(builtin_corpus("validation")).split())[:20000])    # one line: one text

@@ -22,7 +22,7 @@ LAYERS = [
     ("artifacts", ("moectl.artifacts",)),
     ("decisions", ("moectl.policies", "moectl.setting", "moectl.sim")),
     ("kernels", ("moectl.kernels", "moectl.formats")),
-    ("models", ("moectl.models",)),
+    ("models", ("moectl.models", "moectl.predictors")),
     ("store", ("moectl.store",)),
     ("runtime", ("moectl.runtime",)),
     ("uses", ("moectl.calib", "moectl.predict", "moectl.plan", "moectl.quant", "moectl.synth",

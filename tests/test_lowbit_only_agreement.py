@@ -49,7 +49,7 @@ def _load(ckpt, wd, **kw):
 def test_runtime_and_simulator_agree_at_lowbit_only_with_prefetch(q4, tmp_path, staging, admission, cpu):
     import torch
 
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.policies import LRU
     from moectl.policies.admission import make_admission

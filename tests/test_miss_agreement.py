@@ -33,7 +33,7 @@ def quantized(tiny_small, tmp_path_factory):
 def test_runtime_and_simulator_agree_with_cpu_experts_and_hobbit(quantized, tmp_path, setting):
     import torch
 
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.policies import PolicyInputs, build_replacement
     from moectl.policies.placement import ComputePlacement

@@ -40,8 +40,8 @@ def toy_trace(path, L: int, E: int, K: int, n: int = 6, model: str = "toy"):
 
 def routing_predictors(out, L: int, E: int, K: int):
     """Routing-only predictors of an L x E model's imported traces (no fingerprint), as train-predictor saves them."""
-    from moectl.predict.predictors_file import save_predictors
-    from moectl.predict.routing import RoutingPredictor
+    from moectl.predictors.file import save_predictors
+    from moectl.predictors.routing import RoutingPredictor
 
     save_predictors(out, fingerprint=None, model="olmoe-like", num_layers=L, num_experts=E, top_k=K, lookahead=[1],
                     routing=RoutingPredictor(L, E, K, [1]))
@@ -49,7 +49,7 @@ def routing_predictors(out, L: int, E: int, K: int):
 
 
 def test_predictors_of_another_model_are_one_error_not_an_index_error(model, tmp_path, capsys, monkeypatch):
-    from moectl.predict.predictors_file import load_predictors
+    from moectl.predictors.file import load_predictors
 
     preds = routing_predictors(tmp_path / "p", 16, 64, 8)
     code, _, err = run_cli(["generate", "--model", str(model), "--prompt", "def", "--max-new-tokens", "2",

@@ -228,7 +228,7 @@ def tiny_profiled(tiny_small, tmp_path_factory):
     """(checkpoint, workdir with the small tiny model's profiled traces/, ModelFacts, bytes below the experts)."""
     import torch
 
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.plan.budget import model_facts, split_budget
     from moectl.runtime.engine import Engine
@@ -322,7 +322,7 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
     """Profile the tiny model, plan its cache for a budget, run the runtime with the plan (CPU slots, as a device
     has): decode misses per token = the plan's prediction for the profiled trace within 10 %, and weights + cache +
     KV held stay within the budget (the runtime's own accounting on a CPU)."""
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.runtime.engine import Engine, dense_nbytes
 

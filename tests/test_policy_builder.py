@@ -137,7 +137,7 @@ def test_resolve_model_never_builds_and_the_runtime_does_not_import_calibration(
 
 def test_routing_trainer_honours_epochs():
     """--epochs reaches the routing trainer (it was capped at 20 passes)."""
-    from moectl.predict.routing import train_routing_predictor
+    from moectl.predictors.routing import train_routing_predictor
     from moectl.core.trace import Trace
 
     rng = np.random.default_rng(0)

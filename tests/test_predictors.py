@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from moectl.errors import MoectlError
-from moectl.predict.predictors_file import load_predictors, save_predictors
-from moectl.predict.metrics import set_metrics
-from moectl.predict.mlp import measure_predict_cost
+from moectl.predictors.file import load_predictors, save_predictors
+from moectl.predictors.metrics import set_metrics
+from moectl.predictors.mlp import measure_predict_cost
 from moectl.predict.train import (TEST, TRAIN, VAL, gather_hidden, split_rows, train_aux_gate, train_mlp)
 from moectl.core.trace import HiddenSamples, Trace
 

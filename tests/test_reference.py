@@ -65,7 +65,8 @@ def test_stdlib_corpus_never_trains_on_held_out_or_documented_modules(tmp_path):
 
 
 def test_real_stdlib_corpus_held_out_text_is_not_in_training(home):
-    from moectl.calib.dataset import builtin_corpus, load_calibration
+    from moectl.calib.builtin_corpus import builtin_corpus
+    from moectl.calib.dataset import load_calibration
     from moectl.calib.stdlib_corpus import DOCUMENTED, stdlib_corpus, stdlib_corpus_dir
 
     train, held = stdlib_corpus("train"), stdlib_corpus("heldout")
@@ -148,7 +149,8 @@ def test_paired_noise_of_a_perplexity_delta():
 
 def test_bench_models_pick_each_models_held_out_text(home):
     from bench.models import fit_texts, held_out_dataset
-    from moectl.calib.dataset import builtin_corpus, load_calibration
+    from moectl.calib.builtin_corpus import builtin_corpus
+    from moectl.calib.dataset import load_calibration
     from moectl.calib.stdlib_corpus import stdlib_corpus
     from moectl.core.recipes import resolve_model
 

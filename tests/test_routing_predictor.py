@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moectl.policies import LRU, RoutingPrefetch
-from moectl.predict.routing import RoutingPredictor, multi_hot, train_routing_predictor
+from moectl.predictors.routing import RoutingPredictor, multi_hot, train_routing_predictor
 from moectl.sim.simulator import Simulator, trace_steps
 from moectl.artifacts.trace_dir import load_trace
 from moectl.core.trace import DECODE, Trace

@@ -131,7 +131,7 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
     per layer, the same prefetches, hits, misses and evictions with admission off and on. Admission skipped some
     and admitted some both ways (staged, a copy hides under the 1 s layers whole and a wrong one evicts nothing, but
     a staged copy also waits for its score bucket's evidence: the 0.05 ones, right almost never, are not copied)."""
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.policies import LRU
     from moectl.policies.admission import make_admission

@@ -287,7 +287,7 @@ def test_simulate_refuses_training_on_the_simulated_trace(mixtral_like):
 def test_mlp_prefetch_on_held_out_requests_of_the_tiny_model(tiny_small, tmp_path):
     """Profile the small tiny model in-process, train the mlp predictor on some requests and simulate on the
     OTHER requests (never the training tokens): its prefetches must remove demand loads lru/none has."""
-    from moectl.calib.dataset import builtin_corpus
+    from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.predict.train import train_mlp
     from moectl.runtime.engine import Engine

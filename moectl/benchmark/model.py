@@ -320,7 +320,7 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
         pname = runs[name]["prefetch"]
         preds = None
         if pname in ("mlp", "aux-gate", "routing"):
-            from ..predict.predictors_file import load_predictors
+            from ..predictors.file import load_predictors
 
             preds = load_predictors(ref.workdir, fp)
         try:

@@ -74,7 +74,7 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
 
 def predictor_cost(hidden_size: int = 4096, num_experts: int = 8, top_k: int = 2, num_layers: int = 32) -> dict:
     """CPU cost per layer of the MLP (ProMoE) predictor at a model's sizes (default Mixtral-8x7B)."""
-    from ..predict.mlp import measure_predict_cost
+    from ..predictors.mlp import measure_predict_cost
 
     return measure_predict_cost(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k,
                                 num_layers=num_layers)

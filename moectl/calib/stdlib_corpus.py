@@ -1,7 +1,7 @@
 """The reference model's corpus: the Python standard library's own source and documentation, plus the built-in corpus.
 
 Two splits, `train` and `heldout`, cached as JSONL under `$MOECTL_HOME/corpus/stdlib-v1-py3.X/` (built in seconds):
-  - documentation: the built-in corpus (pydoc text, `moectl.calib.dataset`) keeps its own split, so its
+  - documentation: the built-in corpus (pydoc text, `builtin_corpus.py`) keeps its own split, so its
     `validation` documents are held out here too (the tiny model's default calibration set stays unseen);
   - source: every `.py` file of the running interpreter's standard library (no tests, no site-packages), one
     document per file (`pydoc_data/topics.py` brings the language reference's text). A file goes to `heldout`
@@ -23,7 +23,7 @@ import sysconfig
 from pathlib import Path
 
 from ..errors import MoectlError
-from .dataset import BUILTIN_MODULES, builtin_corpus, corpus_home, write_corpus
+from .builtin_corpus import BUILTIN_MODULES, builtin_corpus, corpus_home, write_corpus
 
 STDLIB_CORPUS_VERSION = "stdlib-v1"
 HELDOUT_EVERY = 10                                   # 1 in 10 top-level modules (by name hash) is held out

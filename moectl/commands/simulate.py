@@ -170,7 +170,7 @@ def simulate(
             if (t.num_layers, t.num_experts) != (tr.num_layers, tr.num_experts):
                 raise MoectlError(f"--train-on trace {t.model} is not of the simulated model {tr.model}")
     if predictor is not None:
-        from ..predict.predictors_file import load_predictors
+        from ..predictors.file import load_predictors
 
         ps = load_predictors(predictor, expect_fingerprint=tr.fingerprint)
         routing_pred, mlp_pred, aux_pred = ps.routing, ps.mlp, ps.aux_gate
@@ -179,7 +179,7 @@ def simulate(
                               f"{routing_pred.E} experts, the trace has {tr.num_layers} x {tr.num_experts}")
     wants_routing = prefetch == "routing" or compare
     if wants_routing and routing_pred is None and train_traces:
-        from ..predict.routing import train_routing_predictor
+        from ..predictors.routing import train_routing_predictor
 
         with console.status("training the routing predictor on --train-on traces"):
             routing_pred, _ = train_routing_predictor(train_traces, lookahead=list(range(1, (depth or 2) + 1)))

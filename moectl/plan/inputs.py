@@ -98,7 +98,7 @@ def stored_gating(wd: Path, facts: ModelFacts, trace):
 def _prefetch(name: str, replay: Replay, wd: Path | None, facts: ModelFacts) -> str:
     """Resolve --prefetch auto the way the runtime does, on what the traces can replay (`wd` None: no workdir,
     no predictors)."""
-    from ..predict.predictors_file import JSON_NAME, load_predictors
+    from ..predictors.file import JSON_NAME, load_predictors
     from ..sim.simulate import hidden_lookup
 
     tr = replay.trace

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROXY_NAME = "ppl-proxy.json"
+PROXY_LABEL = "ppl delta (tiny-model proxy)"          # the scoreboard column it fills
 FORMAT, VERSION = "moectl-ppl-proxy", 1
 EVAL = {"dataset": "default", "window": 128, "max_tokens": 1024, "prompts": 2, "generate": 16, "decode": True,
         "cache_fraction": 0.25, "replacement": "lru", "prefetch": "none"}
@@ -93,11 +94,10 @@ def proxies(wd: Path | None = None, measure: bool = True, settings=SETTINGS, ev:
     `wd` (default: `moectl build-tiny`'s workdir). Cached results are reused; missing ones are measured when
     `measure`, else reported as not measured. Never fails for want of a built tiny model."""
     from ..synth.tiny import tiny_report
-    from .scoreboard import PROXY_LABEL as LABEL
 
     wd = Path(wd) if wd is not None else tiny_workdir()
     ev = EVAL | (ev or {})
-    out = {"label": LABEL, "path": str(wd / PROXY_NAME), "settings": {}}
+    out = {"label": PROXY_LABEL, "path": str(wd / PROXY_NAME), "settings": {}}
     if tiny_report(wd) is None or not (wd / "checkpoint" / "config.json").exists():
         return out | {"status": f"not measured: the tiny model is not built in {wd} (moectl build-tiny)"}
     ident = _identity(wd)

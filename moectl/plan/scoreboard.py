@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MoectlError
+from .proxy import PROXY_LABEL, setting_of
 
 # AdapMoE's released per-layer sensitivities S_i of Mixtral-8x7B (seed_adapmoe.md §2.3) and its default T_g:
 # the adapmoe preset's gating on Mixtral traces when the workdir has no sensitivity.json of its own.
@@ -19,7 +20,6 @@ SEED_MIXTRAL_SENSITIVITY = [46.69, 17.30, 13.02, 7.64, 4.17, 2.23, 1.26, 0.84, 0
                             0.38, 0.31, 0.23, 0.18, 0.14, 0.11, 0.10, 0.10, 0.09, 0.08, 0.07, 0.06, 0.05, 0.04, 0.03,
                             0.03, 0.02, 0.02]
 SEED_T_G = 0.005
-PROXY_LABEL = "ppl delta (tiny-model proxy)"
 
 
 @dataclass
@@ -72,7 +72,6 @@ def run_preset(setup, preset: Preset, plan: dict | None, replay=None, q4_plan: d
     from dataclasses import replace
 
     from .planner import Policies, expert_nbytes, make_plan, pools_of, summary, uniform_pools
-    from .proxy import setting_of
 
     replay = replay or setup.replay
     row = {"preset": preset.name, "system": preset.system, "fidelity": preset.fidelity, "notes": []}

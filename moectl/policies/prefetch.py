@@ -60,7 +60,7 @@ class GateReuse(PrefetchPolicy):
 
 class MLPPrefetch(PrefetchPolicy):
     """ProMoE-style learned hidden-state predictor. `predictor.predict_scores(layer, hidden[D])` returns
-    {target layer: scores [E]} (higher = more likely); see moectl/predict/mlp.py."""
+    {target layer: scores [E]} (higher = more likely); see moectl/predictors/mlp.py."""
 
     name = "mlp"
 
@@ -158,7 +158,7 @@ class EAMPrefetch(PrefetchPolicy):
 
 
 class RoutingPrefetch(PrefetchPolicy):
-    """Learned routing-only predictor (moectl/predict/routing.py): P(e at l+d) from this token's routing
+    """Learned routing-only predictor (moectl/predictors/routing.py): P(e at l+d) from this token's routing
     so far and the previous tokens'; prefetch the `per_layer` most likely experts above `min_score`."""
 
     name = "routing"

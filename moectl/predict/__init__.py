@@ -1,0 +1,1 @@
+"""`moectl train-predictor`: training the expert predictors (`moectl/predictors/`) on profiled traces."""

@@ -58,7 +58,7 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
     from ..core.recipes import moectl_home
     from ..artifacts.trace_dir import load_trace
     from ..core.trace import check_trace_fits
-    from .predictors_file import save_predictors
+    from ..predictors.file import save_predictors
 
     t_start = time.monotonic()
     kinds = parse_kinds(kind)
@@ -105,10 +105,10 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
         kinds = [k for k in kinds if k == "routing"]
     if "routing" in kinds:
         try:
-            from . import routing as _routing  # noqa: F401
+            from ..predictors import routing as _routing  # noqa: F401
         except ImportError:
             if kind == "routing":
-                raise MoectlError("the routing predictor is not available in this build (moectl.predict.routing)")
+                raise MoectlError("the routing predictor is not available in this build (moectl.predictors.routing)")
             notes.append("routing predictor not available in this build: skipped")
             kinds = [k for k in kinds if k != "routing"]
     if not kinds:

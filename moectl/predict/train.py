@@ -23,9 +23,9 @@ from torch import nn
 
 from ..errors import MoectlError
 from ..core.trace import Trace
-from .aux_gate import AuxGate
-from .metrics import frequency_scores, gate_reuse_scores, ks_for, mean_metrics, multi_hot, set_metrics
-from .mlp import MLPPredictorSet
+from ..predictors.aux_gate import AuxGate
+from ..predictors.metrics import frequency_scores, gate_reuse_scores, ks_for, mean_metrics, multi_hot, set_metrics
+from ..predictors.mlp import MLPPredictorSet
 
 TRAIN, VAL, TEST = 0, 1, 2
 BLOCK_ROWS = 16
@@ -273,8 +273,8 @@ ROUTING_EPOCHS = 20           # default passes of the routing predictor: ~150 we
 
 def train_routing(traces: list[Trace], lookaheads: list[int], epochs: int, max_minutes: float | None,
                   seed: int = 0):
-    """The routing-only predictor (moectl.predict.routing): inputs are expert choices, no hidden states."""
-    from .routing import train_routing_predictor
+    """The routing-only predictor (moectl.predictors.routing): inputs are expert choices, no hidden states."""
+    from ..predictors.routing import train_routing_predictor
 
     return train_routing_predictor(traces, lookahead=lookaheads, epochs=epochs, max_minutes=max_minutes or 5.0,
                                    seed=seed)

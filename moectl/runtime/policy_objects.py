@@ -30,7 +30,7 @@ def build_policies(replacement, prefetch, model, adapter, predictor_dir, fingerp
     policy = replacement if isinstance(replacement, ReplacementPolicy) else build_replacement(replacement, inputs)
     if prefetch is None or isinstance(prefetch, PrefetchPolicy):
         return policy, prefetch
-    from ..predict.predictors_file import JSON_NAME, load_predictors
+    from ..predictors.file import JSON_NAME, load_predictors
 
     if prefetch == "auto":
         preds = (load_predictors(predictor_dir, fingerprint, (num_layers, adapter.num_experts))

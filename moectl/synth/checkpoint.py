@@ -81,7 +81,7 @@ def hf_config(shape: dict, family: str, layers: int, dt: torch.dtype, bos: int, 
 
 def write_tokenizer(out: Path, vocab: int):
     """A byte-level BPE of `vocab` tokens trained on the built-in corpus, saved beside the weights; returns it."""
-    from ..calib.dataset import builtin_corpus
+    from ..calib.builtin_corpus import builtin_corpus
     from .tiny import train_tokenizer
 
     tok = train_tokenizer(builtin_corpus("train")[:400], vocab)

@@ -178,7 +178,7 @@ def evaluate(model, val_ids, spec: TinySpec, unigram_logp) -> dict:
 
 def corpus_texts(spec: TinySpec) -> tuple[list[str], list[str], list[str]]:
     """(training texts, held-out texts, texts the chat pairs are made from) of a recipe."""
-    from ..calib.dataset import builtin_corpus
+    from ..calib.builtin_corpus import builtin_corpus
     from ..calib.stdlib_corpus import stdlib_corpus
 
     if spec.corpus == "stdlib":

@@ -35,9 +35,9 @@ RETRAIN = "train predictors on this model's traces (`moectl train-predictor --mo
 
 @dataclass
 class PredictorSet:
-    mlp: object | None = None          # moectl.predict.mlp.MLPPredictorSet
-    aux_gate: object | None = None     # moectl.predict.aux_gate.AuxGate
-    routing: object | None = None      # moectl.predict.routing.RoutingPredictor
+    mlp: object | None = None          # moectl.predictors.mlp.MLPPredictorSet
+    aux_gate: object | None = None     # moectl.predictors.aux_gate.AuxGate
+    routing: object | None = None      # moectl.predictors.routing.RoutingPredictor
     meta: dict = field(default_factory=dict)
     path: Path | None = None
 
