@@ -244,7 +244,8 @@ def measure_copy(device: str, nbytes: int = EXPERT_BYTES_MIXTRAL, repeat: int = 
     import torch
 
     from moectl.runtime.machine import best_s
-    from moectl.runtime.loader import CHUNK_BYTES, CopyJob, DEMAND, Loader, split_rows
+    from moectl.core.copy_chunks import CHUNK_BYTES, split_rows
+    from moectl.runtime.loader import CopyJob, DEMAND, Loader
 
     rows, row_bytes = nbytes // 4096, 4096
     pageable = torch.ones(rows, row_bytes, dtype=torch.uint8)

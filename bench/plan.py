@@ -38,7 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moectl.plan.budget import model_facts, split_budget  # noqa: E402
+from moectl.core.sizing import split_budget
+from moectl.plan.budget import model_facts  # noqa: E402
 from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moectl.calib.dataset import load_calibration  # noqa: E402
 from moectl.calib.fidelity import evaluate, paired_2se, token_windows  # noqa: E402
 from moectl.quant.quantize import quantize_model  # noqa: E402
-from moectl.runtime.engine import DEFAULT_LOWBIT_FRACTION, Engine  # noqa: E402
+from moectl.core.sizing import DEFAULT_LOWBIT_FRACTION
+from moectl.runtime.engine import Engine  # noqa: E402
 from bench.models import MODEL_HELP, bench_model, experts_of, held_out_dataset  # noqa: E402
 
 CONFIGS = [("hi/lo", dict(precision="hobbit", t1=0.6, t2=1.0)),

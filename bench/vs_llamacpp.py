@@ -158,7 +158,7 @@ def moectl_bytes_per_token(ckpt: Path, workdir: Path, lowbit: str | None, dense_
     """The same for moectl: dense tensors but the embedding, plus top-k experts per layer (the copy's bytes); with
     `dense_lowbit` (moectl's kernels' layouts, 2 bf16 per 64 weights) q8 the attention projections and lm_head
     q8g64, q4 the attention projections q4g64 and the lm_head q6g64 (models/dense_cpu.py)."""
-    from moectl.runtime.engine import inspect_model
+    from moectl.store.facts import inspect_model
 
     info = inspect_model(str(ckpt), str(workdir), None)
     per_expert = info["bytes_per_expert"]

@@ -20,7 +20,8 @@ from test_runtime import _engine_run, _reference_run, run_cli  # noqa: E402
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.core.recipes import format_bytes  # noqa: E402
 from moectl.runtime.cache import DeviceCache  # noqa: E402
-from moectl.runtime.engine import Engine, header_dense_nbytes, kv_reserve_nbytes  # noqa: E402
+from moectl.store.facts import header_dense_nbytes, kv_reserve_nbytes
+from moectl.runtime.engine import Engine  # noqa: E402
 from moectl.runtime.in_place import InPlaceExperts  # noqa: E402
 from moectl.store import checkpoint as ckpt_mod  # noqa: E402
 from moectl.store import memory  # noqa: E402
@@ -151,7 +152,7 @@ def test_slots_are_allocated_and_touched_at_start_up(mixtral):
 
 
 def _needs(path):
-    from moectl.runtime.engine import load_config
+    from moectl.store.facts import load_config
     from moectl.store.checkpoint import Checkpoint
 
     config, adapter = load_config(Path(path))

@@ -38,7 +38,8 @@ def test_runtime_and_simulator_agree_with_cpu_experts_and_hobbit(quantized, tmp_
     from moectl.policies import PolicyInputs, build_replacement
     from moectl.policies.placement import ComputePlacement
     from moectl.runtime.engine import Engine
-    from moectl.sim.simulator import Simulator, trace_steps
+    from moectl.sim.steps import trace_steps
+    from moectl.sim.simulator import Simulator
     from moectl.artifacts.trace_dir import load_trace
 
     torch.set_num_threads(1)

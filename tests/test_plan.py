@@ -89,7 +89,8 @@ def test_dp_is_the_exhaustive_optimum_and_deterministic():
 @pytest.mark.parametrize("size,expected", [("20GB", 20_000_000_000), ("20GiB", 20 * 2**30),
                                            ("20000MB", 20_000_000_000), ("21474836480", 21474836480)])
 def test_budget_sizes_and_split(size, expected):
-    from moectl.plan.budget import model_facts, split_budget
+    from moectl.core.sizing import split_budget
+    from moectl.plan.budget import model_facts
 
     facts = model_facts("mixtral")
     s = split_budget(size, facts, kv_tokens=4096)
@@ -100,7 +101,8 @@ def test_budget_sizes_and_split(size, expected):
 
 
 def test_budget_below_the_minimum_states_it():
-    from moectl.plan.budget import model_facts, split_budget
+    from moectl.core.sizing import split_budget
+    from moectl.plan.budget import model_facts
 
     facts = model_facts("mixtral")
     with pytest.raises(MoectlError, match=r"below the minimum 15\.\d\d GB") as e:
@@ -230,7 +232,8 @@ def tiny_profiled(tiny_small, tmp_path_factory):
 
     from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
-    from moectl.plan.budget import model_facts, split_budget
+    from moectl.core.sizing import split_budget
+    from moectl.plan.budget import model_facts
     from moectl.runtime.engine import Engine
 
     torch.set_num_threads(1)

@@ -10,7 +10,8 @@ import pytest
 from moectl.errors import MoectlError
 from moectl.policies import (PREFETCH_NAMES, REPLACEMENT_NAMES, Belady, EAMPrefetch, GateReuse, Hobbit, LFU, LRU,
                              MLPPrefetch, MoEInfinity, Ours, make_prefetch, make_replacement)
-from moectl.sim.simulator import Simulator, trace_steps
+from moectl.sim.steps import trace_steps
+from moectl.sim.simulator import Simulator
 from moectl.artifacts.trace_dir import load_trace
 from moectl.core.trace import DECODE, HiddenSamples, Trace
 

@@ -94,6 +94,7 @@ def test_runtime_and_simulator_build_the_same_prefetch(tmp_path):
 def test_a_bad_budget_fails_before_any_weight_is_read(family, tied, tmp_path, monkeypatch):
     from moectl.runtime import engine
     from moectl.store.checkpoint import Checkpoint
+    from moectl.store.facts import dense_nbytes, inspect_model
 
     d = tmp_path / family
     build_family(family, d)
@@ -101,9 +102,9 @@ def test_a_bad_budget_fails_before_any_weight_is_read(family, tied, tmp_path, mo
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
     eng = engine.Engine.load(str(d), progress=False)
-    info = engine.inspect_model(str(d))
+    info = inspect_model(str(d))
     # the size the runtime plans with (from the skeleton) is what the loaded model really holds
-    assert info["dense_bytes"] == engine.dense_nbytes(eng.model)
+    assert info["dense_bytes"] == dense_nbytes(eng.model)
     assert info["bytes_per_expert"] == eng.store.expert_nbytes
 
     def no_reads(*a, **k):

@@ -211,7 +211,7 @@ def test_q8_copies_stay_near_lossless(tiny_small, tmp_path):
 
 
 def test_budget_split_and_inspect_memory_figures(mixtral, q4, capsys, monkeypatch):
-    from moectl.runtime.engine import split_pools
+    from moectl.core.sizing import split_pools
 
     full, low = split_pools([2, 2, 2, 2], 8, 1000, 100, 0.25)        # 8000 bytes: 6 full slots + 20 low-bit slots
     assert full == [2, 2, 1, 1] and low == [5, 5, 5, 5]

@@ -82,7 +82,8 @@ def test_real_stdlib_corpus_held_out_text_is_not_in_training(home):
 
 
 def test_reference_small_resumes_to_the_weights_of_an_uninterrupted_run(home, tmp_path):
-    from moectl.synth.tiny import REFERENCE_SMALL, STATE_DIR, build_tiny
+    from moectl.synth.tiny_recipe import REFERENCE_SMALL
+    from moectl.synth.tiny import STATE_DIR, build_tiny
 
     assert REFERENCE_SMALL.checkpoint_every == 8 and REFERENCE_SMALL.steps == 32
     whole = build_tiny(tmp_path / "whole", size="reference-small", progress=False)

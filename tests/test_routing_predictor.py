@@ -10,7 +10,8 @@ import torch
 
 from moectl.policies import LRU, RoutingPrefetch
 from moectl.predictors.routing import RoutingPredictor, multi_hot, train_routing_predictor
-from moectl.sim.simulator import Simulator, trace_steps
+from moectl.sim.steps import trace_steps
+from moectl.sim.simulator import Simulator
 from moectl.artifacts.trace_dir import load_trace
 from moectl.core.trace import DECODE, Trace
 

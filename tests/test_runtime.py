@@ -143,7 +143,8 @@ def test_budget_option_on_a_model(family_dirs):
     eng = Engine.load(path, progress=False)
     with pytest.raises(MoectlError, match="minimum"):
         Engine.load(path, budget="100KB", progress=False)
-    from moectl.runtime.engine import dense_nbytes, kv_reserve_nbytes
+    from moectl.store.facts import kv_reserve_nbytes
+    from moectl.runtime.engine import dense_nbytes
     from moectl.core.shapes import shape_from_hf_config
     need = dense_nbytes(eng.model) + kv_reserve_nbytes(eng.config, torch.float32) + 8 * eng.store.expert_nbytes \
         + workspace_bytes(shape_from_hf_config(eng.config.to_dict()))     # the one sizing: a workspace too

@@ -135,7 +135,8 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
     from moectl.calib.profile import run_profile
     from moectl.policies import LRU
     from moectl.policies.admission import make_admission
-    from moectl.sim.simulator import Simulator, trace_steps
+    from moectl.sim.steps import trace_steps
+    from moectl.sim.simulator import Simulator
     from moectl.artifacts.trace_dir import load_trace
     from moectl.core.trace import PREFILL
 

@@ -14,7 +14,8 @@ from moectl.policies import LRU
 from moectl.policies.draft_length import Acceptance, pass_order
 from moectl.sim.cost import FixedCost
 from moectl.sim.spec_passes import DraftSpec, PassSimulator, accepted_drafts, run_draft, union_ratio
-from moectl.sim.simulator import Simulator, trace_steps
+from moectl.sim.steps import trace_steps
+from moectl.sim.simulator import Simulator
 from moectl.core.trace import DECODE, Trace
 
 from shared_data import TRACE_FILES, needs_shared

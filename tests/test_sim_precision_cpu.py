@@ -17,7 +17,8 @@ from moectl.policies.precision import LOW, HobbitPrecision, LowbitOnly
 from moectl.core.shapes import expert_bytes, load_shape, parse_lowbit
 from moectl.sim.cost import CostModel, FixedCost, load_hardware
 from moectl.sim.simulate import capacities, precision_pools
-from moectl.sim.simulator import Simulator, trace_steps
+from moectl.sim.steps import trace_steps
+from moectl.sim.simulator import Simulator
 from moectl.core.trace import DECODE, Trace
 
 NBYTES = {FULL: 1.0, LOW: 0.25}            # a low-bit copy is a quarter of the full one

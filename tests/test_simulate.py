@@ -13,7 +13,8 @@ from moectl.policies import LRU, PrefetchPolicy
 from moectl.core.shapes import load_shape
 from moectl.sim.cost import CostModel, FixedCost, load_hardware
 from moectl.sim.simulate import capacities
-from moectl.sim.simulator import Simulator, trace_steps
+from moectl.sim.steps import trace_steps
+from moectl.sim.simulator import Simulator
 from moectl.core.trace import DECODE, PREFILL, Trace
 
 COST = FixedCost(load=1.0, attention=0.1, expert=0.0)

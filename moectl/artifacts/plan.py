@@ -1,8 +1,18 @@
-"""plan.yaml (written by `moectl plan-cache`, plan/plan_file.py): its format and its reader, for everything that
-applies a plan (the runtime options, `simulate --plan`). No torch.
+"""plan.yaml (`moectl-plan-v1`): its writer (`moectl plan-cache`) and its reader, for everything that applies a plan
+(the runtime options, `simulate --plan`). No torch.
 
-    {format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer], slots_low: [per layer, optional],
-     preload: {precision: [[experts] per layer]}, policies: {...}, budget: {...}}
+    format: moectl-plan-v1        version: 1            fingerprint: <model fp, or null for a recipe shape>
+    model, num_layers, num_experts, top_k
+    slots: [full-precision slots per MoE layer]
+    slots_low: [low-bit slots per layer]          (only when the plan serves low-bit copies)
+    preload: {full: [[experts] per layer], low: ...}   (the experts the planning trace used most, up to each
+                                                  pool's slots: loaded at start-up, `CacheState.preload`)
+    expert_bytes: {full: B, low: b}, lowbit: q4g64
+    budget: {total, dense, kv, kv_tokens, workspace, experts, experts_used}
+    policies: {replacement, prefetch, depth, per_layer, gating (T_g), precision, t1, t2, lowbit, cpu_experts}
+    hardware, curves (measured/analytic and on what), traces
+    predicted / uniform: {hit_rate, ms_per_token, tokens_per_s, stall_ms_per_token, bytes_per_token,
+                          misses_per_token, ...}  (the plan and the even split of the same bytes, simulated)
 """
 
 from __future__ import annotations
@@ -11,11 +21,12 @@ from pathlib import Path
 
 import yaml
 
-from .versioned import check_shape, is_int, read_descriptor, require_list, where
+from .versioned import check_shape, is_int, read_descriptor, require_list, where, write_descriptor
 from ..core.cache_model import FULL, LOW
+from .. import __version__
 from ..errors import MoectlError
 
-PLAN_FORMAT = "moectl-plan-v1"
+PLAN_FORMAT, PLAN_VERSION = "moectl-plan-v1", 1
 PLAN_NAME = "plan.yaml"
 
 
@@ -105,3 +116,9 @@ def plan_policies(plan: dict) -> dict:
     if pol.get("gating") and pol.get("sensitivities"):
         out["gating"] = (float(pol["gating"]), [float(x) for x in pol["sensitivities"]])
     return out
+
+
+def write_plan(path, plan: dict, fingerprint: str | None) -> Path:
+    head = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": fingerprint,
+            "created_by": f"moectl {__version__}"}
+    return write_descriptor(path, head | plan)

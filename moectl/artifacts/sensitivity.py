@@ -1,9 +1,11 @@
-"""sensitivity.json (written by `moectl sensitivity`, calib/sensitivity.py): its format and its reader, for
+"""sensitivity.json (written by `moectl sensitivity`: `save_sensitivity`): its format, its writer and its reader, for
 everything that applies a stored gating threshold (the runtime options, plan-cache, simulate). No torch."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from pathlib import Path
 
 from .versioned import read_descriptor
@@ -45,3 +47,14 @@ def rule_sensitivities(meta: dict) -> list[float]:
     """The per-layer values the gating rule uses from a sensitivity.json: the ablation costs when it was made
     with `--rule ablation`, else Fisher's S_l."""
     return meta["ablation"] if meta.get("rule") == "ablation" and meta.get("ablation") else meta["sensitivities"]
+
+
+def save_sensitivity(workdir: Path, meta: dict) -> Path:
+    path = Path(workdir) / JSON_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": FORMAT, "format_version": FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | meta
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path

@@ -69,7 +69,8 @@ def cache_sizes(trace: Trace, n: int = 8) -> list[int]:
 def hit_rates(trace: Trace, policy_factory, sizes: list[int]) -> np.ndarray:
     """[L, C] hit rate (prefill and decode accesses) of a per-layer pool of each size: `trace` replayed
     through the simulator (the runtime's cache rules) with a fresh policy from `policy_factory()`."""
-    from ..sim.simulator import Simulator, trace_steps
+    from ..sim.steps import trace_steps
+    from ..sim.simulator import Simulator
 
     steps = trace_steps(trace)
     out = np.zeros((trace.num_layers, len(sizes)))

@@ -20,17 +20,11 @@ moe_layer_ids, sensitivities [L] (Fisher), rule ("fisher" | "ablation"), ablatio
 
 from __future__ import annotations
 
-import json
-import math
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import MoectlError
-from ..artifacts.sensitivity import (FORMAT, FORMAT_VERSION, JSON_NAME, RULES,  # noqa: F401
-                                      load_sensitivity, rule_sensitivities)
 from ..policies.gating import GatingPolicy
 
 
@@ -77,17 +71,6 @@ def fisher_sensitivity(model, moe_blocks: list, windows: list[list[int]], device
     if len(outs) != len(moe_blocks):
         raise MoectlError(f"only {len(outs)} of {len(moe_blocks)} MoE blocks were reached by the gradient")
     return {"sensitivities": (total / scored).tolist(), "tokens": scored}
-
-
-def save_sensitivity(workdir: Path, meta: dict) -> Path:
-    path = Path(workdir) / JSON_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": FORMAT, "format_version": FORMAT_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} | meta
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-    return path
 
 
 class LayerAblation(GatingPolicy):

@@ -7,7 +7,6 @@ import copy
 import typer
 
 from ..policies import PREFETCH_NAMES, REPLACEMENT_NAMES
-from ..status import prefetch_note, print_plan_note, print_stats_line  # noqa: F401  (the serve layer's too)
 
 
 class CacheOpts:

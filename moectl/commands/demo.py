@@ -125,7 +125,7 @@ def demo(
     # 3. one chat answer through the offloading runtime
     console.rule("[bold]chat")
     t0 = time.perf_counter()
-    from ._common import prefetch_note, print_stats_line
+    from ..status import prefetch_note, print_stats_line
     from ..runtime.engine import Engine
     from ..serve.chat import ChatSession
 

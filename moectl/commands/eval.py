@@ -7,7 +7,8 @@ import json
 import typer
 
 from ..setting.options import RuntimeOptions
-from ._common import prepare_model, print_lossy, print_plan_note, runtime_options
+from ..status import print_plan_note
+from ._common import prepare_model, print_lossy, runtime_options
 
 
 @runtime_options

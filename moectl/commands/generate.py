@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ._common import (prepare_model, print_draft_line, print_lossy, print_plan_note, print_stats_line,
-                      runtime_options)
+from ..status import print_plan_note, print_stats_line
+from ._common import prepare_model, print_draft_line, print_lossy, runtime_options
 
 
 @runtime_options

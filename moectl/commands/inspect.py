@@ -37,7 +37,7 @@ def inspect(
     from rich.table import Table
 
     from ..core.recipes import format_bytes
-    from ..runtime.engine import inspect_model
+    from ..store.facts import inspect_model
 
     prepare_model(model, workdir)
     from ..errors import MoectlError

@@ -64,7 +64,8 @@ def plan_cache(
 
     from ..errors import MoectlError
     from ..plan import scoreboard as sb
-    from ..plan.plan_file import PLAN_NAME, write_plan
+    from ..artifacts.plan import PLAN_NAME
+    from ..artifacts.plan import write_plan
     from ..plan.speculative import choose_tokens, draft_record
     from ..sim.spec_passes import check_draftable, parse_draft
     from ..plan.inputs import plan_setup

@@ -44,8 +44,10 @@ def sensitivity(
 
     from ..calib.dataset import load_calibration
     from ..calib.fidelity import evaluate, token_windows
-    from ..calib.sensitivity import (RULES, TailRecorder, ablation_sensitivity, fisher_sensitivity, rule_sensitivities,
-                                     save_sensitivity, search_threshold, threshold_grid)
+    from ..artifacts.sensitivity import RULES, rule_sensitivities
+    from ..artifacts.sensitivity import save_sensitivity
+    from ..calib.sensitivity import (TailRecorder, ablation_sensitivity, fisher_sensitivity, search_threshold,
+                                     threshold_grid)
     from ..errors import MoectlError
     from ..policies.gating import SensitivityGating
     from ..progress import ProgressBar

@@ -123,11 +123,12 @@ def simulate(
                           t2=t2, cpu_experts=cpu_experts, admission=admission)
     plan_caps, plan_gating, preload = None, None, None
     if plan is not None:
+        from ..artifacts.plan import load_plan, plan_preload
         from ..plan.plan_file import apply_plan
 
-        plan_d = sim.load_plan(plan)
+        plan_d = load_plan(plan)
         plan_caps, plan_gating = apply_plan(plan_d, tr, opts)
-        preload = sim.plan_preload(plan_d, tr.num_layers, tr.num_experts)     # its hot set, resident from the start
+        preload = plan_preload(plan_d, tr.num_layers, tr.num_experts)     # its hot set, resident from the start
     replacement, prefetch, precision, lowbit, t1, t2, cpu_experts = (
         opts.replacement or "lru", opts.prefetch or "none", opts.precision or "full", opts.lowbit,
         opts.t1, opts.t2, opts.cpu_experts or "never")
@@ -231,7 +232,7 @@ def simulate(
 
 def _gated(tr, threshold, spec, gate_prefill, sensitivity):
     """The trace with the asked gating applied, or None when none was asked."""
-    from ..calib.sensitivity import load_sensitivity, rule_sensitivities
+    from ..artifacts.sensitivity import load_sensitivity, rule_sensitivities
     from ..errors import MoectlError
     from ..policies.gating import gate_trace, parse_gating
 

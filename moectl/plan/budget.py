@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import MoectlError
 from ..core.shapes import dense_bytes, expert_bytes, kv_reserve_bytes
-from ..core.sizing import WORKSPACE_TOKENS, BudgetSplit, ModelSizes, split_budget, workspace_bytes  # noqa: F401  (moved to sizing)
+from ..core.sizing import ModelSizes
 
 
 @dataclass

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MoectlError
-from .budget import BudgetSplit, ModelFacts, model_facts, split_budget
+from ..core.sizing import BudgetSplit, split_budget
+from .budget import ModelFacts, model_facts
 from .planner import Policies, Replay
 
 
@@ -82,7 +83,8 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
 
 def stored_gating(wd: Path, facts: ModelFacts, trace):
     """(T_g, gated trace) from the workdir's sensitivity.json when it stores a threshold and the trace has weights."""
-    from ..calib.sensitivity import JSON_NAME, load_sensitivity
+    from ..artifacts.sensitivity import load_sensitivity
+    from ..calib.sensitivity import JSON_NAME
     from ..policies.gating import gate_trace, parse_gating
 
     f = wd / JSON_NAME

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..errors import MoectlError
 from ..core.sizing import budget_pools, lowbit_fraction_for, staging_nbytes
-from .budget import BudgetSplit, ModelFacts
+from ..core.sizing import BudgetSplit
+from .budget import ModelFacts
 from .curves import Curves, analytic_curves, coarse_grid, extend_curves, measure_curves, slot_grid
 from .dp import allocate
 

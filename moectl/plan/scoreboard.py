@@ -174,7 +174,8 @@ def _has_hidden(replay) -> bool:
 
 def _adapmoe_gating(setup, trace):
     """AdapMoE's sensitivity gating on the trace: the workdir's sensitivity.json, or the seed's Mixtral S_i."""
-    from ..calib.sensitivity import JSON_NAME, load_sensitivity
+    from ..artifacts.sensitivity import load_sensitivity
+    from ..calib.sensitivity import JSON_NAME
     from ..policies.gating import SensitivityGating, gate_trace
 
     f = setup.workdir / JSON_NAME if setup.workdir is not None else None
@@ -318,7 +319,7 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
     setup = setup_from_trace(trace, budget, hardware, model_shape)
     plan = None
     if plan_path is not None:
-        from .plan_file import check_plan_model
+        from ..artifacts.plan import check_plan_model
 
         plan = load_plan(plan_path)
         check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})",

@@ -34,7 +34,8 @@ from ..policies.precision import PrecisionPolicy
 from ..core.sizing import prefetch_precision
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_empty
-from .loader import CHUNK_BYTES, DEMAND, PREFETCH, CopyJob, Loader, split_rows
+from ..core.copy_chunks import CHUNK_BYTES, split_rows
+from .loader import DEMAND, PREFETCH, CopyJob, Loader
 
 from .cache_front import CacheFront, CacheStats
 

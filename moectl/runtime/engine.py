@@ -21,14 +21,12 @@ from ..models import config_fingerprint
 from ..kernels import gemv
 from ..setting.options import RuntimeOptions
 from ..policies.base import PrefetchPolicy
-from ..core.sizing import DEFAULT_LOWBIT_FRACTION, split_pools  # noqa: F401  (re-exported: bench, tests)
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_alloc, rss_bytes
 from .cache import DeviceCache
 from .in_place import InPlaceExperts
-from ..store.facts import (dense_nbytes, header_dense_nbytes, inspect_model, kv_nbytes, kv_reserve_nbytes,
-                           load_config, memory_plan, parse_dtype as _dtype)  # noqa: F401  (re-exported)
+from ..store.facts import dense_nbytes, kv_nbytes
 from .load import load
 from .speculative import Sampling
 

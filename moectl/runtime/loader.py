@@ -30,7 +30,6 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-from ..core.copy_chunks import CHUNK_BYTES, chunk_count, split_rows  # noqa: F401  (the torch-free layer owns them)
 
 DEMAND, PREFETCH = 0, 1
 

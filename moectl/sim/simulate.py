@@ -14,19 +14,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts.plan import PLAN_FORMAT, load_plan, plan_preload, plan_slots  # noqa: F401
+from ..artifacts.plan import load_plan, plan_slots
 from ..core.cache_model import FULL, split_slots
 from ..errors import MoectlError
 from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_from_traces, make_replacement
 from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
-from ..policies.precision import LOW, PrecisionPolicy, make_precision
+from ..policies.precision import LOW, PrecisionPolicy
 from ..core.sizing import ModelSizes, budget_pools, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..core.trace import Trace
 from ..core.shapes import (dense_bytes, expert_bytes, kv_reserve_bytes, load_shape, parse_lowbit,
                            shape_for_trace_model, shape_from_hf_config)
 from .cost import CostModel, load_hardware
-from .simulator import SimResult, Simulator, trace_steps
+from .steps import SimResult, trace_steps
+from .simulator import Simulator
 
 
 

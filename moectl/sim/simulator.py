@@ -43,7 +43,7 @@ from ..policies.placement import CPU, ComputePlacement, LayerQueue
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
 from ..core.copy_chunks import CHUNK_BYTES, chunk_count
 from .cost import CostModel, FixedCost
-from .steps import SimResult, Step, tokens_of, trace_steps  # noqa: F401  (re-exported)
+from .steps import Step, tokens_of
 
 
 class _Copy:
