@@ -27,7 +27,8 @@ LAYERS = [
     ("runtime", ("moectl.runtime",)),
     ("uses", ("moectl.calib", "moectl.predict", "moectl.plan", "moectl.quant", "moectl.synth",
               "moectl.benchmark")),
-    ("front", ("moectl.serve", "moectl.status", "moectl.commands", "moectl.cli")),
+    ("serve", ("moectl.serve", "moectl.status")),
+    ("front", ("moectl.commands", "moectl.cli")),
 ]
 TORCH_FREE = ("base", "core", "artifacts", "decisions")
 TORCH = ("torch", "transformers", "accelerate")
