@@ -38,6 +38,25 @@ def server(tiny_small, tmp_path_factory):
         yield live
 
 
+def stop_inside(answer: str, width: int = 3) -> str:
+    """A stop string taken from the greedy answer, whatever the model's text: the first `width`-character window
+    from the answer's middle on that holds a non-space character (searching back from the middle when the second
+    half is all blank). Which model trained the answer decides the text, never whether the window is blank."""
+    n, mid = min(width, len(answer)), len(answer) // 2
+    for i in [*range(mid, len(answer) - n + 1), *range(min(mid, len(answer) - n), -1, -1)]:
+        if answer[i:i + n].strip():
+            return answer[i:i + n]
+    raise AssertionError(f"the greedy answer is blank: {answer!r}")
+
+
+def test_stop_inside_never_picks_a_blank_window():
+    assert stop_inside("abcdefgh") == "efg"
+    assert stop_inside("word" + " " * 20) == "d  "            # second half blank: the window nearest the middle
+    assert stop_inside("a b     c") == "  c" and stop_inside("ab") == "ab"
+    with pytest.raises(AssertionError):
+        stop_inside("    ")
+
+
 def state(live) -> dict:
     return httpx.get(live.url + "/api/state").json()
 
@@ -83,8 +102,8 @@ def test_openai_client_chat_stream_completion_models(server, engine):
     assert done.choices[0].text == want
     assert done.usage.prompt_tokens == len(engine.tokenizer(prompt)["input_ids"])
 
-    stop = answer[len(answer) // 2:len(answer) // 2 + 3]          # a stop string inside the greedy answer
-    assert stop.strip()
+    stop = stop_inside(answer)                                    # a stop string inside the greedy answer
+    assert stop.strip() and stop in answer
     for streamed in (False, True):
         cut = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}],
                                              temperature=0, max_tokens=24, stop=[stop, "never said"], stream=streamed)
