@@ -20,9 +20,18 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_report_header(config):
+    """Which trained tiny model and which torch kernels this run used (the suite must pass with any of them)."""
+    from moectl.tiny import SEED_ENV, default_seed
+
+    return (f"moectl: tiny models trained with seed {default_seed()} (${SEED_ENV}), torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')})")
+
+
 @pytest.fixture(scope="session")
 def tiny_small(tmp_path_factory) -> Path:
-    """Checkpoint dir of the small trained tiny Mixtral (built once per session, ~15-40 s).
+    """Checkpoint dir of the small trained tiny Mixtral (built once per session, ~15-40 s), trained with seed
+    $MOECTL_TINY_SEED (default 0): tests must hold for any competently trained model, not this run's text or routing.
 
     Its workdir (with tiny.json) is the parent directory; the corpus cache lives in a private MOECTL_HOME
     (`<tmp>/home`, also available as `tiny_small.parent.parent / "home"`)."""

@@ -20,6 +20,11 @@ from moectl.policies.base import PrefetchPolicy
 from moectl.sim.cost import FixedCost
 
 PROMPT = "The cache keeps recently used experts close to the compute."
+# The decode tests need a run whose routing changes from token to token, so that right predictions find their experts
+# missing; how much the routing of one prompt changes is a property of the training run (one model routes PROMPT's
+# decode to the same two experts of layer 1 throughout), so `reference` takes the prompt of these that misses most.
+PROMPTS = (PROMPT, "def bisect_left(a, x, lo=0, hi=None):", "class Counter(dict):",
+           "Return a new sorted list from the items in iterable.", "The os.path module")
 
 
 class Routing:
@@ -35,7 +40,9 @@ class Routing:
 
 class Scripted(PrefetchPolicy):
     """After layer l of decode step i: the experts layer l+1 will choose (known from a recorded run) at score
-    `right`, and one it will not choose at score `wrong`."""
+    `right`, and one it will not choose at score `wrong`: of those, the one layer l+1 chooses least often in the
+    recorded run (then the lowest index), so that a wrong prediction mostly names an expert that is not resident
+    whatever the model's routing (the lowest index alone can be one of a layer's favourites, always resident)."""
 
     name = "scripted"
 
@@ -44,6 +51,10 @@ class Scripted(PrefetchPolicy):
         self.future, self.L, self.E, self.right, self.wrong = future, num_layers, num_experts, right, wrong
         self.i = 0
         self.made: list[tuple[int, int, int, float]] = []       # (call, target, expert, score) handed over
+        self.uses = [[0] * num_experts for _ in range(num_layers)]
+        for layer, experts in future:
+            for e in experts:
+                self.uses[layer][e] += 1
 
     def predict(self, layer):
         row = self.i
@@ -52,7 +63,8 @@ class Scripted(PrefetchPolicy):
             return []
         nxt = self.future[row + 1][1]
         out = [(layer + 1, e, self.right) for e in nxt]
-        out.append((layer + 1, next(e for e in range(self.E) if e not in nxt), self.wrong))
+        out.append((layer + 1, min((e for e in range(self.E) if e not in nxt),
+                                   key=lambda e: (self.uses[layer + 1][e], e)), self.wrong))
         self.made += [(row, *p) for p in out]
         return out
 
@@ -65,18 +77,24 @@ def _load(ckpt, **kw):
 
 @pytest.fixture(scope="module")
 def reference(tiny_small):
-    """Tokens and decode routing with no prefetch, the model's size, and the fixed costs (a copy of one expert
-    1 ms, a layer's attention 1 s)."""
-    eng = _load(tiny_small, cache_experts=8, prefetch="none")
-    obs = Routing()
-    eng.add_observer(obs)
-    res = eng.generate(PROMPT, max_new_tokens=24, stop_at_eos=False)
+    """Tokens and decode routing with no prefetch, the model's size, the fixed costs (a copy of one expert 1 ms, a
+    layer's attention 1 s) and the prompt: of `PROMPTS`, the one with the most decode misses in layers 1.. (the
+    ones a prediction targets), so that whatever model training made, predictions have missing experts to copy."""
+    runs = []
+    for prompt in PROMPTS:
+        eng = _load(tiny_small, cache_experts=8, prefetch="none")
+        obs = Routing()
+        eng.add_observer(obs)
+        res = eng.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+        runs.append((sum(eng.cache.state.per_layer("decode")["misses"][1:]), -len(runs), prompt, res, obs, eng))
+    misses, _, prompt, res, obs, eng = max(runs, key=lambda r: r[:2])
+    assert misses >= 4, f"no prompt's decode misses in layers 1..: {[(r[2], r[0]) for r in runs]}"
     cost = FixedCost(load=0.001, attention=1.0, expert=0.03, expert_bytes=eng.store.expert_nbytes)
-    return res.token_ids, obs.rows, len(eng.cache.slots_per_layer), eng.adapter.num_experts, cost
+    return res.token_ids, obs.rows, len(eng.cache.slots_per_layer), eng.adapter.num_experts, cost, prompt
 
 
 def _run(ckpt, reference, admission, staging=None, **kw):
-    ids, rows, L, E, cost = reference
+    ids, rows, L, E, cost, prompt = reference
     pf = Scripted(rows, L, E, **kw)
     eng = _load(ckpt, cache_experts=8, prefetch=pf, admission=admission, cost=cost, staging=staging)
     issued = []                                     # (call, target, expert) of every copy the cache queued
@@ -88,7 +106,7 @@ def _run(ckpt, reference, admission, staging=None, **kw):
             issued.append((pf.i - 1, layer, expert))
         return ok
     eng.cache.prefetch = spy
-    res = eng.generate(PROMPT, max_new_tokens=24, stop_at_eos=False)
+    res = eng.generate(prompt, max_new_tokens=24, stop_at_eos=False)
     return res, pf, issued, eng
 
 
@@ -141,7 +159,7 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
     from moectl.core.trace import PREFILL
 
     texts = builtin_corpus("validation")[:3]
-    _, _, L, E, cost = reference
+    _, _, L, E, cost, _ = reference
     n = L * E // 2                                                   # half the experts
 
     def profile(prefetch, out, admission="off"):
@@ -206,7 +224,7 @@ def test_staged_prefetches_leave_the_cache_as_it_is_without_prefetch(tiny_small,
     is a hit where that run missed; every slot holds its expert's bytes; the tokens are the same."""
     ids = reference[0]
     base = _load(tiny_small, cache_experts=8, prefetch="none")
-    base.generate(PROMPT, max_new_tokens=24, stop_at_eos=False)
+    base.generate(reference[5], max_new_tokens=24, stop_at_eos=False)
     res, pf, issued, eng = _run(tiny_small, reference, "off", right=0.95, wrong=0.05)
     cache, c0 = eng.cache, base.cache
     assert cache.state.staging == 2 and c0.state.staging == 0

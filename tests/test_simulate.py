@@ -313,13 +313,16 @@ def test_mlp_prefetch_on_held_out_requests_of_the_tiny_model(tiny_small, tmp_pat
     caps = capacities(test, fraction=0.25)
     res = {p: simulate(test, caps, "lru", p, cost, predictor=pred if p == "mlp" else None, belady=False)
            for p in ("none", "gate-reuse", "mlp")}
-    none, reuse, mlp = (res[p].demand_loads_per_token for p in ("none", "gate-reuse", "mlp"))
+    none = res["none"].demand_loads_per_token
     assert res["mlp"].tokens >= 100 and none > 1.0            # decode tokens (generation may stop at eos)
-    # 2 MoE layers: only layer 1 can be prefetched (from layer 0's hidden state).
-    # Measured (shared cache rules, issue 9): none 2.29, gate-reuse 1.78 (1.28 prefetches/token),
-    # mlp 1.80 (0.83 prefetches/token) demand loads per token.
-    assert mlp < 0.85 * none, res
-    # starts from gate reuse, trained to beat it: each of its prefetches saves more demand loads
-    saved = {p: (none - res[p].demand_loads_per_token) / res[p].prefetch_loads_per_token for p in ("gate-reuse", "mlp")}
-    assert saved["mlp"] > saved["gate-reuse"], (saved, res)
+    # 2 MoE layers: only layer 1 can be prefetched (from layer 0's hidden state), so at most about half of the
+    # demand loads can go. The small model trained with seeds 0-5 (and seeds 0-1 on torch's scalar kernels):
+    # mlp keeps 61-80 % of none's decode misses (exact counts), gate-reuse 67-81 %.
+    assert res["mlp"].misses <= 0.9 * res["none"].misses, res
+    # starts from gate reuse, trained to beat it: more of the prefetches it asks for are used. (Per prefetch that
+    # ran, both save exactly one demand load here, a tie that rounding decided; the share of asked-for prefetches
+    # that were used is what the training improves.) Measured for the models above: mlp 0.53-0.86, gate-reuse
+    # 0.24-0.53, at least 0.28 apart; 0.1 is a margin no tie or single prefetch can flip.
+    used = {p: 1.0 - res[p].wasted_prefetch_fraction for p in ("gate-reuse", "mlp")}
+    assert used["mlp"] >= used["gate-reuse"] + 0.1, (used, res)
     assert res["mlp"].prefetch_loads_per_token > 0

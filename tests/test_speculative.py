@@ -263,11 +263,45 @@ def test_sliding_window_layers_roll_back(tmp_path):
     assert res.token_ids == plain and res.stats["draft"]["accepted"] > 0
 
 
+# Prompts whose decode may route more varied than PROMPT's: how varied one prompt's decode routing is belongs to the
+# training run (one model continues PROMPT with a run of newlines, every token routed to the same experts).
+VARIED_TEXTS = ("class Counter(dict):", "def bisect_left(a, x, lo=0, hi=None):",
+                "Return a new sorted list from the items in iterable.")
+
+
+def _varied_prompt(eng, window: int = 4, n: int = 12) -> list[int]:
+    """Of PROMPT and VARIED_TEXTS' ids, the prompt whose plain greedy decode has the most `window`-token runs routed
+    to more than top-k distinct experts in a layer (a verification pass of K = 3 drafts routes `window` tokens)."""
+    class Rows:
+        def __init__(self):
+            self.rows = {}
+
+        def on_route(self, layer, top_k_index, top_k_weights, hidden):
+            if top_k_index.shape[0] == 1:
+                self.rows.setdefault(layer, []).append(set(top_k_index[0].tolist()))
+
+    scored = []
+    for ids in [PROMPT] + [eng.tokenizer(t)["input_ids"] for t in VARIED_TEXTS]:
+        obs = Rows()
+        eng.add_observer(obs)
+        eng.generate(input_ids=ids, max_new_tokens=n, stop_at_eos=False)
+        eng.remove_observer(obs)
+        k = max(len(r) for rows in obs.rows.values() for r in rows)
+        runs = sum(len(set().union(*rows[t:t + window])) > k
+                   for rows in obs.rows.values() for t in range(len(rows) - window + 1))
+        scored.append((runs, -len(scored), ids))
+    runs, _, ids = max(scored, key=lambda r: r[:2])
+    assert runs > 0, f"no prompt's decode routes {window} tokens to more than the top-k experts of a layer: {scored}"
+    return ids
+
+
 def test_a_verification_pass_runs_its_latest_tokens_experts_last(tiny_small, monkeypatch):
     """The runtime orders a pass's experts as the simulator does (`policies/draft_length.py: pass_order`): the cache's
-    chunks get that order in every multi-token decode call, and a prefill keeps ascending ids."""
+    chunks get that order in every multi-token decode call, and a prefill keeps ascending ids. (On a prompt whose
+    decode routing varies, so that passes route more experts than one token does.)"""
     import moectl.runtime.offloaded as offloaded
 
+    prompt = _varied_prompt(_load(tiny_small, **CONFIGS["emulated-2slots"]))
     eng = _load(tiny_small, draft="cached", draft_tokens=3, draft_rule="always", **CONFIGS["emulated-2slots"])
     ordered, chunked = [], []
     real_order, real_chunks = offloaded.pass_order, eng.cache.chunks
@@ -282,7 +316,7 @@ def test_a_verification_pass_runs_its_latest_tokens_experts_last(tiny_small, mon
 
     monkeypatch.setattr(offloaded, "pass_order", spy_order)
     monkeypatch.setattr(eng.cache, "chunks", spy_chunks)
-    res = eng.generate(input_ids=PROMPT, max_new_tokens=12, stop_at_eos=False)
+    res = eng.generate(input_ids=prompt, max_new_tokens=12, stop_at_eos=False)
     assert res.stats["draft"]["passes"] < 11 and ordered                      # passes ran, each through pass_order
     assert all(len(rows) > 1 for rows, _ in ordered)                          # multi-token decode calls only
     passes = [experts for phase, experts in chunked if phase == "decode" and len(experts) > 2]

@@ -18,12 +18,14 @@ def test_tiny_small_has_learned(tiny_small):
     # validation perplexity far below a unigram model scored on the very same tokens
     assert report["val_ppl"] < 0.5 * report["unigram_ppl"], report
     assert report["unigram_ppl"] > 50                               # the baseline itself is not degenerate
-    # routing: every layer's expert usage is below the uniform entropy, and so is the per-token router entropy
+    # routing: no layer collapsed onto an expert or two, no layer's usage is exactly uniform, and the per-token
+    # router entropy is below uniform. (The load-balancing loss pushes the usage towards uniform, so how close one
+    # training run comes is its own: 2.50-2.97 bits across seeds and kernels; a bound at 0.99 x 3 bits failed some.)
     uniform = math.log2(8)
     assert report["uniform_entropy_bits"] == pytest.approx(uniform)
     assert len(report["usage_entropy_bits"]) == 2
     for usage_h, router_h in zip(report["usage_entropy_bits"], report["router_entropy_bits"]):
-        assert 1.0 < usage_h < 0.99 * uniform
+        assert 1.0 < usage_h < uniform
         assert router_h < uniform
     for row in report["usage"]:
         assert sum(row) == pytest.approx(1.0, abs=1e-3)
@@ -71,3 +73,31 @@ def test_build_is_deterministic_and_cached(tmp_path, tiny_small, monkeypatch):
     stamp = os.path.getmtime(a / "model.safetensors")
     assert build_tiny(tmp_path / "a", small=True, progress=False) == a             # existing build is kept
     assert os.path.getmtime(a / "model.safetensors") == stamp
+
+
+def test_seed_switch_trains_another_model_and_keys_the_cache(tmp_path, tiny_small, monkeypatch):
+    """MOECTL_TINY_SEED picks the training seed when the caller gives none (the suite's check that it needs no one
+    trained model); the seed is part of the cache key: a build of another seed is rebuilt, one of this seed kept."""
+    from moectl.errors import MoectlError
+    from moectl.tiny import build_tiny, tiny_report
+
+    monkeypatch.setenv("MOECTL_HOME", str(tiny_small.parent.parent / "home"))    # reuse the session's corpus cache
+    key = "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+    monkeypatch.setenv("MOECTL_TINY_SEED", "5")
+    a = build_tiny(tmp_path / "a", steps=3, small=True, progress=False)
+    assert tiny_report(tmp_path / "a")["seed"] == 5
+    with safe_open(str(a / "model.safetensors"), "pt") as f:
+        w5 = f.get_tensor(key)
+    stamp = os.path.getmtime(a / "model.safetensors")
+    assert build_tiny(tmp_path / "a", small=True, progress=False) == a             # same seed: kept
+    assert os.path.getmtime(a / "model.safetensors") == stamp
+    monkeypatch.setenv("MOECTL_TINY_SEED", "6")
+    assert build_tiny(tmp_path / "a", steps=3, small=True, progress=False) == a    # another seed: trained anew
+    assert tiny_report(tmp_path / "a")["seed"] == 6
+    with safe_open(str(a / "model.safetensors"), "pt") as f:
+        assert not torch.equal(f.get_tensor(key), w5)
+    build_tiny(tmp_path / "a", steps=3, small=True, progress=False, seed=6)        # an explicit seed: kept too
+    assert tiny_report(tmp_path / "a")["seed"] == 6
+    monkeypatch.setenv("MOECTL_TINY_SEED", "five")
+    with pytest.raises(MoectlError, match="MOECTL_TINY_SEED"):
+        build_tiny(tmp_path / "b", steps=3, small=True, progress=False)

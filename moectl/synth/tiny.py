@@ -37,15 +37,29 @@ from .tiny_recipe import (SIZES, chat_text, corpus_texts, evaluate, qa_pairs, ti
 TINY_FORMAT = 1
 STATE_DIR = "train-state"                # resumable training state (sizes with checkpoint_every)
 MAX_TRAIN_SECONDS = 120.0
+SEED_ENV = "MOECTL_TINY_SEED"            # another seed, another model (the suite's check that it needs no one model)
+
+
+def default_seed() -> int:
+    """The training seed when the caller gives none: $MOECTL_TINY_SEED, else 0."""
+    raw = os.environ.get(SEED_ENV, "").strip()
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise MoectlError(f"{SEED_ENV} must be an integer, not {raw!r}") from None
+
+
 def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, small: bool = False,
-               progress: bool = True, seed: int = 0, size: str | None = None, stop_after: int | None = None) -> Path:
+               progress: bool = True, seed: int | None = None, size: str | None = None,
+               stop_after: int | None = None) -> Path:
     """Build and train the tiny model into `<workdir>/checkpoint`; returns that directory.
 
     `size` picks the recipe (`SIZES`: tiny, small, reference, reference-small; `small=True` is size "small").
     An existing build (tiny.json + checkpoint) is kept unless `force`. Concurrent builders of one workdir
     wait on a lock file and then reuse the build the first one made. A size with `checkpoint_every` saves a
     training state as it goes and a new call continues from it; `stop_after` ends this call after that many
-    steps (the state stays for the next call) and returns None."""
+    steps (the state stays for the next call) and returns None. `seed` defaults to `default_seed()`
+    ($MOECTL_TINY_SEED, else 0); a build made with another seed is not reused (it is rebuilt in place)."""
     import torch
 
     size = size or ("small" if small else "tiny")
@@ -55,11 +69,12 @@ def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, sma
     ckpt = workdir / "checkpoint"
     if steps is not None and steps <= 0:
         raise MoectlError(f"--steps must be positive, got {steps}")
-    if _built(workdir) and not force:
+    seed = default_seed() if seed is None else seed
+    if _built(workdir, seed) and not force:
         return ckpt
     workdir.mkdir(parents=True, exist_ok=True)
     with _locked(workdir / ".build.lock"):
-        if _built(workdir) and not force:
+        if _built(workdir, seed) and not force:
             return ckpt                                        # another process built it while we waited
         if force:
             shutil.rmtree(workdir / STATE_DIR, ignore_errors=True)
@@ -71,12 +86,14 @@ def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, sma
             torch.use_deterministic_algorithms(deterministic)
 
 
-def _built(workdir: Path) -> bool:
+def _built(workdir: Path, seed: int = 0) -> bool:
+    """A complete build of this format and seed (the seed is part of the cache key: another one trains anew)."""
     try:
         report = json.loads((workdir / "tiny.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return report.get("format") == TINY_FORMAT and (workdir / "checkpoint" / "config.json").exists()
+    return (report.get("format") == TINY_FORMAT and report.get("seed", 0) == seed
+            and (workdir / "checkpoint" / "config.json").exists())
 
 
 @contextlib.contextmanager
