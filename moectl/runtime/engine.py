@@ -99,7 +99,7 @@ class Engine:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            gguf = getattr(self.adapter, "gguf", None)          # a GGUF file: the tokenizer its metadata describes
+            gguf = self.adapter.gguf          # a GGUF file: the tokenizer its metadata describes
             if gguf is not None:
                 self._tokenizer = gguf.tokenizer()
                 return self._tokenizer

@@ -223,7 +223,7 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
 def dense_tensors(hf, adapter, ckpt: Checkpoint, dtype_of):
     """(skeleton name, tensor) of every non-expert weight, one at a time: read from the shards, or a GGUF's
     dequantised once into `dtype_of(name)` (moectl/store/gguf/dense.py)."""
-    gguf = getattr(adapter, "gguf", None)
+    gguf = adapter.gguf
     if gguf is not None:
         yield from gguf.dense_tensors(hf, dtype_of)
         return

@@ -25,7 +25,7 @@ from ...formats.gguf_int4 import GgufInt4Format
 def int4_repackable(adapter) -> bool:
     """Whether some expert matrix of this GGUF model maps onto the int4 kernel (not GPT-OSS: its expert_forward
     multiplies matrices, it takes no kernel callables)."""
-    g = getattr(adapter, "gguf", None)
+    g = adapter.gguf
     if g is None or adapter.family == "gpt_oss":
         return False
     return any(GgufInt4Format(f).int4 or GgufInt4Format(f).planes for f in adapter.formats(torch.float32).values())
