@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..policies.draft_length import AcceptanceCounter, OnlineDraftRule
+from ..policies.draft_length import AcceptanceCounter, FixedDraftRule, OnlineDraftRule
 
 
 def rollback(pkv, keep: int) -> None:
@@ -36,19 +36,6 @@ def rollback(pkv, keep: int) -> None:
     takes the count to remove; a sliding-window layer needs `activate_past_recording` from its start, and crop(0)
     trims it back to its window)."""
     pkv.crop(-(pkv.get_seq_length() - keep))
-
-
-class FixedDraftRule:
-    """`--draft-rule always`: K drafts every pass (measurements)."""
-
-    def __init__(self, k_max: int):
-        self.k_max = k_max
-
-    def next_k(self) -> int:
-        return self.k_max
-
-    def record(self, k: int, accepted: int, ms: float) -> None:
-        pass
 
 
 class Speculator:
