@@ -31,7 +31,7 @@ class CachedDraft:
 
     def __init__(self, eng):
         self.eng = eng
-        self.in_place = not hasattr(eng.cache, "landing")
+        self.in_place = eng.cache.in_place
         self.note = ("in place on the CPU every expert is resident: --draft cached drafts with the full model "
                      "(self-drafting; a draft costs a decode step)") if self.in_place else ""
 

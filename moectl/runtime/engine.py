@@ -25,8 +25,7 @@ from ..core.sizing import DEFAULT_LOWBIT_FRACTION, split_pools  # noqa: F401  (r
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_alloc, rss_bytes
-from .cache import DeviceCache
-from .in_place import InPlaceExperts
+from .cache import ExpertCache
 from ..store.facts import (dense_nbytes, header_dense_nbytes, inspect_model, kv_nbytes, kv_reserve_nbytes,
                            load_config, memory_plan, parse_dtype as _dtype)  # noqa: F401  (re-exported)
 from .load import load
@@ -47,7 +46,7 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, model, config, adapter, ckpt: Checkpoint, store: ExpertStore,
-                 cache: DeviceCache | InPlaceExperts, device: torch.device, dtype: torch.dtype, ref,
+                 cache: ExpertCache, device: torch.device, dtype: torch.dtype, ref,
                  prefetch: PrefetchPolicy | None = None, progress: bool = False):
         self.model, self.config, self.adapter, self.ckpt = model, config, adapter, ckpt
         self.store, self.cache, self.device, self.dtype = store, cache, device, dtype
@@ -286,7 +285,7 @@ class Engine:
     def resolved_options(self) -> dict:
         """{option: [value, source]}: every runtime option as resolved (`RuntimeOptions.config`)."""
         c = self.cache
-        return self.options.config({"slots_per_layer": list(getattr(c, "slots_per_layer", []) or []),
+        return self.options.config({"slots_per_layer": list(c.slots_per_layer),
                                     "replacement": c.state.policies[next(iter(c.state.policies))].name,
                                     "prefetch": self.prefetch.name if self.prefetch is not None else "none"})
 

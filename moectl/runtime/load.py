@@ -27,9 +27,9 @@ from ..core.sizing import budget_pools, cache_slots, lowbit_fraction_for, split_
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import check_host_memory, host_alloc, host_need
-from .cache import DeviceCache
+from .cache import InPlaceExperts
 from .driver import Runtime
-from .in_place import InPlaceExperts
+from .device_cache import DeviceCache
 from ..store.facts import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
                            model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
 from .offloaded import OffloadedExperts

@@ -77,7 +77,7 @@ class OffloadedExperts(nn.Module):
             # In place on the CPU (weights where they lie, nothing pinned or evicted meanwhile) experts in moectl's
             # low-bit layout wait for one fused call (`kernels.ops.experts_decode`: ~15 torch operations and 4
             # kernel calls fewer an expert, the same roundings)
-            fuse = (self.fusable and getattr(cache, "in_place", False) and hidden_states.dtype == torch.bfloat16)
+            fuse = self.fusable and cache.in_place and hidden_states.dtype == torch.bfloat16
             deferred = {}
 
             def one(e, expert):
@@ -120,7 +120,7 @@ class OffloadedExperts(nn.Module):
             parts[e] = tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None]   # [t,H]
 
         p = cache.pf_precision                                  # the copies streamed (low-bit at lowbit-only)
-        if (getattr(cache, "streaming", False) and cache.state.phase == "prefill" and not torch.is_grad_enabled()
+        if (cache.streaming and cache.state.phase == "prefill" and not torch.is_grad_enabled()
                 and all(d == p for d in plan.values())):
             missing = [e for e in needed if not cache.contains(layer, e, p)]
             self._each_expert({e: p for e in needed if e not in missing}, batch)
@@ -133,11 +133,11 @@ class OffloadedExperts(nn.Module):
         return self._combine(hidden_states, parts)
 
     def _resident_only(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The draft's experts: each token's routed experts that are resident and landed (`resident_copy`), its
+        """The draft's experts: each token's routed experts that are resident and landed (`resident_weights`), its
         weights [T,K] renormalised over them to the routed sum (HOBBIT's skip); a token with none gets 0 (its
         residual stream passes). Reads slots only: nothing is counted, moved or computed on the CPU."""
         ids = idx.tolist()
-        held = {e: resident_copy(self.runtime.cache, self.layer, e)
+        held = {e: self.runtime.cache.resident_weights(self.layer, e)
                 for e in {e for row in ids for e in row if 0 <= e < self.num_experts}}
         held = {e: ws for e, ws in held.items() if ws is not None}
         kept = w * torch.tensor([[e in held for e in row] for row in ids], device=w.device)   # [T,K]
@@ -193,13 +193,12 @@ class OffloadedExperts(nn.Module):
         on_cpu = rt.cpu_side(layer, plan, tokens or {})
         side = rt.start_cpu(layer, on_cpu, compute, self.apply_gate) if on_cpu else None
         cpu_ids = {e for e, _ in on_cpu}
-        order = getattr(cache, "landing", None)
         for p in (FULL, LOW):
             experts = [e for e, d in plan.items() if d == p and e not in cpu_ids]
             for chunk in cache.chunks(layer, experts, p) if experts else []:
                 cache.pin(layer, chunk, p)
                 ws = {e: cache.acquire(layer, e, p) for e in chunk}
-                for e in (sorted(chunk, key=lambda e: order(layer, e, p)) if order else chunk):
+                for e in (chunk if cache.in_place else sorted(chunk, key=lambda e: cache.landing(layer, e, p))):
                     compute(e, self._expert_fn(e, ws[e], p))
                 cache.unpin(layer, chunk, p)
         if on_cpu:
@@ -252,21 +251,6 @@ class _ExpertRecompute(torch.autograd.Function):
         finally:
             cache.unpin(m.layer, [e], p)
         return gx, None, None, None, None
-
-
-def resident_copy(cache, layer: int, expert: int):
-    """The weights of a copy of (layer, expert) that is on the device now (full precision first, then low-bit), or
-    None: not resident, or its copy (a prefetch's, a disk read) not landed yet. Changes nothing in the cache: no
-    access is counted, no policy is told, nothing is copied or waited for. In place every expert is resident."""
-    if not hasattr(cache, "landing"):                                      # InPlaceExperts: the host is the device
-        p = cache.plan(layer, expert, [])
-        return cache.formats[p].weights(cache.views[p][layer][expert])
-    for p in cache.precisions:
-        slot = cache.state.slot(layer, expert, p)
-        if slot is None or (p, layer, slot) in cache.pending or cache.landing(layer, expert, p) != 0:
-            continue
-        return cache.store.format_of(p).weights(cache.views[p][layer][slot])
-    return None
 
 
 def _all_landed(w) -> dict:

@@ -32,8 +32,7 @@ class CpuWorker:
         copy the plan chose (a low-bit miss reads its packed copy; `moectl-q4` is all low-bit misses). A full-precision
         miss needs the RAM tier (the disk tier keeps no host copy to compute from); low-bit copies are always in RAM."""
         cache = self.cache
-        if self.placement is None or self.placement.mode == "never" or getattr(cache, "jobs", None) is None \
-                or torch.is_grad_enabled():
+        if self.placement is None or self.placement.mode == "never" or cache.in_place or torch.is_grad_enabled():
             return []
         store, out, queue = cache.store, [], LayerQueue()
         for e, p in plan.items():
