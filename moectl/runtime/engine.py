@@ -35,7 +35,7 @@ from ..store.facts import (dense_nbytes, header_dense_nbytes, inspect_model, kv_
                            load_config, memory_plan, parse_dtype as _dtype)  # noqa: F401  (re-exported)
 from .load import load
 from .offloaded import Runtime
-from .speculative import Sampling
+from .speculative import Sampling, Speculator, make_drafter
 
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
@@ -87,9 +87,6 @@ class Engine:
         eng.options = opts
         eng.plan, eng.plan_note = opts.plan_data, opts.plan_note
         if opts.draft is not None:
-            from .draft_sources import make_drafter
-            from .spec_decode import Speculator
-
             eng.speculator = Speculator(make_drafter(eng, opts.draft), opts.draft_tokens, opts.draft_rule,
                                         eng.fingerprint)
         return eng
@@ -190,7 +187,7 @@ class Engine:
                  stop_at_eos: bool = True, chat: bool = False, should_stop=None) -> GenerationResult:
         """`on_token(id, text_piece)` after each token; `should_stop()` (checked after it) ends the answer early:
         a cancelled request, a stop string. The runtime is left clean for the next call either way. With a draft
-        (`--draft`), decoding is speculative (`spec_decode.py`): the same tokens greedily, the same distribution
+        (`--draft`), decoding is speculative (`speculative.py`): the same tokens greedily, the same distribution
         sampled; stats["draft"] holds its figures."""
         ids = self._prompt_ids(prompt, input_ids, chat)
         sampling = Sampling(greedy, temperature, top_p, torch.Generator().manual_seed(seed) if seed is not None
