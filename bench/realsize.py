@@ -157,7 +157,8 @@ cfg = json.loads(sys.argv[1])
 import torch
 torch.set_num_threads(cfg["threads"])
 from moectl.policies.base import LRU
-from moectl.runtime.cache import DeviceCache, split_slots
+from moectl.core.cache_model import split_slots
+from moectl.runtime.device_cache import DeviceCache
 from moectl.runtime.engine import Engine
 eng = Engine.load(cfg["ckpt"], offload=cfg["offload"], cache_experts=2, prefetch="none", progress=False)
 L, E = eng.store.num_layers, eng.store.num_experts

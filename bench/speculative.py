@@ -62,7 +62,7 @@ def configs(k_max: int) -> list[tuple[str, int, str]]:
 def run_setting(setting: str, sources: dict, args, copy_gbps: float | None) -> list[dict]:
     from moectl.policies.draft_length import AcceptanceCounter
     from moectl.runtime.engine import Engine
-    from moectl.runtime.spec_decode import FixedDraftRule
+    from moectl.policies.draft_length import FixedDraftRule
     from moectl.policies.draft_length import OnlineDraftRule
 
     rows = []

@@ -19,10 +19,10 @@ from test_runtime import _engine_run, _reference_run, run_cli  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.core.recipes import format_bytes  # noqa: E402
-from moectl.runtime.cache import DeviceCache  # noqa: E402
-from moectl.store.facts import header_dense_nbytes, kv_reserve_nbytes
+from moectl.runtime.device_cache import DeviceCache  # noqa: E402
+from moectl.store.facts import header_dense_nbytes, kv_reserve_nbytes  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
-from moectl.runtime.in_place import InPlaceExperts  # noqa: E402
+from moectl.runtime.cache import InPlaceExperts  # noqa: E402
 from moectl.store import checkpoint as ckpt_mod  # noqa: E402
 from moectl.store import memory  # noqa: E402
 

@@ -366,9 +366,9 @@ def test_q4_cpu_side_runs_concurrently_with_the_device_side(mixtral, q4, monkeyp
     eng = _q4(mixtral, wd, cache_experts=4, emulate_device=True)
     rt, loader = eng.runtime, eng.cache.loader
     rt.placement = _EveryOther()
-    run_one, cpu_forward = loader._run_one, rt.cpu_forward
+    run_one, cpu_forward = loader._run_one, rt.cpu.forward
     monkeypatch.setattr(loader, "_run_one", lambda job, i: (time.sleep(0.004), run_one(job, i))[1])
-    monkeypatch.setattr(rt, "cpu_forward", lambda w, x, gate: (time.sleep(0.006), cpu_forward(w, x, gate))[1])
+    monkeypatch.setattr(rt.cpu, "forward", lambda w, x, gate: (time.sleep(0.006), cpu_forward(w, x, gate))[1])
     t0 = time.perf_counter()
     got = _decode(eng)
     wall = time.perf_counter() - t0

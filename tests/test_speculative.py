@@ -128,7 +128,7 @@ def test_cached_draft_touches_nothing(tiny_small):
 
 
 def test_rollback_leaves_the_kv_cache_as_if_the_rejected_tokens_never_ran(tiny_small):
-    from moectl.runtime.spec_decode import rollback
+    from moectl.runtime.speculative import rollback
 
     eng = _load(tiny_small, emulate_device=True, cache_experts=4)
     _, pkv = eng.forward(torch.tensor([PROMPT]))
@@ -211,7 +211,7 @@ def test_cli_draft_errors_and_json(tiny_small, tmp_path, capsys, monkeypatch):
 def test_mtp_says_why_not():
     from transformers import DeepseekV3Config
 
-    from moectl.runtime.draft_sources import mtp_unavailable
+    from moectl.runtime.speculative import mtp_unavailable
 
     msg = mtp_unavailable(DeepseekV3Config(num_nextn_predict_layers=1, num_hidden_layers=4))
     assert "cannot load them" in msg and "model.layers.4" in msg

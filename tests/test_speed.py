@@ -178,7 +178,7 @@ def test_cpu_side_runs_concurrently_with_the_device_side(mixtral, monkeypatch):
     eng = Engine.load(str(mixtral), cache_experts=4, emulate_device=True, progress=False)
     eng.runtime.placement = _EveryOther()
     rt, loader = eng.runtime, eng.cache.loader
-    run_one, cpu_forward = loader._run_one, rt.cpu_forward
+    run_one, cpu_forward = loader._run_one, rt.cpu.forward
 
     def slow_copy(job, i):                                 # a fake slow device copy: 4 ms per weight matrix
         time.sleep(0.004)
@@ -188,7 +188,7 @@ def test_cpu_side_runs_concurrently_with_the_device_side(mixtral, monkeypatch):
         time.sleep(0.006)
         return cpu_forward(w, x, gate)
     monkeypatch.setattr(loader, "_run_one", slow_copy)
-    monkeypatch.setattr(rt, "cpu_forward", slow_cpu)
+    monkeypatch.setattr(rt.cpu, "forward", slow_cpu)
     logits, pkv, step = [], None, prompt
     out, pkv = eng.forward(step, pkv)
     logits.append(out[0])

@@ -170,7 +170,7 @@ def prepare_model(model: str, workdir=None) -> None:
 
 
 class DraftOpts:
-    """Speculative decoding (issue 33; runtime/spec_decode.py)."""
+    """Speculative decoding (issue 33; runtime/speculative.py)."""
 
     @staticmethod
     def draft():

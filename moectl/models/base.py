@@ -48,6 +48,9 @@ class ExpertLayout:
 class FamilyAdapter:
     family = ""
     model_types: tuple[str, ...] = ()
+    # The GGUF model the experts are read from (`store/gguf/model.py: GgufModel`, set by `store/gguf/store.py:
+    # GgufAdapter`), or None: a safetensors checkpoint. The one way to ask "is it a GGUF?".
+    gguf = None
     # On-disk prefixes of layer l's MoE block, tried in order (released names first).
     disk_prefixes: tuple[str, ...] = ("model.layers.{l}.mlp",)
     # Per-expert on-disk key suffixes for the gate (w1), up (w3) and down (w2) projections.

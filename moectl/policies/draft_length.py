@@ -9,7 +9,8 @@ A verification pass with k drafts produces the accepted prefix plus one token th
     tokens(k) = 1 + sum_{j=1..k} prod_{i<j} p(i)
 
 Drafting pays when tokens(k) / ms_pass(k) beats 1 / ms_pass(0) (a plain decode step): `DraftRule` is that rule,
-with ms_pass from the cost model (the simulator) or from measured passes (the runtime, through `OnlineDraftRule`).
+with ms_pass from the cost model (the simulator) or from measured passes (the runtime, through `OnlineDraftRule`);
+`FixedDraftRule` drafts a fixed k (both sides).
 `pass_order` is the order a pass's experts run in, for the cache's sake (both sides use it).
 The runtime measures acceptance with `AcceptanceCounter` and writes it as a versioned JSON file
 (`Acceptance.to_json`), which `simulate --acceptance FILE` reads back (`load_acceptance`). No torch, no device code.
@@ -212,6 +213,20 @@ class DraftRule:
         acceptance): the best k, 0 unless it beats k = 0 by the margin."""
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))      # ties: fewer drafts
         return best if best > 0 and rates[best] > self.margin * rates[0] else 0
+
+
+class FixedDraftRule:
+    """k drafts every pass, whatever they cost (the runtime's `--draft-rule always`, the simulator's fixed
+    `--draft-tokens K` and each k of its `cost` replays; measurements). next_k() -> k; record() keeps nothing."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def next_k(self) -> int:
+        return self.k
+
+    def record(self, k: int, accepted: int, ms: float) -> None:
+        pass
 
 
 class OnlineDraftRule:

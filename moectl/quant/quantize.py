@@ -75,7 +75,7 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     method = check_method(method, device)
     ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
-    if getattr(adapter, "gguf", None) is not None:
+    if adapter.gguf is not None:
         s = adapter.gguf.sizes()
         raise MoectlError(f"{ref.path} is a GGUF file: its experts are already stored low-bit "
                           f"({adapter.format_names()}, {s['bits_per_weight']:.2f} bits per weight) and run as "

@@ -1,12 +1,18 @@
 """Engine: an MoE model whose experts live off the device, and generation with it (gpt-fast style).
 
-A decode step, top to bottom: `Engine.forward` (one token) -> the model's own layers; in each MoE block the stock
-router picks experts and calls `OffloadedExperts.forward` (`offloaded.py`): the routing gated and reported
-(`driver.py`: observers, prefetch predictions through admission), then each routed expert's miss decision
-(`policies/miss.py`, via the cache's `plan` and the CPU worker's `cpu_side`), the CPU's misses started on the worker
-thread (`worker.py`), the device's experts acquired from the cache (`cache.py`: hit, or a copy through the Loader)
-and computed -> back here: the final norm hook ends the token for the prefetch policy, `sample` picks the next id.
-Loading is `load.py`; the KV cache is transformers' DynamicCache; greedy or temperature + top-p sampling.
+A decode step, top to bottom (docs/architecture.md, "One path of a miss"):
+
+    Engine.forward(token)      cache.begin_step("decode"); Runtime.begin_token: the aux gate's predictions offered
+     └ the model's own layers; in each MoE block the stock router, then OffloadedExperts.forward (offloaded.py):
+          gate -> cache.route + on_route (observers, prefetch -> admission) -> cache.plan -> _place (policies/miss.py)
+          -> CPU misses on the worker thread (worker.py) | the device's: cache.acquire (cache.py: hit, or a copy
+          through loader.py; device_cache.py) and compute -> _fill -> sum
+     └ final norm hook: Runtime.end_token (observers, prefetch.end_token); cache.end_token
+    Engine.generate            sample the next id (speculative.py: Sampling), or a speculative pass (Speculator)
+
+The engine owns the model, the cache and the layers' shared state (`self.runtime`, which knows no engine: the
+prefill progress is a callback it is given). Loading is `load.py`; the KV cache is transformers' DynamicCache;
+greedy or temperature + top-p sampling.
 """
 
 from __future__ import annotations
@@ -20,15 +26,14 @@ from ..errors import MoectlError
 from ..models import config_fingerprint
 from ..kernels import gemv
 from ..setting.options import RuntimeOptions
-from ..policies.base import PrefetchPolicy
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_alloc, rss_bytes
-from .cache import DeviceCache
-from .in_place import InPlaceExperts
+from .cache import ExpertCache
 from ..store.facts import dense_nbytes, kv_nbytes
 from .load import load
-from .speculative import Sampling
+from .offloaded import Runtime
+from .speculative import Sampling, Speculator, make_drafter
 
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
@@ -45,22 +50,20 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, model, config, adapter, ckpt: Checkpoint, store: ExpertStore,
-                 cache: DeviceCache | InPlaceExperts, device: torch.device, dtype: torch.dtype, ref,
-                 prefetch: PrefetchPolicy | None = None, progress: bool = False):
+                 cache: ExpertCache, runtime: Runtime, device: torch.device, dtype: torch.dtype, ref,
+                 progress: bool = False):
         self.model, self.config, self.adapter, self.ckpt = model, config, adapter, ckpt
         self.store, self.cache, self.device, self.dtype = store, cache, device, dtype
+        self.runtime = runtime                      # what every layer's experts share (offloaded.py)
         self.ref = ref
         self.fingerprint = config_fingerprint(config)
-        self.prefetch = prefetch
-        self.observers: list = []
         self._tokenizer = None
         self._requests = 0
         self._dense_bytes: int | None = None        # dense weights on the device (`device_memory`)
-        self.progress = progress
         self.threads = torch.get_num_threads()
-        self._prefill_bar = None
-        self._prefill_t0 = 0.0
-        self.speculator = None                      # --draft: spec_decode.Speculator
+        self._progress = PrefillProgress(len(self.moe_layer_ids)) if progress else None
+        runtime.on_layer = self._progress.layer if progress else None
+        self.speculator = None                      # --draft: speculative.Speculator
         self.model.model.norm.register_forward_hook(self._on_final_norm)
 
     # --- loading ------------------------------------------------------------------------
@@ -76,17 +79,12 @@ class Engine:
         `staging` (prefetch staging buffers), `prefill` cache|stream, `replay_trace`: see the CLI's --help."""
         opts = options.pop("options", None) or RuntimeOptions(**options)
         parts = load(model, opts)
-        eng = cls(parts.model, parts.config, parts.adapter, parts.ckpt, parts.store, parts.cache, parts.device,
-                  parts.dtype, parts.ref, parts.prefetch, progress=opts.progress)
+        eng = cls(parts.model, parts.config, parts.adapter, parts.ckpt, parts.store, parts.cache, parts.runtime,
+                  parts.device, parts.dtype, parts.ref, progress=opts.progress)
         eng.threads = parts.threads
         eng.options = opts
         eng.plan, eng.plan_note = opts.plan_data, opts.plan_note
-        parts.runtime.engine = eng
-        eng.runtime = parts.runtime
         if opts.draft is not None:
-            from .draft_sources import make_drafter
-            from .spec_decode import Speculator
-
             eng.speculator = Speculator(make_drafter(eng, opts.draft), opts.draft_tokens, opts.draft_rule,
                                         eng.fingerprint)
         return eng
@@ -97,7 +95,7 @@ class Engine:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            gguf = getattr(self.adapter, "gguf", None)          # a GGUF file: the tokenizer its metadata describes
+            gguf = self.adapter.gguf          # a GGUF file: the tokenizer its metadata describes
             if gguf is not None:
                 self._tokenizer = gguf.tokenizer()
                 return self._tokenizer
@@ -115,35 +113,32 @@ class Engine:
     def moe_layer_ids(self) -> list[int]:
         return self.store.moe_layer_ids
 
+    @property
+    def prefetch(self):
+        """The prefetch policy (None: off); the layers' (`Runtime.prefetch`)."""
+        return self.runtime.prefetch
+
     # --- observers ----------------------------------------------------------------------
     def add_observer(self, obs) -> None:
-        self.observers.append(obs)
+        """`obs.on_route(layer, idx [T,K], weights [T,K], hidden [T,H])` at every MoE layer of every forward (after
+        gating), and `obs.on_final_hidden(h [T,H])` if it has one; drafts are not observed."""
+        self.runtime.observers.append(obs)
 
     def remove_observer(self, obs) -> None:
-        if obs in self.observers:
-            self.observers.remove(obs)
+        if obs in self.runtime.observers:
+            self.runtime.observers.remove(obs)
 
     def _on_final_norm(self, module, args, output):
         if self.runtime.drafting:                       # a draft's forward: nobody observes it
             return
         h = output[0] if isinstance(output, tuple) else output
-        h2 = h.reshape(-1, h.shape[-1])
-        for obs in self.observers:
-            fn = getattr(obs, "on_final_hidden", None)
-            if fn is not None:
-                fn(h2)
-        if self.prefetch is not None and self.cache.state.phase == "decode":
-            t0 = time.perf_counter()
-            self.prefetch.end_token(h2[-1].float().cpu().numpy())
-            self.runtime.predictor_s += time.perf_counter() - t0
+        self.runtime.end_token(h.reshape(-1, h.shape[-1]))
 
     # --- forward and generate -----------------------------------------------------------
     def begin_request(self, name: str) -> None:
         """A new request: sequence-level policy statistics and the prefetch state reset."""
         self.cache.begin_request(name)
-        self.runtime.prefetch_gate.reset()
-        if self.prefetch is not None:
-            self.prefetch.reset()
+        self.runtime.begin_request()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values=None, verify: bool = False, last_only: bool = False):
@@ -156,16 +151,14 @@ class Engine:
 
         decode = past_key_values is not None and (input_ids.shape[-1] == 1 or verify)
         self.cache.begin_step("decode" if decode else "prefill")
-        if decode and self.prefetch is not None:      # the aux gate: this token's first layer
-            t0 = time.perf_counter()
-            after = self.prefetch.predict_after_token()
-            self.runtime.predictor_s += time.perf_counter() - t0
-            self.runtime.offer(-1, after)
+        if decode:                                    # the aux gate: this token's first layer
+            self.runtime.begin_token()
         if past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
             if self.speculator is not None:          # drafts are rolled back (sliding-window layers need this)
                 past_key_values.activate_past_recording()
-        self._prefill_t0 = time.perf_counter()
+        if self._progress is not None:
+            self._progress.start()
         try:
             with gemv.native_one_row(self.device.type == "cpu" and input_ids.shape[-1] == 1):
                 out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device), use_cache=True,
@@ -173,27 +166,12 @@ class Engine:
                                                     logits_to_keep=1 if last_only else 0),
                                  f"running the model on {input_ids.shape[-1]} tokens")
         finally:
-            if self._prefill_bar is not None:
-                self._prefill_bar[0].__exit__(None, None, None)
-                self._prefill_bar = None
+            if self._progress is not None:
+                self._progress.close()
         self.cache.end_token()
         if self.runtime.replay is not None:
             self.runtime.replay.advance(input_ids.shape[-1])
         return out.logits, out.past_key_values
-
-    def _prefill_progress(self, layer: int, tokens: int) -> None:
-        """A per-MoE-layer bar for a multi-token forward, shown once it has taken over a second."""
-        if not self.progress or tokens < 2:
-            return
-        if self._prefill_bar is None:
-            if time.perf_counter() - self._prefill_t0 < PREFILL_PROGRESS_AFTER_S:
-                return
-            from ..progress import ProgressBar
-
-            bar = ProgressBar(True).__enter__()          # stays: a long prefill is worth a line
-            self._prefill_bar = bar, bar.add(f"prefill ({tokens} tokens), MoE layers", total=len(self.moe_layer_ids))
-        bar, task = self._prefill_bar
-        bar.update(task, completed=layer + 1)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         tok = self.tokenizer
@@ -207,7 +185,7 @@ class Engine:
                  stop_at_eos: bool = True, chat: bool = False, should_stop=None) -> GenerationResult:
         """`on_token(id, text_piece)` after each token; `should_stop()` (checked after it) ends the answer early:
         a cancelled request, a stop string. The runtime is left clean for the next call either way. With a draft
-        (`--draft`), decoding is speculative (`spec_decode.py`): the same tokens greedily, the same distribution
+        (`--draft`), decoding is speculative (`speculative.py`): the same tokens greedily, the same distribution
         sampled; stats["draft"] holds its figures."""
         ids = self._prompt_ids(prompt, input_ids, chat)
         sampling = Sampling(greedy, temperature, top_p, torch.Generator().manual_seed(seed) if seed is not None
@@ -284,7 +262,7 @@ class Engine:
     def resolved_options(self) -> dict:
         """{option: [value, source]}: every runtime option as resolved (`RuntimeOptions.config`)."""
         c = self.cache
-        return self.options.config({"slots_per_layer": list(getattr(c, "slots_per_layer", []) or []),
+        return self.options.config({"slots_per_layer": list(c.slots_per_layer),
                                     "replacement": c.state.policies[next(iter(c.state.policies))].name,
                                     "prefetch": self.prefetch.name if self.prefetch is not None else "none"})
 
@@ -298,6 +276,35 @@ class Engine:
         if self.device.type == "cuda":
             out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
+
+
+class PrefillProgress:
+    """A per-MoE-layer bar for a multi-token forward, shown once it has taken PREFILL_PROGRESS_AFTER_S: `start` as
+    a forward begins, `layer(l, tokens)` as each MoE layer routes (the layers' `Runtime.on_layer`), `close` after."""
+
+    def __init__(self, layers: int):
+        self.layers, self.bar, self.t0 = layers, None, 0.0
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def layer(self, layer: int, tokens: int) -> None:
+        if tokens < 2:
+            return
+        if self.bar is None:
+            if time.perf_counter() - self.t0 < PREFILL_PROGRESS_AFTER_S:
+                return
+            from ..progress import ProgressBar
+
+            bar = ProgressBar(True).__enter__()          # stays: a long prefill is worth a line
+            self.bar = bar, bar.add(f"prefill ({tokens} tokens), MoE layers", total=self.layers)
+        bar, task = self.bar
+        bar.update(task, completed=layer + 1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar[0].__exit__(None, None, None)
+            self.bar = None
 
 
 def sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, gen) -> int:

@@ -27,13 +27,13 @@ from ..core.sizing import budget_pools, cache_slots, lowbit_fraction_for, split_
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import check_host_memory, host_alloc, host_need
-from .cache import DeviceCache
-from .driver import Runtime
-from .in_place import InPlaceExperts
+from .cache import InPlaceExperts
+from .device_cache import DeviceCache
 from ..store.facts import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
                            model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
-from .offloaded import OffloadedExperts
+from .offloaded import OffloadedExperts, Runtime
 from .policy_objects import admission_gate, build_policies, make_gating, make_precision_copies, placement
+from .worker import CpuWorker
 
 
 @dataclass
@@ -48,8 +48,7 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype
     ref: object
-    prefetch: object
-    runtime: Runtime
+    runtime: Runtime                # the layers' shared state: gating, prefetch, placement, the CPU worker
     opts: RuntimeOptions
     threads: int
 
@@ -121,7 +120,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     cache = InPlaceExperts(store, policy, prec) if in_place else \
         DeviceCache(store, sizes.full, dev, policy, low_slots=sizes.low, precision=prec,
                     stream_prefill=opts.prefill == "stream", staging=sizes.staging if prefetch is not None else 0)
-    runtime.cache = cache
+    runtime.cache, runtime.cpu, runtime.prefetch = cache, CpuWorker(adapter, store), prefetch
     if opts.plan_data is not None and not in_place:    # the plan's hot set, copied now (load time, not per token)
         from ..artifacts.plan import plan_preload
 
@@ -137,7 +136,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         # a make-synthetic checkpoint cut to its recipe's first layers replays the recipe's deeper trace
         runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
-    return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, prefetch, runtime, opts, n_threads)
+    return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads)
 
 
 def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int, in_place: bool, prec,
@@ -223,7 +222,7 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
 def dense_tensors(hf, adapter, ckpt: Checkpoint, dtype_of):
     """(skeleton name, tensor) of every non-expert weight, one at a time: read from the shards, or a GGUF's
     dequantised once into `dtype_of(name)` (moectl/store/gguf/dense.py)."""
-    gguf = getattr(adapter, "gguf", None)
+    gguf = adapter.gguf
     if gguf is not None:
         yield from gguf.dense_tensors(hf, dtype_of)
         return

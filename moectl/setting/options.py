@@ -22,7 +22,7 @@ from ..artifacts.plan import PLAN_POLICIES, plan_policies
 from ..errors import MoectlError
 
 FLAG, PLAN, SENSITIVITY, PREDICTORS, DEFAULT = "flag", "plan", "sensitivity.json", "predictors.json", "default"
-DRAFT_RULES = ("auto", "always")           # --draft-rule (runtime/spec_decode.py)
+DRAFT_RULES = ("auto", "always")           # --draft-rule (runtime/speculative.py)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import MoectlError
-from ..policies.draft_length import Acceptance, AcceptanceCounter, DraftRule, OnlineDraftRule
+from ..policies.draft_length import Acceptance, AcceptanceCounter, DraftRule, FixedDraftRule, OnlineDraftRule
 from .simulator import Simulator
 from .steps import multi_token_step, trace_steps
 
@@ -126,17 +126,6 @@ def accepted_drafts(u: np.ndarray, acceptance: Acceptance) -> int:
     return a
 
 
-class _FixedK:
-    def __init__(self, k: int):
-        self.k = k
-
-    def next_k(self) -> int:
-        return self.k
-
-    def record(self, k: int, accepted: int, ms: float) -> None:
-        pass
-
-
 class PassSimulator(Simulator):
     """The Simulator, driven in verification passes (`run_passes`)."""
 
@@ -210,10 +199,10 @@ def run_draft(make_sim, trace, spec: DraftSpec, hidden_of=None, final_hidden_of=
         return make_sim().run_passes(trace, spec, chooser, hidden_of, final_hidden_of)
 
     if spec.tokens is not None:
-        return replay(_FixedK(spec.tokens))
+        return replay(FixedDraftRule(spec.tokens))
     if spec.rule == "online":
         return replay(OnlineDraftRule(spec.k_max, margin=spec.margin))
-    runs = {k: replay(_FixedK(k)) for k in range(spec.k_max + 1)}
+    runs = {k: replay(FixedDraftRule(k)) for k in range(spec.k_max + 1)}
 
     def ms_pass(k: int) -> float:
         return runs[k]["decode_s"] * 1e3 / max(runs[k]["draft"]["passes"], 1)

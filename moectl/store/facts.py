@@ -56,7 +56,7 @@ def load_config(path: Path):
 
 def open_checkpoint(path, adapter) -> Checkpoint:
     """The byte ranges of the checkpoint's tensors (headers only): the safetensors shards, or the GGUF's tensors."""
-    gguf = getattr(adapter, "gguf", None)
+    gguf = adapter.gguf
     if gguf is not None:
         from .gguf.store import GgufCheckpoint
 
@@ -128,7 +128,7 @@ def dense_nbytes(model, config=None) -> int:
 def header_dense_nbytes(ckpt: Checkpoint, adapter, dtype: torch.dtype) -> int:
     """Bytes of the non-expert weights once loaded (floating tensors in `dtype`), from the shard headers (a GGUF's:
     every dense tensor dequantised to `dtype`)."""
-    gguf = getattr(adapter, "gguf", None)
+    gguf = adapter.gguf
     if gguf is not None:
         return gguf.sizes(dtype.itemsize)["dense_bytes"]
     return sum(math.prod(r.shape) * (dtype.itemsize if r.dtype.is_floating_point else r.dtype.itemsize)
@@ -242,7 +242,7 @@ def gguf_facts(adapter, dtype: torch.dtype) -> dict:
     formats (`gguf-Q4_K+Q6_K,gguf-Q4_K`), bits per weight of the experts as stored (packed bytes over weights, all
     layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: Q4 matrices
     repacked for the int4 kernel, moectl/store/gguf/cpu.py). Empty for a safetensors checkpoint."""
-    g = getattr(adapter, "gguf", None)
+    g = adapter.gguf
     if g is None:
         return {}
     from .gguf.cpu import in_place_expert_bytes

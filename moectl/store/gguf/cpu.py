@@ -2,7 +2,7 @@
 
 Legend: L = MoE layers, E = experts per layer, N_l = bytes of one repacked expert of layer l.
 
-In place (`--device cpu --offload ram`, `runtime/in_place.py`) experts are computed where they lie in host RAM.
+In place (`--device cpu --offload ram`, `runtime/cache.py: InPlaceExperts`) experts are computed where they lie in host RAM.
 A matrix dequantised per use costs tens of ms (docs/gguf.md); Q4_0 and Q4_K are affine per 32 weights, exactly
 what `_weight_int4pack_mm_for_cpu` computes at group 32, so each expert is repacked once (`GgufInt4Format`: the
 same 4-bit codes, per-32 scale and zero; Q6_K and Q8_0 as two 4-bit planes, `int4.py: PlanesLinear`) and the repacked buffer is the RAM tier's, not a copy beside it: the
@@ -25,7 +25,7 @@ from ...formats.gguf_int4 import GgufInt4Format
 def int4_repackable(adapter) -> bool:
     """Whether some expert matrix of this GGUF model maps onto the int4 kernel (not GPT-OSS: its expert_forward
     multiplies matrices, it takes no kernel callables)."""
-    g = getattr(adapter, "gguf", None)
+    g = adapter.gguf
     if g is None or adapter.family == "gpt_oss":
         return False
     return any(GgufInt4Format(f).int4 or GgufInt4Format(f).planes for f in adapter.formats(torch.float32).values())
