@@ -38,11 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moectl.plan.budget import model_facts, split_budget  # noqa: E402
+from moectl.core.sizing import split_budget  # noqa: E402
 from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)
 from moectl.plan.inputs import plan_setup, stored_gating  # noqa: E402
+from moectl.store.facts import model_sizes  # noqa: E402
 from moectl.synth.trace import save, synthesize_like  # noqa: E402
 from moectl.core.trace import Trace, load_trace, write_jsonl  # noqa: E402
 
@@ -59,7 +60,7 @@ TRACES = {   # recipe -> shared trace files
 
 def quarter_budget(model: str, fraction: float = 0.25) -> int:
     """Bytes that hold dense + KV (4096 tokens) + workspace + `fraction` of the bf16 experts."""
-    f = model_facts(model)
+    f = model_sizes(model)
     s = split_budget(10**15, f)
     return int(s.dense + s.kv + s.workspace + fraction * f.num_layers * f.num_experts * f.expert_bytes())
 

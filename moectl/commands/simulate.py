@@ -292,10 +292,10 @@ def _checkpoint_facts(model: str, trace):
     """The sizing facts of the trace's checkpoint when it is on disk (the runtime's own: dense bytes of the skeleton,
     KV bytes), so `--budget` buys the slots it buys in `generate`; None (estimated from the shape) otherwise."""
     from ..errors import MoectlError
-    from ..plan.budget import model_facts
+    from ..store.facts import model_sizes
 
     try:
-        facts = model_facts(model)
+        facts = model_sizes(model)
     except MoectlError:
         return None
     same = (facts.num_layers, facts.num_experts) == (trace.num_layers, trace.num_experts)

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MoectlError
-from .budget import BudgetSplit, ModelFacts, model_facts, split_budget
+from ..core.sizing import BudgetSplit, ModelSizes, split_budget
 from .planner import Policies, Replay
 
 
 @dataclass
 class Setup:
-    facts: ModelFacts
+    facts: ModelSizes
     split: BudgetSplit
     cost: object
     replay: Replay | None
@@ -52,14 +52,15 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     from ..sim.cost import CostModel, load_hardware
     from ..policies import check_names
     from ..core.trace import check_trace_fits
+    from ..store.facts import model_sizes
 
     check_names(replacement, prefetch)                  # a plan is for the runtime: what the runtime takes
     wd = workdir_of(model, workdir)
-    facts = model_facts(model, workdir)
+    facts = model_sizes(model, workdir)
     if lowbit_only is not None:
-        from ..sim.cost import parse_lowbit
+        from ..setting.model_sizes import lowbit_nbytes
 
-        split = split_budget(budget, facts, kv_tokens, min_slot_bytes=facts.expert_bytes(*parse_lowbit(lowbit_only)))
+        split = split_budget(budget, facts, kv_tokens, min_slot_bytes=lowbit_nbytes(facts, lowbit_only))
     else:
         split = split_budget(budget, facts, kv_tokens)
     cost = CostModel(load_hardware(hardware), facts.shape)
@@ -80,7 +81,7 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     return Setup(facts, split, cost, replay, pol, wd, hardware, budget, raw)
 
 
-def stored_gating(wd: Path, facts: ModelFacts, trace):
+def stored_gating(wd: Path, facts: ModelSizes, trace):
     """(T_g, gated trace) from the workdir's sensitivity.json when it stores a threshold and the trace has weights."""
     from ..calib.sensitivity import JSON_NAME, load_sensitivity
     from ..policies.gating import gate_trace, parse_gating
@@ -95,7 +96,7 @@ def stored_gating(wd: Path, facts: ModelFacts, trace):
     return (float(meta["threshold"]), list(meta["sensitivities"]), gate_trace(trace, policy)) if policy else None
 
 
-def _prefetch(name: str, replay: Replay, wd: Path | None, facts: ModelFacts) -> str:
+def _prefetch(name: str, replay: Replay, wd: Path | None, facts: ModelSizes) -> str:
     """Resolve --prefetch auto the way the runtime does, on what the traces can replay (`wd` None: no workdir,
     no predictors)."""
     from ..predict.predictors_file import JSON_NAME, load_predictors
@@ -120,14 +121,13 @@ def _prefetch(name: str, replay: Replay, wd: Path | None, facts: ModelFacts) -> 
 def setup_from_trace(trace, budget: str, hardware: str, model_shape: str | None = None, kv_tokens: int = 4096,
                      replacement: str = "ours", prefetch: str = "auto") -> Setup:
     """A setup for `simulate --preset`: the model's facts from the trace's shape (recipe or --model-shape)."""
-    from ..sim.cost import CostModel, dense_bytes, kv_reserve_bytes, load_hardware
+    from ..setting.model_sizes import shape_sizes
+    from ..sim.cost import CostModel, load_hardware
     from ..sim.simulate import model_shape as shape_of
-    from .budget import ModelFacts
 
     shape = shape_of(trace, model_shape)
-    facts = ModelFacts(shape.get("name", trace.model), shape, trace.num_layers, trace.num_experts, trace.top_k,
-                       int(dense_bytes(shape)), int(kv_reserve_bytes(shape, 1)), trace.fingerprint,
-                       f"shape {shape.get('name')}")
+    facts = shape_sizes(shape, trace.num_layers, trace.num_experts, trace.top_k, name=shape.get("name", trace.model),
+                        fingerprint=trace.fingerprint)
     split = split_budget(budget, facts, kv_tokens)
     cost = CostModel(load_hardware(hardware), shape)
     replay = Replay(trace, cost)

@@ -31,7 +31,7 @@ from .cache import DeviceCache
 from .driver import Runtime
 from .in_place import InPlaceExperts
 from ..store.facts import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
-                           model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
+                           checkpoint_sizes, open_checkpoint, parse_device, parse_dtype, skeleton)
 from .offloaded import OffloadedExperts
 from .policy_objects import admission_gate, build_policies, make_gating, make_precision_copies, placement
 
@@ -166,7 +166,7 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
                                    expert_nbytes, low_fmt.nbytes if low_fmt is not None else None, low_only)
     split = None
     if opts.budget is not None:
-        facts = model_facts(config, adapter, dense_nbytes(hf, config), L, dt)
+        facts = checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), L)
         split = split_budget(opts.budget, facts, staging=staging_bytes, min_slot_bytes=stage_nbytes)
     low = None
     if plan_pools:                                      # checked by `plan_slots`: a layer's full slots may be 0

@@ -23,8 +23,8 @@ from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy, make_precision
 from ..core.sizing import ModelSizes, budget_pools, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..core.trace import Trace
-from .cost import (CostModel, dense_bytes, expert_bytes, kv_reserve_bytes, load_hardware, load_shape, parse_lowbit,
-                   shape_for_trace_model, shape_from_hf_config)
+from .cost import (CostModel, expert_bytes, load_hardware, load_shape, parse_lowbit, shape_for_trace_model,
+                   shape_from_hf_config)
 from .simulator import SimResult, Simulator, trace_steps
 
 
@@ -38,14 +38,17 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
     (`moectl/core/sizing.py`: dense weights, KV reserve, workspace, `staging` bytes of staging buffers) and the rest
     filled with experts of `cost`'s size, or with `low_bytes` low-bit copies too ({precision: slots per layer},
     `sizing.budget_pools`); `budget_sizing` gives those from the options, as the runtime takes them. `facts` (a
-    checkpoint's, `plan/budget.py: model_facts`) or, without, estimated from `cost`'s shape; `min_slot_bytes`:
+    checkpoint's, `store/facts.py: model_sizes`) or, without, estimated from `cost`'s shape; `min_slot_bytes`:
     the smallest slot served (default `cost`'s expert)."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     given = sum(x is not None for x in (fraction, experts, plan, budget))
     if given != 1:
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
     if budget is not None:
-        facts = facts or shape_facts(cost.shape, L, E, K, cost.expert_bytes)
+        if facts is None:
+            from ..setting.model_sizes import shape_sizes
+
+            facts = shape_sizes(cost.shape, L, E, K, expert_nbytes=cost.expert_bytes)
         split = split_budget(int(budget), facts, min_slot_bytes=min_slot_bytes or cost.expert_bytes,
                              staging=int(staging))
         pools = budget_pools(split, L, E, cost.expert_bytes, low_bytes, lowbit_fraction)
@@ -186,13 +189,6 @@ def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=Non
                         future=[s.chosen for s in trace_steps(trace) if not s.prefill],
                         predictor_hint=" (--predictor DIR from `moectl train-predictor`; a routing predictor "
                                        "can also be trained on other traces of the model with --train-on PATH)")
-
-
-def shape_facts(shape: dict, num_layers: int, num_experts: int, top_k: int, expert_nbytes: float | None = None):
-    """ModelSizes of a shape block (no checkpoint): dense weights and KV bytes estimated from the shapes."""
-    return ModelSizes(shape.get("name", "model"), shape, num_layers, num_experts, top_k, int(dense_bytes(shape)),
-                      int(kv_reserve_bytes(shape, 1)), None, f"shape {shape.get('name')}",
-                      int(expert_nbytes) if expert_nbytes else None)
 
 
 def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: float, low_bytes: float | None,
