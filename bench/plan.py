@@ -39,10 +39,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moectl.core.sizing import split_budget  # noqa: E402
+from moectl.policies.gating import SensitivityGating, gate_trace  # noqa: E402
 from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)
-from moectl.plan.inputs import plan_setup, stored_gating  # noqa: E402
+from moectl.plan.inputs import plan_setup  # noqa: E402
 from moectl.store.facts import model_sizes  # noqa: E402
 from moectl.synth.trace import save, synthesize_like  # noqa: E402
 from moectl.core.trace import Trace, load_trace, write_jsonl  # noqa: E402
@@ -158,9 +159,9 @@ def board(model: str, budget, plan_trace: str, judge_trace: str | None, precisio
             tr = load_trace(_shared(judge_trace, wd))
             replay = Replay(tr, s.cost, train_traces=[s.replay.raw])
             replay.raw = tr
-            gated = stored_gating(Path(wd), s.facts, tr)        # the workdir's T_g, as the planning trace got
-            if gated is not None:
-                replay.trace = gated[2]
+            if s.policies.gating is not None and tr.weights is not None:     # the workdir's T_g, as the planning
+                gating = SensitivityGating(s.policies.gating, s.policies.sensitivities)    # trace got it
+                replay.trace = gate_trace(tr, gating)
         rows = [run_preset(s, p, plan, replay) for p in PRESETS if names is None or p.name in names]
     title = (f"{model} {budget if isinstance(budget, str) else f'{budget / 1e9:.2f}GB'} on {HW}: plan on "
              f"{Path(plan_trace).name}" + (f", judged on {Path(judge_trace).name}" if judge_trace else ""))

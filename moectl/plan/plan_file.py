@@ -1,5 +1,5 @@
-"""plan.yaml (`moectl-plan-v1`): written here, read by `moectl/sim/simulate.py: load_plan / plan_slots` (the one
-reader, shared by `simulate --plan` and the runtime).
+"""plan.yaml (`moectl-plan-v1`): written here, read by `moectl/artifacts/plan.py: load_plan / plan_slots` (the one
+reader, shared by `simulate --plan` and the runtime through the resolver, `moectl/setting/resolve.py`).
 
     format: moectl-plan-v1        version: 1            fingerprint: <model fp, or null for a recipe shape>
     model, num_layers, num_experts, top_k
@@ -20,7 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..artifacts.versioned import write_descriptor
-from ..errors import MoectlError
 from ..artifacts.plan import PLAN_FORMAT, PLAN_NAME, check_plan_model  # noqa: F401
 
 PLAN_VERSION = 1
@@ -32,20 +31,3 @@ def write_plan(path, plan: dict, fingerprint: str | None) -> Path:
     head = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "fingerprint": fingerprint,
             "created_by": f"moectl {__version__}"}
     return write_descriptor(path, head | plan)
-
-
-def apply_plan(plan: dict, trace, opts):
-    """What `simulate --plan` takes from a plan: {precision: slots per layer} when it has low-bit slots (else the
-    caller's `capacities` already read `slots`), its policies for every option `opts` (a RuntimeOptions) left unset
-    (changed in place, `RuntimeOptions.take_plan`: the runtime's rule), and its sensitivity gating (a GatingPolicy,
-    or None)."""
-    check_plan_model(plan, trace.fingerprint, trace.num_layers, trace.num_experts, f"the trace ({trace.model})",
-                     trace.top_k)
-    gating = opts.take_plan(plan)
-    caps = None
-    if plan.get("slots_low"):
-        from ..core.cache_model import FULL
-        from ..policies.precision import LOW
-
-        caps = {FULL: [int(s) for s in plan["slots"]], LOW: [int(s) for s in plan["slots_low"]]}
-    return caps, gating

@@ -310,7 +310,7 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
     """`moectl simulate --trace T --preset NAME --budget SIZE`: one scoreboard row on one trace."""
     import json
 
-    from ..sim.simulate import load_plan
+    from ..artifacts.plan import load_plan
     from .inputs import setup_from_trace
 
     preset = get_preset(name)
