@@ -188,7 +188,7 @@ def scoreboard_proxy(model: str, workdir: Path, dataset: str) -> dict:
     sensitivity --target-ppl-delta 0.01` on its held-out set, as the tiny model's was), then the eight settings."""
     import subprocess
 
-    from moectl.calib.sensitivity import JSON_NAME
+    from moectl.artifacts.sensitivity import JSON_NAME
     from moectl.plan.proxy import proxies
 
     if not (workdir / JSON_NAME).exists():

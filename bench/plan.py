@@ -38,12 +38,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moectl.core.sizing import split_budget
-from moectl.plan.budget import model_facts  # noqa: E402
+from moectl.core.sizing import split_budget  # noqa: E402
+from moectl.policies.gating import SensitivityGating, gate_trace  # noqa: E402
 from moectl.plan.planner import Policies, Replay, make_plan  # noqa: E402
 from moectl.plan.scoreboard import (PRESETS, SEED_MIXTRAL_SENSITIVITY, SEED_T_G, print_scoreboard,  # noqa: E402
                                     ratios, run_preset)
-from moectl.plan.inputs import plan_setup, stored_gating  # noqa: E402
+from moectl.plan.inputs import plan_setup  # noqa: E402
+from moectl.store.facts import model_sizes  # noqa: E402
 from moectl.synth.trace import save, synthesize_like  # noqa: E402
 from moectl.artifacts.trace_dir import load_trace
 from moectl.artifacts.routing_jsonl import write_jsonl
@@ -62,7 +63,7 @@ TRACES = {   # recipe -> shared trace files
 
 def quarter_budget(model: str, fraction: float = 0.25) -> int:
     """Bytes that hold dense + KV (4096 tokens) + workspace + `fraction` of the bf16 experts."""
-    f = model_facts(model)
+    f = model_sizes(model)
     s = split_budget(10**15, f)
     return int(s.dense + s.kv + s.workspace + fraction * f.num_layers * f.num_experts * f.expert_bytes())
 
@@ -160,9 +161,9 @@ def board(model: str, budget, plan_trace: str, judge_trace: str | None, precisio
             tr = load_trace(_shared(judge_trace, wd))
             replay = Replay(tr, s.cost, train_traces=[s.replay.raw])
             replay.raw = tr
-            gated = stored_gating(Path(wd), s.facts, tr)        # the workdir's T_g, as the planning trace got
-            if gated is not None:
-                replay.trace = gated[2]
+            if s.policies.gating is not None and tr.weights is not None:     # the workdir's T_g, as the planning
+                gating = SensitivityGating(s.policies.gating, s.policies.sensitivities)    # trace got it
+                replay.trace = gate_trace(tr, gating)
         rows = [run_preset(s, p, plan, replay) for p in PRESETS if names is None or p.name in names]
     title = (f"{model} {budget if isinstance(budget, str) else f'{budget / 1e9:.2f}GB'} on {HW}: plan on "
              f"{Path(plan_trace).name}" + (f", judged on {Path(judge_trace).name}" if judge_trace else ""))

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from moectl.policies.precision import make_precision
-from moectl.core.recipes import parse_size
-from moectl.sim import simulate as sim
 from moectl.artifacts.trace_dir import load_trace
+from moectl.setting.model_sizes import shape_sizes
+from moectl.setting.options import RuntimeOptions
+from moectl.setting.resolve import resolve
+from moectl.sim import simulate as sim
 
 CONFIGS = [("bf16 only", "full", None), ("HOBBIT hi/lo/skip q4g64", "hobbit", "q4g64"),
            ("lowbit-only q4g64", "lowbit-only", "q4g64"), ("lowbit-only q3g64", "lowbit-only", "q3g64"),
@@ -31,16 +32,21 @@ def main() -> None:
     a = ap.parse_args()
     tr = load_trace(a.trace)
     cost = sim.cost_for(tr, a.hardware)
-    caps = sim.capacities(tr, budget=parse_size(a.budget), cost=cost)
+    sizes = shape_sizes(cost.shape, tr.num_layers, tr.num_experts, tr.top_k, expert_nbytes=cost.expert_bytes)
+
+    def setting(precision: str, lowbit: str | None, cpu: str):     # as `simulate --budget` resolves it
+        opts = RuntimeOptions(budget=a.budget, precision=precision, lowbit=lowbit, cpu_experts=cpu)
+        return resolve(opts, sizes, live=False, trace=tr, expert_nbytes=cost.expert_bytes, price_shape=cost.shape)
+
+    caps = setting("full", None, "never").pools["full"]
     print(f"{tr.model}, {tr.num_tokens} tokens, budget {a.budget} ({sum(caps)} bf16 expert slots), {a.hardware}, "
           f"{a.replacement}, no prefetch\n")
     print("| setup | cpu experts | slots | misses/tok (full / low / skip / cpu) | GB/tok copied | ms/tok | cpu ms/tok |")
     print("|---|---|---|---|---|---|---|")
     for cpu in ("never", "auto"):
         for label, prec, lowbit in CONFIGS:
-            pools = sim.capacities(tr, budget=parse_size(a.budget), cost=cost,      # as `simulate --budget` sizes it
-                                   **sim.budget_sizing(cost, "none", cpu, None, prec, lowbit))
-            r = sim.simulate(tr, pools, a.replacement, "none", cost, belady=False, precision=make_precision(prec),
+            s = setting(prec, lowbit, cpu)
+            r = sim.simulate(tr, s.pools, a.replacement, "none", cost, belady=False, precision=s.precision,
                              lowbit=lowbit, cpu_experts=cpu)
             slots = ", ".join(f"{p} {n}" for p, n in r.slots.items())
             print(f"| {label} | {cpu} | {slots} | {r.full_loads_per_token:.1f} / {r.lowbit_loads_per_token:.1f} / "

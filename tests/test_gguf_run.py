@@ -126,13 +126,13 @@ def test_inspect_states_what_the_run_holds(q4km, capsys, monkeypatch, tmp_path):
 
 
 def test_packed_size_in_sizing_simulate_and_plan(q4km, tmp_path, capsys, monkeypatch):
-    from moectl.plan.budget import model_facts
     from moectl.core.shapes import expert_bytes
+    from moectl.store.facts import model_sizes
     from moectl.store.gguf.shape import gguf_shape
 
     slot = 2 * 256 * 256 // 256 * 144 + 256 * 256 // 256 * 210
     assert expert_bytes(gguf_shape(q4km)) == slot                           # simulate --model-shape x.gguf
-    assert model_facts(str(q4km), str(tmp_path)).full_expert_bytes == slot        # plan-cache, --budget
+    assert model_sizes(str(q4km), str(tmp_path)).full_expert_bytes == slot        # plan-cache, --budget
     from moectl.core.sizing import DEVICE_LIBRARY_BYTES
 
     budget = str(18_000_000 + DEVICE_LIBRARY_BYTES)                               # 18 MB besides the libraries'

@@ -54,7 +54,7 @@ def test_runtime_and_simulator_agree_at_lowbit_only_with_prefetch(q4, tmp_path, 
     from moectl.policies import LRU
     from moectl.policies.admission import make_admission
     from moectl.policies.placement import ComputePlacement
-    from moectl.sim.simulate import precision_pools
+    from moectl.setting.pools import precision_pools
     from moectl.sim.steps import trace_steps
     from moectl.sim.simulator import Simulator
     from moectl.artifacts.trace_dir import load_trace

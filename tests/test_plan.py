@@ -90,9 +90,9 @@ def test_dp_is_the_exhaustive_optimum_and_deterministic():
                                            ("20000MB", 20_000_000_000), ("21474836480", 21474836480)])
 def test_budget_sizes_and_split(size, expected):
     from moectl.core.sizing import split_budget
-    from moectl.plan.budget import model_facts
+    from moectl.store.facts import model_sizes
 
-    facts = model_facts("mixtral")
+    facts = model_sizes("mixtral")
     s = split_budget(size, facts, kv_tokens=4096)
     assert s.total == expected
     assert s.kv == 2 * 32 * 8 * 128 * 2 * 4096                     # K and V, every layer, bf16
@@ -102,9 +102,9 @@ def test_budget_sizes_and_split(size, expected):
 
 def test_budget_below_the_minimum_states_it():
     from moectl.core.sizing import split_budget
-    from moectl.plan.budget import model_facts
+    from moectl.store.facts import model_sizes
 
-    facts = model_facts("mixtral")
+    facts = model_sizes("mixtral")
     with pytest.raises(MoectlError, match=r"below the minimum 15\.\d\d GB") as e:
         split_budget("8GB", facts)
     assert "one expert slot per MoE layer (32 x 352.32 MB)" in str(e.value)
@@ -227,13 +227,13 @@ KV_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def tiny_profiled(tiny_small, tmp_path_factory):
-    """(checkpoint, workdir with the small tiny model's profiled traces/, ModelFacts, bytes below the experts)."""
+    """(checkpoint, workdir with the small tiny model's profiled traces/, ModelSizes, bytes below the experts)."""
     import torch
 
     from moectl.calib.builtin_corpus import builtin_corpus
     from moectl.calib.profile import run_profile
     from moectl.core.sizing import split_budget
-    from moectl.plan.budget import model_facts
+    from moectl.store.facts import model_sizes
     from moectl.runtime.engine import Engine
 
     torch.set_num_threads(1)
@@ -241,7 +241,7 @@ def tiny_profiled(tiny_small, tmp_path_factory):
     full = Engine.load(str(tiny_small), prefetch="gate-reuse", progress=False, workdir=str(wd))
     run_profile(full, builtin_corpus("validation")[:3], wd / "traces", model_name="tiny", dataset="builtin:validation",
                 **PROFILE)
-    facts = model_facts(str(tiny_small), str(wd))
+    facts = model_sizes(str(tiny_small), str(wd))
     minimum = facts.dense_bytes + facts.kv_bytes_per_token * KV_TOKENS + split_budget(10**12, facts, KV_TOKENS).workspace
     return tiny_small, wd, facts, minimum
 

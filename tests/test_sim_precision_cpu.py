@@ -16,7 +16,7 @@ from moectl.policies.placement import ComputePlacement
 from moectl.policies.precision import LOW, HobbitPrecision, LowbitOnly
 from moectl.core.shapes import expert_bytes, load_shape, parse_lowbit
 from moectl.sim.cost import CostModel, FixedCost, load_hardware
-from moectl.sim.simulate import capacities, precision_pools
+from moectl.setting.pools import precision_pools
 from moectl.sim.steps import trace_steps
 from moectl.sim.simulator import Simulator
 from moectl.core.trace import DECODE, Trace
@@ -111,12 +111,20 @@ def test_lowbit_spec_and_bytes():
 def test_budget_keeps_dense_weights_and_kv_reserve():
     from moectl.core.shapes import dense_bytes, kv_reserve_bytes
     from moectl.core.sizing import workspace_bytes
+    from moectl.setting.model_sizes import shape_sizes
+    from moectl.setting.options import RuntimeOptions
+    from moectl.setting.resolve import resolve
 
     shape = load_shape("mixtral")
     cm = CostModel(load_hardware("rtx4090-pcie4"), shape)
     assert 2.5e9 < dense_bytes(shape) < 3.5e9                # attention + embeddings + head of Mixtral-8x7B
     assert kv_reserve_bytes(shape) == 2 * 32 * 8 * 128 * 4096 * 2
     tr = make_trace([[[0, 1]] * 32])
+    def capacities(tr, budget, cost):           # what `simulate --budget` sizes, from the trace's shape
+        sizes = shape_sizes(cost.shape, tr.num_layers, tr.num_experts, tr.top_k, expert_nbytes=cost.expert_bytes)
+        return resolve(RuntimeOptions(budget=int(budget)), sizes, live=False, trace=tr,
+                       expert_nbytes=cost.expert_bytes).pools["full"]
+
     caps = capacities(tr, budget=20e9, cost=cm)
     left = 20e9 - dense_bytes(shape) - kv_reserve_bytes(shape) - workspace_bytes(shape)     # the runtime's sizing
     assert sum(caps) == int(left // cm.expert_bytes)

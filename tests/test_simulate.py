@@ -12,6 +12,9 @@ from moectl.errors import MoectlError
 from moectl.policies import LRU, PrefetchPolicy
 from moectl.core.shapes import load_shape
 from moectl.sim.cost import CostModel, FixedCost, load_hardware
+from moectl.core.sizing import ModelSizes
+from moectl.setting.options import RuntimeOptions
+from moectl.setting.resolve import resolve
 from moectl.sim.simulate import capacities
 from moectl.sim.steps import trace_steps
 from moectl.sim.simulator import Simulator
@@ -146,16 +149,22 @@ def test_aux_gate_prefetches_the_next_tokens_first_layer():
     assert plain["demand"] == 3 and plain["ms_per_token"] > r["ms_per_token"]
 
 
+def plan_slots(tr, plan):
+    """The full-precision slots a replay of `tr` takes from `plan` (the resolver, as `simulate --plan`)."""
+    sizes = ModelSizes("t", {}, tr.num_layers, tr.num_experts, tr.top_k, 0, 0)
+    return resolve(RuntimeOptions(plan=plan), sizes, live=False, trace=tr, expert_nbytes=1).pools["full"]
+
+
 def test_capacities():
     tr = make_trace([[[0]] * 5], E=8, K=2)
     assert capacities(tr, fraction=0.5) == [4] * 5
     assert capacities(tr, fraction=0.1) == [2] * 5              # at least top-k
     assert capacities(tr, experts=12) == [3, 3, 2, 2, 2]
-    assert capacities(tr, plan={"format": "moectl-plan-v1", "slots": [1, 2, 3, 4, 5]}) == [1, 2, 3, 4, 5]
+    assert plan_slots(tr, {"format": "moectl-plan-v1", "slots": [1, 2, 3, 4, 5]}) == [1, 2, 3, 4, 5]
     with pytest.raises(MoectlError, match="exactly one"):
         capacities(tr, fraction=0.5, experts=10)
     with pytest.raises(MoectlError, match="layers"):
-        capacities(tr, plan={"format": "moectl-plan-v1", "slots": [1, 2]})
+        plan_slots(tr, {"format": "moectl-plan-v1", "slots": [1, 2]})
 
 
 def test_plan_file_and_fingerprint_mismatch(tmp_path):
@@ -163,13 +172,13 @@ def test_plan_file_and_fingerprint_mismatch(tmp_path):
     tr.fingerprint = "mixtral:aaaaaaaaaaaa"
     p = tmp_path / "plan.yaml"
     p.write_text(yaml.safe_dump({"format": "moectl-plan-v1", "fingerprint": "mixtral:aaaaaaaaaaaa", "slots": [3, 1]}))
-    assert capacities(tr, plan=p) == [3, 1]
+    assert plan_slots(tr, p) == [3, 1]
     p.write_text(yaml.safe_dump({"format": "moectl-plan-v1", "fingerprint": "mixtral:bbbbbbbbbbbb", "slots": [3, 1]}))
     with pytest.raises(MoectlError, match="made for model"):
-        capacities(tr, plan=p)
+        plan_slots(tr, p)
     p.write_text("slots: [1, 1]\n")
     with pytest.raises(MoectlError, match="moectl-plan-v1"):
-        capacities(tr, plan=p)
+        plan_slots(tr, p)
 
 
 def test_mixtral_cost_model_numbers():

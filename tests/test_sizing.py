@@ -23,11 +23,11 @@ def _trace(tmp_path, model, L, E, K):
 
 
 def test_the_same_budget_gives_the_same_slots_everywhere(tiny_small, tmp_path):
-    from moectl.plan.budget import model_facts
+    from moectl.store.facts import model_sizes
     from moectl.runtime.engine import Engine
     from moectl.core.sizing import workspace_bytes
 
-    facts = model_facts(str(tiny_small))
+    facts = model_sizes(str(tiny_small))
     L, E, K = facts.num_layers, facts.num_experts, facts.top_k
     fixed = facts.dense_bytes + facts.kv_bytes_per_token * 4096 + workspace_bytes(facts.shape)
     budget = str(int(fixed + 5.5 * facts.expert_bytes()))          # five and a half experts beyond the fixed part
@@ -70,11 +70,11 @@ def test_the_same_budget_gives_the_same_low_bit_pools_everywhere(tiny_small, q4_
     """The low-bit pools too (issue 29): one budget, the same {precision: slots} in the runtime, `simulate`,
     `inspect` and the even split `plan-cache` measures its plan against; the low-bit copy is priced at the bytes
     the runtime's copies take (fp32 checkpoint: fp32 scales and zeros), and at lowbit-only there is no full pool."""
-    from moectl.plan.budget import model_facts
+    from moectl.store.facts import model_sizes
     from moectl.runtime.engine import Engine
     from moectl.core.sizing import workspace_bytes
 
-    facts = model_facts(str(tiny_small))
+    facts = model_sizes(str(tiny_small))
     L, E, K = facts.num_layers, facts.num_experts, facts.top_k
     fixed = facts.dense_bytes + facts.kv_bytes_per_token * 4096 + workspace_bytes(facts.shape)
     budget = str(int(fixed + experts * facts.expert_bytes()))

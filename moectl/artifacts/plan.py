@@ -107,7 +107,7 @@ PLAN_POLICIES = ("replacement", "prefetch", "precision", "lowbit", "cpu_experts"
 
 
 def plan_policies(plan: dict) -> dict:
-    """The options a plan sets, for everything that applies one (`RuntimeOptions.resolve`, `simulate --plan`): its
+    """The options a plan sets, for everything that applies one (the resolver, `setting/resolve.py`): its
     policies, HOBBIT's T1/T2 with its hobbit precision, and its gating as (T_g, [S_l]) when it was measured gated."""
     pol = plan.get("policies") or {}
     out = {k: pol[k] for k in PLAN_POLICIES if pol.get(k) is not None}

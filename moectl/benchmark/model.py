@@ -220,7 +220,7 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
     from ..core.shapes import shape_from_hf_config
-    from ..sim.simulate import load_plan, plan_slots
+    from ..artifacts.plan import load_plan, plan_slots
 
     if prompt_len < 1 or gen_len < 2:
         raise MoectlError("--prompt-len must be >= 1 and --gen-len >= 2 (decode is timed after the first token)")

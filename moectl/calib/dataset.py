@@ -16,7 +16,6 @@ The built-in corpus (`source: builtin`) is `builtin_corpus.py`; the reference mo
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 

@@ -244,7 +244,7 @@ def _runtime_option_table():
 def runtime_options(fn=None, *, helps: dict[str, str] | None = None):
     """Give a command every runtime option (one declaration) and pass them as `opts: RuntimeOptions`: what the
     command leaves unset is the plan's (the workdir's plan.yaml unless --no-plan), else the workdir's artifacts'
-    (predictors for --prefetch auto, the stored T_g for gating), else the built-in default (`RuntimeOptions.resolve`).
+    (predictors for --prefetch auto, the stored T_g for gating), else the built-in default (`setting/resolve.py: resolve`).
     `helps` {field: text}: a command's own help for an option whose default it reads its own way (`bench`: half
     the experts cached, the CPU emulating a device); the flag, its field and its parsing stay the shared ones."""
     if fn is None:

@@ -62,7 +62,6 @@ def plan_cache(
 
     from rich.console import Console
 
-    from ..errors import MoectlError
     from ..plan import scoreboard as sb
     from ..artifacts.plan import PLAN_NAME
     from ..artifacts.plan import write_plan
@@ -72,23 +71,16 @@ def plan_cache(
     from ..plan.planner import make_plan
     from ..plan.proxy import Setting, proxies
     from ..synth.tiny import tiny_report
-    from ..policies.precision import make_precision
     from ..progress import ProgressBar
     from ._common import prepare_model
 
     console = Console(stderr=True)
     if model == "tiny":
         prepare_model(model, workdir)
-    if precision is None:
-        precision = "hobbit" if lowbit else "full"
-    setup = plan_setup(model, budget, hardware, kv_tokens, traces, replacement, prefetch, depth, workdir,
-                       lowbit_only=lowbit if precision == "lowbit-only" else None)
-    setup.policies.precision, setup.policies.lowbit, setup.policies.t1, setup.policies.t2 = precision, lowbit, t1, t2
-    setup.policies.cpu_experts = cpu_experts
     if admission not in ADMISSION_MODES:
         raise MoectlError(f"--admission must be {' or '.join(ADMISSION_MODES)}, not {admission!r}")
-    setup.policies.admission = admission
-    make_precision(precision, t1, t2)                      # a bad name or T1 > T2 fails here
+    setup = plan_setup(model, budget, hardware, kv_tokens, traces, replacement, prefetch, depth, workdir,
+                       precision or ("hobbit" if lowbit else "full"), lowbit, t1, t2, cpu_experts, admission)
     spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max)
     by_k = None
     if spec is not None:

@@ -8,14 +8,6 @@ import typer
 
 from ..policies import PREFETCH_NAMES, REPLACEMENT_NAMES
 
-COMPARE = [("lru", "none", "mixtral-offloading"), ("lfu", "none", "sequence LFU"),
-           ("moe-infinity", "eam", "MoE-Infinity"), ("hobbit", "gate-reuse", "HOBBIT"), ("ours", None, "ours")]
-FIELDS = ["hit_rate", "belady_hit_rate", "demand_loads_per_token", "prefetch_loads_per_token",
-          "wasted_prefetch_fraction", "bytes_per_token", "stall_ms_per_token", "ms_per_token",
-          "lower_bound_ms_per_token", "tokens", "prefill_misses", "full_loads_per_token", "lowbit_loads_per_token",
-          "skipped_per_token", "cpu_experts_per_token", "cpu_ms_per_token", "fill_copies_per_token", "slots",
-          "misses", "draft"]
-
 
 def simulate(
     trace: list[Path] = typer.Option(..., "--trace", "-t", help="trace directory or moe-routing-v1 JSONL (repeatable; one model)"),
@@ -96,158 +88,47 @@ def simulate(
     from rich.console import Console
 
     from ..errors import MoectlError
-    from ..sim import simulate as sim
-    from ..policies.gating import experts_per_token
-    from ..artifacts.trace_dir import load_trace
+    from ..plan.simulation import simulate_traces
+    from ..progress import ProgressBar
+    from ..setting.options import RuntimeOptions
+    from ..sim.spec_passes import parse_draft
 
     console = Console(stderr=True)
-    model_shape_arg = model_shape
-    if model_shape is not None and model_shape.lower().endswith(".gguf"):   # a GGUF's shape comes from its header
-        from ..store.gguf.shape import gguf_shape
-
-        model_shape = gguf_shape(model_shape)
-    traces = [load_trace(p) for p in trace]
-    tr = sim.concat(traces)
     if preset is not None:
+        from ..artifacts.trace_dir import load_trace
         from ..plan.scoreboard import simulate_preset
+        from ..sim.simulate import concat
 
         if draft_tokens is not None:
             raise MoectlError("--preset replays a peer's setup as it runs: without --draft-tokens (give the "
                               "setup's options instead of --preset to price drafting)")
-
-        simulate_preset(tr, preset, budget, hardware, model_shape, plan, as_json)
+        simulate_preset(concat([load_trace(p) for p in trace]), preset, budget, hardware, model_shape, plan, as_json)
         return
-    from ..setting.options import RuntimeOptions
-
-    opts = RuntimeOptions(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1,
-                          t2=t2, cpu_experts=cpu_experts, admission=admission)
-    plan_caps, plan_gating, preload = None, None, None
-    if plan is not None:
-        from ..artifacts.plan import load_plan, plan_preload
-        from ..plan.plan_file import apply_plan
-
-        plan_d = load_plan(plan)
-        plan_caps, plan_gating = apply_plan(plan_d, tr, opts)
-        preload = plan_preload(plan_d, tr.num_layers, tr.num_experts)     # its hot set, resident from the start
-    replacement, prefetch, precision, lowbit, t1, t2, cpu_experts = (
-        opts.replacement or "lru", opts.prefetch or "none", opts.precision or "full", opts.lowbit,
-        opts.t1, opts.t2, opts.cpu_experts or "never")
-    admission = opts.admission or "off"
-    from ..policies.admission import prefetch_staging
-    from ..policies.precision import make_precision
-    from ..core.recipes import parse_size
-
-    cost = sim.cost_for(tr, hardware, model_shape, bits)
-    caps = sim.capacities(tr, cache_fraction, cache_experts, plan, None if budget is None else parse_size(budget), cost,
-                          facts=_checkpoint_facts(model_shape_arg or tr.model, tr) if budget is not None else None,
-                          **sim.budget_sizing(cost, prefetch, cpu_experts, staging_buffers, precision, lowbit,
-                                              lowbit_fraction))      # staging and pools as the runtime takes them
-    if plan_caps is not None:
-        caps = plan_caps
-    gated = _gated(tr, gating_threshold, gating, gate_prefill, sensitivity)
-    if gated is None and plan_gating is not None and gating_threshold is None and gating is None:
-        from ..policies.gating import gate_trace
-
-        gated = gate_trace(tr, plan_gating, gate_prefill)
-    if gated is not None:
-        tr = gated
-    prec = make_precision(precision, t1, t2)
-    from ..sim.spec_passes import parse_draft
-
+    opts = RuntimeOptions(cache_experts=cache_experts, budget=budget, plan=plan, replacement=replacement,
+                          prefetch=prefetch, predictor=predictor, precision=precision, lowbit=lowbit, t1=t1, t2=t2,
+                          lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
+                          staging=staging_buffers, gating=gating, gating_threshold=gating_threshold,
+                          gate_prefill=gate_prefill)
     spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max, draft_rule, draft_seed)
-    if spec is None and plan is not None and plan_d.get("draft"):
-        from ..plan.speculative import plan_draft_spec
-
-        spec = plan_draft_spec(plan_d, plan)         # the drafting the plan was made for
-    train_traces, routing_pred, mlp_pred, aux_pred = [], None, None, None
-    if train_on:
-        sim_paths = {Path(p).expanduser().resolve() for p in trace}
-        clash = [p for p in train_on if Path(p).expanduser().resolve() in sim_paths]
-        if clash:
-            raise MoectlError(f"--train-on {clash[0]} is also simulated: a predictor must never be trained "
-                              f"on the trace it is measured on")
-        train_traces = [load_trace(p) for p in train_on]
-        for t in train_traces:
-            if (t.num_layers, t.num_experts) != (tr.num_layers, tr.num_experts):
-                raise MoectlError(f"--train-on trace {t.model} is not of the simulated model {tr.model}")
-    if predictor is not None:
-        from ..predictors.file import load_predictors
-
-        ps = load_predictors(predictor, expect_fingerprint=tr.fingerprint)
-        routing_pred, mlp_pred, aux_pred = ps.routing, ps.mlp, ps.aux_gate
-        if routing_pred is not None and (routing_pred.L, routing_pred.E) != (tr.num_layers, tr.num_experts):
-            raise MoectlError(f"the routing predictor in {predictor} is for {routing_pred.L} layers x "
-                              f"{routing_pred.E} experts, the trace has {tr.num_layers} x {tr.num_experts}")
-    wants_routing = prefetch == "routing" or compare
-    if wants_routing and routing_pred is None and train_traces:
-        from ..predictors.routing import train_routing_predictor
-
-        with console.status("training the routing predictor on --train-on traces"):
-            routing_pred, _ = train_routing_predictor(train_traces, lookahead=list(range(1, (depth or 2) + 1)))
-
-    if compare:
-        has_hidden = sim.hidden_lookup(tr) is not None and bool(tr.routers)
-        best = ("routing" if routing_pred is not None
-                else "aux-gate" if aux_pred is not None and mlp_pred is not None and has_hidden
-                else "mlp" if mlp_pred is not None and has_hidden
-                else "gate-reuse" if has_hidden else "eam")
-        configs = [(r, p or best, label) for r, p, label in COMPARE if p != "gate-reuse" or has_hidden]
-    else:
-        configs = [(replacement, prefetch, f"{replacement}/{prefetch}")]
-
-    results = []
-    from ..progress import ProgressBar
-
     with ProgressBar(console=console, transient=True) as bar:
-        task = bar.add("simulating", total=len(configs))
-        for r, p, label in configs:
-            pred = routing_pred if p == "routing" else mlp_pred if p in ("mlp", "aux-gate") else None
-            res = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces,
-                               depth=depth, per_layer=per_layer, aux_gate=aux_pred, precision=prec, lowbit=lowbit,
-                               lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
-                               preload=preload, staging=staging_buffers, draft=spec)
-            d = {k: getattr(res, k) for k in FIELDS}
-            if spec is not None:                 # the same setting without drafting, beside it
-                base = sim.simulate(tr, caps, r, p, cost, predictor=pred, train_traces=train_traces, depth=depth,
-                                    per_layer=per_layer, aux_gate=aux_pred, precision=prec, lowbit=lowbit,
-                                    lowbit_fraction=lowbit_fraction, cpu_experts=cpu_experts, admission=admission,
-                                    preload=preload, staging=staging_buffers, belady=False)
-                d["draft"] |= dict(no_draft_ms_per_token=base.ms_per_token, no_draft_bytes_per_token=base.bytes_per_token,
-                                   speedup=base.ms_per_token / res.ms_per_token if res.ms_per_token else 1.0)
-            d.update(replacement=r, prefetch=p, label=label, late_prefetches_per_token=res.late_prefetches_per_token,
-                     experts_per_token=experts_per_token(tr), precision=prec.name, lowbit=lowbit,
-                     cpu_experts=cpu_experts, admission=admission,
-                     staging_buffers=prefetch_staging(cpu_experts) if staging_buffers is None else staging_buffers)
-            if res.note:
-                d["note"] = res.note
-                console.print(f"[yellow]note[/] ({label}): {res.note}")
-            results.append(d)
-            bar.update(task, advance=1)
+        task = bar.add("simulating", total=None)
+        run = simulate_traces(trace, opts, hardware=hardware, cache_fraction=cache_fraction, model_shape=model_shape,
+                              bits=bits, sensitivity=sensitivity, train_on=train_on, depth=depth,
+                              per_layer=per_layer, compare=compare, draft=spec,
+                              status=lambda text: bar.update(task, info=text),
+                              progress=lambda done, total: bar.update(task, completed=done, total=total, info=""))
+    for d in run.rows:
+        if "note" in d:
+            console.print(f"[yellow]note[/] ({d['label']}): {d['note']}")
     if as_json:
-        print(json.dumps(results if compare else results[0], indent=1))
+        print(json.dumps(run.rows if compare else run.rows[0], indent=1))
         return
-    _table(results, tr, caps, cost, hardware, prec.describe() if prec.uses_lowbit else "",
-           spec.describe() if spec is not None else "")
+    prec = run.precision
+    _table(run.rows, run.trace, run.slots, run.cost, hardware, prec.describe() if prec.uses_lowbit else "",
+           run.draft.describe() if run.draft is not None else "")
 
 
-def _gated(tr, threshold, spec, gate_prefill, sensitivity):
-    """The trace with the asked gating applied, or None when none was asked."""
-    from ..artifacts.sensitivity import load_sensitivity, rule_sensitivities
-    from ..errors import MoectlError
-    from ..policies.gating import gate_trace, parse_gating
-
-    if threshold is None and spec is None:
-        return None
-    sens = None
-    if sensitivity is not None:
-        sens = rule_sensitivities(load_sensitivity(sensitivity, tr.fingerprint, tr.num_layers))
-    elif threshold is not None or (spec or "").startswith("sensitivity"):
-        raise MoectlError("--gating-threshold needs the traced model's sensitivities: --sensitivity <workdir>/sensitivity.json")
-    policy = parse_gating(threshold, spec, sens)
-    return gate_trace(tr, policy, gate_prefill) if policy is not None else None
-
-
-def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "", drafting: str = "") -> None:
+def _table(results: list[dict], tr, asked: int, cost, hardware, precision: str = "", drafting: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -256,7 +137,7 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "", d
     out = Console()
     slots = ", ".join(f"{p} {n}" for p, n in (results[0].get("slots") or {}).items())
     t = Table(title=f"{tr.model}: {tr.num_tokens} rows, {tr.num_layers}x{tr.num_experts} top-{tr.top_k}; "
-                    f"{sum(caps)} slots ({sum(caps) / (tr.num_layers * tr.num_experts):.0%}); {hardware}, "
+                    f"{asked} slots ({asked / (tr.num_layers * tr.num_experts):.0%}); {hardware}, "
                     f"expert {cost.expert_bytes / 1e6:.0f} MB" + (f"; {precision}, slots {slots}" if precision else "")
                     + (f"; {drafting}" if drafting else ""))
     extra = [("full/tok", "full_loads_per_token"), ("low/tok", "lowbit_loads_per_token"),
@@ -292,17 +173,3 @@ def _table(results: list[dict], tr, caps, cost, hardware, precision: str = "", d
 def _draft_cell(draft: dict, key: str) -> str:
     v = draft[key]
     return f"{v}" if key == "k" else f"{v:.2f}x" if key == "speedup" else f"{v:.1f}" if "ms" in key else f"{v:.2f}"
-
-
-def _checkpoint_facts(model: str, trace):
-    """The sizing facts of the trace's checkpoint when it is on disk (the runtime's own: dense bytes of the skeleton,
-    KV bytes), so `--budget` buys the slots it buys in `generate`; None (estimated from the shape) otherwise."""
-    from ..errors import MoectlError
-    from ..plan.budget import model_facts
-
-    try:
-        facts = model_facts(model)
-    except MoectlError:
-        return None
-    same = (facts.num_layers, facts.num_experts) == (trace.num_layers, trace.num_experts)
-    return facts if same and facts.source.startswith("checkpoint") else None

@@ -8,9 +8,11 @@
            + experts   the cache's slots, split over precisions (`split_pools`) and layers (`split_slots`)
 
 The minimum is dense + KV + workspace + staging + one slot per MoE layer of the smallest precision served; below
-it is one clear error that states the minimum. The callers supply the facts (`ModelSizes`): the runtime from the
-checkpoint's skeleton, `plan-cache`/`inspect` from the checkpoint (or a recipe's shape), `simulate` from the
-checkpoint or the trace's shape. No torch, no runtime, no simulator: a pure function of sizes.
+it is one clear error that states the minimum. The callers supply the facts (`ModelSizes`), made one of two ways:
+from a checkpoint directory or GGUF file (`store/facts.py: checkpoint_sizes`; the runtime, `plan-cache`, `inspect`,
+`simulate` when the trace's model is on disk) or estimated from a shape (`setting/model_sizes.py: shape_sizes`; a
+recipe without its checkpoint, a trace's shape). The resolver (`setting/resolve.py`, `setting/pools.py`) turns the
+options of a run into pools with these functions. No torch, no runtime, no simulator: a pure function of sizes.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ DEFAULT_LOWBIT_FRACTION = 0.25
 
 @dataclass
 class ModelSizes:
-    """What the sizing needs of a model. `shape` is a recipe-style shape block (the workspace reads it).
-    `plan/budget.py: ModelFacts` adds the bytes of low-bit copies (from the shape) for the planner."""
+    """What the sizing needs of a model. `shape` is a recipe-style shape block (the workspace reads it; a low-bit
+    copy's bytes are priced from it: `setting/model_sizes.py: lowbit_nbytes`)."""
 
     name: str
     shape: dict

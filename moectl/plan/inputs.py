@@ -1,20 +1,22 @@
-"""Everything plan-cache and the scoreboard replay: model facts, the budget split, the cost model, the traces
-(gated by the workdir's stored T_g when there is one), predictors and the policies they resolve to."""
+"""Everything plan-cache and the scoreboard replay: the model's sizes, the setting resolved for a replay
+(`setting/resolve.py`: the budget's split, the stored T_g that gates the traces, what `--prefetch auto` stands for),
+the cost model, the traces and the predictors they replay with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.sizing import BudgetSplit, ModelSizes
 from ..errors import MoectlError
-from ..core.sizing import BudgetSplit, split_budget
-from .budget import ModelFacts, model_facts
+from ..setting.options import RuntimeOptions
+from ..setting.resolve import resolve
 from .planner import Policies, Replay
 
 
 @dataclass
 class Setup:
-    facts: ModelFacts
+    facts: ModelSizes
     split: BudgetSplit
     cost: object
     replay: Replay | None
@@ -47,94 +49,82 @@ def load_traces(paths, wd: Path):
 
 
 def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, replacement: str, prefetch: str,
-               depth: int | None, workdir=None, lowbit_only: str | None = None) -> Setup:
-    """`lowbit_only`: the low-bit copy set of a lowbit-only plan, whose smallest slot (the budget's minimum) is
+               depth: int | None, workdir=None, precision: str = "full", lowbit: str | None = None, t1: float = 0.6,
+               t2: float = 0.9, cpu_experts: str = "never", admission: str = "off") -> Setup:
+    """plan-cache's inputs for `model` at `budget`: its sizes (`store/facts.py: model_sizes`), the traces (default the
+    workdir's profiled ones), and the setting resolved on them. The budget's split keeps no staging buffers: the
+    planner buys them when they fit (`planner.reserve_staging`). At lowbit-only the budget's smallest slot is
     low-bit, as the runtime's."""
-    from ..sim.cost import CostModel, load_hardware
-    from ..policies import check_names
     from ..core.trace import check_trace_fits
+    from ..policies import check_names
+    from ..sim.cost import CostModel, load_hardware
+    from ..store.facts import model_sizes
 
     check_names(replacement, prefetch)                  # a plan is for the runtime: what the runtime takes
     wd = workdir_of(model, workdir)
-    facts = model_facts(model, workdir)
-    if lowbit_only is not None:
-        from ..core.shapes import parse_lowbit
-
-        split = split_budget(budget, facts, kv_tokens, min_slot_bytes=facts.expert_bytes(*parse_lowbit(lowbit_only)))
-    else:
-        split = split_budget(budget, facts, kv_tokens)
+    facts = model_sizes(model, workdir)
+    trace = load_traces(traces, wd)
+    if trace is not None:
+        check_trace_fits(trace, facts.num_layers, facts.num_experts, facts.top_k, f"--model {model}",
+                         facts.fingerprint)
+    gated = trace is not None and trace.weights is not None         # the stored T_g gates traces with weights
+    opts = RuntimeOptions(replacement=replacement, prefetch=prefetch, precision=precision, lowbit=lowbit, t1=t1, t2=t2,
+                          cpu_experts=cpu_experts, admission=admission, budget=budget, staging=0,
+                          gating="auto" if gated else None)
+    setting = resolve(opts, facts, wd, live=False, trace=trace, kv_tokens=kv_tokens)
     cost = CostModel(load_hardware(hardware), facts.shape)
     cost.expert_bytes = facts.expert_bytes()
-    trace = load_traces(traces, wd)
-    pol = Policies(replacement=replacement, depth=depth)
+    pol = policies_of(setting, opts, depth)
     if trace is None:
-        if prefetch not in ("auto", "none"):
-            pol.prefetch = prefetch
-        return Setup(facts, split, cost, None, pol, wd, hardware, budget)
-    check_trace_fits(trace, facts.num_layers, facts.num_experts, facts.top_k, f"--model {model}", facts.fingerprint)
+        return Setup(facts, setting.split, cost, None, pol, wd, hardware, budget)
     replay = Replay(trace, cost)
-    raw = replay.raw = trace
-    gated = stored_gating(wd, facts, trace)
-    if gated is not None:
-        pol.gating, pol.sensitivities, replay.trace = gated
-    pol.prefetch = _prefetch(prefetch, replay, wd, facts)
-    return Setup(facts, split, cost, replay, pol, wd, hardware, budget, raw)
+    replay.raw = trace
+    if setting.gating is not None:
+        from ..policies.gating import gate_trace
+
+        pol.gating, pol.sensitivities = setting.gating.threshold, list(setting.gating.sensitivities)
+        replay.trace = gate_trace(trace, setting.gating)
+    attach_predictors(replay, pol.prefetch, wd, facts.fingerprint)
+    return Setup(facts, setting.split, cost, replay, pol, wd, hardware, budget, trace)
 
 
-def stored_gating(wd: Path, facts: ModelFacts, trace):
-    """(T_g, gated trace) from the workdir's sensitivity.json when it stores a threshold and the trace has weights."""
-    from ..artifacts.sensitivity import load_sensitivity
-    from ..calib.sensitivity import JSON_NAME
-    from ..policies.gating import gate_trace, parse_gating
-
-    f = wd / JSON_NAME
-    if not f.exists() or trace.weights is None:
-        return None
-    meta = load_sensitivity(f, facts.fingerprint, facts.num_layers)
-    if not meta.get("threshold"):
-        return None
-    policy = parse_gating(None, None, meta["sensitivities"], meta["threshold"])
-    return (float(meta["threshold"]), list(meta["sensitivities"]), gate_trace(trace, policy)) if policy else None
+def policies_of(setting, opts: RuntimeOptions, depth: int | None) -> Policies:
+    """The planner's Policies of a resolved setting (what the plan is measured with and records)."""
+    return Policies(replacement=setting.replacement, prefetch=setting.prefetch, depth=depth,
+                    precision=setting.precision.name, t1=opts.t1, t2=opts.t2, lowbit=setting.lowbit,
+                    cpu_experts=setting.cpu_experts, admission=setting.admission)
 
 
-def _prefetch(name: str, replay: Replay, wd: Path | None, facts: ModelFacts) -> str:
-    """Resolve --prefetch auto the way the runtime does, on what the traces can replay (`wd` None: no workdir,
-    no predictors)."""
-    from ..predictors.file import JSON_NAME, load_predictors
-    from ..sim.simulate import hidden_lookup
+def attach_predictors(replay: Replay, prefetch: str, wd: Path | None, fingerprint: str | None) -> None:
+    """The workdir's trained predictors the replay runs with (`wd` None: no workdir, none): the aux gate, and the
+    predictor `prefetch` names."""
+    from ..artifacts.predictors import JSON_NAME
+    from ..predictors.file import load_predictors
 
-    tr = replay.trace
-    hidden = hidden_lookup(tr) is not None
-    preds = load_predictors(wd, facts.fingerprint) if wd is not None and (wd / JSON_NAME).exists() else None
-    if preds is not None:
-        replay.aux_gate = preds.aux_gate
-    if name == "auto":
-        kinds = set(preds.kinds) if preds else set()
-        name = ("aux-gate" if {"mlp", "aux_gate"} <= kinds and hidden else "mlp" if "mlp" in kinds and hidden
-                else "gate-reuse" if hidden and tr.routers else "routing" if "routing" in kinds else "none")
-    if name in ("mlp", "aux-gate"):
-        replay.predictor = preds.mlp if preds else None
-    elif name == "routing":
-        replay.predictor = preds.routing if preds else None
-    return name
+    preds = load_predictors(wd, fingerprint) if wd is not None and (wd / JSON_NAME).exists() else None
+    if preds is None:
+        return
+    replay.aux_gate = preds.aux_gate
+    if prefetch in ("mlp", "aux-gate"):
+        replay.predictor = preds.mlp
+    elif prefetch == "routing":
+        replay.predictor = preds.routing
 
 
 def setup_from_trace(trace, budget: str, hardware: str, model_shape: str | None = None, kv_tokens: int = 4096,
                      replacement: str = "ours", prefetch: str = "auto") -> Setup:
-    """A setup for `simulate --preset`: the model's facts from the trace's shape (recipe or --model-shape)."""
-    from ..core.shapes import dense_bytes, kv_reserve_bytes
+    """A setup for `simulate --preset`: the model's sizes from the trace's shape (recipe or --model-shape)."""
+    from ..setting.model_sizes import shape_sizes
     from ..sim.cost import CostModel, load_hardware
     from ..sim.simulate import model_shape as shape_of
-    from .budget import ModelFacts
 
     shape = shape_of(trace, model_shape)
-    facts = ModelFacts(shape.get("name", trace.model), shape, trace.num_layers, trace.num_experts, trace.top_k,
-                       int(dense_bytes(shape)), int(kv_reserve_bytes(shape, 1)), trace.fingerprint,
-                       f"shape {shape.get('name')}")
-    split = split_budget(budget, facts, kv_tokens)
+    facts = shape_sizes(shape, trace.num_layers, trace.num_experts, trace.top_k, name=shape.get("name", trace.model),
+                        fingerprint=trace.fingerprint)
+    opts = RuntimeOptions(replacement=replacement, prefetch=prefetch, cpu_experts="auto", budget=budget, staging=0)
+    setting = resolve(opts, facts, None, live=False, trace=trace, kv_tokens=kv_tokens)
     cost = CostModel(load_hardware(hardware), shape)
     replay = Replay(trace, cost)
     replay.raw = trace
-    pol = Policies(replacement=replacement, cpu_experts="auto")     # moectl's default: the fastest lossless setting
-    pol.prefetch = _prefetch(prefetch, replay, None, facts)
-    return Setup(facts, split, cost, replay, pol, None, hardware, budget, trace)
+    pol = policies_of(setting, opts, None)               # moectl's default: the fastest lossless setting
+    return Setup(facts, setting.split, cost, replay, pol, None, hardware, budget, trace)

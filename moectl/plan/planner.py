@@ -1,6 +1,6 @@
 """plan-cache: measured (or analytic) per-layer curves -> DP over layers and bytes -> a plan, simulated.
 
-    facts + budget split  (plan/budget.py)
+    sizes + budget split  (plan/inputs.py: the model's sizes and the setting resolved for a replay)
     curves f_l(n)         (plan/curves.py: the simulator on the traces with these policies, or the seed's model)
     slots per layer       (plan/dp.py: allocate over budget units, at least one slot per layer)
     predicted             (the whole plan replayed through the simulator: hit rate, ms/token, stall)
@@ -20,9 +20,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from ..errors import MoectlError
-from ..core.sizing import budget_pools, lowbit_fraction_for, staging_nbytes
-from ..core.sizing import BudgetSplit
-from .budget import ModelFacts
+from ..core.sizing import BudgetSplit, ModelSizes, budget_pools, lowbit_fraction_for, staging_nbytes
 from .curves import Curves, analytic_curves, coarse_grid, extend_curves, measure_curves, slot_grid
 from .dp import allocate
 
@@ -139,7 +137,7 @@ def layer_runner(replay: Replay, pol: Policies, nbytes: dict):
     return run
 
 
-def build_curves(facts: ModelFacts, replay: Replay | None, pol: Policies, load_s: float, nbytes: dict,
+def build_curves(facts: ModelSizes, replay: Replay | None, pol: Policies, load_s: float, nbytes: dict,
                  progress=None) -> Curves:
     if replay is None:
         if pol.precision == "hobbit":
@@ -298,17 +296,16 @@ def summary(res, cost) -> dict:
             "cpu_ms_per_token": res.cpu_ms_per_token}
 
 
-def expert_nbytes(facts: ModelFacts, pol: Policies) -> dict:
+def expert_nbytes(facts: ModelSizes, pol: Policies) -> dict:
     """{precision: bytes of one expert copy} the plan uses."""
     from ..policies.precision import LOW
-    from ..core.shapes import parse_lowbit
+    from ..setting.model_sizes import lowbit_nbytes
 
     out = {"full": facts.expert_bytes()}
     if pol.precision != "full":
         if pol.lowbit is None:
             raise MoectlError(f"--precision {pol.precision} needs --lowbit (the low-bit copy set, e.g. q4g64)")
-        bits, group = parse_lowbit(pol.lowbit)
-        out[LOW] = facts.expert_bytes(bits, group)
+        out[LOW] = lowbit_nbytes(facts, pol.lowbit)
     return out
 
 
@@ -326,7 +323,7 @@ def reserve_staging(split: BudgetSplit, pol: Policies, nbytes: dict, num_layers:
     return replace(split, experts=split.experts - stage, staging=stage)
 
 
-def make_plan(facts: ModelFacts, split: BudgetSplit, cost, replay: Replay | None, pol: Policies,
+def make_plan(facts: ModelSizes, split: BudgetSplit, cost, replay: Replay | None, pol: Policies,
               hardware: str, progress=None) -> dict:
     """The plan as plan.yaml holds it (without format/fingerprint headers: see plan/plan_file.py)."""
     t0 = time.perf_counter()

@@ -124,7 +124,7 @@ def measure_setting(wd: Path, s: Setting, ev: dict) -> dict:
     """`moectl eval` of the tiny model in `wd` with setting `s` (see the module docstring)."""
     from ..calib.dataset import load_calibration
     from ..calib.fidelity import evaluate, token_windows
-    from ..calib.sensitivity import JSON_NAME
+    from ..artifacts.sensitivity import JSON_NAME
     from ..formats.hqq import parse_lowbit
     from ..quant.quantize import quantize_model
     from ..runtime.engine import Engine

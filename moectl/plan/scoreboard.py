@@ -175,7 +175,7 @@ def _has_hidden(replay) -> bool:
 def _adapmoe_gating(setup, trace):
     """AdapMoE's sensitivity gating on the trace: the workdir's sensitivity.json, or the seed's Mixtral S_i."""
     from ..artifacts.sensitivity import load_sensitivity
-    from ..calib.sensitivity import JSON_NAME
+    from ..artifacts.sensitivity import JSON_NAME
     from ..policies.gating import SensitivityGating, gate_trace
 
     f = setup.workdir / JSON_NAME if setup.workdir is not None else None
@@ -310,7 +310,7 @@ def simulate_preset(trace, name: str, budget: str | None, hardware: str, model_s
     """`moectl simulate --trace T --preset NAME --budget SIZE`: one scoreboard row on one trace."""
     import json
 
-    from ..sim.simulate import load_plan
+    from ..artifacts.plan import load_plan
     from .inputs import setup_from_trace
 
     preset = get_preset(name)

@@ -38,7 +38,7 @@ def _resolve(model: str | None, workdir):
     its shape, from the checkpoint's config or, when it is not downloaded, its recipe's `shape:` block."""
     if not model:
         return (Path(workdir).expanduser() if workdir else None), None
-    from ..plan.budget import model_facts
+    from ..store.facts import model_sizes
     from ..core.recipes import load_recipe, moectl_home, resolve_model
 
     try:
@@ -47,7 +47,7 @@ def _resolve(model: str | None, workdir):
         # training needs the traces, not the weights: a recipe whose checkpoint is not downloaded still has a workdir
         recipe = load_recipe(model)              # not a recipe either: its error says what --model takes
         wd = Path(workdir).expanduser() if workdir else moectl_home() / recipe["name"]
-    return wd, model_facts(model, workdir)
+    return wd, model_sizes(model, workdir)
 
 
 def run_train_predictor(model: str | None = None, traces: list | None = None, kind: str = "all",

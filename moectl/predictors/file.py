@@ -23,14 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MoectlError
-from ..artifacts.versioned import check_shape, read_descriptor, require_list
-
-FORMAT = "moectl-predictors"
-FORMAT_VERSION = 1
-JSON_NAME = "predictors.json"
-WEIGHTS_NAME = "predictors.safetensors"
-KINDS = ("mlp", "aux_gate", "routing")
-RETRAIN = "train predictors on this model's traces (`moectl train-predictor --model M`)"
+from ..artifacts.predictors import FORMAT, FORMAT_VERSION, JSON_NAME, KINDS, predictor_paths, read_predictors_meta
 
 
 @dataclass
@@ -50,17 +43,11 @@ class PredictorSet:
         return [k for k in KINDS if getattr(self, k) is not None]
 
 
-def _paths(path: str | Path) -> tuple[Path, Path]:
-    p = Path(path).expanduser()
-    d = p if p.is_dir() or not p.suffix else p.parent
-    return d / JSON_NAME, d / WEIGHTS_NAME
-
-
 def save_predictors(out_dir: str | Path, *, fingerprint: str | None, model: str, num_layers: int,
                     num_experts: int, top_k: int, lookahead: list[int], mlp=None, aux_gate=None, routing=None,
                     metrics: dict | None = None, traces: list[str] | None = None, merge: bool = True) -> Path:
     """Write the predictors (and keep other kinds of the same model already there). Returns the json path."""
-    json_path, w_path = _paths(out_dir)
+    json_path, w_path = predictor_paths(out_dir)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     new = {"mlp": mlp, "aux_gate": aux_gate, "routing": routing}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fingerprint, "model": model,
@@ -127,24 +114,9 @@ def load_predictors(path: str | Path, expect_fingerprint: str | None = None,
     are a MoectlError. Routing-only predictors of imported traces carry no fingerprint: `expect_shape` (the model's
     MoE layers, experts) catches those of another model's traces.
     """
-    json_path, w_path = _paths(path)
-    if not json_path.exists():
-        raise MoectlError(f"no predictors at {json_path.parent} ({JSON_NAME} missing); "
-                          f"run `moectl train-predictor` first")
-    meta = read_descriptor(json_path, FORMAT, what="predictors artifact", version_key="format_version",
-                           max_version=FORMAT_VERSION, expect_fingerprint=expect_fingerprint)
-    kinds = require_list(meta, "kinds", json_path)
-    if expect_shape is not None:
-        check_shape(f"predictors {json_path} ({meta.get('model')})", (meta.get("num_layers"), meta.get("num_experts")),
-                    "the model", expect_shape, RETRAIN)
-    arch = meta.get("architecture")
-    for kind in kinds:
-        if kind not in KINDS:
-            raise MoectlError(f"{json_path}: unknown predictor kind {kind!r}; known: {', '.join(KINDS)}")
-        if not isinstance(arch, dict) or not isinstance(arch.get(kind), dict):
-            raise MoectlError(f"{json_path}: `architecture` has no {kind} entry; re-run `moectl train-predictor`")
-    if not w_path.exists():
-        raise MoectlError(f"{w_path} is missing (its {JSON_NAME} is there); re-run `moectl train-predictor`")
+    json_path, w_path = predictor_paths(path)
+    meta = read_predictors_meta(path, expect_fingerprint, expect_shape)
+    kinds, arch = meta["kinds"], meta["architecture"]
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -1,11 +1,11 @@
 """Loading: a checkpoint into the runtime without materialising its experts.
 
-config -> family adapter -> the options resolved (`moectl/setting/options.py`: flag > plan > artifact default > built-in)
--> the cache's size (`moectl/core/sizing.py`) and a host-memory check from the shard headers (a clear error before
-anything is read) -> skeleton under `init_empty_weights`, each MoE block's experts swapped for `OffloadedExperts`
--> non-expert tensors read onto the device -> routed experts into the `ExpertStore` (host RAM, or left on disk;
-with `--lowbit` the `moectl quantize` copies too) -> the cache: `InPlaceExperts` on a CPU with experts in RAM
-(nothing copied), else `DeviceCache` slots -> the policies (`runtime/policy_objects.py`).
+config -> family adapter -> the setting (`moectl/setting/resolve.py`: flag > plan > artifact default > built-in; the
+gating, the precision, `--prefetch auto`, the cache's pools and staging buffers) -> a host-memory check from the shard
+headers (a clear error before anything is read) -> skeleton under `init_empty_weights`, each MoE block's experts
+swapped for `OffloadedExperts` -> non-expert tensors read onto the device -> routed experts into the `ExpertStore`
+(host RAM, or left on disk; with `--lowbit` the `moectl quantize` copies too) -> the cache: `InPlaceExperts` on a CPU
+with experts in RAM (nothing copied), else `DeviceCache` slots -> the policies (`runtime/policy_objects.py`).
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
 from ..store.gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
-from ..setting.options import DEFAULT, PREDICTORS, SENSITIVITY, RuntimeOptions
+from ..setting.options import RuntimeOptions
+from ..setting.resolve import resolve
 from ..core.recipes import resolve_model
 from ..core.cache_model import FULL, LOW
-from ..core.sizing import budget_pools, cache_slots, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.memory import check_host_memory, host_alloc, host_need
 from .cache import InPlaceExperts
 from .device_cache import DeviceCache
-from ..store.facts import (built, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes, load_config,
-                           model_facts, open_checkpoint, parse_device, parse_dtype, skeleton)
+from ..store.facts import (built, checkpoint_sizes, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes,
+                           load_config, open_checkpoint, parse_device, parse_dtype, skeleton)
 from .offloaded import OffloadedExperts, Runtime
-from .policy_objects import admission_gate, build_policies, make_gating, make_precision_copies, placement
+from .policy_objects import admission_gate, build_policies, placement
 from .worker import CpuWorker
 
 
@@ -53,14 +53,6 @@ class Loaded:
     threads: int
 
 
-@dataclass
-class Sizes:
-    full: list[int]             # full-precision slots per layer
-    low: list[int] | None       # low-bit slots per layer (None: no low-bit pool)
-    staging: int                # prefetch staging buffers
-    need: object                # host RAM needed (store/memory.py HostNeed)
-
-
 def load(model: str, opts: RuntimeOptions) -> Loaded:
     opts.check()
     ref = built(resolve_model(model, opts.workdir))
@@ -75,34 +67,34 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     n_threads = set_threads(opts.threads, config.hidden_size, adapter.expert_intermediate, dev.type == "cuda")
     hf, blocks = skeleton(config, adapter, dt, ref.path)
     L, E, fingerprint = len(blocks), adapter.num_experts, config_fingerprint(config)
-    opts.resolve(ref.workdir, fingerprint, L, E)
-    if in_place and opts.plan_data is not None:        # say what applies: no slots in place
-        opts.plan_note = (f"plan: {opts.plan_data['_path']}: experts are computed in place on the CPU (no expert "
-                          f"slots, nothing cached or copied), so its slots do not apply; its policies do "
-                          f"(--emulate-device gives the CPU the plan's slots; --no-plan ignores it)")
-    gating = make_gating(opts.gating, opts.gating_threshold, ref.workdir, fingerprint, L)
-    if gating is None and opts.sources.get("gating") == SENSITIVITY:
-        opts.sources["gating"] = DEFAULT                   # no sensitivity.json (or no T_g in it): off
-    prec, low_fmt = make_precision_copies(opts, ref.workdir, fingerprint, adapter, L, dt)
-    runtime = Runtime(adapter, gating, opts.gate_prefill)
+    low_fmt = None
+    if opts.lowbit:                                     # --lowbit names the copies; a plan never loads them unasked
+        from ..store.lowbit import lowbit_format, read_lowbit_meta
+
+        meta, path = read_lowbit_meta(ref.workdir, opts.lowbit, fingerprint, L, E)
+        low_fmt = lowbit_format(meta, adapter, dt, path)
+    runtime = Runtime(adapter, None, opts.gate_prefill)
     for moe_idx, (layer_idx, block) in enumerate(blocks):
         block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, block.experts._apply_gate, E)
+    sizes = checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), L, path=ref.path)
+    setting = resolve(opts, sizes, ref.workdir, in_place=in_place,
+                      low_nbytes=low_fmt.nbytes if low_fmt is not None else None)
+    prec = setting.precision
+    runtime.gating = setting.gating
     # In place at --precision lowbit-only nothing computes from the full-precision experts: they stay in the file
     # (the store's disk tier, read only if asked), so RAM holds the low-bit copies and dense weights, as llama.cpp's
-    full_tier = "disk" if in_place and prec is not None and prec.name == "lowbit-only" else opts.offload
-    sizes = size_cache(opts, config, adapter, hf, ckpt, dev, dt, L, in_place, prec, low_fmt, full_tier)
+    full_tier = "disk" if in_place and prec.name == "lowbit-only" else opts.offload
+    full, low = setting.pools.get(FULL, [0] * L), setting.pools.get(LOW)
+    check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier)
     read_dense(hf, config, adapter, ckpt, dev, dt, ref.path)
     if dev.type == "cpu":          # the dense Linears: one-row GEMV, or int8 with --dense-lowbit (models/dense_cpu.py)
         cpu_linears(hf, opts.dense_lowbit)
         cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
-    prefetch = None if in_place and opts.prefetch == "auto" else opts.prefetch   # in place nothing can miss
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
         raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "
                           "`moectl train-predictor`)")
-    policy, prefetch = build_policies(opts.replacement, prefetch, hf, adapter, opts.predictor or ref.workdir,
+    policy, prefetch = build_policies(setting.replacement, setting.prefetch, hf, adapter, opts.predictor or ref.workdir,
                                       fingerprint, L)
-    if opts.prefetch == "auto" and prefetch is not None and prefetch.name != "gate-reuse":
-        opts.sources["prefetch"] = PREDICTORS                 # auto found the workdir's trained predictors
     repack = in_place and full_tier == "ram" and int4_repackable(adapter)   # a GGUF's Q4 experts: read, repacked
     store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload="disk" if repack else full_tier,
                         pin=(dev.type == "cuda"), progress=opts.progress)
@@ -114,22 +106,21 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
 
         # On a GPU, misses the CPU may compute (--cpu-experts auto|always) keep the int4 CPU kernel's layout too,
         # when this torch's packing is one the device can dequantise (formats/int4_cpu.py)
-        kernel = dev.type == "cpu" or (opts.cpu_experts != "never" and int4pack_layout() is not None)
+        kernel = dev.type == "cpu" or (setting.cpu_experts != "never" and int4pack_layout() is not None)
         store.lowbit = LowbitCopies(ref.workdir, opts.lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
                                     progress=opts.progress, cpu_kernel=kernel)
     cache = InPlaceExperts(store, policy, prec) if in_place else \
-        DeviceCache(store, sizes.full, dev, policy, low_slots=sizes.low, precision=prec,
-                    stream_prefill=opts.prefill == "stream", staging=sizes.staging if prefetch is not None else 0)
+        DeviceCache(store, full, dev, policy, low_slots=low, precision=prec, stream_prefill=opts.prefill == "stream",
+                    staging=setting.staging if prefetch is not None else 0)
     runtime.cache, runtime.cpu, runtime.prefetch = cache, CpuWorker(adapter, store), prefetch
-    if opts.plan_data is not None and not in_place:    # the plan's hot set, copied now (load time, not per token)
+    if setting.plan is not None and not in_place:      # the plan's hot set, copied now (load time, not per token)
         from ..artifacts.plan import plan_preload
 
-        cache.preload(plan_preload(opts.plan_data, L, E))
-    runtime.placement = placement(opts.cpu_experts, opts.cost, config, dev, in_place)
-    runtime.prefetch_gate, runtime.copy_s = admission_gate(opts.admission, opts.cost, config, dev, adapter.top_k,
+        cache.preload(plan_preload(setting.plan, L, E))
+    runtime.placement = placement(setting.cpu_experts, opts.cost, config, dev, in_place)
+    runtime.prefetch_gate, runtime.copy_s = admission_gate(setting.admission, opts.cost, config, dev, adapter.top_k,
                                                            store.nbytes(cache.pf_precision), in_place, prefetch,
-                                                           opts.cpu_experts,
-                                                           staged=cache.state.staging > 0)
+                                                           setting.cpu_experts, staged=cache.state.staging > 0)
     if opts.replay_trace is not None:
         from .replay import RoutingReplay
 
@@ -139,48 +130,12 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads)
 
 
-def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int, in_place: bool, prec,
-               low_fmt, full_tier: str) -> Sizes:
-    """Slots per pool and staging buffers from the options (`moectl/core/sizing.py`), then the host-memory check: a bad
-    budget, or a configuration the host RAM cannot hold, fails before any weight is read. `full_tier`: where the
-    full-precision experts live (ram, or disk: read from the file when needed). At lowbit-only there is no
-    full-precision pool: every byte is low-bit slots, and the staging buffers hold low-bit copies."""
-    from ..policies.admission import STAGING_BUFFERS, prefetch_staging
-
+def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_place: bool, full: list[int],
+               low: list[int] | None, low_fmt, full_tier: str) -> None:
+    """The host-memory check of the resolved cache (`store/memory.py`): a configuration the host RAM cannot hold fails
+    before any weight is read, naming the options that fit. `full_tier`: where the full-precision experts live (ram,
+    or disk: read from the file when needed)."""
     E, expert_nbytes = adapter.num_experts, adapter.format(dt).nbytes
-    plan_d = opts.plan_data
-    plan_low = [int(s) for s in (plan_d or {}).get("slots_low") or []]
-    pooled = low_fmt is not None and not in_place                  # a low-bit pool beside (or instead of) the full
-    plan_pools = pooled and any(plan_low)                           # the plan's split of the bytes, as it is
-    low_only = pooled and (not any(opts.slots_per_layer) if plan_pools else prec.name == "lowbit-only")
-    stage_nbytes = low_fmt.nbytes if low_only else expert_nbytes   # one copy of what prefetches load
-    staging = opts.staging
-    if staging is None and plan_d is not None:          # a plan's budget says whether it paid for them
-        staging = int(((plan_d.get("budget") or {}).get("staging") or 0) // stage_nbytes)
-    # staging buffers: the streamed prefill's two; decode prefetches copy into them too when misses are fetched
-    # (a wrong prediction then evicts nothing: policies/admission.py `prefetch_staging`); copies from RAM only
-    stage_pf = (prefetch_staging(opts.cpu_experts) if staging is None else int(staging)) if (
-        opts.prefetch not in (None, "none") and not in_place and (opts.offload == "ram" or low_only)) else 0
-    staging_bytes = staging_nbytes(max(STAGING_BUFFERS if opts.prefill == "stream" else 0, stage_pf),
-                                   expert_nbytes, low_fmt.nbytes if low_fmt is not None else None, low_only)
-    split = None
-    if opts.budget is not None:
-        facts = model_facts(config, adapter, dense_nbytes(hf, config), L, dt)
-        split = split_budget(opts.budget, facts, staging=staging_bytes, min_slot_bytes=stage_nbytes)
-    low = None
-    if plan_pools:                                      # checked by `plan_slots`: a layer's full slots may be 0
-        full, low = [min(int(s), E) for s in opts.slots_per_layer], plan_low
-    elif in_place and opts.plan_data is not None:       # a plan's slots do not apply in place (`plan_slots` checked
-        full = [max(1, min(int(s), E)) for s in opts.slots_per_layer]   # them; a lowbit-only plan's may be 0)
-    elif pooled and split is not None:                  # the budget's bytes split over the pools (`core/sizing.py`)
-        fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
-        pools = budget_pools(split, L, E, expert_nbytes, low_fmt.nbytes, fraction)
-        full, low = pools.get(FULL, [0] * L), pools[LOW]
-    else:
-        full = cache_slots(L, E, opts.cache_experts, split, expert_nbytes, opts.slots_per_layer)
-        if pooled:                                      # --cache-experts N buys N full experts' bytes
-            fraction = lowbit_fraction_for(prec.name, prec.uses_lowbit, opts.lowbit_fraction)
-            full, low = split_pools(full, E, expert_nbytes, low_fmt.nbytes, fraction)
     kv = kv_reserve_nbytes(config, dt)
     dense = header_dense_nbytes(ckpt, adapter, dt)                  # what is read into host RAM
     on_host = dev.type == "cpu"
@@ -195,7 +150,6 @@ def size_cache(opts: RuntimeOptions, config, adapter, hf, ckpt, dev, dt, L: int,
     what = (f"--offload {opts.offload} on {dev.type}" + (" (experts in place)" if in_place else
                                                          f" with {sum(full)} expert slots"))
     check_host_memory(need, what, fits)
-    return Sizes(full, low, stage_pf, need)
 
 
 def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: torch.dtype, path) -> None:

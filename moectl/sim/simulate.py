@@ -1,11 +1,9 @@
 """High-level simulation: traces + cache sizes + policy names + hardware -> the metrics `moectl simulate` prints.
 
-Cache sizes per layer come from one of:
-  fraction F       round(F * E) slots in every layer (at least top-k, so one token's experts fit)
-  experts N        N slots in all, split evenly over the layers (the first N % L layers get one more)
-  plan.yaml        `{format: moectl-plan-v1, fingerprint: <model fp or null>, slots: [per layer],
-                   slots_low: [per layer, optional]}` (written by `moectl plan-cache`: moectl/plan/plan_file.py;
-                   `simulate --plan` also applies its policies there, `apply_plan`)
+Cache sizes per layer come from the resolver (`setting/resolve.py`: a plan's pools, a budget's, or the slots a replay
+asks for by share or count, `capacities`: round(F * E) slots in every layer, or N in all split evenly), as the
+runtime's do; `simulate` splits full-precision slots into per-precision pools the same way (`setting/pools.py:
+precision_pools`).
 """
 
 from __future__ import annotations
@@ -14,75 +12,32 @@ from pathlib import Path
 
 import numpy as np
 
-from ..artifacts.plan import load_plan, plan_slots
 from ..core.cache_model import FULL, split_slots
 from ..errors import MoectlError
 from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_from_traces, make_replacement
 from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy
-from ..core.sizing import ModelSizes, budget_pools, lowbit_fraction_for, split_budget, split_pools, staging_nbytes
 from ..core.trace import Trace
-from ..core.shapes import (dense_bytes, expert_bytes, kv_reserve_bytes, load_shape, parse_lowbit,
-                           shape_for_trace_model, shape_from_hf_config)
+from ..setting.pools import precision_pools
+from ..core.shapes import expert_bytes, load_shape, parse_lowbit, shape_for_trace_model, shape_from_hf_config
 from .cost import CostModel, load_hardware
 from .steps import SimResult, trace_steps
 from .simulator import Simulator
 
 
-
-def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None,
-               plan: str | Path | dict | None = None, budget: float | None = None,
-               cost: CostModel | None = None, facts: ModelSizes | None = None, staging: int = 0,
-               min_slot_bytes: float | None = None, low_bytes: float | None = None,
-               lowbit_fraction: float = 0.0) -> list[int] | dict:
-    """Full-precision slots per layer. `budget` (bytes of device memory) is split as the runtime splits it
-    (`moectl/core/sizing.py`: dense weights, KV reserve, workspace, `staging` bytes of staging buffers) and the rest
-    filled with experts of `cost`'s size, or with `low_bytes` low-bit copies too ({precision: slots per layer},
-    `sizing.budget_pools`); `budget_sizing` gives those from the options, as the runtime takes them. `facts` (a
-    checkpoint's, `plan/budget.py: model_facts`) or, without, estimated from `cost`'s shape; `min_slot_bytes`:
-    the smallest slot served (default `cost`'s expert)."""
+def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None) -> list[int]:
+    """Full-precision slots per layer a replay asks for by share or count (a plan's, a budget's: the resolver,
+    `setting/resolve.py`): `fraction` of each layer's experts (at least top-k, so one token's experts fit), or
+    `experts` slots in all, split evenly over the layers (`cache_model.split_slots`)."""
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    given = sum(x is not None for x in (fraction, experts, plan, budget))
-    if given != 1:
+    if (fraction is None) == (experts is None):
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
-    if budget is not None:
-        facts = facts or shape_facts(cost.shape, L, E, K, cost.expert_bytes)
-        split = split_budget(int(budget), facts, min_slot_bytes=min_slot_bytes or cost.expert_bytes,
-                             staging=int(staging))
-        pools = budget_pools(split, L, E, cost.expert_bytes, low_bytes, lowbit_fraction)
-        return pools if low_bytes is not None else pools[FULL]
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise MoectlError(f"--cache-fraction must be in (0, 1], got {fraction}")
         return [min(E, max(K, round(fraction * E)))] * L
-    if experts is not None:
-        return split_slots(experts, L, E)
-    d = plan if isinstance(plan, dict) else load_plan(plan)
-    slots = plan_slots(d, None if isinstance(plan, dict) else plan)
-    if len(slots) != L:
-        raise MoectlError(f"plan has {len(slots)} layers of slots, the trace has {L} MoE layers")
-    fp = d.get("fingerprint")
-    if fp and trace.fingerprint and fp != trace.fingerprint:
-        raise MoectlError(f"plan was made for model {fp}, the trace is of {trace.fingerprint}")
-    return [min(E, s) for s in slots]
-
-
-def budget_sizing(cost: CostModel, prefetch: str, cpu_experts: str, buffers: int | None = None,
-                  precision: str = "full", lowbit: str | None = None, lowbit_fraction: float | None = None) -> dict:
-    """`capacities`' sizing arguments for a budget, as the runtime takes them (`runtime/load.py: size_cache`): with
-    prefetch, `buffers` (default `prefetch_staging(cpu_experts)`) staging buffers of what prefetches load
-    (`sizing.staging_nbytes`: low-bit at lowbit-only, where the smallest slot is low-bit too), none without; with
-    a low-bit precision, the low-bit copy's bytes and their share of the cache (`sizing.lowbit_fraction_for`)."""
-    pooled = precision != "full" and lowbit is not None
-    low = expert_bytes(cost.shape, *parse_lowbit(lowbit)) if pooled else None
-    low_only = pooled and precision == "lowbit-only"
-    if lowbit_fraction is not None and not 0 <= lowbit_fraction < 1:
-        raise MoectlError(f"--lowbit-fraction {lowbit_fraction:g}: give a share of the cache's bytes in [0, 1)")
-    n = 0 if prefetch in (None, "none") else prefetch_staging(cpu_experts) if buffers is None else int(buffers)
-    return {"staging": staging_nbytes(n, cost.expert_bytes, low, low_only),
-            "min_slot_bytes": low if low_only else cost.expert_bytes, "low_bytes": low,
-            "lowbit_fraction": lowbit_fraction_for(precision, pooled, lowbit_fraction)}
+    return split_slots(experts, L, E)
 
 
 def model_shape(trace: Trace, name: str | dict | None = None) -> dict:
@@ -191,37 +146,6 @@ def policy_inputs(trace: Trace, train_traces: list[Trace] | None = None, mlp=Non
                         future=[s.chosen for s in trace_steps(trace) if not s.prefill],
                         predictor_hint=" (--predictor DIR from `moectl train-predictor`; a routing predictor "
                                        "can also be trained on other traces of the model with --train-on PATH)")
-
-
-def shape_facts(shape: dict, num_layers: int, num_experts: int, top_k: int, expert_nbytes: float | None = None):
-    """ModelSizes of a shape block (no checkpoint): dense weights and KV bytes estimated from the shapes."""
-    return ModelSizes(shape.get("name", "model"), shape, num_layers, num_experts, top_k, int(dense_bytes(shape)),
-                      int(kv_reserve_bytes(shape, 1)), None, f"shape {shape.get('name')}",
-                      int(expert_nbytes) if expert_nbytes else None)
-
-
-def precision_pools(caps: list[int], precision: PrecisionPolicy, full_bytes: float, low_bytes: float | None,
-                    num_experts: int, lowbit_fraction: float | None = None) -> dict[str, list[int]]:
-    """Per-precision pools from full-precision slots `caps`, split as the runtime splits them (`sizing.split_pools`:
-    `lowbit_fraction` of the bytes to low-bit slots; full: all full; lowbit-only: all of them low-bit, no full pool).
-    `caps` already {precision: per-layer slots} (a plan's own split) is taken as it is."""
-    if isinstance(caps, dict):
-        return {p: list(c) for p, c in caps.items() if sum(c) > 0}
-    if not precision.uses_lowbit:
-        return {FULL: list(caps)}
-    if low_bytes is None:
-        raise MoectlError(f"--precision {precision.name} needs --lowbit (the low-bit copy set, e.g. q4g64)")
-    if lowbit_fraction is not None and not 0 <= lowbit_fraction < 1:
-        raise MoectlError(f"--lowbit-fraction {lowbit_fraction:g}: give a share of the cache's bytes in [0, 1)")
-    f = lowbit_fraction_for(precision.name, True, lowbit_fraction)
-    L = len(caps)
-    for p, share, nbytes in ((FULL, 1 - f, full_bytes), (LOW, f, low_bytes)):
-        if 0 < share < 1 and int(share * sum(caps) * full_bytes // nbytes) < L:
-            raise MoectlError(f"the {p} pool gets {int(share * sum(caps) * full_bytes // nbytes)} slots from "
-                              f"{share:.0%} of the expert budget, below one per MoE layer ({L}); change "
-                              f"--lowbit-fraction or give more memory")
-    full, low = split_pools(list(caps), num_experts, full_bytes, low_bytes, f)   # lowbit-only: no full pool
-    return {p: c for p, c in ((FULL, full), (LOW, low)) if sum(c) > 0}
 
 
 def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostModel,

@@ -18,14 +18,42 @@ from .checkpoint import Checkpoint
 from .memory import host_need
 
 
-def model_facts(config, adapter, dense: int, num_moe_layers: int, dtype: torch.dtype) -> ModelSizes:
-    """The sizing's facts of a loaded config: dense bytes of the skeleton, KV bytes per token, the shape."""
+def checkpoint_sizes(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers: int, name: str | None = None,
+                     path=None) -> ModelSizes:
+    """The sizing's facts of a checkpoint directory or GGUF file, from its config (`load_config`) and the dense bytes
+    of its skeleton (`dense_nbytes`, experts offloaded): KV bytes per token, one expert's bytes in its packed format,
+    the shape (`sim/cost.py: shape_from_hf_config`, at `dtype`). One of the two constructors of ModelSizes; the
+    other estimates them from a shape (`setting/model_sizes.py: shape_sizes`). `model_sizes` reads them by name."""
     from ..core.shapes import shape_from_hf_config
 
-    shape = shape_from_hf_config(config.to_dict())
+    shape = shape_from_hf_config(config.to_dict()) | {"dtype": str(dtype).replace("torch.", ""),
+                                                      "moe_layers": num_moe_layers} | ({"name": name} if name else {})
     return ModelSizes(shape.get("name", "model"), shape, num_moe_layers, adapter.num_experts, adapter.top_k, dense,
                       kv_reserve_nbytes(config, dtype, 1), config_fingerprint(config),
-                      full_expert_bytes=adapter.format(dtype).nbytes)
+                      f"checkpoint {path}" if path else "", adapter.format(dtype).nbytes)
+
+
+def model_sizes(model: str, workdir=None) -> ModelSizes:
+    """The sizes of `model`: its checkpoint's (or the built tiny model's; `checkpoint_sizes`), else, when the
+    checkpoint is absent, its recipe's `shape:` block's (plans from traces alone)."""
+    from ..core.recipes import load_recipe, recipes_dir
+    from ..setting.model_sizes import shape_sizes
+
+    try:
+        ref = resolve_model(model, workdir)
+        present = ref.path.is_dir() or ref.gguf
+    except MoectlError:
+        if not (recipes_dir() / f"{model}.yaml").exists():
+            raise
+        ref, present = None, False
+    if present:
+        ref, config, adapter, _, dt, hf, blocks = offloaded_skeleton(model, workdir)
+        return checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), len(blocks), ref.name, ref.path)
+    recipe = load_recipe(model) if ref is None else ref.recipe
+    if not recipe or "shape" not in recipe:
+        raise MoectlError(f"--model {model}: no checkpoint at {ref.path if ref else '?'} and no recipe shape: block")
+    shape = {"name": recipe.get("name", model), **recipe["shape"]}
+    return shape_sizes(shape, source=f"recipe {shape['name']} (shape: block; no checkpoint)")
 
 
 def built(ref):
@@ -181,7 +209,7 @@ def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers:
     low = HqqFormat(adapter.layout(), *parse_lowbit(lowbit), axis, dtype).nbytes if lowbit else 0
     kv = kv_reserve_nbytes(config, dtype)
     low_only = bool(lowbit) and precision == "lowbit-only"          # no full-precision pool (`sizing.split_pools`)
-    split = split_budget(budget, model_facts(config, adapter, dense, L, dtype),
+    split = split_budget(budget, checkpoint_sizes(config, adapter, dtype, dense, L),
                          min_slot_bytes=low if low_only else full) if budget else None
     pooled = bool(lowbit) and precision != "full"
     f = lowbit_fraction_for(precision or "hobbit", True, lowbit_fraction) if pooled else 0.0
@@ -210,13 +238,7 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     GPU runtime's: host RAM with `--offload ram` (experts, pinned) and device memory for the dense weights +
     KV reserve + one expert slot per layer (the minimum), or + every expert (all resident); `memory` is the
     configuration given (--lowbit, --offload, --device, --budget) by part."""
-    ref = built(resolve_model(model, workdir))
-    config, adapter = load_config(ref.path)
-    ckpt = open_checkpoint(ref.path, adapter)          # validates the shards (headers only)
-    dt = parse_dtype(dtype, config)
-    hf, blocks = skeleton(config, adapter, dt, ref.path)
-    for _, block in blocks:          # experts are not dense: a stand-in owning no weights, as the runtime's own
-        block.experts = torch.nn.Module()
+    ref, config, adapter, ckpt, dt, hf, blocks = offloaded_skeleton(model, workdir, dtype)
     fmt = adapter.format(dt)
     expert_nbytes = fmt.nbytes
     L, E = len(blocks), adapter.num_experts
@@ -235,6 +257,20 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
                    "device_all_bytes": dense + kv + L * E * expert_nbytes, "kv_reserve_bytes": kv,
                    "moe_layer_ids": [i for i, _ in blocks],
                    "fingerprint": config_fingerprint(config)} | gguf
+
+
+def offloaded_skeleton(model: str, workdir=None, dtype: str | None = None):
+    """(ref, config, adapter, checkpoint, dtype, skeleton, MoE blocks) of `model`, its shards' headers checked, each
+    MoE block's experts a stand-in owning no weights, as the runtime's own (so `dense_nbytes` counts what stays
+    resident)."""
+    ref = built(resolve_model(model, workdir))
+    config, adapter = load_config(ref.path)
+    ckpt = open_checkpoint(ref.path, adapter)          # validates the shards (headers only)
+    dt = parse_dtype(dtype, config)
+    hf, blocks = skeleton(config, adapter, dt, ref.path)
+    for _, block in blocks:                             # experts are not dense
+        block.experts = torch.nn.Module()
+    return ref, config, adapter, ckpt, dt, hf, blocks
 
 
 def gguf_facts(adapter, dtype: torch.dtype) -> dict:

@@ -249,7 +249,7 @@ def _drop_stale_artifacts(workdir: Path) -> None:
     """Remove what was made from the previous weights: low-bit copies and sensitivities are checked against the
     model fingerprint, which hashes the config only, so a rebuilt model (same config, new weights) would
     silently reuse them. (eval/ and ppl-proxy.json also key on the weights' files: they stay.)"""
-    from ..calib.sensitivity import JSON_NAME
+    from ..artifacts.sensitivity import JSON_NAME
 
     for path in [*workdir.glob("experts-*"), workdir / JSON_NAME]:
         if path.is_dir():
