@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 
 def pytest_report_header(config):
     """Which trained tiny model and which torch kernels this run used (the suite must pass with any of them)."""
-    from moectl.tiny import SEED_ENV, default_seed
+    from moectl.synth.tiny import SEED_ENV, default_seed
 
     return (f"moectl: tiny models trained with seed {default_seed()} (${SEED_ENV}), torch CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')})")

@@ -79,7 +79,7 @@ def test_seed_switch_trains_another_model_and_keys_the_cache(tmp_path, tiny_smal
     """MOECTL_TINY_SEED picks the training seed when the caller gives none (the suite's check that it needs no one
     trained model); the seed is part of the cache key: a build of another seed is rebuilt, one of this seed kept."""
     from moectl.errors import MoectlError
-    from moectl.tiny import build_tiny, tiny_report
+    from moectl.synth.tiny import build_tiny, tiny_report
 
     monkeypatch.setenv("MOECTL_HOME", str(tiny_small.parent.parent / "home"))    # reuse the session's corpus cache
     key = "model.layers.0.block_sparse_moe.experts.3.w1.weight"
