@@ -172,41 +172,60 @@ class _EveryOther:
         return "cpu" if self.n % 2 else "fetch"
 
 
+class Spans:
+    """(start, end) of every call of the sides it wraps: what ran when, to tell concurrent work from serial."""
+
+    def __init__(self):
+        self.spans = {"device": [], "cpu": []}
+
+    def wrap(self, side: str, fn, sleep_s: float):
+        def timed(*args):
+            t = time.perf_counter()
+            time.sleep(sleep_s)                            # a slow side: the thread waits, as on a copy or a GEMV
+            out = fn(*args)
+            self.spans[side].append((t, time.perf_counter()))
+            return out
+        return timed
+
+    def overlapped_cpu_s(self) -> float:
+        """Seconds of CPU-side calls during which a device-side call ran too (0 when the two sides ran one after the
+        other, whatever the machine's load)."""
+        total = 0.0
+        for a0, a1 in self.spans["cpu"]:
+            cuts = sorted((max(a0, b0), min(a1, b1)) for b0, b1 in self.spans["device"] if b0 < a1 and a0 < b1)
+            end = a0
+            for c0, c1 in cuts:                            # the union of the device calls inside this CPU call
+                total += max(0.0, c1 - max(c0, end))
+                end = max(end, c1)
+        return total
+
+    def cpu_s(self) -> float:
+        return sum(b - a for a, b in self.spans["cpu"])
+
+
 def test_cpu_side_runs_concurrently_with_the_device_side(mixtral, monkeypatch):
+    """Issue 18's overlap: a placement sending every other miss to the CPU, a fake slow device copy (4 ms a weight
+    matrix) and a slow CPU expert (6 ms): the CPU side's experts run while the device side copies (their calls
+    overlap in time: a serial runtime would overlap them never), and the output is the lossless one."""
     prompt = torch.randint(2, 512, (1, 5), generator=torch.Generator().manual_seed(5))
     want = _engine_run(Engine.load(str(mixtral), progress=False), prompt, 8)
     eng = Engine.load(str(mixtral), cache_experts=4, emulate_device=True, progress=False)
     eng.runtime.placement = _EveryOther()
     rt, loader = eng.runtime, eng.cache.loader
-    run_one, cpu_forward = loader._run_one, rt.cpu.forward
-
-    def slow_copy(job, i):                                 # a fake slow device copy: 4 ms per weight matrix
-        time.sleep(0.004)
-        return run_one(job, i)
-
-    def slow_cpu(w, x, gate):                              # and a CPU expert that takes 6 ms
-        time.sleep(0.006)
-        return cpu_forward(w, x, gate)
-    monkeypatch.setattr(loader, "_run_one", slow_copy)
-    monkeypatch.setattr(rt.cpu, "forward", slow_cpu)
+    spans = Spans()
+    monkeypatch.setattr(loader, "_run_one", spans.wrap("device", loader._run_one, 0.004))
+    monkeypatch.setattr(rt.cpu, "forward", spans.wrap("cpu", rt.cpu.forward, 0.006))
     logits, pkv, step = [], None, prompt
     out, pkv = eng.forward(step, pkv)
     logits.append(out[0])
     step = out[:, -1:].argmax(-1)
-    rt.device_side_s = rt.cpu_side_s = rt.expert_stage_s = 0.0
-    t0 = time.perf_counter()
     for _ in range(8):
         out, pkv = eng.forward(step, pkv)
         logits.append(out[0])
         step = out[:, -1:].argmax(-1)
-    wall = time.perf_counter() - t0
     assert rt.cpu_experts > 8 and eng.cache.snapshot()["misses"] > 8              # both sides had work
-    # the decode time is below what it would be with the two sides one after the other: its expert stages
-    # took less than the device side's plus the CPU side's work
-    serial = rt.device_side_s + rt.cpu_side_s
-    assert wall < (wall - rt.expert_stage_s) + 0.85 * serial, (wall, rt.expert_stage_s, rt.device_side_s,
-                                                              rt.cpu_side_s)
-    assert rt.expert_stage_s < max(rt.device_side_s, rt.cpu_side_s) + 0.5 * min(rt.device_side_s, rt.cpu_side_s)
+    # the two sides ran at the same time: a good share of the CPU side's time had a device copy running beside it
+    assert spans.overlapped_cpu_s() > 0.25 * spans.cpu_s(), (spans.overlapped_cpu_s(), spans.cpu_s())
     assert [int(x[-1].argmax()) for x in logits] == want[1][:9]
     assert max((a - b).abs().max().item() for a, b in zip(logits, want[0])) <= LOSSLESS_ATOL
 
