@@ -5,7 +5,7 @@ Legend: T = tokens of one forward, L = MoE layers, K = top-k, E = experts, D = h
 For each calibration text: one teacher-forced forward over its tokens (phase prefill), then, with
 `generate=K`, K greedy decode steps with the KV cache (phase decode). A `TraceRecorder` attached to
 the engine (`eng.add_observer`) turns every forward's routing events into trace rows; a complete
-request goes to the `TraceWriter`, which writes shards as it goes (see `trace_io` for the format).
+request goes to the `TraceWriter`, which writes shards as it goes (see `artifacts/trace_dir.py` for the format).
 Nothing about a request reaches disk before the request is complete, so an interrupted run leaves
 valid shards and `--resume` continues with the next text.
 """

@@ -51,7 +51,7 @@ def lowbit_matmul(x: torch.Tensor, codes: torch.Tensor, sm: torch.Tensor, N: int
 
 
 def experts_decode(x: torch.Tensor, experts: list, weights: list[float]) -> torch.Tensor:
-    """One token through a layer's experts: x [1, H] bf16; `experts` [(gate_up, down)] of `quant/vnni.VnniLinear`
+    """One token through a layer's experts: x [1, H] bf16; `experts` [(gate_up, down)] of `formats/vnni.VnniLinear`
     (gate_up [2I, H]: gate rows then up rows; down [H, I]); `weights` one per expert -> out [1, H] bf16 =
     sum_k bf16(weights[k] * down_k(silu(gate_k x) * up_k x)) in the order given, rounded as the torch operations
     round (cpu_kernels.cpp, 3.). Every gate_up of one bit width, every down of one."""

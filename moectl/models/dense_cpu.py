@@ -11,7 +11,7 @@ Legend: N = output rows of a matrix, K = its input columns.
    against moectl's 827 with bf16 attention and lm_head). With this option the attention projections
    (`*.self_attn.*`) and the lm_head are quantized once at load and multiplied low-bit; embedding table, norms,
    routers stay. Where moectl's CPU kernels build (`moectl/kernels`) they become q8g64 round-to-nearest
-   (`quant/vnni.quantize_rtn`, what `moectl quantize --method rtn` makes of experts) through the int8-activation
+   (`formats/vnni.quantize_rtn`, what `moectl quantize --method rtn` makes of experts) through the int8-activation
    kernel (`VnniDenseLinear`); elsewhere they are requantized symmetric per output row (`quant/int8_cpu.
    requantize`: every weight within half a step) for torch's int8 kernel (`Int8DenseLinear`). Lossy: the
    engine's `lossy()` names it. CPU and bf16 only.

@@ -325,7 +325,7 @@ def reserve_staging(split: BudgetSplit, pol: Policies, nbytes: dict, num_layers:
 
 def make_plan(facts: ModelSizes, split: BudgetSplit, cost, replay: Replay | None, pol: Policies,
               hardware: str, progress=None) -> dict:
-    """The plan as plan.yaml holds it (without format/fingerprint headers: see plan/plan_file.py)."""
+    """The plan as plan.yaml holds it (without format/fingerprint headers: see artifacts/plan.py: write_plan)."""
     t0 = time.perf_counter()
     L, E = facts.num_layers, facts.num_experts
     nbytes = expert_nbytes(facts, pol)
