@@ -54,7 +54,12 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
     if cache_fraction is not None:
         o.slots_per_layer = sim.capacities(tr, fraction=cache_fraction)
-    cost = sim.cost_for(tr, hardware, model_shape, bits)
+    shape = model_shape
+    if model_shape is not None and str(model_shape).lower().endswith(".gguf"):   # read from the file's header
+        from ..store.gguf.shape import gguf_shape
+
+        shape = gguf_shape(model_shape)
+    cost = sim.cost_for(tr, hardware, shape, bits)
     setting = resolve(o, _sizes(tr, cost, model_shape, o.budget is not None), live=False, trace=tr,
                       sensitivity=sensitivity, expert_nbytes=cost.expert_bytes, price_shape=cost.shape)
     preload = None

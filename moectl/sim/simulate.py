@@ -42,7 +42,7 @@ def capacities(trace: Trace, fraction: float | None = None, experts: int | None 
 
 def model_shape(trace: Trace, name: str | dict | None = None) -> dict:
     """The shape used for byte and time costs: --model-shape (a recipe or checkpoint name, or a shape already read,
-    as a GGUF file's is by the command: `store/gguf/shape.py`), else the recipe listing the trace's model in
+    as a GGUF file's is by `plan/simulation.py` from `store/gguf/shape.py`), else the recipe listing the trace's model in
     trace_names, else the trace's own HF config (profiled traces)."""
     if isinstance(name, dict):
         shape = dict(name)
@@ -212,5 +212,6 @@ def simulate(trace: Trace, caps, replacement: str, prefetch: str, cost: CostMode
 
 
 
-def cost_for(trace: Trace, hardware: str, model_shape_name: str | None = None, bits: float | None = None) -> CostModel:
+def cost_for(trace: Trace, hardware: str, model_shape_name: str | dict | None = None,
+             bits: float | None = None) -> CostModel:
     return CostModel(load_hardware(hardware), model_shape(trace, model_shape_name), bits)
