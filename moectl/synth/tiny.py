@@ -86,8 +86,10 @@ def build_tiny(workdir: Path, steps: int | None = None, force: bool = False, sma
             torch.use_deterministic_algorithms(deterministic)
 
 
-def _built(workdir: Path, seed: int = 0) -> bool:
-    """A complete build of this format and seed (the seed is part of the cache key: another one trains anew)."""
+def _built(workdir: Path, seed: int | None = None) -> bool:
+    """A complete build of this format and seed (default: `default_seed()`; the seed is part of the cache key:
+    another one trains anew)."""
+    seed = default_seed() if seed is None else seed
     try:
         report = json.loads((workdir / "tiny.json").read_text())
     except (OSError, json.JSONDecodeError):
