@@ -35,7 +35,8 @@ from ..core.sizing import prefetch_precision
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_empty
 from .cache import CacheStats, ExpertCache
-from .loader import CHUNK_BYTES, DEMAND, PREFETCH, CopyJob, Loader, split_rows
+from ..core.copy_chunks import CHUNK_BYTES, split_rows
+from .loader import DEMAND, PREFETCH, CopyJob, Loader
 
 
 class DeviceCache(ExpertCache):
