@@ -112,14 +112,15 @@ def simulate(
     spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max, draft_rule, draft_seed)
     with ProgressBar(console=console, transient=True) as bar:
         task = bar.add("simulating", total=None)
+
+        def done(n: int, total: int, row: dict) -> None:
+            if "note" in row:
+                console.print(f"[yellow]note[/] ({row['label']}): {row['note']}")
+            bar.update(task, completed=n, total=total, info="")
         run = simulate_traces(trace, opts, hardware=hardware, cache_fraction=cache_fraction, model_shape=model_shape,
                               bits=bits, sensitivity=sensitivity, train_on=train_on, depth=depth,
                               per_layer=per_layer, compare=compare, draft=spec,
-                              status=lambda text: bar.update(task, info=text),
-                              progress=lambda done, total: bar.update(task, completed=done, total=total, info=""))
-    for d in run.rows:
-        if "note" in d:
-            console.print(f"[yellow]note[/] ({d['label']}): {d['note']}")
+                              status=lambda text: bar.update(task, info=text), progress=done)
     if as_json:
         print(json.dumps(run.rows if compare else run.rows[0], indent=1))
         return
