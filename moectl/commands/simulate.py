@@ -110,16 +110,30 @@ def simulate(
                           staging=staging_buffers, gating=gating, gating_threshold=gating_threshold,
                           gate_prefill=gate_prefill)
     spec = parse_draft(draft_tokens, acceptance, draft, draft_ms, draft_max, draft_rule, draft_seed)
-    with ProgressBar(console=console, transient=True) as bar:
-        task = bar.add("simulating", total=None)
+    shown = {}                  # what is on stderr while it runs: a status line, then the progress bar
+
+    def status(text: str) -> None:
+        shown["status"] = console.status(text)
+        shown["status"].start()
+
+    def progress(done: int, total: int, row: dict | None) -> None:
+        if "status" in shown:
+            shown.pop("status").stop()
+        if "bar" not in shown:
+            shown["bar"] = ProgressBar(console=console, transient=True).__enter__()
+            shown["task"] = shown["bar"].add("simulating", total=total)
+        if row is not None and "note" in row:
+            console.print(f"[yellow]note[/] ({row['label']}): {row['note']}")
+        shown["bar"].update(shown["task"], completed=done)
+    try:
         run = simulate_traces(trace, opts, hardware=hardware, cache_fraction=cache_fraction, model_shape=model_shape,
                               bits=bits, sensitivity=sensitivity, train_on=train_on, depth=depth,
-                              per_layer=per_layer, compare=compare, draft=spec,
-                              status=lambda text: bar.update(task, info=text),
-                              progress=lambda done, total: bar.update(task, completed=done, total=total, info=""))
-    for d in run.rows:
-        if "note" in d:
-            console.print(f"[yellow]note[/] ({d['label']}): {d['note']}")
+                              per_layer=per_layer, compare=compare, draft=spec, status=status, progress=progress)
+    finally:
+        if "status" in shown:
+            shown["status"].stop()
+        if "bar" in shown:
+            shown["bar"].__exit__(None, None, None)
     if as_json:
         print(json.dumps(run.rows if compare else run.rows[0], indent=1))
         return

@@ -42,7 +42,7 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
     policies, precision, gating, staging, predictor), or `cache_fraction` of each layer's experts. `sensitivity`: the
     traced model's sensitivity.json (for --gating-threshold); `train_on`: traces to train a routing predictor on
     (and seed EAM collections); `draft`: a DraftSpec (else the plan's). `status(text)`: says what runs before a
-    predictor trains; `progress(done, total)`: after each configuration."""
+    predictor trains; `progress(done, total, row)`: before the first configuration (row None) and after each."""
     from ..artifacts.trace_dir import load_trace
     from ..policies.gating import experts_per_token, gate_trace
     from ..setting.resolve import resolve
@@ -84,6 +84,8 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
                   cpu_experts=setting.cpu_experts, admission=setting.admission, preload=preload,
                   staging=setting.staging)
     rows = []
+    if progress is not None:
+        progress(0, len(configs), None)
     for i, (r, p, label) in enumerate(configs):
         pred = preds["routing"] if p == "routing" else preds["mlp"] if p in ("mlp", "aux-gate") else None
         res = sim.simulate(tr, setting.pools, r, p, cost, predictor=pred, draft=draft, **common)
@@ -99,7 +101,7 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
             d["note"] = res.note
         rows.append(d)
         if progress is not None:
-            progress(i + 1, len(configs))
+            progress(i + 1, len(configs), d)
     slots = sum(setting.asked) if setting.asked is not None else sum(map(sum, setting.pools.values()))
     return Simulation(tr, rows, slots, cost, setting.precision, draft)
 
