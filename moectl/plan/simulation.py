@@ -43,7 +43,9 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
     traced model's sensitivity.json (for --gating-threshold); `train_on`: traces to train a routing predictor on
     (and seed EAM collections); `draft`: a DraftSpec (else the plan's). `status(text)`: says what runs before a
     predictor trains; `progress(done, total, row)`: before the first configuration (row None) and after each."""
+    from ..artifacts.plan import check_plan_model, load_plan
     from ..artifacts.trace_dir import load_trace
+    from ..policies import check_names
     from ..policies.gating import experts_per_token, gate_trace
     from ..setting.resolve import resolve
     from ..sim import simulate as sim
@@ -54,6 +56,10 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
     if cache_fraction is not None:
         o.slots_per_layer = sim.capacities(tr, fraction=cache_fraction)
+    check_names(o.replacement, o.prefetch, runtime=False)   # the simulator's names: oracle, belady; no auto
+    if o.plan is not None:                                  # a plan made for another model or trace: said first
+        o.plan = load_plan(o.plan)
+        check_plan_model(o.plan, tr.fingerprint, tr.num_layers, tr.num_experts, f"the trace ({tr.model})", tr.top_k)
     shape = model_shape
     if model_shape is not None and str(model_shape).lower().endswith(".gguf"):   # read from the file's header
         from ..store.gguf.shape import gguf_shape
