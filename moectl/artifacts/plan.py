@@ -21,10 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from .versioned import check_shape, is_int, read_descriptor, require_list, where, write_descriptor
-from ..core.cache_model import FULL, LOW
 from .. import __version__
+from ..core.cache_model import FULL, LOW
 from ..errors import MoectlError
+from .versioned import check_shape, is_int, read_descriptor, require_list, where, write_descriptor
 
 PLAN_FORMAT, PLAN_VERSION = "moectl-plan-v1", 1
 PLAN_NAME = "plan.yaml"

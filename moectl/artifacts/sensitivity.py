@@ -8,8 +8,8 @@ import math
 import time
 from pathlib import Path
 
-from .versioned import read_descriptor
 from ..errors import MoectlError
+from .versioned import read_descriptor
 
 FORMAT = "moectl-sensitivity"
 FORMAT_VERSION = 1

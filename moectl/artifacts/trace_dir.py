@@ -50,11 +50,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .versioned import read_descriptor, require_int, require_list
-from ..errors import MoectlError
 from ..core.fingerprint import check_fingerprint
 from ..core.trace import HiddenSamples, Trace
+from ..errors import MoectlError
 from .routing_jsonl import read_jsonl, write_jsonl
+from .versioned import read_descriptor, require_int, require_list
 
 FORMAT, VERSION = "moectl-trace", 1
 META = "meta.json"

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import MoectlError
 from ..core.fingerprint import check_fingerprint, shape_text
+from ..errors import MoectlError
 
 
 def where(path, line: int | None = None) -> str:

@@ -182,8 +182,8 @@ def _predict(trace, caps, replacement: str, prefetch_name: str, figs: dict, shap
              predictors=None, admission: str = "off", run: dict | None = None):
     """The simulator on the run's own routing (`trace`), this machine's figures; `run` (a bench row) gives the
     miss settings the runtime resolved: --cpu-experts, and --precision with --lowbit."""
-    from ..runtime.machine import machine_hardware
     from ..policies.precision import make_precision
+    from ..runtime.machine import machine_hardware
     from ..sim.cost import CostModel
     from ..sim.simulate import simulate
 
@@ -216,11 +216,11 @@ def bench_model(model: str, workdir: str | None = None, device: str = "cpu", bud
     staging, predictor, lowbit_fraction) apply to the moectl rows (the baselines stay lossless and full precision);
     the prediction models the precision and --cpu-experts, not gating. `draft`: also the moectl configuration with
     speculative decoding (`benchmark/draft.py`), row "moectl+draft"."""
-    from ..runtime.machine import machine_figures
+    from ..artifacts.plan import load_plan, plan_slots
+    from ..core.shapes import shape_from_hf_config
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
-    from ..core.shapes import shape_from_hf_config
-    from ..artifacts.plan import load_plan, plan_slots
+    from ..runtime.machine import machine_figures
 
     if prompt_len < 1 or gen_len < 2:
         raise MoectlError("--prompt-len must be >= 1 and --gen-len >= 2 (decode is timed after the first token)")

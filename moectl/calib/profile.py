@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import MoectlError
 from ..artifacts.trace_dir import TraceWriter
+from ..errors import MoectlError
 
 
 def hidden_sample_bytes(num_layers: int, hidden_size: int) -> int:

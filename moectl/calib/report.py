@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import MoectlError
 from ..core.trace import Trace, expert_activation_matrix
-
+from ..errors import MoectlError
 
 # --- statistics -----------------------------------------------------------------------------------
 
@@ -69,8 +68,8 @@ def cache_sizes(trace: Trace, n: int = 8) -> list[int]:
 def hit_rates(trace: Trace, policy_factory, sizes: list[int]) -> np.ndarray:
     """[L, C] hit rate (prefill and decode accesses) of a per-layer pool of each size: `trace` replayed
     through the simulator (the runtime's cache rules) with a fresh policy from `policy_factory()`."""
-    from ..sim.steps import trace_steps
     from ..sim.simulator import Simulator
+    from ..sim.steps import trace_steps
 
     steps = trace_steps(trace)
     out = np.zeros((trace.num_layers, len(sizes)))

@@ -20,13 +20,11 @@ moe_layer_ids, sensitivities [L] (Fisher), rule ("fisher" | "ablation"), ablatio
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
 from ..errors import MoectlError
 from ..policies.gating import GatingPolicy
-
 
 
 def fisher_sensitivity(model, moe_blocks: list, windows: list[list[int]], device="cpu", before_window=None,

@@ -139,8 +139,8 @@ def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold
     from rich.table import Table
 
     from ..benchmark.overhead import predictor_cost, runtime_overhead
-    from ..errors import MoectlError
     from ..core.recipes import recipe_shape
+    from ..errors import MoectlError
 
     parts = [w.strip() for w in what.split(",") if w.strip()]
     unknown = set(parts) - {"overhead", "predictor"}

@@ -49,9 +49,9 @@ def build_tiny(
 
     from rich.console import Console
 
-    from ..synth import tiny
-    from ..errors import MoectlError
     from ..core.recipes import moectl_home
+    from ..errors import MoectlError
+    from ..synth import tiny
 
     console = Console(stderr=as_json)
     if small and size not in ("tiny", "small"):

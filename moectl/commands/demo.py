@@ -125,9 +125,9 @@ def demo(
     # 3. one chat answer through the offloading runtime
     console.rule("[bold]chat")
     t0 = time.perf_counter()
-    from ..status import prefetch_note, print_stats_line
     from ..runtime.engine import Engine
     from ..serve.chat import ChatSession
+    from ..status import prefetch_note, print_stats_line
 
     lowbit = "q4g64" if (wd / "experts-q4g64.json").exists() else None     # the quantize step's copies: HOBBIT
     eng = Engine.load("tiny", workdir=str(wd), cache_experts=cache_experts or _half_the_experts(ckpt),

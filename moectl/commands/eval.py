@@ -38,7 +38,8 @@ def eval_(
     from rich.table import Table
 
     from ..calib.dataset import load_calibration
-    from ..calib.fidelity import evaluate, llamacpp_windows as llama_windows, token_windows
+    from ..calib.fidelity import evaluate, token_windows
+    from ..calib.fidelity import llamacpp_windows as llama_windows
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
 

@@ -19,16 +19,14 @@ def make_synthetic(
     """Write a random-weight checkpoint with the shapes of a real model, shard by shard (one tensor in RAM at a
     time): real-size experts for `moectl bench` / `generate` without downloading the model; route it with
     --replay-trace."""
-    from ..core.recipes import format_bytes
-    from ..store.facts import parse_dtype as _dtype
-    from ..core.shapes import load_shape
-    from ..synth.checkpoint import write_synthetic
-
     from pathlib import Path
 
     import yaml
 
-    from ..core.recipes import load_recipe
+    from ..core.recipes import format_bytes, load_recipe
+    from ..core.shapes import load_shape
+    from ..store.facts import parse_dtype as _dtype
+    from ..synth.checkpoint import write_synthetic
 
     s = load_shape(shape)
     p = Path(shape).expanduser()

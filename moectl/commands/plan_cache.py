@@ -62,16 +62,15 @@ def plan_cache(
 
     from rich.console import Console
 
+    from ..artifacts.plan import PLAN_NAME, write_plan
     from ..plan import scoreboard as sb
-    from ..artifacts.plan import PLAN_NAME
-    from ..artifacts.plan import write_plan
-    from ..plan.speculative import choose_tokens, draft_record
-    from ..sim.spec_passes import check_draftable, parse_draft
     from ..plan.inputs import plan_setup
     from ..plan.planner import make_plan
     from ..plan.proxy import Setting, proxies
-    from ..synth.tiny import tiny_report
+    from ..plan.speculative import choose_tokens, draft_record
     from ..progress import ProgressBar
+    from ..sim.spec_passes import check_draftable, parse_draft
+    from ..synth.tiny import tiny_report
     from ._common import prepare_model
 
     console = Console(stderr=True)

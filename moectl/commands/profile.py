@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
 from typing import Optional
 
 import typer
@@ -50,10 +49,10 @@ def profile(
     from rich.console import Console
 
     from ..calib.dataset import load_calibration
-    from ..progress import ProgressBar
     from ..calib.profile import run_profile
-    from ..errors import MoectlError
     from ..core.recipes import format_bytes, resolve_model
+    from ..errors import MoectlError
+    from ..progress import ProgressBar
     from ..runtime.engine import Engine
 
     console = Console(stderr=as_json)

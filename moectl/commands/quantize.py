@@ -35,8 +35,8 @@ def quantize(
     from rich.console import Console
     from rich.table import Table
 
-    from ..quant.quantize import quantize_model
     from ..core.recipes import format_bytes
+    from ..quant.quantize import quantize_model
 
     prepare_model(model, workdir)
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,

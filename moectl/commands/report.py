@@ -22,10 +22,10 @@ def report(
     from rich.console import Console
     from rich.table import Table
 
-    from ..calib.report import analyze, summary_json, write_plots
-    from ..errors import MoectlError
     from ..artifacts.trace_dir import load_trace
+    from ..calib.report import analyze, summary_json, write_plots
     from ..core.trace import PHASES
+    from ..errors import MoectlError
 
     console = Console(stderr=as_json)
     if traces.is_dir():                                     # hidden samples are not needed here

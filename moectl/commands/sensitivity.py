@@ -42,12 +42,16 @@ def sensitivity(
     from rich.console import Console
     from rich.table import Table
 
+    from ..artifacts.sensitivity import RULES, rule_sensitivities, save_sensitivity
     from ..calib.dataset import load_calibration
     from ..calib.fidelity import evaluate, token_windows
-    from ..artifacts.sensitivity import RULES, rule_sensitivities
-    from ..artifacts.sensitivity import save_sensitivity
-    from ..calib.sensitivity import (TailRecorder, ablation_sensitivity, fisher_sensitivity, search_threshold,
-                                     threshold_grid)
+    from ..calib.sensitivity import (
+        TailRecorder,
+        ablation_sensitivity,
+        fisher_sensitivity,
+        search_threshold,
+        threshold_grid,
+    )
     from ..errors import MoectlError
     from ..policies.gating import SensitivityGating
     from ..progress import ProgressBar

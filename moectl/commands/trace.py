@@ -18,8 +18,8 @@ def _default_trace_dir(model_name: str) -> Path:
 
 def _check_recipe_shape(model_name: str, meta: dict) -> None:
     """A recipe name whose shape disagrees with the trace is a clear error (wrong --model-name)."""
-    from ..errors import MoectlError
     from ..core.recipes import list_recipes, load_recipe
+    from ..errors import MoectlError
 
     if model_name not in list_recipes():
         return

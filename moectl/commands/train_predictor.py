@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+
 def train_predictor(
     model: str = typer.Option(None, "--model", "-m", help="recipe name, checkpoint directory or .gguf file"),
     traces: list[Path] = typer.Option(None, "--traces", "-t",

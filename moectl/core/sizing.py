@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .cache_model import FULL, LOW, split_slots
 from ..errors import MoectlError
+from .cache_model import FULL, LOW, split_slots
 from .recipes import format_bytes, parse_size
 
 KV_RESERVE_TOKENS = 4096        # --budget keeps room for this many tokens of KV cache

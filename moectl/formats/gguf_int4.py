@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from .expert import ExpertFormat, Part
-from .int4_cpu import Int4Linear
+from .gguf import GgufExpertFormat
 from .gguf_dequant import dequantize
 from .gguf_encodings import T
-from .gguf import GgufExpertFormat
 from .gguf_int4_repack import GROUP, PLANES, PlanesLinear, int4_parts, pack_codes, plane_parts
+from .int4_cpu import Int4Linear
 
 Q4 = (T.Q4_0, T.Q4_K)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .int4_cpu import Int4Linear
 from .gguf_encodings import T
+from .int4_cpu import Int4Linear
 
 GROUP = 32
 

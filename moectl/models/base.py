@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MoectlError
-from ..formats.released import released_quant
 from ..formats.expert import DenseFormat, ExpertFormat
+from ..formats.released import released_quant
 from ..kernels import gemv
 
 

@@ -39,8 +39,8 @@ def workdir_of(model: str, workdir) -> Path:
 
 
 def load_traces(paths, wd: Path):
-    from ..sim.simulate import concat
     from ..artifacts.trace_dir import load_trace
+    from ..sim.simulate import concat
 
     if not paths:
         default = wd / "traces"

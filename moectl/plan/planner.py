@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..errors import MoectlError
 from ..core.sizing import BudgetSplit, ModelSizes, budget_pools, lowbit_fraction_for, staging_nbytes
+from ..errors import MoectlError
 from .curves import Curves, analytic_curves, coarse_grid, extend_curves, measure_curves, slot_grid
 from .dp import allocate
 

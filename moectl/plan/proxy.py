@@ -122,9 +122,9 @@ def proxies(wd: Path | None = None, measure: bool = True, settings=SETTINGS, ev:
 
 def measure_setting(wd: Path, s: Setting, ev: dict) -> dict:
     """`moectl eval` of the tiny model in `wd` with setting `s` (see the module docstring)."""
+    from ..artifacts.sensitivity import JSON_NAME
     from ..calib.dataset import load_calibration
     from ..calib.fidelity import evaluate, token_windows
-    from ..artifacts.sensitivity import JSON_NAME
     from ..formats.hqq import parse_lowbit
     from ..quant.quantize import quantize_model
     from ..runtime.engine import Engine

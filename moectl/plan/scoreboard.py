@@ -174,8 +174,7 @@ def _has_hidden(replay) -> bool:
 
 def _adapmoe_gating(setup, trace):
     """AdapMoE's sensitivity gating on the trace: the workdir's sensitivity.json, or the seed's Mixtral S_i."""
-    from ..artifacts.sensitivity import load_sensitivity
-    from ..artifacts.sensitivity import JSON_NAME
+    from ..artifacts.sensitivity import JSON_NAME, load_sensitivity
     from ..policies.gating import SensitivityGating, gate_trace
 
     f = setup.workdir / JSON_NAME if setup.workdir is not None else None

@@ -13,6 +13,7 @@ import numpy as np
 
 from .base import PrefetchPolicy
 
+
 class AuxGatePrefetch(PrefetchPolicy):
     name = "aux-gate"
 

@@ -11,6 +11,8 @@ import torch
 
 from ..errors import MoectlError
 from .train import ROUTING_EPOCHS, gather_hidden, train_aux_gate, train_mlp, train_routing
+
+
 def parse_lookahead(text: str | list[int]) -> list[int]:
     if isinstance(text, (list, tuple)):
         vals = [int(v) for v in text]
@@ -38,8 +40,8 @@ def _resolve(model: str | None, workdir):
     its shape, from the checkpoint's config or, when it is not downloaded, its recipe's `shape:` block."""
     if not model:
         return (Path(workdir).expanduser() if workdir else None), None
-    from ..store.facts import model_sizes
     from ..core.recipes import load_recipe, moectl_home, resolve_model
+    from ..store.facts import model_sizes
 
     try:
         wd = resolve_model(model, workdir).workdir
@@ -55,8 +57,8 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
                         max_minutes: float | None = 10.0, width: int = 128, workdir=None, seed: int = 0,
                         console=None, progress: bool = False) -> dict:
     """What `moectl train-predictor` does; returns the result dict its --json prints."""
-    from ..core.recipes import moectl_home
     from ..artifacts.trace_dir import load_trace
+    from ..core.recipes import moectl_home
     from ..core.trace import check_trace_fits
     from ..predictors.file import save_predictors
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import MoectlError
 from ..core.trace import Trace
+from ..errors import MoectlError
 from ..predictors.aux_gate import AuxGate
 from ..predictors.metrics import frequency_scores, gate_reuse_scores, ks_for, mean_metrics, multi_hot, set_metrics
 from ..predictors.mlp import MLPPredictorSet

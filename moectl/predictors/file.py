@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MoectlError
 from ..artifacts.predictors import FORMAT, FORMAT_VERSION, JSON_NAME, KINDS, predictor_paths, read_predictors_meta
+from ..errors import MoectlError
 
 
 @dataclass

@@ -27,8 +27,8 @@ import torch
 
 from ..artifacts.lowbit import FORMAT, KEY, SHARD_BYTES, VERSION, copy_paths
 from ..errors import MoectlError
-from ..progress import ProgressBar
 from ..formats.hqq import HqqFormat, check_settings, lowbit_name
+from ..progress import ProgressBar
 from .methods import check_method, optimize
 
 
@@ -61,11 +61,11 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     on a CPU, hqq on a GPU). `on_expert(layer, expert)` runs after each expert (tests use it to interrupt a run)."""
     from safetensors.torch import load_file, save_file
 
-    from ..models import config_fingerprint
     from ..core.recipes import resolve_model
-    from ..store.facts import built, load_config, parse_dtype, skeleton
+    from ..models import config_fingerprint
     from ..store.checkpoint import Checkpoint
     from ..store.expert_store import ExpertStore
+    from ..store.facts import built, load_config, parse_dtype, skeleton
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):

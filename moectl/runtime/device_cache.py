@@ -28,14 +28,14 @@ import time
 import torch
 
 from ..core.cache_model import FULL, LOW, CacheState
+from ..core.copy_chunks import CHUNK_BYTES, split_rows
+from ..core.sizing import prefetch_precision
 from ..errors import MoectlError
 from ..policies.base import ReplacementPolicy
 from ..policies.precision import PrecisionPolicy
-from ..core.sizing import prefetch_precision
 from ..store.expert_store import ExpertStore
 from ..store.memory import host_empty
 from .cache import CacheStats, ExpertCache
-from ..core.copy_chunks import CHUNK_BYTES, split_rows
 from .loader import DEMAND, PREFETCH, CopyJob, Loader
 
 

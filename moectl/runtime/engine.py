@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import MoectlError
-from ..models import config_fingerprint
 from ..kernels import gemv
+from ..models import config_fingerprint
 from ..setting.options import RuntimeOptions
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
+from ..store.facts import dense_nbytes, kv_nbytes
 from ..store.memory import host_alloc, rss_bytes
 from .cache import ExpertCache
-from ..store.facts import dense_nbytes, kv_nbytes
 from .load import load
 from .offloaded import Runtime
 from .speculative import Sampling, Speculator, make_drafter

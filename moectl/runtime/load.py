@@ -15,22 +15,33 @@ from pathlib import Path
 
 import torch
 
+from ..core.cache_model import FULL, LOW
+from ..core.recipes import resolve_model
 from ..errors import MoectlError
 from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
-from ..store.gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
 from ..setting.options import RuntimeOptions
 from ..setting.resolve import resolve
-from ..core.recipes import resolve_model
-from ..core.cache_model import FULL, LOW
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
+from ..store.facts import (
+    built,
+    checkpoint_sizes,
+    dense_nbytes,
+    header_dense_nbytes,
+    host_options,
+    kv_reserve_nbytes,
+    load_config,
+    open_checkpoint,
+    parse_device,
+    parse_dtype,
+    skeleton,
+)
+from ..store.gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
 from ..store.memory import check_host_memory, host_alloc, host_need
 from .cache import InPlaceExperts
 from .device_cache import DeviceCache
-from ..store.facts import (built, checkpoint_sizes, dense_nbytes, header_dense_nbytes, host_options, kv_reserve_nbytes,
-                           load_config, open_checkpoint, parse_device, parse_dtype, skeleton)
 from .offloaded import OffloadedExperts, Runtime
 from .policy_objects import admission_gate, build_policies, placement
 from .worker import CpuWorker

@@ -30,7 +30,6 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-
 DEMAND, PREFETCH = 0, 1
 
 

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..core.cache_model import COUNTERS, FULL, LOW
+from ..formats.vnni import VnniLinear
 from ..kernels import ops
 from ..models.base import FamilyAdapter
 from ..policies.admission import PrefetchGate
@@ -44,7 +45,6 @@ from ..policies.gating import GatingPolicy, gate_rows
 from ..policies.miss import decide_miss
 from ..policies.placement import CPU, LayerQueue
 from ..policies.precision import SKIP, rank_scores
-from ..formats.vnni import VnniLinear
 from .recompute import recomputed
 
 

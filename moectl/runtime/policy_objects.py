@@ -71,8 +71,8 @@ def admission_gate(mode: str, cost, config, dev: torch.device, top_k: int, exper
 
 def machine_cost(config, dev: torch.device):
     """This machine's CostModel for the model (`moectl/runtime/machine.py` figures, measured once and cached)."""
-    from .machine import machine_figures, machine_hardware
     from ..core.shapes import shape_from_hf_config
     from ..sim.cost import CostModel
+    from .machine import machine_figures, machine_hardware
 
     return CostModel(machine_hardware(machine_figures(dev.type)), shape_from_hf_config(config.to_dict()))

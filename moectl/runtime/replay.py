@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import MoectlError
 from ..artifacts.trace_dir import load_trace
 from ..core.trace import Trace, check_trace_fits
+from ..errors import MoectlError
 
 
 class RoutingReplay:

@@ -5,8 +5,8 @@ checkpoint directory or GGUF file (`store/facts.py: checkpoint_sizes`). No torch
 
 from __future__ import annotations
 
-from ..core.sizing import ModelSizes
 from ..core.shapes import dense_bytes, expert_bytes, kv_reserve_bytes, parse_lowbit
+from ..core.sizing import ModelSizes
 
 
 def shape_sizes(shape: dict, num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None,

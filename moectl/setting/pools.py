@@ -16,8 +16,15 @@ No torch.
 from __future__ import annotations
 
 from ..core.cache_model import FULL, LOW
-from ..core.sizing import (ModelSizes, budget_pools, cache_slots, lowbit_fraction_for, split_budget, split_pools,
-                           staging_nbytes)
+from ..core.sizing import (
+    ModelSizes,
+    budget_pools,
+    cache_slots,
+    lowbit_fraction_for,
+    split_budget,
+    split_pools,
+    staging_nbytes,
+)
 from ..errors import MoectlError
 from ..policies.admission import STAGING_BUFFERS, prefetch_staging
 

@@ -13,17 +13,17 @@ from pathlib import Path
 import numpy as np
 
 from ..core.cache_model import FULL, split_slots
+from ..core.shapes import expert_bytes, load_shape, parse_lowbit, shape_for_trace_model, shape_from_hf_config
+from ..core.trace import Trace
 from ..errors import MoectlError
 from ..policies import PolicyInputs, build_prefetch, build_replacement, eams_from_traces, make_replacement
 from ..policies.admission import make_admission, prefetch_staging
 from ..policies.placement import ComputePlacement
 from ..policies.precision import LOW, PrecisionPolicy
-from ..core.trace import Trace
 from ..setting.pools import precision_pools
-from ..core.shapes import expert_bytes, load_shape, parse_lowbit, shape_for_trace_model, shape_from_hf_config
 from .cost import CostModel, load_hardware
-from .steps import SimResult, trace_steps
 from .simulator import Simulator
+from .steps import SimResult, trace_steps
 
 
 def capacities(trace: Trace, fraction: float | None = None, experts: int | None = None) -> list[int]:

@@ -36,12 +36,12 @@ from collections import deque
 import numpy as np
 
 from ..core.cache_model import COUNTERS, FULL, PHASES, CacheState
+from ..core.copy_chunks import CHUNK_BYTES, chunk_count
 from ..policies.admission import AdmitAll, PrefetchGate
 from ..policies.base import PrefetchPolicy
 from ..policies.miss import DEVICE, FETCH, decide_miss
 from ..policies.placement import CPU, ComputePlacement, LayerQueue
 from ..policies.precision import LOW, SKIP, PrecisionPolicy, rank_scores
-from ..core.copy_chunks import CHUNK_BYTES, chunk_count
 from .cost import CostModel, FixedCost
 from .steps import Step, tokens_of
 

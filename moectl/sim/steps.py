@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..policies.draft_length import pass_order
 from ..core.trace import PREFILL, Trace
+from ..policies.draft_length import pass_order
 
 
 @dataclass

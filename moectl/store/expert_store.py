@@ -31,8 +31,8 @@ import torch
 
 from ..core.cache_model import FULL  # the copies a store can serve are the cache's pool names
 from ..errors import MoectlError
-from ..models.base import ExpertLayout, FamilyAdapter
 from ..formats.expert import DenseFormat, ExpertFormat
+from ..models.base import ExpertLayout, FamilyAdapter
 from ..progress import ProgressBar
 from .checkpoint import ByteRange, Checkpoint, byte_view
 from .memory import host_empty

@@ -20,9 +20,9 @@ import torch
 from ..artifacts.lowbit import FORMAT, KEY, VERSION, copy_paths
 from ..artifacts.versioned import read_descriptor, require_int
 from ..errors import MoectlError
-from ..progress import ProgressBar
-from ..formats.hqq import HqqFormat, parse_lowbit
 from ..formats.cpu_layout import cpu_kernel_format
+from ..formats.hqq import HqqFormat, parse_lowbit
+from ..progress import ProgressBar
 from .checkpoint import byte_view, parse_header, read_at
 from .memory import host_empty
 

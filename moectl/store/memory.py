@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MoectlError
 from ..core.recipes import format_bytes
+from ..errors import MoectlError
 
 FREE_ENV = "MOECTL_FREE_MEMORY_BYTES"
 

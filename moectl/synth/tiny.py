@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import MoectlError
-from .tiny_recipe import (SIZES, chat_text, corpus_texts, evaluate, qa_pairs, tiny_config, token_stream, train_tokenizer)
+from .tiny_recipe import SIZES, chat_text, corpus_texts, evaluate, qa_pairs, tiny_config, token_stream, train_tokenizer
 
 TINY_FORMAT = 1
 STATE_DIR = "train-state"                # resumable training state (sizes with checkpoint_every)

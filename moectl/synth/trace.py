@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import MoectlError
 from ..core.trace import DECODE, MAX_EXPERTS, Trace
+from ..errors import MoectlError
 
 FAR_LAGS = (8, 16, 24, 32)       # "far" reuse: mean over these distances (tokens)
 DRIFT_TOKENS = 64                # correlation time of the popularity drift (tokens)
@@ -255,8 +255,8 @@ def synthesize_like(like, recipe: str, tokens: int, seed: int = 0,
                     requests: int = 1) -> tuple[Trace, RoutingStats, RoutingStats]:
     """(trace, statistics fitted on trace file `like`, the same carried to `recipe`'s shape): what
     `moectl trace synthesize` writes. The trace's model is the recipe's first trace name (how simulate finds it)."""
-    from ..core.recipes import list_recipes, load_recipe
     from ..artifacts.trace_dir import load_trace
+    from ..core.recipes import list_recipes, load_recipe
 
     if recipe not in list_recipes():
         raise MoectlError(f"no recipe {recipe!r}; recipes: {', '.join(list_recipes())}")
@@ -294,8 +294,8 @@ def save(trace: Trace, out) -> Path:
     `synthetic` record (seed, what it was fitted on) beside the source."""
     from pathlib import Path
 
-    from ..artifacts.trace_dir import TraceWriter
     from ..artifacts.routing_jsonl import write_jsonl
+    from ..artifacts.trace_dir import TraceWriter
 
     out = writable(out)
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ...progress import ProgressBar
-from ..memory import host_empty
 from ...formats.gguf_encodings import T
 from ...formats.gguf_int4 import GgufInt4Format
+from ...progress import ProgressBar
+from ..memory import host_empty
 
 
 def int4_repackable(adapter) -> bool:

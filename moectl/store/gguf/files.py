@@ -14,7 +14,6 @@ naming the file (and tensor) before anything runs. The module imports no torch (
 from __future__ import annotations
 
 import os
-
 import re
 import struct
 from dataclasses import dataclass

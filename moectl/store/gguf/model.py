@@ -14,15 +14,14 @@ from pathlib import Path
 
 import torch
 
-from ...errors import MoectlError
 from ...core.recipes import is_gguf_path, model_name
+from ...errors import MoectlError
+from ...formats.gguf import GgufExpertFormat, layer_formats
+from ...formats.gguf_encodings import encoding_name
 from .config import family_of, gguf_config, gguf_tokenizer
 from .dense import dense_state_dict, dense_tensors
-from ...formats.gguf_encodings import encoding_name
 from .experts import ExpertIndex
 from .files import GgufFiles
-from ...formats.gguf import GgufExpertFormat, layer_formats
-
 
 is_gguf = is_gguf_path          # whether `--model` names a GGUF file (a directory is a safetensors checkpoint)
 _OPEN: dict[tuple, "GgufModel"] = {}

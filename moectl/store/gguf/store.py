@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from ...formats.gguf import GgufExpertFormat
 from ...models import adapter_for
 from ..checkpoint import ByteRange, Checkpoint
-from ...formats.gguf import GgufExpertFormat
 from .model import GgufModel
 
 
