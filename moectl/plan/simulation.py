@@ -43,13 +43,20 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
     traced model's sensitivity.json (for --gating-threshold); `train_on`: traces to train a routing predictor on
     (and seed EAM collections); `draft`: a DraftSpec (else the plan's). `status(text)`: says what runs before a
     predictor trains; `progress(done, total, row)`: before the first configuration (row None) and after each."""
+    from ..artifacts.plan import check_plan_model, load_plan
     from ..core.trace import load_trace
+    from ..policies import check_names
     from ..policies.gating import experts_per_token, gate_trace
     from ..setting.resolve import resolve
     from ..sim import simulate as sim
 
     tr = sim.concat([load_trace(p) for p in paths])
-    o = options
+    o, plan_path = options, options.plan
+    if not compare:                                     # the names the simulator takes (--compare has its own)
+        check_names(o.replacement, o.prefetch, runtime=False)
+    if plan_path is not None:                           # a plan of another model: said before the shape is looked up
+        o.plan = load_plan(plan_path)
+        check_plan_model(o.plan, tr.fingerprint, tr.num_layers, tr.num_experts, f"the trace ({tr.model})", tr.top_k)
     if sum(x is not None for x in (cache_fraction, o.cache_experts, o.plan, o.budget)) != 1:
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
     if cache_fraction is not None:
@@ -65,7 +72,7 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
         if draft is None and setting.plan.get("draft"):
             from .speculative import plan_draft_spec
 
-            draft = plan_draft_spec(setting.plan, o.plan)   # the drafting the plan was made for
+            draft = plan_draft_spec(setting.plan, plan_path)   # the drafting the plan was made for
     if setting.gating is not None:
         tr = gate_trace(tr, setting.gating, o.gate_prefill)
     preds = _predictors(tr, o.predictor, train_on, paths, depth, setting.prefetch == "routing" or compare, status)
