@@ -51,15 +51,16 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
     from ..sim import simulate as sim
 
     tr = sim.concat([load_trace(p) for p in paths])
-    o = options
+    o, plan_path = options, options.plan
+    if not compare:                                     # the names the simulator takes (--compare has its own)
+        check_names(o.replacement, o.prefetch, runtime=False)
+    if plan_path is not None:                           # a plan of another model: said before the shape is looked up
+        o.plan = load_plan(plan_path)
+        check_plan_model(o.plan, tr.fingerprint, tr.num_layers, tr.num_experts, f"the trace ({tr.model})", tr.top_k)
     if sum(x is not None for x in (cache_fraction, o.cache_experts, o.plan, o.budget)) != 1:
         raise MoectlError("give exactly one of --cache-fraction, --cache-experts, --plan, --budget")
     if cache_fraction is not None:
         o.slots_per_layer = sim.capacities(tr, fraction=cache_fraction)
-    check_names(o.replacement, o.prefetch, runtime=False)   # the simulator's names: oracle, belady; no auto
-    if o.plan is not None:                                  # a plan made for another model or trace: said first
-        o.plan = load_plan(o.plan)
-        check_plan_model(o.plan, tr.fingerprint, tr.num_layers, tr.num_experts, f"the trace ({tr.model})", tr.top_k)
     shape = model_shape
     if model_shape is not None and str(model_shape).lower().endswith(".gguf"):   # read from the file's header
         from ..store.gguf.shape import gguf_shape
@@ -76,7 +77,7 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
         if draft is None and setting.plan.get("draft"):
             from .speculative import plan_draft_spec
 
-            draft = plan_draft_spec(setting.plan, o.plan)   # the drafting the plan was made for
+            draft = plan_draft_spec(setting.plan, plan_path)   # the drafting the plan was made for
     if setting.gating is not None:
         tr = gate_trace(tr, setting.gating, o.gate_prefill)
     preds = _predictors(tr, o.predictor, train_on, paths, depth, setting.prefetch == "routing" or compare, status)

@@ -75,9 +75,9 @@ def resolve(options: RuntimeOptions, sizes: ModelSizes, workdir=None, *, live: b
     fingerprint = trace.fingerprint if trace is not None else sizes.fingerprint
     _apply_plan(o, workdir, fingerprint, L, E, live, trace)
     if in_place and o.plan_data is not None:            # say what applies: no slots in place
-        o.plan_note = (f"plan: {o.plan_data['_path']}: experts are computed in place on the CPU (no expert slots, "
-                       f"nothing cached or copied), so its slots do not apply; its policies do (--emulate-device "
-                       f"gives the CPU the plan's slots; --no-plan ignores it)")
+        o.plan_note = (f"plan: {o.plan_data.get('_path', 'given')}: experts are computed in place on the CPU (no "
+                       f"expert slots, nothing cached or copied), so its slots do not apply; its policies do "
+                       f"(--emulate-device gives the CPU the plan's slots; --no-plan ignores it)")
     if live:
         if o.draft == "none":                           # --draft none: not even the plan's drafting
             o.draft = None
