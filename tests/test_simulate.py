@@ -331,7 +331,8 @@ def test_mlp_prefetch_on_held_out_requests_of_the_tiny_model(tiny_small, tmp_pat
     # starts from gate reuse, trained to beat it: more of the prefetches it asks for are used. (Per prefetch that
     # ran, both save exactly one demand load here, a tie that rounding decided; the share of asked-for prefetches
     # that were used is what the training improves.) Measured for the models above: mlp 0.53-0.86, gate-reuse
-    # 0.24-0.53, at least 0.28 apart; 0.1 is a margin no tie or single prefetch can flip.
+    # 0.24-0.53; the closest, seed 1 on an AMD host with AVX2 only, mlp 0.567 against 0.506. One prefetch moves a
+    # share by about 0.01 (~100 asked for): 0.03 is a margin no tie or single prefetch can flip.
     used = {p: 1.0 - res[p].wasted_prefetch_fraction for p in ("gate-reuse", "mlp")}
-    assert used["mlp"] >= used["gate-reuse"] + 0.1, (used, res)
+    assert used["mlp"] >= used["gate-reuse"] + 0.03, (used, res)
     assert res["mlp"].prefetch_loads_per_token > 0
