@@ -172,9 +172,11 @@ def test_eval_lossless_is_exact_and_gating_costs_something(tiny_small, tmp_path)
     assert lossy["reference_cached"] and lossy["ppl_lossless"] == plain["ppl_lossless"]
     # the eval measures what gating changed: a delta, where the lossless run's is exactly 0. Its sign on these 630
     # tokens is the trained model's: +0.4 % to +7 % for most small models, -1.5 % for one whose second experts were
-    # noise there, so the direction is not asserted (the bytes saved are, below).
+    # noise there, so the direction is not asserted; what gating saves is (fewer experts computed per token).
     assert 1.0 <= lossy["experts_per_token"] < 1.9 and lossy["ppl_delta_rel"] != 0.0
-    assert lossy["bytes_per_token"] < plain["bytes_per_token"]
+    # bytes: a 64-token window loads each expert any of its tokens keeps, so gating saves bytes only where it drops
+    # an expert from a whole window, which the model's routing decides (seed 7's small model: none); never more
+    assert lossy["bytes_per_token"] <= plain["bytes_per_token"]
     assert 0 < lossy["greedy_agreement"] <= 1
 
 

@@ -338,7 +338,10 @@ def test_tiny_with_a_plan_misses_as_predicted_and_memory_within_budget(tiny_prof
                                 capsys, monkeypatch)
     assert code == 0, err
     plan = json.loads(stdout)["plan"]
-    assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]
+    # never worse than the even split (keep_best keeps the better); strictly better only where the model's two layers
+    # gain differently from a slot, which is the training run's (seed 0's small model: [5, 1], 15 % less stall;
+    # seed 7's: the DP's [4, 2] ties [3, 3] but for 1e-15 of rounding, and the even split is kept)
+    assert plan["predicted"]["stall_ms_per_token"] <= plan["uniform"]["stall_ms_per_token"], plan
     stage = plan["budget"]["staging"]
     assert plan["policies"]["prefetch"] != "none" and stage == 2 * facts.expert_bytes()
     assert plan["budget"]["experts"] == budget - stage - plan["budget"]["dense"] - plan["budget"]["kv"] \
