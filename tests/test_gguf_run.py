@@ -46,13 +46,17 @@ def q4km(tmp_path_factory):
                       expert_encoding=lambda layer, proj: T.Q6_K if (proj == "down" and layer == 0) else T.Q4_K)
 
 
-@pytest.mark.parametrize("kw", [{}, {"emulate_device": True, "cache_experts": 6},
+@pytest.mark.parametrize("kw", [{}, {"ggml": False}, {"emulate_device": True, "cache_experts": 6},
                                 {"emulate_device": True, "offload": "disk", "cache_experts": 6}],
-                         ids=["in-place", "one-slot-per-layer", "disk"])
-def test_f32_gguf_runs_as_the_safetensors_original(tiny_small, f32, kw, tmp_path):
+                         ids=["in-place", "in-place-torch", "one-slot-per-layer", "disk"])
+def test_f32_gguf_runs_as_the_safetensors_original(tiny_small, f32, kw, tmp_path, monkeypatch):
     """Logits of the F32 GGUF through the runtime equal transformers' forward of the safetensors checkpoint
     (within the project's lossless tolerance: the runtime computes each expert as its own matmuls) and the
-    greedy tokens are the same."""
+    greedy tokens are the same. In place: ggml's kernels on the mapped file where built (F32 weights: x stays
+    f32, so the wiring is checked exactly), and torch's path (`MOECTL_GGML=0`)."""
+    kw = dict(kw)
+    if not kw.pop("ggml", True):
+        monkeypatch.setenv("MOECTL_GGML", "0")
     ref_logits, ref_ids = _reference_run(tiny_small, PROMPT, STEPS)
     eng = Engine.load(str(f32), progress=False, threads=1, workdir=str(tmp_path), **kw)
     logits, ids = _engine_run(eng, PROMPT, STEPS)
@@ -129,7 +133,24 @@ def test_mixed_encodings_run_as_reference_dequantisation(q4km, kw, tmp_path, mon
         assert eng.cache.stats.misses > 0               # the slots were really filled from the packed copies
 
 
+def test_inspect_states_what_the_run_holds_with_ggml(q4km, capsys, monkeypatch, tmp_path):
+    """With ggml the CPU in place holds the file's expert bytes, mapped: `inspect` says so, and the run reads none of
+    them into its own buffers."""
+    ggml_or_skip()
+    code, out, err = run_cli(["inspect", "--model", str(q4km), "--json", "--device", "cpu",
+                              "--workdir", str(tmp_path)], capsys, monkeypatch)
+    assert code == 0, err
+    info = json.loads(out)
+    cpu = info["gguf"]["cpu_in_place"]
+    assert cpu["kernel"] == "ggml" and cpu["mapped"] and not cpu["int4_repacked"]
+    assert cpu["expert_bytes"] == info["gguf"]["expert_bytes"] == 4 * (5 * 256 * 144 + 256 * 210)
+    eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path))
+    assert sum(b.numel() for b in eng.store.buffers) == 2 * 4 * 8                  # the experts' indices only
+    assert "ggml" in eng.plan_note
+
+
 def test_inspect_states_what_the_run_holds(q4km, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOECTL_GGML", "0")                     # torch's int4 path (where ggml is not built)
     code, out, err = run_cli(["inspect", "--model", str(q4km), "--json", "--device", "cpu",
                               "--workdir", str(tmp_path)], capsys, monkeypatch)
     assert code == 0, err
@@ -205,7 +226,8 @@ def _missing_part(tiny_small, tmp_path):
 
 
 def _unsupported_encoding(tiny_small, tmp_path):
-    return write_gguf(tiny_small, tmp_path / "iq4.gguf", expert_encoding=T.IQ4_NL)
+    # Q8_1: ggml's activation encoding, never a weight's (IQ4_NL, here before, is computed now: ggml)
+    return write_gguf(tiny_small, tmp_path / "q8_1.gguf", expert_encoding=T.Q8_1)
 
 
 def _contradicting(tiny_small, tmp_path):
@@ -226,7 +248,7 @@ def _unsupported_arch(tiny_small, tmp_path):
 
 BAD = {"truncated": (lambda ts, f, tp: _truncated(f, tp), ["cut.gguf", "truncated"]),
        "missing split part": (lambda ts, f, tp: _missing_part(ts, tp), ["m-00002-of-00003.gguf"]),
-       "unsupported encoding": (lambda ts, f, tp: _unsupported_encoding(ts, tp), ["iq4.gguf", "IQ4_NL"]),
+       "unsupported encoding": (lambda ts, f, tp: _unsupported_encoding(ts, tp), ["q8_1.gguf", "Q8_1"]),
        "contradicting metadata": (lambda ts, f, tp: _contradicting(ts, tp), ["bad.gguf", "metadata"]),
        "unsupported architecture": (lambda ts, f, tp: _unsupported_arch(ts, tp), ["phi.gguf", "phi2"])}
 
@@ -296,9 +318,10 @@ def test_every_family_runs_its_f32_gguf_as_the_original(family, tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= LOSSLESS_ATOL
 
 
-def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path):
+def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path, monkeypatch):
     """Q8_0 experts in place are two 4-bit planes on the int4 kernel (fp32 scales): tokens and logits as
     transformers' forward of gguf's reference dequantisation, and as the emulated device's dequantise-per-use."""
+    monkeypatch.setenv("MOECTL_GGML", "0")
     path = write_gguf(tiny_small, tmp_path / "tiny-Q8_0.gguf", expert_encoding=T.Q8_0)
     eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path))
     assert all(f.planes == {"gate_up", "down"} for f in eng.store.formats)
@@ -312,7 +335,7 @@ def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path):
 
 
 @pytest.mark.parametrize("encoding", [T.Q4_0, T.Q8_0], ids=["Q4_0", "Q8_0"])
-def test_in_place_int4_kernel_with_experts_narrower_than_the_kernels_row_block(encoding, tmp_path):
+def test_in_place_int4_kernel_with_experts_narrower_than_the_kernels_row_block(encoding, tmp_path, monkeypatch):
     """Qwen2-MoE-like experts of 32 rows (gate and up each): repacked in place for the CPU int4 kernel (Q4_0 direct,
     Q8_0 as two planes), gate and up stacked as one matrix. Packing each and stacking the packed bytes computed
     garbage when a part is not a whole number of the kernel's row blocks; the run equals transformers' forward of the
@@ -325,8 +348,36 @@ def test_in_place_int4_kernel_with_experts_narrower_than_the_kernels_row_block(e
     path = write_gguf(ckpt, tmp_path / "m.gguf", expert_encoding=encoding)
     with torch.no_grad():
         want = model_from_gguf(path)(input_ids=PROMPT).logits[0]
+    monkeypatch.setenv("MOECTL_GGML", "0")
     eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path / "w"))
     assert eng.store.formats[0].int4 or eng.store.formats[0].planes          # the kernel path, not dequantisation
     with torch.no_grad():
         got = eng.forward(PROMPT)[0][0].float()
     assert (got - want).abs().max().item() <= LOSSLESS_ATOL
+
+
+def test_cpu_experts_side_computes_gguf_bytes_with_ggml(q4km, tmp_path):
+    """`--cpu-experts` (the CPU side of a GPU run, emulated): misses computed from the RAM tier's GGUF bytes by ggml
+    (`GgufExpertFormat.cpu_weights`: no dequantisation); the tokens of transformers' forward of the dequantised
+    model, logits within GGML_LOGITS_RTOL."""
+    ggml_or_skip()
+    from moectl.kernels.ggml import GgmlLinear
+
+    ref = model_from_gguf(q4km)
+    with torch.no_grad():
+        ids, want, want_logits = PROMPT, [], []
+        for _ in range(STEPS + 1):
+            logits = ref(input_ids=ids).logits[0]
+            want_logits.append(logits[-1])
+            want.append(int(logits[-1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[want[-1]]])], dim=1)
+    eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path), emulate_device=True,
+                      cache_experts=2, cpu_experts="always")
+    store = eng.store
+    w = store.format_of("full", 0).cpu_weights(eng.runtime.cpu.host_views(0, 1))
+    assert isinstance(w["gate_up"], GgmlLinear) and isinstance(w["down"], GgmlLinear)
+    logits, got = _engine_run(eng, PROMPT, STEPS)
+    assert eng.runtime.cpu_experts > 0                      # misses were computed on the CPU side
+    assert got == want
+    err = max((a[-1] - b).abs().max().item() for a, b in zip(logits, want_logits))
+    assert err <= GGML_LOGITS_RTOL * max(b.abs().max().item() for b in want_logits)
