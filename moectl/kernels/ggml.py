@@ -146,12 +146,17 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None) -> Path:
     return shim
 
 
-@functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The shim over ggml's CPU backend (built on first use), or None (then `why_not()` says why)."""
+    """The shim over ggml's CPU backend (built on first use), or None (then `why_not()` says why). `MOECTL_GGML=0`
+    is read on every call (a run or a test may switch it)."""
     if os.environ.get("MOECTL_GGML", "1") == "0":
         _why.append("MOECTL_GGML=0")
         return None
+    return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as e:
@@ -187,8 +192,8 @@ def planned() -> bool:
     it (for sizes said before a run: `inspect`, the host-memory check)."""
     if os.environ.get("MOECTL_GGML", "1") == "0":
         return False
-    if library.cache_info().currsize:
-        return library() is not None
+    if _load.cache_info().currsize:
+        return _load() is not None
     try:
         return built() or bool(_tools())
     except RuntimeError:
