@@ -2,8 +2,8 @@
 `llama-bench` runs them, `moectl` runs the same file in place on the CPU (experts by ggml's kernels where they lie in
 the mapped file: moectl/kernels/ggml.py), same threads.
 
-1. A synthetic checkpoint of a recipe's shapes (`make-synthetic`: mixtral, qwen3-moe = 128 experts top-8, olmoe =
-   64 experts top-8, gpt-oss-20b = MXFP4 experts), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16
+1. A synthetic checkpoint of a recipe's shapes (`make-synthetic`: mixtral, qwen3-moe = 128 small experts top-8,
+   gpt-oss-20b = MXFP4 experts; make-synthetic writes these families only), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16
    and quantized by `llama-quantize` to each `--types` (GPT-OSS: the converter's MXFP4 experts, then the types for
    the rest).
 2. Per file and thread count, `--repeat` alternating rounds: decode ms/token (llama-bench `-p 0 -n GEN`; moectl:
@@ -12,7 +12,7 @@ the mapped file: moectl/kernels/ggml.py), same threads.
    token; llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token).
 Medians, [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as fast).
 
-    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape olmoe --layers 4 --threads 1 2 --repeat 3
+    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 4 --threads 1 2 --repeat 3
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --types Q4_K_M Q4_0 Q8_0 Q6_K
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape gpt-oss-20b --layers 2 --types Q8_0
     MOECTL_GGML=0 ... (the torch-int4 path it replaces)
@@ -161,7 +161,8 @@ def print_table(res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="olmoe", help="a recipe: mixtral, qwen3-moe, olmoe, gpt-oss-20b, ...")
+    ap.add_argument("--shape", default="qwen3-moe", help="a recipe make-synthetic writes: mixtral, qwen3-moe, "
+                    "gpt-oss-20b")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
     ap.add_argument("--types", nargs="+", default=DEFAULT_TYPES, help="llama-quantize types (BF16: the converted "
                     "file itself)")
