@@ -147,6 +147,9 @@ def test_inspect_states_what_the_run_holds_with_ggml(q4km, capsys, monkeypatch, 
     eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path))
     assert sum(b.numel() for b in eng.store.buffers) == 2 * 4 * 8                  # the experts' indices only
     assert "ggml" in eng.plan_note
+    # rows of the stacked ffn_*_exps: a decode layer is one mul_mat_id graph (kernels/ggml.py: experts_decode)
+    w = eng.store.formats[1].weights({"expert": torch.tensor([3])})
+    assert w["down"].stacked[0] == 3 and w["gate_up"].stacked[1][0][1] == 4
 
 
 def test_inspect_states_what_the_run_holds(q4km, capsys, monkeypatch, tmp_path):

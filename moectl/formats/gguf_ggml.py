@@ -35,11 +35,19 @@ class GgufMappedFormat(ExpertFormat):
         e = int(views["expert"][0])
         w = self._cache.get(e)
         if w is None:
-            files, mats, keep = self.src.index.files, {}, []
+            files, mats, keep, base = self.src.index.files, {}, [], {}
+            first = dict(self.src.index.parts(self.layer, 0))
             for name, t in self.src.index.parts(self.layer, e):
                 arr = files.bytes_of(t.file, t.offset, t.nbytes)               # the mapped file: no copy
                 keep.append(arr)
                 mats[name] = (t.encoding, arr.ctypes.data, tuple(t.shape))
-            w = self._cache[e] = expert_weights(mats, keep)
+                t0 = first[name]
+                if t0.file == t.file and t.offset == t0.offset + e * t.nbytes:   # a row of a stacked ffn_*_exps
+                    E = self.src.index.num_experts
+                    whole = files.bytes_of(t0.file, t0.offset, t0.nbytes * E)
+                    keep.append(whole)
+                    base[name] = (whole.ctypes.data, E)
+            stacked = (e, base) if set(base) >= {"gate", "up", "down"} else None
+            w = self._cache[e] = expert_weights(mats, keep, stacked)
         return w
 

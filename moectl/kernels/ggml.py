@@ -326,8 +326,11 @@ class GgmlLinear:
     outputs side by side, as `gate_up` is stacked). `mats`: [(encoding, address, (N, K))]; `keep`: what owns the
     memory (an mmap's array, a host buffer), held as long as this is."""
 
-    def __init__(self, mats: list[tuple[int, int, tuple[int, int]]], keep=None):
+    def __init__(self, mats: list[tuple[int, int, tuple[int, int]]], keep=None, stacked=None):
         self.mats, self.keep = mats, keep
+        # (expert, [(address of expert 0, experts) per matrix]) where the matrices are rows of stacked tensors
+        # (a GGUF's ffn_*_exps): a decode step's layer is then one mul_mat_id call (`experts_decode`)
+        self.stacked = stacked
         self.K = mats[0][2][1]
         self.N = sum(m[2][0] for m in mats)
 
@@ -349,16 +352,31 @@ class GgmlLinear:
         return y.to(dtype).reshape(*lead, self.N)
 
 
-def expert_weights(tensors: dict[str, tuple[int, int, tuple[int, int]]], keep=None) -> dict[str, GgmlLinear]:
-    """An expert's {gate_up, down} callables from {gate, up, down: (encoding, address, (rows, cols))}."""
-    return {"gate_up": GgmlLinear([tensors["gate"], tensors["up"]], keep),
-            "down": GgmlLinear([tensors["down"]], keep)}
+def expert_weights(tensors: dict[str, tuple[int, int, tuple[int, int]]], keep=None,
+                   stacked: tuple[int, dict[str, tuple[int, int]]] | None = None) -> dict[str, GgmlLinear]:
+    """An expert's {gate_up, down} callables from {gate, up, down: (encoding, address, (rows, cols))};
+    `stacked`: (expert, {gate, up, down: (address of expert 0, experts)}) when they are rows of stacked tensors."""
+    e, base = stacked if stacked is not None else (None, None)
+    return {"gate_up": GgmlLinear([tensors["gate"], tensors["up"]], keep,
+                                  (e, [base["gate"], base["up"]]) if base else None),
+            "down": GgmlLinear([tensors["down"]], keep, (e, [base["down"]]) if base else None)}
 
 
 def experts_decode(x: torch.Tensor, pairs: list[tuple[GgmlLinear, GgmlLinear]], coefs: list[float]) -> torch.Tensor:
     """A decode step's experts of one layer in one call: y [T, H] = sum_e coefs[e] down_e(silu(gate_e x) * up_e x),
     `pairs` = [(gate_up, down)] as `GgmlLinear`s (gate and up its two matrices); in x's dtype."""
-    mats = [(g.mats[0][:2], g.mats[1][:2], d.mats[0][:2]) for g, d in pairs]
     H, I = pairs[0][1].N, pairs[0][1].K
+    g0, d0 = pairs[0]
+    if g0.stacked is not None and all(g.stacked is not None and d.stacked is not None and g.stacked[1] == g0.stacked[1]
+                                      and d.stacked[1] == d0.stacked[1] for g, d in pairs):
+        # rows of the same stacked tensors: llama.cpp's own mul_mat_id graph (x quantized once per matrix kind)
+        (bg, A), (bu, _) = g0.stacked[1]
+        (bd, _), = d0.stacked[1]
+        encs = (g0.mats[0][0], g0.mats[1][0], d0.mats[0][0])
+        xs = x.reshape(-1, H)
+        ids = torch.tensor([[g.stacked[0] for g, _ in pairs]], dtype=torch.int32).expand(xs.shape[0], -1)
+        wts = torch.tensor([coefs], dtype=torch.float32).expand(xs.shape[0], -1)
+        return moe(encs, bg, bu, bd, A, H, I, xs, ids, wts).to(x.dtype)
+    mats = [(g.mats[0][:2], g.mats[1][:2], d.mats[0][:2]) for g, d in pairs]
     coef = torch.tensor(coefs, dtype=torch.float32).repeat_interleave(x.reshape(-1, H).shape[0])
     return experts(mats, H, I, x.reshape(-1, H), coef).to(x.dtype)
