@@ -8,7 +8,7 @@ block, every encoding, AVX2 / AVX-512 / NEON); repacking them onto torch's int4 
 dequantising per use costs tens of ms a matrix (docs/gguf.md). ggml is built from the same pinned llama.cpp source the
 comparison uses (llama-cpp-python's sdist, `LLAMACPP_VERSION`), CPU backend only, shared libraries, native flags for
 this machine, no OpenMP (ggml's own threadpool: torch's OpenMP runtime shares the process), into
-`$MOECTL_HOME/llamacpp/<version>/ggml/` on first use (cached; a few minutes on 2 cores, see `BUILD_NOTE`), and the
+`$MOECTL_HOME/llamacpp/<version>/ggml/` on first use (cached; minutes, see `BUILD_NOTE`), and the
 shim (`ggml_shim.c`, one C file against ggml's headers) beside it. The shim's calls build a tiny ggml graph over
 tensors that point at the caller's memory: the memory-mapped file's bytes or a host buffer holding them; nothing is
 repacked, copied or dequantised.
@@ -40,7 +40,7 @@ from ..errors import MoectlError
 
 LLAMACPP_VERSION = "0.3.36"                      # llama-cpp-python's sdist: vendors llama.cpp (bench/llamacpp.py too)
 SHIM = Path(__file__).with_name("ggml_shim.c")
-BUILD_NOTE = "about 3 minutes on 2 cores"        # measured here: docs/gguf.md
+BUILD_NOTE = "minutes (11 measured on 2 busy cores)"   # docs/gguf.md
 # CPU backend only: no GPU backends, tools or tests; ggml's threadpool instead of OpenMP (torch's libgomp is in the
 # process, and two OpenMP runtimes oversubscribe); GGML_NATIVE: this machine's ISA (-march=native).
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF",
