@@ -24,7 +24,7 @@ from pathlib import Path
 from moectl.errors import MoectlError
 from moectl.core.recipes import moectl_home
 
-VERSION = "0.3.36"                                  # llama-cpp-python's sdist; vendors llama.cpp
+VERSION = "0.3.36"      # llama-cpp-python's sdist; vendors llama.cpp (moectl/kernels/ggml.py builds ggml from the same)
 TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize")
 CUDA_TOOLS = ("llama-bench", "llama-quantize")      # what gpu-check's --n-cpu-moe row needs (bench/llamacpp_cuda.py)
 # Not needed to build the tools or run the converter; left out of a carried source pack (`pack_source`).

@@ -13,6 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# ggml's CPU backend (moectl/kernels/ggml.py) is built once, into the user's MOECTL_HOME: tests that switch to a
+# private MOECTL_HOME find it there instead of rebuilding it (minutes)
+from moectl.kernels.ggml import llamacpp_home  # noqa: E402
+
+os.environ.setdefault("MOECTL_GGML_ROOT", str(llamacpp_home()))
 
 import torch  # noqa: E402
 

@@ -54,7 +54,7 @@ def encode(x: torch.Tensor, qtype: T, seed: int = 0) -> tuple[np.ndarray, T]:
         return a, T.F32
     if qtype == T.F16:
         return a.astype(np.float16), T.F16
-    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL):        # valid sizes, random codes
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.Q8_1):   # valid sizes, random codes
         rows = int(np.prod(a.shape[:-1]))
         return k_blocks(rows, a.shape[-1], qtype, seed).reshape(*a.shape[:-1], -1), qtype
     return quantize(a, qtype), qtype

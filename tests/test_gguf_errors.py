@@ -41,8 +41,9 @@ def test_dense_llama_is_not_moe(tmp_path):
 
 
 def test_unsupported_encoding(tiny_small, tmp_path):
-    path = write_gguf(tiny_small, tmp_path / "iq4.gguf", expert_encoding=T.IQ4_NL)
-    with pytest.raises(MoectlError, match=r"iq4.gguf: tensor blk.\d.ffn_\w+_exps.weight is encoded as IQ4_NL, which "
+    # Q8_1 is an activation encoding (ggml's x against Q4_1 weights): no kernel reads it as a weight
+    path = write_gguf(tiny_small, tmp_path / "q8_1.gguf", expert_encoding=T.Q8_1)
+    with pytest.raises(MoectlError, match=r"q8_1.gguf: tensor blk.\d.ffn_\w+_exps.weight is encoded as Q8_1, which "
                                           r"moectl does not read; supported: F32, F16, BF16, Q8_0, Q4_0"):
         GgufFiles(path)
 

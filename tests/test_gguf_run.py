@@ -46,13 +46,17 @@ def q4km(tmp_path_factory):
                       expert_encoding=lambda layer, proj: T.Q6_K if (proj == "down" and layer == 0) else T.Q4_K)
 
 
-@pytest.mark.parametrize("kw", [{}, {"emulate_device": True, "cache_experts": 6},
+@pytest.mark.parametrize("kw", [{}, {"ggml": False}, {"emulate_device": True, "cache_experts": 6},
                                 {"emulate_device": True, "offload": "disk", "cache_experts": 6}],
-                         ids=["in-place", "one-slot-per-layer", "disk"])
-def test_f32_gguf_runs_as_the_safetensors_original(tiny_small, f32, kw, tmp_path):
+                         ids=["in-place", "in-place-torch", "one-slot-per-layer", "disk"])
+def test_f32_gguf_runs_as_the_safetensors_original(tiny_small, f32, kw, tmp_path, monkeypatch):
     """Logits of the F32 GGUF through the runtime equal transformers' forward of the safetensors checkpoint
     (within the project's lossless tolerance: the runtime computes each expert as its own matmuls) and the
-    greedy tokens are the same."""
+    greedy tokens are the same. In place: ggml's kernels on the mapped file where built (F32 weights: x stays
+    f32, so the wiring is checked exactly), and torch's path (`MOECTL_GGML=0`)."""
+    kw = dict(kw)
+    if not kw.pop("ggml", True):
+        monkeypatch.setenv("MOECTL_GGML", "0")
     ref_logits, ref_ids = _reference_run(tiny_small, PROMPT, STEPS)
     eng = Engine.load(str(f32), progress=False, threads=1, workdir=str(tmp_path), **kw)
     logits, ids = _engine_run(eng, PROMPT, STEPS)
@@ -73,15 +77,36 @@ def test_split_gguf_runs(tiny_small, f32, tmp_path):
                                                          PROMPT, 4)[1]
 
 
-@pytest.mark.parametrize("kw", [{}, {"emulate_device": True, "cache_experts": 2},
+# ggml's kernels quantize x to 8 bits per block before each expert product (each product within the bound
+# tests/test_ggml_kernels.py derives and at its emulation's fp32 summation); through this random model's 2 layers the
+# logits moved by 0.028 against a largest logit of 1.12 (2.5 %): twice that. The wiring itself is exact: an F32
+# file's experts through ggml (f32 x, no quantization) equal the original within LOSSLESS_ATOL
+# (test_f32_gguf_runs_as_the_safetensors_original[in-place]).
+GGML_LOGITS_RTOL = 0.05
+
+
+def ggml_or_skip():
+    from moectl.kernels import ggml
+
+    if ggml.library() is None:
+        pytest.skip(f"ggml is not built here: {ggml.why_not()}")
+
+
+@pytest.mark.parametrize("kw", [{}, {"ggml": True}, {"emulate_device": True, "cache_experts": 2},
                                 {"emulate_device": True, "offload": "disk", "cache_experts": 2},
                                 {"emulate_device": True, "cache_experts": 2, "prefill": "stream",
                                  "prefetch": "gate-reuse"}],
-                         ids=["in-place", "slots", "disk", "streamed-prefill"])
-def test_mixed_encodings_run_as_reference_dequantisation(q4km, kw, tmp_path):
+                         ids=["in-place", "in-place-ggml", "slots", "disk", "streamed-prefill"])
+def test_mixed_encodings_run_as_reference_dequantisation(q4km, kw, tmp_path, monkeypatch):
     """Every layer's experts dequantised with its own encodings, wherever they are computed: greedy tokens and
     logits as transformers' forward of the model rebuilt with gguf's reference dequantisation (fp32: equal up to
-    the order of the expert sums, LOSSLESS_ATOL)."""
+    the order of the expert sums, LOSSLESS_ATOL). In place with ggml (the experts where they lie in the mapped
+    file, x quantized per block as llama.cpp does): the same tokens, logits within GGML_LOGITS_RTOL."""
+    kw = dict(kw)
+    use_ggml = kw.pop("ggml", False)
+    monkeypatch.setenv("MOECTL_GGML", "1" if use_ggml else "0")
+    if use_ggml:
+        ggml_or_skip()
     ref = model_from_gguf(q4km)
     want_logits, want = [], []
     with torch.no_grad():
@@ -94,12 +119,41 @@ def test_mixed_encodings_run_as_reference_dequantisation(q4km, kw, tmp_path):
     eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path), **kw)
     logits, got = _engine_run(eng, PROMPT, STEPS)
     assert got == want
-    assert max((a[-1] - b).abs().max().item() for a, b in zip(logits, want_logits)) <= LOSSLESS_ATOL
+    err = max((a[-1] - b).abs().max().item() for a, b in zip(logits, want_logits))
+    if use_ggml:
+        from moectl.formats.gguf_ggml import GgufMappedFormat
+
+        assert all(isinstance(f, GgufMappedFormat) for f in eng.store.formats)     # ggml, on the mapped file
+        assert sum(b.numel() for b in eng.store.buffers) == 2 * 4 * 8              # nothing read: indices only
+        scale = max(b.abs().max().item() for b in want_logits)
+        assert err <= GGML_LOGITS_RTOL * scale, (err, scale)
+    else:
+        assert err <= LOSSLESS_ATOL
     if kw:
         assert eng.cache.stats.misses > 0               # the slots were really filled from the packed copies
 
 
+def test_inspect_states_what_the_run_holds_with_ggml(q4km, capsys, monkeypatch, tmp_path):
+    """With ggml the CPU in place holds the file's expert bytes, mapped: `inspect` says so, and the run reads none of
+    them into its own buffers."""
+    ggml_or_skip()
+    code, out, err = run_cli(["inspect", "--model", str(q4km), "--json", "--device", "cpu",
+                              "--workdir", str(tmp_path)], capsys, monkeypatch)
+    assert code == 0, err
+    info = json.loads(out)
+    cpu = info["gguf"]["cpu_in_place"]
+    assert cpu["kernel"] == "ggml" and cpu["mapped"] and not cpu["int4_repacked"]
+    assert cpu["expert_bytes"] == info["gguf"]["expert_bytes"] == 4 * (5 * 256 * 144 + 256 * 210)
+    eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path))
+    assert sum(b.numel() for b in eng.store.buffers) == 2 * 4 * 8                  # the experts' indices only
+    assert "ggml" in eng.plan_note
+    # rows of the stacked ffn_*_exps: a decode layer is one mul_mat_id graph (kernels/ggml.py: experts_decode)
+    w = eng.store.formats[1].weights({"expert": torch.tensor([3])})
+    assert w["down"].stacked[0] == 3 and w["gate_up"].stacked[1][0][1] == 4
+
+
 def test_inspect_states_what_the_run_holds(q4km, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOECTL_GGML", "0")                     # torch's int4 path (where ggml is not built)
     code, out, err = run_cli(["inspect", "--model", str(q4km), "--json", "--device", "cpu",
                               "--workdir", str(tmp_path)], capsys, monkeypatch)
     assert code == 0, err
@@ -175,7 +229,8 @@ def _missing_part(tiny_small, tmp_path):
 
 
 def _unsupported_encoding(tiny_small, tmp_path):
-    return write_gguf(tiny_small, tmp_path / "iq4.gguf", expert_encoding=T.IQ4_NL)
+    # Q8_1: ggml's activation encoding, never a weight's (IQ4_NL, here before, is computed now: ggml)
+    return write_gguf(tiny_small, tmp_path / "q8_1.gguf", expert_encoding=T.Q8_1)
 
 
 def _contradicting(tiny_small, tmp_path):
@@ -196,7 +251,7 @@ def _unsupported_arch(tiny_small, tmp_path):
 
 BAD = {"truncated": (lambda ts, f, tp: _truncated(f, tp), ["cut.gguf", "truncated"]),
        "missing split part": (lambda ts, f, tp: _missing_part(ts, tp), ["m-00002-of-00003.gguf"]),
-       "unsupported encoding": (lambda ts, f, tp: _unsupported_encoding(ts, tp), ["iq4.gguf", "IQ4_NL"]),
+       "unsupported encoding": (lambda ts, f, tp: _unsupported_encoding(ts, tp), ["q8_1.gguf", "Q8_1"]),
        "contradicting metadata": (lambda ts, f, tp: _contradicting(ts, tp), ["bad.gguf", "metadata"]),
        "unsupported architecture": (lambda ts, f, tp: _unsupported_arch(ts, tp), ["phi.gguf", "phi2"])}
 
@@ -266,9 +321,10 @@ def test_every_family_runs_its_f32_gguf_as_the_original(family, tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= LOSSLESS_ATOL
 
 
-def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path):
+def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path, monkeypatch):
     """Q8_0 experts in place are two 4-bit planes on the int4 kernel (fp32 scales): tokens and logits as
     transformers' forward of gguf's reference dequantisation, and as the emulated device's dequantise-per-use."""
+    monkeypatch.setenv("MOECTL_GGML", "0")
     path = write_gguf(tiny_small, tmp_path / "tiny-Q8_0.gguf", expert_encoding=T.Q8_0)
     eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path))
     assert all(f.planes == {"gate_up", "down"} for f in eng.store.formats)
@@ -282,7 +338,7 @@ def test_q8_0_in_place_on_the_int4_kernel(tiny_small, tmp_path):
 
 
 @pytest.mark.parametrize("encoding", [T.Q4_0, T.Q8_0], ids=["Q4_0", "Q8_0"])
-def test_in_place_int4_kernel_with_experts_narrower_than_the_kernels_row_block(encoding, tmp_path):
+def test_in_place_int4_kernel_with_experts_narrower_than_the_kernels_row_block(encoding, tmp_path, monkeypatch):
     """Qwen2-MoE-like experts of 32 rows (gate and up each): repacked in place for the CPU int4 kernel (Q4_0 direct,
     Q8_0 as two planes), gate and up stacked as one matrix. Packing each and stacking the packed bytes computed
     garbage when a part is not a whole number of the kernel's row blocks; the run equals transformers' forward of the
@@ -295,8 +351,36 @@ def test_in_place_int4_kernel_with_experts_narrower_than_the_kernels_row_block(e
     path = write_gguf(ckpt, tmp_path / "m.gguf", expert_encoding=encoding)
     with torch.no_grad():
         want = model_from_gguf(path)(input_ids=PROMPT).logits[0]
+    monkeypatch.setenv("MOECTL_GGML", "0")
     eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path / "w"))
     assert eng.store.formats[0].int4 or eng.store.formats[0].planes          # the kernel path, not dequantisation
     with torch.no_grad():
         got = eng.forward(PROMPT)[0][0].float()
     assert (got - want).abs().max().item() <= LOSSLESS_ATOL
+
+
+def test_cpu_experts_side_computes_gguf_bytes_with_ggml(q4km, tmp_path):
+    """`--cpu-experts` (the CPU side of a GPU run, emulated): misses computed from the RAM tier's GGUF bytes by ggml
+    (`GgufExpertFormat.cpu_weights`: no dequantisation); the tokens of transformers' forward of the dequantised
+    model, logits within GGML_LOGITS_RTOL."""
+    ggml_or_skip()
+    from moectl.kernels.ggml import GgmlLinear
+
+    ref = model_from_gguf(q4km)
+    with torch.no_grad():
+        ids, want, want_logits = PROMPT, [], []
+        for _ in range(STEPS + 1):
+            logits = ref(input_ids=ids).logits[0]
+            want_logits.append(logits[-1])
+            want.append(int(logits[-1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[want[-1]]])], dim=1)
+    eng = Engine.load(str(q4km), progress=False, threads=1, workdir=str(tmp_path), emulate_device=True,
+                      cache_experts=2, cpu_experts="always")
+    store = eng.store
+    w = store.format_of("full", 0).cpu_weights(eng.runtime.cpu.host_views(0, 1))
+    assert isinstance(w["gate_up"], GgmlLinear) and isinstance(w["down"], GgmlLinear)
+    logits, got = _engine_run(eng, PROMPT, STEPS)
+    assert eng.runtime.cpu_experts > 0                      # misses were computed on the CPU side
+    assert got == want
+    err = max((a[-1] - b).abs().max().item() for a, b in zip(logits, want_logits))
+    assert err <= GGML_LOGITS_RTOL * max(b.abs().max().item() for b in want_logits)

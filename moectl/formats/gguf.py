@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from ..kernels import ggml
 from .expert import ExpertFormat, Part
 from .gguf_dequant import dequantize
 from .gguf_encodings import encoding_name
@@ -72,6 +73,15 @@ class GgufExpertFormat(ExpertFormat):
         gate_up = torch.stack([m["gate"], m["up"]], dim=1).flatten(0, 1)          # [2I, H]: gate, up interleaved
         bias = torch.stack([m["gate_bias"], m["up_bias"]], dim=1).flatten()         # [2I]
         return {"gate_up": gate_up.T, "gate_up_bias": bias, "down": m["down"].T, "down_bias": m["down_bias"]}
+
+    def cpu_weights(self, views: dict[str, torch.Tensor]) -> dict:
+        """The weights where the CPU computes an expert from its host copy (the CPU side of a GPU run): ggml's
+        kernels on the buffer's GGUF bytes (moectl/kernels/ggml.py), or `weights` (dequantised) where ggml is not
+        built or the family multiplies matrices itself (GPT-OSS)."""
+        if self.family == "gpt_oss" or not ggml.planned() or ggml.library() is None:
+            return self.weights(views)
+        mats = {name: (t.encoding, views[name].data_ptr(), tuple(t.shape)) for name, t in self.tensors}
+        return ggml.expert_weights(mats, views)
 
     def describe(self) -> dict:
         return super().describe() | {"layer": self.layer, "encodings": [encoding_name(t.encoding)

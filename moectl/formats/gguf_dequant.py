@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .gguf_encodings import T, block, check_supported
+from .gguf_encodings import TORCH_DEQUANT, T, block, check_supported
 
 # MXFP4's 16 code points, doubled (e2m1 x 2), as ggml's kvalues_mxfp4; the block scale is halved to match
 _MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -71,10 +71,15 @@ def dequantize(data: torch.Tensor, encoding: int, shape: tuple[int, ...], dtype:
         out = dequantize_mxfp4(data)
     elif code in (T.Q5_0, T.Q5_1):
         out = dequantize_q5(data, code == T.Q5_1)
-    else:
+    elif code in TORCH_DEQUANT:
         from transformers.integrations.gguf.dequant import dequantize as blocks_to_values
 
         out = blocks_to_values(data, int(code))
+    else:                           # K/I-quants ggml computes in place: gguf's reference, on the host (dense: once)
+        from gguf import quants
+
+        values = quants.dequantize(data.cpu().numpy(), code)
+        out = torch.from_numpy(values.astype("float32", copy=False).reshape(-1)).to(data.device)
     q, b = block(code)
     if data.numel() * q != b * _numel(shape):
         raise ValueError(f"{where}: {data.numel()} bytes of {code.name} are not a tensor of shape {list(shape)}")

@@ -15,7 +15,13 @@ from ..errors import MoectlError
 
 T = GGMLQuantizationType
 # The encodings llama.cpp users' MoE files hold (Q4_K_M = Q4_K + Q6_K, Q5_K_M = Q5_K + Q6_K, GPT-OSS = MXFP4).
-SUPPORTED = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
+SUPPORTED = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4,
+             # computed by ggml's CPU backend (moectl/kernels/ggml.py), elsewhere dequantised by gguf's reference
+             # (moectl/formats/gguf_dequant.py): the K- and I-quants of llama-quantize's mixes (Q2_K, Q3_K_M,
+             # IQ4_XS, the dynamic IQ2/IQ3 quants). Not the ternary TQ1_0/TQ2_0: no MoE file uses them.
+             T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)
+# what moectl's torch dequantiser computes on any device; the rest through gguf's numpy reference on the host
+TORCH_DEQUANT = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
 
 
 def encoding_name(code: int) -> str:

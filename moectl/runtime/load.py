@@ -38,7 +38,7 @@ from ..store.facts import (
     parse_dtype,
     skeleton,
 )
-from ..store.gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
+from ..store.gguf.cpu import ggml_in_place, in_place_expert_bytes, int4_repackable, map_for_ggml, repack_for_cpu
 from ..store.memory import check_host_memory, host_alloc, host_need
 from .cache import InPlaceExperts
 from .device_cache import DeviceCache
@@ -106,11 +106,25 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
                           "`moectl train-predictor`)")
     policy, prefetch = build_policies(setting.replacement, setting.prefetch, hf, adapter, opts.predictor or ref.workdir,
                                       fingerprint, L)
-    repack = in_place and full_tier == "ram" and int4_repackable(adapter)   # a GGUF's Q4 experts: read, repacked
-    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload="disk" if repack else full_tier,
+    # A GGUF in place: its experts computed by ggml where they lie in the mapped file (nothing read at load), else
+    # its Q4 experts read and repacked for torch's int4 kernel
+    mapped = in_place and full_tier == "ram" and ggml_in_place(adapter)
+    repack = in_place and full_tier == "ram" and int4_repackable(adapter)
+    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload="disk" if mapped or repack else full_tier,
                         pin=(dev.type == "cuda"), progress=opts.progress)
-    if repack:
-        opts.plan_note = "; ".join(filter(None, [opts.plan_note, repack_for_cpu(store, dt, opts.progress)]))
+    note = map_for_ggml(store) if mapped else None
+    if note is None and (mapped or repack):
+        if mapped and not repack:                   # ggml failed to load: the packed bytes read into RAM instead
+            store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=full_tier, pin=False,
+                                progress=opts.progress)
+        else:
+            note = repack_for_cpu(store, dt, opts.progress)
+        if mapped:
+            from ..kernels.ggml import why_not
+
+            note = "; ".join(filter(None, [f"gguf: ggml not used ({why_not()})", note]))
+    if note:
+        opts.plan_note = "; ".join(filter(None, [opts.plan_note, note]))
     if low_fmt is not None:
         from ..formats.int4_cpu import int4pack_layout
         from ..store.lowbit import LowbitCopies

@@ -38,6 +38,7 @@ from torch import nn
 from ..core.cache_model import COUNTERS, FULL, LOW
 from ..formats.vnni import VnniLinear
 from ..kernels import ops
+from ..kernels.ggml import GgmlLinear, experts_decode
 from ..models.base import FamilyAdapter
 from ..policies.admission import PrefetchGate
 from ..policies.draft_length import pass_order
@@ -208,11 +209,16 @@ class OffloadedExperts(nn.Module):
         # low-bit layout wait for one fused call (`kernels.ops.experts_decode`: ~15 torch operations and 4
         # kernel calls fewer an expert, the same roundings)
         fuse = self.fusable and cache.in_place and hidden_states.dtype == torch.bfloat16
+        # a GGUF's experts where they lie in the mapped file: the layer's experts in one ggml graph (one wake of its
+        # threadpool, x quantized once), in any dtype
+        fuse_ggml = self.fusable and cache.in_place
         deferred = {}
 
         def one(e, expert):
             ws = getattr(expert, "weights", None)
             if fuse and ws is not None and all(isinstance(ws.get(m), VnniLinear) for m in ("gate_up", "down")):
+                deferred[e] = expert
+            elif fuse_ggml and ws is not None and all(isinstance(ws.get(m), GgmlLinear) for m in ("gate_up", "down")):
                 deferred[e] = expert
             else:
                 ys[e] = expert(hidden_states) * w[pos[e]]                       # [1,H]
@@ -226,7 +232,10 @@ class OffloadedExperts(nn.Module):
         if deferred and not ys:
             order, wl = sorted(deferred), w.float().tolist()
             pairs = [(deferred[e].weights["gate_up"], deferred[e].weights["down"]) for e in order]
-            return ops.experts_decode(hidden_states, pairs, [wl[pos[e]] for e in order]).view_as(hidden_states)
+            coefs = [wl[pos[e]] for e in order]
+            if isinstance(pairs[0][0], GgmlLinear):
+                return experts_decode(hidden_states, pairs, coefs).view_as(hidden_states)
+            return ops.experts_decode(hidden_states, pairs, coefs).view_as(hidden_states)
         for e, expert in deferred.items():                                      # beside others: one by one
             ys[e] = expert(hidden_states) * w[pos[e]]
         out = torch.zeros_like(hidden_states)                                   # [1,H]

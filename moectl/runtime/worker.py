@@ -49,7 +49,8 @@ class CpuWorker:
             t0 = time.perf_counter()
             with torch.inference_mode(inference):
                 for e, p in experts:
-                    w = fmt(p, layer).weights(self.host_views(layer, e, p))
+                    f = fmt(p, layer)        # a GGUF's: ggml on the host copy's own blocks (formats/gguf.py)
+                    w = getattr(f, "cpu_weights", f.weights)(self.host_views(layer, e, p))
                     compute(e, lambda x, w=w: self.forward(w, x, apply_gate))
             return time.perf_counter() - t0
         return self._pool.submit(work)

@@ -276,19 +276,23 @@ def offloaded_skeleton(model: str, workdir=None, dtype: str | None = None):
 def gguf_facts(adapter, dtype: torch.dtype) -> dict:
     """A GGUF model's figures for `inspect`, from its header (moectl/store/gguf/experts.py `sizes`): the layers'
     formats (`gguf-Q4_K+Q6_K,gguf-Q4_K`), bits per weight of the experts as stored (packed bytes over weights, all
-    layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: Q4 matrices
-    repacked for the int4 kernel, moectl/store/gguf/cpu.py). Empty for a safetensors checkpoint."""
+    layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: the file's expert
+    bytes, mapped, where ggml computes them; else Q4 matrices repacked for the int4 kernel, moectl/store/gguf/cpu.py).
+    Empty for a safetensors checkpoint."""
     g = adapter.gguf
     if g is None:
         return {}
-    from .gguf.cpu import in_place_expert_bytes
+    from .gguf.cpu import ggml_in_place, in_place_expert_bytes
 
     s = g.sizes(dtype.itemsize)
     repacked = in_place_expert_bytes(adapter, dtype)
+    mapped = ggml_in_place(adapter)         # ggml on the mapped file: the pages of the file's expert bytes
     return {"expert_format": adapter.format_names(dtype), "bits_per_weight": s["bits_per_weight"],
             "gguf": {k: s[k] for k in ("architecture", "files", "file_bytes", "encodings", "encoding_bits",
                                        "expert_bytes", "bytes_per_expert", "dense_packed_bytes", "dense_weights")}
-            | {"cpu_in_place": {"int4_repacked": repacked is not None, "scale_dtype": str(dtype).removeprefix("torch."),
+            | {"cpu_in_place": {"kernel": "ggml" if mapped else "torch-int4" if repacked is not None else "dequantise",
+                                "mapped": mapped,
+                                "int4_repacked": repacked is not None, "scale_dtype": str(dtype).removeprefix("torch."),
                                 "expert_bytes": repacked if repacked is not None else s["expert_bytes"],
                                 "host_bytes": (repacked if repacked is not None else s["expert_bytes"])
                                 + s["dense_bytes"]}}}

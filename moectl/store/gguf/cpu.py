@@ -1,4 +1,10 @@
-"""A GGUF's experts on the CPU in place: Q4_0 / Q4_K / Q6_K / Q8_0 matrices repacked once, at load, for torch's int4 kernel.
+"""A GGUF's experts on the CPU in place: computed by ggml where they lie in the mapped file (`map_for_ggml`), or,
+where ggml is not built (`MOECTL_GGML=0`, no compiler), Q4_0 / Q4_K / Q6_K / Q8_0 matrices repacked once, at load,
+for torch's int4 kernel (`repack_for_cpu`).
+
+ggml (moectl/kernels/ggml.py): llama.cpp's own CPU kernels read every encoding in its blocks; nothing is read, copied
+or repacked before the first token, the experts' pages are mapped (RSS grows as they are touched, as llama.cpp's).
+GPT-OSS keeps torch's path (its expert_forward multiplies matrices, with biases and a clamped SwiGLU).
 
 Legend: L = MoE layers, E = experts per layer, N_l = bytes of one repacked expert of layer l.
 
@@ -18,8 +24,30 @@ import torch
 
 from ...formats.gguf_encodings import T
 from ...formats.gguf_int4 import GgufInt4Format
+from ...kernels import ggml
 from ...progress import ProgressBar
 from ..memory import host_empty
+
+
+def ggml_in_place(adapter) -> bool:
+    """Whether the CPU in place computes this GGUF's experts with ggml: not GPT-OSS, and ggml built or buildable
+    here (no build is started: `inspect` asks this too)."""
+    return adapter.gguf is not None and adapter.family != "gpt_oss" and ggml.planned()
+
+
+def map_for_ggml(store) -> str:
+    """The store's experts as ggml computes them in place: each layer's 'RAM tier' is its experts' indices, their
+    matrices are the mapped file's (moectl/formats/gguf_ggml.py). Builds ggml on first use (minutes, said);
+    returns the note said at load, or None when ggml could not be loaded (then the caller repacks)."""
+    from ...formats.gguf_ggml import GgufMappedFormat
+
+    if ggml.library() is None:
+        return None
+    store.formats = [GgufMappedFormat(f) for f in store.formats]
+    store.buffers = [GgufMappedFormat.indices(store.num_experts) for _ in store.formats]
+    encs = sorted({T(t.encoding).name for f in store.formats for _, t in f.src.tensors})
+    return (f"gguf: experts computed by ggml's CPU backend where they lie in the mapped file ({', '.join(encs)}; "
+            f"x quantized per block as llama.cpp does, {ggml.threads()} threads)")
 
 
 def int4_repackable(adapter) -> bool:
@@ -57,8 +85,8 @@ def repack_for_cpu(store, dtype: torch.dtype, progress: bool = True) -> str:
 
 def in_place_expert_bytes(adapter, dtype: torch.dtype) -> int | None:
     """Bytes of all experts as the CPU in place holds them (repacked: `repack_for_cpu`), from the header alone;
-    None when nothing is repacked (the packed GGUF bytes are held as they are)."""
-    if not int4_repackable(adapter):
+    None when the packed GGUF bytes are held as they are (read into RAM, or mapped for ggml: the same bytes)."""
+    if ggml_in_place(adapter) or not int4_repackable(adapter):
         return None
     E = adapter.num_experts
     return sum(E * GgufInt4Format(f, dtype).nbytes for f in adapter.formats(dtype).values())

@@ -1,0 +1,382 @@
+"""ggml's CPU backend (llama.cpp's own kernels) as moectl's kernel for GGUF experts, through a small C shim.
+
+Legend: T = tokens, K = input width, N = output rows, A = experts stacked in one tensor, U = experts used per token,
+H = hidden size, I = expert intermediate size.
+
+Why: a GGUF's experts are blocks llama.cpp computes with its own dot products (x quantized to q8_0 / q8_K per
+block, every encoding, AVX2 / AVX-512 / NEON); repacking them onto torch's int4 kernel covered four encodings, and
+dequantising per use costs tens of ms a matrix (docs/gguf.md). ggml is built from the same pinned llama.cpp source the
+comparison uses (llama-cpp-python's sdist, `LLAMACPP_VERSION`), CPU backend only, shared libraries, native flags for
+this machine, no OpenMP (ggml's own threadpool: torch's OpenMP runtime shares the process), into
+`$MOECTL_HOME/llamacpp/<version>/ggml/` on first use (cached; minutes, see `BUILD_NOTE`), and the
+shim (`ggml_shim.c`, one C file against ggml's headers) beside it. The shim's calls build a tiny ggml graph over
+tensors that point at the caller's memory: the memory-mapped file's bytes or a host buffer holding them; nothing is
+repacked, copied or dequantised.
+
+Where ggml cannot be built (no cmake or C compiler, no network for the source, a failed build) or `MOECTL_GGML=0`,
+`library()` is None, `why_not()` says why, and callers keep torch's path (moectl/store/gguf/cpu.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..core.recipes import moectl_home
+from ..errors import MoectlError
+
+LLAMACPP_VERSION = "0.3.36"                      # llama-cpp-python's sdist: vendors llama.cpp (bench/llamacpp.py too)
+SHIM = Path(__file__).with_name("ggml_shim.c")
+BUILD_NOTE = "minutes (11 measured on 2 busy cores)"   # docs/gguf.md
+# CPU backend only: no GPU backends, tools or tests; ggml's threadpool instead of OpenMP (torch's libgomp is in the
+# process, and two OpenMP runtimes oversubscribe); GGML_NATIVE: this machine's ISA (-march=native).
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF",
+               "-DGGML_BACKEND_DL=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+               "-DGGML_LLAMAFILE=ON",
+               # configured through llama.cpp's top level (the sdist's ggml/ lacks the files a standalone ggml needs),
+               # with none of llama.cpp's own targets
+               "-DLLAMA_BUILD_COMMON=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_OPENSSL=OFF"]
+
+_why: list[str] = []
+
+
+def llamacpp_home() -> Path:
+    """Where the pinned llama.cpp source and ggml's build live: `$MOECTL_GGML_ROOT`, else
+    `$MOECTL_HOME/llamacpp/<version>/` (the test suite pins it to the user's, so tests with a private
+    MOECTL_HOME do not rebuild ggml)."""
+    root = os.environ.get("MOECTL_GGML_ROOT")
+    return Path(root).expanduser() if root else moectl_home() / "llamacpp" / LLAMACPP_VERSION
+
+
+def source_dir(root: Path | None = None) -> Path:
+    """The vendored llama.cpp tree of the pinned sdist (where bench/llamacpp.py unpacks it too)."""
+    return (root or llamacpp_home()) / "src" / f"llama_cpp_python-{LLAMACPP_VERSION}" / "vendor" / "llama.cpp"
+
+
+def _run(cmd: list, log: Path, env=None) -> None:
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(map(str, cmd)) + "\n")
+        f.flush()
+        r = subprocess.run(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode:
+        raise RuntimeError(f"{Path(str(cmd[0])).name} failed (exit {r.returncode}); see {log}")
+
+
+def fetch_source(root: Path, log: Path, echo) -> Path:
+    """The pinned sdist, fetched (`pip download`) and unpacked once under `root`; returns the llama.cpp tree."""
+    src = source_dir(root)
+    if (src / "ggml" / "CMakeLists.txt").exists():
+        return src
+    sdist = root / f"llama_cpp_python-{LLAMACPP_VERSION}.tar.gz"
+    if not sdist.exists():
+        echo(f"fetching llama-cpp-python {LLAMACPP_VERSION} (source, for ggml) ...")
+        _run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+              f"llama-cpp-python=={LLAMACPP_VERSION}", "-d", root], log)
+    with tarfile.open(sdist) as tf:
+        tf.extractall(root / "src", filter="data")
+    return src
+
+
+def _tools() -> tuple[str, str]:
+    cmake = shutil.which("cmake")
+    cc = next((p for p in (shutil.which(c) for c in (os.environ.get("CC", ""), "cc", "gcc", "clang") if c) if p), None)
+    if cmake is None:
+        raise RuntimeError("no cmake to build ggml (Debian/Ubuntu: apt-get install cmake)")
+    if cc is None or not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise RuntimeError("no C/C++ compiler to build ggml (Debian/Ubuntu: apt-get install g++)")
+    return cmake, cc
+
+
+def _shim_key() -> str:
+    return hashlib.sha256(SHIM.read_bytes()).hexdigest()[:12]
+
+
+def build(root: Path | None = None, jobs: int | None = None, echo=None) -> Path:
+    """ggml's shared libraries and the shim, built once into `<root>/ggml/` (root: `llamacpp_home()`); returns the
+    shim's path. Parallel processes wait on one lock; a finished build is reused."""
+    echo = echo or (lambda s: print(s, file=sys.stderr, flush=True))
+    root = root or llamacpp_home()
+    home = root / "ggml"
+    lib = home / "lib"
+    shim = lib / f"libmoectl_ggml-{_shim_key()}.so"
+    if shim.exists():
+        return shim
+    cmake, cc = _tools()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shim.exists():
+            return shim
+        log = home / "build.log"
+        if not (home / "BUILT").exists():
+            t0 = time.monotonic()
+            src = fetch_source(root, log, echo)
+            echo(f"building ggml's CPU backend (llama.cpp from llama-cpp-python {LLAMACPP_VERSION}) into {home}: "
+                 f"first use only, {BUILD_NOTE}; log: {log}")
+            bld = home / "build"
+            _run([cmake, "-S", src, "-B", bld, *CMAKE_FLAGS], log)
+            _run([cmake, "--build", bld, "-j", jobs or max(1, min(os.cpu_count() or 1, 8)), "--target", "ggml-cpu"],
+                 log)
+            lib.mkdir(exist_ok=True)
+            for so in (bld / "bin").glob("libggml*.so*"):
+                shutil.copy2(so, lib / so.name, follow_symlinks=True)
+            inc = home / "include"
+            shutil.rmtree(inc, ignore_errors=True)
+            shutil.copytree(src / "ggml" / "include", inc)
+            (home / "BUILT").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n")
+        tmp = shim.with_suffix(".tmp")
+        _run([cc, "-O2", "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM, f"-L{lib}", "-lggml-cpu",
+              "-lggml-base", f"-Wl,-rpath,{lib}", "-o", tmp], log)
+        os.replace(tmp, shim)
+    return shim
+
+
+def library() -> ctypes.CDLL | None:
+    """The shim over ggml's CPU backend (built on first use), or None (then `why_not()` says why). `MOECTL_GGML=0`
+    is read on every call (a run or a test may switch it)."""
+    if os.environ.get("MOECTL_GGML", "1") == "0":
+        _why.append("MOECTL_GGML=0")
+        return None
+    return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError) as e:
+        _why.append(f"ggml could not be built: {e}")
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.mg_new.argtypes, lib.mg_new.restype = [i32, i32], ptr
+    lib.mg_free.argtypes, lib.mg_free.restype = [ptr], None
+    lib.mg_mul_mat.argtypes, lib.mg_mul_mat.restype = [ptr, i32, ptr, i64, i64, ptr, i64, ptr], None
+    lib.mg_mul_mat2.argtypes = [ptr, i32, ptr, i64, i32, ptr, i64, i64, ptr, i64, ptr, ptr]
+    lib.mg_mul_mat2.restype = None
+    lib.mg_mul_mat_id.argtypes = [ptr, i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr]
+    lib.mg_mul_mat_id.restype = None
+    lib.mg_moe.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr]
+    lib.mg_moe.restype = None
+    lib.mg_experts.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr]
+    lib.mg_experts.restype = None
+    lib.mg_quantize.argtypes, lib.mg_quantize.restype = [i32, ptr, ptr, i64, i64, ptr], ctypes.c_size_t
+    lib.mg_requires_imatrix.argtypes, lib.mg_requires_imatrix.restype = [i32], i32
+    lib.mg_row_size.argtypes, lib.mg_row_size.restype = [i32, i64], ctypes.c_size_t
+    lib.mg_features.restype = i32
+    lib.mg_vec_dot_type.argtypes, lib.mg_vec_dot_type.restype = [i32], i32
+    return lib
+
+
+def built() -> bool:
+    """Whether the shim of this source is built (nothing is started)."""
+    return (llamacpp_home() / "ggml" / "lib" / f"libmoectl_ggml-{_shim_key()}.so").exists()
+
+
+def planned() -> bool:
+    """Whether `library()` is expected to load: not switched off, and built, or cmake and a compiler here to build
+    it (for sizes said before a run: `inspect`, the host-memory check)."""
+    if os.environ.get("MOECTL_GGML", "1") == "0":
+        return False
+    if _load.cache_info().currsize:
+        return _load() is not None
+    try:
+        return built() or bool(_tools())
+    except RuntimeError:
+        return False
+
+
+def why_not() -> str | None:
+    """Why `library()` is None (None when it loaded)."""
+    return None if library() is not None else _why[-1]
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def require() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise MoectlError(f"ggml's CPU backend is not available: {why_not()}")
+    return lib
+
+
+class _Handle(threading.local):
+    """One shim handle (ggml threadpool, arena, work buffer) per calling thread and thread count."""
+
+    def __init__(self):
+        self.by_threads: dict[int, int] = {}
+
+
+_handles = _Handle()
+
+
+def threads() -> int:
+    """ggml's threads: torch's intra-op count, which `--threads` sets (runtime/engine.py)."""
+    return max(1, torch.get_num_threads())
+
+
+def handle(n_threads: int | None = None) -> int:
+    n = n_threads or threads()
+    h = _handles.by_threads.get(n)
+    if h is None:
+        poll = int(os.environ.get("MOECTL_GGML_POLL", "0"))     # 0: ggml's workers sleep between calls
+        h = _handles.by_threads[n] = require().mg_new(n, poll)
+    return h
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(torch.float32).contiguous()
+
+
+def _ptr(a) -> int:
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data if isinstance(a, np.ndarray) else int(a)
+
+
+def mul_mat(encoding: int, w, shape: tuple[int, int], x: torch.Tensor, n_threads: int | None = None) -> torch.Tensor:
+    """y [T, N] = x [T, K] @ W^T, W [N, K] (`shape`) in GGUF `encoding` at `w` (a tensor, an array or an address);
+    fp32, x quantized as ggml quantizes it (its vec_dot type)."""
+    N, K = shape
+    x = _f32(x).reshape(-1, K)
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    require().mg_mul_mat(handle(n_threads), int(encoding), _ptr(w), N, K, x.data_ptr(), x.shape[0], y.data_ptr())
+    return y
+
+
+def mul_mat_id(encoding: int, w, shape: tuple[int, int, int], x: torch.Tensor, ids: torch.Tensor,
+               n_threads: int | None = None) -> torch.Tensor:
+    """ggml_mul_mat_id: y [T, U, N], y[t, u] = W[ids[t, u]] @ x[t] (x [T, K], or [T, U, K]: one row per used
+    expert); W = A matrices [N, K] (`shape` = (A, N, K)) stacked at `w`."""
+    A, N, K = shape
+    ids = ids.to(torch.int32).contiguous()
+    T, U = ids.shape
+    x = _f32(x)
+    XB = 1 if x.dim() == 2 else x.shape[1]
+    y = torch.empty(T, U, N, dtype=torch.float32)
+    require().mg_mul_mat_id(handle(n_threads), int(encoding), _ptr(w), A, N, K, x.data_ptr(), XB, ids.data_ptr(), U,
+                            T, y.data_ptr())
+    return y
+
+
+def moe(encodings: tuple[int, int, int], gate, up, down, A: int, H: int, I: int, x: torch.Tensor, ids: torch.Tensor,
+        weights: torch.Tensor, n_threads: int | None = None) -> torch.Tensor:
+    """One MoE layer as llama.cpp computes it: y [T, H] = sum_u weights[t, u] down_e(silu(gate_e x) * up_e x) with
+    e = ids[t, u]; gate/up [A, I, H] and down [A, H, I] stacked (a GGUF's ffn_*_exps) in `encodings`."""
+    ids = ids.to(torch.int32).contiguous()
+    T, U = ids.shape
+    x, wts = _f32(x), _f32(weights)
+    y = torch.empty(T, H, dtype=torch.float32)
+    tg, tu, td = map(int, encodings)
+    require().mg_moe(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), A, H, I, x.data_ptr(),
+                     ids.data_ptr(), wts.data_ptr(), U, T, y.data_ptr())
+    return y
+
+
+def experts(mats: list[tuple], H: int, I: int, x: torch.Tensor, coef: torch.Tensor,
+            n_threads: int | None = None) -> torch.Tensor:
+    """y [T, H] = sum_e coef[e, t] down_e(silu(gate_e x) * up_e x) for n experts given as
+    [((enc, addr) gate, (enc, addr) up, (enc, addr) down)], all on the same x [T, H]: one graph, one call."""
+    n = len(mats)
+    types = (ctypes.c_int32 * (3 * n))(*[int(m[j][0]) for m in mats for j in range(3)])
+    ptrs = (ctypes.c_void_p * (3 * n))(*[_ptr(m[j][1]) for m in mats for j in range(3)])
+    x, coef = _f32(x), _f32(coef).reshape(n, -1)
+    y = torch.empty(x.shape[0], H, dtype=torch.float32)
+    require().mg_experts(handle(n_threads), n, types, ptrs, H, I, x.data_ptr(), x.shape[0], coef.data_ptr(),
+                         y.data_ptr())
+    return y
+
+
+def vec_dot_type(encoding: int) -> int:
+    """The encoding ggml quantizes x to against a weight in `encoding` (Q8_0, Q8_1, Q8_K; F16/BF16/F32)."""
+    return int(require().mg_vec_dot_type(int(encoding)))
+
+
+def quantize(encoding: int, w: torch.Tensor, imatrix: torch.Tensor | None = None) -> np.ndarray:
+    """ggml's own quantizer: W [N, K] fp32 -> the encoding's bytes (uint8 [N, row bytes]). Types that need an
+    importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) get `imatrix` [K], or ones."""
+    lib = require()
+    w = _f32(w)
+    N, K = w.shape
+    row = lib.mg_row_size(int(encoding), K)
+    out = np.zeros((N, row), dtype=np.uint8)
+    if imatrix is None and lib.mg_requires_imatrix(int(encoding)):
+        imatrix = torch.ones(K)
+    im = _f32(imatrix) if imatrix is not None else None
+    lib.mg_quantize(int(encoding), w.data_ptr(), out.ctypes.data, N, K, im.data_ptr() if im is not None else None)
+    return out
+
+
+class GgmlLinear:
+    """x [T, K] -> x @ W^T for one or two GGUF matrices where they lie (gate and up of an expert: one call, their
+    outputs side by side, as `gate_up` is stacked). `mats`: [(encoding, address, (N, K))]; `keep`: what owns the
+    memory (an mmap's array, a host buffer), held as long as this is."""
+
+    def __init__(self, mats: list[tuple[int, int, tuple[int, int]]], keep=None, stacked=None):
+        self.mats, self.keep = mats, keep
+        # (expert, [(address of expert 0, experts) per matrix]) where the matrices are rows of stacked tensors
+        # (a GGUF's ffn_*_exps): a decode step's layer is then one mul_mat_id call (`experts_decode`)
+        self.stacked = stacked
+        self.K = mats[0][2][1]
+        self.N = sum(m[2][0] for m in mats)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, dtype = x.shape[:-1], x.dtype
+        xf = _f32(x).reshape(-1, self.K)
+        T = xf.shape[0]
+        lib, h = require(), handle()
+        if len(self.mats) == 1:
+            (enc, addr, (N, K)), = self.mats
+            y = torch.empty(T, N, dtype=torch.float32)
+            lib.mg_mul_mat(h, int(enc), addr, N, K, xf.data_ptr(), T, y.data_ptr())
+        else:
+            (e1, a1, (N1, _)), (e2, a2, (N2, _)) = self.mats
+            y1, y2 = torch.empty(T, N1), torch.empty(T, N2)
+            lib.mg_mul_mat2(h, int(e1), a1, N1, int(e2), a2, N2, self.K, xf.data_ptr(), T, y1.data_ptr(),
+                            y2.data_ptr())
+            y = torch.cat([y1, y2], dim=1)
+        return y.to(dtype).reshape(*lead, self.N)
+
+
+def expert_weights(tensors: dict[str, tuple[int, int, tuple[int, int]]], keep=None,
+                   stacked: tuple[int, dict[str, tuple[int, int]]] | None = None) -> dict[str, GgmlLinear]:
+    """An expert's {gate_up, down} callables from {gate, up, down: (encoding, address, (rows, cols))};
+    `stacked`: (expert, {gate, up, down: (address of expert 0, experts)}) when they are rows of stacked tensors."""
+    e, base = stacked if stacked is not None else (None, None)
+    return {"gate_up": GgmlLinear([tensors["gate"], tensors["up"]], keep,
+                                  (e, [base["gate"], base["up"]]) if base else None),
+            "down": GgmlLinear([tensors["down"]], keep, (e, [base["down"]]) if base else None)}
+
+
+def experts_decode(x: torch.Tensor, pairs: list[tuple[GgmlLinear, GgmlLinear]], coefs: list[float]) -> torch.Tensor:
+    """A decode step's experts of one layer in one call: y [T, H] = sum_e coefs[e] down_e(silu(gate_e x) * up_e x),
+    `pairs` = [(gate_up, down)] as `GgmlLinear`s (gate and up its two matrices); in x's dtype."""
+    H, I = pairs[0][1].N, pairs[0][1].K
+    g0, d0 = pairs[0]
+    if g0.stacked is not None and all(g.stacked is not None and d.stacked is not None and g.stacked[1] == g0.stacked[1]
+                                      and d.stacked[1] == d0.stacked[1] for g, d in pairs):
+        # rows of the same stacked tensors: llama.cpp's own mul_mat_id graph (x quantized once per matrix kind)
+        (bg, A), (bu, _) = g0.stacked[1]
+        (bd, _), = d0.stacked[1]
+        encs = (g0.mats[0][0], g0.mats[1][0], d0.mats[0][0])
+        xs = x.reshape(-1, H)
+        ids = torch.tensor([[g.stacked[0] for g, _ in pairs]], dtype=torch.int32).expand(xs.shape[0], -1)
+        wts = torch.tensor([coefs], dtype=torch.float32).expand(xs.shape[0], -1)
+        return moe(encs, bg, bu, bd, A, H, I, xs, ids, wts).to(x.dtype)
+    mats = [(g.mats[0][:2], g.mats[1][:2], d.mats[0][:2]) for g, d in pairs]
+    coef = torch.tensor(coefs, dtype=torch.float32).repeat_interleave(x.reshape(-1, H).shape[0])
+    return experts(mats, H, I, x.reshape(-1, H), coef).to(x.dtype)
