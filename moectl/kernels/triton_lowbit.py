@@ -196,7 +196,7 @@ if triton is not None:
                 wu = _weights(ud, us, uz, n[:, None] + up_row0, k[None, :], wm, K, HALF, lut, FMT, G, F16)
                 acc_u += tl.sum(x[:, None, :] * wu[None, :, :], axis=2)
         if FUSE:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+            acc = acc * tl.sigmoid(acc) * acc_u
         if ROUTED:
             acc = acc * tl.load(rw_ptr + e).to(tl.float32)
         optr = out_ptr + e.to(tl.int64) * o_se + m[:, None] * o_sm + n[None, :]
@@ -332,7 +332,7 @@ def gemv(x: torch.Tensor, base: torch.Tensor, offs: torch.Tensor, m0: Matrix, ou
     assert M <= DECODE_MAX_M and x.shape[-1] == K
     x = x.contiguous()
     out = torch.empty(E, M, N, dtype=out_dtype or x.dtype, device=x.device)
-    BN, BK = (32, 64) if INTERPRET else (32, 128)
+    BN, BK = (128, 256) if INTERPRET else (32, 128)       # the interpreter: few big tiles (numpy)
     BM = max(1, triton.next_power_of_2(M))
     grid = (triton.cdiv(N, BN), E)
     _gemv_kernel[grid](x, x.stride(0) if per_expert_x else 0, x.stride(-2), base, offs, out, out.stride(0),
@@ -346,7 +346,7 @@ def dequantize(base: torch.Tensor, offs: torch.Tensor, m0: Matrix, dtype: torch.
     """W [E, N, K] in `dtype` of each offs row's first matrix (rows row0 .. row0 + N of m0's shape)."""
     E, N, K = offs.shape[0], m0.N, m0.K
     out = torch.empty(E, N, K, dtype=dtype, device=base.device)
-    BN, BK = (32, 64) if INTERPRET else (64, 128)
+    BN, BK = (128, 256) if INTERPRET else (64, 128)
     grid = (triton.cdiv(N, BN), triton.cdiv(K, BK), E)
     _decode_kernel[grid](base, offs, out, N, K, m0.half, m0.row0, _lut(m0.spec.fmt, base.device), BN=BN, BK=BK,
                          **_meta(m0.spec))
