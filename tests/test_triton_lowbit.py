@@ -224,3 +224,73 @@ def test_experts_decode_gguf_layer(M, types, I, H):
         ref += rw[j] * _silu_mlp(x, Wgu, Wd)
     y = tk.experts_decode(x, [experts[e][0] for e in order], rw)
     check(y, ref, 1e-5)
+
+
+# --- the dispatch: which path a device's low-bit experts take ---------------------------------------------------
+@pytest.mark.parametrize("cap, reason", [((9, 0), None), ((8, 0), None), ((7, 5), "compute capability 7.5 is below"),
+                                         ((6, 1), "compute capability 6.1 is below")])
+def test_dispatch_by_capability(cap, reason, monkeypatch, capsys):
+    """A CUDA device of compute capability >= 8.0 (faked here) gets the kernels, an older one the dequantise path,
+    said once per device on stderr; MOECTL_TRITON=0 turns them off; a CPU never gets them (its own kernels)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(tk, "_said", set())
+    dev = torch.device("cuda", 0)
+    got = tk.why_not(dev)
+    assert got == reason if reason is None else got.startswith(reason)
+    assert tk.device_kernels(dev) is (reason is None)
+    tk.device_kernels(dev)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("low-bit experts on cuda:0: ")
+    assert ("Triton kernels" in err[0]) is (reason is None) and ("dequantised by torch" in err[0]) is (reason is not None)
+    monkeypatch.setenv("MOECTL_TRITON", "0")
+    assert tk.why_not(dev) == "MOECTL_TRITON=0"
+    monkeypatch.delenv("MOECTL_TRITON")
+    assert tk.why_not(torch.device("cpu")) == "cpu is not a CUDA device"
+
+
+def test_load_flags_the_low_bit_formats_only(monkeypatch):
+    """`runtime/load.device_expert_kernels`: with the kernels usable, the low-bit copies' format and a GGUF's layer
+    formats compute through them; a dense (lossless) format is left as it was; an adapter whose expert forward
+    multiplies matrices itself (GPT-OSS) or an unsupported GPU keeps every format on the dequantise path."""
+    from moectl.formats.expert import DenseFormat
+    from moectl.runtime import load
+
+    def store():
+        fmt, _ = hqq_expert(4)
+        return SimpleNamespace(lowbit=SimpleNamespace(format=fmt), formats=None, format=DenseFormat(LAYOUT,
+                                                                                                  torch.bfloat16))
+    monkeypatch.setattr(tk, "_said", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    s = store()
+    assert load.device_expert_kernels(s, SimpleNamespace(linear_callables=True), torch.device("cuda", 0))
+    assert s.lowbit.format.device_kernels and not hasattr(s.format, "device_kernels")
+    s = store()
+    assert not load.device_expert_kernels(s, SimpleNamespace(linear_callables=False), torch.device("cuda", 0))
+    assert not s.lowbit.format.device_kernels
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    s = store()
+    assert not load.device_expert_kernels(s, SimpleNamespace(linear_callables=True), torch.device("cuda", 0))
+    assert not s.lowbit.format.device_kernels
+
+
+def test_hqq_slot_weights_are_the_kernels_when_flagged():
+    """A flagged HqqFormat's `weights` of a slot are the kernels' callables; the family's expert forward through
+    them (x -> down(SiLU(gate) * up)) equals the one through HQQ's dequantisation (in fp32); fp32 scales (which
+    the kernels do not read) keep the dequantise path."""
+    from moectl.models.base import FamilyAdapter
+
+    fmt, buf = hqq_expert(4)
+    views = fmt.views(buf.to(DEV))
+    want = {n: hqq_fp32(fmt, views, n) for n in fmt.matrices}
+    fmt.device_kernels = True
+    got = fmt.weights(views)
+    assert isinstance(got["gate_up"], tk.GateUp) and isinstance(got["down"], tk.Matrix)
+    adapter = SimpleNamespace(linear=FamilyAdapter.linear)
+    gate = lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]     # noqa: E731
+    for M in (1, 64):
+        x = torch.randn(M, 64, device=DEV)
+        check(FamilyAdapter.expert_forward(adapter, got, x, gate), FamilyAdapter.expert_forward(adapter, want, x, gate),
+              1e-5)
+    fmt32, buf32 = hqq_expert(4, scale_dtype=torch.float32)
+    fmt32.device_kernels = True
+    assert all(isinstance(w, torch.Tensor) for w in fmt32.weights(fmt32.views(buf32)).values())

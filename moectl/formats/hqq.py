@@ -94,11 +94,13 @@ class HqqFormat(ExpertFormat):
 
     def kernel_weights(self, views: dict[str, torch.Tensor]) -> dict | None:
         """{gate_up: GateUp, down: Matrix} reading the slot's bytes (kernels/triton_lowbit.py), or None where the
-        kernels do not take this copy set (other bits, axis 0, 1-D tensors, a tensor the kernels cannot reach)."""
+        kernels do not take this copy set (other bits, axis 0, 1-D tensors, fp32 scales, a tensor the kernels cannot
+        reach)."""
         from ..kernels import triton_lowbit as tk
 
         if (not self.device_kernels or self.bits not in (4, 8) or self.axis != 1 or set(self.matrices) != set(
-                self.layout.names) or not tk.runs_on(next(iter(views.values())))):
+                self.layout.names) or self.meta_dtype not in (torch.bfloat16, torch.float16)
+                or not tk.runs_on(next(iter(views.values())))):
             return None
         shapes = dict(zip(self.layout.names, self.layout.shapes))
         spec = tk.Spec(f"hqq{self.bits}", self.group, self.meta_dtype == torch.float16)
