@@ -37,3 +37,38 @@ def test_dry_run_rows_and_table(tmp_path):
 def test_bad_format_is_one_error_line(capsys):
     assert gpu_kernels.main(["--formats", "q4_k,q3_x", "--dry-run"]) == 2
     assert capsys.readouterr().out.strip() == "error: unknown format q3_x; choose from " + ", ".join(gpu_kernels.FORMATS)
+
+
+def test_measured_lowbit_rate_prices_resident_lowbit_experts():
+    """A hardware profile's `gpu_lowbit_gbps` (what the kernels step measures) is the rate of a resident low-bit
+    expert at decode in the cost model and in the simulator's lowbit-only rows; bf16 experts keep the memory
+    bandwidth; without the field nothing changes."""
+    import dataclasses
+
+    import numpy as np
+
+    from moectl.core.cache_model import LOW
+    from moectl.core.shapes import load_shape
+    from moectl.core.trace import DECODE, Trace
+    from moectl.policies.precision import LowbitOnly
+    from moectl.policies.replacement import LRU
+    from moectl.sim.cost import CostModel, load_hardware
+    from moectl.sim.simulator import Simulator
+    from moectl.sim.steps import trace_steps
+
+    hw, shape = load_hardware("h100-pcie5"), load_shape("mixtral")
+    base = CostModel(hw, shape)
+    slow = CostModel(dataclasses.replace(hw, gpu_lowbit_gbps=100.0), shape)
+    q4 = base.expert_bytes / 4
+    assert slow.expert_s(1, q4, lowbit=True) == pytest.approx(q4 / 100e9)
+    assert slow.expert_s(1, q4) == base.expert_s(1, q4) == base.expert_s(1, q4, lowbit=True)
+    # one layer, the same two experts every token: resident after the first, computed at the low-bit rate
+    ex = np.tile(np.array([[[0, 1]]], dtype=np.int16), (4, 1, 1))
+    tr = Trace("t", 1, 8, 2, ["r"] * 4, np.arange(4, dtype=np.int32), np.full(4, DECODE, dtype=np.uint8), ex, None)
+
+    def ms(cost):
+        return Simulator({LOW: [2]}, {LOW: LRU()}, None, cost, precision=LowbitOnly(),
+                         nbytes={LOW: q4}).run(trace_steps(tr))["ms_per_token"]
+    per_token = 2e3 * (q4 / 100e9 - base.expert_s(1, q4))     # ms: two experts a token, each slower by this
+    # the 6 hits of 8 uses at least pay it (a miss's compute may hide behind the next copy), at most all 8
+    assert 0.75 * per_token - 1e-9 <= ms(slow) - ms(base) <= per_token + 1e-9
