@@ -29,8 +29,9 @@ from moectl.formats.hqq import HqqFormat  # noqa: E402
 from moectl.formats.vnni import VnniFormat  # noqa: E402
 from moectl.formats.vnni import dequantize as vnni_dequantize  # noqa: E402
 
-# random GGUF blocks give outputs of ~1e3: SiLU's exp(-g) overflows to inf for them, as it should (SiLU -> 0)
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+# Marked `cuda` too: `make gpu-check` (pytest -m cuda) runs the same checks on the GPU's compiled kernels.
+# Random GGUF blocks give outputs of ~1e3: SiLU's exp(-g) overflows to inf for them, as it should (SiLU -> 0).
+pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GGUF = ["Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_0", "MXFP4", "IQ4_XS"]
 MS = (1, 4, 64)
@@ -328,13 +329,18 @@ def test_gguf_model_in_slots_through_the_kernels(q4km_one_layer, tmp_path, monke
 
     kw = dict(progress=False, threads=1, emulate_device=True, cache_experts=8, prefetch="none")
     want_logits, want = _engine_run(Engine.load(str(q4km), workdir=str(tmp_path / "a"), **kw), PROMPT, 3)
-    eng = Engine.load(str(q4km), workdir=str(tmp_path / "b"), **kw)
-    for fmt in eng.store.formats:
-        fmt.device_kernels = True
+    if torch.cuda.is_available():                       # the real thing: load flags the formats itself
+        eng = Engine.load(str(q4km), workdir=str(tmp_path / "b"), progress=False, device="cuda", cache_experts=8,
+                          prefetch="none")
+        assert all(fmt.device_kernels for fmt in eng.store.formats)
+    else:
+        eng = Engine.load(str(q4km), workdir=str(tmp_path / "b"), **kw)
+        for fmt in eng.store.formats:
+            fmt.device_kernels = True
     calls = []
     real = tk.experts_decode
     monkeypatch.setattr(offloaded.triton_lowbit, "experts_decode", lambda *a: calls.append(1) or real(*a))
     logits, got = _engine_run(eng, PROMPT, 3)
     assert got == want
     assert len(calls) == 3 * len(eng.store.formats)                    # every decode step, every layer: one call
-    assert max((a[-1] - b[-1]).abs().max().item() for a, b in zip(logits, want_logits)) <= 1e-3
+    assert max((a[-1].cpu() - b[-1]).abs().max().item() for a, b in zip(logits, want_logits)) <= 1e-3
