@@ -218,7 +218,7 @@ class OffloadedExperts(nn.Module):
             ws = getattr(expert, "weights", None)
             if fuse and ws is not None and all(isinstance(ws.get(m), VnniLinear) for m in ("gate_up", "down")):
                 deferred[e] = expert
-            elif group and ws is not None and isinstance(ws.get("gate_up"), triton_lowbit.GateUp):
+            elif group and isinstance(ws, dict) and isinstance(ws.get("gate_up"), triton_lowbit.GateUp):
                 deferred[e] = expert
             else:
                 ys[e] = expert(hidden_states) * w[pos[e]]                       # [1,H]
