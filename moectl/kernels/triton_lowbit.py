@@ -189,9 +189,9 @@ def gemv(x: torch.Tensor, base: torch.Tensor, offs: torch.Tensor, m0: Matrix, ou
     BM = 1 << (M - 1).bit_length()
     grid = (_cdiv(N, BN), E)
     _jit()._gemv_kernel[grid](x, x.stride(0) if per_expert_x else 0, x.stride(-2), base, offs, out, out.stride(0),
-                       out.stride(1), routing if routing is not None else x, M, N, K, m0.half, m0.row0, up_row0,
-                       _lut(m0.spec.fmt, x.device), FUSE=fuse, ROUTED=routing is not None, BM=BM, BN=BN, BK=BK,
-                       **_meta(m0.spec))
+                              out.stride(1), routing if routing is not None else x, M, N, K, m0.half, m0.row0,
+                              up_row0, _lut(m0.spec.fmt, x.device), FUSE=fuse, ROUTED=routing is not None, BM=BM,
+                              BN=BN, BK=BK, **_meta(m0.spec))
     return out
 
 
@@ -201,8 +201,8 @@ def dequantize(base: torch.Tensor, offs: torch.Tensor, m0: Matrix, dtype: torch.
     out = torch.empty(E, N, K, dtype=dtype, device=base.device)
     BN, BK = (128, 256) if INTERPRET else (64, 128)
     grid = (_cdiv(N, BN), _cdiv(K, BK), E)
-    _jit()._decode_kernel[grid](base, offs, out, N, K, m0.half, m0.row0, _lut(m0.spec.fmt, base.device), BN=BN, BK=BK,
-                         **_meta(m0.spec))
+    _jit()._decode_kernel[grid](base, offs, out, N, K, m0.half, m0.row0, _lut(m0.spec.fmt, base.device), BN=BN,
+                                BK=BK, **_meta(m0.spec))
     return out
 
 
