@@ -36,7 +36,8 @@ def test_dry_run_rows_and_table(tmp_path):
 
 def test_bad_format_is_one_error_line(capsys):
     assert gpu_kernels.main(["--formats", "q4_k,q3_x", "--dry-run"]) == 2
-    assert capsys.readouterr().out.strip() == "error: unknown format q3_x; choose from " + ", ".join(gpu_kernels.FORMATS)
+    want = "error: unknown format q3_x; choose from " + ", ".join(gpu_kernels.FORMATS)
+    assert capsys.readouterr().out.strip() == want
 
 
 def test_measured_lowbit_rate_prices_resident_lowbit_experts():
