@@ -30,86 +30,120 @@ def _f16(p, mask):
 def _half(p, mask, F16: tl.constexpr):
     """A 2-byte float at p: fp16, or bf16 widened exactly (its bits are fp32's top half)."""
     if F16:
-        return _f16(p, mask)
-    return (_u16(p, mask) << 16).to(tl.float32, bitcast=True)
+        v = _f16(p, mask)
+    else:
+        v = (_u16(p, mask) << 16).to(tl.float32, bitcast=True)
+    return v
+
+
+# One decoder per format, each (row n [BN, 1], column k [1, BK]) -> fp32 weights [BN, BK], one return each (a
+# `return` inside a static `if` is not something every Triton version compiles).
+@triton.jit
+def _hqq(data, sc, zr, n, k, mask, K, HALF, G: tl.constexpr, BITS: tl.constexpr, F16: tl.constexpr):
+    """HQQ, axis 1: group g = (n K + k) / G, column c; 4 bits: groups g < HALF in the high nibbles, the rest in the
+    low ones (HQQ's `pack_4bit_u8` over the whole matrix); w = (q - zero) scale."""
+    flat = n.to(tl.int64) * K + k
+    g = flat // G
+    c = flat % G
+    if BITS == 4:
+        b = _u8(data + (g % HALF) * G + c, mask)
+        q = tl.where(g < HALF, b >> 4, b & 15).to(tl.float32)
+    else:
+        q = _u8(data + g * G + c, mask).to(tl.float32)
+    return (q - _half(zr + 2 * g, mask, F16)) * _half(sc + 2 * g, mask, F16)
 
 
 @triton.jit
-def _weights(data, sc, zr, n, k, mask, K, HALF, lut, FMT: tl.constexpr, G: tl.constexpr, F16: tl.constexpr):
-    """fp32 weights W[n, k] ([BN, 1] x [1, BK] -> [BN, BK]) of a matrix whose codes start at byte pointer `data`
-    (its scales at `sc`, zeros at `zr` where the format keeps them apart); HALF = half the matrix's HQQ groups
-    (HQQ's 4-bit packing puts the first half in the high nibbles); lut = fp32 code book (MXFP4, IQ4_XS)."""
-    if FMT == 0 or FMT == 1:                           # HQQ, axis 1: group g = (n K + k) / G, column c
-        flat = n.to(tl.int64) * K + k
-        g = flat // G
-        c = flat % G
-        if FMT == 0:                                   # rows g < R/2 in the high nibbles, the rest in the low
-            b = _u8(data + (g % HALF) * G + c, mask)
-            q = tl.where(g < HALF, b >> 4, b & 15).to(tl.float32)
-        else:
-            q = _u8(data + g * G + c, mask).to(tl.float32)
-        return (q - _half(zr + 2 * g, mask, F16)) * _half(sc + 2 * g, mask, F16)
-    if FMT == 2 or FMT == 3:                           # vnni: [NG, G64, 8 bits 16] codes, [NG, G64, 2, 16] sm
-        GB = (K + 63) // 64
-        blk = (n // 16).to(tl.int64) * GB + k // 64
-        r = n % 16
-        kk = k % 64
-        if FMT == 2:                                   # k = 4 (c + 8 h) + i -> byte 64 c + 4 r + i, nibble h
-            b = _u8(data + blk * 512 + ((kk // 4) % 8) * 64 + r * 4 + kk % 4, mask)
-            q = tl.where(kk >= 32, b >> 4, b & 15).to(tl.float32) - 8.0
-        else:                                          # k = 4 c + i -> byte 64 c + 4 r + i
-            q = _u8(data + blk * 1024 + (kk // 4) * 64 + r * 4 + kk % 4, mask).to(tl.float32) - 128.0
-        s = _half(sc + (blk * 32 + r) * 2, mask, False)
-        m = _half(sc + (blk * 32 + 16 + r) * 2, mask, False)
-        return q * s + m
-    # GGUF: rows of blocks; j = the weight's place in its block
-    if FMT == 4:
-        blk = data + n.to(tl.int64) * (K // 32 * 34) + (k // 32) * 34
-        j = k % 32
-        q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        return _f16(blk, mask) * q
-    if FMT == 5:
-        blk = data + n.to(tl.int64) * (K // 32 * 18) + (k // 32) * 18
-        j = k % 32
-        b = _u8(blk + 2 + j % 16, mask)
-        q = tl.where(j < 16, b & 15, b >> 4).to(tl.float32)
-        return _f16(blk, mask) * (q - 8.0)
-    if FMT == 6 or FMT == 7:                           # Q4_K / Q5_K: 8 sub-blocks of 32, 6-bit scale and min
-        BB: tl.constexpr = 144 if FMT == 6 else 176
-        blk = data + n.to(tl.int64) * (K // 256 * BB) + (k // 256) * BB
-        j = k % 256
-        sb = j // 32                                   # sub-block
-        l = j % 32
-        lo = sb < 4
-        s_a = _u8(blk + 4 + tl.where(lo, sb, sb + 4), mask)        # scales[sb] or scales[sb + 4]
-        s_b = _u8(blk + 4 + tl.where(lo, sb + 4, sb - 4), mask)    # scales[sb + 4] or scales[sb - 4]
-        s_c = _u8(blk + 4 + sb, mask)                               # scales[sb]
-        sc6 = tl.where(lo, s_a & 63, (s_a & 15) | ((s_b >> 6) << 4))
-        mn6 = tl.where(lo, s_b & 63, (s_a >> 4) | ((s_c >> 6) << 4))
-        QS: tl.constexpr = 16 if FMT == 6 else 48                  # Q5_K: 32 bytes of high bits first
-        b = _u8(blk + QS + (sb // 2) * 32 + l, mask)
-        q = tl.where(sb % 2 == 0, b & 15, b >> 4)
-        if FMT == 7:
-            q = q | (((_u8(blk + 16 + l, mask) >> sb) & 1) << 4)
-        return _f16(blk, mask) * sc6.to(tl.float32) * q.to(tl.float32) - _f16(blk + 2, mask) * mn6.to(tl.float32)
-    if FMT == 8:                                       # Q6_K: ql[128] qh[64] int8 scales[16] fp16 d
-        blk = data + n.to(tl.int64) * (K // 256 * 210) + (k // 256) * 210
-        j = k % 256
-        h = j // 128
-        r = (j % 128) // 32
-        l = j % 32
-        low = (_u8(blk + 64 * h + 32 * (r % 2) + l, mask) >> (4 * (r // 2))) & 15
-        high = (_u8(blk + 128 + 32 * h + l, mask) >> (2 * r)) & 3
-        s = tl.load(blk + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        return _f16(blk + 208, mask) * s * ((low | (high << 4)) - 32).to(tl.float32)
-    if FMT == 9:                                       # MXFP4: e8m0 exponent, 16 bytes of nibbles
-        blk = data + n.to(tl.int64) * (K // 32 * 17) + (k // 32) * 17
-        j = k % 32
-        e = _u8(blk, mask)
-        half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)   # 2^(e-127) / 2
-        b = _u8(blk + 1 + j % 16, mask)
-        return half * tl.load(lut + tl.where(j < 16, b & 15, b >> 4))
-    # FMT == 10, IQ4_XS: fp16 d, uint16 scales_h, scales_l[4], qs[128]; 8 sub-blocks of 32, 6-bit scales
+def _vnni(data, sm, n, k, mask, K, BITS: tl.constexpr):
+    """formats/vnni.py: codes [NG, G64, 8 bits 16], sm [NG, G64, 2, 16] bf16; w = (q - C) s + zero'."""
+    GB = (K + 63) // 64
+    blk = (n // 16).to(tl.int64) * GB + k // 64
+    r = n % 16
+    kk = k % 64
+    if BITS == 4:                                      # k = 4 (c + 8 h) + i -> byte 64 c + 4 r + i, nibble h
+        b = _u8(data + blk * 512 + ((kk // 4) % 8) * 64 + r * 4 + kk % 4, mask)
+        q = tl.where(kk >= 32, b >> 4, b & 15).to(tl.float32) - 8.0
+    else:                                              # k = 4 c + i -> byte 64 c + 4 r + i
+        q = _u8(data + blk * 1024 + (kk // 4) * 64 + r * 4 + kk % 4, mask).to(tl.float32) - 128.0
+    s = _half(sm + (blk * 32 + r) * 2, mask, False)
+    m = _half(sm + (blk * 32 + 16 + r) * 2, mask, False)
+    return q * s + m
+
+
+@triton.jit
+def _q8_0(data, n, k, mask, K):
+    """34-byte blocks of 32: fp16 d, int8 q[32]; w = d q."""
+    blk = data + n.to(tl.int64) * (K // 32 * 34) + (k // 32) * 34
+    q = tl.load(blk + 2 + k % 32, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    return _f16(blk, mask) * q
+
+
+@triton.jit
+def _q4_0(data, n, k, mask, K):
+    """18-byte blocks of 32: fp16 d, 16 bytes (weight j < 16: low nibble of byte j, else high of j - 16); d (q - 8)."""
+    blk = data + n.to(tl.int64) * (K // 32 * 18) + (k // 32) * 18
+    j = k % 32
+    b = _u8(blk + 2 + j % 16, mask)
+    q = tl.where(j < 16, b & 15, b >> 4).to(tl.float32)
+    return _f16(blk, mask) * (q - 8.0)
+
+
+@triton.jit
+def _q45_k(data, n, k, mask, K, Q5: tl.constexpr):
+    """Q4_K (144 bytes) / Q5_K (176): fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
+    (Q5_K: 32 bytes of fifth bits,) 128 bytes of nibbles; w = d sc q - dmin m (ggml's get_scale_min_k4)."""
+    if Q5:
+        BB = 176
+        QS = 48
+    else:
+        BB = 144
+        QS = 16
+    blk = data + n.to(tl.int64) * (K // 256 * BB) + (k // 256) * BB
+    j = k % 256
+    sb = j // 32                                       # sub-block
+    l = j % 32
+    lo = sb < 4
+    s_a = _u8(blk + 4 + tl.where(lo, sb, sb + 4), mask)            # scales[sb] or scales[sb + 4]
+    s_b = _u8(blk + 4 + tl.where(lo, sb + 4, sb - 4), mask)        # scales[sb + 4] or scales[sb - 4]
+    s_c = _u8(blk + 4 + sb, mask)                                   # scales[sb]
+    sc6 = tl.where(lo, s_a & 63, (s_a & 15) | ((s_b >> 6) << 4))
+    mn6 = tl.where(lo, s_b & 63, (s_a >> 4) | ((s_c >> 6) << 4))
+    b = _u8(blk + QS + (sb // 2) * 32 + l, mask)
+    q = tl.where(sb % 2 == 0, b & 15, b >> 4)
+    if Q5:
+        q = q | (((_u8(blk + 16 + l, mask) >> sb) & 1) << 4)
+    return _f16(blk, mask) * sc6.to(tl.float32) * q.to(tl.float32) - _f16(blk + 2, mask) * mn6.to(tl.float32)
+
+
+@triton.jit
+def _q6_k(data, n, k, mask, K):
+    """210-byte blocks of 256: ql[128], qh[64], int8 scales[16], fp16 d; w = d sc (q - 32), q 6 bits."""
+    blk = data + n.to(tl.int64) * (K // 256 * 210) + (k // 256) * 210
+    j = k % 256
+    h = j // 128
+    r = (j % 128) // 32
+    l = j % 32
+    low = (_u8(blk + 64 * h + 32 * (r % 2) + l, mask) >> (4 * (r // 2))) & 15
+    high = (_u8(blk + 128 + 32 * h + l, mask) >> (2 * r)) & 3
+    s = tl.load(blk + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    return _f16(blk + 208, mask) * s * ((low | (high << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _mxfp4(data, n, k, mask, K, lut):
+    """17-byte blocks of 32: e8m0 exponent, 16 bytes of nibbles (as Q4_0's); w = 2^(e-127) / 2 x lut[q]."""
+    blk = data + n.to(tl.int64) * (K // 32 * 17) + (k // 32) * 17
+    j = k % 32
+    e = _u8(blk, mask)
+    half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    b = _u8(blk + 1 + j % 16, mask)
+    return half * tl.load(lut + tl.where(j < 16, b & 15, b >> 4))
+
+
+@triton.jit
+def _iq4_xs(data, n, k, mask, K, lut):
+    """136-byte blocks of 256: fp16 d, uint16 scales_h, scales_l[4], qs[128]; 8 sub-blocks of 32 with 6-bit scales;
+    w = d (ls - 32) lut[q] (IQ4_NL's code book)."""
     blk = data + n.to(tl.int64) * (K // 256 * 136) + (k // 256) * 136
     j = k % 256
     sb = j // 32
@@ -117,6 +151,36 @@ def _weights(data, sc, zr, n, k, mask, K, HALF, lut, FMT: tl.constexpr, G: tl.co
     ls = ((_u8(blk + 4 + sb // 2, mask) >> (4 * (sb % 2))) & 15) | (((_u16(blk + 2, mask) >> (2 * sb)) & 3) << 4)
     b = _u8(blk + 8 + sb * 16 + l % 16, mask)
     return _f16(blk, mask) * (ls - 32).to(tl.float32) * tl.load(lut + tl.where(l < 16, b & 15, b >> 4))
+
+
+@triton.jit
+def _weights(data, sc, zr, n, k, mask, K, HALF, lut, FMT: tl.constexpr, G: tl.constexpr, F16: tl.constexpr):
+    """fp32 weights W[n, k] ([BN, 1] x [1, BK] -> [BN, BK]) of a matrix whose codes start at byte pointer `data`
+    (its scales at `sc`, zeros at `zr` where the format keeps them apart); HALF = half the matrix's HQQ groups;
+    lut = the fp32 code book (MXFP4, IQ4_XS). FMT: `triton_lowbit.FORMATS`."""
+    if FMT == 0:
+        w = _hqq(data, sc, zr, n, k, mask, K, HALF, G, 4, F16)
+    elif FMT == 1:
+        w = _hqq(data, sc, zr, n, k, mask, K, HALF, G, 8, F16)
+    elif FMT == 2:
+        w = _vnni(data, sc, n, k, mask, K, 4)
+    elif FMT == 3:
+        w = _vnni(data, sc, n, k, mask, K, 8)
+    elif FMT == 4:
+        w = _q8_0(data, n, k, mask, K)
+    elif FMT == 5:
+        w = _q4_0(data, n, k, mask, K)
+    elif FMT == 6:
+        w = _q45_k(data, n, k, mask, K, False)
+    elif FMT == 7:
+        w = _q45_k(data, n, k, mask, K, True)
+    elif FMT == 8:
+        w = _q6_k(data, n, k, mask, K)
+    elif FMT == 9:
+        w = _mxfp4(data, n, k, mask, K, lut)
+    else:
+        w = _iq4_xs(data, n, k, mask, K, lut)
+    return w
 
 
 @triton.jit
