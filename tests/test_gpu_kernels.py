@@ -73,3 +73,8 @@ def test_measured_lowbit_rate_prices_resident_lowbit_experts():
     per_token = 2e3 * (q4 / 100e9 - base.expert_s(1, q4))     # ms: two experts a token, each slower by this
     # the 6 hits of 8 uses at least pay it (a miss's compute may hide behind the next copy), at most all 8
     assert 0.75 * per_token - 1e-9 <= ms(slow) - ms(base) <= per_token + 1e-9
+
+
+def test_bad_compile_archs_is_one_error_line(capsys):
+    assert gpu_kernels.main(["--compile", "sm90"]) == 2
+    assert capsys.readouterr().out.strip() == "error: --compile 'sm90': write CUDA archs as numbers, e.g. 80,90"
