@@ -66,10 +66,11 @@ test-latest:
 	$(LATEST)/bin/pip freeze --exclude-editable | grep -iE '^(transformers|accelerate|datasets|safetensors|tokenizers|typer|hqq|numpy|fastapi|uvicorn|openai)==' || true
 	HF_HUB_OFFLINE=1 $(LATEST)/bin/python -m pytest -q tests
 
-# Pin what .venv has now (after a green `make test` / `make test-latest`); torch stays the user's choice.
+# Pin what .venv has now (after a green `make test` / `make test-latest`); torch stays the user's choice. triton
+# stays pinned: the test extra installs it (the interpreter twins of the GPU kernels) beside the CPU torch.
 constraints:
 	{ echo "# Exact versions the suite last passed with (make constraints). torch is pinned in the Makefile."; \
-	  $(BIN)/pip freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-)'; } > $(CONSTRAINTS)
+	  $(BIN)/pip freeze --exclude-editable | grep -viE '^(torch|nvidia-)'; } > $(CONSTRAINTS)
 
 clean:
 	rm -rf $(VENV) $(LATEST)

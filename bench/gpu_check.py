@@ -185,6 +185,12 @@ def plan_steps(a, cuda: bool) -> list[Step]:
                                     "--continue-on-collection-errors"]),
              Step("copy", [py, str(Path(__file__)), "--measure-copy", "--device", "cuda", "--json"]),
              Step("attention", [py, str(Path(__file__)), "--measure-attention", "--device", "cuda", "--json"]),
+             # issue 43: low-bit expert kernels per format and M (bench/gpu_kernels.py), writing the measured low-bit
+             # expert rate into the hardware profile the predict steps read; its dry run: the interpreter, two formats
+             # (tests/test_triton_lowbit.py checks every format)
+             Step("kernels", [py, str(ROOT / "bench" / "gpu_kernels.py"), "--out", str(a.out), "--hardware",
+                              str(a.hardware), "--json"] + ([] if cuda else ["--dry-run", "--formats", "hqq4,q4_k"]),
+                  cpu=True),
              Step("synthetic", moectl + ["make-synthetic", "--shape", a.shape, "--layers", str(a.layers), "--out",
                                          str(a.model), "--json"], cpu=True),
              Step("quantize", moectl + ["quantize", "--model", str(a.model), "--bits", "4", "--group-size", "64",

@@ -21,6 +21,11 @@ os.environ.setdefault("MOECTL_GGML_ROOT", str(llamacpp_home()))
 
 import torch  # noqa: E402
 
+# Triton kernels (moectl/kernels/triton_lowbit.py) run under Triton's interpreter where no GPU is: their CPU twins.
+# The variable is read when a kernel is decorated (module import), so it is set before any moectl import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tiny models are dispatch-bound: one intra-op thread is faster, and far faster on a busy 2-core machine.
 torch.set_num_threads(1)
 

@@ -66,7 +66,24 @@ class GgufExpertFormat(ExpertFormat):
                                  f"layer {self.layer} {name} experts")
                 for name, t in self.tensors}
 
+    device_kernels = False              # set at load: a GPU slot computed by the Triton kernels (runtime/load.py)
+
+    def kernel_weights(self, views: dict[str, torch.Tensor]) -> dict | None:
+        """{gate_up: GateUp, down: Matrix} reading the file's blocks in the slot (kernels/triton_lowbit.py), or None
+        where the kernels do not take this layer (GPT-OSS's layout, an encoding they do not read)."""
+        from ..kernels import triton_lowbit as tk
+
+        specs = {name: tk.GGUF_TYPES.get(encoding_name(t.encoding)) for name, t in self.tensors}
+        if (self.family == "gpt_oss" or set(specs) != {"gate", "up", "down"} or None in specs.values()
+                or not tk.runs_on(views["gate"])):
+            return None
+        m = {name: tk.Matrix(tk.Spec(specs[name]), t.shape[0], t.shape[1], views[name][:t.nbytes])
+             for name, t in self.tensors}
+        return {"gate_up": tk.GateUp(m["gate"], m["up"]), "down": m["down"]}
+
     def weights(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device_kernels and (kernel := self.kernel_weights(views)) is not None:
+            return kernel
         m = self.matrices(views)
         if self.family != "gpt_oss":
             return {"gate_up": torch.cat([m["gate"], m["up"]]), "down": m["down"]}

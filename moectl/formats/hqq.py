@@ -88,9 +88,37 @@ class HqqFormat(ExpertFormat):
                 "scale": views[f"{name}.scale"], "zero": views[f"{name}.zero"], "packing": PACKING[self.bits],
                 "view_as_float": False, "compute_dtype": self.meta_dtype}
 
+    # Set at load when the device computes low-bit experts with moectl's Triton kernels (runtime/load.py): `weights`
+    # then returns the kernels' callables for a slot's q4 / q8 axis-1 copy instead of dequantising it.
+    device_kernels = False
+
+    def kernel_weights(self, views: dict[str, torch.Tensor]) -> dict | None:
+        """{gate_up: GateUp, down: Matrix} reading the slot's bytes (kernels/triton_lowbit.py), or None where the
+        kernels do not take this copy set (other bits, axis 0, 1-D tensors, fp32 scales, a tensor the kernels cannot
+        reach)."""
+        from ..kernels import triton_lowbit as tk
+
+        if (not self.device_kernels or self.bits not in (4, 8) or self.axis != 1 or set(self.matrices) != set(
+                self.layout.names) or self.meta_dtype not in (torch.bfloat16, torch.float16)
+                or not tk.runs_on(next(iter(views.values())))):
+            return None
+        shapes = dict(zip(self.layout.names, self.layout.shapes))
+        spec = tk.Spec(f"hqq{self.bits}", self.group, self.meta_dtype == torch.float16)
+        out = {}
+        for name in self.matrices:
+            N, K = shapes[name]
+            parts = views[f"{name}.W_q"], views[f"{name}.scale"], views[f"{name}.zero"]
+            out[name] = tk.Matrix(spec, N, K, *parts)
+            if name == "gate_up":                   # gate rows, then up rows: halves of one packed matrix
+                out[name] = tk.GateUp(tk.Matrix(spec, N // 2, K, *parts, 0, N), tk.Matrix(spec, N // 2, K, *parts,
+                                                                                         N // 2, N))
+        return out
+
     def weights(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from hqq.core.quantize import Quantizer
 
+        if self.device_kernels and (kernel := self.kernel_weights(views)) is not None:
+            return kernel
         out = {}
         for name in self.layout.names:
             if name in self.matrices:

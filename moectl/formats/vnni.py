@@ -170,7 +170,27 @@ class VnniFormat(RepackedFormat):
         return {f"{name}.q{bits}": pack_codes(q, bits),
                 f"{name}.sm": pack_scales(scale.to(self.compute_dtype), zero_.to(self.compute_dtype), K)}
 
+    device_kernels = False              # set at load: a GPU slot computed by the Triton kernels (runtime/load.py)
+
     def matrix_weights(self, name: str, shape: tuple, views: dict):
-        """On the CPU a `VnniLinear`; on a GPU dequantised there."""
+        """On the CPU a `VnniLinear`; on a GPU the Triton kernels' callable (`device_kernels`), else dequantised
+        there."""
         codes, sm = views[f"{name}.q{self.hqq.bits}"], views[f"{name}.sm"]
-        return VnniLinear(codes, sm, shape[0]) if codes.device.type == "cpu" else dequantize(codes, sm, *shape)
+        if codes.device.type == "cpu" and not (self.device_kernels and _interpreted()):
+            return VnniLinear(codes, sm, shape[0])
+        if not self.device_kernels:
+            return dequantize(codes, sm, *shape)
+        from ..kernels import triton_lowbit as tk
+
+        N, K = shape
+        spec = tk.Spec(f"vnni{self.hqq.bits}")
+        if name != "gate_up":
+            return tk.Matrix(spec, N, K, codes, sm)
+        return tk.GateUp(tk.Matrix(spec, N // 2, K, codes, sm, None, 0, N),
+                         tk.Matrix(spec, N // 2, K, codes, sm, None, N // 2, N))
+
+
+def _interpreted() -> bool:
+    from ..kernels import triton_lowbit as tk
+
+    return tk.INTERPRET

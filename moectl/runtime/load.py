@@ -134,6 +134,8 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         kernel = dev.type == "cpu" or (setting.cpu_experts != "never" and int4pack_layout() is not None)
         store.lowbit = LowbitCopies(ref.workdir, opts.lowbit, fingerprint, adapter, L, dt, pin=(dev.type == "cuda"),
                                     progress=opts.progress, cpu_kernel=kernel)
+    if dev.type == "cuda":
+        device_expert_kernels(store, adapter, dev)
     cache = InPlaceExperts(store, policy, prec) if in_place else \
         DeviceCache(store, full, dev, policy, low_slots=low, precision=prec, stream_prefill=opts.prefill == "stream",
                     staging=setting.staging if prefetch is not None else 0)
@@ -153,6 +155,23 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
     return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads)
+
+
+def device_expert_kernels(store: ExpertStore, adapter, dev: torch.device) -> bool:
+    """On CUDA, low-bit experts in device slots (moectl's q4 / q8 copies, a GGUF's blocks) are computed by moectl's
+    Triton kernels (kernels/triton_lowbit.py) where triton imports and the GPU is one it supports, and where the
+    family's expert forward takes callables; else dequantised by torch as before. Said once (stderr). Lossless
+    (dense) experts are untouched."""
+    from ..kernels.triton_lowbit import device_kernels
+
+    if not adapter.linear_callables or not device_kernels(dev):
+        return False
+    formats = [store.lowbit.format] if store.lowbit is not None else []
+    formats += store.formats if store.formats is not None else [store.format]
+    for fmt in formats:
+        if hasattr(fmt, "device_kernels"):
+            fmt.device_kernels = True
+    return True
 
 
 def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_place: bool, full: list[int],

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..core.cache_model import COUNTERS, FULL, LOW
 from ..formats.vnni import VnniLinear
+from ..kernels import triton_lowbit
 from ..kernels import ops
 from ..kernels.ggml import GgmlLinear, experts_decode
 from ..models.base import FamilyAdapter
@@ -212,11 +213,16 @@ class OffloadedExperts(nn.Module):
         # a GGUF's experts where they lie in the mapped file: the layer's experts in one ggml graph (one wake of its
         # threadpool, x quantized once), in any dtype
         fuse_ggml = self.fusable and cache.in_place
+        # On a GPU, low-bit experts the Triton kernels compute (kernels/triton_lowbit.py) wait for one grouped call:
+        # three launches for the layer instead of ~10 kernels and a bf16 copy per matrix
+        group = self.fusable and not cache.in_place
         deferred = {}
 
         def one(e, expert):
             ws = getattr(expert, "weights", None)
             if fuse and ws is not None and all(isinstance(ws.get(m), VnniLinear) for m in ("gate_up", "down")):
+                deferred[e] = expert
+            elif group and isinstance(ws, dict) and isinstance(ws.get("gate_up"), triton_lowbit.GateUp):
                 deferred[e] = expert
             elif fuse_ggml and ws is not None and all(isinstance(ws.get(m), GgmlLinear) for m in ("gate_up", "down")):
                 deferred[e] = expert
@@ -229,7 +235,13 @@ class OffloadedExperts(nn.Module):
         self._each_expert(plan, one)
         if learn:
             rt.prefetch_gate.layer_done(rt.decode_misses(layer) - misses, rt.cpu_experts - cpu)
-        if deferred and not ys:
+        if deferred and not ys and group:
+            order = sorted(deferred)
+            pairs = [(deferred[e].weights["gate_up"], deferred[e].weights["down"]) for e in order]
+            if triton_lowbit.groupable(pairs):
+                sel = w[torch.tensor([pos[e] for e in order], device=w.device)]
+                return triton_lowbit.experts_decode(hidden_states, pairs, sel).view_as(hidden_states)
+        if deferred and not ys and (fuse or fuse_ggml):
             order, wl = sorted(deferred), w.float().tolist()
             pairs = [(deferred[e].weights["gate_up"], deferred[e].weights["down"]) for e in order]
             coefs = [wl[pos[e]] for e in order]

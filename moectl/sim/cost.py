@@ -39,6 +39,9 @@ class Hardware:
                                           # cpu_mem_gbps x CPU_Q4_SHARE["moectl"] (measured beside llama.cpp)
     cpu_llamacpp_gbps: float | None = None  # llama.cpp's CPU rate over a q4 expert's bytes; None = cpu_mem_gbps x
                                             # CPU_Q4_SHARE["llamacpp"]
+    gpu_lowbit_gbps: float | None = None  # the GPU's rate over a resident low-bit copy's packed bytes at decode
+                                          # (moectl's Triton kernels, timed by the GPU check's kernels step:
+                                          # bench/gpu_kernels.py); None = gpu_mem_gbps x mem_efficiency, as bf16
 
 
 # A q4 expert computed on the CPU at decode, as a share of the host's memory read bandwidth: measured on this
@@ -108,11 +111,13 @@ class CostModel:
         return (self._gemm_s(self.attn_params + self.shared_params, tokens) + kv_read
                 + self.hw.layer_overhead_ms * 1e-3)
 
-    def expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+    def expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False) -> float:
         """One resident expert applied to `tokens` tokens; `nbytes` the copy's size (a low-bit copy reads
-        fewer bytes: decode is memory bound; default the expert at the model's precision)."""
+        fewer bytes: decode is memory bound; default the expert at the model's precision); a `lowbit` copy's bytes
+        at the device's measured low-bit rate where the profile has one (`gpu_lowbit_gbps`)."""
         nbytes = self.expert_bytes if nbytes is None else nbytes
-        return max(nbytes / self.mem_bps, 2 * self.expert_params * tokens / self.flops)
+        rate = self.hw.gpu_lowbit_gbps * 1e9 if lowbit and self.hw.gpu_lowbit_gbps else self.mem_bps
+        return max(nbytes / rate, 2 * self.expert_params * tokens / self.flops)
 
     def lm_head_s(self, tokens: int = 1) -> float:
         return self._gemm_s(self.shape["hidden_size"] * (self.shape.get("vocab_size") or 32000), tokens)
@@ -152,7 +157,7 @@ class FixedCost:
     def attention_s(self, tokens: int = 1, context: int = 0) -> float:
         return self.attention
 
-    def expert_s(self, tokens: int = 1, nbytes: float | None = None) -> float:
+    def expert_s(self, tokens: int = 1, nbytes: float | None = None, lowbit: bool = False) -> float:
         return self.expert if nbytes is None else self.expert * nbytes / self.expert_bytes
 
     def lm_head_s(self, tokens: int = 1) -> float:

@@ -309,7 +309,7 @@ class Simulator:
             c = self.cost.cpu_expert_s(tok, self.nbytes[p], p == LOW)
             t_cpu += c
             self.cpu_busy += c * (not step.prefill)
-            self.step_compute += self.cost.expert_s(tok, self.nbytes[p])    # the bound: as if resident
+            self.step_compute += self.cost.expert_s(tok, self.nbytes[p], p == LOW)    # the bound: as if resident
         return t_cpu
 
     def _device_side(self, step: Step, l: int, on_device: dict[str, list[int]]) -> float:
@@ -321,7 +321,7 @@ class Simulator:
                 state.pin(l, chunk, p)
                 ready: list[tuple[float, float]] = []      # (ready time, compute time)
                 for e in chunk:
-                    c = self.cost.expert_s(tokens_of(step, l, e), self.nbytes[p])
+                    c = self.cost.expert_s(tokens_of(step, l, e), self.nbytes[p], p == LOW)
                     self.step_compute += c
                     self.accesses += not step.prefill
                     a = state.access(l, e, p)
