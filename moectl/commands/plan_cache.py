@@ -95,6 +95,8 @@ def plan_cache(
                          progress=lambda: bar.update(task, advance=1))
     if spec is not None:
         plan["draft"] = draft_record(spec, by_k, _no_draft_ms(setup, plan))
+    if setup.replay is not None and (setup.replay.predictor is not None or setup.replay.aux_gate is not None):
+        plan["predictors"] = str(setup.workdir.resolve())      # so `simulate --plan` replays with them too
     path = write_plan(out or setup.workdir / PLAN_NAME, plan, setup.facts.fingerprint)
     figure = draw_slots(plan, png or path.with_suffix(".png"))
     board = None
