@@ -148,9 +148,10 @@ def print_plan(plan: dict, path, figure) -> None:
 
     out = Console()
     b, pred, uni = plan["budget"], plan["predicted"], plan.get("uniform")
-    t = Table(title=f"{plan['model']}: {format_bytes(b['total'])} on {plan['hardware']} = dense "
+    held = b.get("experts_used", b["experts"])          # the bytes of the slots placed, not the bytes left for them
+    t = Table(title=f"{plan['model']}: {format_bytes(b['total'])} on {plan['hardware']}: dense "
                     f"{format_bytes(b['dense'])} + KV {format_bytes(b['kv'])} ({b['kv_tokens']} tokens) + workspace "
-                    f"{format_bytes(b['workspace'])} + experts {format_bytes(b['experts'])}"
+                    f"{format_bytes(b['workspace'])} + experts {format_bytes(held)}"
                     + (f" + prefetch staging {format_bytes(b['staging'])}" if b.get("staging") else ""))
     for col in ("layer", "slots", "uniform", "of experts"):
         t.add_column(col, justify="right")
@@ -160,6 +161,9 @@ def print_plan(plan: dict, path, figure) -> None:
     t.add_row("total", str(sum(plan["slots"])), str(sum(plan["uniform_slots"])),
               f"{sum(plan['slots']) / (E * len(plan['slots'])):.0%}")
     out.print(t)
+    if b.get("all_experts") is not None and b["experts"] >= b["all_experts"]:
+        out.print(f"the budget exceeds the whole model: every expert has a slot ({format_bytes(b['all_experts'])}), "
+                  f"{format_bytes(b['experts'] - held)} of the budget is left unused", highlight=False)
     pol = plan["policies"]
     out.print(f"policies: {pol['replacement']} / prefetch {pol['prefetch']}"
               + (" (admission on)" if pol.get("admission") == "on" else "") + f" / precision {pol['precision']}"
