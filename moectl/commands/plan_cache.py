@@ -144,7 +144,7 @@ def print_plan(plan: dict, path, figure) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..core.recipes import format_bytes
+    from ..core.recipes import format_bytes, nonnegative
 
     out = Console()
     b, pred, uni = plan["budget"], plan["predicted"], plan.get("uniform")
@@ -169,10 +169,11 @@ def print_plan(plan: dict, path, figure) -> None:
               + (" (admission on)" if pol.get("admission") == "on" else "") + f" / precision {pol['precision']}"
               + (f" / gating T_g={pol['gating']:g}" if pol.get("gating") else "") + f"; curves: {plan['curves']}")
     if uni is not None:
-        gain = 1 - pred["stall_ms_per_token"] / uni["stall_ms_per_token"] if uni["stall_ms_per_token"] else 0.0
+        stall, uni_stall = nonnegative(pred["stall_ms_per_token"]), nonnegative(uni["stall_ms_per_token"])
+        gain = 1 - stall / uni_stall if uni_stall else 0.0
         out.print(f"predicted: {pred['ms_per_token']:.3g} ms/token ({pred['tokens_per_s']:.1f} tok/s), hit rate "
-                  f"{pred['hit_rate']:.1%}, stall {pred['stall_ms_per_token']:.3g} ms/token; uniform split of the same "
-                  f"bytes: {uni['ms_per_token']:.3g} ms/token, stall {uni['stall_ms_per_token']:.3g} "
+                  f"{pred['hit_rate']:.1%}, stall {stall:.3g} ms/token; uniform split of the same "
+                  f"bytes: {uni['ms_per_token']:.3g} ms/token, stall {uni_stall:.3g} "
                   f"(the plan's stall is {abs(gain):.1%} " + ("lower)" if gain >= 0 else "higher)"))
         dp = plan["dp"]
         out.print(f"kept: {KEPT[plan['kept']]}" + (f" ({plan['refined_moves']} replayed slot moves)"
@@ -180,7 +181,7 @@ def print_plan(plan: dict, path, figure) -> None:
                   + f"; the DP's own slots replay {abs(dp['margin']):.1%} "
                   + ("below" if dp["margin"] >= 0 else "above") + " the even split")
     else:
-        out.print(f"predicted (analytic): stall {pred['stall_ms_per_token']:.1f} ms/token, "
+        out.print(f"predicted (analytic): stall {nonnegative(pred['stall_ms_per_token']):.1f} ms/token, "
                   f"uniform {plan['curve_ms_per_token']['uniform']:.1f}")
     if plan.get("draft"):
         d = plan["draft"]

@@ -129,6 +129,12 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def nonnegative(x: float) -> float:
+    """A figure that cannot be negative (a stall, a wait) as printed: float rounding's tiny negatives (a replay's
+    stall of -1.28e-11 ms/token) and -0.0 become 0.0, never "-0" or "-1.28e-11"."""
+    return x if x > 0 else 0.0
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
