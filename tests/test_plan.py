@@ -560,7 +560,7 @@ def test_the_demo_pipelines_gated_plan_costs_what_sensitivity_measured(tiny_prof
     assert plan["policies"]["prefetch"] == "aux-gate" and plan["predictors"] == str(wd.resolve())
     assert plan["policies"]["gating"] == saved["threshold"] and plan["policies"]["sensitivities"] == saved["ablation"]
 
-    eng = Engine.load(str(ckpt), workdir=str(wd), cache_experts=None, emulate_device=True, progress=False)
+    eng = Engine.load(str(ckpt), workdir=str(wd), plan="auto", emulate_device=True, progress=False)
     assert eng.options.sources["gating"] == "plan" and eng.runtime.gating.sensitivities == saved["ablation"]
     windows = token_windows(eng.tokenizer, load_calibration("small"), 64, 1024)
     held = windows[(len(windows) + 1) // 2:]                       # the windows the search measured on
@@ -598,7 +598,9 @@ def test_plan_cache_says_the_bytes_it_holds_and_a_budget_past_the_whole_model(ti
     text = " ".join(stdout.split())
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     assert plan["budget"]["experts_used"] == plan["budget"]["all_experts"] == every
-    assert f"experts {format_bytes(every)}" in text and "19.9" not in text
+    left = plan["budget"]["experts"]                               # the bytes left for experts: ~19.9 GB
+    assert f"+ experts {format_bytes(every)}" in text and f"experts {format_bytes(left)}" not in text
+    assert f"{format_bytes(left - every)} of the budget is left unused" in text
     assert f"the budget exceeds the whole model: every expert has a slot ({format_bytes(every)})" in text
     code, stdout, err = run_cli(args + ["--budget", str(minimum + 8 * facts.expert_bytes())], capsys, monkeypatch)
     assert code == 0, err
