@@ -141,7 +141,17 @@ def test_plan_cache_on_the_mixtral_trace_beats_the_even_split(tmp_path, capsys, 
     assert plan["budget"]["experts_used"] <= plan["budget"]["experts"]
     assert sum(plan["slots"]) * 352_321_536 == plan["budget"]["experts_used"]
     assert len(plan["slots"]) == 32 and min(plan["slots"]) >= 1
-    assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]
+    # by what it minimises: with misses on the CPU (--cpu-experts auto, the default) the whole ms/token; its stall
+    # is float residue (~1e-12 ms) on both sides then, and a comparison of residues says nothing
+    key = plan["objective"]
+    assert key == "ms_per_token" and plan["predicted"][key] < plan["uniform"][key]
+    assert plan["predicted"]["hit_rate"] < 0.5 and plan["predicted"]["cpu_experts_per_token"] > 1  # CPU misses: misses
+    from moectl.commands.plan_cache import print_plan
+
+    print_plan(plan, out, tmp_path / "plan.png")            # what plan-cache prints: no "100.0%", no "stall -1.28e-11"
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"hit rate {plan['predicted']['hit_rate']:.1%}" in text and "stall 0 ms/token" in text
+    assert "stall -" not in text and "(the plan's ms/token is" in text
     assert sum(plan["uniform_slots"]) == 45 == int(plan["budget"]["experts"] // 352_321_536)
     assert d["slots"] == plan["slots"]
     # simulate --plan replays exactly what the plan predicted (same policies, from the plan)

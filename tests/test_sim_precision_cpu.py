@@ -161,7 +161,7 @@ def test_a_miss_computed_on_the_cpu_is_a_miss_in_the_hit_rate_and_no_stall_print
     accesses were counted), the cache's counters say so, a fill is no use; a stall that rounding left at -1e-14 s
     prints as 0, never negative, in simulate's and plan-cache's figures."""
     from moectl.core.cache_model import hit_rate
-    from moectl.core.recipes import nonnegative
+    from moectl.core.recipes import stall_figure
 
     cost = FixedCost(load=1.0, attention=0.1, expert=0.03, cpu_expert=0.3)
     # one layer, uses 0 1 | 0 | - | 0: token 0's two misses run on the CPU (0.6 s), and expert 0 is filled in the
@@ -176,9 +176,9 @@ def test_a_miss_computed_on_the_cpu_is_a_miss_in_the_hit_rate_and_no_stall_print
     assert r["hit_rate"] == 1 / 4                                        # on time over uses (was 1 / 2: CPU uncounted)
     assert hit_rate(dec) == 2 / 4                                        # the cache's: a landing copy is resident
     assert r["stall_ms_per_token"] > 0.0
-    for tiny in (-1.28e-11, -0.0, 0.0):
-        assert f"{nonnegative(tiny):.3g}" == "0" and f"{nonnegative(tiny):.1f}" == "0.0"
-    assert nonnegative(2.5) == 2.5
+    for residue in (-1.28e-11, -0.0, 0.0, 1.41e-12):        # rounding's, in ms: none is a stall
+        assert f"{stall_figure(residue):.3g}" == "0" and f"{stall_figure(residue):.1f}" == "0.0"
+    assert stall_figure(2.5) == 2.5 and stall_figure(3e-6) == 3e-6
 
 
 def test_a_demand_load_overtakes_a_fill_after_one_chunk():

@@ -129,10 +129,11 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def nonnegative(x: float) -> float:
-    """A figure that cannot be negative (a stall, a wait) as printed: float rounding's tiny negatives (a replay's
-    stall of -1.28e-11 ms/token) and -0.0 become 0.0, never "-0" or "-1.28e-11"."""
-    return x if x > 0 else 0.0
+def stall_figure(ms: float) -> float:
+    """A stall in ms as printed: it cannot be negative, and below 1e-9 ms (a picosecond) it is float rounding's
+    residue of a replay whose waits all cancel (Mixtral at 20 GB with its misses on the CPU: -1.28e-11 ms/token),
+    so 0.0: never "-0", "-1.28e-11" or "1.41e-12"."""
+    return ms if ms > 1e-9 else 0.0
 
 
 def format_bytes(n: float) -> str:

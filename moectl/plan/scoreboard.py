@@ -243,7 +243,7 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
     from rich.console import Console
     from rich.table import Table
 
-    from ..core.recipes import nonnegative
+    from ..core.recipes import stall_figure
     from ..tables import add_fitted_columns, print_fitted
 
     out = Console()
@@ -254,7 +254,7 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
             ("ms/tok", lambda r: f"{r['ms_per_token']:.1f}")]
     cols += [("tok/s", lambda r: f"{r['tokens_per_s']:.2f}")] if wide else []
     cols += [("hit\nrate", lambda r: f"{r['hit_rate']:.3f}"), ("MB/tok", lambda r: f"{r['bytes_per_token'] / 1e6:.0f}"),
-             ("stall\nms/tok", lambda r: f"{nonnegative(r['stall_ms_per_token']):.1f}")]     # never "-0.0"
+             ("stall\nms/tok", lambda r: f"{stall_figure(r['stall_ms_per_token']):.1f}")]     # never "-0.0"
     cols += [("mix /tok", mix)] if wide else []
     delta = lambda r: "-" if r.get("ppl_delta_proxy") is None else f"{r['ppl_delta_proxy']:+.2%}"   # noqa: E731
     cols += [(PROXY_LABEL if wide else "ppl delta\n(proxy)", delta)] if proxy else []
