@@ -40,7 +40,7 @@ def test_clock_ticks_on_accesses_and_prefetches():
     st.access(1, 5)
     assert pol.events == [("insert", 1, 5, 1), ("insert", 0, 3, 2), ("hit", 1, 5, 3)]
     assert st.totals("decode") == {"hits": 1, "misses": 1, "evictions": 0, "prefetches": 1,
-                                   "prefetch_used": 1, "prefetch_wasted": 0}
+                                   "prefetch_used": 1, "prefetch_wasted": 0, "cpu_misses": 0, "fills": 0}
 
 
 def test_preload_fills_free_slots_without_counting_least_used_first():
@@ -75,7 +75,7 @@ def test_phases_count_separately_and_prefill_runs_resident_first_in_slot_chunks(
     st.route(0, [3])
     assert st.access(0, 3).hit
     assert st.totals("prefill") == {"hits": 0, "misses": 3, "evictions": 1, "prefetches": 0,
-                                    "prefetch_used": 0, "prefetch_wasted": 0}
+                                    "prefetch_used": 0, "prefetch_wasted": 0, "cpu_misses": 0, "fills": 0}
     assert (st.totals("decode")["hits"], st.totals("decode")["misses"]) == (1, 0)
     assert st.per_layer("prefill")["misses"] == [3]
 

@@ -94,7 +94,7 @@ def test_runtime_and_simulator_agree_at_lowbit_only_with_prefetch(q4, tmp_path, 
                     ).run(trace_steps(tr))
     for ph in ("prefill", "decode"):
         want = state.per_layer(ph, LOW)
-        for k in ("prefetches", "hits", "misses", "evictions"):
+        for k in ("prefetches", "hits", "misses", "evictions", "cpu_misses", "fills"):
             assert sim["cache"][ph][k] == want[k], (ph, k)
     dec = state.per_layer("decode", LOW)
     if predict:                                     # low-bit copies were prefetched, and used

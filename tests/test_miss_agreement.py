@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moectl.core.cache_model import FULL, LOW
+from moectl.core.cache_model import FULL, LOW, hit_rate
 from moectl.sim.cost import FixedCost
 
 
@@ -65,13 +65,23 @@ def test_runtime_and_simulator_agree_with_cpu_experts_and_hobbit(quantized, tmp_
         got = sim["cache"][p] if len(pools) > 1 else sim["cache"]
         for ph in ("prefill", "decode"):
             want = eng.cache.state.per_layer(ph, p)
-            for k in ("hits", "misses", "evictions"):
+            for k in ("hits", "misses", "evictions", "cpu_misses", "fills"):
                 assert got[ph][k] == want[k], (p, ph, k)
     decode_tokens = sim["decode_tokens"]
+    # the hit rate: a miss computed on the CPU is a miss on both sides (it was a hit rate of 1.0 with every miss
+    # there), a fill no use; copies are free here, so the simulator's on-time hits are the cache's hits
+    run = {k: sum(eng.cache.state.totals("decode", p)[k] for p in pools) for k in ("hits", "misses", "cpu_misses")}
+    assert sim["hit_rate"] == pytest.approx(hit_rate(run)) and sim["cpu_misses"] == run["cpu_misses"]
     if cpu:
         assert eng.runtime.cpu_experts > 0 and eng.cache.stats.fills > 0
         assert sim["fill_copies_per_token"] > 0 and sim["cpu_experts_per_token"] > 0
-    if hobbit:               # both precisions missed, as both sides decided
+        assert run["cpu_misses"] == round(sim["cpu_experts_per_token"] * decode_tokens) > 0
+        assert sim["hit_rate"] < 1.0
+        st = eng.cache.stats.as_dict()        # what generate --json and the status line print
+        assert st["misses"] == st["demand_loads"] + st["cpu_misses"] and st["cpu_misses"] >= run["cpu_misses"]
+        assert st["hit_rate"] == pytest.approx(st["hits"] / (st["hits"] + st["misses"]))
+    if hobbit:               # both precisions missed, as both sides decided (copied in or computed on the CPU)
         assert set(pools) == {FULL, LOW}
-        assert sum(eng.cache.state.per_layer("decode", LOW)["misses"]) > 0
-        assert sum(eng.cache.state.per_layer("decode", FULL)["misses"]) > 0
+        for p in (LOW, FULL):
+            c = eng.cache.state.per_layer("decode", p)
+            assert sum(c["misses"]) + sum(c["cpu_misses"]) > 0, p

@@ -141,7 +141,17 @@ def test_plan_cache_on_the_mixtral_trace_beats_the_even_split(tmp_path, capsys, 
     assert plan["budget"]["experts_used"] <= plan["budget"]["experts"]
     assert sum(plan["slots"]) * 352_321_536 == plan["budget"]["experts_used"]
     assert len(plan["slots"]) == 32 and min(plan["slots"]) >= 1
-    assert plan["predicted"]["stall_ms_per_token"] < plan["uniform"]["stall_ms_per_token"]
+    # by what it minimises: with misses on the CPU (--cpu-experts auto, the default) the whole ms/token; its stall
+    # is float residue (~1e-12 ms) on both sides then, and a comparison of residues says nothing
+    key = plan["objective"]
+    assert key == "ms_per_token" and plan["predicted"][key] < plan["uniform"][key]
+    assert plan["predicted"]["hit_rate"] < 0.5 and plan["predicted"]["cpu_experts_per_token"] > 1  # CPU misses: misses
+    from moectl.commands.plan_cache import print_plan
+
+    print_plan(plan, out, tmp_path / "plan.png")            # what plan-cache prints: no "100.0%", no "stall -1.28e-11"
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"hit rate {plan['predicted']['hit_rate']:.1%}" in text and "stall 0 ms/token" in text
+    assert "stall -" not in text and "(the plan's ms/token is" in text
     assert sum(plan["uniform_slots"]) == 45 == int(plan["budget"]["experts"] // 352_321_536)
     assert d["slots"] == plan["slots"]
     # simulate --plan replays exactly what the plan predicted (same policies, from the plan)
@@ -456,3 +466,154 @@ def test_scoreboard_ppl_delta_proxy_from_moectl_eval_on_the_tiny_model(tiny_prof
     assert all(row["ppl_delta_proxy"] is None for row in d["scoreboard"])
     code, stdout, err = run_cli(args[:-1], capsys, monkeypatch)
     assert code == 0 and "ppl delta (tiny-model proxy): not measured" in stdout.replace("\n", " ")
+
+
+# ------------------------------------------- issue 45: a plan's gating, its bytes and its predictors, told as they are
+def _stored_sensitivity(facts, wd, threshold: float) -> dict:
+    """A sensitivity.json whose Fisher S_l and ablation costs differ in scale and order (as on the tiny model: up
+    to 100x between layers), with a searched T_g and what the search measured at it."""
+    from moectl.artifacts.sensitivity import save_sensitivity
+
+    L = facts.num_layers
+    meta = {"fingerprint": facts.fingerprint, "model": "tiny", "sensitivities": [1.0 + l for l in range(L)],
+            "rule": "ablation", "ablation": [0.01 * (L - l) for l in range(L)], "threshold": threshold,
+            "search": {"chosen": {"threshold": threshold, "ppl_delta_rel": 0.004, "experts_per_token": 1.5},
+                       "target_ppl_delta": 0.01, "tokens": 100}}
+    save_sensitivity(wd, meta)
+    return meta
+
+
+def test_one_gating_rule_for_the_runtime_plan_cache_simulate_and_the_scoreboard(tiny_profiled, tmp_path):
+    """`stored_gating` picks the T_g and the values it applies to once: the runtime's options, plan-cache (which
+    records both in the plan), a run and a replay of that plan, and the scoreboard's AdapMoE row all gate with the
+    stored T_g on the values it was searched against (the ablation costs, not Fisher's S_l); the lossy line says
+    the plan's setting and what `sensitivity` measured at it. A plan that recorded no rule brings no gating."""
+    import shutil
+
+    from moectl.artifacts.plan import write_plan
+    from moectl.artifacts.trace_dir import load_trace
+    from moectl.plan.inputs import plan_setup
+    from moectl.plan.planner import make_plan
+    from moectl.plan.scoreboard import adapmoe_policy
+    from moectl.setting.options import RuntimeOptions
+    from moectl.setting.resolve import resolve
+
+    ckpt, wd0, facts, minimum = tiny_profiled
+    wd = tmp_path / "wd"
+    shutil.copytree(wd0 / "traces", wd / "traces")
+    meta = _stored_sensitivity(facts, wd, 0.002)
+    want = (0.002, meta["ablation"])
+    assert meta["ablation"] != meta["sensitivities"]
+
+    def rule_of(g):
+        return g.threshold, g.sensitivities
+
+    live = resolve(RuntimeOptions(gating="auto", cache_experts=12), facts, wd, live=True)     # generate, eval, serve
+    assert rule_of(live.gating) == want and live.gating.rule == "ablation"
+    s = plan_setup(str(ckpt), str(minimum + 8 * facts.expert_bytes()), "rtx4090-pcie4", KV_TOKENS, None, "ours",
+                   "auto", None, str(wd))
+    assert (s.policies.gating, s.policies.sensitivities, s.policies.gating_rule) == (*want, "ablation")
+    assert s.policies.gating_cost["ppl_delta_rel"] == 0.004 and s.policies.gating_cost["target_ppl_delta"] == 0.01
+    assert rule_of(adapmoe_policy(s, s.raw_trace)[0]) == want                  # the scoreboard's AdapMoE row
+    path = write_plan(wd / "plan.yaml", make_plan(s.facts, s.split, s.cost, s.replay, s.policies, "rtx4090-pcie4"),
+                      facts.fingerprint)
+    trace = load_trace(wd / "traces")
+    for is_live in (True, False):                                  # a run of the plan; simulate --plan's replay
+        o = RuntimeOptions(plan=str(path))
+        got = resolve(o, facts, wd if is_live else None, live=is_live, trace=None if is_live else trace)
+        assert rule_of(got.gating) == want and o.sources["gating"] == "plan", is_live
+    line = got.gating.describe()
+    assert "T_g=0.002 on ablation values" in line and "perplexity +0.40% (target 1.00%)" in line, line
+
+    # plan-cache before the rule was recorded stored the T_g beside Fisher's S_l: such a plan brings no gating,
+    # the run takes sensitivity.json's by the rule
+    old = yaml.safe_load(path.read_text())
+    del old["policies"]["gating_rule"]
+    old["policies"]["sensitivities"] = meta["sensitivities"]
+    path.write_text(yaml.safe_dump(old))
+    o = RuntimeOptions(plan=str(path), workdir_defaults=True)
+    got = resolve(o, facts, wd, live=True)
+    assert rule_of(got.gating) == want and o.sources["gating"] == "sensitivity.json"
+
+
+def test_the_demo_pipelines_gated_plan_costs_what_sensitivity_measured(tiny_profiled, tmp_path, capsys, monkeypatch):
+    """`make demo`'s pipeline on the small tiny model: sensitivity --target-ppl-delta 0.01, predictors, plan-cache.
+    A run that applies the plan (gating from plan.yaml) measures on sensitivity's held-out windows the perplexity
+    cost the search measured there, within the target; eval's lossy line says the plan's T_g and that cost; and
+    `simulate --plan` replays the plan with the predictors it was measured with (aux-gate), without --predictor."""
+    import shutil
+
+    from moectl.calib.dataset import load_calibration
+    from moectl.calib.fidelity import evaluate, token_windows
+    from moectl.predict.pipeline import run_train_predictor
+    from moectl.runtime.engine import Engine
+
+    ckpt, wd0, facts, minimum = tiny_profiled
+    wd = tmp_path / "wd"
+    shutil.copytree(wd0 / "traces", wd / "traces")
+    m = ["--model", str(ckpt), "--workdir", str(wd)]
+    code, _, err = run_cli(["sensitivity", *m, "--dataset", "small", "--max-tokens", "1024", "--window", "64",
+                            "--target-ppl-delta", "0.01", "--cache-experts", "2", "--emulate-device", "--json"],
+                           capsys, monkeypatch)
+    assert code == 0, err
+    saved = json.loads((wd / "sensitivity.json").read_text())
+    chosen = saved["search"]["chosen"]
+    if saved["threshold"] is None:
+        pytest.skip("this model's search found no T_g within 1 %: nothing gated to check")
+    for kind in ("mlp", "aux-gate"):
+        run_train_predictor(traces=[wd / "traces"], kind=kind, epochs=2, width=32, out=wd, max_minutes=0.2)
+    out = wd / "plan.yaml"
+    code, _, err = run_cli(["plan-cache", *m, "--budget", str(minimum + 8 * facts.expert_bytes()), "--kv-tokens",
+                            str(KV_TOKENS), "--out", str(out), "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    plan = yaml.safe_load(out.read_text())
+    assert plan["policies"]["prefetch"] == "aux-gate" and plan["predictors"] == str(wd.resolve())
+    assert plan["policies"]["gating"] == saved["threshold"] and plan["policies"]["sensitivities"] == saved["ablation"]
+
+    eng = Engine.load(str(ckpt), workdir=str(wd), plan="auto", emulate_device=True, progress=False)
+    assert eng.options.sources["gating"] == "plan" and eng.runtime.gating.sensitivities == saved["ablation"]
+    windows = token_windows(eng.tokenizer, load_calibration("small"), 64, 1024)
+    held = windows[(len(windows) + 1) // 2:]                       # the windows the search measured on
+    r = evaluate(eng, held, [], 0, wd)
+    assert r["ppl_delta_rel"] == pytest.approx(chosen["ppl_delta_rel"], rel=1e-3, abs=1e-6)
+    assert r["ppl_delta_rel"] <= 0.01 and r["experts_per_token"] == pytest.approx(chosen["experts_per_token"])
+
+    code, stdout, err = run_cli(["eval", *m, "--dataset", "small", "--max-tokens", "256", "--window", "64",
+                                 "--prompts", "1", "--generate", "2", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    lossy = json.loads(stdout)["lossy"]["gating"]
+    assert f"T_g={saved['threshold']:g} on ablation values" in lossy and "plan.yaml" in lossy
+    assert f"perplexity {chosen['ppl_delta_rel']:+.2%} (target 1.00%)" in lossy, lossy
+
+    code, stdout, err = run_cli(["simulate", "--trace", str(wd / "traces"), "--model-shape", str(ckpt), "--plan",
+                                 str(out), "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    row = json.loads(stdout)
+    assert row["prefetch"] == "aux-gate"
+    assert row["stall_ms_per_token"] == pytest.approx(plan["predicted"]["stall_ms_per_token"])
+
+
+def test_plan_cache_says_the_bytes_it_holds_and_a_budget_past_the_whole_model(tiny_profiled, tmp_path, capsys,
+                                                                               monkeypatch):
+    """At 20 GB the tiny model's plan gives every expert a slot: it says it holds the experts' bytes (not the 19.9 GB
+    left for them) and that the budget exceeds the whole model; at a budget below it, no such line."""
+    from moectl.core.recipes import format_bytes
+
+    ckpt, wd, facts, minimum = tiny_profiled
+    every = facts.num_layers * facts.num_experts * facts.expert_bytes()
+    args = ["plan-cache", "--model", str(ckpt), "--workdir", str(wd), "--kv-tokens", str(KV_TOKENS), "--out",
+            str(tmp_path / "plan.yaml"), "--cpu-experts", "never"]
+    code, stdout, err = run_cli(args + ["--budget", "20GB"], capsys, monkeypatch)
+    assert code == 0, err
+    text = " ".join(stdout.split())
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert plan["budget"]["experts_used"] == plan["budget"]["all_experts"] == every
+    left = plan["budget"]["experts"]                               # the bytes left for experts: ~19.9 GB
+    assert f"+ experts {format_bytes(every)}" in text and f"experts {format_bytes(left)}" not in text
+    assert f"{format_bytes(left - every)} of the budget is left unused" in text
+    assert f"the budget exceeds the whole model: every expert has a slot ({format_bytes(every)})" in text
+    code, stdout, err = run_cli(args + ["--budget", str(minimum + 8 * facts.expert_bytes())], capsys, monkeypatch)
+    assert code == 0, err
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert plan["budget"]["experts_used"] == sum(plan["slots"]) * facts.expert_bytes() <= 8 * facts.expert_bytes()
+    assert "exceeds the whole model" not in stdout

@@ -156,6 +156,31 @@ def test_cpu_experts_overlap_the_device_within_a_layer():
     assert r["cpu_ms_per_token"] == pytest.approx(1e3 * 0.9 / 10)
 
 
+def test_a_miss_computed_on_the_cpu_is_a_miss_in_the_hit_rate_and_no_stall_prints_negative():
+    """Every miss on the CPU (`always`): the hit rate counts them as misses (it was 1.0: only the device side's
+    accesses were counted), the cache's counters say so, a fill is no use; a stall that rounding left at -1e-14 s
+    prints as 0, never negative, in simulate's and plan-cache's figures."""
+    from moectl.core.cache_model import hit_rate
+    from moectl.core.recipes import stall_figure
+
+    cost = FixedCost(load=1.0, attention=0.1, expert=0.03, cpu_expert=0.3)
+    # one layer, uses 0 1 | 0 | - | 0: token 0's two misses run on the CPU (0.6 s), and expert 0 is filled in the
+    # background (1 s); token 1 finds it resident but landing (a cache hit, late: it waits), token 3 on time
+    tr = make_trace([[[0, 1]], [[0]], [[]], [[0]]])
+    r = Simulator({FULL: [4]}, {FULL: LRU()}, None, cost, nbytes=NBYTES,
+                  placement=ComputePlacement("always", cost)).run(trace_steps(tr))
+    dec = {k: sum(v) for k, v in r["cache"]["decode"].items()}
+    assert dec["cpu_misses"] == r["cpu_misses"] == 2 and r["cpu_experts_per_token"] * r["decode_tokens"] == 2
+    assert (dec["fills"], dec["misses"], dec["hits"]) == (1, 0, 2)      # a fill is a copy, not a use
+    assert r["accesses"] == 4 and (r["hits"], r["late"]) == (1, 1)      # four uses; one hit on time, one late
+    assert r["hit_rate"] == 1 / 4                                        # on time over uses (was 1 / 2: CPU uncounted)
+    assert hit_rate(dec) == 2 / 4                                        # the cache's: a landing copy is resident
+    assert r["stall_ms_per_token"] > 0.0
+    for residue in (-1.28e-11, -0.0, 0.0, 1.41e-12):        # rounding's, in ms: none is a stall
+        assert f"{stall_figure(residue):.3g}" == "0" and f"{stall_figure(residue):.1f}" == "0.0"
+    assert stall_figure(2.5) == 2.5 and stall_figure(3e-6) == 3e-6
+
+
 def test_a_demand_load_overtakes_a_fill_after_one_chunk():
     class FirstOnCpu:                                      # the first miss runs on the CPU, later ones are fetched
         mode = "auto"

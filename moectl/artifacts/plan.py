@@ -9,7 +9,10 @@
                                                   pool's slots: loaded at start-up, `CacheState.preload`)
     expert_bytes: {full: B, low: b}, lowbit: q4g64
     budget: {total, dense, kv, kv_tokens, workspace, experts, experts_used}
-    policies: {replacement, prefetch, depth, per_layer, gating (T_g), precision, t1, t2, lowbit, cpu_experts}
+    predictors: the directory of the predictors.json its prefetcher was measured with (when it used one)
+    policies: {replacement, prefetch, depth, per_layer, gating (T_g), sensitivities (the values T_g applies to),
+               gating_rule (which values: fisher | ablation), gating_cost (what sensitivity measured at T_g),
+               precision, t1, t2, lowbit, cpu_experts, admission}
     hardware, curves (measured/analytic and on what), traces
     predicted / uniform: {hit_rate, ms_per_token, tokens_per_s, stall_ms_per_token, bytes_per_token,
                           misses_per_token, ...}  (the plan and the even split of the same bytes, simulated)
@@ -108,14 +111,31 @@ PLAN_POLICIES = ("replacement", "prefetch", "precision", "lowbit", "cpu_experts"
 
 def plan_policies(plan: dict) -> dict:
     """The options a plan sets, for everything that applies one (the resolver, `setting/resolve.py`): its
-    policies, HOBBIT's T1/T2 with its hobbit precision, and its gating as (T_g, [S_l]) when it was measured gated."""
+    policies, HOBBIT's T1/T2 with its hobbit precision, and its gating when it was measured gated: {threshold,
+    values, rule, cost}, as `artifacts/sensitivity.py: stored_gating` gave them to plan-cache. A plan that gated
+    without recording its rule (plan-cache before the rule was recorded, when it could pair the stored T_g with
+    Fisher's S_l) brings no gating: the run takes sensitivity.json's, by the same rule."""
     pol = plan.get("policies") or {}
     out = {k: pol[k] for k in PLAN_POLICIES if pol.get(k) is not None}
     if pol.get("precision") == "hobbit":
         out |= {k: float(pol[k]) for k in ("t1", "t2") if pol.get(k) is not None}
-    if pol.get("gating") and pol.get("sensitivities"):
-        out["gating"] = (float(pol["gating"]), [float(x) for x in pol["sensitivities"]])
+    if pol.get("gating") and pol.get("sensitivities") and pol.get("gating_rule"):
+        out["gating"] = {"threshold": float(pol["gating"]), "values": [float(x) for x in pol["sensitivities"]],
+                         "rule": str(pol["gating_rule"]), "cost": pol.get("gating_cost")}
     return out
+
+
+def plan_predictors(plan: dict) -> Path | None:
+    """Where the predictors a plan was measured with are (`predictors`: the directory of their predictors.json,
+    recorded by plan-cache), else the plan's own directory (its workdir) when it holds a predictors.json; None when
+    neither does (a plan that prefetches with them then needs --predictor)."""
+    from .predictors import JSON_NAME
+
+    here = Path(plan["_path"]).parent if plan.get("_path") else None
+    for d in (plan.get("predictors"), here):
+        if d and (Path(d) / JSON_NAME).exists():
+            return Path(d)
+    return None
 
 
 def write_plan(path, plan: dict, fingerprint: str | None) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MoectlError
@@ -47,6 +48,41 @@ def rule_sensitivities(meta: dict) -> list[float]:
     """The per-layer values the gating rule uses from a sensitivity.json: the ablation costs when it was made
     with `--rule ablation`, else Fisher's S_l."""
     return meta["ablation"] if meta.get("rule") == "ablation" and meta.get("ablation") else meta["sensitivities"]
+
+
+@dataclass(frozen=True)
+class StoredGating:
+    """What a sensitivity.json says the gating is: its T_g (None: no search stored one), the per-layer values that
+    T_g was searched against and must be applied to (`values`, by `rule`), and what the search measured at it."""
+
+    threshold: float | None
+    values: list[float]
+    rule: str                       # fisher | ablation: which of the file's per-layer values `values` are
+    cost: dict | None               # {ppl_delta_rel, target_ppl_delta, experts_per_token, tokens} (None: no search)
+    source: str | None = None       # the file
+
+    def record(self) -> dict:
+        """The fields a plan.yaml keeps of it (`plan/inputs.py`), so the plan gates as the search measured."""
+        return {"gating": self.threshold, "sensitivities": list(self.values), "gating_rule": self.rule,
+                "gating_cost": self.cost}
+
+
+def stored_gating(meta: dict) -> StoredGating:
+    """The one rule that picks the gating of a sensitivity.json, for everything that applies it (the runtime's
+    options, plan-cache, simulate, the scoreboard): the stored T_g together with the values the search chose it
+    against (`rule_sensitivities`): a T_g searched on the ablation costs applied to Fisher's S_l would gate by
+    another rule than the one measured (on the tiny model: +6.7 % perplexity for a 1 % target)."""
+    search = meta.get("search") or {}
+    chosen = search.get("chosen")
+    cost = None
+    if meta.get("threshold") is not None and chosen:
+        cost = {"ppl_delta_rel": float(chosen["ppl_delta_rel"]),
+                "target_ppl_delta": search.get("target_ppl_delta"),
+                "experts_per_token": float(chosen["experts_per_token"]),
+                "tokens": int(search.get("tokens") or 0)}
+    rule = "ablation" if meta.get("rule") == "ablation" and meta.get("ablation") else "fisher"
+    return StoredGating(meta.get("threshold"), [float(v) for v in rule_sensitivities(meta)], rule, cost,
+                        meta.get("path"))
 
 
 def save_sensitivity(workdir: Path, meta: dict) -> Path:

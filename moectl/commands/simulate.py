@@ -146,6 +146,7 @@ def _table(results: list[dict], tr, asked: int, cost, hardware, precision: str =
     from rich.console import Console
     from rich.table import Table
 
+    from ..core.recipes import stall_figure
     from ..tables import add_fitted_columns, print_fitted
 
     out = Console()
@@ -175,7 +176,7 @@ def _table(results: list[dict], tr, asked: int, cost, hardware, precision: str =
                       f"{d['hit_rate']:.3f}", "-" if bel is None else f"{d['hit_rate'] / max(bel, 1e-9):.3f}",
                       f"{d['demand_loads_per_token']:.2f}", f"{d['prefetch_loads_per_token']:.2f}",
                       f"{d['wasted_prefetch_fraction']:.2f}", f"{d['bytes_per_token'] / 1e6:.0f}",
-                      f"{round(d['stall_ms_per_token'], 1) + 0.0:.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
+                      f"{stall_figure(d['stall_ms_per_token']):.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
                       *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra],
                       *[_draft_cell(d["draft"], k) for _, k in drafts]])
     add_fitted_columns(t, names, cells, left=("policy",), wrap=("policy",))

@@ -36,8 +36,11 @@ The rules, in the order a driver applies them:
             expert; it is the `now` every policy event carries.
   counting  every access counts in its step's phase (prefill and decode alike): a hit if the expert is
             resident (a prefetched expert whose copy is still in flight is a hit; the simulator
-            reports the wait as stall), else a miss (one demand load). Evictions count in the phase
-            and layer of the pool they happen in.
+            reports the wait as stall), else a miss (one demand load). A miss the placement computes on
+            the CPU from host RAM is a miss too (`cpu_miss`: `cpu_misses`, nothing copied, no slot, no
+            clock tick); the background copy that may follow it (`access(..., fill=True)`) is a fill, not a
+            use: `fills`. So a layer's uses are hits + misses + cpu_misses (`hit_rate`). Evictions count
+            in the phase and layer of the pool they happen in.
   eviction  the victim is the policy's choice among residents that are neither pinned (the running
             chunk) nor protected (predicted for a layer whose router has not run yet, whether the
             prediction loaded it or found it resident). A miss always
@@ -61,7 +64,16 @@ import numpy as np
 
 FULL, LOW = "full", "low"                 # the precisions a pool can hold (policies/precision.py decides which)
 PHASES = ("prefill", "decode")
-COUNTERS = ("hits", "misses", "evictions", "prefetches", "prefetch_used", "prefetch_wasted")
+# misses: demand loads (a use copied in); cpu_misses: uses computed on the CPU instead; fills: background copies of
+# CPU-computed misses (not uses)
+COUNTERS = ("hits", "misses", "evictions", "prefetches", "prefetch_used", "prefetch_wasted", "cpu_misses", "fills")
+
+
+def hit_rate(counts: dict) -> float:
+    """Hits over uses, from counters summed any way (`totals`, `per_layer` entries): a miss computed on the CPU is a
+    miss, a fill is no use (0.0 without uses)."""
+    uses = counts["hits"] + counts["misses"] + counts.get("cpu_misses", 0)
+    return counts["hits"] / uses if uses else 0.0
 
 
 @dataclass
@@ -231,8 +243,10 @@ class CacheState:
         self._count(layer, precision, "evictions")
         return slot, victim
 
-    def access(self, layer: int, expert: int, precision: str = FULL) -> Access:
-        """The running layer needs (layer, expert): a hit, or a miss that takes a slot (evicting)."""
+    def access(self, layer: int, expert: int, precision: str = FULL, fill: bool = False) -> Access:
+        """The running layer needs (layer, expert): a hit, or a miss that takes a slot (evicting). `fill`: no use
+        but the background copy of a miss the CPU computed (`cpu_miss` counted the use): it takes its slot as a
+        miss would and counts as a fill."""
         self.clock += 1
         pool, pol = self.pools[layer][precision], self.policies[precision]
         slot = pool.slot_of.get(expert)
@@ -249,10 +263,16 @@ class CacheState:
         buf = self.staged.pop((layer, precision, expert), None)
         if buf is not None:                     # a staged prefetch: installed as this miss, its copy already made
             self.stage_free[precision].append(buf)
-            self._count(layer, precision, "hits")
+            if not fill:                        # (installed after the CPU computed it: no use, no copy)
+                self._count(layer, precision, "hits")
             return Access(slot, True, victim, buf)
-        self._count(layer, precision, "misses")
+        self._count(layer, precision, "fills" if fill else "misses")
         return Access(slot, False, victim)
+
+    def cpu_miss(self, layer: int, precision: str = FULL) -> None:
+        """A use of a non-resident expert that the placement computed on the CPU from host RAM: a miss with no copy,
+        no slot and no policy event (the cache evolves as before; only the count says it missed)."""
+        self._count(layer, precision if precision in self.counts else next(iter(self.counts)), "cpu_misses")
 
     def stream(self, layer: int, expert: int, precision: str = FULL) -> None:
         """A prefill miss streamed through a staging buffer (DuoServe) instead of the cache: one demand load,

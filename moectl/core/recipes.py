@@ -129,6 +129,13 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def stall_figure(ms: float) -> float:
+    """A stall in ms as printed: it cannot be negative, and below 1e-9 ms (a picosecond) it is float rounding's
+    residue of a replay whose waits all cancel (Mixtral at 20 GB with its misses on the CPU: -1.28e-11 ms/token),
+    so 0.0: never "-0", "-1.28e-11" or "1.41e-12"."""
+    return ms if ms > 1e-9 else 0.0
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":

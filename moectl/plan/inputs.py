@@ -82,7 +82,9 @@ def plan_setup(model: str, budget: str, hardware: str, kv_tokens: int, traces, r
     if setting.gating is not None:
         from ..policies.gating import gate_trace
 
-        pol.gating, pol.sensitivities = setting.gating.threshold, list(setting.gating.sensitivities)
+        g = setting.gating                              # `stored_gating`'s T_g and values, through the resolver
+        pol.gating, pol.sensitivities, pol.gating_rule, pol.gating_cost = (g.threshold, list(g.sensitivities),
+                                                                           g.rule, g.cost)
         replay.trace = gate_trace(trace, setting.gating)
     attach_predictors(replay, pol.prefetch, wd, facts.fingerprint)
     return Setup(facts, setting.split, cost, replay, pol, wd, hardware, budget, trace)

@@ -34,7 +34,10 @@ class Policies:
     depth: int | None = None
     per_layer: int | None = None
     gating: float | None = None      # T_g of sensitivity gating (None: off)
-    sensitivities: list | None = None    # S_l the T_g applies to (so a plan's gating replays without the workdir)
+    sensitivities: list | None = None    # the values the T_g applies to (so a plan's gating replays without the
+                                         # workdir): `stored_gating`'s, by gating_rule
+    gating_rule: str | None = None   # which values they are: fisher | ablation
+    gating_cost: dict | None = None  # what `moectl sensitivity` measured at this T_g (ppl delta, experts/token)
     precision: str = "full"          # full | hobbit | lowbit-only (moectl/policies/precision.py)
     t1: float = 0.6
     t2: float = 0.9
@@ -356,7 +359,9 @@ def make_plan(facts: ModelSizes, split: BudgetSplit, cost, replay: Replay | None
         "model": facts.name, "num_layers": L, "num_experts": E, "top_k": facts.top_k,
         "slots": hi, **({"slots_low": lo} if pol.precision != "full" else {}),
         "expert_bytes": nbytes, "lowbit": pol.lowbit,
-        "budget": split.to_dict() | {"experts_used": int(used)},
+        # experts_used: the bytes of the slots placed (what the plan holds); all_experts: every expert of the model
+        # at full precision (a budget whose expert bytes exceed it holds the whole model)
+        "budget": split.to_dict() | {"experts_used": int(used), "all_experts": int(L * E * nbytes["full"])},
         "policies": pol.to_dict(), "hardware": hardware, "curves": curves.source, "objective": objective(pol),
         "curve_ms_per_token": {"plan": curve_ms(hi, lo), "uniform": curve_ms(u_hi, u_lo)},
         "uniform_slots": u_hi, **({"uniform_slots_low": u_lo} if pol.precision != "full" else {}),
@@ -374,6 +379,7 @@ def make_plan(facts: ModelSizes, split: BudgetSplit, cost, replay: Replay | None
         plan["slots"] = hi
         if pol.precision != "full":
             plan["slots_low"] = lo
+        plan["budget"]["experts_used"] = int(sum(hi) * nbytes["full"] + sum(lo) * nbytes.get("low", 0))
         plan["curve_ms_per_token"]["plan"] = curve_ms(hi, lo)
         plan["preload"] = replay.hot(pools_of(pol, hi, lo))
         plan["predicted"] = summary(res, cost)

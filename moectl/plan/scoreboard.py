@@ -173,21 +173,37 @@ def _has_hidden(replay) -> bool:
 
 
 def _adapmoe_gating(setup, trace):
-    """AdapMoE's sensitivity gating on the trace: the workdir's sensitivity.json, or the seed's Mixtral S_i."""
-    from ..artifacts.sensitivity import JSON_NAME, load_sensitivity
-    from ..policies.gating import SensitivityGating, gate_trace
+    """AdapMoE's sensitivity gating on the trace (`adapmoe_policy`), and the note saying which."""
+    from ..policies.gating import gate_trace
+
+    policy, note = adapmoe_policy(setup, trace)
+    if policy is None:
+        return trace, note
+    if trace.weights is None:
+        return trace, "the traces have no gate weights: gating off"
+    return gate_trace(trace, policy), note
+
+
+def adapmoe_policy(setup, trace):
+    """The AdapMoE preset's SensitivityGating (None: no sensitivities) and where it came from: the workdir's
+    sensitivity.json (its stored T_g on the values it was searched against, `stored_gating`, the rule every run
+    applies; without a stored T_g, AdapMoE's T_g on Fisher's S_l, AdapMoE's own rule), or the seed's Mixtral S_i."""
+    from ..artifacts.sensitivity import JSON_NAME, load_sensitivity, stored_gating
+    from ..policies.gating import SensitivityGating
 
     f = setup.workdir / JSON_NAME if setup.workdir is not None else None
     if f is not None and f.exists():
         meta = load_sensitivity(f, setup.facts.fingerprint, setup.facts.num_layers)
-        sens, tg, src = meta["sensitivities"], meta.get("threshold") or SEED_T_G, str(f)
-    elif trace.num_layers == len(SEED_MIXTRAL_SENSITIVITY) and trace.num_experts == 8:
-        sens, tg, src = SEED_MIXTRAL_SENSITIVITY, SEED_T_G, "AdapMoE's released Mixtral S_i"
-    else:
-        return trace, "no sensitivities for this model: gating off"
-    if trace.weights is None:
-        return trace, "the traces have no gate weights: gating off"
-    return gate_trace(trace, SensitivityGating(tg, sens)), f"sensitivity gating T_g={tg:g} ({src})"
+        stored = stored_gating(meta)
+        if stored.threshold:
+            return (SensitivityGating(stored.threshold, stored.values, stored.rule, stored.cost),
+                    f"sensitivity gating T_g={stored.threshold:g} ({f}, {stored.rule} values)")
+        return (SensitivityGating(SEED_T_G, meta["sensitivities"], "fisher"),
+                f"sensitivity gating T_g={SEED_T_G:g} ({f}, Fisher S_l, AdapMoE's T_g)")
+    if trace.num_layers == len(SEED_MIXTRAL_SENSITIVITY) and trace.num_experts == 8:
+        return (SensitivityGating(SEED_T_G, SEED_MIXTRAL_SENSITIVITY, "fisher"),
+                f"sensitivity gating T_g={SEED_T_G:g} (AdapMoE's released Mixtral S_i)")
+    return None, "no sensitivities for this model: gating off"
 
 
 def _adapmoe_dp(trace, C: int, L: int, E: int, load_s: float, prefetch: bool) -> list[int]:
@@ -227,6 +243,7 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
     from rich.console import Console
     from rich.table import Table
 
+    from ..core.recipes import stall_figure
     from ..tables import add_fitted_columns, print_fitted
 
     out = Console()
@@ -237,7 +254,7 @@ def print_scoreboard(rows: list[dict], setup, title: str = "", wide: bool = Fals
             ("ms/tok", lambda r: f"{r['ms_per_token']:.1f}")]
     cols += [("tok/s", lambda r: f"{r['tokens_per_s']:.2f}")] if wide else []
     cols += [("hit\nrate", lambda r: f"{r['hit_rate']:.3f}"), ("MB/tok", lambda r: f"{r['bytes_per_token'] / 1e6:.0f}"),
-             ("stall\nms/tok", lambda r: f"{round(r['stall_ms_per_token'], 1) + 0.0:.1f}")]     # never "-0.0"
+             ("stall\nms/tok", lambda r: f"{stall_figure(r['stall_ms_per_token']):.1f}")]     # never "-0.0"
     cols += [("mix /tok", mix)] if wide else []
     delta = lambda r: "-" if r.get("ppl_delta_proxy") is None else f"{r['ppl_delta_proxy']:+.2%}"   # noqa: E731
     cols += [(PROXY_LABEL if wide else "ppl delta\n(proxy)", delta)] if proxy else []

@@ -80,7 +80,12 @@ def simulate_traces(paths: list, options, *, hardware: str = "rtx4090-pcie4", ca
             draft = plan_draft_spec(setting.plan, plan_path)   # the drafting the plan was made for
     if setting.gating is not None:
         tr = gate_trace(tr, setting.gating, o.gate_prefill)
-    preds = _predictors(tr, o.predictor, train_on, paths, depth, setting.prefetch == "routing" or compare, status)
+    predictor = o.predictor
+    if predictor is None and setting.plan is not None:     # the predictors the plan was measured with
+        from ..artifacts.plan import plan_predictors
+
+        predictor = plan_predictors(setting.plan)
+    preds = _predictors(tr, predictor, train_on, paths, depth, setting.prefetch == "routing" or compare, status)
     configs = [(setting.replacement, setting.prefetch, f"{setting.replacement}/{setting.prefetch}")]
     if compare:
         has_hidden = sim.hidden_lookup(tr) is not None and bool(tr.routers)

@@ -54,12 +54,17 @@ class GatingPolicy:
 class SensitivityGating(GatingPolicy):
     name = "sensitivity"
 
-    def __init__(self, threshold: float, sensitivities: list[float]):
+    def __init__(self, threshold: float, sensitivities: list[float], rule: str | None = None,
+                 cost: dict | None = None):
+        """`rule`: which per-layer values `sensitivities` are (fisher | ablation; None: given as they are);
+        `cost`: what `moectl sensitivity --target-ppl-delta` measured at this T_g on these values (None: not
+        measured, e.g. a --gating-threshold of the user's)."""
         if threshold < 0:
             raise MoectlError(f"--gating-threshold must be >= 0, not {threshold}")
         if any(s < 0 for s in sensitivities):
             raise MoectlError("sensitivities must be >= 0")
         self.threshold, self.sensitivities = float(threshold), [float(s) for s in sensitivities]
+        self.rule, self.cost = rule, cost
 
     def budget(self, layer):
         s = self.sensitivities[layer]
@@ -67,7 +72,8 @@ class SensitivityGating(GatingPolicy):
         return float("inf") if s == 0 else (self.threshold / s) ** 0.5 if self.threshold > 0 else -1.0
 
     def describe(self):
-        return f"gating: sensitivity T_g={self.threshold:g}"
+        return f"gating: sensitivity T_g={self.threshold:g}" + (f" on {self.rule} values" if self.rule else "") + (
+            f" ({measured_cost(self.cost)})" if self.cost else "")
 
 
 class ScoreGating(GatingPolicy):
@@ -102,10 +108,22 @@ def gate_rows(policy: GatingPolicy, layer: int, experts: np.ndarray, weights: np
     return np.where(kept, experts, -1), np.where(kept, w * scale, 0.0)
 
 
+def measured_cost(cost: dict) -> str:
+    """What `moectl sensitivity`'s T_g search measured at a stored T_g, for the lossy line: e.g. "measured by
+    sensitivity: perplexity +0.74% (target 1.00%) at 1.22 experts/token"."""
+    target = cost.get("target_ppl_delta")
+    return (f"measured by sensitivity: perplexity {cost['ppl_delta_rel']:+.2%}"
+            + (f" (target {target:.2%})" if target is not None else "")
+            + f" at {cost['experts_per_token']:.2f} experts/token")
+
+
 def parse_gating(threshold: float | None, spec: str | None, sensitivities: list[float] | None,
-                 default_threshold: float | None = None) -> GatingPolicy | None:
+                 default_threshold: float | None = None, rule: str | None = None,
+                 default_cost: dict | None = None) -> GatingPolicy | None:
     """The gating policy a command asked for: `--gating score:TAU`, `--gating-threshold T_g` (needs
-    sensitivities), else the stored default T_g (from sensitivity.json) when there is one. 0 turns it off."""
+    sensitivities), else the stored default T_g (from sensitivity.json) when there is one. 0 turns it off.
+    `rule`: which values `sensitivities` are; `default_cost`: what was measured at the default T_g (kept only
+    when that T_g is the one in force)."""
     if spec is not None and threshold is not None:
         raise MoectlError("give --gating-threshold or --gating, not both")
     if spec is not None:
@@ -119,8 +137,9 @@ def parse_gating(threshold: float | None, spec: str | None, sensitivities: list[
             return ScoreGating(tau) if tau > 0 else None
         else:
             raise MoectlError(f"--gating takes score:TAU, sensitivity:T_G or none, not {spec!r}")
+    cost = None
     if threshold is None:
-        threshold = default_threshold
+        threshold, cost = default_threshold, default_cost
     if threshold is None:
         return None
     if threshold < 0:
@@ -130,7 +149,7 @@ def parse_gating(threshold: float | None, spec: str | None, sensitivities: list[
     if sensitivities is None:
         raise MoectlError("--gating-threshold needs the model's sensitivities: run `moectl sensitivity` first "
                           "(or use the score-only rule, --gating score:TAU)")
-    return SensitivityGating(threshold, sensitivities)
+    return SensitivityGating(threshold, sensitivities, rule, cost)
 
 
 def _number(text: str, what: str) -> float:

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..core.cache_model import FULL, LOW, PHASES, CacheState
+from ..core.cache_model import FULL, LOW, PHASES, CacheState, hit_rate
 from ..policies.base import ReplacementPolicy
 from ..policies.precision import SKIP, PrecisionPolicy
 from ..store.expert_store import ExpertStore
@@ -58,7 +58,9 @@ class CacheStats:
 
     @property
     def misses(self) -> int:
-        return self._sum()["misses"]
+        """Uses of experts that were not resident: demand loads and misses computed on the CPU."""
+        t = self._sum()
+        return t["misses"] + t["cpu_misses"]
 
     @property
     def prefetches(self) -> int:
@@ -67,22 +69,28 @@ class CacheStats:
     def as_dict(self) -> dict:
         t = self._sum()
         per = {p: self.state.totals(None, p) for p in self.state.counts}
-        n = t["hits"] + t["misses"]
-        # bytes copied: demand loads + prefetches, less those a reused slot cancelled before they ran (CPU: a
+        # bytes copied: demand loads, fills + prefetches, less those a reused slot cancelled before they ran (CPU: a
         # prefetch runs only when its expert is used, so a wrong one is usually never copied)
         pf_bytes = sum(c["prefetches"] * self.nbytes[p] for p, c in per.items()) - self.uncopied_bytes
-        loaded = sum(c["misses"] * self.nbytes[p] for p, c in per.items()) + pf_bytes
-        out = {"hits": t["hits"], "misses": t["misses"], "hit_rate": t["hits"] / n if n else 0.0,
+        loaded = sum((c["misses"] + c["fills"]) * self.nbytes[p] for p, c in per.items()) + pf_bytes
+        # misses: every use of an expert that was not resident, copied in (demand_loads) or computed on the CPU
+        out = {"hits": t["hits"], "misses": t["misses"] + t["cpu_misses"], "hit_rate": hit_rate(t),
+               "demand_loads": t["misses"], "cpu_misses": t["cpu_misses"],
                "bytes_loaded": int(round(loaded)), "load_wait_s": self.load_wait_s, "prefetches": t["prefetches"],
                "prefetch_bytes": int(round(pf_bytes)),
                "prefetch_used": t["prefetch_used"], "evictions": t["evictions"],
                "preload_bytes": self.preload_bytes, "preload_s": self.preload_s, "fills": self.fills,
-               **{ph: {k: v for k, v in self._sum(ph).items() if k in ("hits", "misses", "evictions")}
-                  for ph in PHASES}}
+               **{ph: _phase(self._sum(ph)) for ph in PHASES}}
         if LOW in per:
-            out |= {"low_hits": per[LOW]["hits"], "low_misses": per[LOW]["misses"], "skips": self.skips,
-                    "full_misses": per.get(FULL, {}).get("misses", 0)}
+            out |= {"low_hits": per[LOW]["hits"], "low_misses": per[LOW]["misses"] + per[LOW]["cpu_misses"],
+                    "skips": self.skips,
+                    "full_misses": per.get(FULL, {}).get("misses", 0) + per.get(FULL, {}).get("cpu_misses", 0)}
         return out
+
+
+def _phase(t: dict) -> dict:
+    """A phase's hits, misses (demand loads and CPU-computed) and evictions."""
+    return {"hits": t["hits"], "misses": t["misses"] + t["cpu_misses"], "evictions": t["evictions"]}
 
 
 class ExpertCache(ABC):

@@ -311,7 +311,7 @@ class DeviceCache(ExpertCache):
         demand load. The layer calls it only while the copy engine has nothing committed (`OffloadedExperts._fill`). On the
         CPU the synchronous queue would run it only when its expert is next used, blocking every later fill, so it
         runs now: an emulated device's copy engine is this thread (the CPU worker computes its experts meanwhile)."""
-        a = self.state.access(layer, expert, precision)
+        a = self.state.access(layer, expert, precision, fill=True)      # a fill, not a use: the CPU miss counted
         self._copy_in(precision, layer, expert, a.slot, PREFETCH)
         self.stats.fills += 1
         job = self.jobs.get((precision, layer, a.slot))

@@ -18,7 +18,8 @@ def layer_hits(cache) -> list[dict]:
     counts = [cache.state.per_layer(ph, p) for ph in PHASES for p in cache.precisions]
     layers = range(cache.state.num_layers)
     hits = [sum(c["hits"][layer] for c in counts) for layer in layers]
-    misses = [sum(c["misses"][layer] for c in counts) for layer in layers]
+    # a miss is a use of an expert that was not resident: copied in, or computed on the CPU (a fill is no use)
+    misses = [sum(c["misses"][layer] + c["cpu_misses"][layer] for c in counts) for layer in layers]
     return [{"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0} for h, m in zip(hits, misses)]
 
 

@@ -351,6 +351,8 @@ class OffloadedExperts(nn.Module):
         side = None
         if on_cpu:
             rt.cpu_experts += len(on_cpu)
+            for e, p in on_cpu:                 # misses, computed from host RAM: counted as misses (hit rate)
+                cache.state.cpu_miss(layer, p)
             side = rt.cpu.start(layer, on_cpu, compute, self.apply_gate)
         cpu_ids = {e for e, _ in on_cpu}
         for p in (FULL, LOW):

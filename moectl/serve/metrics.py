@@ -28,7 +28,8 @@ class RuntimeCollector:
         yield GaugeMetricFamily("moectl_queue_depth", "Requests waiting for the runtime", self.worker.queue_depth)
         yield GaugeMetricFamily("moectl_busy", "1 while a request is generating", int(s["busy"]))
         yield CounterMetricFamily("moectl_cache_hits", "Expert cache hits", s["hits"])
-        yield CounterMetricFamily("moectl_cache_misses", "Expert cache misses (demand loads)", s["misses"])
+        yield CounterMetricFamily("moectl_cache_misses", "Expert cache misses (demand loads and misses computed on "
+                                  "the CPU)", s["misses"])
         yield GaugeMetricFamily("moectl_cache_hit_rate", "Expert cache hit rate since start", s["hit_rate"])
         yield CounterMetricFamily("moectl_bytes_loaded", "Expert bytes copied to the device (demand + prefetch)",
                                   s["bytes_loaded"])

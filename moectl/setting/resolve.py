@@ -181,7 +181,9 @@ def _take_plan(o: RuntimeOptions, plan: dict, names) -> None:
     if pol.get("gating") and o.gating in (None, "auto") and o.gating_threshold is None:
         from ..policies.gating import SensitivityGating
 
-        o.gating = SensitivityGating(*pol["gating"])    # the T_g the plan was measured with
+        g = pol["gating"]                               # the T_g the plan was measured with, on its values
+        o.gating = SensitivityGating(g["threshold"], g["values"], g["rule"], g["cost"])
+        o.gating.source = plan.get("_path")
         o.sources["gating"] = PLAN
 
 
@@ -206,7 +208,7 @@ def _gating(o: RuntimeOptions, sensitivity: Path | None, workdir, fingerprint, n
     --target-ppl-delta` stored), None for off. Sensitivities from `sensitivity` (given explicitly), else the
     workdir's sensitivity.json when there is one; `threshold` (--gating-threshold T_g, 0 = off) overrides the
     stored T_g."""
-    from ..artifacts.sensitivity import JSON_NAME, load_sensitivity, rule_sensitivities
+    from ..artifacts.sensitivity import JSON_NAME, load_sensitivity, stored_gating
     from ..policies.gating import parse_gating
 
     gating, threshold = o.gating, o.gating_threshold
@@ -220,11 +222,12 @@ def _gating(o: RuntimeOptions, sensitivity: Path | None, workdir, fingerprint, n
     if needs and f is None and gating != "auto":
         raise MoectlError("--gating-threshold needs the traced model's sensitivities: --sensitivity "
                           "<workdir>/sensitivity.json")
-    meta = None
+    stored = None
     if needs and f is not None and (sensitivity is not None or f.exists()):
-        meta = load_sensitivity(f, fingerprint, num_layers)
-    policy = parse_gating(threshold, spec, rule_sensitivities(meta) if meta else None,
-                          meta.get("threshold") if meta and gating == "auto" else None)
+        stored = stored_gating(load_sensitivity(f, fingerprint, num_layers))      # T_g with the values it was made on
+    policy = parse_gating(threshold, spec, stored.values if stored else None,
+                          stored.threshold if stored and gating == "auto" else None,
+                          stored.rule if stored else None, stored.cost if stored else None)
     if policy is not None and gating == "auto" and threshold is None:
         policy.source = str(f)          # on by default: the status lines say where it came from
     return policy

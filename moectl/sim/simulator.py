@@ -295,7 +295,9 @@ class Simulator:
                 on_device[p].append(e)
                 continue
             self.n_loads[CPU if where == CPU else p if where == FETCH else SKIP] += not step.prefill
-            if where == CPU:
+            if where == CPU:                  # a miss, computed from host RAM: counted as one (hit rate, counters)
+                state.cpu_miss(l, p)
+                self.accesses += not step.prefill
                 on_cpu.append((e, p))
             elif where == FETCH:
                 on_device[p].append(e)
@@ -342,7 +344,8 @@ class Simulator:
                 t0 = t
                 for r, c in sorted(ready):                 # arrivals in order of landing
                     t = max(t, r) + c
-                self.step_stall += (t - t0) - sum(c for _, c in ready)
+                # the wait: the chunk's span less its compute (>= 0; float rounding could make it -1e-17 s)
+                self.step_stall += max((t - t0) - sum(c for _, c in ready), 0.0)
         return t
 
     def _fill(self, step: Step, l: int, on_cpu: list[tuple[int, str]], clock: float) -> None:
@@ -352,13 +355,13 @@ class Simulator:
         state = self.state
         for e, p in on_cpu:                          # a staged prefetch the CPU outran: installed as it is
             if (l, p, e) in state.staged:
-                self.copies.pop((l, p, state.access(l, e, p).victim), None)
+                self.copies.pop((l, p, state.access(l, e, p, fill=True).victim), None)
         for e, p in on_cpu:
             if self._backlog(clock) > 0:
                 break
             if state.contains(l, e, p):
                 continue
-            a = state.access(l, e, p)
+            a = state.access(l, e, p, fill=True)
             if a.victim is not None:
                 self.copies.pop((l, p, a.victim), None)
             copy = self.copies[(l, p, e)] = self._new_copy(p, False)
@@ -381,7 +384,8 @@ class Simulator:
             cache=cache if len(self.pools) == 1 else {p: {ph: state.per_layer(ph, p) for ph in PHASES}
                                                       for p in self.pools},
             hit_rate=self.hits / max(self.accesses, 1),
-            demand_loads_per_token=(dec["misses"] - self.fills) / n, fill_copies_per_token=self.fills / n,
+            cpu_misses=dec["cpu_misses"],
+            demand_loads_per_token=dec["misses"] / n, fill_copies_per_token=self.fills / n,
             prefetch_loads_per_token=self.n_prefetch / n,
             late_prefetches_per_token=self.late / n,
             wasted_prefetch_fraction=wasted / max(issued, 1),
