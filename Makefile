@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # people who pip-install moectl into their own environment). `make constraints` rewrites it from .venv.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install test demo test-latest constraints clean gpu-check install-llamacpp test-llamacpp bench-llamacpp \
+.PHONY: install test demo test-latest constraints clean gpu-check gpu-bundle install-llamacpp test-llamacpp bench-llamacpp \
 	bench-fidelity
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
@@ -46,6 +46,14 @@ demo: install
 gpu-check:
 	@if command -v nvidia-smi >/dev/null 2>&1; then HF_HUB_OFFLINE=1 $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS); \
 	else $(MAKE) -s install && HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS); fi
+
+# What a lent GPU machine cannot make itself (bench/gpu_bundle.py): llama.cpp's CUDA tools built here for sm_90
+# (the first build took BUILD_TIME on this 2-core machine; reused after), its converter, the wheels the image lacks;
+# one gpu-bundle.tar.xz (git-ignored), checked complete and within the device tool's 64 MiB carry with the checkout,
+# its size printed. Reused when nothing changed. Needs nvcc, cmake, a C++ compiler and the package index. Not part
+# of `make test`; docs/gpu-check.md has the `run` call that carries it.
+gpu-bundle: install
+	HF_HUB_OFFLINE=1 nice -n 10 $(BIN)/python bench/gpu_bundle.py --out gpu-bundle.tar.xz
 
 # The fidelity yardstick (issue 31): build the reference model (~45 min on 2 cores, once; resumable: re-run to
 # continue) and run the fidelity benchmarks on it. Never part of `make test`. Reports go to bench-fidelity/.

@@ -90,7 +90,8 @@ class Step:
 IMAGE_LACKS = ("transformers", "huggingface_hub", "hf-xet", "tokenizers", "httpx2", "httpcore2", "truststore",
                "datasets", "dill", "multiprocess", "fastapi", "starlette", "pydantic", "pydantic_core",
                "annotated-types", "typing-inspection", "uvicorn", "openai", "jiter", "sniffio", "termcolor", "gguf",
-               "typer", "typing_extensions", "opentelemetry-api", "annotated-doc", "shellingham")
+               "typer", "typing_extensions", "opentelemetry-api", "annotated-doc", "shellingham",
+               "sentencepiece")                # llama.cpp's converter imports it for Llama-family vocabularies
 NO_WHEEL = ("hqq",)                                 # source only on the index: built into a wheel here
 IMAGE_PYTHON = "3.12"
 MANYLINUX = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",

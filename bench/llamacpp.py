@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 from moectl.errors import MoectlError
@@ -113,6 +114,7 @@ def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = Fals
     deps = cuda_link_deps(root, log) if cuda else None
     echo(f"building {', '.join(tools)} into {root / 'bin'} (minutes{', an hour or more on 2 cores' if cuda else ''}; "
          f"log: {log}) ...")
+    t0 = time.time()
     _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda, deps)], log)
     _run(["cmake", "--build", bld, "-j", jobs, "--target", *(cuda_targets() if cuda else tools)], log)
     (root / "bin").mkdir(exist_ok=True)
@@ -121,6 +123,8 @@ def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = Fals
     if cuda:                                    # the shared libraries beside the tools (their RPATH is $ORIGIN)
         for lib in (bld / "bin").glob("lib*.so*"):
             shutil.copy2(lib, root / "bin" / lib.name, follow_symlinks=True)
+    if not (root / "build-seconds").exists():     # the first build's wall time (a rebuild reuses its objects)
+        (root / "build-seconds").write_text(f"{time.time() - t0:.0f}\n")
     (root / "BUILT").write_text(VERSION + "\n")
     return root
 
