@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import shutil
 import subprocess
@@ -181,9 +180,15 @@ def main(argv=None) -> int:
     ap.add_argument("--check", type=Path, default=None, metavar="FILE", help="only check FILE, then exit")
     ap.add_argument("--jobs", type=int, default=2, help="compile jobs for the CUDA build (default %(default)s)")
     ap.add_argument("--force", action="store_true", help="make it again even when the one there is up to date")
+    ap.add_argument("--install", type=Path, default=None, metavar="FILE", help="on the lent machine: unpack FILE "
+                    "into --into (gpu_check.py's install step)")
+    ap.add_argument("--into", type=Path, default=ROOT / ".gpu-bundle", help="where --install unpacks")
     a = ap.parse_args(argv)
     target = a.check or a.out
     try:
+        if a.install:
+            print(f"gpu-bundle: unpacked into {install(a.install, a.into)}")
+            return 0
         if a.check is None:
             build(a.out, a.jobs, a.force)
         problems = check(target)

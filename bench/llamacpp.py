@@ -237,14 +237,15 @@ c.main()
 
 
 def convert(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre: str = "gpt-2",
-            root: Path | None = None, log: Path | None = None) -> Path:
-    """llama.cpp's `convert_hf_to_gguf.py` on a Hugging Face checkpoint, told the tiny tokenizer's pre-tokenizer."""
+            root: Path | None = None, log: Path | None = None, src: Path | None = None) -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py` on a Hugging Face checkpoint, told the tiny tokenizer's pre-tokenizer.
+    `src`: a directory holding the converter, conversion/ and gguf-py/ (default: the build's source tree)."""
     import importlib.util
 
     if importlib.util.find_spec("sentencepiece") is None:     # its Llama-family vocab path imports it first
         raise MoectlError("llama.cpp's converter needs sentencepiece: pip install 'moectl[llamacpp]' "
                           "(make install-llamacpp)")
-    src = source_dir(root)
+    src = src or source_dir(root)
     script = src / "convert_hf_to_gguf.py"
     if not script.exists():
         raise MoectlError(f"llama.cpp's converter is not at {script}: build first (bench/vs_llamacpp.py --build)")
