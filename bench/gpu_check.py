@@ -634,7 +634,7 @@ def markdown(r: dict) -> str:
     lines = [f"# moectl against llama.cpp --n-cpu-moe, same GGUF, same VRAM ({where})", ""]
     if m.get("sample"):
         lines += [f"**Figures from the recorded sample {m['sample']}, not measured here.**", ""]
-    lines += ["| shape | row | decode ms/tok | prefill tok/s | predicted | meas/pred | decode x | prefill x |",
+    lines += ["| shape | row | ms/tok | prefill/s | pred. | m/p | decode x | prefill x |",
               "|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         lines.append(f"| {x['shape']} | {x['row']} | {f(x['decode_ms_per_token'])} | "
@@ -642,10 +642,12 @@ def markdown(r: dict) -> str:
                      f"{f(x['measured_over_predicted'], '.2f')} | {f(x['decode_vs_llamacpp'], '.2f')} | "
                      f"{f(x['prefill_vs_llamacpp'], '.2f')} |")
     lines += ["", f"Q4_K_M GGUFs made by llama.cpp's converter and llama-quantize; {LAYERS} layers of each shape with "
-              f"the real expert sizes; prefill {PROMPT} tokens, then {GEN} decoded. `decode x` is moectl's ms/token "
+              f"the real expert sizes; prefill {PROMPT} tokens (`prefill/s`: tokens/s), then {GEN} decoded (`ms/tok`: "
+              "decode ms/token). `pred.`: the simulator's ms/token for that run on this machine's measured profile, "
+              "`m/p` measured over it (goal: within 1.3x). `decode x` is moectl's ms/token "
               f"over llama.cpp's (goal <= {DECODE_GOAL} for the default), `prefill x` its tokens/s over llama.cpp's "
-              "(goal >= 1); `predicted` is the simulator's ms/token for that run on this machine's measured profile "
-              "(goal: within 1.3x). moectl-q4 runs moectl's own q4g64 copies of the safetensors original.", ""]
+              "(goal >= 1). moectl-q4 runs moectl's own q4g64 copies of the safetensors original; moectl reserves KV for "
+              "4096 tokens inside the same budget.", ""]
     for shape, b in (m.get("budgets") or {}).items():
         lines.append(f"- {shape}: {b.get('experts_per_layer')} experts x {b.get('layers')} layers, budget "
                      f"{b.get('budget_bytes', 0) / 2**30:.2f} GiB ({b.get('how')}), {b.get('cache_experts')} "
@@ -723,6 +725,19 @@ def sub_command(a) -> int | None:
     return None
 
 
+def skip_reason(s: Step, by_name: dict, skip: set[str], minutes_left: float | None) -> str | None:
+    """Why step `s` does not run (None: it runs): --skip names it or its kind, an input of it did not run, or its
+    estimate is more than the minutes left (None: no clock, the dry run). Never started, so never half-run."""
+    if s.name in skip or s.kind in skip:
+        return "--skip"
+    unmet = [n for n in s.needs if by_name[n].status not in ("ok", "sample", "printed")]
+    if unmet:
+        return f"needs {', '.join(unmet)}, which did not run"
+    if minutes_left is not None and s.minutes > minutes_left:
+        return f"its estimate, {s.minutes:g} min, is more than the {minutes_left:.1f} left"
+    return None
+
+
 def fill(cmd: list[str], a) -> list[str]:
     """The budget placeholders of later commands, once the budget steps have run."""
     out = []
@@ -775,13 +790,9 @@ def main(argv=None) -> int:
         write_hardware(a.hardware, sys.executable, False, env)
     for s in steps:
         left = a.minutes - (time.monotonic() - t_start) / 60
-        unmet = [n for n in s.needs if a.by_name[n].status not in ("ok", "sample", "printed")]
-        if s.name in skip or s.kind in skip:
-            s.status, s.output = "skipped", "--skip"
-        elif unmet:
-            s.status, s.output = "skipped", f"needs {', '.join(unmet)}, which did not run"
-        elif s.minutes > left and not a.dry_run:
-            s.status, s.output = "skipped", f"its estimate, {s.minutes:g} min, is more than the {left:.1f} left"
+        why = skip_reason(s, a.by_name, skip, None if a.dry_run else left)
+        if why:
+            s.status, s.output = "skipped", why
         elif a.dry_run and not s.cpu:
             s.cmd = fill(s.cmd, a)
             if s.name in sample:
