@@ -39,10 +39,10 @@ bench-llamacpp: install-llamacpp
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo
 
-# Every CUDA path run, checked and timed (bench/gpu_check.py; report in $$OUT or ./gpu-check). With a GPU it runs on
-# the interpreter that has the CUDA torch (carried wheels on PYTHONPATH; never .venv); without one it says so and does the
-# dry run (the steps printed, the CPU parts run) from .venv. GPU_CHECK_ARGS: e.g. --layers 4 --wheels DIR (made by
-# `bench/gpu_check.py --fetch-wheels DIR` where the index is reachable; docs/gpu-check.md has the lent machines' recipe).
+# Issue 44's check in one device call (bench/gpu_check.py; report in $$OUT or ./gpu-check): moectl against llama.cpp's
+# --n-cpu-moe on the same GGUF and VRAM. With a GPU it runs on the interpreter that has the CUDA torch, from the
+# bundle `make gpu-bundle` made (never .venv); without one it says so and does the dry run from .venv (make test runs
+# it). GPU_CHECK_ARGS: e.g. --minutes 9 --skip copy,attention (docs/gpu-check.md has the lent machines' recipe).
 gpu-check:
 	@if command -v nvidia-smi >/dev/null 2>&1; then HF_HUB_OFFLINE=1 $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS); \
 	else $(MAKE) -s install && HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS); fi
