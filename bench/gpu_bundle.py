@@ -117,6 +117,21 @@ def _strip(path: Path) -> None:
     subprocess.run(["strip", "--strip-unneeded", str(path)], check=True)
 
 
+def store_uncompressed(wheel: Path) -> None:
+    """Rewrite a wheel with its members stored, not deflated: still a wheel pip installs, and xz then compresses the
+    files across the whole bundle (transformers' 13 MB wheel is mostly Python source that deflate packs worse)."""
+    import zipfile
+
+    tmp = wheel.with_suffix(".stored")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            kept = zipfile.ZipInfo(info.filename, info.date_time)
+            kept.external_attr = info.external_attr                          # file modes (scripts' exec bits)
+            dst.writestr(kept, data, compress_type=zipfile.ZIP_STORED)
+    tmp.replace(wheel)
+
+
 def build(out: Path = DEFAULT_OUT, jobs: int = 2, force: bool = False, echo=print) -> dict:
     """Build (or reuse) the bundle; returns its manifest. The CUDA build is llamacpp.build(cuda=True) (reused when
     $MOECTL_HOME/llamacpp/<version>-cuda/ holds one); the wheels are fetched from the package index."""
@@ -142,6 +157,8 @@ def build(out: Path = DEFAULT_OUT, jobs: int = 2, force: bool = False, echo=prin
         for cmd in gpu_check.wheel_commands(wheels):
             if subprocess.run(cmd).returncode:
                 raise MoectlError(f"{' '.join(cmd[:5])} ... failed (the package index is needed here)")
+        for w in wheels.glob("*.whl"):
+            store_uncompressed(w)
         seconds = root / "build-seconds"
         meta = {"format": FORMAT, "stamp": stamp(), "llamacpp": llamacpp.VERSION, "cuda_archs": llamacpp.CUDA_ARCHS,
                 "cpu_variants": list(llamacpp.CPU_VARIANTS), "cublas_linked": llamacpp.CUBLAS_WHEEL,

@@ -90,3 +90,17 @@ def test_the_stamp_follows_the_cuda_flags_and_the_pins(monkeypatch):
     monkeypatch.setattr(gpu_bundle.llamacpp, "cmake_flags",
                         lambda cuda=False, deps=None: [f"-DCMAKE_CUDA_ARCHITECTURES={gpu_bundle.llamacpp.CUDA_ARCHS}"])
     assert gpu_bundle.stamp() != s
+
+
+def test_wheels_are_stored_uncompressed_for_xz_and_keep_every_member(tmp_path):
+    import zipfile
+
+    w = tmp_path / "pkg-1.0-py3-none-any.whl"
+    body = ("def f():\n    return 1\n" * 2000).encode()
+    with zipfile.ZipFile(w, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("pkg/__init__.py", body)
+        z.writestr("pkg-1.0.dist-info/RECORD", "pkg/__init__.py,,\n")
+    gpu_bundle.store_uncompressed(w)
+    with zipfile.ZipFile(w) as z:
+        assert [i.compress_type for i in z.infolist()] == [zipfile.ZIP_STORED] * 2
+        assert z.read("pkg/__init__.py") == body and z.testzip() is None
