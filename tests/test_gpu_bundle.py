@@ -104,3 +104,39 @@ def test_wheels_are_stored_uncompressed_for_xz_and_keep_every_member(tmp_path):
     with zipfile.ZipFile(w) as z:
         assert [i.compress_type for i in z.infolist()] == [zipfile.ZIP_STORED] * 2
         assert z.read("pkg/__init__.py") == body and z.testzip() is None
+
+
+def test_build_lays_out_a_complete_bundle_from_a_cuda_build(tmp_path, monkeypatch):
+    """build() on a stand-in CUDA build (real ELF files, so `strip` runs) and stand-in wheels: the bundle passes
+    the check, its binaries are stripped copies, its manifest names the build's wall time here."""
+    import shutil
+    import zipfile
+
+    root = tmp_path / "cuda-build"
+    (root / "bin").mkdir(parents=True)
+    for name in ("llama-bench", "llama-quantize", "libllama.so", "libggml.so", "libggml-base.so", "libggml-cuda.so",
+                 "libggml-cpu-haswell.so"):
+        shutil.copy2("/bin/true", root / "bin" / name)
+    (root / "build-seconds").write_text("5400\n")
+    src = gpu_bundle.llamacpp.source_dir(root)
+    for f in ("convert_hf_to_gguf.py", "conversion/__init__.py", "gguf-py/gguf/__init__.py", "gguf-py/tests/t.py"):
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        (src / f).write_text("# stand-in\n")
+    monkeypatch.setattr(gpu_bundle.llamacpp, "build", lambda **kw: root)
+
+    def wheels(dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        for n in gpu_bundle.wheel_names():
+            with zipfile.ZipFile(dest / f"{n.replace('-', '_')}-1.0-py3-none-any.whl", "w") as z:
+                z.writestr(f"{n}/__init__.py", "")
+        return []
+    monkeypatch.setattr(gpu_bundle.gpu_check, "wheel_commands", wheels)
+    monkeypatch.setattr(gpu_bundle, "checkout_bytes", lambda: 3 * 2**20)
+    out = tmp_path / "gpu-bundle.tar.xz"
+    meta = gpu_bundle.build(out, echo=lambda m: None)
+    assert gpu_bundle.check(out) == [] and meta["build_seconds_here"] == 5400.0
+    assert meta["stamp"] == gpu_bundle.stamp() and meta["cuda_archs"] == gpu_bundle.llamacpp.CUDA_ARCHS
+    files = meta["files"]
+    assert files["llamacpp/bin/llama-bench"] <= Path("/bin/true").stat().st_size           # stripped
+    assert "llamacpp/convert/gguf-py/tests/t.py" not in files                               # tests left out
+    assert gpu_bundle.reusable(out)                                                          # the next make: reused
