@@ -72,6 +72,7 @@ PROMPT, GEN = 512, 32                               # prefill 512 tokens, then G
 # The budget is checked against these, never a half-run.
 STEP_MINUTES = {"install": 0.2, "tests": 1.0,
                 "synthetic:mixtral": 1.2, "gguf:mixtral": 1.5, "llamacpp:mixtral": 0.6, "budget:mixtral": 0.0,
+                "fits:mixtral": 0.1, "fits:qwen3-moe": 0.1,
                 "plan:mixtral": 0.2, "bench:mixtral": 0.8, "bench-auto:mixtral": 1.2,
                 "quantize:mixtral": 1.0, "bench-q4:mixtral": 0.6,
                 "synthetic:qwen3-moe": 0.6, "gguf:qwen3-moe": 0.8, "llamacpp:qwen3-moe": 0.5, "budget:qwen3-moe": 0.0,
@@ -394,12 +395,15 @@ def plan_steps(a, cuda: bool) -> list[Step]:
                                             str(a.llamacpp or ""), "--json"], needs=(f"gguf:{shape}", "install")),
             Step(f"budget:{shape}", ["(this process)", "budget", shape], cpu=True, needs=(f"gguf:{shape}",),
                  inline=lambda a=a, shape=shape: set_budget(a, shape)),
+            Step(f"fits:{shape}", ["(this process)", "moectl.store.facts.inspect_model", str(gguf), "--budget",
+                                   budget], cpu=True, needs=(f"budget:{shape}",),
+                 inline=lambda a=a, shape=shape: moectl_fits(a, shape)),
             Step(f"plan:{shape}", moectl + ["plan-cache", "--model", str(gguf), "--budget", budget, "--hardware",
                                             str(a.hardware), "--workdir", str(wd), "--json"],
-                 cpu=True, needs=(f"budget:{shape}",)),
+                 cpu=True, needs=(f"fits:{shape}",)),
             Step(f"bench:{shape}", moectl + ["bench", "--model", str(gguf), "--workdir", str(wd), *row,
                                              "--cpu-experts", "never", "--baselines", ""],
-                 needs=(f"budget:{shape}", "install")),
+                 needs=(f"fits:{shape}", "install")),
             Step(f"bench-auto:{shape}", moectl + ["bench", "--model", str(gguf), "--workdir", str(wd), *row,
                                                   "--baselines", "moectl-plan"],
                  needs=(f"plan:{shape}", "install"))]
@@ -428,6 +432,26 @@ def set_budget(a, shape: str) -> dict:
     s["budget"] = budget
     return {"budget_bytes": budget, "how": how, "estimate": est, "cache_experts": s["cache_experts"],
             "n_cpu_moe": s["n_cpu_moe"], "experts_per_layer": s["experts"], "layers": est["layers"]}
+
+
+class StepSkipped(Exception):
+    """An in-process step that finds its rows cannot run: it and what needs it are skipped, with this reason."""
+
+
+def moectl_fits(a, shape: str) -> dict:
+    """The fits step: can moectl run the GGUF at llama.cpp's VRAM at all (its dense weights, a KV reserve for 4096
+    tokens, its workspace and one expert slot per layer)? If not, its GGUF rows are skipped and the report says
+    why, rather than three bench commands failing on the same error."""
+    from moectl.errors import MoectlError
+    from moectl.store.facts import inspect_model
+
+    s = a.shapes[shape]
+    try:
+        info = inspect_model(str(s["gguf"]), str(s["workdir"]), budget=str(s["budget"]))
+    except MoectlError as e:
+        raise StepSkipped(f"moectl cannot run this GGUF at llama.cpp's VRAM: {e}") from None
+    return {"device_min_bytes": info["device_min_bytes"], "dense_bytes": info["dense_bytes"],
+            "kv_reserve_bytes": info["kv_reserve_bytes"], "budget_bytes": s["budget"]}
 
 
 def install_cmd(a) -> list[str]:
@@ -811,7 +835,7 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 try:
                     s.figures, s.status = s.inline(), "ok"
-                except FileNotFoundError as e:
+                except (FileNotFoundError, StepSkipped) as e:
                     s.status, s.output = "skipped", str(e)
                 except Exception as e:                         # noqa: BLE001: the report keeps it, the check goes on
                     s.status, s.output = "failed", f"{type(e).__name__}: {e}"

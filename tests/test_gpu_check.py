@@ -123,7 +123,7 @@ def test_dry_run_rehearses_the_whole_device_call(tmp_path):
     assert r["failed"] == [] and r["meta"]["dry_run"] is True and r["meta"]["bundle_problems"] == []
     assert "-m cuda" in steps["tests"]["command"] and "gpu_bundle.py --install" in steps["install"]["command"]
     for shape, experts in (("mixtral", 8), ("qwen3-moe", 16)):
-        for kind in ("synthetic", "gguf", "budget", "plan"):
+        for kind in ("synthetic", "gguf", "budget", "fits", "plan"):
             assert steps[f"{kind}:{shape}"]["status"] == "ok", (kind, shape)
         for kind in ("llamacpp", "bench", "bench-auto", "bench-q4"):           # the sample's figures, marked so
             assert steps[f"{kind}:{shape}"]["status"] == "sample" and f"[dry run] {kind}:{shape}:" in p.stdout
@@ -149,6 +149,8 @@ def test_dry_run_rehearses_the_whole_device_call(tmp_path):
         assert "--cpu-experts" not in steps[f"bench-auto:{shape}"]["command"]           # the default: auto
         assert "--baselines moectl-plan" in steps[f"bench-auto:{shape}"]["command"]
         assert (out / shape / "wd-gguf" / "plan.yaml").is_file()
+        fits = steps[f"fits:{shape}"]["figures"]                          # moectl can run the GGUF at that budget
+        assert 0 < fits["device_min_bytes"] < fits["budget_bytes"] == b["budget_bytes"]
     if not (ROOT / "bench" / "gpu_kernels.py").is_file():
         assert "gpu_kernels.py" in r["skipped"]["kernels"]
     md = (out / "gpu-check.md").read_text()
@@ -157,3 +159,24 @@ def test_dry_run_rehearses_the_whole_device_call(tmp_path):
     assert "| mixtral | auto (default) | 26.0 | 950 | 24.0 | 1.08 | 0.65 | 1.19 |" in first
     assert "recorded sample" in md and "MADE-UP" in json.loads(SAMPLE.read_text())["what"]
     assert all(len(line) <= 80 for line in first)
+
+
+def test_rows_moectl_cannot_run_at_llamacpps_vram_are_skipped_with_the_reason(tmp_path):
+    """When llama.cpp's VRAM is below moectl's minimum for the GGUF, the fits step says so and the GGUF rows are
+    skipped with that reason, not run into the same error three times."""
+    import types
+
+    from gguf import GGMLQuantizationType as T
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_build import write_gguf
+    from model_factory import build_family, save_tokenizer
+
+    build_family("mixtral", tmp_path / "ckpt")
+    save_tokenizer(tmp_path / "ckpt")
+    gguf = write_gguf(tmp_path / "ckpt", tmp_path / "m.gguf", expert_encoding=T.Q4_K, dense_encoding=T.F32)
+    a = types.SimpleNamespace(shapes={"mixtral": {"gguf": gguf, "workdir": tmp_path / "wd", "budget": 10**6}})
+    with pytest.raises(gpu_check.StepSkipped, match="moectl cannot run this GGUF at llama.cpp's VRAM: --budget"):
+        gpu_check.moectl_fits(a, "mixtral")
+    a.shapes["mixtral"]["budget"] = 10**9
+    assert gpu_check.moectl_fits(a, "mixtral")["device_min_bytes"] < 10**9
