@@ -15,6 +15,8 @@ machine (no package index, no compiler time), from the bundle `make gpu-bundle` 
               of the experts cannot hold (llama.cpp places experts by whole layers); the VRAM it really used is read
               off its own log (model + KV + compute buffers on CUDA0) and nvidia-smi's peak
   budget      moectl's --budget: that measured VRAM (else, before it is measured, the GGUF's tensors on the device)
+  fits        moectl's own sizing (inspect_model) at that budget: when its dense weights, KV reserve, workspace and
+              one slot per layer do not fit, its GGUF rows are skipped with that reason
   plan        `moectl plan-cache` on the GGUF at that budget with this machine's measured profile
   bench       `moectl bench` on the same .gguf at that budget: fetch only (--cpu-experts never), then the default
               (--cpu-experts auto) with the plan's row beside it; each with the simulator's prediction from this
@@ -311,7 +313,11 @@ def make_gguf(model: Path, out: Path, llamacpp: Path | None, lib_dirs: list[str]
     quantize = llamacpp / "bin" / "llama-quantize" if llamacpp else lc.tool("llama-quantize")
     import importlib.util
 
-    if (src / "convert_hf_to_gguf.py").is_file() and importlib.util.find_spec("sentencepiece") and quantize.exists():
+    have = (src / "convert_hf_to_gguf.py").is_file() and importlib.util.find_spec("sentencepiece") and quantize.exists()
+    if llamacpp and not have:                           # the device run: llama.cpp's own tools or nothing
+        raise SystemExit(f"error: llama.cpp's converter or llama-quantize is missing under {llamacpp} (the bundle "
+                         "was not installed?), or sentencepiece is")
+    if have:
         bf16 = lc.convert(model, out.with_name(out.stem + "-BF16.gguf"), "bf16", src=src)
         log = Path(str(out) + ".log")
         lc._run([quantize, bf16, out, QUANT, os.cpu_count() or 2], log, env=llama_env(quantize.parent, lib_dirs))
@@ -390,7 +396,8 @@ def plan_steps(a, cuda: bool) -> list[Step]:
             Step(f"synthetic:{shape}", moectl + ["make-synthetic", "--shape", shape_arg(a, shape), "--layers",
                                                  str(LAYERS), "--out", str(model), "--json"], cpu=True),
             Step(f"gguf:{shape}", me + ["--make-gguf", str(model), "--gguf-out", str(gguf), "--llamacpp",
-                                        str(a.llamacpp or ""), "--json"], cpu=True, needs=(f"synthetic:{shape}",)),
+                                        str(a.llamacpp or ""), "--json"], cpu=True,
+                 needs=(f"synthetic:{shape}", "install")),
             Step(f"llamacpp:{shape}", me + ["--llama-bench", str(gguf), "--n-cpu-moe", str(ncmoe), "--llamacpp",
                                             str(a.llamacpp or ""), "--json"], needs=(f"gguf:{shape}", "install")),
             Step(f"budget:{shape}", ["(this process)", "budget", shape], cpu=True, needs=(f"gguf:{shape}",),
@@ -847,6 +854,12 @@ def main(argv=None) -> int:
             print(f"[{s.name}] skipped: {s.output}", flush=True)
         if s.name == "install" and s.status == "ok":
             write_hardware(a.hardware, step_python(a, cuda), cuda, env)   # the interpreter exists now: measure
+            # the in-process steps (budget, fits) import gguf and moectl: the bundle's wheels first, as the
+            # commands have them on PYTHONPATH (the image lacks gguf and holds an older transformers)
+            sys.path[:0] = [str(ROOT), str(SITE)]
+            import importlib
+
+            importlib.invalidate_caches()
     budgets = {shape: a.by_name[f"budget:{shape}"].figures for shape in SHAPES if a.by_name[f"budget:{shape}"].figures}
     meta = {"dry_run": a.dry_run, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version(), "driver_cuda": a.driver_cuda, "layers": LAYERS,
