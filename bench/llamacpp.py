@@ -123,8 +123,11 @@ def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = Fals
     if cuda:                                    # the shared libraries beside the tools (their RPATH is $ORIGIN)
         for lib in (bld / "bin").glob("lib*.so*"):
             shutil.copy2(lib, root / "bin" / lib.name, follow_symlinks=True)
-    if not (root / "build-seconds").exists():     # the first build's wall time (a rebuild reuses its objects)
-        (root / "build-seconds").write_text(f"{time.time() - t0:.0f}\n")
+    if not (root / "build-seconds").exists():     # the first build's wall time (a rebuild reuses its objects),
+        # with the time of an earlier, interrupted run of it that left its objects (build-seconds.partial)
+        partial = root / "build-seconds.partial"
+        before = float(partial.read_text()) if partial.exists() else 0.0
+        (root / "build-seconds").write_text(f"{before + time.time() - t0:.0f}\n")
     (root / "BUILT").write_text(VERSION + "\n")
     return root
 
