@@ -191,7 +191,7 @@ def install(bundle: Path, dest: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the bundle to make (default %(default)s)")
     ap.add_argument("--check", type=Path, default=None, metavar="FILE", help="only check FILE, then exit")

@@ -68,17 +68,17 @@ LAYERS = 4                      # a quarter of the experts is then one whole lay
 CACHE_SHARE = 0.25                                  # the budget: a quarter of the experts
 QUANT = "Q4_K_M"
 PROMPT, GEN = 512, 32                               # prefill 512 tokens, then GEN decoded
-# Minutes each step is expected to take on a lent machine (16 cores, H100/H200) at LAYERS layers: read off the
-# first run (install 2.6 s, tests 38 s, a 2-layer Mixtral synthetic 34 s, its quantize 28 s) and scaled by bytes
-# (Mixtral 11.3 GB of experts at 4 layers, Qwen3 4.8 GB); llama.cpp's convert + quantize is a guess (~0.3 GB/s).
-# The budget is checked against these, never a half-run.
+# Minutes each step is expected to take on a lent machine (16 cores, H100/H200) at LAYERS layers. From the first
+# run: install 2.6 s, tests 38 s, a 2-layer Mixtral synthetic 34 s, its quantize 28 s; scaled by bytes (Mixtral
+# 11.3 GB of experts at 4 layers, Qwen3 4.8 GB). Guesses, to be corrected from the first run of this check: the
+# converter + llama-quantize (~0.5 GB/s), llama-bench and moectl bench (model load + 3 requests of 512 + 32
+# tokens). The core rows of both shapes come to ~9 minutes; the rest runs if time is left.
 STEP_MINUTES = {"install": 0.2, "tests": 1.0,
-                "synthetic:mixtral": 1.2, "gguf:mixtral": 1.5, "llamacpp:mixtral": 0.6, "budget:mixtral": 0.0,
-                "fits:mixtral": 0.1, "fits:qwen3-moe": 0.1,
-                "plan:mixtral": 0.2, "bench:mixtral": 0.8, "bench-auto:mixtral": 1.2,
+                "synthetic:mixtral": 1.2, "gguf:mixtral": 1.0, "llamacpp:mixtral": 0.6, "budget:mixtral": 0.0,
+                "fits:mixtral": 0.1, "plan:mixtral": 0.2, "bench:mixtral": 0.6, "bench-auto:mixtral": 1.0,
                 "quantize:mixtral": 1.0, "bench-q4:mixtral": 0.6,
-                "synthetic:qwen3-moe": 0.6, "gguf:qwen3-moe": 0.8, "llamacpp:qwen3-moe": 0.5, "budget:qwen3-moe": 0.0,
-                "plan:qwen3-moe": 0.2, "bench:qwen3-moe": 0.6, "bench-auto:qwen3-moe": 0.9,
+                "synthetic:qwen3-moe": 0.6, "gguf:qwen3-moe": 0.6, "llamacpp:qwen3-moe": 0.5, "budget:qwen3-moe": 0.0,
+                "fits:qwen3-moe": 0.1, "plan:qwen3-moe": 0.2, "bench:qwen3-moe": 0.5, "bench-auto:qwen3-moe": 0.8,
                 "quantize:qwen3-moe": 0.5, "bench-q4:qwen3-moe": 0.5,
                 "kernels": 1.0, "copy": 0.3, "attention": 0.2}
 NEEDED = ("torch", "transformers", "accelerate", "safetensors", "datasets", "typer", "rich", "yaml", "hqq",
@@ -699,7 +699,8 @@ def markdown(r: dict) -> str:
 
 # --- the run ---------------------------------------------------------------------------------------------------
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="report directory (default $OUT, else ./gpu-check)")
     p.add_argument("--dry-run", action="store_true", help="print every step, run only what a CPU can")
     p.add_argument("--bundle", type=Path, default=BUNDLE, help="the bundle `make gpu-bundle` made (default "
