@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))                       # moectl from this checkout (the lent image has none installed)
 TORCH_VERSION = "2.13.0"                            # the Makefile's pin
 TORCH_CUDA_TAGS = {"cu126": (12, 6), "cu128": (12, 8), "cu130": (13, 0)}   # wheels the pinned version is built for
 VENV = ROOT / ".venv-cuda"
