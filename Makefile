@@ -48,7 +48,7 @@ gpu-check:
 	else $(MAKE) -s install && HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS); fi
 
 # What a lent GPU machine cannot make itself (bench/gpu_bundle.py): llama.cpp's CUDA tools built here for sm_90
-# (the first build took BUILD_TIME on this 2-core machine; reused after), its converter, the wheels the image lacks;
+# (hours on this 2-core machine: docs/gpu-check.md; its objects are reused), its converter, the wheels the image lacks;
 # one gpu-bundle.tar.xz (git-ignored), checked complete and within the device tool's 64 MiB carry with the checkout,
 # its size printed. Reused when nothing changed. Needs nvcc, cmake, a C++ compiler and the package index. Not part
 # of `make test`; docs/gpu-check.md has the `run` call that carries it.
