@@ -74,7 +74,7 @@ PROMPT, GEN = 512, 32                               # prefill 512 tokens, then G
 # 11.3 GB of experts at 4 layers, Qwen3 4.8 GB). Guesses, to be corrected from the first run of this check: the
 # converter + llama-quantize (~0.5 GB/s), llama-bench and moectl bench (model load + 3 requests of 512 + 32
 # tokens). The core rows of both shapes come to ~9 minutes; the rest runs if time is left.
-STEP_MINUTES = {"install": 0.2, "tests": 1.0,
+STEP_MINUTES = {"install": 0.5, "tests": 1.0,             # install: + measuring this machine's profile after it
                 "synthetic:mixtral": 1.2, "gguf:mixtral": 1.0, "llamacpp:mixtral": 0.6, "budget:mixtral": 0.0,
                 "fits:mixtral": 0.1, "plan:mixtral": 0.2, "bench:mixtral": 0.6, "bench-auto:mixtral": 1.0,
                 "quantize:mixtral": 1.0, "bench-q4:mixtral": 0.6,

@@ -117,7 +117,7 @@ def test_dry_run_rehearses_the_whole_device_call(tmp_path):
                         "--sample", str(SAMPLE), "--bundle", str(bundle)],
                        capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert p.stdout.startswith("gpu-check: 9 minutes; planned (minutes): install 0.2, tests 1,")
+    assert p.stdout.startswith("gpu-check: 9 minutes; planned (minutes): install 0.5, tests 1,")
     r = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in r["steps"]}
     assert r["failed"] == [] and r["meta"]["dry_run"] is True and r["meta"]["bundle_problems"] == []
