@@ -782,6 +782,50 @@ def fill(cmd: list[str], a) -> list[str]:
     return out
 
 
+def run_or_skip(s: Step, a, cuda: bool, env: dict, skip: set[str], sample: dict, t_start: float) -> None:
+    """One step: skipped (with the reason), printed (dry run; a recorded sample's figures when given) or run."""
+    left = a.minutes - (time.monotonic() - t_start) / 60
+    why = skip_reason(s, a.by_name, skip, None if a.dry_run else left)
+    if why:
+        s.status, s.output = "skipped", why
+    elif a.dry_run and not s.cpu:
+        s.cmd = fill(s.cmd, a)
+        if s.name in sample:
+            s.status, s.figures = "sample", sample[s.name]
+        else:
+            s.status = "printed"
+        print(f"[dry run] {s.name}: {s.line}")
+        return
+    else:
+        s.cmd = fill(s.cmd, a)
+        print(f"[{s.name}] {s.line}", flush=True)
+        if s.kind == "synthetic" and (Path(s.cmd[s.cmd.index("--out") + 1]) / "config.json").is_file():
+            s.status, s.output = "ok", "already built"
+            return
+        if s.inline is not None:
+            t0 = time.perf_counter()
+            try:
+                s.figures, s.status = s.inline(), "ok"
+            except (FileNotFoundError, StepSkipped) as e:
+                s.status, s.output = "skipped", str(e)
+            except Exception as e:                         # noqa: BLE001: the report keeps it, the check goes on
+                s.status, s.output = "failed", f"{type(e).__name__}: {e}"
+            s.seconds = time.perf_counter() - t0
+        else:
+            run_step(s, env, min(a.timeout, max(60.0, left * 60 + 30)))
+        print(f"[{s.name}] {s.status} in {s.seconds:.1f} s", flush=True)
+    if s.status == "skipped":
+        print(f"[{s.name}] skipped: {s.output}", flush=True)
+    if s.name == "install" and s.status == "ok":
+        write_hardware(a.hardware, step_python(a, cuda), cuda, env)   # the interpreter exists now: measure
+        # the in-process steps (budget, fits) import gguf and moectl: the bundle's wheels first, as the
+        # commands have them on PYTHONPATH (the image lacks gguf and holds an older transformers)
+        sys.path[:0] = [str(ROOT), str(SITE)]
+        import importlib
+
+        importlib.invalidate_caches()
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     done = sub_command(a)
@@ -822,46 +866,7 @@ def main(argv=None) -> int:
     if a.dry_run:                                     # this CPU's profile, for the plans (a GPU's: after install)
         write_hardware(a.hardware, sys.executable, False, env)
     for s in steps:
-        left = a.minutes - (time.monotonic() - t_start) / 60
-        why = skip_reason(s, a.by_name, skip, None if a.dry_run else left)
-        if why:
-            s.status, s.output = "skipped", why
-        elif a.dry_run and not s.cpu:
-            s.cmd = fill(s.cmd, a)
-            if s.name in sample:
-                s.status, s.figures = "sample", sample[s.name]
-            else:
-                s.status = "printed"
-            print(f"[dry run] {s.name}: {s.line}")
-            continue
-        else:
-            s.cmd = fill(s.cmd, a)
-            print(f"[{s.name}] {s.line}", flush=True)
-            if s.kind == "synthetic" and (Path(s.cmd[s.cmd.index("--out") + 1]) / "config.json").is_file():
-                s.status, s.output = "ok", "already built"
-                continue
-            if s.inline is not None:
-                t0 = time.perf_counter()
-                try:
-                    s.figures, s.status = s.inline(), "ok"
-                except (FileNotFoundError, StepSkipped) as e:
-                    s.status, s.output = "skipped", str(e)
-                except Exception as e:                         # noqa: BLE001: the report keeps it, the check goes on
-                    s.status, s.output = "failed", f"{type(e).__name__}: {e}"
-                s.seconds = time.perf_counter() - t0
-            else:
-                run_step(s, env, min(a.timeout, max(60.0, left * 60 + 30)))
-            print(f"[{s.name}] {s.status} in {s.seconds:.1f} s", flush=True)
-        if s.status == "skipped":
-            print(f"[{s.name}] skipped: {s.output}", flush=True)
-        if s.name == "install" and s.status == "ok":
-            write_hardware(a.hardware, step_python(a, cuda), cuda, env)   # the interpreter exists now: measure
-            # the in-process steps (budget, fits) import gguf and moectl: the bundle's wheels first, as the
-            # commands have them on PYTHONPATH (the image lacks gguf and holds an older transformers)
-            sys.path[:0] = [str(ROOT), str(SITE)]
-            import importlib
-
-            importlib.invalidate_caches()
+        run_or_skip(s, a, cuda, env, skip, sample, t_start)
     budgets = {shape: a.by_name[f"budget:{shape}"].figures for shape in SHAPES if a.by_name[f"budget:{shape}"].figures}
     meta = {"dry_run": a.dry_run, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version(), "driver_cuda": a.driver_cuda, "layers": LAYERS,
