@@ -17,10 +17,10 @@ machine (no package index, no compiler time), from the bundle `make gpu-bundle` 
   budget      moectl's --budget: that measured VRAM (else, before it is measured, the GGUF's tensors on the device)
   fits        moectl's own sizing (inspect_model) at that budget: when its dense weights, KV reserve, workspace and
               one slot per layer do not fit, its GGUF rows are skipped with that reason
-  plan        `moectl plan-cache` on the GGUF at that budget with this machine's measured profile
-  bench       `moectl bench` on the same .gguf at that budget: fetch only (--cpu-experts never), then the default
-              (--cpu-experts auto) with the plan's row beside it; each with the simulator's prediction from this
-              machine's measured profile (bench's own `predicted`)
+  bench       `moectl bench` on the same .gguf at that budget: fetch only (--cpu-experts never), before a plan
+              exists; then `moectl plan-cache` on the GGUF at that budget with this machine's measured profile; then
+              the default (--cpu-experts auto) with the plan's row beside it (bench-auto); each row with the
+              simulator's prediction from this machine's measured profile (bench's own `predicted`)
   quantize    `moectl quantize` of the safetensors original to q4g64, on the device
   bench-q4    moectl's own q4 copies (moectl-q4) at the same budget
   kernels     the device kernels' step (bench/gpu_kernels.py: its run(out_dir, dry_run); see KERNELS below)
@@ -406,12 +406,13 @@ def plan_steps(a, cuda: bool) -> list[Step]:
             Step(f"fits:{shape}", ["(this process)", "moectl.store.facts.inspect_model", str(gguf), "--budget",
                                    budget], cpu=True, needs=(f"budget:{shape}",),
                  inline=lambda a=a, shape=shape: moectl_fits(a, shape)),
-            Step(f"plan:{shape}", moectl + ["plan-cache", "--model", str(gguf), "--budget", budget, "--hardware",
-                                            str(a.hardware), "--workdir", str(wd), "--json"],
-                 cpu=True, needs=(f"fits:{shape}",)),
+            # fetch only before the plan exists: a workdir's plan.yaml would lend it its policies
             Step(f"bench:{shape}", moectl + ["bench", "--model", str(gguf), "--workdir", str(wd), *row,
                                              "--cpu-experts", "never", "--baselines", ""],
                  needs=(f"fits:{shape}", "install")),
+            Step(f"plan:{shape}", moectl + ["plan-cache", "--model", str(gguf), "--budget", budget, "--hardware",
+                                            str(a.hardware), "--workdir", str(wd), "--json"],
+                 cpu=True, needs=(f"fits:{shape}",)),
             Step(f"bench-auto:{shape}", moectl + ["bench", "--model", str(gguf), "--workdir", str(wd), *row,
                                                   "--baselines", "moectl-plan"],
                  needs=(f"plan:{shape}", "install"))]
