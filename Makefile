@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # people who pip-install moectl into their own environment). `make constraints` rewrites it from .venv.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install test demo test-latest constraints clean gpu-check install-llamacpp test-llamacpp bench-llamacpp \
+.PHONY: install test demo test-latest constraints clean gpu-check gpu-bundle install-llamacpp test-llamacpp bench-llamacpp \
 	bench-fidelity
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
@@ -39,13 +39,21 @@ bench-llamacpp: install-llamacpp
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo
 
-# Every CUDA path run, checked and timed (bench/gpu_check.py; report in $$OUT or ./gpu-check). With a GPU it runs on
-# the interpreter that has the CUDA torch (carried wheels on PYTHONPATH; never .venv); without one it says so and does the
-# dry run (the steps printed, the CPU parts run) from .venv. GPU_CHECK_ARGS: e.g. --layers 4 --wheels DIR (made by
-# `bench/gpu_check.py --fetch-wheels DIR` where the index is reachable; docs/gpu-check.md has the lent machines' recipe).
+# Issue 44's check in one device call (bench/gpu_check.py; report in $$OUT or ./gpu-check): moectl against llama.cpp's
+# --n-cpu-moe on the same GGUF and VRAM. With a GPU it runs on the interpreter that has the CUDA torch, from the
+# bundle `make gpu-bundle` made (never .venv); without one it says so and does the dry run from .venv (make test runs
+# it). GPU_CHECK_ARGS: e.g. --minutes 9 --skip copy,attention (docs/gpu-check.md has the lent machines' recipe).
 gpu-check:
 	@if command -v nvidia-smi >/dev/null 2>&1; then HF_HUB_OFFLINE=1 $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS); \
 	else $(MAKE) -s install && HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS); fi
+
+# What a lent GPU machine cannot make itself (bench/gpu_bundle.py): llama.cpp's CUDA tools built here for sm_90
+# (hours on this 2-core machine: docs/gpu-check.md; its objects are reused), its converter, the wheels the image lacks;
+# one gpu-bundle.tar.xz (git-ignored), checked complete and within the device tool's 64 MiB carry with the checkout,
+# its size printed. Reused when nothing changed. Needs nvcc, cmake, a C++ compiler and the package index. Not part
+# of `make test`; docs/gpu-check.md has the `run` call that carries it.
+gpu-bundle: install
+	HF_HUB_OFFLINE=1 nice -n 10 $(BIN)/python bench/gpu_bundle.py --out gpu-bundle.tar.xz
 
 # The fidelity yardstick (issue 31): build the reference model (~45 min on 2 cores, once; resumable: re-run to
 # continue) and run the fidelity benchmarks on it. Never part of `make test`. Reports go to bench-fidelity/.

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 from moectl.errors import MoectlError
@@ -27,6 +28,15 @@ from moectl.core.recipes import moectl_home
 VERSION = "0.3.36"      # llama-cpp-python's sdist; vendors llama.cpp (moectl/kernels/ggml.py builds ggml from the same)
 TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize")
 CUDA_TOOLS = ("llama-bench", "llama-quantize")      # what gpu-check's --n-cpu-moe row needs (bench/llamacpp_cuda.py)
+# The CUDA build is made here, ahead of time, for the lent machines (no compiling there: bench/gpu_bundle.py carries
+# it). Hopper only (H100/H200): each more architecture is another full pass of nvcc over ~190 kernel files.
+CUDA_ARCHS = "90-real"
+# cuBLAS for the link, from the package index at the version the lent machines' torch (2.11.0+cu130, through
+# cuda-toolkit 13.0.2) ships: at run time the binaries load that torch's own libcublas.so.13 (LD_LIBRARY_PATH).
+CUBLAS_WHEEL = "nvidia-cublas==13.1.0.3"
+# The CPU code of the CUDA build is chosen at run time (GGML_BACKEND_DL): the lent machines' CPUs are not this one
+# (the first was a Sapphire Rapids Xeon, AVX-512 + AMX), and `--n-cpu-moe` computes experts on it.
+CPU_VARIANTS = ("x64", "haswell", "skylakex", "icelake", "zen4", "sapphirerapids")
 # Not needed to build the tools or run the converter; left out of a carried source pack (`pack_source`).
 PACK_SKIP = ("models", "docs", "media", "tests", "benches", "examples", "pocs", "ci", "scripts", "app",
              "tools/server", "tools/ui", "tools/cli", ".github", ".devops")
@@ -101,24 +111,94 @@ def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = Fals
         with tarfile.open(sdist) as tf:
             tf.extractall(root / "src", filter="data")
     bld = root / "build"
-    echo(f"building {', '.join(tools)} into {root / 'bin'} (minutes; log: {log}) ...")
-    _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda)], log)
-    _run(["cmake", "--build", bld, "-j", jobs, "--target", *tools], log)
+    deps = cuda_link_deps(root, log) if cuda else None
+    echo(f"building {', '.join(tools)} into {root / 'bin'} (minutes{', an hour or more on 2 cores' if cuda else ''}; "
+         f"log: {log}) ...")
+    t0 = time.time()
+    _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda, deps)], log)
+    _run(["cmake", "--build", bld, "-j", jobs, "--target", *(cuda_targets() if cuda else tools)], log)
     (root / "bin").mkdir(exist_ok=True)
     for t in tools:
         shutil.copy2(bld / "bin" / t, tool(t, root))
+    if cuda:                                    # the shared libraries beside the tools (their RPATH is $ORIGIN)
+        for lib in (bld / "bin").glob("lib*.so*"):
+            shutil.copy2(lib, root / "bin" / lib.name, follow_symlinks=True)
+    if not (root / "build-seconds").exists():     # the first build's wall time (a rebuild reuses its objects),
+        # with the time of an earlier, interrupted run of it that left its objects (build-seconds.partial)
+        partial = root / "build-seconds.partial"
+        before = float(partial.read_text()) if partial.exists() else 0.0
+        (root / "build-seconds").write_text(f"{before + time.time() - t0:.0f}\n")
     (root / "BUILT").write_text(VERSION + "\n")
     return root
 
 
-def cmake_flags(cuda: bool = False) -> list[str]:
-    """The configuration: static tools, no server, no curl; the CPU backend with native flags, or CUDA for the
-    GPU this machine has (`native`: nvcc compiles for it alone, minutes instead of an hour for every arch)."""
-    backend = (["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                "-DLLAMA_BUILD_APP=OFF"] if cuda else ["-DGGML_CUDA=OFF", "-DLLAMA_BUILD_EXAMPLES=ON"])
-    return ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
-            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-            "-DLLAMA_BUILD_SERVER=OFF", *backend]
+def cmake_flags(cuda: bool = False, deps: dict | None = None) -> list[str]:
+    """The configuration: no server, no curl, no tests. CPU: static tools with this machine's native flags. CUDA:
+    built here for the lent machines, not this one: CUDA_ARCHS only, FlashAttention for an f16 KV cache only
+    (llama-bench's default; GGML_CUDA_FA_QUANTS would add an instance set per pair), no NCCL; shared libraries
+    with every CPU variant of CPU_VARIANTS loaded by what the CPU it runs on has (GGML_BACKEND_DL). `deps`
+    (`cuda_link_deps`): where cuBLAS and the driver's link stub are, as this machine has neither."""
+    common = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF",
+              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF"]
+    if not cuda:
+        return common + ["-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_EXAMPLES=ON"]
+    flags = common + ["-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON",
+                      "-DGGML_CPU_ALL_VARIANTS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+                      "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={CUDA_ARCHS}", "-DGGML_CUDA_FA_QUANTS=f16-f16",
+                      "-DGGML_CUDA_NCCL=OFF", "-DCMAKE_BUILD_RPATH=$ORIGIN"]
+    if deps:
+        cuda_root = Path(deps["nvcc"]).parents[1]
+        flags += [f"-DCUDAToolkit_ROOT={cuda_root}", f"-DCMAKE_CUDA_COMPILER={deps['nvcc']}",
+                  f"-DCUDA_cublas_LIBRARY={deps['lib']}/libcublas.so",
+                  f"-DCUDA_cublasLt_LIBRARY={deps['lib']}/libcublasLt.so",
+                  f"-DCUDA_cuda_driver_LIBRARY={deps['stub']}",
+                  f"-DCMAKE_CUDA_FLAGS=-I{deps['include']}", f"-DCMAKE_CXX_FLAGS=-I{deps['include']}"]
+    return flags
+
+
+def cuda_targets() -> list[str]:
+    """What the CUDA build compiles: the tools, the CUDA backend and the CPU variants (loaded, not linked)."""
+    return [*CUDA_TOOLS, "ggml-cuda", *(f"ggml-cpu-{v}" for v in CPU_VARIANTS)]
+
+
+def cuda_link_deps(root: Path, log: Path, python: str = sys.executable) -> dict:
+    """What linking the CUDA build needs beyond nvcc, which this machine's toolkit lacks: cuBLAS's headers and
+    libraries (CUBLAS_WHEEL, from the package index; the binaries load the lent machine's own at run time) and a
+    link stub of the driver library libcuda.so.1 (the real one comes with the lent machine's driver). The stub
+    defines every `CUresult cu*(...)` cuda.h declares, as an empty function under the driver's soname: it is
+    only linked against, never loaded."""
+    deps = root / "deps"
+    cublas = deps / "cublas" / "nvidia" / "cu13"
+    if not (cublas / "lib" / "libcublas.so").exists():
+        deps.mkdir(parents=True, exist_ok=True)
+        _run([python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", CUBLAS_WHEEL, "-d", deps],
+             log)
+        import zipfile
+
+        wheel = next(deps.glob("nvidia_cublas-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(deps / "cublas", [n for n in z.namelist() if "/include/" in n or "/lib/libcublas" in n])
+        for name in ("libcublas", "libcublasLt"):
+            (cublas / "lib" / f"{name}.so").symlink_to(f"{name}.so.13")
+        wheel.unlink()                                                          # 420 MB; the headers are out
+    # the toolkit's own nvcc, not a wrapper on PATH: CUDAToolkit_ROOT is read off its place
+    compiler = "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else nvcc()
+    if compiler is None:
+        raise MoectlError("building llama.cpp with CUDA needs nvcc (the CUDA toolkit): none on PATH or in "
+                          "/usr/local/cuda/bin")
+    include = Path(compiler).parents[1] / "include"
+    stub = deps / "stub" / "libcuda.so"
+    if not stub.exists():
+        import re
+
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        pre = subprocess.run(["cc", "-E", "-P", f"-I{include}", str(include / "cuda.h")], capture_output=True,
+                             text=True, check=True).stdout
+        names = sorted(set(re.findall(r"CUresult\s+(cu\w+)\s*\(", pre)))
+        (stub.parent / "libcuda_stub.c").write_text("".join(f"void {n}(void) {{}}\n" for n in names))
+        _run(["cc", "-shared", "-fPIC", "-o", stub, "-Wl,-soname,libcuda.so.1", stub.parent / "libcuda_stub.c"],
+             log)
+    return {"nvcc": compiler, "include": str(cublas / "include"), "lib": str(cublas / "lib"), "stub": str(stub)}
 
 
 def pack_source(out: Path, root: Path | None = None) -> Path:
@@ -160,14 +240,15 @@ c.main()
 
 
 def convert(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre: str = "gpt-2",
-            root: Path | None = None, log: Path | None = None) -> Path:
-    """llama.cpp's `convert_hf_to_gguf.py` on a Hugging Face checkpoint, told the tiny tokenizer's pre-tokenizer."""
+            root: Path | None = None, log: Path | None = None, src: Path | None = None) -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py` on a Hugging Face checkpoint, told the tiny tokenizer's pre-tokenizer.
+    `src`: a directory holding the converter, conversion/ and gguf-py/ (default: the build's source tree)."""
     import importlib.util
 
     if importlib.util.find_spec("sentencepiece") is None:     # its Llama-family vocab path imports it first
         raise MoectlError("llama.cpp's converter needs sentencepiece: pip install 'moectl[llamacpp]' "
                           "(make install-llamacpp)")
-    src = source_dir(root)
+    src = src or source_dir(root)
     script = src / "convert_hf_to_gguf.py"
     if not script.exists():
         raise MoectlError(f"llama.cpp's converter is not at {script}: build first (bench/vs_llamacpp.py --build)")
