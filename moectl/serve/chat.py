@@ -100,6 +100,7 @@ def print_session_stats(session: ChatSession, console) -> None:
     from rich.table import Table
 
     from ..core.recipes import format_bytes
+    from ..tables import plural
 
     t = session.totals.as_dict()
     cache = session.engine.cache
@@ -112,7 +113,7 @@ def print_session_stats(session: ChatSession, console) -> None:
     table.add_row("load wait", f"{t['load_wait_s'] * 1000:.1f} ms")
     slots = getattr(cache, "slots_per_layer", None)
     if slots is not None:
-        table.add_row("cache slots", f"{sum(slots)} over {len(slots)} MoE layers")
+        table.add_row("cache slots", f"{sum(slots)} over {plural(len(slots), 'MoE layer')}")
     table.add_row("messages in context", str(len(session.messages)))
     console.print(table)
 

@@ -102,7 +102,7 @@ class RuntimeOptions:
         """The settings in force that change outputs: precision (and its thresholds), low-bit copies, gating."""
         prec = self.precision or "full"
         return {"precision": prec + (f" (T1 {self.t1:g}, T2 {self.t2:g})" if prec == "hobbit" else ""),
-                "lowbit": self.lowbit, "gating": gating_note or "off"} | (
+                "lowbit": self.lowbit, "gating": (gating_note or "off").removeprefix("gating: ")} | (
             {"dense_lowbit": self.dense_lowbit} if self.dense_lowbit else {})
 
     def config(self, resolved: dict | None = None) -> dict:
