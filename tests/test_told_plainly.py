@@ -81,3 +81,40 @@ def test_report_table_fits_80_columns(tmp_path, capsys, monkeypatch):
     assert code == 0
     assert_fits(out)
     assert "1 request," in out and "16 layers x" in out
+
+
+# --- help -------------------------------------------------------------------------------------------------------
+def _commands():
+    """(command words, click command) of every moectl command, sub-commands included."""
+    import typer
+
+    from moectl.cli import app
+
+    def walk(cmd, path):
+        if hasattr(cmd, "commands"):
+            for name, sub in cmd.commands.items():
+                yield from walk(sub, path + [name])
+        else:
+            yield path, cmd
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_every_option_of_every_command_has_help_text():
+    missing = [f"{' '.join(path)} {p.opts[0]}" for path, cmd in _commands() for p in cmd.params
+               if p.param_type_name == "option" and not (p.help or "").strip()]
+    assert len(_commands()) >= 15 and missing == []
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "eval", "serve", "bench", "simulate", "trace export"])
+def test_help_shows_flags_without_bool_and_groups_the_runtime_options(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run_cli([*command.split(), "--help"], capsys, monkeypatch)
+    assert code == 0 and "<bool>" not in out + err
+    if command in ("generate", "chat", "eval", "serve"):
+        lines = out.splitlines()
+        panels = [ln.split("─ ")[1].split(" ─")[0] for ln in lines if ln.startswith("╭─ ")]
+        assert panels[0] == "Options" and panels.index("Device and cache") < panels.index(
+            "Precision and gating (lossy: they change outputs)") and "Speculative decoding" in panels
+        first_screen = "\n".join(lines[:60])                   # what most users need, before the policies
+        assert "--model" in first_screen and "--device" in first_screen and "--budget" in first_screen

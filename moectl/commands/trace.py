@@ -63,7 +63,7 @@ def trace_import(
 def trace_export(
     trace_dir: Path = typer.Argument(..., help="trace directory (meta.json + shards)"),
     out: Path = typer.Option(..., "--out", help="JSONL file to write"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print {out, tokens, requests} as one JSON object"),
 ) -> None:
     """Export a trace directory as moe-routing-v1 JSONL (hidden samples and router logits are dropped)."""
     from rich.console import Console
