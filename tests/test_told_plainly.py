@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 from test_bad_input import assert_one_error, run_cli
@@ -118,3 +119,111 @@ def test_help_shows_flags_without_bool_and_groups_the_runtime_options(command, c
             "Precision and gating (lossy: they change outputs)") and "Speculative decoding" in panels
         first_screen = "\n".join(lines[:60])                   # what most users need, before the policies
         assert "--model" in first_screen and "--device" in first_screen and "--budget" in first_screen
+
+
+# --- smaller ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A random 4-layer Mixtral (8 experts, top-2) with a tokenizer: L, E, K = 4, 8, 2."""
+    from model_factory import build_family, save_tokenizer
+
+    out = tmp_path_factory.mktemp("mixtral")
+    build_family("mixtral", out)
+    save_tokenizer(out)
+    return out
+
+
+def test_lossy_line_names_gating_once():
+    """It printed "gating gating: sensitivity T_g=0.02"."""
+    from types import SimpleNamespace
+
+    from moectl.commands._common import print_lossy
+    from moectl.setting.options import RuntimeOptions
+
+    lossy = RuntimeOptions().lossy("gating: sensitivity T_g=0.02 (from sensitivity.json)")
+    assert lossy["gating"] == "sensitivity T_g=0.02 (from sensitivity.json)"
+    eng = SimpleNamespace(lossy=lambda: lossy)
+    out = rendered(lambda console: print_lossy(eng, console), width=200)
+    assert "gating sensitivity T_g=0.02" in out and "gating gating" not in out
+    assert RuntimeOptions().lossy(None)["gating"] == "off"
+
+
+def test_kernels_why_not_is_a_sentence_where_they_load(monkeypatch):
+    from types import SimpleNamespace
+
+    from moectl import kernels
+
+    monkeypatch.setattr(kernels, "library", lambda: SimpleNamespace(_name="/x/libmoectl_cpu.so"))
+    assert kernels.why_not() == "nothing: moectl's CPU kernels are built and in use (/x/libmoectl_cpu.so)"
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    monkeypatch.setattr(kernels, "_why", ["this CPU lacks avx512_vnni"])
+    assert kernels.why_not() == "this CPU lacks avx512_vnni"
+
+
+def test_a_20_byte_gguf_is_a_truncated_header_in_plain_words(tmp_path, capsys, monkeypatch):
+    """It quoted numpy: "When changing to a larger dtype, its size must be a divisor of ..."."""
+    import struct
+
+    path = tmp_path / "short.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQ", 3, 1) + bytes(4))          # 20 of the header's 24 bytes
+    code, _, err = run_cli(["inspect", "--model", str(path)], capsys, monkeypatch)
+    assert_one_error(code, err, "short.gguf is not a readable GGUF file (truncated GGUF header: the file has 20 "
+                                "bytes, the header alone takes 24")
+    assert "dtype" not in err and "divisor" not in err
+
+
+def test_a_directory_named_gguf_is_not_called_a_hugging_face_checkpoint(tmp_path, capsys, monkeypatch):
+    (tmp_path / "dir.gguf").mkdir()
+    for args in (["inspect"], ["generate", "-p", "hi"]):
+        code, _, err = run_cli([*args, "--model", str(tmp_path / "dir.gguf")], capsys, monkeypatch)
+        assert_one_error(code, err, "dir.gguf is a directory, not a GGUF file")
+        assert "Hugging Face" not in err
+
+
+def test_serve_prints_its_url_on_stdout(mixtral, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("fastapi", reason="moectl[serve] is not installed")
+    import uvicorn
+
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)     # bound, loaded, not served
+    code, out, err = run_cli(["serve", "--model", str(mixtral), "--port", "0", "--threads", "1"], capsys,
+                             monkeypatch)
+    assert code == 0, err
+    assert re.search(r"^serving \S+ on http://127.0.0.1:\d+ ", out) and "http://" not in err
+
+
+def test_threads_beyond_the_cores_is_one_error(mixtral, capsys, monkeypatch):
+    from moectl.setting.options import usable_cores
+
+    n = usable_cores() + 1
+    code, _, err = run_cli(["generate", "--model", str(mixtral), "-p", "hi", "--threads", str(n)], capsys,
+                           monkeypatch)
+    assert_one_error(code, err, f"--threads {n} is more than the {usable_cores()} CPU cores this process may run on",
+                     f"use --threads {usable_cores()} or fewer")
+
+
+def test_budget_in_place_on_a_cpu_says_it_has_no_effect(mixtral, tmp_path, monkeypatch):
+    from moectl.runtime.engine import Engine
+
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    eng = Engine.load(str(mixtral), budget="1GB", threads=1, progress=False)
+    assert "--budget 1GB has no effect: on --device cpu with --offload ram the experts are computed in place" \
+        in eng.plan_note
+    plain = Engine.load(str(mixtral), threads=1, progress=False)
+    assert "no effect" not in plain.plan_note
+
+
+def test_a_chat_message_past_the_context_is_refused_and_the_chat_goes_on(capsys):
+    """A 40k-token message was cut to the context's last tokens with only transformers' indexing warning: now it
+    is refused with the figures (one error line on stderr), the conversation before it kept, the next one answered."""
+    from test_chat import FakeEngine, _run
+
+    eng = FakeEngine(context=60)                       # the fake tokenizer: one token per character
+    code, out, session = _run(eng, "hi\n" + "x" * 100 + "\nbye\n")
+    err = capsys.readouterr().err
+    assert code == 0 and len(eng.prompts) == 2 and "x" * 10 not in "".join(eng.prompts)
+    assert eng.prompts[1].startswith("<user>hi<assistant>answer1<user>bye")        # the turn before it kept
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: message not sent: it is 117 tokens with the chat "
+                                                   "template, and the model's context holds 60 including the answer's 8")
+    assert "at most 52 fit" in lines[0]

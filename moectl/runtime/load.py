@@ -21,7 +21,7 @@ from ..errors import MoectlError
 from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
-from ..setting.options import RuntimeOptions
+from ..setting.options import FLAG, RuntimeOptions
 from ..setting.resolve import resolve
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
@@ -90,6 +90,14 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     sizes = checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), L, path=ref.path)
     setting = resolve(opts, sizes, ref.workdir, in_place=in_place,
                       low_nbytes=low_fmt.nbytes if low_fmt is not None else None)
+    if in_place:                                        # said, not silently ignored: nothing is cached in place
+        given = [f"--{n.replace('_', '-')} {getattr(opts, n)}" for n in ("budget", "cache_experts")
+                 if opts.sources.get(n) == FLAG]
+        if given:
+            opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
+                f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: on --device cpu with "
+                "--offload ram the experts are computed in place from host RAM (no device cache to size; "
+                "--emulate-device or --offload disk give the CPU one)")]))
     prec = setting.precision
     runtime.gating = setting.gating
     # In place at --precision lowbit-only nothing computes from the full-precision experts: they stay in the file

@@ -92,11 +92,31 @@ def _read(path: Path) -> GGUFReader:
         raise
     except OSError as e:
         raise MoectlError(f"cannot read {path}: {e}") from None
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        raise MoectlError(f"{path} is not a readable GGUF file (truncated or corrupt header: {e})") from None
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError):
+        raise MoectlError(f"{path} is not a readable GGUF file ({_header_problem(path)})") from None
     if reader.byte_order == "S":
         raise MoectlError(f"{path} is a big-endian GGUF; moectl reads little-endian files (llama.cpp's default)")
     return reader
+
+
+GGUF_HEADER_BYTES = 24                      # magic, version, tensor count, metadata count (gguf's own layout)
+
+
+def _header_problem(path: Path) -> str:
+    """What is wrong with a file the GGUF reader could not parse, in words (not numpy's words on the reader's
+    internals): empty, not a GGUF, a header cut short, or metadata that runs past the end or does not parse."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if size == 0:
+        return "the file is empty"
+    if magic != b"GGUF":
+        return f"not a GGUF file: it starts with {magic!r}, a GGUF with b'GGUF'"
+    if size < GGUF_HEADER_BYTES:
+        return (f"truncated GGUF header: the file has {size} bytes, the header alone takes {GGUF_HEADER_BYTES}; "
+                "an incomplete download?")
+    return (f"truncated or corrupt header: its metadata runs past the file's {size:,} bytes or does not parse; "
+            "an incomplete download?")
 
 
 def field_value(field):
