@@ -227,3 +227,55 @@ def test_a_chat_message_past_the_context_is_refused_and_the_chat_goes_on(capsys)
     assert len(lines) == 1 and lines[0].startswith("error: message not sent: it is 117 tokens with the chat "
                                                    "template, and the model's context holds 60 including the answer's 8")
     assert "at most 52 fit" in lines[0]
+
+
+# --- transformers' deprecations ---------------------------------------------------------------------------------
+class _Records(list):
+    """A logging handler keeping transformers' log records (its logger does not propagate to pytest's caplog)."""
+
+    def __enter__(self):
+        import logging
+
+        self.handler = logging.Handler()
+        self.handler.emit = self.append
+        logging.getLogger("transformers").addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger("transformers").removeHandler(self.handler)
+
+
+@pytest.mark.parametrize("as_gguf", [False, True])
+def test_moectls_calls_into_transformers_are_silent(as_gguf, mixtral, tmp_path, monkeypatch):
+    """transformers 5.24 renamed `past_key_values` to `cache` and warns on every decode ("`past_key_values` is
+    deprecated and will be removed in version 5.40.0 ... Use `cache` instead"); `config.torch_dtype` warns too (a
+    GGUF load printed "`torch_dtype` is deprecated!"). A load, a prefill and two decode steps raise no
+    FutureWarning/DeprecationWarning from transformers or moectl and log no deprecation, with the pinned
+    transformers and the newest the ranges allow (`make test-latest`)."""
+    import warnings
+
+    import torch
+
+    from moectl.models.kv_cache import cache_kwargs
+    from moectl.runtime.engine import Engine
+
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    path = mixtral
+    if as_gguf:
+        from gguf_build import write_gguf
+
+        path = write_gguf(mixtral, tmp_path / "m.gguf")
+    with _Records() as logs, warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning):
+            for module in ("transformers", "moectl"):
+                warnings.filterwarnings("error", category=category, module=module)
+        eng = Engine.load(str(path), threads=1, progress=False)
+        logits, pkv = eng.forward(torch.tensor([[1, 2, 3]]))
+        for _ in range(2):
+            logits, pkv = eng.forward(logits[:, -1:].argmax(-1), pkv)
+    assert pkv.get_seq_length() == 5                         # the cache was passed in and came back, filled
+    said = [r.getMessage() for r in logs if "deprecated" in r.getMessage()]
+    assert said == []
+    assert list(cache_kwargs(eng.model, pkv)) in (["cache"], ["past_key_values"])

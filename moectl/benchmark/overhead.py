@@ -24,6 +24,7 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
     the CPU: lowbit-only computes every expert from its copy, HOBBIT has no misses to act on)."""
     from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig, MixtralForCausalLM
 
+    from ..models.kv_cache import cache_kwargs, output_cache
     from ..runtime.engine import Engine
 
     old_threads = torch.get_num_threads()
@@ -48,8 +49,9 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
 
             def ref_step(step, pkv):
                 with torch.inference_mode():
-                    out = ref(input_ids=step, past_key_values=pkv or DynamicCache(config=ref.config), use_cache=True)
-                return out.logits, out.past_key_values
+                    out = ref(input_ids=step, **cache_kwargs(ref, pkv or DynamicCache(config=ref.config)),
+                              use_cache=True)
+                return out.logits, output_cache(out)
 
             def decode_with(step_fn):
                 def run():

@@ -116,7 +116,7 @@ def parse_device(device: str) -> torch.device:
 def parse_dtype(dtype, config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    name = dtype or getattr(config, "dtype", None) or "float32"         # (config.torch_dtype warns from 5.24 on)
     name = str(name).replace("torch.", "")
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
