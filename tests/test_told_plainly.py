@@ -279,3 +279,15 @@ def test_moectls_calls_into_transformers_are_silent(as_gguf, mixtral, tmp_path, 
     said = [r.getMessage() for r in logs if "deprecated" in r.getMessage()]
     assert said == []
     assert list(cache_kwargs(eng.model, pkv)) in (["cache"], ["past_key_values"])
+
+
+def test_bench_overhead_prints_no_transformers_progress_bars(capfd):
+    """`moectl bench` printed transformers' "Writing model shards" and "Loading weights" tqdm bars."""
+    from transformers.utils import logging as hf_logging
+
+    from moectl.benchmark.overhead import runtime_overhead
+
+    r = runtime_overhead(layers=1, hidden=64, intermediate=64, experts=4, prompt=4, decode=2, threads=1)
+    out, err = capfd.readouterr()
+    assert r["prefill_tokens"] == 4 and "Writing model shards" not in out + err and "Loading weights" not in out + err
+    assert hf_logging.is_progress_bar_enabled()              # put back as it was
