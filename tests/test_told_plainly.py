@@ -12,6 +12,7 @@ import io
 import json
 import re
 
+import numpy as np
 import pytest
 from test_bad_input import assert_one_error, run_cli
 
@@ -291,3 +292,100 @@ def test_bench_overhead_prints_no_transformers_progress_bars(capfd):
     out, err = capfd.readouterr()
     assert r["prefill_tokens"] == 4 and "Writing model shards" not in out + err and "Loading weights" not in out + err
     assert hf_logging.is_progress_bar_enabled()              # put back as it was
+
+
+# --- a GGUF load: its progress and its peak ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def q4_gguf(mixtral, tmp_path_factory):
+    """The random Mixtral as a GGUF with Q4_0 experts (repacked for the int4 kernel in place) and Q8_0 dense
+    tensors."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_build import write_gguf
+
+    return write_gguf(mixtral, tmp_path_factory.mktemp("gguf") / "q4.gguf", expert_encoding=T.Q4_0,
+                      dense_encoding=T.Q8_0)
+
+
+def test_gguf_load_shows_progress_over_its_dense_tensors(q4_gguf, tmp_path, monkeypatch):
+    """A GGUF load of 25-50 s showed no bar while it dequantised the dense tensors."""
+    import moectl.progress
+    from moectl.runtime.engine import Engine
+
+    tasks = {}
+
+    class Recorder:
+        def __init__(self, enabled=True, console=None, transient=False):
+            self.enabled = enabled
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def add(self, label, total=None):
+            tasks[label] = {"total": total, "completed": 0}
+            return label
+
+        def update(self, task, *, advance=None, completed=None, total=None, info=None):
+            tasks[task]["completed"] = completed if completed is not None else tasks[task]["completed"] + (advance or 0)
+
+    monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(moectl.progress, "ProgressBar", Recorder)
+    eng = Engine.load(str(q4_gguf), threads=1, progress=True)
+    dense = tasks["reading dense weights (dequantising)"]
+    assert dense["total"] == sum(1 for _ in eng.model.named_parameters()) and dense["completed"] == dense["total"]
+
+
+def test_gguf_vocabulary_tensors_dequantised_in_row_blocks_are_the_whole_tensors(q4_gguf, monkeypatch):
+    from moectl.runtime.engine import Engine
+    from moectl.store.gguf import dense
+
+    def state():
+        eng = Engine.load(str(q4_gguf), threads=1, progress=False)
+        return {k: v.clone() for k, v in eng.model.state_dict().items() if "embed" in k or "lm_head" in k}
+
+    monkeypatch.setattr(dense, "CHUNK_WEIGHTS", 64 * 7)           # 7 rows a block: a short last block too
+    blocks = state()
+    monkeypatch.setattr(dense, "ROW_CHUNKED", ())
+    whole = state()
+    assert blocks.keys() == whole.keys() and len(whole) == 2
+    assert all(torch_equal(blocks[k], whole[k]) for k in whole)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_inspect_reports_a_gguf_loads_peak_from_its_sizes(q4_gguf, capsys, monkeypatch):
+    """`inspect` said "host RAM needed 1.94 GB" of a GGUF whose load peaked at 5.25 GB: the dense tensors'
+    dequantisation and the experts' repacking hold more for a while than the run keeps. It now says the load's
+    peak: the dense weights in the run's dtype + the experts as held in place (repacked) + the larger working set
+    of one step (a vocabulary tensor is dequantised a block of rows at a time)."""
+    from moectl.store.facts import DENSE_STEP_BYTES_PER_WEIGHT, REPACK_STEP_BYTES_PER_WEIGHT
+    from moectl.store.gguf.files import CHUNK_WEIGHTS, ROW_CHUNKED, GgufFiles
+
+    code, js, err = run_cli(["inspect", "--model", str(q4_gguf), "--device", "cpu", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    info = json.loads(js)
+    peak, place = info["memory"]["load_peak"], info["gguf"]["cpu_in_place"]
+    files = GgufFiles(q4_gguf)
+    experts = {n: t for n, t in files.tensors.items() if "_exps." in n}
+    dense = {n: t for n, t in files.tensors.items() if n not in experts}
+    numel = lambda t: int(np.prod(t.shape))                                                  # noqa: E731
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[info["dtype"]]
+    assert peak["dense"] == itemsize * sum(numel(t) for t in dense.values())
+    assert place["int4_repacked"] and peak["experts"] == place["expert_bytes"]
+    L, E = len(info["moe_layer_ids"]), info["experts"]
+    per_expert = sum(numel(t) for t in experts.values()) // (L * E)
+    whole = max((t for n, t in dense.items() if n not in ROW_CHUNKED), key=numel)
+    steps = [whole.nbytes + DENSE_STEP_BYTES_PER_WEIGHT * numel(whole),
+             sum(t.nbytes for t in experts.values()) // (L * E) + REPACK_STEP_BYTES_PER_WEIGHT * per_expert,
+             DENSE_STEP_BYTES_PER_WEIGHT * min(CHUNK_WEIGHTS, max(numel(t) for n, t in dense.items()
+                                                                   if n in ROW_CHUNKED))]
+    assert peak["step"] == max(steps) and peak["total"] == peak["dense"] + peak["experts"] + peak["step"]
+    assert peak["total"] > info["memory"]["host"]["total"] - info["memory"]["host"]["kv_reserve"]
+    code, out, _ = run_cli(["inspect", "--model", str(q4_gguf), "--device", "cpu"], capsys, monkeypatch)
+    assert "host RAM peak while loading" in out

@@ -19,7 +19,7 @@ import torch
 from ...formats.gguf_encodings import T
 from ...formats.gguf_int4 import GgufInt4Format
 from ...progress import ProgressBar
-from ..memory import host_empty
+from ..memory import host_empty, release_freed
 
 
 def int4_repackable(adapter) -> bool:
@@ -44,6 +44,7 @@ def repack_for_cpu(store, dtype: torch.dtype, progress: bool = True) -> str:
             for e in range(store.num_experts):
                 store.load_into(layer, e, scratch)
                 fmt.repack(scratch, buf[e])
+                release_freed()                         # its unpacking temporaries leave the RSS (~us a call)
                 bar.update(task, advance=1)
             buffers.append(buf)
     store.buffers, store.formats = buffers, fmts

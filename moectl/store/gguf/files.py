@@ -99,6 +99,13 @@ def _read(path: Path) -> GGUFReader:
     return reader
 
 
+# The vocabulary-sized tensors (150k x 2048 weights: 1.2 GB in fp32, and K-quant dequantisation holds several fp32
+# temporaries of it) are dequantised a block of rows at a time straight into the output (`dense.py`), so a load's
+# working set beyond what it keeps is one block's (`facts.gguf_load_peak`). No family's tensor processor changes them
+# (they permute attention's Q/K rows and reshape the shared expert's gate): the result is the whole tensor's, bit for bit.
+ROW_CHUNKED = ("token_embd.weight", "output.weight")
+CHUNK_WEIGHTS = 1 << 22                 # weights dequantised at a time: 16 MB of fp32
+
 GGUF_HEADER_BYTES = 24                      # magic, version, tensor count, metadata count (gguf's own layout)
 
 
