@@ -389,3 +389,19 @@ def test_inspect_reports_a_gguf_loads_peak_from_its_sizes(q4_gguf, capsys, monke
     assert peak["total"] > info["memory"]["host"]["total"] - info["memory"]["host"]["kv_reserve"]
     code, out, _ = run_cli(["inspect", "--model", str(q4_gguf), "--device", "cpu"], capsys, monkeypatch)
     assert "host RAM peak while loading" in out
+
+
+def test_train_predictor_report_fits_80_columns():
+    """The widest `train-predictor` table: top-8 of 64 experts (k = 8, 9, 10), 16 layers, two-digit layer pairs."""
+    from moectl.commands.train_predictor import print_report
+
+    ks, m = [8, 9, 10], lambda: {**{f"recall@{k}": 0.8765 for k in (8, 9, 10)},        # noqa: E731
+                                     **{f"precision@{k}": 0.5432 for k in (8, 9, 10)},
+                                     **{f"covered@{k}": 0.1234 for k in (8, 9, 10)}}
+    per_layer = [{"source": l, "target": l + 1, "mlp": m(), "gate_reuse": m(), "frequency": m()} for l in range(15)]
+    result = {"metrics": {"mlp": {"ks": ks, "test_tokens": 4096, "lookahead": {
+        "1": {"per_layer": per_layer, "mean": {"mlp": m(), "gate_reuse": m(), "frequency": m()}}}}},
+        "notes": [], "out": "/x/predictors", "kinds": ["mlp"], "seconds": 12.5}
+    out = rendered(lambda console: print_report(result, console))
+    assert_fits(out)
+    assert out.count("0.88") == 16 * 5 and "14->15" in out
