@@ -405,3 +405,19 @@ def test_train_predictor_report_fits_80_columns():
     out = rendered(lambda console: print_report(result, console))
     assert_fits(out)
     assert out.count("0.88") == 16 * 5 and "14->15" in out
+
+
+def test_a_transient_progress_bar_leaves_nothing_in_a_pipe():
+    """Each transient bar (reading experts, reading dense weights, ...) left a blank line on a piped stderr."""
+    from rich.console import Console
+
+    from moectl.progress import ProgressBar
+
+    buf = io.StringIO()
+    with ProgressBar(console=Console(file=buf, width=80), transient=True) as bar:
+        task = bar.add("reading dense weights", total=3)
+        bar.update(task, advance=3)
+    assert buf.getvalue() == ""
+    with ProgressBar(console=Console(file=buf, width=80), transient=False) as bar:   # a kept bar is still shown
+        bar.update(bar.add("profiling", total=2), completed=2)
+    assert "profiling" in buf.getvalue()
