@@ -114,13 +114,14 @@ prompt = torch.tensor([cfg["prompt"]])
 t0 = time.perf_counter()
 if cfg["mode"] == "transformers":
     from transformers import AutoModelForCausalLM, DynamicCache
+    from moectl.models.kv_cache import cache_kwargs
     model = AutoModelForCausalLM.from_pretrained(cfg["ckpt"], dtype=torch.bfloat16).eval()
     load_s = time.perf_counter() - t0
     ids, step, pkv, times = [], prompt, DynamicCache(config=model.config), []
     with torch.inference_mode():
         for _ in range(cfg["tokens"]):
             t = time.perf_counter()
-            out = model(input_ids=step, past_key_values=pkv, use_cache=True)
+            out = model(input_ids=step, **cache_kwargs(model, pkv), use_cache=True)
             nxt = int(out.logits[0, -1].float().argmax())
             times.append(time.perf_counter() - t)
             ids.append(nxt)

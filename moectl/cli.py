@@ -32,6 +32,22 @@ app = typer.Typer(
 err_console = Console(stderr=True)
 
 
+class _Command(typer.core.TyperCommand):
+    """A moectl command: its help shows a boolean flag as the flag alone (typer labels it `<bool>`, a value the
+    flag does not take), and the runtime's "Device and cache" panel right after the command's own options (typer
+    orders panels by their first option: the command's sampling and output ones would come first)."""
+
+    def get_params(self, ctx):
+        from .commands._common import DEVICE_PANEL
+
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_bool_flag", False) and p.metavar is None:
+                p.metavar = ""
+        rank = {None: 0, DEVICE_PANEL: 1}
+        return sorted(params, key=lambda p: rank.get(getattr(p, "rich_help_panel", None), 2))
+
+
 def _register_commands() -> None:
     from . import commands
 
@@ -41,9 +57,12 @@ def _register_commands() -> None:
         module = importlib.import_module(f"{commands.__name__}.{mod.name}")
         name = mod.name.replace("_", "-")
         if isinstance(getattr(module, "app", None), typer.Typer):
+            for info in module.app.registered_commands:
+                if info.cls in (None, typer.core.TyperCommand):
+                    info.cls = _Command
             app.add_typer(module.app, name=name)
         else:
-            app.command(name)(getattr(module, mod.name, None) or getattr(module, mod.name + "_"))   # eval_: a builtin
+            app.command(name, cls=_Command)(getattr(module, mod.name, None) or getattr(module, mod.name + "_"))  # eval_
 
 
 _register_commands()

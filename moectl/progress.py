@@ -17,9 +17,12 @@ class ProgressBar:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+            console = console or Console(stderr=True)
+            if transient and not console.is_terminal:   # it would leave only a blank line in a log or a pipe
+                return
             self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                              console=console or Console(stderr=True), transient=transient)
+                              console=console, transient=transient)
 
     def __enter__(self) -> "ProgressBar":
         if self.p:

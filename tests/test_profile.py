@@ -78,6 +78,8 @@ def _reference(ckpt, prompts: list[list[int]], generate: int, eos: set[int]):
     router logits [n, L, E], MoE inputs [n, L, D], final hidden [n, D] and the token ids."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from moectl.models.kv_cache import cache_kwargs, output_cache
+
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     rec: dict[int, tuple] = {}
     finals = []
@@ -97,13 +99,13 @@ def _reference(ckpt, prompts: list[list[int]], generate: int, eos: set[int]):
             rows, toks = [], list(ids)
             pkv = DynamicCache(config=model.config)
             finals.clear()
-            o = model(torch.tensor([ids]), past_key_values=pkv, use_cache=True)
+            o = model(torch.tensor([ids]), **cache_kwargs(model, pkv), use_cache=True)
             rows.append({l: rec[l] for l in rec})
             for _ in range(generate):
                 nxt = int(o.logits[0, -1].argmax())
                 if nxt in eos:
                     break
-                o = model(torch.tensor([[nxt]]), past_key_values=o.past_key_values, use_cache=True)
+                o = model(torch.tensor([[nxt]]), **cache_kwargs(model, output_cache(o)), use_cache=True)
                 rows.append({l: rec[l] for l in rec})
                 toks.append(nxt)
             L = len(moe)

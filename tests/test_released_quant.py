@@ -17,6 +17,7 @@ from quantized_checkpoints import (fp8_block_quantize, reference_dequantized, wr
 from test_runtime import LOSSLESS_ATOL, _engine_run, run_cli  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
+from moectl.models.kv_cache import cache_kwargs, output_cache  # noqa: E402
 from moectl.models.base import ExpertLayout  # noqa: E402
 from moectl.formats import fp8_block, mxfp4  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
@@ -41,8 +42,8 @@ def _reference(path, prompt, steps):
     with torch.no_grad():
         pkv = DynamicCache(config=ref.config)
         for _ in range(steps + 1):
-            out = ref(input_ids=step, past_key_values=pkv, use_cache=True)
-            pkv = out.past_key_values
+            out = ref(input_ids=step, **cache_kwargs(ref, pkv), use_cache=True)
+            pkv = output_cache(out)
             logits.append(out.logits[0])
             ids.append(int(out.logits[0, -1].argmax()))
             step = torch.tensor([[ids[-1]]])

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_factory import build_family, family_configs, save_tokenizer  # noqa: E402
 
 from moectl.errors import MoectlError  # noqa: E402
+from moectl.models.kv_cache import cache_kwargs, output_cache  # noqa: E402
 from moectl.runtime.engine import Engine  # noqa: E402
 from moectl.core.sizing import ModelSizes, budget_slots, split_budget, workspace_bytes  # noqa: E402
 
@@ -36,8 +37,8 @@ def _reference_run(path, prompt: torch.Tensor, steps: int):
         pkv = DynamicCache(config=ref.config)
         step = prompt
         for _ in range(steps + 1):
-            out = ref(input_ids=step, past_key_values=pkv, use_cache=True)
-            pkv = out.past_key_values
+            out = ref(input_ids=step, **cache_kwargs(ref, pkv), use_cache=True)
+            pkv = output_cache(out)
             logits.append(out.logits[0])
             nxt = int(out.logits[0, -1].argmax())
             ids.append(nxt)

@@ -151,6 +151,8 @@ def _transformers_run(path, dtype, device: str, budget: int | None, ids, gen_len
     from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.utils import logging as hf_logging
 
+    from ..models.kv_cache import cache_kwargs, output_cache
+
     hf_logging.disable_progress_bar()
     kw = {"dtype": dtype}
     if device != "cpu":
@@ -160,8 +162,9 @@ def _transformers_run(path, dtype, device: str, budget: int | None, ids, gen_len
 
     def step(x, pkv):
         with torch.inference_mode():
-            out = model(input_ids=x.to(dev), past_key_values=pkv or DynamicCache(config=model.config), use_cache=True)
-        return out.logits, out.past_key_values
+            out = model(input_ids=x.to(dev), **cache_kwargs(model, pkv or DynamicCache(config=model.config)),
+                        use_cache=True)
+        return out.logits, output_cache(out)
     try:
         runs = sorted((_run_steps(step, ids, gen_len) for _ in range(repeat)), key=lambda o: o["decode_ms_per_token"])
         return runs[len(runs) // 2] | {"repeat": repeat}

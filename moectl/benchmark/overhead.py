@@ -23,7 +23,9 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
     the random model is quantized first and moectl runs with those copies and `precision` (all experts in place on
     the CPU: lowbit-only computes every expert from its copy, HOBBIT has no misses to act on)."""
     from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig, MixtralForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    from ..models.kv_cache import cache_kwargs, output_cache
     from ..runtime.engine import Engine
 
     old_threads = torch.get_num_threads()
@@ -35,8 +37,14 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
                             num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=1024)
         with tempfile.TemporaryDirectory(prefix="moectl-overhead-") as path:
             torch.manual_seed(0)
-            MixtralForCausalLM(cfg).save_pretrained(path)
-            ref = AutoModelForCausalLM.from_pretrained(path).eval()
+            bars = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()           # no "Writing model shards" / "Loading weights": bench's table
+            try:                                        # is the output
+                MixtralForCausalLM(cfg).save_pretrained(path)
+                ref = AutoModelForCausalLM.from_pretrained(path).eval()
+            finally:
+                if bars:
+                    hf_logging.enable_progress_bar()
             if lowbit:
                 from ..formats.hqq import parse_lowbit
                 from ..quant.quantize import quantize_model
@@ -48,8 +56,9 @@ def runtime_overhead(layers: int = 6, hidden: int = 256, intermediate: int = 512
 
             def ref_step(step, pkv):
                 with torch.inference_mode():
-                    out = ref(input_ids=step, past_key_values=pkv or DynamicCache(config=ref.config), use_cache=True)
-                return out.logits, out.past_key_values
+                    out = ref(input_ids=step, **cache_kwargs(ref, pkv or DynamicCache(config=ref.config)),
+                              use_cache=True)
+                return out.logits, output_cache(out)
 
             def decode_with(step_fn):
                 def run():

@@ -241,6 +241,22 @@ def _runtime_option_table():
     ]
 
 
+# --help's panels of the runtime options, in the order they are shown (after the command's own options): the device
+# and its memory first (what most users set), the lossy settings under their own heading.
+DEVICE_PANEL, PREFETCH_PANEL, LOSSY_PANEL, DRAFT_PANEL, OUTPUT_PANEL = (
+    "Device and cache", "Cache policy and prefetch", "Precision and gating (lossy: they change outputs)",
+    "Speculative decoding", "Output")
+RUNTIME_PANELS = {
+    DEVICE_PANEL: ("device", "budget", "cache_experts", "offload", "threads", "dtype", "workdir", "no_plan",
+                   "emulate_device"),
+    PREFETCH_PANEL: ("replacement", "prefetch", "predictor", "admission", "staging", "cpu_experts", "prefill",
+                     "replay_trace"),
+    LOSSY_PANEL: ("lowbit", "precision", "t1", "t2", "lowbit_fraction", "dense_lowbit", "gating", "gating_threshold",
+                  "gate_prefill"),
+    DRAFT_PANEL: ("draft", "draft_tokens", "draft_rule"),
+}
+
+
 def runtime_options(fn=None, *, helps: dict[str, str] | None = None):
     """Give a command every runtime option (one declaration) and pass them as `opts: RuntimeOptions`: what the
     command leaves unset is the plan's (the workdir's plan.yaml unless --no-plan), else the workdir's artifacts'
@@ -255,11 +271,15 @@ def runtime_options(fn=None, *, helps: dict[str, str] | None = None):
     from ..setting.options import RuntimeOptions
 
     table = _runtime_option_table()
+    panel_of = {n: panel for panel, ns in RUNTIME_PANELS.items() for n in ns}
     for i, (n, ann, opt) in enumerate(table):
+        opt = copy.copy(opt)
+        opt.rich_help_panel = panel_of[n]
         if n in (helps or {}):
-            opt = copy.copy(opt)
             opt.help = helps[n]
-            table[i] = (n, ann, opt)
+        table[i] = (n, ann, opt)
+    order = [n for ns in RUNTIME_PANELS.values() for n in ns]
+    table.sort(key=lambda row: order.index(row[0]))          # --help lists a panel's options in this order
     names = [n for n, _, _ in table]
     sig = inspect.signature(fn)
     own = [p for p in sig.parameters.values() if p.name != "opts"]

@@ -70,7 +70,7 @@ def bench(
         if as_json:
             print(json.dumps(out))
         else:
-            Console().print(_model_table(out))
+            _model_table(Console(), out)
             for k, v in out["notes"].items():
                 Console().print(f"[dim]{k}: {v}[/]", highlight=False)
             if o.draft is not None:
@@ -107,30 +107,32 @@ def _draft_acceptance(out: dict, path: str | None) -> None:
         Path(path).expanduser().write_text(json.dumps(out["acceptance"], indent=1) + "\n")
 
 
-def _model_table(out: dict):
-    from rich.table import Table
-
+def _model_table(console, out: dict) -> None:
+    """The runs' figures, stacked into tables of the run's name and as many columns as fit the terminal."""
     from ..core.recipes import format_bytes
+    from ..tables import plural, print_table
 
-    t = Table(title=f"moectl bench {out['model']} ({out['device']}, {out['threads']} threads, prompt "
-                    f"{out['prompt_len']}, {out['gen_len']} tokens)")
-    for col in ("run", "TTFT ms", "prefill tok/s", "decode ms/tok", "hit rate", "bytes/tok", "stall ms/tok",
-                "experts ms/tok", "CPU experts ms/tok", "predictor ms/tok", "predicted ms/tok", "measured/predicted"):
-        t.add_column(col, justify="left" if col == "run" else "right")
+    title = (f"moectl bench {out['model']} ({out['device']}, {plural(out['threads'], 'thread')}, prompt "
+             f"{out['prompt_len']}, {out['gen_len']} tokens)")
+    names = ["run", "TTFT\nms", "prefill\ntok/s", "decode\nms/tok", "hit\nrate", "bytes\n/tok", "stall\nms/tok",
+             "experts\nms/tok", "CPU\nexperts\nms/tok", "predictor\nms/tok", "predicted\nms/tok",
+             "measured\n/predicted"]
     f = lambda v, fmt: "" if v is None else format(v, fmt)          # noqa: E731
+    cells = []
     for name, r in out["runs"].items():
         p = out["predicted"].get(name, {})
-        t.add_row(name, f(r["ttft_ms"], ".1f"), f(r["prefill_tokens_per_s"], ".0f"), f(r["decode_ms_per_token"], ".2f"),
-                  f(r.get("hit_rate"), ".1%"), format_bytes(r["bytes_per_token"]) if "bytes_per_token" in r else "",
-                  f(r.get("stall_ms_per_token"), ".2f"), f(r.get("expert_stage_ms_per_token"), ".2f"),
-                  f(r.get("cpu_side_ms_per_token"), ".2f"), f(r.get("predictor_ms_per_token"), ".3f"),
-                  f(p.get("decode_ms_per_token"), ".2f"), f(out["measured_over_predicted"].get(name), ".2f"))
-    t.caption = ("experts: the layers' expert stages (wall: fetches, device and CPU experts overlapped); CPU experts: "
-                 "the worker's time on them")
+        cells.append([name, f(r["ttft_ms"], ".1f"), f(r["prefill_tokens_per_s"], ".0f"),
+                      f(r["decode_ms_per_token"], ".2f"), f(r.get("hit_rate"), ".1%"),
+                      format_bytes(r["bytes_per_token"]) if "bytes_per_token" in r else "",
+                      f(r.get("stall_ms_per_token"), ".2f"), f(r.get("expert_stage_ms_per_token"), ".2f"),
+                      f(r.get("cpu_side_ms_per_token"), ".2f"), f(r.get("predictor_ms_per_token"), ".3f"),
+                      f(p.get("decode_ms_per_token"), ".2f"), f(out["measured_over_predicted"].get(name), ".2f")])
+    caption = ("experts: the layers' expert stages (wall: fetches, device and CPU experts overlapped); CPU experts: "
+               "the worker's time on them")
     if out["all_resident_over_transformers"] is not None:
-        t.caption += (f"\nall-resident / transformers decode time: {out['all_resident_over_transformers']:.3f} "
-                      f"(goal <= {out['goal_all_resident_ratio']})")
-    return t
+        caption += (f"\nall-resident / transformers decode time: {out['all_resident_over_transformers']:.3f} "
+                    f"(goal <= {out['goal_all_resident_ratio']})")
+    print_table(console, names, cells, title=title, caption=caption, left=("run",))
 
 
 def _overhead_and_predictor(what, threads, model_shape, gating, gating_threshold, as_json, lowbit, precision,

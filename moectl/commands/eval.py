@@ -27,7 +27,7 @@ def eval_(
                                           help="Window and score the text as `llama-perplexity -c WINDOW -b WINDOW` "
                                                "does: one text with its BOS, WINDOW-token chunks each starting "
                                                "with BOS, only the second half of each chunk scored."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with lossy: the settings in force "
+    as_json: bool = typer.Option(False, "--json", rich_help_panel="Output", help="Print one JSON object (with lossy: the settings in force "
                                  "that change outputs)."),
     opts: RuntimeOptions = None,
 ):

@@ -17,14 +17,17 @@ def generate(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
-    greedy: bool = typer.Option(False, "--greedy", help="Greedy decoding (default: sampling)."),
-    temperature: float = typer.Option(0.8, "--temperature", min=0.0),
-    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
-    seed: Optional[int] = typer.Option(0, "--seed", help="Sampling seed."),
+    greedy: bool = typer.Option(False, "--greedy", rich_help_panel="Sampling", help="Greedy decoding (default: sampling)."),
+    temperature: float = typer.Option(0.8, "--temperature", rich_help_panel="Sampling", min=0.0,
+                                      help="Sampling temperature: lower is more deterministic (ignored with --greedy)."),
+    top_p: float = typer.Option(0.95, "--top-p", rich_help_panel="Sampling", min=0.0, max=1.0,
+                                help="Nucleus sampling: sample from the smallest set of tokens whose probability sums "
+                                     "to this (1 = all)."),
+    seed: Optional[int] = typer.Option(0, "--seed", rich_help_panel="Sampling", help="Sampling seed."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, token_ids, stats (tokens/s, "
+    as_json: bool = typer.Option(False, "--json", rich_help_panel="Output", help="Print one JSON object: text, token_ids, stats (tokens/s, "
                                  "cache hits, bytes loaded, load wait, prefill_ms, ttft_ms, decode_ms_per_token, "
-                                 "host RSS), lossy (the settings in force that change outputs), config ({option: [value, "
+                                 "host RSS), lossy (the settings in force that change outputs), config ({option: \\[value, "
                                  "source]}, source flag | plan | sensitivity.json | default); with --draft also "
                                  "acceptance (per position, the file `simulate --acceptance` reads) and draft "
                                  "(passes, accepted tokens per pass, expert bytes per token, ms per token)."),

@@ -84,6 +84,10 @@ def memory_table(m: dict):
         if m["host"][k]:
             t.add_row(name, format_bytes(m["host"][k]))
     t.add_row("host RAM needed", format_bytes(m["host"]["total"]))
+    if m.get("load_peak"):                  # a GGUF in place: loading holds more for a while than the run keeps
+        p = m["load_peak"]
+        t.add_row("host RAM peak while loading", f"{format_bytes(p['total'])} (dense {format_bytes(p['dense'])} + "
+                  f"experts as held {format_bytes(p['experts'])} + {p['step_what']} {format_bytes(p['step'])})")
     if m["device"] != "cpu":
         t.add_row("device memory needed", f"{format_bytes(m['device_total'])} (dense {format_bytes(m['dense_bytes'])}"
                   f" + KV reserve {format_bytes(m['kv_reserve_bytes'])} + {m['full_slots']} full"

@@ -27,6 +27,7 @@ def make_synthetic(
     from ..core.shapes import load_shape
     from ..store.facts import parse_dtype as _dtype
     from ..synth.checkpoint import write_synthetic
+    from ..tables import plural
 
     s = load_shape(shape)
     p = Path(shape).expanduser()
@@ -37,4 +38,4 @@ def make_synthetic(
     if as_json:
         print(json.dumps({k: info[k] for k in ("path", "layers", "bytes", "shards")}))
     else:
-        print(f"wrote {info['path']}: {info['layers']} layers, {info['shards']} shards, {format_bytes(info['bytes'])}")
+        print(f"wrote {info['path']}: {plural(info['layers'], 'layer')}, {plural(info['shards'], 'shard')}, {format_bytes(info['bytes'])}")

@@ -26,6 +26,7 @@ def report(
     from ..calib.report import analyze, summary_json, write_plots
     from ..core.trace import PHASES
     from ..errors import MoectlError
+    from ..tables import plural, print_table
 
     console = Console(stderr=as_json)
     if traces.is_dir():                                     # hidden samples are not needed here
@@ -54,21 +55,18 @@ def report(
         print(json.dumps(s))
         return
     console.print(f"[bold]{trace.model}[/]: {s['tokens']} tokens ({s['prefill_tokens']} prefill, "
-                  f"{s['decode_tokens']} decode), {s['requests']} requests, {s['layers']} layers x "
+                  f"{s['decode_tokens']} decode), {plural(s['requests'], 'request')}, {plural(s['layers'], 'layer')} x "
                   f"{s['experts']} experts, top-{s['top_k']}")
     console.print(f"expert reuse: within a request {s['reuse_within_request']:.1%}, only across requests "
                   f"{s['reuse_across_requests']:.1%}, first use {s['cold']:.1%}")
     mid = len(a["cache_sizes"]) // 2
     c = a["cache_sizes"][mid]
-    t = Table(title=f"per layer (hit rates at a pool of {c} experts per layer)")
-    for col in ("layer", "entropy bits", f"/ max {a['entropy_max_bits']:.2f}", "busiest expert: tokens",
-                "reuse within", "reuse across", f"LRU hit@{c}", f"Belady hit@{c}"):
-        t.add_column(col, justify="right")
-    for l in range(a["layers"]):
-        t.add_row(str(l), f"{a['entropy_bits'][l]:.2f}", f"{a['entropy_bits'][l] / a['entropy_max_bits']:.2f}",
-                  f"{a['top_expert_share'][l]:.2f}", f"{a['reuse_within'][l]:.1%}", f"{a['reuse_across'][l]:.1%}",
-                  f"{a['lru_hit_rate'][l, mid]:.3f}", f"{a['belady_hit_rate'][l, mid]:.3f}")
-    console.print(t)
+    names = ["layer", "entropy\nbits", f"/ max\n{a['entropy_max_bits']:.2f}", "busiest\nexpert:\ntokens",
+             "reuse\nwithin", "reuse\nacross", f"LRU\nhit@{c}", f"Belady\nhit@{c}"]
+    cells = [[str(l), f"{a['entropy_bits'][l]:.2f}", f"{a['entropy_bits'][l] / a['entropy_max_bits']:.2f}",
+              f"{a['top_expert_share'][l]:.2f}", f"{a['reuse_within'][l]:.1%}", f"{a['reuse_across'][l]:.1%}",
+              f"{a['lru_hit_rate'][l, mid]:.3f}", f"{a['belady_hit_rate'][l, mid]:.3f}"] for l in range(a["layers"])]
+    print_table(console, names, cells, title=f"per layer (hit rates at a pool of {c} experts per layer)")
     h = Table(title="hit rate vs cache size (mean over layers)")
     h.add_column("experts per layer", justify="right")
     h.add_column("LRU", justify="right")

@@ -59,8 +59,8 @@ def serve(
                          default_max_tokens=max_tokens)
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
-        err.print(f"serving [cyan]{served_name or eng.ref.name}[/] on {url}  (OpenAI API: {url}/v1, cache view: "
-                  f"{url}/, metrics: {url}/metrics)", highlight=False, soft_wrap=True)
+        Console().print(f"serving [cyan]{served_name or eng.ref.name}[/] on {url}  (OpenAI API: {url}/v1, cache "
+                        f"view: {url}/, metrics: {url}/metrics)", highlight=False, soft_wrap=True)   # stdout: the result
         server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("MOECTL_LOG_LEVEL", "warning"),
                                                timeout_graceful_shutdown=5))
         server.run(sockets=[sock])

@@ -144,17 +144,16 @@ def simulate(
 
 def _table(results: list[dict], tr, asked: int, cost, hardware, precision: str = "", drafting: str = "") -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from ..core.recipes import stall_figure
-    from ..tables import add_fitted_columns, print_fitted
+    from ..tables import print_table
 
     out = Console()
     slots = ", ".join(f"{p} {n}" for p, n in (results[0].get("slots") or {}).items())
-    t = Table(title=f"{tr.model}: {tr.num_tokens} rows, {tr.num_layers}x{tr.num_experts} top-{tr.top_k}; "
-                    f"{asked} slots ({asked / (tr.num_layers * tr.num_experts):.0%}); {hardware}, "
-                    f"expert {cost.expert_bytes / 1e6:.0f} MB" + (f"; {precision}, slots {slots}" if precision else "")
-                    + (f"; {drafting}" if drafting else ""))
+    title = (f"{tr.model}: {tr.num_tokens} rows, {tr.num_layers}x{tr.num_experts} top-{tr.top_k}; "
+             f"{asked} slots ({asked / (tr.num_layers * tr.num_experts):.0%}); {hardware}, "
+             f"expert {cost.expert_bytes / 1e6:.0f} MB" + (f"; {precision}, slots {slots}" if precision else "")
+             + (f"; {drafting}" if drafting else ""))
     extra = [("full/tok", "full_loads_per_token"), ("low/tok", "lowbit_loads_per_token"),
              ("skip/tok", "skipped_per_token"), ("cpu/tok", "cpu_experts_per_token"), ("cpu ms/tok", "cpu_ms_per_token"),
              ("fill/tok", "fill_copies_per_token")]
@@ -179,10 +178,7 @@ def _table(results: list[dict], tr, asked: int, cost, hardware, precision: str =
                       f"{stall_figure(d['stall_ms_per_token']):.1f}", f"{d['ms_per_token']:.1f}", f"{d['lower_bound_ms_per_token']:.1f}",
                       *[f"{d[k]:.2f}" if "ms" not in c else f"{d[k]:.1f}" for c, k in extra],
                       *[_draft_cell(d["draft"], k) for _, k in drafts]])
-    add_fitted_columns(t, names, cells, left=("policy",), wrap=("policy",))
-    for row in cells:
-        t.add_row(*row)
-    print_fitted(out, t)                                  # narrower would cut numbers short: the lines run longer
+    print_table(out, names, cells, title=title, left=("policy",), wrap=("policy",))   # stacked where too wide
 
 
 def _draft_cell(draft: dict, key: str) -> str:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from ..tables import plural
+
 
 def _default_trace_dir(model_name: str) -> Path:
     """<MOECTL_HOME>/<model>/traces (never builds or resolves a checkpoint)."""
@@ -56,14 +58,14 @@ def trace_import(
     if as_json:
         print(json.dumps(summary))
     else:
-        Console().print(f"imported [bold]{summary['tokens']}[/] tokens, {summary['requests']} requests "
-                        f"({summary['layers']} layers x {summary['experts']} experts, top-{summary['top_k']}) "
+        Console().print(f"imported [bold]{summary['tokens']}[/] tokens, {plural(summary['requests'], 'request')} "
+                        f"({plural(summary['layers'], 'layer')} x {summary['experts']} experts, top-{summary['top_k']}) "
                         f"-> {out}")
 
 def trace_export(
     trace_dir: Path = typer.Argument(..., help="trace directory (meta.json + shards)"),
     out: Path = typer.Option(..., "--out", help="JSONL file to write"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print {out, tokens, requests} as one JSON object"),
 ) -> None:
     """Export a trace directory as moe-routing-v1 JSONL (hidden samples and router logits are dropped)."""
     from rich.console import Console
@@ -75,7 +77,8 @@ def trace_export(
     if as_json:
         print(json.dumps({"out": str(out), "tokens": meta["num_tokens"], "requests": meta["num_requests"]}))
     else:
-        Console().print(f"exported [bold]{meta['num_tokens']}[/] tokens, {meta['num_requests']} requests -> {out}")
+        Console().print(f"exported [bold]{meta['num_tokens']}[/] tokens, {plural(meta['num_requests'], 'request')} "
+                        f"-> {out}")
 
 
 def trace_synthesize(

@@ -25,7 +25,8 @@ def train_predictor(
                               help="hidden width of the mlp predictors (their CPU cost grows with it: "
                                    "128 is ~0.2 ms per layer on one core at D=4096)"),
     workdir: Path = typer.Option(None, "--workdir", help="artifact directory (default: $MOECTL_HOME/<model>)"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="torch seed of the initial weights and the batch order: the same "
+                                                "seed and traces train the same predictors"),
     as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
 ) -> None:
     """Train per-layer MLP predictors (ProMoE), the first-layer aux gate (AdapMoE) and the routing predictor."""

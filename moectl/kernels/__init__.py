@@ -110,6 +110,7 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def why_not() -> str | None:
-    """Why `library()` is None (None when it loaded)."""
-    return None if library() is not None else _why[-1]
+def why_not() -> str:
+    """Why `library()` is None; where it loaded, a sentence saying so (the README's check prints this: never None)."""
+    lib = library()
+    return _why[-1] if lib is None else f"nothing: moectl's CPU kernels are built and in use ({lib._name})"

@@ -149,6 +149,8 @@ class Engine:
         512 x 151936 x 2048 multiply-adds for a 512-token Qwen3 prompt, wasted)."""
         from transformers import DynamicCache
 
+        from ..models.kv_cache import cache_kwargs, output_cache
+
         decode = past_key_values is not None and (input_ids.shape[-1] == 1 or verify)
         self.cache.begin_step("decode" if decode else "prefill")
         if decode:                                    # the aux gate: this token's first layer
@@ -162,7 +164,7 @@ class Engine:
         try:
             with gemv.native_one_row(self.device.type == "cpu" and input_ids.shape[-1] == 1):
                 out = host_alloc(lambda: self.model(input_ids=input_ids.to(self.device), use_cache=True,
-                                                    past_key_values=past_key_values,
+                                                    **cache_kwargs(self.model, past_key_values),
                                                     logits_to_keep=1 if last_only else 0),
                                  f"running the model on {input_ids.shape[-1]} tokens")
         finally:
@@ -171,7 +173,7 @@ class Engine:
         self.cache.end_token()
         if self.runtime.replay is not None:
             self.runtime.replay.advance(input_ids.shape[-1])
-        return out.logits, out.past_key_values
+        return out.logits, output_cache(out)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         tok = self.tokenizer

@@ -21,7 +21,7 @@ from ..errors import MoectlError
 from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
-from ..setting.options import RuntimeOptions
+from ..setting.options import FLAG, RuntimeOptions
 from ..setting.resolve import resolve
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
@@ -39,7 +39,7 @@ from ..store.facts import (
     skeleton,
 )
 from ..store.gguf.cpu import ggml_in_place, in_place_expert_bytes, int4_repackable, map_for_ggml, repack_for_cpu
-from ..store.memory import check_host_memory, host_alloc, host_need
+from ..store.memory import check_host_memory, host_alloc, host_need, release_freed
 from .cache import InPlaceExperts
 from .device_cache import DeviceCache
 from .offloaded import OffloadedExperts, Runtime
@@ -90,6 +90,14 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     sizes = checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), L, path=ref.path)
     setting = resolve(opts, sizes, ref.workdir, in_place=in_place,
                       low_nbytes=low_fmt.nbytes if low_fmt is not None else None)
+    if in_place:                                        # said, not silently ignored: nothing is cached in place
+        given = [f"--{n.replace('_', '-')} {getattr(opts, n)}" for n in ("budget", "cache_experts")
+                 if opts.sources.get(n) == FLAG]
+        if given:
+            opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
+                f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: on --device cpu with "
+                "--offload ram the experts are computed in place from host RAM (no device cache to size; "
+                "--emulate-device or --offload disk give the CPU one)")]))
     prec = setting.precision
     runtime.gating = setting.gating
     # In place at --precision lowbit-only nothing computes from the full-precision experts: they stay in the file
@@ -97,7 +105,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     full_tier = "disk" if in_place and prec.name == "lowbit-only" else opts.offload
     full, low = setting.pools.get(FULL, [0] * L), setting.pools.get(LOW)
     check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier)
-    read_dense(hf, config, adapter, ckpt, dev, dt, ref.path)
+    read_dense(hf, config, adapter, ckpt, dev, dt, ref.path, opts.progress)
     if dev.type == "cpu":          # the dense Linears: one-row GEMV, or int8 with --dense-lowbit (models/dense_cpu.py)
         cpu_linears(hf, opts.dense_lowbit)
         cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
@@ -196,13 +204,22 @@ def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_
     check_host_memory(need, what, fits)
 
 
-def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: torch.dtype, path) -> None:
-    """Non-expert weights straight from the shards onto the device, one tensor at a time. Each tensor takes the
-    dtype the skeleton gives it (a few, like DeepSeek-V3's routing bias, stay fp32)."""
+def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: torch.dtype, path,
+               progress: bool = False) -> None:
+    """Non-expert weights straight from the shards onto the device, one tensor at a time, under a progress bar (a
+    GGUF's are dequantised: a 150k-token embedding takes seconds). Each tensor takes the dtype the skeleton gives it
+    (a few, like DeepSeek-V3's routing bias, stay fp32)."""
+    from ..progress import ProgressBar
+
     want = {k: v.dtype for k, v in hf.state_dict().items()}
     state = {}
-    for name, t in dense_tensors(hf, adapter, ckpt, lambda name: want.get(name, dt)):
-        state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
+    n_params = sum(1 for _ in hf.named_parameters())
+    with ProgressBar(progress, transient=True) as bar:
+        task = bar.add("reading dense weights" + (" (dequantising)" if adapter.gguf is not None else ""), n_params)
+        for name, t in dense_tensors(hf, adapter, ckpt, lambda name: want.get(name, dt)):
+            state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
+            bar.update(task, completed=min(len(state), n_params))
+    release_freed()                                     # the dequantisation's freed temporaries leave the RSS
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in missing if k not in tied]

@@ -60,6 +60,7 @@ import time
 import torch
 
 from ..errors import MoectlError
+from ..models.kv_cache import cache_kwargs
 from ..policies.draft_length import AcceptanceCounter, FixedDraftRule, OnlineDraftRule
 
 
@@ -242,7 +243,7 @@ class CachedDraft:
         try:
             for _ in range(k):
                 x = torch.tensor([[tok]], device=self.eng.device)
-                logits = self.eng.model(input_ids=x, past_key_values=pkv, use_cache=True).logits[0, -1]   # [V]
+                logits = self.eng.model(input_ids=x, **cache_kwargs(self.eng.model, pkv), use_cache=True).logits[0, -1]   # [V]
                 tok, q = sampling.pick(logits)
                 drafts.append(tok)
                 qs.append(q)
@@ -290,7 +291,7 @@ class ModelDraft:
         x, drafts, qs = ctx[keep:], [], []
         for _ in range(k):
             ids = torch.tensor([x], device=self.eng.device)
-            logits = self.model(input_ids=ids, past_key_values=self.pkv, use_cache=True).logits[0, -1]   # [V']
+            logits = self.model(input_ids=ids, **cache_kwargs(self.model, self.pkv), use_cache=True).logits[0, -1]   # [V']
             tok, q = sampling.pick(_to_vocab(logits, self.vocab))
             drafts.append(tok)
             qs.append(q)

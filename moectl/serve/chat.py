@@ -63,21 +63,42 @@ class ChatSession:
 
     def prompt_ids(self) -> list[int]:
         """The conversation through the chat template (plain 'User: ...' fallback), oldest turns dropped to fit."""
+        from ..errors import MoectlError
         from ..runtime.engine import chat_ids
 
         limit = getattr(self.engine.config, "max_position_embeddings", None) or 4096
         keep = 1 if self.system else 0
+        messages = list(self.messages)                       # the turns dropped only once the prompt fits
         while True:
-            ids = chat_ids(self.engine.tokenizer, self.messages)
-            if len(ids) + self.max_new_tokens <= limit or len(self.messages) <= keep + 1:
-                return ids[-(limit - self.max_new_tokens):] if len(ids) + self.max_new_tokens > limit else ids
-            del self.messages[keep:keep + 2]                 # drop the oldest user/assistant pair
+            ids = chat_ids(self.engine.tokenizer, messages)
+            if len(ids) + self.max_new_tokens <= limit:
+                self.messages = messages
+                return ids
+            if len(messages) <= keep + 1:                    # the message alone does not fit: refused, not cut
+                raise MoectlError(
+                    f"message not sent: it is {len(ids):,} tokens with the chat template, and the model's context "
+                    f"holds {limit:,} including the answer's {self.max_new_tokens:,} (--max-new-tokens): at most "
+                    f"{limit - self.max_new_tokens:,} fit; send a shorter one")
+            del messages[keep:keep + 2]                      # drop the oldest user/assistant pair
 
     def ask(self, text: str, on_token: Callable[[int, str], None] | None = None):
         """Add the user's message, generate the answer (streamed through on_token), remember it."""
+        return self.answer(self.add_message(text), on_token)
+
+    def add_message(self, text: str) -> list[int]:
+        """Add the user's message; the prompt's token ids. A message that cannot fit the context even alone is an
+        error and left out of the conversation."""
         self.messages.append({"role": "user", "content": text})
+        try:
+            return self.prompt_ids()
+        except Exception:
+            self.messages.pop()
+            raise
+
+    def answer(self, ids: list[int], on_token: Callable[[int, str], None] | None = None):
+        """Generate the answer to prompt `ids` (streamed through on_token), remember it."""
         seed = None if self.seed is None else self.seed + self.totals.turns
-        result = self.engine.generate(input_ids=self.prompt_ids(), max_new_tokens=self.max_new_tokens,
+        result = self.engine.generate(input_ids=ids, max_new_tokens=self.max_new_tokens,
                                       greedy=self.greedy, temperature=self.temperature, top_p=self.top_p,
                                       seed=seed, on_token=on_token)
         self.messages.append({"role": "assistant", "content": result.text.strip()})
@@ -100,6 +121,7 @@ def print_session_stats(session: ChatSession, console) -> None:
     from rich.table import Table
 
     from ..core.recipes import format_bytes
+    from ..tables import plural
 
     t = session.totals.as_dict()
     cache = session.engine.cache
@@ -112,7 +134,7 @@ def print_session_stats(session: ChatSession, console) -> None:
     table.add_row("load wait", f"{t['load_wait_s'] * 1000:.1f} ms")
     slots = getattr(cache, "slots_per_layer", None)
     if slots is not None:
-        table.add_row("cache slots", f"{sum(slots)} over {len(slots)} MoE layers")
+        table.add_row("cache slots", f"{sum(slots)} over {plural(len(slots), 'MoE layer')}")
     table.add_row("messages in context", str(len(session.messages)))
     console.print(table)
 
@@ -121,6 +143,7 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
     """The read-answer loop; returns the exit code (0)."""
     from rich.console import Console
 
+    from ..errors import MoectlError
     from ..status import print_stats_line
 
     console = console or Console()
@@ -152,9 +175,14 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
             else:
                 console.print(f"[yellow]unknown command {command}[/]: {HELP}")
             continue
+        try:
+            ids = session.add_message(text)
+        except MoectlError as e:                             # a message past the context: said, and the chat goes on
+            Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            continue
         if interactive:
             console.print("[bold blue]assistant>[/] ", end="")
-        result = session.ask(text, on_token=stream)
+        result = session.answer(ids, on_token=stream)
         console.file.write("\n")
         console.file.flush()
         print_stats_line(result.stats, console)

@@ -25,6 +25,13 @@ FLAG, PLAN, SENSITIVITY, PREDICTORS, DEFAULT = "flag", "plan", "sensitivity.json
 DRAFT_RULES = ("auto", "always")           # --draft-rule (runtime/speculative.py)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, else the machine's)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @dataclass
 class RuntimeOptions:
     device: str = "cpu"
@@ -92,6 +99,10 @@ class RuntimeOptions:
             raise MoectlError(f"--draft-rule must be {' or '.join(DRAFT_RULES)}, not {self.draft_rule!r}")
         if self.draft_tokens is not None and self.draft_tokens < 1:
             raise MoectlError(f"--draft-tokens must be at least 1 with --draft, not {self.draft_tokens}")
+        cores = usable_cores()
+        if self.threads is not None and self.threads > cores:
+            raise MoectlError(f"--threads {self.threads} is more than the {cores} CPU cores this process may run on "
+                              f"(threads beyond the cores only wait on each other): use --threads {cores} or fewer")
         if self.draft is not None and self.replay_trace is not None:
             raise MoectlError("--draft and --replay-trace do not go together: a replayed trace routes tokens in "
                               "order, and drafting runs tokens that are then rolled back")
@@ -102,7 +113,7 @@ class RuntimeOptions:
         """The settings in force that change outputs: precision (and its thresholds), low-bit copies, gating."""
         prec = self.precision or "full"
         return {"precision": prec + (f" (T1 {self.t1:g}, T2 {self.t2:g})" if prec == "hobbit" else ""),
-                "lowbit": self.lowbit, "gating": gating_note or "off"} | (
+                "lowbit": self.lowbit, "gating": (gating_note or "off").removeprefix("gating: ")} | (
             {"dense_lowbit": self.dense_lowbit} if self.dense_lowbit else {})
 
     def config(self, resolved: dict | None = None) -> dict:

@@ -105,6 +105,9 @@ class Checkpoint:
             raise MoectlError(f"model path {path} does not exist")
         if not path.is_dir():
             raise MoectlError(f"{path} is not a directory; --model takes a checkpoint directory or a recipe name")
+        if not (path / "config.json").exists() and path.suffix.lower() == ".gguf":    # a name says what was meant
+            raise MoectlError(f"{path} is a directory, not a GGUF file (--model takes a .gguf file, a checkpoint "
+                              "directory with config.json, or a recipe name)")
         if not (path / "config.json").exists():
             raise MoectlError(f"{path} is not a Hugging Face checkpoint: it has no config.json")
         return path

@@ -116,7 +116,7 @@ def parse_device(device: str) -> torch.device:
 def parse_dtype(dtype, config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    name = dtype or getattr(config, "dtype", None) or "float32"         # (config.torch_dtype warns from 5.24 on)
     name = str(name).replace("torch.", "")
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
@@ -248,6 +248,8 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     gguf = gguf_facts(adapter, dt)
     info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], L, lowbit, offload, device,
                                  budget, lowbit_fraction, precision=precision)
+    if gguf and device == "cpu" and offload == "ram" and not lowbit:    # the run loads in place: its load's peak
+        info["memory"]["load_peak"] = gguf["gguf"]["cpu_in_place"]["load_peak"]
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "expert_format": fmt.name, "bits_per_weight": expert_nbytes * 8 / weights,
                    "quantization": adapter.quant.describe() if adapter.quant else None,
@@ -295,4 +297,33 @@ def gguf_facts(adapter, dtype: torch.dtype) -> dict:
                                 "int4_repacked": repacked is not None, "scale_dtype": str(dtype).removeprefix("torch."),
                                 "expert_bytes": repacked if repacked is not None else s["expert_bytes"],
                                 "host_bytes": (repacked if repacked is not None else s["expert_bytes"])
-                                + s["dense_bytes"]}}}
+                                + s["dense_bytes"], "load_peak": gguf_load_peak(s, repacked)}}}
+
+
+# The working set of one GGUF load step beyond what it keeps (`gguf_load_peak`), in bytes per weight, measured on
+# this project's build machine (RssAnon sampled every 0.5 ms): a dense tensor dequantised in fp32 through
+# transformers' K-quant code holds several fp32 temporaries (Q6_K 19.5, Q4_K 14.6, Q4_0 12.1, Q8_0 8.1 bytes per
+# weight beside the packed input); an expert repacked for the int4 kernel, its codes unpacked, concatenated and
+# packed with their scales, 7.6 (a 6.3 M-weight Q4_0 expert: 48 MB with its scratch buffer).
+DENSE_STEP_BYTES_PER_WEIGHT = 20
+REPACK_STEP_BYTES_PER_WEIGHT = 8
+
+
+def gguf_load_peak(s: dict, repacked: int | None) -> dict:
+    """The host RAM a GGUF load into the CPU in place peaks at, by part, from the header sizes `s`
+    (`GgufModel.sizes`) and the repacked experts' bytes: what it keeps -- the dense weights at the run's dtype
+    (`dense_bytes`) and the experts as held (`repacked`, else as packed) -- plus the larger working set of one
+    step: the largest dense tensor read packed and dequantised (`gguf/dense.py: dense_tensors`, one at a time), or
+    one expert repacked (`gguf/cpu.py: repack_for_cpu`: its packed bytes read into a scratch buffer, then unpacked).
+    The KV cache is not allocated while loading (the run's "host RAM needed" counts its reserve)."""
+    from .gguf.files import CHUNK_WEIGHTS
+
+    held = repacked if repacked is not None else s["expert_bytes"]
+    big = s.get("largest_dense") or {"name": None, "packed_bytes": 0, "weights": 0}
+    dense_step = big["packed_bytes"] + DENSE_STEP_BYTES_PER_WEIGHT * big["weights"]
+    chunk_step = DENSE_STEP_BYTES_PER_WEIGHT * min(CHUNK_WEIGHTS, s.get("row_chunked_weights", 0))
+    repack_step = s["bytes_per_expert"] + REPACK_STEP_BYTES_PER_WEIGHT * s["weights_per_expert"] if repacked else 0
+    step, what = max((dense_step, f"dequantising {big['name']}"), (repack_step, "repacking one expert"),
+                     (chunk_step, "dequantising a block of the vocabulary's rows"))
+    return {"dense": s["dense_bytes"], "experts": held, "step": step, "step_what": what,
+            "total": s["dense_bytes"] + held + step}

@@ -26,7 +26,7 @@ from ...formats.gguf_encodings import T
 from ...formats.gguf_int4 import GgufInt4Format
 from ...kernels import ggml
 from ...progress import ProgressBar
-from ..memory import host_empty
+from ..memory import host_empty, release_freed
 
 
 def ggml_in_place(adapter) -> bool:
@@ -72,6 +72,7 @@ def repack_for_cpu(store, dtype: torch.dtype, progress: bool = True) -> str:
             for e in range(store.num_experts):
                 store.load_into(layer, e, scratch)
                 fmt.repack(scratch, buf[e])
+                release_freed()                         # its unpacking temporaries leave the RSS (~us a call)
                 bar.update(task, advance=1)
             buffers.append(buf)
     store.buffers, store.formats = buffers, fmts

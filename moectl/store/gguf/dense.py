@@ -19,7 +19,7 @@ import torch
 from ...errors import MoectlError
 from ...formats.gguf_dequant import dequantize
 from .experts import _is_expert
-from .files import GgufFiles
+from .files import CHUNK_WEIGHTS, ROW_CHUNKED, GgufFiles
 
 # moectl family -> the gguf architecture name transformers' name map wants (its own hack list lacks some)
 GGUF_MODEL_TYPE = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
@@ -66,6 +66,9 @@ def dense_tensors(files: GgufFiles, model, dtype_of=lambda name: torch.float32):
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     for gguf_name, hf_name in dense_names(files, model).items():
         t = files.tensors[gguf_name]
+        if gguf_name in ROW_CHUNKED and tuple(shapes[hf_name]) == tuple(t.shape) and t.nbytes % t.shape[0] == 0:
+            yield hf_name, _rows_dequantised(files, t, dtype_of(hf_name))
+            continue
         raw = torch.from_numpy(files.read(t.file, t.offset, t.nbytes))
         values = dequantize(raw, t.encoding, t.shape, torch.float32, f"{t.file}: tensor {gguf_name}").numpy()
         values = processor.process(weights=values, name=gguf_name).weights
@@ -77,6 +80,20 @@ def dense_tensors(files: GgufFiles, model, dtype_of=lambda name: torch.float32):
     _merge_mla(files, model, out, torch.float32)
     for name, value in out.items():
         yield name, value.to(dtype_of(name))
+
+
+def _rows_dequantised(files: GgufFiles, t, dtype: torch.dtype) -> torch.Tensor:
+    """A vocabulary-sized tensor (ROW_CHUNKED, files.py) `t` [rows, cols] in `dtype`, dequantised CHUNK_WEIGHTS at a time (whole rows: a row is whole
+    blocks of its encoding, so a block of rows is a byte range of the file)."""
+    rows, cols = t.shape
+    row_bytes = t.nbytes // rows
+    out = torch.empty(t.shape, dtype=dtype)
+    step = max(1, CHUNK_WEIGHTS // cols)
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        raw = torch.from_numpy(files.read(t.file, t.offset + r0 * row_bytes, n * row_bytes))
+        out[r0:r0 + n] = dequantize(raw, t.encoding, (n, cols), torch.float32, f"{t.file}: tensor {t.name}")
+    return out
 
 
 MLA_SPLIT = re.compile(r"^blk\.(\d+)\.attn_([kv])_b\.weight$")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...errors import MoectlError
 from ...formats.gguf_encodings import bits_per_weight, encoding_name
-from .files import GgufFiles
+from .files import ROW_CHUNKED, GgufFiles
 
 PROJS = ("gate", "up", "down")
 
@@ -118,7 +118,13 @@ class ExpertIndex:
                     weights += t.numel * self.num_experts
                     by_encoding[t.encoding] += t.nbytes * self.num_experts
         dense = [t for n, t in self.files.tensors.items() if not _is_expert(n)]
+        largest = max((t for t in dense if t.name not in ROW_CHUNKED), key=lambda t: _numel(t.shape), default=None)
         return {"bits_per_weight": 8 * total_bytes / weights,
+                "weights_per_expert": max(sum(t.numel for name, t in self.parts(layer, 0) if not name.endswith("_bias"))
+                                          for layer in self.layers),
+                "row_chunked_weights": max((_numel(t.shape) for t in dense if t.name in ROW_CHUNKED), default=0),
+                "largest_dense": {"name": largest.name, "packed_bytes": largest.nbytes,
+                                  "weights": _numel(largest.shape)} if largest is not None else None,
                 "bytes_per_expert": max(self.expert_nbytes(l) for l in self.layers),
                 "expert_bytes": total_bytes, "moe_layers": len(self.layers), "experts": self.num_experts,
                 "encodings": {encoding_name(c): b for c, b in sorted(by_encoding.items())},

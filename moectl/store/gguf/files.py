@@ -92,11 +92,38 @@ def _read(path: Path) -> GGUFReader:
         raise
     except OSError as e:
         raise MoectlError(f"cannot read {path}: {e}") from None
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        raise MoectlError(f"{path} is not a readable GGUF file (truncated or corrupt header: {e})") from None
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError):
+        raise MoectlError(f"{path} is not a readable GGUF file ({_header_problem(path)})") from None
     if reader.byte_order == "S":
         raise MoectlError(f"{path} is a big-endian GGUF; moectl reads little-endian files (llama.cpp's default)")
     return reader
+
+
+# The vocabulary-sized tensors (150k x 2048 weights: 1.2 GB in fp32, and K-quant dequantisation holds several fp32
+# temporaries of it) are dequantised a block of rows at a time straight into the output (`dense.py`), so a load's
+# working set beyond what it keeps is one block's (`facts.gguf_load_peak`). No family's tensor processor changes them
+# (they permute attention's Q/K rows and reshape the shared expert's gate): the result is the whole tensor's, bit for bit.
+ROW_CHUNKED = ("token_embd.weight", "output.weight")
+CHUNK_WEIGHTS = 1 << 22                 # weights dequantised at a time: 16 MB of fp32
+
+GGUF_HEADER_BYTES = 24                      # magic, version, tensor count, metadata count (gguf's own layout)
+
+
+def _header_problem(path: Path) -> str:
+    """What is wrong with a file the GGUF reader could not parse, in words (not numpy's words on the reader's
+    internals): empty, not a GGUF, a header cut short, or metadata that runs past the end or does not parse."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if size == 0:
+        return "the file is empty"
+    if magic != b"GGUF":
+        return f"not a GGUF file: it starts with {magic!r}, a GGUF with b'GGUF'"
+    if size < GGUF_HEADER_BYTES:
+        return (f"truncated GGUF header: the file has {size} bytes, the header alone takes {GGUF_HEADER_BYTES}; "
+                "an incomplete download?")
+    return (f"truncated or corrupt header: its metadata runs past the file's {size:,} bytes or does not parse; "
+            "an incomplete download?")
 
 
 def field_value(field):
