@@ -22,9 +22,11 @@ class CacheOpts:
 
     @staticmethod
     def device():
-        return typer.Option("cpu", "--device",
-                            help="cpu or cuda. On cpu with --offload ram (the default) experts are computed in place "
-                                 "from host RAM: no slots, no copies, --cache-experts has no effect.")
+        return typer.Option("auto", "--device",
+                            help="auto (CUDA when torch sees a device, else the CPU), cpu, cuda or cuda:N. On cpu "
+                                 "with --offload ram (the default) experts are computed in place from host RAM: no "
+                                 "slots, no copies, --cache-experts has no effect. On CUDA without --budget, "
+                                 "--cache-experts or a plan the budget is the device's free memory less a margin.")
 
     @staticmethod
     def emulate_device():
@@ -151,6 +153,18 @@ class PrecisionOpts:
         return typer.Option(None, "--lowbit-fraction", min=0.0, max=0.99,
                             help="Share of the expert cache's bytes given to low-bit slots under --precision hobbit "
                                  "(default 0.25; lowbit-only gives them all: no full-precision slots).")
+
+
+def take_device(asked: str | None) -> str:
+    """--device (auto | cpu | cuda | cuda:N) as the device a command runs on (`store/facts.py: pick_device`: one
+    `error:` line for a device torch does not see), its status line printed on stderr."""
+    from rich.console import Console
+
+    from ..store.facts import pick_device
+
+    device, note = pick_device(asked)
+    Console(stderr=True).print(f"[dim]{note}[/]", highlight=False)
+    return device
 
 
 def prepare_model(model: str, workdir=None) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_plan_note, print_stats_line
+from ..status import print_device, print_plan_note, print_stats_line
 from ._common import prepare_model, print_draft_line, print_lossy, runtime_options
 
 
@@ -38,6 +38,7 @@ def generate(
     prepare_model(model, opts.workdir)
     opts.progress = not as_json
     eng = Engine.load(model, options=opts)
+    print_device(eng)
     print_plan_note(eng)
     lossy = print_lossy(eng)
     stream = None

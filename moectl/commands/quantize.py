@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model
+from ._common import CacheOpts, prepare_model, take_device
 
 
 def quantize(
@@ -17,8 +17,8 @@ def quantize(
                                    "a multiple of 8 dividing every expert matrix."),
     axis: int = typer.Option(1, "--axis", help="HQQ grouping axis: 1 groups along the input dimension (HQQ 0.2's "
                              "default, what fast kernels want), 0 along the output dimension (better at 2-3 bits)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Where HQQ runs: cpu or cuda (default: cuda when "
-                                         "present)."),
+    device: str = typer.Option("auto", "--device", help="Where HQQ runs: auto (CUDA when torch sees a device, "
+                                                        "else the CPU), cpu, cuda or cuda:N."),
     method: Optional[str] = typer.Option(None, "--method", help="rtn: round-to-nearest per group (minutes on a "
                                          "CPU); hqq: HQQ's optimiser refines scales and zeros (hours for Mixtral on "
                                          "a CPU, seconds per layer on a GPU). Default: rtn on cpu, hqq on cuda. On "
@@ -38,6 +38,7 @@ def quantize(
     from ..core.recipes import format_bytes
     from ..quant.quantize import quantize_model
 
+    device = take_device(device)
     prepare_model(model, workdir)
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,
                           progress=not as_json, method=method)

@@ -56,6 +56,7 @@ def sensitivity(
     from ..policies.gating import SensitivityGating
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
+    from ..status import print_device
 
     if rule not in RULES:
         raise MoectlError(f"unknown --rule {rule!r}; choose one of {', '.join(RULES)}")
@@ -64,6 +65,7 @@ def sensitivity(
     prepare_model(model, workdir)
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                       workdir=workdir, dtype=dtype, emulate_device=emulate_device, prefetch="none", progress=not as_json)
+    print_device(eng)
     texts = load_calibration(dataset)
     windows = token_windows(eng.tokenizer, texts, window, max_tokens)
     search = target_ppl_delta is not None

@@ -61,12 +61,12 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
     from ..core.recipes import moectl_home
     from ..core.trace import check_trace_fits
     from ..predictors.file import save_predictors
+    from ..store.facts import pick_device
 
     t_start = time.monotonic()
     kinds = parse_kinds(kind)
     ds = parse_lookahead(lookahead)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise MoectlError("--device cuda: no CUDA device is available here; use --device cpu")
+    device = pick_device(device)[0]
     if not traces and not model:
         raise MoectlError("give --traces DIR|FILE (repeatable) or --model M (reads <workdir>/traces)")
     wd, facts = _resolve(model, workdir)

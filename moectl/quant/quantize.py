@@ -65,13 +65,9 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     from ..models import config_fingerprint
     from ..store.checkpoint import Checkpoint
     from ..store.expert_store import ExpertStore
-    from ..store.facts import built, load_config, parse_dtype, skeleton
+    from ..store.facts import built, load_config, parse_dtype, pick_device, skeleton
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise MoectlError(f"--device {device!r}: choose cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MoectlError("--device cuda: no CUDA device is available")
+    device = pick_device(device)[0]
     method = check_method(method, device)
     ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)

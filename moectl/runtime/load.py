@@ -21,7 +21,7 @@ from ..errors import MoectlError
 from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
-from ..setting.options import RuntimeOptions
+from ..setting.options import DEFAULT, RuntimeOptions
 from ..setting.resolve import resolve
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
@@ -34,7 +34,7 @@ from ..store.facts import (
     kv_reserve_nbytes,
     load_config,
     open_checkpoint,
-    parse_device,
+    pick_device,
     parse_dtype,
     skeleton,
 )
@@ -65,9 +65,10 @@ class Loaded:
 
 
 def load(model: str, opts: RuntimeOptions) -> Loaded:
+    take_device(opts)
     opts.check()
     ref = built(resolve_model(model, opts.workdir))
-    dev = parse_device(opts.device)
+    dev = torch.device(opts.device)
     config, adapter = load_config(ref.path)
     ckpt = open_checkpoint(ref.path, adapter)
     dt = parse_dtype(opts.dtype, config)
@@ -89,7 +90,8 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, block.experts._apply_gate, E)
     sizes = checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), L, path=ref.path)
     setting = resolve(opts, sizes, ref.workdir, in_place=in_place,
-                      low_nbytes=low_fmt.nbytes if low_fmt is not None else None)
+                      low_nbytes=low_fmt.nbytes if low_fmt is not None else None,
+                      device_memory=torch.cuda.mem_get_info(dev) if dev.type == "cuda" else None)
     prec = setting.precision
     runtime.gating = setting.gating
     # In place at --precision lowbit-only nothing computes from the full-precision experts: they stay in the file
@@ -139,6 +141,15 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
     return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads)
+
+
+def take_device(opts: RuntimeOptions) -> None:
+    """--device auto | cpu | cuda | cuda:N as the device the run takes (`store/facts.py: pick_device`: checked before
+    anything is read), its status line in `opts.device_note`. auto with --emulate-device is the CPU it emulates on."""
+    asked = "cpu" if opts.emulate_device and opts.device in (None, "auto") else opts.device
+    opts.device, opts.device_note = pick_device(asked)
+    if asked in (None, "auto"):
+        opts.sources["device"] = DEFAULT
 
 
 def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_place: bool, full: list[int],

@@ -16,6 +16,7 @@ No torch.
 from __future__ import annotations
 
 from ..core.cache_model import FULL, LOW
+from ..core.recipes import format_bytes
 from ..core.sizing import (
     ModelSizes,
     budget_pools,
@@ -82,7 +83,11 @@ def size_cache(o, sizes: ModelSizes, precision, expert_nbytes: float, low_nbytes
                                    expert_nbytes, low_nbytes, low_only)
     split = None
     if o.budget is not None:
-        split = split_budget(o.budget, sizes, kv_tokens, staging=staging_bytes, min_slot_bytes=stage_nbytes)
+        free = getattr(o, "budget_note", "")       # the device's free memory (`resolve.free_memory_budget`)
+        what = (f"the device's free memory less its margin ({format_bytes(int(o.budget))}); free device memory, or "
+                f"run on the CPU (--device cpu)") if free else None
+        split = split_budget(o.budget, sizes, kv_tokens, staging=staging_bytes, min_slot_bytes=stage_nbytes,
+                             what=what)
     full = None
     if plan_pools:                                      # checked by `plan_slots`: a layer's full slots may be 0
         pools = {p: c for p, c in ((FULL, [min(int(s), E) for s in o.slots_per_layer]), (LOW, plan_low)) if sum(c)}
