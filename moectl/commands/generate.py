@@ -33,8 +33,9 @@ def generate(
     """Generate text from a prompt, experts streamed through the device cache."""
     import sys
 
-    from ..runtime.engine import Engine
+    from ..runtime.engine import Engine, check_text
 
+    check_text(prompt, "--prompt")                  # before the model loads
     prepare_model(model, opts.workdir)
     opts.progress = not as_json
     eng = Engine.load(model, options=opts)

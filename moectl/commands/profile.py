@@ -50,6 +50,7 @@ def profile(
 
     from ..calib.dataset import load_calibration
     from ..calib.profile import run_profile
+    from ..core.paths import writable_dir
     from ..core.recipes import format_bytes, resolve_model
     from ..errors import MoectlError
     from ..progress import ProgressBar
@@ -73,7 +74,7 @@ def profile(
         dataset = ((ref.recipe or {}).get("defaults") or {}).get("calibration") or "default"
         if not Path(dataset).exists() and (REPO_ROOT / dataset).exists():
             dataset = str(REPO_ROOT / dataset)             # recipe paths are relative to the repo
-    out_dir = out or ref.workdir / "traces"
+    out_dir = writable_dir(out or ref.workdir / "traces", "--out" if out else "the trace directory")
     texts = load_calibration(dataset, split=split, max_samples=max_samples)
     eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
                       budget=budget, cache_experts=cache_experts, replacement=replacement or "lru", prefetch=prefetch, admission=admission, staging=staging_buffers,

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model, take_device
+from ._common import CacheOpts, prepare_model, take_device, writable_workdir
 
 
 def quantize(
@@ -40,6 +40,7 @@ def quantize(
 
     device = take_device(device)
     prepare_model(model, workdir)
+    writable_workdir(model, workdir)                # the copies go there
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,
                           progress=not as_json, method=method)
     if as_json:

@@ -53,7 +53,9 @@ class ChatSession:
                  top_p: float = 0.95, seed: int | None = 0, system: str | None = None):
         self.engine = engine
         self.max_new_tokens, self.greedy, self.temperature, self.top_p = max_new_tokens, greedy, temperature, top_p
-        self.seed, self.system = seed, system
+        from ..runtime.engine import check_text
+
+        self.seed, self.system = seed, system if system is None else check_text(system, "--system")
         self.messages: list[dict] = []
         self.totals = SessionTotals()
         self.reset()
@@ -75,7 +77,9 @@ class ChatSession:
 
     def ask(self, text: str, on_token: Callable[[int, str], None] | None = None):
         """Add the user's message, generate the answer (streamed through on_token), remember it."""
-        self.messages.append({"role": "user", "content": text})
+        from ..runtime.engine import check_text
+
+        self.messages.append({"role": "user", "content": check_text(text, "the message")})
         seed = None if self.seed is None else self.seed + self.totals.turns
         result = self.engine.generate(input_ids=self.prompt_ids(), max_new_tokens=self.max_new_tokens,
                                       greedy=self.greedy, temperature=self.temperature, top_p=self.top_p,
@@ -121,6 +125,10 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
     """The read-answer loop; returns the exit code (0)."""
     from rich.console import Console
 
+    from rich.markup import escape
+
+    from ..errors import MoectlError
+    from ..runtime.engine import check_text
     from ..status import print_stats_line
 
     console = console or Console()
@@ -136,9 +144,16 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
         console.file.write(piece)
         console.file.flush()
 
-    for line in _read_lines(interactive, console, stdin):
+    for n, line in enumerate(_read_lines(interactive, console, stdin), start=1):
         text = line.strip()
         if not text:
+            continue
+        try:
+            check_text(text, "the message" if interactive else f"input line {n}")
+        except MoectlError as e:
+            if not interactive:                 # a pipe: one error line, exit code 2 (the CLI's)
+                raise
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)     # retype it
             continue
         if text.startswith("/"):
             command = text.split()[0].lower()
