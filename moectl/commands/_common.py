@@ -158,13 +158,18 @@ class PrecisionOpts:
 def take_device(asked: str | None) -> str:
     """--device (auto | cpu | cuda | cuda:N) as the device a command runs on (`store/facts.py: pick_device`: one
     `error:` line for a device torch does not see), its status line printed on stderr."""
-    from rich.console import Console
-
     from ..store.facts import pick_device
 
     device, note = pick_device(asked)
-    Console(stderr=True).print(f"[dim]{note}[/]", highlight=False)
+    say(note)
     return device
+
+
+def say(note: str) -> None:
+    """One dim status line on stderr (JSON on stdout stays clean)."""
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]{note}[/]", highlight=False)
 
 
 def prepare_model(model: str, workdir=None) -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model, take_device, writable_workdir
+from ._common import CacheOpts, prepare_model, say, writable_workdir
 
 
 def quantize(
@@ -37,10 +37,12 @@ def quantize(
 
     from ..core.recipes import format_bytes
     from ..quant.quantize import quantize_model
+    from ..store.facts import pick_device
 
-    device = take_device(device)
+    device, device_note = pick_device(device)       # checked first, said once the other checks pass
     prepare_model(model, workdir)
     writable_workdir(model, workdir)                # the copies go there
+    say(device_note)
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,
                           progress=not as_json, method=method)
     if as_json:
