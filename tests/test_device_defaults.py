@@ -157,7 +157,7 @@ def test_auto_on_a_gpu_loads_onto_it(model, monkeypatch):
     assert s["device"] == "cuda" and s["torch_device"] == "cuda" and s["sources"]["device"] == "default"
     assert s["device_note"] == "device: cuda (Fake GPU; --device auto, 1 CUDA device)"
     s = resolved_setting(monkeypatch, model, device="auto", emulate_device=True)     # the CPU it emulates on
-    assert s["device"] == "cpu"
+    assert s["device"] == "cpu" and s["sources"]["device"] == "default" and "--emulate-device" in s["device_note"]
 
 
 # --- the budget -----------------------------------------------------------------------------------------------------

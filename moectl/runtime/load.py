@@ -34,8 +34,8 @@ from ..store.facts import (
     kv_reserve_nbytes,
     load_config,
     open_checkpoint,
-    pick_device,
     parse_dtype,
+    pick_device,
     skeleton,
 )
 from ..store.gguf.cpu import in_place_expert_bytes, int4_repackable, repack_for_cpu
@@ -146,10 +146,12 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
 def take_device(opts: RuntimeOptions) -> None:
     """--device auto | cpu | cuda | cuda:N as the device the run takes (`store/facts.py: pick_device`: checked before
     anything is read), its status line in `opts.device_note`. auto with --emulate-device is the CPU it emulates on."""
-    asked = "cpu" if opts.emulate_device and opts.device in (None, "auto") else opts.device
-    opts.device, opts.device_note = pick_device(asked)
-    if asked in (None, "auto"):
+    auto = opts.device in (None, "auto")
+    opts.device, opts.device_note = pick_device("cpu" if auto and opts.emulate_device else opts.device)
+    if auto:
         opts.sources["device"] = DEFAULT
+        if opts.emulate_device:
+            opts.device_note = "device: cpu (--device auto with --emulate-device: the CPU acts as the device)"
 
 
 def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_place: bool, full: list[int],
