@@ -155,16 +155,6 @@ class PrecisionOpts:
                                  "(default 0.25; lowbit-only gives them all: no full-precision slots).")
 
 
-def take_device(asked: str | None) -> str:
-    """--device (auto | cpu | cuda | cuda:N) as the device a command runs on (`store/facts.py: pick_device`: one
-    `error:` line for a device torch does not see), its status line printed on stderr."""
-    from ..store.facts import pick_device
-
-    device, note = pick_device(asked)
-    say(note)
-    return device
-
-
 def say(note: str) -> None:
     """One dim status line on stderr (JSON on stdout stays clean)."""
     from rich.console import Console

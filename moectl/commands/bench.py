@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ._common import prepare_model, runtime_options, take_device
+from ._common import prepare_model, runtime_options, say
 
 # bench reads two runtime options its own way (the flags, fields and parsing are the shared ones)
 BENCH_HELPS = {
@@ -54,10 +54,13 @@ def bench(
     if model is not None:
         from ..benchmark.model import bench_model
 
+        from ..store.facts import pick_device
+
         _check_draft(o.draft, acceptance_out)
-        o.device = take_device(o.device)
+        o.device, device_note = pick_device(o.device)
         o.check()
         prepare_model(model, o.workdir)
+        say(device_note)                        # the device every row runs on
         rows = tuple(b.strip() for b in baselines.split(",") if b.strip() and not (o.plan is None and
                                                                                    b.strip() == "moectl-plan"))
         out = bench_model(model, o.workdir, o.device, o.budget, o.cache_experts, prompt_len, gen_len, o.replay_trace,

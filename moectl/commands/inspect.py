@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import prepare_model
+from ._common import prepare_model, say
 
 
 def inspect(
@@ -44,9 +44,9 @@ def inspect(
 
     if offload not in ("ram", "disk"):
         raise MoectlError(f"--offload is ram or disk, not {offload!r}")
-    if device in (None, "auto"):                # the figures of the device this run would take
+    note = None
+    if device in (None, "auto"):                # the figures of the device a run would take
         device, note = pick_device("auto")
-        Console(stderr=True).print(f"[dim]{note}; the figures are for it[/]", highlight=False)
     elif re.fullmatch(r"cuda(:\d+)?", device):     # sizes, not a run: a GPU this machine lacks is fine
         device = "cuda"
     elif device != "cpu":
@@ -55,6 +55,8 @@ def inspect(
         raise MoectlError(f"--precision is full, hobbit or lowbit-only, not {precision!r}")
     prepare_model(model, workdir)
     info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction, precision)
+    if note:
+        say(f"{note}; the memory figures are for it")
     if as_json:
         print(json.dumps(info))
         return

@@ -36,14 +36,14 @@ def train_predictor(
     from rich.console import Console
 
     from ..predict.pipeline import run_train_predictor
-
-    from ._common import take_device
+    from ..store.facts import pick_device
 
     console = Console(stderr=as_json)
-    device = take_device(device)
+    device, device_note = pick_device(device)      # said once the traces are checked (`run_train_predictor`)
     result = run_train_predictor(model=model, traces=traces or [], kind=kind, lookahead=lookahead, epochs=epochs,
                                  out=out, device=device, max_minutes=max_minutes, width=width,
-                                 workdir=workdir, seed=seed, console=console, progress=True)
+                                 workdir=workdir, seed=seed, console=console, progress=True,
+                                 device_note=device_note)
     if as_json:
         print(json.dumps(result, indent=1))
     else:
