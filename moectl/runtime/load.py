@@ -65,8 +65,7 @@ class Loaded:
 
 
 def load(model: str, opts: RuntimeOptions) -> Loaded:
-    take_device(opts)
-    opts.check()
+    take_device(opts)                                   # checks the options too
     ref = built(resolve_model(model, opts.workdir))
     dev = torch.device(opts.device)
     config, adapter = load_config(ref.path)
@@ -144,10 +143,14 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
 
 
 def take_device(opts: RuntimeOptions) -> None:
-    """--device auto | cpu | cuda | cuda:N as the device the run takes (`store/facts.py: pick_device`: checked before
-    anything is read), its status line in `opts.device_note`. auto with --emulate-device is the CPU it emulates on."""
+    """--device auto | cpu | cuda | cuda:N as the device the run takes (`store/facts.py: pick_device`), its status
+    line in `opts.device_note`; the options' own checks first (`RuntimeOptions.check`: --emulate-device with cuda is
+    that error, not the device's), all before anything is read. auto with --emulate-device is the CPU it emulates on."""
     auto = opts.device in (None, "auto")
-    opts.device, opts.device_note = pick_device("cpu" if auto and opts.emulate_device else opts.device)
+    if auto and opts.emulate_device:
+        opts.device = "cpu"
+    opts.check()
+    opts.device, opts.device_note = pick_device(opts.device)
     if auto:
         opts.sources["device"] = DEFAULT
         if opts.emulate_device:
