@@ -66,14 +66,23 @@ def test_a_prompt_that_is_not_utf8_is_one_error_before_loading(model, capsys, mo
     assert_one_error(code, err, "--prompt is not UTF-8 text: byte 0xe9 at character 4")
 
 
-def test_a_chat_session_refuses_the_message_and_keeps_its_history(model):
+def test_a_chat_session_refuses_the_message_and_keeps_its_history(model, monkeypatch):
+    from rich.console import Console
+
+    import moectl.serve.chat as chat
     from moectl.errors import MoectlError
     from moectl.runtime.engine import Engine
-    from moectl.serve.chat import ChatSession
 
-    session = ChatSession(Engine.load(str(model), progress=False), max_new_tokens=2)
+    session = chat.ChatSession(Engine.load(str(model), progress=False), max_new_tokens=2)
     with pytest.raises(MoectlError, match="the message is not UTF-8 text: byte 0xff at character 1"):
         session.ask("\udcff")
+    assert session.messages == []
+    # at a terminal the message is refused on one line and the chat goes on
+    monkeypatch.setattr(chat, "_read_lines", lambda *a: iter(["ok \udcfe", "/exit"]))
+    screen = io.StringIO()
+    assert chat.run_chat(session, console=Console(file=screen, width=200), interactive=True) == 0
+    said = [ln for ln in screen.getvalue().splitlines() if ln.startswith("error:")]
+    assert said == ["error: the message is not UTF-8 text: byte 0xfe at character 4; convert it to UTF-8 first"]
     assert session.messages == []
 
 
