@@ -226,3 +226,15 @@ def test_builtin_corpus_is_the_same_text_in_any_process(tmp_path):
     meta = json.loads((tmp_path / "here" / "meta.json").read_text())
     assert meta["modules"] == list(modules) and not meta["missing_modules"]
     del handler
+
+
+def test_builtin_corpus_on_a_home_that_cannot_be_written_is_built_for_the_process(a_file, monkeypatch):
+    import moectl.calib.builtin_corpus as corpus
+
+    monkeypatch.setenv("MOECTL_HOME", str(a_file / "home"))
+    monkeypatch.setattr(corpus, "_PROCESS_DIR", [])
+    text = "Json\n    json - JSON encoder and decoder.\n\n" + "\n\n".join(f"Paragraph {i}. " * 30 for i in range(40))
+    monkeypatch.setattr(corpus, "render_pydoc", lambda modules: {"json": text})         # one module, fast
+    docs = corpus.builtin_corpus("train") + corpus.builtin_corpus("validation")
+    assert len(docs) > 1 and "Paragraph 39." in "".join(docs)
+    assert corpus._PROCESS_DIR[0].is_dir() and not (a_file / "home").exists()

@@ -168,11 +168,32 @@ def write_corpus(out_dir: Path, splits: dict[str, list[dict]], meta: dict) -> di
 
 
 def builtin_corpus_dir() -> Path:
-    """The cached corpus directory, built on first use (about 5 s)."""
+    """The cached corpus directory, built on first use (about 5 s). Where $MOECTL_HOME cannot be written (a read-only
+    cache) it is built for this process only, in a temporary directory removed at exit."""
     out_dir = corpus_home() / f"{CORPUS_VERSION}-py{sys.version_info.major}.{sys.version_info.minor}"
-    if not (out_dir / "meta.json").exists():
+    if (out_dir / "meta.json").exists():
+        return out_dir
+    try:
         build_builtin_corpus(out_dir)
-    return out_dir
+        return out_dir
+    except OSError:
+        return _process_corpus_dir()
+
+
+_PROCESS_DIR: list[Path] = []          # the corpus built for this process (`builtin_corpus_dir`), once
+
+
+def _process_corpus_dir() -> Path:
+    if not _PROCESS_DIR:
+        import atexit
+        import shutil
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="moectl-corpus-"))
+        atexit.register(shutil.rmtree, tmp, True)
+        build_builtin_corpus(tmp)
+        _PROCESS_DIR.append(tmp)
+    return _PROCESS_DIR[0]
 
 
 def builtin_corpus(split: str = "train") -> list[str]:

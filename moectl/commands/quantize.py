@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model, say, writable_workdir
+from ._common import CacheOpts, prepare_model, writable_workdir
 
 
 def quantize(
@@ -39,12 +39,11 @@ def quantize(
     from ..quant.quantize import quantize_model
     from ..store.facts import pick_device
 
-    device, device_note = pick_device(device)       # checked first, said once the other checks pass
+    device, device_note = pick_device(device)       # checked first, said once the settings are (`quantize_model`)
     prepare_model(model, workdir)
     writable_workdir(model, workdir)                # the copies go there
-    say(device_note)
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,
-                          progress=not as_json, method=method)
+                          progress=not as_json, method=method, device_note=device_note)
     if as_json:
         print(json.dumps(meta))
         return
