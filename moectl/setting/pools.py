@@ -83,9 +83,10 @@ def size_cache(o, sizes: ModelSizes, precision, expert_nbytes: float, low_nbytes
                                    expert_nbytes, low_nbytes, low_only)
     split = None
     if o.budget is not None:
-        free = getattr(o, "budget_note", "")       # the device's free memory (`resolve.free_memory_budget`)
-        what = (f"the device's free memory less its margin ({format_bytes(int(o.budget))}); free device memory, or "
-                f"run on the CPU (--device cpu)") if free else None
+        what = None                                 # a --budget's error names it
+        if o.budget_note:                           # no --budget: the device's free memory (`resolve.py`) is it
+            what = (f"the device's free memory less its margin ({format_bytes(int(o.budget))}); free device "
+                    f"memory, or run on the CPU (--device cpu)")
         split = split_budget(o.budget, sizes, kv_tokens, staging=staging_bytes, min_slot_bytes=stage_nbytes,
                              what=what)
     full = None
