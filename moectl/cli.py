@@ -9,10 +9,12 @@ line and exit code 2.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import pkgutil
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -80,6 +82,10 @@ def main() -> None:
         sys.exit(130)
     except MemoryError:                      # an allocation the runtime did not wrap: still one line, exit 2
         _error("out of host memory; use --offload disk, or a smaller --cache-experts / --budget")
+    except OSError as e:                     # a file the machine refuses (read-only, not a directory, disk full)
+        if e.errno not in FILE_ERRNOS or e.filename is None:
+            raise
+        _error(file_error(e))
     except SystemExit:
         raise
     except Exception as e:  # click usage errors and aborts come through here in standalone_mode=False
@@ -95,6 +101,22 @@ def main() -> None:
             err_console.print("[yellow]aborted[/]")
             sys.exit(1)
         raise
+
+
+FILE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC, errno.EDQUOT}
+
+
+def file_error(e: OSError) -> str:
+    """A write the machine refused, where no command checked first: the file and why, and where MOECTL_HOME is
+    the reason, what to set."""
+    from .core.recipes import moectl_home
+
+    path = Path(e.filename)
+    msg = f"{path}: {e.strerror or e}"
+    home = moectl_home()
+    if path == home or home in path.parents:
+        msg += f" (under MOECTL_HOME, {home}: set MOECTL_HOME or --workdir to a writable directory)"
+    return msg
 
 
 def _error(message: str) -> None:

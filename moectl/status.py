@@ -12,6 +12,17 @@ def print_plan_note(eng, console=None) -> None:
         (console or Console(stderr=True)).print(f"[dim]{eng.plan_note}[/]", highlight=False)
 
 
+def print_device(eng, console=None) -> None:
+    """The device the run took and why (`--device auto` is the default), and the budget when the device's free
+    memory set it (stderr: JSON on stdout stays clean)."""
+    from rich.console import Console
+
+    opts = getattr(eng, "options", None)
+    for note in (getattr(opts, "device_note", ""), getattr(opts, "budget_note", "")):
+        if note:
+            (console or Console(stderr=True)).print(f"[dim]{note}[/]", highlight=False)
+
+
 def print_stats_line(stats: dict, console=None) -> None:
     """One status line: tokens/s, hit rate, bytes loaded, load wait."""
     from rich.console import Console

@@ -100,7 +100,14 @@ def _jsonl_row(r, n: int, path, L: int, E: int, K: int) -> tuple[list[list[int]]
 
 def read_jsonl(path: Path) -> Trace:
     """Read a `moe-routing-v1` JSONL file; anything malformed is one error naming the file and line."""
-    lines = path.read_text().splitlines()
+    raw = Path(path).read_bytes()
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        what = "a GGUF model file" if raw[:4] == b"GGUF" else f"not UTF-8 text (byte 0x{raw[e.start]:02x})"
+        raise MoectlError(f"{path}:{line}: {what}, not a moe-routing-v1 JSONL trace" + (
+            f"; `moectl profile --model {path}` records one" if raw[:4] == b"GGUF" else "")) from None
     if not lines:
         raise MoectlError(f"{path} is empty; expected a moe-routing-v1 JSONL trace")
     head = parse_text(lines[0], path)

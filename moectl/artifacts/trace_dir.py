@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.fingerprint import check_fingerprint
+from ..core.paths import writable_dir
 from ..core.trace import HiddenSamples, Trace
 from ..errors import MoectlError
 from .routing_jsonl import read_jsonl, write_jsonl
@@ -80,7 +81,7 @@ class TraceWriter:
                  shard_bytes: int = 256 * 2**20):
         self.dir = Path(out_dir)
         self.shard_rows, self.shard_bytes = shard_rows, shard_bytes      # a shard closes at either limit
-        self.dir.mkdir(parents=True, exist_ok=True)
+        writable_dir(self.dir, "the trace directory")   # proven before an old trace is deleted
         old = self.dir / META
         if resume and old.exists():
             self.meta = read_meta(self.dir)

@@ -206,10 +206,13 @@ def lossless_reference(eng, windows, prompts, n: int, workdir: Path | None, prog
            "key": key, "nll": nll["nll"], "scored": nll["scored"], "per_window": nll["per_window"],
            "continuations": conts}
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ref))
-        tmp.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(ref))
+            tmp.replace(path)
+        except OSError:                 # a read-only workdir: computed again next time, nothing lost
+            pass
     return ref | {"cached": False}
 
 

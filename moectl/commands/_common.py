@@ -22,9 +22,11 @@ class CacheOpts:
 
     @staticmethod
     def device():
-        return typer.Option("cpu", "--device",
-                            help="cpu or cuda. On cpu with --offload ram (the default) experts are computed in place "
-                                 "from host RAM: no slots, no copies, --cache-experts has no effect.")
+        return typer.Option("auto", "--device",
+                            help="auto (CUDA when torch sees a device, else the CPU), cpu, cuda or cuda:N. On cpu "
+                                 "with --offload ram (the default) experts are computed in place from host RAM: no "
+                                 "slots, no copies, --cache-experts has no effect. On CUDA without --budget, "
+                                 "--cache-experts or a plan the budget is the device's free memory less a margin.")
 
     @staticmethod
     def emulate_device():
@@ -153,20 +155,40 @@ class PrecisionOpts:
                                  "(default 0.25; lowbit-only gives them all: no full-precision slots).")
 
 
+def say(note: str) -> None:
+    """One dim status line on stderr (JSON on stdout stays clean)."""
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[dim]{note}[/]", highlight=False)
+
+
 def prepare_model(model: str, workdir=None) -> None:
-    """Build the built-in tiny model on first use (the runtime itself never builds or trains anything)."""
+    """Build the built-in tiny model on first use (the runtime itself never builds or trains anything). Through
+    `ensure_tiny` even when a checkpoint is there: a build is keyed by its seed ($MOECTL_TINY_SEED), and one made
+    with another seed is rebuilt, not reused."""
     from ..core.recipes import resolve_model
 
     ref = resolve_model(model, str(workdir) if workdir else None)
-    if (ref.recipe or {}).get("builtin") == "tiny" and not ref.path.exists():
-        from ..synth.tiny import ensure_tiny
+    if (ref.recipe or {}).get("builtin") == "tiny":
+        from ..synth.tiny import ensure_tiny, tiny_built
 
+        if not tiny_built(ref.workdir):
+            writable_workdir(model, workdir)         # a build writes there: say so now, not mid-build
         ensure_tiny(ref.workdir)
     if (ref.recipe or {}).get("builtin") == "reference" and not ref.path.exists():     # ~1 h: never implicit
         from ..errors import MoectlError
 
         raise MoectlError(f"the reference model is not built in {ref.workdir}: run `moectl build-tiny --size "
                           f"reference` (about an hour on 2 cores, resumable) or `make bench-fidelity`")
+
+
+def writable_workdir(model: str, workdir=None):
+    """The model's workdir, checked writable before a command's work that ends by writing there
+    (`core/paths.py: writable_dir`)."""
+    from ..core.paths import writable_dir
+    from ..core.recipes import resolve_model
+
+    return writable_dir(resolve_model(model, str(workdir) if workdir else None).workdir, "the workdir")
 
 
 class DraftOpts:

@@ -9,13 +9,14 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ._common import prepare_model, runtime_options
+from ._common import prepare_model, runtime_options, say
 
 # bench reads two runtime options its own way (the flags, fields and parsing are the shared ones)
 BENCH_HELPS = {
     "cache_experts": "Expert slots in total for the moectl and lru rows, split evenly over MoE layers (default: half "
                      "the experts).",
-    "device": "cpu (the cached rows emulate a device: --emulate-device is implied) or cuda.",
+    "device": "auto (CUDA when torch sees a device, else the CPU), cpu (the cached rows emulate a device: "
+              "--emulate-device is implied), cuda or cuda:N.",
 }
 
 
@@ -53,9 +54,13 @@ def bench(
     if model is not None:
         from ..benchmark.model import bench_model
 
+        from ..store.facts import pick_device
+
         _check_draft(o.draft, acceptance_out)
+        o.device, device_note = pick_device(o.device)
         o.check()
         prepare_model(model, o.workdir)
+        say(device_note)                        # the device every row runs on
         rows = tuple(b.strip() for b in baselines.split(",") if b.strip() and not (o.plan is None and
                                                                                    b.strip() == "moectl-plan"))
         out = bench_model(model, o.workdir, o.device, o.budget, o.cache_experts, prompt_len, gen_len, o.replay_trace,

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_plan_note
+from ..status import print_device, print_plan_note
 from ._common import prepare_model, print_lossy, runtime_options
 
 
@@ -38,6 +38,7 @@ def chat(
     prepare_model(model, opts.workdir)
     opts.progress = interactive
     eng = Engine.load(model, options=opts)
+    print_device(eng)
     print_plan_note(eng)
     print_lossy(eng)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,

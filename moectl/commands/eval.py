@@ -7,7 +7,7 @@ import json
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_plan_note
+from ..status import print_device, print_plan_note
 from ._common import prepare_model, print_lossy, runtime_options
 
 
@@ -46,6 +46,7 @@ def eval_(
     prepare_model(model, opts.workdir)
     opts.progress = not as_json
     eng = Engine.load(model, options=opts)
+    print_device(eng)
     print_plan_note(eng)
     lossy = print_lossy(eng)
     cut = llama_windows if llamacpp_windows else token_windows

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_plan_note, print_stats_line
+from ..status import print_device, print_plan_note, print_stats_line
 from ._common import prepare_model, print_draft_line, print_lossy, runtime_options
 
 
@@ -36,11 +36,13 @@ def generate(
     """Generate text from a prompt, experts streamed through the device cache."""
     import sys
 
-    from ..runtime.engine import Engine
+    from ..runtime.engine import Engine, check_text
 
+    check_text(prompt, "--prompt")                  # before the model loads
     prepare_model(model, opts.workdir)
     opts.progress = not as_json
     eng = Engine.load(model, options=opts)
+    print_device(eng)
     print_plan_note(eng)
     lossy = print_lossy(eng)
     stream = None

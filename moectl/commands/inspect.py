@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import prepare_model
+from ._common import prepare_model, say
 
 
 def inspect(
@@ -17,9 +17,9 @@ def inspect(
     lowbit: Optional[str] = typer.Option(None, "--lowbit", help="Size a low-bit copy set too, e.g. q4g64 (HQQ; "
                                          "need not exist yet)."),
     offload: str = typer.Option("ram", "--offload", help="Where the full-precision copies would live: ram or disk."),
-    device: str = typer.Option(None, "--device", show_default=False,
-                               help="The device the memory figures are for: cuda or cpu (default: cuda when torch sees "
-                                    "one, else cpu)."),
+    device: str = typer.Option("auto", "--device",
+                               help="The device the memory figures are for: auto (CUDA when torch sees a device, else "
+                                    "the CPU), cpu, or cuda / cuda:N (sized whether or not this machine has one)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Device budget the cache would get (default: the "
                                          "minimum, one slot per layer of each pool)."),
     lowbit_fraction: Optional[float] = typer.Option(None, "--lowbit-fraction", min=0.0, max=0.99,
@@ -33,24 +33,30 @@ def inspect(
     packed) and bytes per expert, dense and total bytes; the host RAM and device memory a configuration needs
     (dense weights, copies per tier, KV reserve, cache), before anything is loaded. Read from config.json and
     the shard headers only."""
+    import re
+
     from rich.console import Console
     from rich.table import Table
 
     from ..core.recipes import format_bytes
-    from ..store.facts import inspect_model
-
-    prepare_model(model, workdir)
     from ..errors import MoectlError
+    from ..store.facts import inspect_model, pick_device
 
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if offload not in ("ram", "disk") or device not in ("cuda", "cpu"):
-        raise MoectlError("--offload is ram or disk, --device is cuda or cpu")
+    if offload not in ("ram", "disk"):
+        raise MoectlError(f"--offload is ram or disk, not {offload!r}")
+    note = None
+    if device in (None, "auto"):                # the figures of the device a run would take
+        device, note = pick_device("auto")
+    elif re.fullmatch(r"cuda(:\d+)?", device):     # sizes, not a run: a GPU this machine lacks is fine
+        device = "cuda"
+    elif device != "cpu":
+        raise MoectlError(f"--device is auto, cpu, cuda or cuda:N, not {device!r}")
     if precision not in (None, "full", "hobbit", "lowbit-only"):
         raise MoectlError(f"--precision is full, hobbit or lowbit-only, not {precision!r}")
+    prepare_model(model, workdir)
     info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction, precision)
+    if note:
+        say(f"{note}; the memory figures are for it")
     if as_json:
         print(json.dumps(info))
         return

@@ -27,7 +27,7 @@ def profile(
     out: Path = typer.Option(None, "--out", help="trace directory [default: <workdir>/traces]"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run after its last complete sample"),
     split: str = typer.Option(None, "--split", help="dataset split (default: the calibration set's)"),
-    device: str = typer.Option(None, "--device", help="cuda / cpu [default: cuda when available]"),
+    device: str = CacheOpts.device(),
     budget: str = typer.Option(None, "--budget", help="device memory for the expert cache, e.g. 2GB"),
     cache_experts: int = typer.Option(None, "--cache-experts", help="expert cache size in experts"),
     emulate_device: bool = CacheOpts.emulate_device(),
@@ -50,10 +50,13 @@ def profile(
 
     from ..calib.dataset import load_calibration
     from ..calib.profile import run_profile
+    from ..core.paths import writable_dir
     from ..core.recipes import format_bytes, resolve_model
     from ..errors import MoectlError
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
+    from ..status import print_device
+    from ..store.facts import pick_device
 
     console = Console(stderr=as_json)
     hs = hidden_samples.strip().lower()
@@ -62,6 +65,7 @@ def profile(
     hs_mode = "all" if hs == "all" else (int(hs) if hs.isdigit() and int(hs) > 0 else None)
     if generate < 0 or max_tokens < 1:
         raise MoectlError("--generate must be >= 0 and --max-tokens >= 1")
+    pick_device(device)                                 # a device torch does not see: one line, before any work
     prepare_model(model, workdir)
     ref = resolve_model(model, str(workdir) if workdir else None)
     if dataset is None:
@@ -70,15 +74,12 @@ def profile(
         dataset = ((ref.recipe or {}).get("defaults") or {}).get("calibration") or "default"
         if not Path(dataset).exists() and (REPO_ROOT / dataset).exists():
             dataset = str(REPO_ROOT / dataset)             # recipe paths are relative to the repo
-    out_dir = out or ref.workdir / "traces"
+    out_dir = writable_dir(out or ref.workdir / "traces", "--out" if out else "the trace directory")
     texts = load_calibration(dataset, split=split, max_samples=max_samples)
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     eng = Engine.load(model=model, device=device, workdir=str(workdir) if workdir else None,
                       budget=budget, cache_experts=cache_experts, replacement=replacement or "lru", prefetch=prefetch, admission=admission, staging=staging_buffers,
-                      predictor=predictor, emulate_device=emulate_device and device == "cpu")
+                      predictor=predictor, emulate_device=emulate_device)
+    print_device(eng)
 
     def show_plan(info: dict) -> None:
         msg = (f"profiling [bold]{ref.name}[/] on {info['samples']} samples (~{info['tokens_planned']} tokens) "

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model
+from ._common import CacheOpts, prepare_model, writable_workdir
 
 
 def quantize(
@@ -17,8 +17,8 @@ def quantize(
                                    "a multiple of 8 dividing every expert matrix."),
     axis: int = typer.Option(1, "--axis", help="HQQ grouping axis: 1 groups along the input dimension (HQQ 0.2's "
                              "default, what fast kernels want), 0 along the output dimension (better at 2-3 bits)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Where HQQ runs: cpu or cuda (default: cuda when "
-                                         "present)."),
+    device: str = typer.Option("auto", "--device", help="Where HQQ runs: auto (CUDA when torch sees a device, "
+                                                        "else the CPU), cpu, cuda or cuda:N."),
     method: Optional[str] = typer.Option(None, "--method", help="rtn: round-to-nearest per group (minutes on a "
                                          "CPU); hqq: HQQ's optimiser refines scales and zeros (hours for Mixtral on "
                                          "a CPU, seconds per layer on a GPU). Default: rtn on cpu, hqq on cuda. On "
@@ -37,10 +37,13 @@ def quantize(
 
     from ..core.recipes import format_bytes
     from ..quant.quantize import quantize_model
+    from ..store.facts import pick_device
 
+    device, device_note = pick_device(device)       # checked first, said once the settings are (`quantize_model`)
     prepare_model(model, workdir)
+    writable_workdir(model, workdir)                # the copies go there
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,
-                          progress=not as_json, method=method)
+                          progress=not as_json, method=method, device_note=device_note)
     if as_json:
         print(json.dumps(meta))
         return

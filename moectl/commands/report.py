@@ -24,11 +24,17 @@ def report(
 
     from ..artifacts.trace_dir import load_trace
     from ..calib.report import analyze, summary_json, write_plots
+    from ..core.paths import writable_dir
     from ..core.trace import PHASES
     from ..errors import MoectlError
     from ..tables import plural, print_table
 
     console = Console(stderr=as_json)
+    if not traces.exists():
+        raise MoectlError(f"--traces {traces} does not exist (a trace directory or moe-routing-v1 JSONL file)")
+    if out is None:
+        out = traces / "report" if traces.is_dir() else Path.cwd() / f"{traces.stem}-report"
+    writable_dir(out, "--out")                               # before the work, not after it
     if traces.is_dir():                                     # hidden samples are not needed here
         from ..artifacts.trace_dir import read_trace_dir
 
@@ -45,8 +51,6 @@ def report(
         size_list = [int(s) for s in sizes.split(",")] if sizes else None
     except ValueError:
         raise MoectlError(f"--cache-sizes takes comma-separated integers, not {sizes!r}") from None
-    if out is None:
-        out = traces / "report" if traces.is_dir() else Path.cwd() / f"{traces.stem}-report"
     with console.status("replaying the trace through LRU and Belady..."):
         a = analyze(trace, size_list)
         files = write_plots(a, out, trace.model)

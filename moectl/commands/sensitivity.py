@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ._common import CacheOpts, prepare_model
+from ._common import CacheOpts, prepare_model, writable_workdir
 
 
 def sensitivity(
@@ -56,14 +56,17 @@ def sensitivity(
     from ..policies.gating import SensitivityGating
     from ..progress import ProgressBar
     from ..runtime.engine import Engine
+    from ..status import print_device
 
     if rule not in RULES:
         raise MoectlError(f"unknown --rule {rule!r}; choose one of {', '.join(RULES)}")
     if target_ppl_delta is not None and target_ppl_delta < 0:
         raise MoectlError(f"--target-ppl-delta must be >= 0, not {target_ppl_delta}")
     prepare_model(model, workdir)
+    writable_workdir(model, workdir)                # sensitivity.json is written at the end: check now
     eng = Engine.load(model, device=device, cache_experts=cache_experts, budget=budget, offload=offload,
                       workdir=workdir, dtype=dtype, emulate_device=emulate_device, prefetch="none", progress=not as_json)
+    print_device(eng)
     texts = load_calibration(dataset)
     windows = token_windows(eng.tokenizer, texts, window, max_tokens)
     search = target_ppl_delta is not None

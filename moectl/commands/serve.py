@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_plan_note
+from ..status import print_device, print_plan_note
 from ._common import prepare_model, print_lossy, runtime_options
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -53,6 +53,7 @@ def serve(
 
         opts.progress = err.is_terminal
         eng = Engine.load(model, options=opts)
+        print_device(eng)
         print_plan_note(eng)
         print_lossy(eng)
         app = create_app(eng, served_name or eng.ref.name, api_key=api_key, max_queue=max_queue,

@@ -19,7 +19,9 @@ def train_predictor(
                                     "ends most sooner), 20 for routing (~150 weights per head: more passes overfit)]"),
     out: Path = typer.Option(None, "--out", "-o", help="output directory (default: the model's workdir, "
                                                           "or $MOECTL_HOME/<trace model name>)"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (training only; predictors run on CPU)"),
+    device: str = typer.Option("auto", "--device", help="where training runs: auto (CUDA when torch sees a device, "
+                                                        "else the CPU), cpu, cuda or cuda:N (predictors run on the "
+                                                        "CPU)"),
     max_minutes: float = typer.Option(10.0, "--max-minutes", help="wall-time bound for all training"),
     width: int = typer.Option(128, "--width", min=1,
                               help="hidden width of the mlp predictors (their CPU cost grows with it: "
@@ -35,11 +37,14 @@ def train_predictor(
     from rich.console import Console
 
     from ..predict.pipeline import run_train_predictor
+    from ..store.facts import pick_device
 
     console = Console(stderr=as_json)
+    device, device_note = pick_device(device)      # said once the traces are checked (`run_train_predictor`)
     result = run_train_predictor(model=model, traces=traces or [], kind=kind, lookahead=lookahead, epochs=epochs,
                                  out=out, device=device, max_minutes=max_minutes, width=width,
-                                 workdir=workdir, seed=seed, console=console, progress=True)
+                                 workdir=workdir, seed=seed, console=console, progress=True,
+                                 device_note=device_note)
     if as_json:
         print(json.dumps(result, indent=1))
     else:

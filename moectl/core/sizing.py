@@ -76,9 +76,10 @@ class BudgetSplit:
 
 
 def split_budget(size: str | int, facts: ModelSizes, kv_tokens: int = KV_RESERVE_TOKENS,
-                 min_slot_bytes: int | None = None, staging: int = 0) -> BudgetSplit:
+                 min_slot_bytes: int | None = None, staging: int = 0, what: str | None = None) -> BudgetSplit:
     """The budget's parts; a clear error when it cannot hold one slot per MoE layer (`min_slot_bytes`:
-    the smallest slot served, default a full-precision expert) after `staging` bytes of staging buffers."""
+    the smallest slot served, default a full-precision expert) after `staging` bytes of staging buffers. `what`
+    names the budget in that error (default: `--budget N`) and may end with what to do."""
     total = parse_size(size) if isinstance(size, str) else int(size)
     if kv_tokens < 0:
         raise MoectlError(f"--kv-tokens must be >= 0, not {kv_tokens}")
@@ -87,11 +88,13 @@ def split_budget(size: str | int, facts: ModelSizes, kv_tokens: int = KV_RESERVE
     slot = facts.expert_bytes() if min_slot_bytes is None else int(min_slot_bytes)
     minimum = facts.dense_bytes + kv + ws + staging + facts.num_layers * slot
     if total < minimum:
+        name, _, todo = (what or f"--budget {format_bytes(total)}").partition("; ")
         raise MoectlError(
-            f"--budget {format_bytes(total)} is below the minimum {format_bytes(minimum)} for {facts.name}: dense "
+            f"{name} is below the minimum {format_bytes(minimum)} for {facts.name}: dense "
             f"weights {format_bytes(facts.dense_bytes)} + KV cache for {kv_tokens} tokens {format_bytes(kv)} + "
             f"workspace {format_bytes(ws)}" + (f" + staging buffers {format_bytes(staging)}" if staging else "")
-            + f" + one expert slot per MoE layer ({facts.num_layers} x {format_bytes(slot)})")
+            + f" + one expert slot per MoE layer ({facts.num_layers} x {format_bytes(slot)})"
+            + (f"; {todo}" if todo else ""))
     return BudgetSplit(total, facts.dense_bytes, kv, kv_tokens, ws, total - facts.dense_bytes - kv - ws - staging,
                        staging)
 

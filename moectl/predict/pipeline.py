@@ -55,18 +55,19 @@ def _resolve(model: str | None, workdir):
 def run_train_predictor(model: str | None = None, traces: list | None = None, kind: str = "all",
                         lookahead="1,2,3", epochs: int | None = None, out=None, device: str = "cpu",
                         max_minutes: float | None = 10.0, width: int = 128, workdir=None, seed: int = 0,
-                        console=None, progress: bool = False) -> dict:
-    """What `moectl train-predictor` does; returns the result dict its --json prints."""
+                        console=None, progress: bool = False, device_note: str | None = None) -> dict:
+    """What `moectl train-predictor` does; returns the result dict its --json prints. `device_note` (the device
+    taken and why) is printed on `console` once the inputs are checked, before training."""
     from ..artifacts.trace_dir import load_trace
     from ..core.recipes import moectl_home
     from ..core.trace import check_trace_fits
     from ..predictors.file import save_predictors
+    from ..store.facts import pick_device
 
     t_start = time.monotonic()
     kinds = parse_kinds(kind)
     ds = parse_lookahead(lookahead)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise MoectlError("--device cuda: no CUDA device is available here; use --device cpu")
+    device = pick_device(device)[0]
     if not traces and not model:
         raise MoectlError("give --traces DIR|FILE (repeatable) or --model M (reads <workdir>/traces)")
     wd, facts = _resolve(model, workdir)
@@ -125,6 +126,9 @@ def run_train_predictor(model: str | None = None, traces: list | None = None, ki
     metrics: dict = {}
     data = gather_hidden(loaded) if any(k in ("mlp", "aux_gate") for k in kinds) else None
     from ..progress import ProgressBar
+
+    if device_note and console is not None:
+        console.print(f"[dim]{device_note}[/]", highlight=False)
 
     bar = ProgressBar(progress and console is not None, console)
     with bar:

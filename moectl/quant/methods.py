@@ -22,7 +22,7 @@ METHODS = ("rtn", "hqq")
 
 
 def default_method(device: str) -> str:
-    return "hqq" if device == "cuda" else "rtn"
+    return "hqq" if device.startswith("cuda") else "rtn"
 
 
 def check_method(method: str | None, device: str) -> str:

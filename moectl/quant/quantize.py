@@ -55,23 +55,20 @@ def _done_part(path: Path, settings: dict) -> float | None:
 
 def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device: str | None = None,
                    workdir: str | None = None, dtype: str | None = None, progress: bool = True,
-                   on_expert=None, method: str | None = None) -> dict:
+                   on_expert=None, method: str | None = None, device_note: str | None = None) -> dict:
     """Write (or finish) the copy set of `model` at `bits`/`group`/`axis`; returns its JSON descriptor.
     `device`: cpu or cuda (default: cuda when present). `method`: rtn or hqq (`quant/methods.py`; default rtn
-    on a CPU, hqq on a GPU). `on_expert(layer, expert)` runs after each expert (tests use it to interrupt a run)."""
+    on a CPU, hqq on a GPU). `on_expert(layer, expert)` runs after each expert (tests use it to interrupt a run).
+    `device_note` (the device taken and why) is printed on stderr once the settings are checked."""
     from safetensors.torch import load_file, save_file
 
     from ..core.recipes import resolve_model
     from ..models import config_fingerprint
     from ..store.checkpoint import Checkpoint
     from ..store.expert_store import ExpertStore
-    from ..store.facts import built, load_config, parse_dtype, skeleton
+    from ..store.facts import built, load_config, parse_dtype, pick_device, skeleton
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise MoectlError(f"--device {device!r}: choose cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MoectlError("--device cuda: no CUDA device is available")
+    device = pick_device(device)[0]
     method = check_method(method, device)
     ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
@@ -83,6 +80,10 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
                           f"of a safetensors checkpoint's experts")
     dt = parse_dtype(dtype, config)
     check_settings(bits, group, axis, adapter.layout().shapes)
+    if device_note:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[dim]{device_note}[/]", highlight=False)
     _, blocks = skeleton(config, adapter, dt, ref.path)
     moe_layer_ids = [i for i, _ in blocks]
     fingerprint = config_fingerprint(config)

@@ -176,6 +176,7 @@ class Engine:
         return out.logits, output_cache(out)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        check_text(prompt, "the prompt")
         tok = self.tokenizer
         if chat:
             return chat_ids(tok, [{"role": "user", "content": prompt}])
@@ -366,6 +367,16 @@ def _eos_ids(config, tokenizer) -> set[int]:
         elif isinstance(src, (list, tuple)):
             ids.update(int(i) for i in src)
     return ids
+
+
+def check_text(text: str, what: str) -> str:
+    """`text` when it is text a tokenizer takes; else one clear error. Python reads bytes that are not UTF-8 (from a
+    pipe, a file, argv) as lone surrogates (surrogateescape), which the tokenizers reject with a TypeError."""
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            raise MoectlError(f"{what} is not UTF-8 text: byte 0x{ord(ch) - 0xdc00:02x} at character {i + 1}; "
+                              "convert it to UTF-8 first")
+    return text
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -21,7 +21,7 @@ from ..errors import MoectlError
 from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
-from ..setting.options import FLAG, RuntimeOptions
+from ..setting.options import DEFAULT, FLAG, RuntimeOptions
 from ..setting.resolve import resolve
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
@@ -34,8 +34,8 @@ from ..store.facts import (
     kv_reserve_nbytes,
     load_config,
     open_checkpoint,
-    parse_device,
     parse_dtype,
+    pick_device,
     skeleton,
 )
 from ..store.gguf.cpu import ggml_in_place, in_place_expert_bytes, int4_repackable, map_for_ggml, repack_for_cpu
@@ -65,9 +65,9 @@ class Loaded:
 
 
 def load(model: str, opts: RuntimeOptions) -> Loaded:
-    opts.check()
+    take_device(opts)                                   # checks the options too
     ref = built(resolve_model(model, opts.workdir))
-    dev = parse_device(opts.device)
+    dev = torch.device(opts.device)
     config, adapter = load_config(ref.path)
     ckpt = open_checkpoint(ref.path, adapter)
     dt = parse_dtype(opts.dtype, config)
@@ -89,7 +89,8 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, block.experts._apply_gate, E)
     sizes = checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), L, path=ref.path)
     setting = resolve(opts, sizes, ref.workdir, in_place=in_place,
-                      low_nbytes=low_fmt.nbytes if low_fmt is not None else None)
+                      low_nbytes=low_fmt.nbytes if low_fmt is not None else None,
+                      device_memory=torch.cuda.mem_get_info(dev) if dev.type == "cuda" else None)
     if in_place:                                        # said, not silently ignored: nothing is cached in place
         given = [f"--{n.replace('_', '-')} {getattr(opts, n)}" for n in ("budget", "cache_experts")
                  if opts.sources.get(n) == FLAG]
@@ -180,6 +181,21 @@ def device_expert_kernels(store: ExpertStore, adapter, dev: torch.device) -> boo
         if hasattr(fmt, "device_kernels"):
             fmt.device_kernels = True
     return True
+
+
+def take_device(opts: RuntimeOptions) -> None:
+    """--device auto | cpu | cuda | cuda:N as the device the run takes (`store/facts.py: pick_device`), its status
+    line in `opts.device_note`; the options' own checks first (`RuntimeOptions.check`: --emulate-device with cuda is
+    that error, not the device's), all before anything is read. auto with --emulate-device is the CPU it emulates on."""
+    auto = opts.device in (None, "auto")
+    if auto and opts.emulate_device:
+        opts.device = "cpu"
+    opts.check()
+    opts.device, opts.device_note = pick_device(opts.device)
+    if auto:
+        opts.sources["device"] = DEFAULT
+        if opts.emulate_device:
+            opts.device_note = "device: cpu (--device auto with --emulate-device: the CPU acts as the device)"
 
 
 def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_place: bool, full: list[int],

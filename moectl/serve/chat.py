@@ -53,7 +53,9 @@ class ChatSession:
                  top_p: float = 0.95, seed: int | None = 0, system: str | None = None):
         self.engine = engine
         self.max_new_tokens, self.greedy, self.temperature, self.top_p = max_new_tokens, greedy, temperature, top_p
-        self.seed, self.system = seed, system
+        from ..runtime.engine import check_text
+
+        self.seed, self.system = seed, system if system is None else check_text(system, "--system")
         self.messages: list[dict] = []
         self.totals = SessionTotals()
         self.reset()
@@ -88,7 +90,9 @@ class ChatSession:
     def add_message(self, text: str) -> list[int]:
         """Add the user's message; the prompt's token ids. A message that cannot fit the context even alone is an
         error and left out of the conversation."""
-        self.messages.append({"role": "user", "content": text})
+        from ..runtime.engine import check_text
+
+        self.messages.append({"role": "user", "content": check_text(text, "the message")})
         try:
             return self.prompt_ids()
         except Exception:
@@ -142,8 +146,10 @@ def print_session_stats(session: ChatSession, console) -> None:
 def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, interactive: bool | None = None) -> int:
     """The read-answer loop; returns the exit code (0)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from ..errors import MoectlError
+    from ..runtime.engine import check_text
     from ..status import print_stats_line
 
     console = console or Console()
@@ -159,9 +165,16 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
         console.file.write(piece)
         console.file.flush()
 
-    for line in _read_lines(interactive, console, stdin):
+    for n, line in enumerate(_read_lines(interactive, console, stdin), start=1):
         text = line.strip()
         if not text:
+            continue
+        try:
+            check_text(text, "the message" if interactive else f"input line {n}")
+        except MoectlError as e:
+            if not interactive:                 # a pipe: one error line, exit code 2 (the CLI's)
+                raise
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)     # retype it
             continue
         if text.startswith("/"):
             command = text.split()[0].lower()

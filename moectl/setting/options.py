@@ -23,6 +23,7 @@ from ..errors import MoectlError
 
 FLAG, PLAN, SENSITIVITY, PREDICTORS, DEFAULT = "flag", "plan", "sensitivity.json", "predictors.json", "default"
 DRAFT_RULES = ("auto", "always")           # --draft-rule (runtime/speculative.py)
+NOTES = ("device_note", "budget_note")      # status lines, not options
 
 
 def usable_cores() -> int:
@@ -70,10 +71,12 @@ class RuntimeOptions:
     sources: dict = field(default_factory=dict, repr=False)
     plan_data: dict | None = field(default=None, repr=False)   # the plan applied (`setting/resolve.py`)
     plan_note: str = ""
+    device_note: str = ""                   # the device taken and why (`store/facts.py: pick_device`)
+    budget_note: str = ""                   # the budget taken when none was given (`setting/resolve.py`)
 
     def __post_init__(self):
         for f in fields(self):
-            if f.name not in ("sources", "plan_data", "plan_note", "workdir_defaults") and \
+            if f.name not in ("sources", "plan_data", "plan_note", "workdir_defaults") + NOTES and \
                     getattr(self, f.name) != f.default:
                 self.sources.setdefault(f.name, FLAG)
 
@@ -120,7 +123,7 @@ class RuntimeOptions:
         """{name: [value, source]} of every option (values made JSON-safe), `resolved` overriding values."""
         out = {}
         for f in fields(self):
-            if f.name in ("sources", "plan_data", "plan_note", "cost", "progress", "workdir_defaults"):
+            if f.name in ("sources", "plan_data", "plan_note", "cost", "progress", "workdir_defaults") + NOTES:
                 continue
             v = (resolved or {}).get(f.name, getattr(self, f.name))
             if f.name == "slots_per_layer":

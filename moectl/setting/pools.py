@@ -16,6 +16,7 @@ No torch.
 from __future__ import annotations
 
 from ..core.cache_model import FULL, LOW
+from ..core.recipes import format_bytes
 from ..core.sizing import (
     ModelSizes,
     budget_pools,
@@ -82,7 +83,12 @@ def size_cache(o, sizes: ModelSizes, precision, expert_nbytes: float, low_nbytes
                                    expert_nbytes, low_nbytes, low_only)
     split = None
     if o.budget is not None:
-        split = split_budget(o.budget, sizes, kv_tokens, staging=staging_bytes, min_slot_bytes=stage_nbytes)
+        what = None                                 # a --budget's error names it
+        if o.budget_note:                           # no --budget: the device's free memory (`resolve.py`) is it
+            what = (f"the device's free memory less its margin ({format_bytes(int(o.budget))}); free device "
+                    f"memory, or run on the CPU (--device cpu)")
+        split = split_budget(o.budget, sizes, kv_tokens, staging=staging_bytes, min_slot_bytes=stage_nbytes,
+                             what=what)
     full = None
     if plan_pools:                                      # checked by `plan_slots`: a layer's full slots may be 0
         pools = {p: c for p, c in ((FULL, [min(int(s), E) for s in o.slots_per_layer]), (LOW, plan_low)) if sum(c)}

@@ -61,19 +61,24 @@ class Setting:
 
 def resolve(options: RuntimeOptions, sizes: ModelSizes, workdir=None, *, live: bool = True, trace=None,
             in_place: bool = False, expert_nbytes: float | None = None, low_nbytes: float | None = None,
-            price_shape: dict | None = None, sensitivity=None, kv_tokens: int = KV_RESERVE_TOKENS) -> Setting:
+            price_shape: dict | None = None, sensitivity=None, kv_tokens: int = KV_RESERVE_TOKENS,
+            device_memory: tuple[int, int] | None = None) -> Setting:
     """The Setting of `options` (filled in place, sources recorded) for a model of `sizes`. `workdir`: where the
     plan, sensitivity.json and predictors.json are (None: none). `trace`: the trace a replay runs (its fingerprint,
     shape and hidden states). `in_place`: a CPU computing its experts from RAM (nothing cached, nothing prefetched).
     `expert_nbytes` / `low_nbytes`: one expert's bytes as the run holds it, full and low-bit (default: `sizes`' own,
     and the low-bit copy priced at `price_shape`, default `sizes.shape`: `sim/cost.py: expert_bytes`).
-    `sensitivity`: a sensitivity.json given explicitly (`simulate --sensitivity`)."""
+    `sensitivity`: a sensitivity.json given explicitly (`simulate --sensitivity`). `device_memory`: (free, total)
+    bytes of the device a live run loads onto (`torch.cuda.mem_get_info`; None on a CPU): without --budget,
+    --cache-experts or a plan, the budget is its free memory less a margin (`free_memory_budget`)."""
     o = options
     if live:
         o.check()
     L, E = sizes.num_layers, sizes.num_experts
     fingerprint = trace.fingerprint if trace is not None else sizes.fingerprint
     _apply_plan(o, workdir, fingerprint, L, E, live, trace)
+    if live and device_memory is not None:
+        free_memory_budget(o, *device_memory)
     if in_place and o.plan_data is not None:            # say what applies: no slots in place
         o.plan_note = (f"plan: {o.plan_data.get('_path', 'given')}: experts are computed in place on the CPU (no "
                        f"expert slots, nothing cached or copied), so its slots do not apply; its policies do "
@@ -118,6 +123,27 @@ def _defaults(o: RuntimeOptions, live: bool) -> dict:
             "cpu_experts": "auto" if o.device != "cpu" else "never",    # in place on a CPU nothing misses
             "precision": "hobbit" if o.lowbit else "full",
             "prefetch": "auto" if o.workdir_defaults else None}       # auto: predictors.json, else gate reuse
+
+
+# --- the device's memory -------------------------------------------------------------------------------------------
+DEVICE_MARGIN_BYTES = 2**30     # left free on the device: llama.cpp's --fit keeps 1 GiB (its default margin) ...
+DEVICE_MARGIN_SHARE = 0.05      # ... here at least 5 % of the card, for the CUDA allocator's fragmentation, cuBLAS
+                                # workspaces and other processes' growth, which no byte count of the model foresees
+
+
+def free_memory_budget(o: RuntimeOptions, free: int, total: int) -> None:
+    """A device with neither --budget, --cache-experts nor a plan's slots gets the budget of its free memory less a
+    margin (`DEVICE_MARGIN_*`), so a model larger than the card is cached, not loaded whole; `budget_note` says so.
+    The budget's split (`size_cache`) then checks it before anything is loaded, as it checks a --budget."""
+    if o.budget is not None or o.cache_experts is not None or o.slots_per_layer is not None:
+        return
+    from ..core.recipes import format_bytes
+
+    margin = max(DEVICE_MARGIN_BYTES, int(DEVICE_MARGIN_SHARE * total))
+    o.budget = max(0, int(free) - margin)
+    o.sources["budget"] = DEFAULT
+    o.budget_note = (f"budget: {format_bytes(o.budget)} of device memory, the {format_bytes(free)} free less a "
+                     f"{format_bytes(margin)} margin (--budget, --cache-experts or a plan sets another)")
 
 
 # --- the plan ----------------------------------------------------------------------------------------------------

@@ -105,12 +105,50 @@ def skeleton(config, adapter, dtype: torch.dtype, path):
     return hf, blocks
 
 
-def parse_device(device: str) -> torch.device:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MoectlError("--device cuda asked for, but torch sees no CUDA device (CPU build, or no GPU)")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise MoectlError(f"--device must be cpu or cuda, not {device!r}")
-    return torch.device(device)
+DEVICES = "auto, cpu, cuda or cuda:N"       # what --device takes
+
+
+def pick_device(asked: str | None = "auto") -> tuple[str, str]:
+    """(the device a run takes for --device `asked`, one status line saying which and why). auto (or None): CUDA
+    when torch sees a device (`cuda`, torch's current one), else the CPU; `cuda` and `cuda:N` need a CUDA device, N
+    below the count. Anything else is one clear error, raised before anything is loaded."""
+    import re
+
+    name = "auto" if asked is None else str(asked).strip().lower()
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return "cpu", f"device: cpu (--device auto; {_no_cuda_why()})"
+        return "cuda", f"device: cuda ({_cuda_name(0)}; --device auto, {_count(torch.cuda.device_count())})"
+    if name == "cpu":
+        return "cpu", "device: cpu (--device cpu)"
+    m = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if m is None:
+        raise MoectlError(f"--device must be {DEVICES}, not {asked!r}")
+    if not torch.cuda.is_available():
+        raise MoectlError(f"--device {asked}: {_no_cuda_why()}; use --device cpu or auto (the default)")
+    n, index = torch.cuda.device_count(), int(m.group(1) or 0)
+    if index >= n:
+        raise MoectlError(f"--device {asked}: torch sees {_count(n)} (cuda:0" + (f" to cuda:{n - 1}" if n > 1 else "")
+                          + "; CUDA_VISIBLE_DEVICES renumbers them)")
+    return name, f"device: {name} ({_cuda_name(index)}; --device {asked})"
+
+
+def _count(n: int) -> str:
+    return f"{n} CUDA device" + ("s" if n != 1 else "")
+
+
+def _no_cuda_why() -> str:
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    return "torch sees no CUDA device"
+
+
+def _cuda_name(index: int) -> str:
+    """The GPU's name, for the status line (a name is not worth failing over)."""
+    try:
+        return torch.cuda.get_device_name(index)
+    except Exception:                           # noqa: BLE001 -- a faked or half-visible device: no name
+        return f"CUDA device {index}"
 
 
 def parse_dtype(dtype, config) -> torch.dtype:

@@ -298,6 +298,11 @@ def ensure_tiny(workdir: Path, progress: bool = True) -> Path:
     return build_tiny(Path(workdir), progress=progress)
 
 
+def tiny_built(workdir: Path) -> bool:
+    """Whether `workdir` holds a complete tiny build of this format and of the seed in force (`default_seed`)."""
+    return _built(Path(workdir).expanduser())
+
+
 def tiny_report(workdir: Path) -> dict | None:
     path = Path(workdir).expanduser() / "tiny.json"
     return json.loads(path.read_text()) if path.exists() else None
