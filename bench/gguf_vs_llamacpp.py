@@ -45,19 +45,9 @@ def _log(msg: str) -> None:
 
 def prepare(shape: str, layers: int, work: Path, types: list[str], threads: int = 2) -> dict[str, Path]:
     """{type: GGUF file}: the synthetic checkpoint converted (BF16) and quantized by llama.cpp's own tools, once."""
-    from moectl.core.recipes import load_recipe
-    from moectl.core.shapes import load_shape
-    from moectl.synth.checkpoint import write_synthetic
+    from vs_llamacpp import converted_bf16
 
-    ckpt = work / "checkpoint"
-    if not (ckpt / "config.json").exists():
-        _log(f"make-synthetic {shape} --layers {layers}")
-        family = load_recipe(shape).get("family", "mixtral")
-        write_synthetic(load_shape(shape), ckpt, layers, family=family, dtype=None, progress=False)
-    bf16 = work / "model-BF16.gguf"
-    if not bf16.exists():
-        _log("convert_hf_to_gguf.py --outtype bf16")
-        llamacpp.convert(ckpt, bf16, "bf16")
+    _, bf16 = converted_bf16(shape, layers, work, {})
     files = {}
     for qt in types:
         g = bf16 if qt == "BF16" else work / f"model-{qt}.gguf"

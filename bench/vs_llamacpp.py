@@ -98,14 +98,14 @@ def llama_run(gguf: Path, threads: int, gen: int, prefill: int) -> dict:
             "rss_gb": max(dec["rss_gb"], pre["rss_gb"])}
 
 
-def prepare(shape: str, layers: int, work: Path, precisions: list[str]) -> dict:
-    """The checkpoint, llama.cpp's GGUFs and moectl's copies (each made once, timed)."""
-    from moectl.synth.checkpoint import write_synthetic
-    from moectl.core.shapes import load_shape
+def converted_bf16(shape: str, layers: int, work: Path, made: dict) -> tuple[Path, Path]:
+    """(checkpoint, its BF16 GGUF): the synthetic checkpoint of `shape` at `layers` layers and llama.cpp's own
+    conversion of it, each made once under `work` (the conversion's seconds into `made`)."""
     from moectl.core.recipes import load_recipe
+    from moectl.core.shapes import load_shape
+    from moectl.synth.checkpoint import write_synthetic
 
     ckpt = work / "checkpoint"
-    made = {}
     if not (ckpt / "config.json").exists():
         _log(f"make-synthetic {shape} --layers {layers}")
         family = load_recipe(shape).get("family", "mixtral")
@@ -116,6 +116,13 @@ def prepare(shape: str, layers: int, work: Path, precisions: list[str]) -> dict:
         t0 = time.perf_counter()
         llamacpp.convert(ckpt, bf16, "bf16")
         made["convert_s"] = time.perf_counter() - t0
+    return ckpt, bf16
+
+
+def prepare(shape: str, layers: int, work: Path, precisions: list[str]) -> dict:
+    """The checkpoint, llama.cpp's GGUFs and moectl's copies (each made once, timed)."""
+    made = {}
+    ckpt, bf16 = converted_bf16(shape, layers, work, made)
     ggufs = {"BF16": bf16}
     for p in precisions:
         for qt in LLAMA_TYPES[p]:
