@@ -26,6 +26,7 @@ from ...formats.gguf_encodings import T
 from ...formats.gguf_int4 import GgufInt4Format
 from ...kernels import ggml
 from ...progress import ProgressBar
+from ...tables import plural
 from ..memory import host_empty, release_freed
 
 
@@ -47,7 +48,7 @@ def map_for_ggml(store) -> str:
     store.buffers = [GgufMappedFormat.indices(store.num_experts) for _ in store.formats]
     encs = sorted({T(t.encoding).name for f in store.formats for _, t in f.src.tensors})
     return (f"gguf: experts computed by ggml's CPU backend where they lie in the mapped file ({', '.join(encs)}; "
-            f"x quantized per block as llama.cpp does, {ggml.threads()} threads)")
+            f"x quantized per block as llama.cpp does, {plural(ggml.threads(), 'thread')})")
 
 
 def int4_repackable(adapter) -> bool:
