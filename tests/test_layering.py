@@ -28,7 +28,7 @@ LAYERS = [
     ("uses", ("moectl.calib", "moectl.predict", "moectl.plan", "moectl.quant", "moectl.synth",
               "moectl.benchmark")),
     ("serve", ("moectl.serve", "moectl.status")),
-    ("front", ("moectl.commands", "moectl.cli")),
+    ("front", ("moectl.commands", "moectl.cli", "moectl.__main__")),
 ]
 TORCH_FREE = ("base", "core", "artifacts", "decisions")
 TORCH = ("torch", "transformers", "accelerate")
@@ -178,3 +178,14 @@ def test_a_planted_cycle_is_caught(tmp_path):
     """core/sizing.py imports core/cache_model.py; planting the way back makes one cycle of exactly those two."""
     copy = _planted(tmp_path, "moectl/core/cache_model.py", "    from . import sizing\n")
     assert cycles(copy) == [["moectl.core.cache_model", "moectl.core.sizing"]]
+
+
+def test_python_dash_m_moectl_is_the_cli():
+    """`python -m moectl` runs the same command line as the installed script (no `No module named moectl.__main__`)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "moectl", "--help"], capture_output=True, text=True,
+                       cwd=ROOT.parent, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Usage: python -m moectl" in r.stdout and "plan-cache" in r.stdout
