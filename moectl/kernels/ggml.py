@@ -380,3 +380,99 @@ def experts_decode(x: torch.Tensor, pairs: list[tuple[GgmlLinear, GgmlLinear]], 
     mats = [(g.mats[0][:2], g.mats[1][:2], d.mats[0][:2]) for g, d in pairs]
     coef = torch.tensor(coefs, dtype=torch.float32).repeat_interleave(x.reshape(-1, H).shape[0])
     return experts(mats, H, I, x.reshape(-1, H), coef).to(x.dtype)
+
+
+# --- a layer's routed experts over several tokens (prefill), and GPT-OSS's experts ------------------------------
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the signatures of the calls below declared (once per loaded library)."""
+    if lib.mg_moe_oai.argtypes is None:
+        i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.mg_moe_oai.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, f32, f32, i64, i64, i64, ptr,
+                                   ptr, ptr, i64, i64, ptr]
+        lib.mg_moe_oai.restype = None
+    return lib
+
+
+def moe_oai(encodings: tuple[int, int, int], gate, up, down, biases: tuple, alpha: float, limit: float, A: int,
+            H: int, I: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            n_threads: int | None = None) -> torch.Tensor:
+    """GPT-OSS's MoE layer as llama.cpp computes it (openai-moe's build_moe_ffn): y [T, H] = sum_u weights[t, u]
+    (down_e(swiglu_oai(gate_e x + bg_e, up_e x + bu_e)) + bd_e), e = ids[t, u]; `biases` = (bg [A, I], bu [A, I],
+    bd [A, H]) F32 where they lie (a GGUF's ffn_*_exps.bias); swiglu_oai(g, u) = g' sigmoid(alpha g') (u' + 1) with
+    g' = min(g, limit), u' = clamp(u, -limit, limit)."""
+    ids = ids.to(torch.int32).contiguous()
+    T, U = ids.shape
+    x, wts = _f32(x), _f32(weights)
+    y = torch.empty(T, H, dtype=torch.float32)
+    tg, tu, td = map(int, encodings)
+    bg, bu, bd = map(_ptr, biases)
+    _declared(require()).mg_moe_oai(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), bg, bu, bd,
+                                    alpha, limit, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U, T,
+                                    y.data_ptr())
+    return y
+
+
+class GgmlBiasedLinear(GgmlLinear):
+    """A `GgmlLinear` plus a bias per output row (GPT-OSS's experts: `bias` [N] fp32, gate's then up's for the two
+    matrices); `bias_stacked`: [(address of expert 0's bias, experts)] per matrix where the biases are rows of the
+    file's stacked F32 ffn_*_exps.bias (the fused call points at them there)."""
+
+    def __init__(self, mats, bias: torch.Tensor, keep=None, stacked=None, bias_stacked=None):
+        super().__init__(mats, keep, stacked)
+        self.bias, self.bias_stacked = bias, bias_stacked
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (super().__call__(x.float()) + self.bias).to(x.dtype)
+
+
+def oai_expert_weights(tensors: dict, biases: dict[str, torch.Tensor], keep=None, stacked=None,
+                       bias_stacked: dict[str, tuple[int, int]] | None = None) -> dict[str, GgmlBiasedLinear]:
+    """A GPT-OSS expert's {gate_up, down} callables (x -> [gate x + bg | up x + bu], h -> down h + bd) from
+    {gate, up, down: (encoding, address, (rows, cols))} and {gate, up, down: bias [rows] fp32}; `stacked` as
+    `expert_weights`'s, `bias_stacked` {gate, up, down: (address of expert 0's bias, experts)}."""
+    e, base = stacked if stacked is not None else (None, None)
+    bs = bias_stacked
+    return {"gate_up": GgmlBiasedLinear([tensors["gate"], tensors["up"]], torch.cat([biases["gate"], biases["up"]]),
+                                        keep, (e, [base["gate"], base["up"]]) if base else None,
+                                        [bs["gate"], bs["up"]] if base and bs else None),
+            "down": GgmlBiasedLinear([tensors["down"]], biases["down"], keep, (e, [base["down"]]) if base else None,
+                                     [bs["down"]] if base and bs else None)}
+
+
+def experts_routed(x: torch.Tensor, experts: dict[int, dict], ids: torch.Tensor, weights: torch.Tensor,
+                   swiglu_oai: tuple[float, float] | None = None) -> torch.Tensor | None:
+    """A layer's routed experts over all its tokens in one ggml graph, as llama.cpp's build_moe_ffn computes a
+    prefill: y [T, H] = sum_k weights[t, k] expert_{ids[t, k]}(x[t]), `experts` {e: its {gate_up, down}
+    `GgmlLinear`s}, all rows of the same stacked ffn_*_exps (else None: the caller computes them one by one).
+    `swiglu_oai`: GPT-OSS's (alpha, limit), its experts `GgmlBiasedLinear`s with stacked biases; else SiLU(gate) * up.
+    An entry of `ids` that is not in `experts` (a dropped expert: -1, or one the plan skipped) adds nothing: its
+    weight is 0 and its id one of `experts`' (ggml_mul_mat_id reads every id it is given)."""
+    first = next(iter(experts.values()))
+    g0, d0 = first["gate_up"], first["down"]
+    oai = swiglu_oai is not None
+    kind = GgmlBiasedLinear if oai else GgmlLinear
+    for w in experts.values():
+        g, d = w.get("gate_up"), w.get("down")
+        if not (isinstance(g, kind) and isinstance(d, kind) and type(g) is type(g0)
+                and g.stacked is not None and d.stacked is not None
+                and g.stacked[1] == g0.stacked[1] and d.stacked[1] == d0.stacked[1]):
+            return None
+        if oai and (g.bias_stacked is None or g.bias_stacked != g0.bias_stacked or d.bias_stacked != d0.bias_stacked):
+            return None
+    H, I = d0.N, d0.K
+    (bg, A), (bu, _) = g0.stacked[1]
+    (bd, _), = d0.stacked[1]
+    encs = (g0.mats[0][0], g0.mats[1][0], d0.mats[0][0])
+    xs = x.reshape(-1, H)
+    row = ids.to(torch.int64).cpu()
+    kept = torch.isin(row, torch.tensor(sorted(experts)))                        # [T, K]
+    ids32 = torch.where(kept, row, next(iter(experts))).to(torch.int32)
+    wts = torch.where(kept, weights.float().cpu(), torch.zeros(()))
+    if oai:
+        (cg, _), (cu, _) = g0.bias_stacked
+        (cd, _), = d0.bias_stacked
+        y = moe_oai(encs, bg, bu, bd, (cg, cu, cd), *swiglu_oai, A, H, I, xs, ids32, wts)
+    else:
+        y = moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts)
+    return y.to(x.dtype)

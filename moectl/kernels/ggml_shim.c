@@ -84,8 +84,9 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
     return t;
 }
 
-// run the graph ending in `out`; returns 0, or 1 when the arena was too small (grown: the caller retries)
-static int run(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *out) {
+// run the graph ending in the n tensors `outs`; returns 0, or 1 when the arena was too small (grown: the caller
+// retries)
+static int run_all(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *const *outs, int n) {
     if (h->failed) {
         free(h->arena);
         h->arena_size = h->arena_used * 2;
@@ -94,7 +95,7 @@ static int run(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *out) 
         return 1;
     }
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, MG_MAX_NODES, false);
-    ggml_build_forward_expand(gf, out);
+    for (int i = 0; i < n; i++) ggml_build_forward_expand(gf, outs[i]);
     struct ggml_cplan plan = ggml_graph_plan(gf, h->n_threads, h->pool);
     if (plan.work_size > h->work_size) {
         free(h->work);
@@ -106,6 +107,8 @@ static int run(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *out) 
     ggml_free(ctx);
     return 0;
 }
+
+static int run(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *out) { return run_all(h, ctx, &out, 1); }
 
 // y [T, N] = x [T, K] @ W^T, W [N, K] in `type` (rows of blocks, the file's layout).
 static int mul_mat_once(mg_handle *h, int type, const void *w, int64_t N, int64_t K, const float *x, int64_t T,
@@ -131,25 +134,13 @@ static int mul_mat2_once(mg_handle *h, int t1, const void *w1, int64_t N1, int t
     Y1->data = y1;
     struct ggml_tensor *Y2 = ggml_mul_mat(ctx, ext(ctx, t2, K, N2, 1, w2), X);
     Y2->data = y2;
-    struct ggml_context *c = ctx;
-    struct ggml_cgraph *gf = ggml_new_graph_custom(c, MG_MAX_NODES, false);
-    ggml_build_forward_expand(gf, Y1);
-    ggml_build_forward_expand(gf, Y2);
-    struct ggml_cplan plan = ggml_graph_plan(gf, h->n_threads, h->pool);
-    if (plan.work_size > h->work_size) {
-        free(h->work);
-        h->work_size = plan.work_size;
-        h->work = malloc(h->work_size);
-    }
-    plan.work_data = h->work;
-    ggml_graph_compute(gf, &plan);
-    ggml_free(ctx);
-    return 0;
+    struct ggml_tensor *outs[2] = {Y1, Y2};
+    return run_all(h, ctx, outs, 2);
 }
 
 void mg_mul_mat2(void *h, int t1, const void *w1, int64_t N1, int t2, const void *w2, int64_t N2, int64_t K,
                  const float *x, int64_t T, float *y1, float *y2) {
-    mul_mat2_once(h, t1, w1, N1, t2, w2, N2, K, x, T, y1, y2);
+    while (mul_mat2_once(h, t1, w1, N1, t2, w2, N2, K, x, T, y1, y2)) {}
 }
 
 // ggml_mul_mat_id: A matrices [N, K] stacked (`w`, A * N rows), x [T, XB, K] with XB = 1 (every used expert reads
@@ -170,20 +161,34 @@ void mg_mul_mat_id(void *h, int type, const void *w, int64_t A, int64_t N, int64
     while (mul_mat_id_once(h, type, w, A, N, K, x, XB, ids, U, T, y)) {}
 }
 
+// The activation between an expert's gate/up products and its down product: SiLU(gate) * up (llama.cpp's
+// LLM_FFN_SILU), or with alpha > 0 GPT-OSS's swiglu_oai (LLM_FFN_SWIGLU_OAI_MOE: gate clamped above at limit, up to
+// [-limit, limit]; gate * sigmoid(alpha gate) * (up + 1)).
+typedef struct { float alpha, limit; } mg_act;
+
+static struct ggml_tensor *activate(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *G,
+                                    struct ggml_tensor *Up, mg_act act) {
+    return own(h, act.alpha > 0 ? ggml_swiglu_oai(ctx, G, Up, act.alpha, act.limit) : ggml_swiglu_split(ctx, G, Up));
+}
+
 // One MoE layer's routed experts, as llama.cpp's build_moe_ffn: gate/up/down stacked ([A, I, H], [A, I, H],
-// [A, H, I]: the GGUF's ffn_*_exps), x [T, H], ids [T, U], weights [T, U];
-// y [T, H] = sum_u weights[t, u] * down_{ids[t,u]}(silu(gate x) * up x).
-static int moe_once(mg_handle *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd, int64_t A,
-                    int64_t H, int64_t I, const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T,
-                    float *y) {
+// [A, H, I]: the GGUF's ffn_*_exps), x [T, H], ids [T, U], weights [T, U]; biases bg/bu [A, I], bd [A, H] (F32:
+// GPT-OSS's ffn_*_exps.bias, added per used expert as ggml_add_id does) or NULL;
+// y [T, H] = sum_u weights[t, u] * (down_{ids[t,u]}(act(gate x + bg, up x + bu)) + bd).
+static int moe_once(mg_handle *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd,
+                    const float *bg, const float *bu, const float *bd, mg_act act, int64_t A, int64_t H, int64_t I,
+                    const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y) {
     struct ggml_context *ctx = begin(h);
     struct ggml_tensor *X = ext(ctx, GGML_TYPE_F32, H, 1, T, x);
     struct ggml_tensor *ID = ext(ctx, GGML_TYPE_I32, U, T, 1, ids);
     struct ggml_tensor *WT = ext(ctx, GGML_TYPE_F32, 1, U, T, wts);
     struct ggml_tensor *G = own(h, ggml_mul_mat_id(ctx, ext(ctx, tg, H, I, A, wg), X, ID));   // [I, U, T]
     struct ggml_tensor *Up = own(h, ggml_mul_mat_id(ctx, ext(ctx, tu, H, I, A, wu), X, ID));
-    struct ggml_tensor *Act = own(h, ggml_swiglu_split(ctx, G, Up));                           // silu(G) * Up
+    if (bg) G = own(h, ggml_add_id(ctx, G, ext(ctx, GGML_TYPE_F32, I, A, 1, bg), ID));
+    if (bu) Up = own(h, ggml_add_id(ctx, Up, ext(ctx, GGML_TYPE_F32, I, A, 1, bu), ID));
+    struct ggml_tensor *Act = activate(h, ctx, G, Up, act);
     struct ggml_tensor *D = own(h, ggml_mul_mat_id(ctx, ext(ctx, td, I, H, A, wd), Act, ID));  // [H, U, T]
+    if (bd) D = own(h, ggml_add_id(ctx, D, ext(ctx, GGML_TYPE_F32, H, A, 1, bd), ID));
     D = own(h, ggml_mul(ctx, D, WT));
     struct ggml_tensor *acc = NULL;
     for (int64_t u = 0; u < U; u++) {                                                          // sum over U
@@ -197,7 +202,16 @@ static int moe_once(mg_handle *h, int tg, const void *wg, int tu, const void *wu
 
 void mg_moe(void *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd, int64_t A, int64_t H,
             int64_t I, const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y) {
-    while (moe_once(h, tg, wg, tu, wu, td, wd, A, H, I, x, ids, wts, U, T, y)) {}
+    mg_act silu = {0, 0};
+    while (moe_once(h, tg, wg, tu, wu, td, wd, NULL, NULL, NULL, silu, A, H, I, x, ids, wts, U, T, y)) {}
+}
+
+// GPT-OSS's MoE layer (llama.cpp's openai-moe build_moe_ffn): mg_moe with the biases and swiglu_oai(alpha, limit).
+void mg_moe_oai(void *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd, const float *bg,
+                const float *bu, const float *bd, float alpha, float limit, int64_t A, int64_t H, int64_t I,
+                const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y) {
+    mg_act oai = {alpha, limit};
+    while (moe_once(h, tg, wg, tu, wu, td, wd, bg, bu, bd, oai, A, H, I, x, ids, wts, U, T, y)) {}
 }
 
 // n experts, each its own three matrices anywhere (per-expert pointers: the file's stacked tensors or per-expert
@@ -208,12 +222,13 @@ static int experts_once(mg_handle *h, int64_t n, const int32_t *types, const voi
     struct ggml_context *ctx = begin(h);
     struct ggml_tensor *X = ext(ctx, GGML_TYPE_F32, H, T, 1, x);
     struct ggml_tensor *acc = NULL;
+    mg_act silu = {0, 0};
     for (int64_t e = 0; e < n; e++) {
         const int32_t *t = types + 3 * e;
         const void *const *w = ws + 3 * e;
         struct ggml_tensor *G = own(h, ggml_mul_mat(ctx, ext(ctx, t[0], H, I, 1, w[0]), X));      // [I, T]
         struct ggml_tensor *Up = own(h, ggml_mul_mat(ctx, ext(ctx, t[1], H, I, 1, w[1]), X));
-        struct ggml_tensor *Act = own(h, ggml_swiglu_split(ctx, G, Up));
+        struct ggml_tensor *Act = activate(h, ctx, G, Up, silu);
         struct ggml_tensor *D = own(h, ggml_mul_mat(ctx, ext(ctx, t[2], I, H, 1, w[2]), Act));    // [H, T]
         D = own(h, ggml_mul(ctx, D, ext(ctx, GGML_TYPE_F32, 1, T, 1, coef + e * T)));
         acc = acc == NULL ? D : own(h, ggml_add(ctx, acc, D));

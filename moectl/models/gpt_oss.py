@@ -2,7 +2,8 @@
 transposed with biases: gate_up [E,H,2I] with gate = [..., ::2] and up = [..., 1::2] interleaved,
 down [E,I,H]; the activation is a clamped SwiGLU (the experts module's own `_apply_gate`).
 As released (openai/gpt-oss-*) the projections are MXFP4 `*_blocks` / `*_scales` ([E, out, in/32, 16] /
-[E, out, in/32]); they stay packed (`moectl/formats/mxfp4.py`)."""
+[E, out, in/32]); they stay packed (`moectl/formats/mxfp4.py`). A GGUF's experts in place on the CPU come as
+ggml callables over the mapped file (`formats/gguf_ggml.py`), biases included."""
 
 from __future__ import annotations
 
@@ -35,5 +36,10 @@ class GptOssAdapter(FamilyAdapter):
                           + (f" ({self.quant.method}: {self._disk_keys(self.fused)[0]})" if self.quant else ""))
 
     def expert_forward(self, w, x, apply_gate):
+        if not isinstance(w["gate_up"], torch.Tensor):
+            # a GGUF's expert computed by ggml where it lies (kernels/ggml.py: GgmlBiasedLinear): x -> [gate | up]
+            # with the biases added; the gate reads them interleaved (gate in the even columns)
+            gate, up = w["gate_up"](x).chunk(2, dim=-1)
+            return w["down"](apply_gate(torch.stack([gate, up], dim=-1).flatten(-2)))
         h = apply_gate(x @ w["gate_up"] + w["gate_up_bias"])
         return h @ w["down"] + w["down_bias"]

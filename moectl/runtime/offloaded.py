@@ -39,8 +39,9 @@ from ..core.cache_model import COUNTERS, FULL, LOW
 from ..formats.vnni import VnniLinear
 from ..kernels import triton_lowbit
 from ..kernels import ops
-from ..kernels.ggml import GgmlLinear, experts_decode
+from ..kernels.ggml import GgmlBiasedLinear, GgmlLinear, experts_decode, experts_routed
 from ..models.base import FamilyAdapter
+from ..models.gpt_oss import GptOssAdapter
 from ..policies.admission import PrefetchGate
 from ..policies.draft_length import pass_order
 from ..policies.gating import GatingPolicy, gate_rows
@@ -175,6 +176,9 @@ class OffloadedExperts(nn.Module):
         # (a bound method's function: a GGUF's adapter hands its family adapter's through)
         self.fusable = (_is_silu_gate(apply_gate)
                         and getattr(runtime.adapter.expert_forward, "__func__", None) is FamilyAdapter.expert_forward)
+        # GPT-OSS's clamped SwiGLU (alpha, limit) through its adapter's FFN with biases: what ggml's swiglu_oai graph
+        # computes (kernels/ggml.py: moe_oai); None for other families
+        self.swiglu_oai = _swiglu_oai(apply_gate, runtime.adapter)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -213,6 +217,8 @@ class OffloadedExperts(nn.Module):
         # a GGUF's experts where they lie in the mapped file: the layer's experts in one ggml graph (one wake of its
         # threadpool, x quantized once), in any dtype
         fuse_ggml = self.fusable and cache.in_place
+        # GPT-OSS's GGUF experts where they lie: the layer's experts in one ggml graph with their biases
+        oai_ggml = self.swiglu_oai is not None and cache.in_place
         # On a GPU, low-bit experts the Triton kernels compute (kernels/triton_lowbit.py) wait for one grouped call:
         # three launches for the layer instead of ~10 kernels and a bf16 copy per matrix
         group = self.fusable and not cache.in_place
@@ -225,6 +231,8 @@ class OffloadedExperts(nn.Module):
             elif group and isinstance(ws, dict) and isinstance(ws.get("gate_up"), triton_lowbit.GateUp):
                 deferred[e] = expert
             elif fuse_ggml and ws is not None and all(isinstance(ws.get(m), GgmlLinear) for m in ("gate_up", "down")):
+                deferred[e] = expert
+            elif oai_ggml and ws is not None and isinstance(ws.get("gate_up"), GgmlBiasedLinear):
                 deferred[e] = expert
             else:
                 ys[e] = expert(hidden_states) * w[pos[e]]                       # [1,H]
@@ -241,6 +249,11 @@ class OffloadedExperts(nn.Module):
             if triton_lowbit.groupable(pairs):
                 sel = w[torch.tensor([pos[e] for e in order], device=w.device)]
                 return triton_lowbit.experts_decode(hidden_states, pairs, sel).view_as(hidden_states)
+        if deferred and not ys and oai_ggml:
+            y = experts_routed(hidden_states, {e: ex.weights for e, ex in deferred.items()}, top_k_index, w[None],
+                               self.swiglu_oai)
+            if y is not None:
+                return y.view_as(hidden_states)
         if deferred and not ys and (fuse or fuse_ggml):
             order, wl = sorted(deferred), w.float().tolist()
             pairs = [(deferred[e].weights["gate_up"], deferred[e].weights["down"]) for e in order]
@@ -286,7 +299,28 @@ class OffloadedExperts(nn.Module):
             return self._combine(hidden_states, parts)
         counts = torch.bincount(top_k_index[top_k_index >= 0].reshape(-1), minlength=self.num_experts).tolist() \
             if rt.placement is not None else None
-        self._each_expert(plan, batch, {e: counts[e] for e in needed} if counts else None)
+        # In place on the CPU, a GGUF's experts where they lie in the mapped file wait for one ggml graph over all T
+        # tokens (`experts_routed`: ids [T,K], weights [T,K], as llama.cpp computes a prefill) instead of two ggml
+        # calls and a gather/scatter per expert; the cache's bookkeeping is `_each_expert`'s either way
+        deferred = {}
+
+        def batch_or_defer(e, expert):
+            if isinstance(getattr(expert, "weights", None), dict) and isinstance(expert.weights.get("gate_up"),
+                                                                               GgmlLinear):
+                deferred[e] = expert
+            else:
+                batch(e, expert)
+
+        fused = (self.fusable or self.swiglu_oai is not None) and cache.in_place
+        self._each_expert(plan, batch_or_defer if fused else batch,
+                          {e: counts[e] for e in needed} if counts else None)
+        if deferred and not parts:
+            y = experts_routed(hidden_states, {e: ex.weights for e, ex in deferred.items()}, top_k_index,
+                               top_k_weights, self.swiglu_oai)
+            if y is not None:
+                return y
+        for e, expert in deferred.items():                                  # not one graph: one by one
+            batch(e, expert)
         return self._combine(hidden_states, parts)
 
     def _resident_only(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -407,6 +441,18 @@ class OffloadedExperts(nn.Module):
         fwd = lambda x: self.runtime.adapter.expert_forward(w, x, self.apply_gate)   # noqa: E731
         fwd.weights = w                                                         # for the fused decode call
         return fwd
+
+
+def _swiglu_oai(apply_gate, adapter) -> tuple[float, float] | None:
+    """GPT-OSS's (alpha, limit) when `apply_gate` is transformers' GptOssExperts gating and the adapter's FFN is
+    GPT-OSS's (x @ gate_up + bias, the gate, @ down + bias); else None."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    owner = getattr(apply_gate, "__self__", None)
+    if (getattr(apply_gate, "__func__", None) is not GptOssExperts._apply_gate
+            or getattr(adapter.expert_forward, "__func__", None) is not GptOssAdapter.expert_forward):
+        return None
+    return float(owner.alpha), float(owner.limit)
 
 
 def _is_silu_gate(apply_gate) -> bool:

@@ -4,7 +4,8 @@ for torch's int4 kernel (`repack_for_cpu`).
 
 ggml (moectl/kernels/ggml.py): llama.cpp's own CPU kernels read every encoding in its blocks; nothing is read, copied
 or repacked before the first token, the experts' pages are mapped (RSS grows as they are touched, as llama.cpp's).
-GPT-OSS keeps torch's path (its expert_forward multiplies matrices, with biases and a clamped SwiGLU).
+GPT-OSS's experts too, with their F32 biases and its clamped SwiGLU (llama.cpp's swiglu_oai graph); only where
+ggml is not built does GPT-OSS keep torch's path (dequantised per use: its expert_forward multiplies matrices).
 
 Legend: L = MoE layers, E = experts per layer, N_l = bytes of one repacked expert of layer l.
 
@@ -31,9 +32,9 @@ from ..memory import host_empty, release_freed
 
 
 def ggml_in_place(adapter) -> bool:
-    """Whether the CPU in place computes this GGUF's experts with ggml: not GPT-OSS, and ggml built or buildable
-    here (no build is started: `inspect` asks this too)."""
-    return adapter.gguf is not None and adapter.family != "gpt_oss" and ggml.planned()
+    """Whether the CPU in place computes this GGUF's experts with ggml: ggml built or buildable here (no build is
+    started: `inspect` asks this too). GPT-OSS's too: its biases and clamped SwiGLU are ggml's (`moe_oai`)."""
+    return adapter.gguf is not None and ggml.planned()
 
 
 def map_for_ggml(store) -> str:
