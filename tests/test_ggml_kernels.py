@@ -206,3 +206,42 @@ def test_one_pinned_llamacpp():
     import llamacpp
 
     assert llamacpp.VERSION == ggml.LLAMACPP_VERSION
+
+
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU as transformers' GptOssExperts._apply_gate computes it."""
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("enc", [T.MXFP4, T.Q8_0, T.F32], ids=lambda t: t.name)
+def test_gpt_oss_moe_layer_is_llamacpps_composition(enc, tokens):
+    """GPT-OSS's layer in one call (`moe_oai`: llama.cpp's openai-moe build_moe_ffn: mul_mat_id gate and up, each
+    plus its expert's bias (ggml_add_id), swiglu_oai, mul_mat_id down plus its bias, weighted sum over the top-k)
+    equals those steps one by one (each product checked against dequantize above), and the layer equals the
+    dequantised fp32 one within q8 activation rounding; F32 weights (x not quantized) equal it to fp32 rounding.
+    Gate values reach past the limit (7), so the clamps are exercised."""
+    A, H, I, U = 4, 256, 512, 2
+    g = [weights(enc, I, H, seed=40 + a) for a in range(A)]
+    u = [weights(enc, I, H, seed=50 + a) for a in range(A)]
+    d = [weights(enc, H, I, seed=60 + a) for a in range(A)]
+    G, Up, D = (np.ascontiguousarray(np.stack([r for r, _ in m])) for m in (g, u, d))
+    gen = torch.Generator().manual_seed(tokens)
+    bg, bu, bd = torch.randn(A, I, generator=gen), torch.randn(A, I, generator=gen), torch.randn(A, H, generator=gen)
+    x = torch.randn(tokens, H, generator=gen) * 8                     # gate products up to ~+-10: past the limit
+    ids = torch.stack([torch.randperm(A, generator=gen)[:U] for _ in range(tokens)]).to(torch.int32)
+    w = torch.rand(tokens, U, generator=gen)
+    y = ggml.moe_oai((enc, enc, enc), G, Up, D, (bg, bu, bd), 1.702, 7.0, A, H, I, x, ids, w)
+    il = ids.long()
+    gate = ggml.mul_mat_id(enc, G, (A, I, H), x, ids) + bg[il]
+    assert (gate > 7).any() and (gate < -7).any()
+    act = swiglu_oai(gate, ggml.mul_mat_id(enc, Up, (A, I, H), x, ids) + bu[il])
+    steps = ((ggml.mul_mat_id(enc, D, (A, H, I), act, ids) + bd[il]) * w[..., None]).sum(1)    # [T, H]
+    assert (y - steps).abs().max() <= 1e-3 * steps.abs().max()
+    ref = torch.stack([sum(w[t, k] * (d[e][1] @ swiglu_oai(g[e][1] @ x[t] + bg[e], u[e][1] @ x[t] + bu[e]) + bd[e])
+                           for k in range(U) for e in [int(ids[t, k])]) for t in range(tokens)])
+    if enc == T.F32:
+        assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max())
+    else:
+        assert (y - ref).norm() <= 0.05 * ref.norm()
