@@ -195,8 +195,9 @@ def _layer_pairs(eng: Engine, deq: Engine) -> list:
 def test_gpt_oss_mxfp4_experts_through_ggml_equal_the_dequantised(gpt_oss_ggufs, tmp_path, monkeypatch):
     """GPT-OSS's MXFP4 GGUF in place: each MoE layer's output through ggml (`moe_oai`: x quantized to q8_0 per 32
     as llama.cpp does) equals the dequantised path's (`MOECTL_GGML=0`: gguf's MXFP4 dequantisation, fp32 x) on the
-    same input and routing within 5 % (the layer-level tolerance of tests/test_ggml_kernels.py), in the 6-token
-    prefill and in decode steps; the per-expert ggml path (`experts_routed` refused) gives the fused one's
+    same input and routing within 2 % (q8_0's rounding of x and of the activations, per element up to d/2 of a
+    block's max/127: measured 0.4-0.8 % per layer call here; the whole model's logits move more, 19 %, as a 4-layer
+    random model's routing flips), in the 6-token prefill and in decode steps; the per-expert ggml path (`experts_routed` refused) gives the fused one's
     logits."""
     kw = dict(progress=False, threads=1)
     path = str(gpt_oss_ggufs["MXFP4"])
@@ -212,7 +213,7 @@ def test_gpt_oss_mxfp4_experts_through_ggml_equal_the_dequantised(gpt_oss_ggufs,
     logits, _ = _engine_run(eng, PROMPT, 3)
     assert len(pairs) == 4 * 4                                              # prefill + 3 decode steps, 4 layers
     for step, (got, want) in enumerate(pairs):
-        assert (got - want).norm() <= 0.05 * want.norm(), (step, (got - want).norm() / want.norm())
+        assert (got - want).norm() <= 0.02 * want.norm(), (step, (got - want).norm() / want.norm())
     assert pairs[0][0].shape[0] == PROMPT.shape[1] and pairs[-1][0].shape[0] == 1
     with monkeypatch.context() as m:
         per_expert(m)

@@ -22,7 +22,8 @@ The MoE block calls `experts(x [T,H], top_k_index [T,K], top_k_weights [T,K])` e
 
 One token with K distinct experts (decode) takes a fast path: no gather/scatter, the K outputs summed; in place
 on the CPU, experts in moectl's low-bit layout wait for one fused call (`kernels.ops.experts_decode`). Several
-tokens (prefill, a speculative verification pass) route once per distinct expert, each applied to its tokens; a
+tokens (prefill, a speculative verification pass) route once per distinct expert, each applied to its tokens (in
+place, a GGUF's experts where they lie wait for one ggml graph over all tokens: `kernels.ggml.experts_routed`); a
 pass runs its latest tokens' experts last (`pass_order`), a streamed prefill (`--prefill stream`) takes its misses
 through two staging buffers. While `Runtime.drafting` is set (`--draft cached`, speculative.py) only experts resident
 and landed run (`_resident_only`) and the cache is not touched at all.
