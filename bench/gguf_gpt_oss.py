@@ -1,4 +1,4 @@
-"""GPT-OSS's MXFP4 GGUF experts in place on the CPU: ggml's openai-moe graph (`kernels/ggml.py: moe_oai`, biases and
+"""GPT-OSS's MXFP4 GGUF experts in place on the CPU: ggml's openai-moe graph (`kernels/ggml.py: moe` -> mg_moe_oai, biases and
 swiglu_oai where they lie in the mapped file) against the path it replaces, MXFP4 dequantised per use (`MOECTL_GGML=0`),
 on the same file (issue 42).
 

@@ -217,7 +217,7 @@ def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: fl
 @pytest.mark.parametrize("tokens", [1, 64])
 @pytest.mark.parametrize("enc", [T.MXFP4, T.Q8_0, T.F32], ids=lambda t: t.name)
 def test_gpt_oss_moe_layer_is_llamacpps_composition(enc, tokens):
-    """GPT-OSS's layer in one call (`moe_oai`: llama.cpp's openai-moe build_moe_ffn: mul_mat_id gate and up, each
+    """GPT-OSS's layer in one call (`moe` with biases and swiglu_oai: llama.cpp's openai-moe build_moe_ffn: mul_mat_id gate and up, each
     plus its expert's bias (ggml_add_id), swiglu_oai, mul_mat_id down plus its bias, weighted sum over the top-k)
     equals those steps one by one (each product checked against dequantize above), and the layer equals the
     dequantised fp32 one within q8 activation rounding; F32 weights (x not quantized) equal it to fp32 rounding.
@@ -232,7 +232,7 @@ def test_gpt_oss_moe_layer_is_llamacpps_composition(enc, tokens):
     x = torch.randn(tokens, H, generator=gen) * 8                     # gate products up to ~+-10: past the limit
     ids = torch.stack([torch.randperm(A, generator=gen)[:U] for _ in range(tokens)]).to(torch.int32)
     w = torch.rand(tokens, U, generator=gen)
-    y = ggml.moe_oai((enc, enc, enc), G, Up, D, (bg, bu, bd), 1.702, 7.0, A, H, I, x, ids, w)
+    y = ggml.moe((enc, enc, enc), G, Up, D, A, H, I, x, ids, w, biases=(bg, bu, bd), swiglu_oai=(1.702, 7.0))
     il = ids.long()
     gate = ggml.mul_mat_id(enc, G, (A, I, H), x, ids) + bg[il]
     assert (gate > 7).any() and (gate < -7).any()

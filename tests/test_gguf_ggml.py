@@ -1,6 +1,6 @@
 """A GGUF's experts in place on the CPU through ggml, as llama.cpp computes them: a prefill's layer is one ggml graph
 (`kernels/ggml.py: experts_routed`, llama.cpp's build_moe_ffn over all T tokens) with the per-expert path's logits and
-the cache's bookkeeping; GPT-OSS's MXFP4 experts with their biases and clamped SwiGLU (`moe_oai`) equal the
+the cache's bookkeeping; GPT-OSS's MXFP4 experts with their biases and clamped SwiGLU (`mg_moe_oai`) equal the
 dequantised path within ggml's q8 activation rounding, decode and prefill.
 
 Legend: T = tokens, K = top-k, H = hidden size, A = stacked experts, I = expert intermediate size.
@@ -193,7 +193,7 @@ def _layer_pairs(eng: Engine, deq: Engine) -> list:
 
 
 def test_gpt_oss_mxfp4_experts_through_ggml_equal_the_dequantised(gpt_oss_ggufs, tmp_path, monkeypatch):
-    """GPT-OSS's MXFP4 GGUF in place: each MoE layer's output through ggml (`moe_oai`: x quantized to q8_0 per 32
+    """GPT-OSS's MXFP4 GGUF in place: each MoE layer's output through ggml (`mg_moe_oai`: x quantized to q8_0 per 32
     as llama.cpp does) equals the dequantised path's (`MOECTL_GGML=0`: gguf's MXFP4 dequantisation, fp32 x) on the
     same input and routing within 2 % (q8_0's rounding of x and of the activations, per element up to d/2 of a
     block's max/127: measured 0.4-0.8 % per layer call here; the whole model's logits move more, 19 %, as a 4-layer

@@ -274,16 +274,27 @@ def mul_mat_id(encoding: int, w, shape: tuple[int, int, int], x: torch.Tensor, i
 
 
 def moe(encodings: tuple[int, int, int], gate, up, down, A: int, H: int, I: int, x: torch.Tensor, ids: torch.Tensor,
-        weights: torch.Tensor, n_threads: int | None = None) -> torch.Tensor:
+        weights: torch.Tensor, n_threads: int | None = None, biases: tuple | None = None,
+        swiglu_oai: tuple[float, float] | None = None) -> torch.Tensor:
     """One MoE layer as llama.cpp computes it: y [T, H] = sum_u weights[t, u] down_e(silu(gate_e x) * up_e x) with
-    e = ids[t, u]; gate/up [A, I, H] and down [A, H, I] stacked (a GGUF's ffn_*_exps) in `encodings`."""
+    e = ids[t, u]; gate/up [A, I, H] and down [A, H, I] stacked (a GGUF's ffn_*_exps) in `encodings`.
+    GPT-OSS's (openai-moe's build_moe_ffn) with `biases` = (bg [A, I], bu [A, I], bd [A, H]) F32 where they lie (a
+    GGUF's ffn_*_exps.bias) and `swiglu_oai` = (alpha, limit): y [T, H] = sum_u weights[t, u]
+    (down_e(swiglu_oai(gate_e x + bg_e, up_e x + bu_e)) + bd_e), swiglu_oai(g, u) = g' sigmoid(alpha g') (u' + 1),
+    g' = min(g, limit), u' = clamp(u, -limit, limit)."""
     ids = ids.to(torch.int32).contiguous()
     T, U = ids.shape
     x, wts = _f32(x), _f32(weights)
     y = torch.empty(T, H, dtype=torch.float32)
     tg, tu, td = map(int, encodings)
-    require().mg_moe(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), A, H, I, x.data_ptr(),
-                     ids.data_ptr(), wts.data_ptr(), U, T, y.data_ptr())
+    if swiglu_oai is None:
+        require().mg_moe(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), A, H, I, x.data_ptr(),
+                         ids.data_ptr(), wts.data_ptr(), U, T, y.data_ptr())
+    else:
+        bg, bu, bd = map(_ptr, biases)
+        _declared(require()).mg_moe_oai(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), bg, bu,
+                                        bd, *swiglu_oai, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U, T,
+                                        y.data_ptr())
     return y
 
 
@@ -382,7 +393,7 @@ def experts_decode(x: torch.Tensor, pairs: list[tuple[GgmlLinear, GgmlLinear]], 
     return experts(mats, H, I, x.reshape(-1, H), coef).to(x.dtype)
 
 
-# --- a layer's routed experts over several tokens (prefill), and GPT-OSS's experts ------------------------------
+# --- a layer's routed experts over several tokens (prefill); GPT-OSS's experts ------------------------------
 
 def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with the signatures of the calls below declared (once per loaded library)."""
@@ -392,25 +403,6 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
                                    ptr, ptr, i64, i64, ptr]
         lib.mg_moe_oai.restype = None
     return lib
-
-
-def moe_oai(encodings: tuple[int, int, int], gate, up, down, biases: tuple, alpha: float, limit: float, A: int,
-            H: int, I: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            n_threads: int | None = None) -> torch.Tensor:
-    """GPT-OSS's MoE layer as llama.cpp computes it (openai-moe's build_moe_ffn): y [T, H] = sum_u weights[t, u]
-    (down_e(swiglu_oai(gate_e x + bg_e, up_e x + bu_e)) + bd_e), e = ids[t, u]; `biases` = (bg [A, I], bu [A, I],
-    bd [A, H]) F32 where they lie (a GGUF's ffn_*_exps.bias); swiglu_oai(g, u) = g' sigmoid(alpha g') (u' + 1) with
-    g' = min(g, limit), u' = clamp(u, -limit, limit)."""
-    ids = ids.to(torch.int32).contiguous()
-    T, U = ids.shape
-    x, wts = _f32(x), _f32(weights)
-    y = torch.empty(T, H, dtype=torch.float32)
-    tg, tu, td = map(int, encodings)
-    bg, bu, bd = map(_ptr, biases)
-    _declared(require()).mg_moe_oai(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), bg, bu, bd,
-                                    alpha, limit, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U, T,
-                                    y.data_ptr())
-    return y
 
 
 class GgmlBiasedLinear(GgmlLinear):
@@ -472,7 +464,5 @@ def experts_routed(x: torch.Tensor, experts: dict[int, dict], ids: torch.Tensor,
     if oai:
         (cg, _), (cu, _) = g0.bias_stacked
         (cd, _), = d0.bias_stacked
-        y = moe_oai(encs, bg, bu, bd, (cg, cu, cd), *swiglu_oai, A, H, I, xs, ids32, wts)
-    else:
-        y = moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts)
-    return y.to(x.dtype)
+        return moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts, biases=(cg, cu, cd), swiglu_oai=swiglu_oai).to(x.dtype)
+    return moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts).to(x.dtype)

@@ -178,7 +178,7 @@ class OffloadedExperts(nn.Module):
         self.fusable = (_is_silu_gate(apply_gate)
                         and getattr(runtime.adapter.expert_forward, "__func__", None) is FamilyAdapter.expert_forward)
         # GPT-OSS's clamped SwiGLU (alpha, limit) through its adapter's FFN with biases: what ggml's swiglu_oai graph
-        # computes (kernels/ggml.py: moe_oai); None for other families
+        # computes (kernels/ggml.py: moe with swiglu_oai); None for other families
         self.swiglu_oai = _swiglu_oai(apply_gate, runtime.adapter)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

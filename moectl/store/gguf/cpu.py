@@ -33,7 +33,7 @@ from ..memory import host_empty, release_freed
 
 def ggml_in_place(adapter) -> bool:
     """Whether the CPU in place computes this GGUF's experts with ggml: ggml built or buildable here (no build is
-    started: `inspect` asks this too). GPT-OSS's too: its biases and clamped SwiGLU are ggml's (`moe_oai`)."""
+    started: `inspect` asks this too). GPT-OSS's too: its biases and clamped SwiGLU are ggml's ops (mg_moe_oai)."""
     return adapter.gguf is not None and ggml.planned()
 
 
