@@ -220,3 +220,20 @@ def test_gpt_oss_mxfp4_experts_through_ggml_equal_the_dequantised(gpt_oss_ggufs,
         one_by_one = Engine.load(path, workdir=str(tmp_path / "p"), **kw)
         logits_pe, _ = _engine_run(one_by_one, PROMPT, 0)
     assert torch.allclose(logits_pe[0], logits[0], rtol=1e-5, atol=1e-5 * logits[0].abs().max().item())
+
+
+def test_gpt_oss_cpu_experts_side_through_ggml(gpt_oss_ggufs, tmp_path):
+    """`--cpu-experts always` (the CPU side of a GPU run, emulated) on GPT-OSS's F32 GGUF: misses computed by ggml
+    from the RAM tier's bytes with the biases (`GgufExpertFormat.cpu_weights` -> GgmlBiasedLinear, GPT-OSS's
+    expert_forward on callables); F32 weights leave x unquantized: the safetensors original's tokens and logits
+    within the lossless tolerance."""
+    kw = dict(progress=False, threads=1, emulate_device=True, cache_experts=4)          # one slot a layer
+    want_logits, want = _engine_run(Engine.load(str(gpt_oss_ggufs["ckpt"]), workdir=str(tmp_path / "s"), **kw),
+                                    PROMPT, 4)
+    eng = Engine.load(str(gpt_oss_ggufs["F32"]), workdir=str(tmp_path / "g"), cpu_experts="always", **kw)
+    w = eng.store.format_of("full", 0).cpu_weights(eng.runtime.cpu.host_views(0, 1))
+    assert isinstance(w["gate_up"], ggml.GgmlBiasedLinear) and isinstance(w["down"], ggml.GgmlBiasedLinear)
+    logits, got = _engine_run(eng, PROMPT, 4)
+    assert eng.runtime.cpu_experts > 0
+    assert got == want
+    assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= LOSSLESS_ATOL

@@ -93,11 +93,17 @@ class GgufExpertFormat(ExpertFormat):
 
     def cpu_weights(self, views: dict[str, torch.Tensor]) -> dict:
         """The weights where the CPU computes an expert from its host copy (the CPU side of a GPU run): ggml's
-        kernels on the buffer's GGUF bytes (moectl/kernels/ggml.py), or `weights` (dequantised) where ggml is not
-        built or the family multiplies matrices itself (GPT-OSS)."""
-        if self.family == "gpt_oss" or not ggml.planned() or ggml.library() is None:
+        kernels on the buffer's GGUF bytes (moectl/kernels/ggml.py; GPT-OSS's with its biases added), or `weights`
+        (dequantised) where ggml is not built."""
+        if not ggml.planned() or ggml.library() is None:
             return self.weights(views)
-        mats = {name: (t.encoding, views[name].data_ptr(), tuple(t.shape)) for name, t in self.tensors}
+        mats = {name: (t.encoding, views[name].data_ptr(), tuple(t.shape)) for name, t in self.tensors
+                if not name.endswith("_bias")}
+        if self.family == "gpt_oss":
+            biases = {name.removesuffix("_bias"): dequantize(views[name][:t.nbytes], t.encoding, t.shape,
+                                                             torch.float32, f"layer {self.layer} {name} experts")
+                      for name, t in self.tensors if name.endswith("_bias")}
+            return ggml.oai_expert_weights(mats, biases, views)
         return ggml.expert_weights(mats, views)
 
     def describe(self) -> dict:
