@@ -1,6 +1,6 @@
-"""GPT-OSS's MXFP4 GGUF experts in place on the CPU: ggml's openai-moe graph (`kernels/ggml.py: moe` -> mg_moe_oai, biases and
-swiglu_oai where they lie in the mapped file) against the path it replaces, MXFP4 dequantised per use (`MOECTL_GGML=0`),
-on the same file (issue 42).
+"""GPT-OSS's MXFP4 GGUF experts in place on the CPU: ggml's openai-moe graph (`kernels/ggml.py: moe` -> mg_moe_oai,
+biases and swiglu_oai where they lie in the mapped file) against the path it replaces, MXFP4 dequantised per use
+(`MOECTL_GGML=0`), on the same file (issue 42).
 
 `bench/gguf_vs_llamacpp.py --shape gpt-oss-20b` times GPT-OSS-20B's expert shapes written as a Mixtral-family
 checkpoint (make-synthetic's "GPT-OSS-like": no biases, SiLU): it never reaches GPT-OSS's own expert path. This

@@ -217,8 +217,8 @@ def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: fl
 @pytest.mark.parametrize("tokens", [1, 64])
 @pytest.mark.parametrize("enc", [T.MXFP4, T.Q8_0, T.F32], ids=lambda t: t.name)
 def test_gpt_oss_moe_layer_is_llamacpps_composition(enc, tokens):
-    """GPT-OSS's layer in one call (`moe` with biases and swiglu_oai: llama.cpp's openai-moe build_moe_ffn: mul_mat_id gate and up, each
-    plus its expert's bias (ggml_add_id), swiglu_oai, mul_mat_id down plus its bias, weighted sum over the top-k)
+    """GPT-OSS's layer in one call (`moe` with biases and swiglu_oai: llama.cpp's openai-moe build_moe_ffn:
+    mul_mat_id gate and up, each plus its expert's bias (ggml_add_id), swiglu_oai, mul_mat_id down plus its bias, weighted sum over the top-k)
     equals those steps one by one (each product checked against dequantize above), and the layer equals the
     dequantised fp32 one within q8 activation rounding; F32 weights (x not quantized) equal it to fp32 rounding.
     Gate values reach past the limit (7), so the clamps are exercised."""

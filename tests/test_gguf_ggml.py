@@ -197,8 +197,8 @@ def test_gpt_oss_mxfp4_experts_through_ggml_equal_the_dequantised(gpt_oss_ggufs,
     as llama.cpp does) equals the dequantised path's (`MOECTL_GGML=0`: gguf's MXFP4 dequantisation, fp32 x) on the
     same input and routing within 2 % (q8_0's rounding of x and of the activations, per element up to d/2 of a
     block's max/127: measured 0.4-0.8 % per layer call here; the whole model's logits move more, 19 %, as a 4-layer
-    random model's routing flips), in the 6-token prefill and in decode steps; the per-expert ggml path (`experts_routed` refused) gives the fused one's
-    logits."""
+    random model's routing flips), in the 6-token prefill and in decode steps; the per-expert ggml path
+    (`experts_routed` refused) gives the fused one's logits."""
     kw = dict(progress=False, threads=1)
     path = str(gpt_oss_ggufs["MXFP4"])
     monkeypatch.setenv("MOECTL_GGML", "0")
