@@ -248,7 +248,7 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
 
     want = {k: v.dtype for k, v in hf.state_dict().items()}
     state = {}
-    n_params = sum(1 for _ in hf.named_parameters())
+    n_params = sum(1 for name, _ in hf.named_parameters() if name not in (mapped or ()))
     with ProgressBar(progress, transient=True) as bar:
         task = bar.add("reading dense weights" + (" (dequantising)" if adapter.gguf is not None else ""), n_params)
         for name, t in dense_tensors(hf, adapter, ckpt, lambda name: want.get(name, dt), skip=set(mapped or ())):
