@@ -299,7 +299,8 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     from .gguf.cpu import dense_mapped
 
     # a GGUF in place on the CPU with ggml: its dense matrices stay in the mapped file (`dense_in_place`)
-    mapped = dense_mapped(adapter, hf) if device == "cpu" and offload == "ram" else {}
+    # (not with --budget: on the CPU that sizes the slots of an emulated device, whose dense part is read as before)
+    mapped = dense_mapped(adapter, hf) if device == "cpu" and offload == "ram" and budget is None else {}
     if mapped:
         skeleton_bytes, file_bytes = mapped_dense_nbytes(hf, mapped)
         dense += file_bytes - skeleton_bytes
