@@ -68,7 +68,7 @@ def resolved_setting(monkeypatch, path, **options) -> dict:
 
     seen = {}
 
-    def check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier):
+    def check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier, mapped_dense=None):
         seen.update(device=opts.device, torch_device=str(dev), budget=opts.budget, sources=dict(opts.sources),
                     device_note=opts.device_note, budget_note=opts.budget_note, slots=list(full), L=L,
                     E=adapter.num_experts)

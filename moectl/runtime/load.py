@@ -19,8 +19,10 @@ from ..core.cache_model import FULL, LOW
 from ..core.recipes import resolve_model
 from ..errors import MoectlError
 from ..models import config_fingerprint
+from ..kernels.ggml import library as ggml_library
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
+from ..models.dense_gguf import swap_in
 from ..setting.options import DEFAULT, FLAG, RuntimeOptions
 from ..setting.resolve import resolve
 from ..store.checkpoint import Checkpoint
@@ -38,8 +40,16 @@ from ..store.facts import (
     pick_device,
     skeleton,
 )
-from ..store.gguf.cpu import ggml_in_place, in_place_expert_bytes, int4_repackable, map_for_ggml, repack_for_cpu
+from ..store.gguf.cpu import (
+    dense_mapped,
+    ggml_in_place,
+    in_place_expert_bytes,
+    int4_repackable,
+    map_for_ggml,
+    repack_for_cpu,
+)
 from ..store.memory import check_host_memory, host_alloc, host_need, release_freed
+from ..tables import plural
 from .cache import InPlaceExperts
 from .device_cache import DeviceCache
 from .offloaded import OffloadedExperts, Runtime
@@ -105,8 +115,16 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     # (the store's disk tier, read only if asked), so RAM holds the low-bit copies and dense weights, as llama.cpp's
     full_tier = "disk" if in_place and prec.name == "lowbit-only" else opts.offload
     full, low = setting.pools.get(FULL, [0] * L), setting.pools.get(LOW)
-    check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier)
-    read_dense(hf, config, adapter, ckpt, dev, dt, ref.path, opts.progress)
+    # A GGUF in place with ggml: its dense matrices and embedding are computed where they lie in the mapped file, as
+    # llama.cpp's (models/dense_gguf.py); --dense-lowbit asks for moectl's own low-bit copies instead
+    mapped_dense = dense_mapped(adapter, hf) if (in_place and not opts.dense_lowbit
+                                                 and ggml_library() is not None) else {}
+    check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier, mapped_dense)
+    read_dense(hf, config, adapter, ckpt, dev, dt, ref.path, opts.progress, mapped_dense)
+    if mapped_dense:
+        opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
+            f"gguf: {plural(len(mapped_dense), 'dense matrix', 'dense matrices')} (attention, lm_head, embedding) "
+            "computed by ggml where they lie in the mapped file")]))
     if dev.type == "cpu":          # the dense Linears: one-row GEMV, or int8 with --dense-lowbit (models/dense_cpu.py)
         cpu_linears(hf, opts.dense_lowbit)
         cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
@@ -199,13 +217,13 @@ def take_device(opts: RuntimeOptions) -> None:
 
 
 def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_place: bool, full: list[int],
-               low: list[int] | None, low_fmt, full_tier: str) -> None:
+               low: list[int] | None, low_fmt, full_tier: str, mapped_dense: dict | None = None) -> None:
     """The host-memory check of the resolved cache (`store/memory.py`): a configuration the host RAM cannot hold fails
     before any weight is read, naming the options that fit. `full_tier`: where the full-precision experts live (ram,
     or disk: read from the file when needed)."""
     E, expert_nbytes = adapter.num_experts, adapter.format(dt).nbytes
     kv = kv_reserve_nbytes(config, dt)
-    dense = header_dense_nbytes(ckpt, adapter, dt)                  # what is read into host RAM
+    dense = header_dense_nbytes(ckpt, adapter, dt, mapped_dense)    # what is read (or mapped) into host RAM
     on_host = dev.type == "cpu"
     held = in_place_expert_bytes(adapter, dt) if in_place else None      # a GGUF's experts repacked in place
     need = host_need(full_tier, on_host, in_place, sum(full), -(-held // (L * E)) if held else expert_nbytes, L * E,
@@ -221,28 +239,30 @@ def check_host(opts: RuntimeOptions, config, adapter, ckpt, dev, dt, L: int, in_
 
 
 def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: torch.dtype, path,
-               progress: bool = False) -> None:
+               progress: bool = False, mapped: dict | None = None) -> None:
     """Non-expert weights straight from the shards onto the device, one tensor at a time, under a progress bar (a
     GGUF's are dequantised: a 150k-token embedding takes seconds). Each tensor takes the dtype the skeleton gives it
-    (a few, like DeepSeek-V3's routing bias, stay fp32)."""
+    (a few, like DeepSeek-V3's routing bias, stay fp32). `mapped` (a GGUF's `dense_in_place`): weights not read,
+    their modules swapped for ones that compute where the weights lie (models/dense_gguf.py)."""
     from ..progress import ProgressBar
 
     want = {k: v.dtype for k, v in hf.state_dict().items()}
     state = {}
-    n_params = sum(1 for _ in hf.named_parameters())
+    n_params = sum(1 for name, _ in hf.named_parameters() if name not in (mapped or ()))
     with ProgressBar(progress, transient=True) as bar:
         task = bar.add("reading dense weights" + (" (dequantising)" if adapter.gguf is not None else ""), n_params)
-        for name, t in dense_tensors(hf, adapter, ckpt, lambda name: want.get(name, dt)):
+        for name, t in dense_tensors(hf, adapter, ckpt, lambda name: want.get(name, dt), skip=set(mapped or ())):
             state[name] = t.to(device=dev, dtype=want.get(name, dt) if t.is_floating_point() else t.dtype)
             bar.update(task, completed=min(len(state), n_params))
     release_freed()                                     # the dequantisation's freed temporaries leave the RSS
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    swapped = set(swap_in(hf, mapped, dt)) if mapped else set()
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
+    missing = [k for k in missing if k not in tied and k not in swapped]
     if missing:
         raise MoectlError(f"checkpoint {path} lacks {len(missing)} weights the {adapter.family} model needs, "
                           f"e.g. {missing[:3]} (incomplete download?)")
-    if tied:
+    if tied and not swapped & tied:
         hf.tie_weights()
     hf.to(dev).eval()
     for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
@@ -250,12 +270,12 @@ def read_dense(hf, config, adapter, ckpt: Checkpoint, dev: torch.device, dt: tor
             raise MoectlError(f"weight {name} was not found in {path}")
 
 
-def dense_tensors(hf, adapter, ckpt: Checkpoint, dtype_of):
+def dense_tensors(hf, adapter, ckpt: Checkpoint, dtype_of, skip=()):
     """(skeleton name, tensor) of every non-expert weight, one at a time: read from the shards, or a GGUF's
-    dequantised once into `dtype_of(name)` (moectl/store/gguf/dense.py)."""
+    dequantised once into `dtype_of(name)` (moectl/store/gguf/dense.py), but those in `skip` (a GGUF's only)."""
     gguf = adapter.gguf
     if gguf is not None:
-        yield from gguf.dense_tensors(hf, dtype_of)
+        yield from gguf.dense_tensors(hf, dtype_of, skip)
         return
     for key in ckpt.keys():
         name = adapter.skeleton_key(key)

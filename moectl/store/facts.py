@@ -186,17 +186,32 @@ def dense_nbytes(model, config=None) -> int:
             n += t.numel() * t.element_size()
     if config is not None and getattr(config, "tie_word_embeddings", False):
         out, emb = model.get_output_embeddings(), model.get_input_embeddings()
-        if out is not None and emb is not None and out.weight is not emb.weight:     # not tied yet
-            n -= out.weight.numel() * out.weight.element_size()
+        w_out, w_emb = getattr(out, "weight", None), getattr(emb, "weight", None)   # none: in the mapped file
+        if w_out is not None and w_emb is not None and w_out is not w_emb:           # not tied yet
+            n -= w_out.numel() * w_out.element_size()
     return n
 
 
-def header_dense_nbytes(ckpt: Checkpoint, adapter, dtype: torch.dtype) -> int:
+def mapped_dense_nbytes(model, mapped: dict) -> tuple[int, int]:
+    """(bytes the `mapped` weights ({name: (encoding, data, ...)}, a GGUF's `dense_in_place`) take in `model`'s
+    skeleton, their bytes in the file); a table the lm_head shares with the embedding counts once in each."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen, skeleton, packed = set(), 0, 0
+    for name, (_, data, *_rest) in mapped.items():
+        if data.ctypes.data not in seen:
+            seen.add(data.ctypes.data)
+            p = params[name]
+            skeleton += p.numel() * p.element_size()
+            packed += data.nbytes
+    return skeleton, packed
+
+
+def header_dense_nbytes(ckpt: Checkpoint, adapter, dtype: torch.dtype, mapped: dict | None = None) -> int:
     """Bytes of the non-expert weights once loaded (floating tensors in `dtype`), from the shard headers (a GGUF's:
-    every dense tensor dequantised to `dtype`)."""
+    every dense tensor dequantised to `dtype`, but the `mapped` ones at their bytes in the file)."""
     gguf = adapter.gguf
     if gguf is not None:
-        return gguf.sizes(dtype.itemsize)["dense_bytes"]
+        return gguf.sizes(dtype.itemsize, mapped_names(mapped))["dense_bytes"]
     return sum(math.prod(r.shape) * (dtype.itemsize if r.dtype.is_floating_point else r.dtype.itemsize)
                for key, r in ckpt.ranges.items() if adapter.skeleton_key(key) is not None)
 
@@ -281,9 +296,17 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
     expert_nbytes = fmt.nbytes
     L, E = len(blocks), adapter.num_experts
     dense, kv = dense_nbytes(hf, config), kv_reserve_nbytes(config, dt)
+    from .gguf.cpu import dense_mapped
+
+    # a GGUF in place on the CPU with ggml: its dense matrices stay in the mapped file (`dense_in_place`)
+    # (not with --budget: on the CPU that sizes the slots of an emulated device, whose dense part is read as before)
+    mapped = dense_mapped(adapter, hf) if device == "cpu" and offload == "ram" and budget is None else {}
+    if mapped:
+        skeleton_bytes, file_bytes = mapped_dense_nbytes(hf, mapped)
+        dense += file_bytes - skeleton_bytes
     info = describe(config, adapter, expert_nbytes, dense, L)
     weights = sum(math.prod(s) for s in adapter.layout().shapes if len(s) == 2)      # biases are not weights
-    gguf = gguf_facts(adapter, dt)
+    gguf = gguf_facts(adapter, dt, mapped)
     info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], L, lowbit, offload, device,
                                  budget, lowbit_fraction, precision=precision)
     if gguf and device == "cpu" and offload == "ram" and not lowbit:    # the run loads in place: its load's peak
@@ -313,7 +336,12 @@ def offloaded_skeleton(model: str, workdir=None, dtype: str | None = None):
     return ref, config, adapter, ckpt, dt, hf, blocks
 
 
-def gguf_facts(adapter, dtype: torch.dtype) -> dict:
+def mapped_names(mapped: dict | None) -> frozenset:
+    """The GGUF names of a `dense_in_place` mapping."""
+    return frozenset(v[3] for v in (mapped or {}).values())
+
+
+def gguf_facts(adapter, dtype: torch.dtype, mapped: dict | None = None) -> dict:
     """A GGUF model's figures for `inspect`, from its header (moectl/store/gguf/experts.py `sizes`): the layers'
     formats (`gguf-Q4_K+Q6_K,gguf-Q4_K`), bits per weight of the experts as stored (packed bytes over weights, all
     layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: the file's expert
@@ -324,7 +352,7 @@ def gguf_facts(adapter, dtype: torch.dtype) -> dict:
         return {}
     from .gguf.cpu import ggml_in_place, in_place_expert_bytes
 
-    s = g.sizes(dtype.itemsize)
+    s = g.sizes(dtype.itemsize, mapped_names(mapped))
     repacked = in_place_expert_bytes(adapter, dtype)
     mapped = ggml_in_place(adapter)         # ggml on the mapped file: the pages of the file's expert bytes
     return {"expert_format": adapter.format_names(dtype), "bits_per_weight": s["bits_per_weight"],

@@ -37,6 +37,13 @@ def ggml_in_place(adapter) -> bool:
     return adapter.gguf is not None and ggml.planned()
 
 
+def dense_mapped(adapter, model) -> dict:
+    """The dense matrices the CPU in place computes with ggml where they lie in the mapped file
+    (`GgufModel.dense_in_place`, models/dense_gguf.py), or {} where ggml is not planned here (`inspect` asks
+    this too: nothing is built)."""
+    return adapter.gguf.dense_in_place(model) if adapter.gguf is not None and ggml.planned() else {}
+
+
 def map_for_ggml(store) -> str:
     """The store's experts as ggml computes them in place: each layer's 'RAM tier' is its experts' indices, their
     matrices are the mapped file's (moectl/formats/gguf_ggml.py). Builds ggml on first use (minutes, said);

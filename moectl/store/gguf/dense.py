@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 import torch
+from torch import nn
 
 from ...errors import MoectlError
 from ...formats.gguf_dequant import dequantize
@@ -50,21 +51,62 @@ def dense_names(files: GgufFiles, model) -> dict[str, str]:
     return out
 
 
+def dense_in_place(files: GgufFiles, model) -> dict[str, tuple]:
+    """The dense matrices ggml computes where they lie (moectl/models/dense_gguf.py): {state-dict name of the
+    weight: (encoding, uint8 [rows, row bytes] view of the mapped file, row order or None, GGUF name)} for every
+    nn.Linear and nn.Embedding of `model` whose GGUF tensor has the module's shape, save the routers (kept exact:
+    their scores pick the experts). The converter's transform must be a pure reordering of rows (the `llama`
+    architecture's Q/K permutation; found by running transformers' processor over the row numbers), else the
+    tensor is dequantised as before. A tied lm_head (no output.weight) points at the embedding table's bytes."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    out = {}
+    for gguf_name, hf_name in dense_names(files, model).items():
+        module, t = modules.get(hf_name.removesuffix(".weight")), files.tensors[gguf_name]
+        if module is None or not hf_name.endswith(".weight") or "ffn_gate_inp" in gguf_name or len(t.shape) != 2:
+            continue
+        rows, cols = t.shape
+        if tuple(module.weight.shape) != (rows, cols) or t.nbytes % rows:
+            continue
+        order = processor.process(weights=np.arange(rows, dtype=np.float64).reshape(rows, 1), name=gguf_name).weights
+        order = np.asarray(order)
+        if order.shape != (rows, 1) or not np.array_equal(np.sort(order[:, 0]), np.arange(rows)):
+            continue                          # the converter's transform is more than a reordering of rows
+        perm = None if np.array_equal(order[:, 0], np.arange(rows)) else torch.from_numpy(order[:, 0].astype(np.int64))
+        data = files.bytes_of(t.file, t.offset, t.nbytes).reshape(rows, t.nbytes // rows)
+        out[hf_name] = (t.encoding, data, perm, gguf_name)
+    if getattr(model.config, "tie_word_embeddings", False) and "output.weight" not in files.tensors:
+        # one table for both: the lm_head reads the embedding's bytes, or neither stays in the file (tie_weights)
+        head = model.get_output_embeddings()
+        head_name = next((k for k, v in modules.items() if v is head), None)
+        emb = next((k for k in out if isinstance(modules[k.removesuffix(".weight")], nn.Embedding)), None)
+        if emb is not None and isinstance(head, nn.Linear) and tuple(head.weight.shape) == out[emb][1].shape[:1] + (
+                head.in_features,):
+            out[f"{head_name}.weight"] = out[emb]
+        else:
+            out.pop(emb, None)
+    return out
+
+
 def dense_state_dict(files: GgufFiles, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """{state-dict name: tensor} of every dense tensor, dequantised to `dtype` (the skeleton loads it with
     `load_state_dict(..., assign=True)`); the model's non-expert parameters must all be there."""
     return dict(dense_tensors(files, model, lambda name: dtype))
 
 
-def dense_tensors(files: GgufFiles, model, dtype_of=lambda name: torch.float32):
-    """(state-dict name, tensor in `dtype_of(name)`) of every dense tensor, one at a time: each read by a
-    positioned read (nothing of the file stays mapped), dequantised in fp32, fixed up, cast, then the next, so
-    loading holds one fp32 temporary at most beside the model."""
+def dense_tensors(files: GgufFiles, model, dtype_of=lambda name: torch.float32, skip=()):
+    """(state-dict name, tensor in `dtype_of(name)`) of every dense tensor but those named in `skip`, one at a time:
+    each read by a positioned read (nothing of the file stays mapped), dequantised in fp32, fixed up, cast, then the
+    next, so loading holds one fp32 temporary at most beside the model."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     for gguf_name, hf_name in dense_names(files, model).items():
+        if hf_name in skip:
+            continue
         t = files.tensors[gguf_name]
         if gguf_name in ROW_CHUNKED and tuple(shapes[hf_name]) == tuple(t.shape) and t.nbytes % t.shape[0] == 0:
             yield hf_name, _rows_dequantised(files, t, dtype_of(hf_name))

@@ -106,9 +106,11 @@ class ExpertIndex:
                 most[name] = max(most.get(name, 0), t.nbytes)
         return sum(most.values())
 
-    def sizes(self) -> dict:
+    def sizes(self, mapped: frozenset = frozenset()) -> dict:
         """What `inspect` shows, from the header alone: bits per weight over all expert matrices, bytes per expert
-        (the largest layer's: a slot must hold any), all experts' bytes, and the encodings' share of them."""
+        (the largest layer's: a slot must hold any), all experts' bytes, and the encodings' share of them.
+        `mapped`: dense tensors (GGUF names) computed where they lie (`dense_in_place`): their packed bytes are
+        `dense_mapped_bytes`, and they are never dequantised (not the largest step of a load)."""
         total_bytes = weights = 0
         by_encoding: Counter = Counter()
         for layer in self.layers:
@@ -118,11 +120,12 @@ class ExpertIndex:
                     weights += t.numel * self.num_experts
                     by_encoding[t.encoding] += t.nbytes * self.num_experts
         dense = [t for n, t in self.files.tensors.items() if not _is_expert(n)]
-        largest = max((t for t in dense if t.name not in ROW_CHUNKED), key=lambda t: _numel(t.shape), default=None)
+        read = [t for t in dense if t.name not in mapped]                      # dequantised at load
+        largest = max((t for t in read if t.name not in ROW_CHUNKED), key=lambda t: _numel(t.shape), default=None)
         return {"bits_per_weight": 8 * total_bytes / weights,
                 "weights_per_expert": max(sum(t.numel for name, t in self.parts(layer, 0) if not name.endswith("_bias"))
                                           for layer in self.layers),
-                "row_chunked_weights": max((_numel(t.shape) for t in dense if t.name in ROW_CHUNKED), default=0),
+                "row_chunked_weights": max((_numel(t.shape) for t in read if t.name in ROW_CHUNKED), default=0),
                 "largest_dense": {"name": largest.name, "packed_bytes": largest.nbytes,
                                   "weights": _numel(largest.shape)} if largest is not None else None,
                 "bytes_per_expert": max(self.expert_nbytes(l) for l in self.layers),
@@ -130,7 +133,9 @@ class ExpertIndex:
                 "encodings": {encoding_name(c): b for c, b in sorted(by_encoding.items())},
                 "encoding_bits": {encoding_name(c): bits_per_weight(c) for c in sorted(by_encoding)},
                 "dense_packed_bytes": sum(t.nbytes for t in dense),
-                "dense_weights": sum(_numel(t.shape) for t in dense)}
+                "dense_weights": sum(_numel(t.shape) for t in dense),
+                "dense_mapped_bytes": sum(t.nbytes for t in dense if t.name in mapped),
+                "dense_mapped_weights": sum(_numel(t.shape) for t in dense if t.name in mapped)}
 
 
 def _is_expert(name: str) -> bool:

@@ -5,6 +5,7 @@
     g.tokenizer()                       # transformers' GGUF tokenizer converter
     g.sizes(2)                          # header-only figures for inspect / sizing (dense at 2 bytes/weight)
     g.dense_state_dict(skeleton, dtype) # dense tensors dequantised once, under the skeleton's names
+    g.dense_in_place(skeleton)          # or, on the CPU with ggml, the matrices where they lie in the mapped file
     g.expert_formats(dtype)             # {layer: GgufExpertFormat}: the packed experts' "full" precision
 """
 
@@ -19,7 +20,7 @@ from ...errors import MoectlError
 from ...formats.gguf import GgufExpertFormat, layer_formats
 from ...formats.gguf_encodings import encoding_name
 from .config import family_of, gguf_config, gguf_tokenizer
-from .dense import dense_state_dict, dense_tensors
+from .dense import dense_in_place, dense_state_dict, dense_tensors
 from .experts import ExpertIndex
 from .files import GgufFiles
 
@@ -62,11 +63,12 @@ class GgufModel:
     def tokenizer(self):
         return gguf_tokenizer(self.files)
 
-    def sizes(self, dense_bytes_per_weight: int = 2) -> dict:
+    def sizes(self, dense_bytes_per_weight: int = 2, mapped: frozenset = frozenset()) -> dict:
         """`ExpertIndex.sizes()` (experts packed, as stored) plus what a run holds in host RAM with the experts in
-        RAM: the packed experts and the dense tensors dequantised once (`dense_bytes_per_weight`: 2 for bf16)."""
-        s = self.index.sizes()
-        dense = s["dense_weights"] * dense_bytes_per_weight
+        RAM: the packed experts and the dense tensors dequantised once (`dense_bytes_per_weight`: 2 for bf16), but
+        the `mapped` ones (GGUF names, `dense_in_place`) at their bytes in the file."""
+        s = self.index.sizes(frozenset(mapped))
+        dense = (s["dense_weights"] - s["dense_mapped_weights"]) * dense_bytes_per_weight + s["dense_mapped_bytes"]
         return s | {"family": self.family, "architecture": self.files.arch, "files": [str(p) for p in self.files.paths],
                     "file_bytes": sum(p.stat().st_size for p in self.files.paths), "dense_bytes": dense,
                     "host_bytes_ram_tier": s["expert_bytes"] + dense}
@@ -74,9 +76,13 @@ class GgufModel:
     def dense_state_dict(self, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         return dense_state_dict(self.files, model, dtype)
 
-    def dense_tensors(self, model, dtype_of):
-        """(name, tensor) one at a time, each in `dtype_of(name)` (moectl/store/gguf/dense.py)."""
-        return dense_tensors(self.files, model, dtype_of)
+    def dense_tensors(self, model, dtype_of, skip=()):
+        """(name, tensor) one at a time, each in `dtype_of(name)`, but those in `skip` (moectl/store/gguf/dense.py)."""
+        return dense_tensors(self.files, model, dtype_of, skip)
+
+    def dense_in_place(self, model) -> dict[str, tuple]:
+        """The dense matrices ggml can compute where they lie in the mapped file (moectl/store/gguf/dense.py)."""
+        return dense_in_place(self.files, model)
 
     def expert_formats(self, dtype: torch.dtype) -> dict[int, GgufExpertFormat]:
         return layer_formats(self.index, self.family, dtype)
