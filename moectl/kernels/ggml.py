@@ -226,9 +226,18 @@ class _Handle(threading.local):
 _handles = _Handle()
 
 
+_THREADS: list[int] = []          # `set_threads`: the run's --threads, once a load has set it
+
+
+def set_threads(n: int) -> None:
+    """ggml's threads from now on (a load sets its --threads here: torch's own count may then be 1, see
+    runtime/load.py)."""
+    _THREADS[:] = [max(1, int(n))]
+
+
 def threads() -> int:
-    """ggml's threads: torch's intra-op count, which `--threads` sets (runtime/engine.py)."""
-    return max(1, torch.get_num_threads())
+    """ggml's threads: the run's --threads (`set_threads`), else torch's intra-op count."""
+    return _THREADS[0] if _THREADS else max(1, torch.get_num_threads())
 
 
 def handle(n_threads: int | None = None) -> int:

@@ -20,6 +20,7 @@ from ..core.recipes import resolve_model
 from ..errors import MoectlError
 from ..models import config_fingerprint
 from ..kernels.ggml import library as ggml_library
+from ..kernels.ggml import set_threads as ggml_threads
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
 from ..models.dense_gguf import swap_in
@@ -86,6 +87,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
     from .machine import set_threads
 
     n_threads = set_threads(opts.threads, config.hidden_size, adapter.expert_intermediate, dev.type == "cuda")
+    ggml_threads(n_threads)
     hf, blocks = skeleton(config, adapter, dt, ref.path)
     L, E, fingerprint = len(blocks), adapter.num_experts, config_fingerprint(config)
     low_fmt = None
@@ -152,6 +154,12 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
             note = "; ".join(filter(None, [f"gguf: ggml not used ({why_not()})", note]))
     if note:
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, note]))
+    if mapped and mapped_dense and note is not None and "ggml not used" not in note and n_threads > 1:
+        # Every matrix is ggml's (its own threadpool, --threads wide); torch keeps norms, rotary, attention. torch's
+        # OpenMP workers spin after each of its ops (libgomp's default wait policy), so beside ggml's workers on the
+        # same cores they starve them: 2 threads under load took 437-504 ms/token against 133-247 with
+        # OMP_WAIT_POLICY=PASSIVE (qwen3-moe 2-layer Q4_K_M). One torch thread has no workers to spin.
+        torch.set_num_threads(1)
     if low_fmt is not None:
         from ..formats.int4_cpu import int4pack_layout
         from ..store.lowbit import LowbitCopies
