@@ -139,6 +139,23 @@ def test_other_encodings_and_clear_errors(mixtral, tmp_path, capsys, monkeypatch
     assert_one_error(code, err, "no low-bit copies ggml-q4_0", "--format ggml-q4_0")
 
 
+def test_sizing_prices_the_copies_at_their_bytes(mixtral, q4_0):
+    """The torch-free pricing (`core/shapes.py`: simulate, plan-cache, the resolver without a loaded copy set) gives
+    each ggml format the bytes its copies have: the blocks' bits with their scales, no HQQ group meta."""
+    from gguf import GGML_QUANT_SIZES
+
+    from moectl.core.shapes import GGML_COPY_BITS, expert_bytes, parse_lowbit
+    from moectl.formats.ggml_copies import ENCODINGS
+
+    assert set(GGML_COPY_BITS) == set(ENCODINGS)
+    for name, enc in ENCODINGS.items():
+        block, nbytes = GGML_QUANT_SIZES[enc]
+        assert parse_lowbit(name) == (8 * nbytes / block, None)
+    _, meta = q4_0
+    shape = {"hidden_size": 64, "intermediate_size": 128, "dtype": "float32"}
+    assert expert_bytes(shape, *parse_lowbit("ggml-q4_0")) == meta["bytes_per_expert"]
+
+
 def test_dequantised_blocks_match_ggml_reference():
     """The dequantiser the GPU path and the error figures use reads ggml's Q4_K blocks as ggml wrote them."""
     w = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))

@@ -29,7 +29,7 @@ from ..kernels import ggml
 from .gguf import GgufExpertFormat
 from .gguf_encodings import T
 
-# the names `--format` / `--lowbit` take -> their ggml block type
+# the names `--format` / `--lowbit` take -> their ggml block type (core/shapes.py: GGML_COPY_BITS prices them)
 ENCODINGS = {"ggml-q4_0": T.Q4_0, "ggml-q8_0": T.Q8_0, "ggml-q4_k": T.Q4_K}
 FORMAT_VERSION = 1                      # the layout above; a reader refuses another
 
