@@ -68,8 +68,8 @@ def test_copies_are_ggmls_own_blocks_and_say_so(mixtral, q4_0):
 
 def test_cpu_computes_them_with_ggml_and_equals_their_dequantised_weights(mixtral, q4_0):
     """On the CPU the copies' weights are ggml's callables over the host copy (no dequantisation); a decode step's
-    experts equal the same blocks dequantised (gguf's reference) and multiplied in fp32, within x's q8 rounding; an
-    emulated device (the GPU path: torch dequantises the slot) gives the same model within that rounding."""
+    experts equal the same blocks dequantised (gguf's reference) and multiplied in fp32, within x's q8 rounding;
+    emulated device slots (on the CPU) compute them by ggml too: the same logits."""
     wd, _ = q4_0
     eng = _ggml(mixtral, wd)
     low = eng.store.lowbit
@@ -83,8 +83,24 @@ def test_cpu_computes_them_with_ggml_and_equals_their_dequantised_weights(mixtra
     assert (got - want).norm() / want.norm() < 0.01
     a = _decode(eng).float()
     dev = _ggml(mixtral, wd, cache_experts=8, emulate_device=True)
-    b = _decode(dev).float()
-    assert (a - b).norm() / a.norm() < 0.01
+    assert torch.equal(_decode(dev).float(), a)                                 # slots on the CPU: ggml's too
+
+
+def test_device_slots_read_the_blocks_with_the_gguf_kernels(mixtral, q4_0):
+    """A GPU run flags the copies' format for the Triton kernels (runtime/load.py: device_expert_kernels): a slot's
+    weights are then the GGUF Q4_0 kernel's callables over the slot's blocks (here under Triton's interpreter, in
+    emulated slots), and the model is the CPU's ggml run within x's q8 rounding (the kernels keep x in floats)."""
+    from moectl.kernels import triton_lowbit as tk
+
+    wd, _ = q4_0
+    want = _decode(_ggml(mixtral, wd)).float()
+    dev = _ggml(mixtral, wd, cache_experts=8, emulate_device=True)
+    fmt = dev.store.lowbit.format
+    fmt.device_kernels = True
+    ws = fmt.weights(fmt.views(dev.store.lowbit.host(0, 1)))
+    assert isinstance(ws["gate_up"], tk.GateUp) and isinstance(ws["down"], tk.Matrix)
+    got = _decode(dev).float()
+    assert not torch.equal(got, want) and (got - want).norm() / want.norm() < 0.01     # another kernel, same model
 
 
 def test_fidelity_is_q4_0s_and_no_worse_than_todays_q4g64(tiny_small):
@@ -137,6 +153,20 @@ def test_other_encodings_and_clear_errors(mixtral, tmp_path, capsys, monkeypatch
     code, _, err = run_cli(["generate", "--model", str(mixtral), "--workdir", str(tmp_path / "none"), "--lowbit",
                             "ggml-q4_0", "--prompt", "hi", "-n", "1", "--threads", "1"], capsys, monkeypatch)
     assert_one_error(code, err, "no low-bit copies ggml-q4_0", "--format ggml-q4_0")
+
+
+def test_without_ggml_the_cpu_dequantises(mixtral, q4_0, monkeypatch):
+    """Where ggml cannot be built (`MOECTL_GGML=0`) the copies still load and run: dequantised by torch (gguf's
+    dequantisers), the same model as ggml's within x's q8 rounding."""
+    wd, _ = q4_0
+    want = _decode(_ggml(mixtral, wd)).float()
+    monkeypatch.setenv("MOECTL_GGML", "0")
+    eng = _ggml(mixtral, wd)
+    fmt = eng.store.lowbit.format
+    ws = fmt.weights(fmt.views(eng.store.lowbit.host(0, 1)))
+    assert all(isinstance(w, torch.Tensor) for w in ws.values())
+    got = _decode(eng).float()
+    assert not torch.equal(got, want) and (got - want).norm() / want.norm() < 0.01
 
 
 def test_sizing_prices_the_copies_at_their_bytes(mixtral, q4_0):

@@ -87,10 +87,12 @@ class GgmlCopyFormat(GgufExpertFormat):
         return {"gate_up": torch.cat([m["gate"], m["up"]]), "down": m["down"]}
 
     def weights(self, views: dict[str, torch.Tensor]) -> dict:
-        # on the CPU: ggml's kernels on the copy's own blocks; elsewhere (or where ggml is not built) the GGUF path
-        if views["gate"].device.type == "cpu" and ggml.planned() and ggml.library() is not None:
-            return self.cpu_weights(views)
-        return super().weights(views)
+        # device slots flagged for the Triton kernels (a GPU run: the CPU side takes `cpu_weights`) and a copy off
+        # the CPU: the GGUF path (the kernels on the blocks, or torch's dequantisation); on the CPU ggml's kernels
+        # on the copy's own blocks (dequantised only where ggml is not built)
+        if self.device_kernels or views["gate"].device.type != "cpu" or not ggml.planned() or ggml.library() is None:
+            return super().weights(views)
+        return self.cpu_weights(views)
 
     def quantize(self, weights: dict[str, torch.Tensor], out: torch.Tensor | None = None, device: str = "cpu",
                  optimize: bool = False) -> torch.Tensor:
