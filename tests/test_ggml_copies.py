@@ -86,6 +86,26 @@ def test_cpu_computes_them_with_ggml_and_equals_their_dequantised_weights(mixtra
     assert torch.equal(_decode(dev).float(), a)                                 # slots on the CPU: ggml's too
 
 
+def test_a_layers_experts_are_one_mul_mat_id_graph(mixtral, q4_0, monkeypatch):
+    """In place, a layer's copies are rows of one [E, N] buffer, which ggml reads as stacked experts N bytes apart:
+    every MoE layer of the prompt and of each decode step is one `ggml.moe` call (llama.cpp's mul_mat_id graph),
+    and its logits are exactly those of the experts computed one graph node each (`ggml.experts`)."""
+    wd, _ = q4_0
+    eng = _ggml(mixtral, wd)
+    low = eng.store.lowbit
+    ws = low.format.weights(low.format.views(low.host(1, 5)))
+    N = low.format.nbytes
+    assert ws["gate_up"].stacked == (5, [(low.buffers[1].data_ptr(), 8, N),
+                                         (low.buffers[1].data_ptr() + low.format.spans["up"][0], 8, N)])
+    strides = []
+    real = ggml.moe
+    monkeypatch.setattr(ggml, "moe", lambda *a, **k: strides.append(k.get("expert_stride")) or real(*a, **k))
+    got = _decode(eng)                                                            # a 6-token prompt, 6 steps
+    assert strides == [N] * (7 * 4)
+    monkeypatch.setattr(type(low.format), "_stacked", lambda self, views: None)
+    assert torch.equal(_decode(eng), got) and len(strides) == 7 * 4
+
+
 def test_device_slots_read_the_blocks_with_the_gguf_kernels(mixtral, q4_0):
     """A GPU run flags the copies' format for the Triton kernels (runtime/load.py: device_expert_kernels): a slot's
     weights are then the GGUF Q4_0 kernel's callables over the slot's blocks (here under Triton's interpreter, in

@@ -94,6 +94,26 @@ class GgmlCopyFormat(GgufExpertFormat):
             return super().weights(views)
         return self.cpu_weights(views)
 
+    def cpu_weights(self, views: dict[str, torch.Tensor]) -> dict:
+        """ggml's {gate_up, down} callables over the copy's blocks; where the copy is a row of a layer's [E, N] buffer
+        (the RAM tier, `store/lowbit.py`) they also know that buffer as stacked experts `N` bytes apart, so a layer's
+        experts run as one mul_mat_id graph (`kernels/ggml.py: experts_decode`, `experts_routed`), as llama.cpp's."""
+        if not ggml.planned() or ggml.library() is None:
+            return super().weights(views)
+        mats = {name: (int(self.encoding), views[name].data_ptr(), t.shape) for name, t in self.tensors}
+        return ggml.expert_weights(mats, views, self._stacked(views))
+
+    def _stacked(self, views: dict[str, torch.Tensor]) -> tuple[int, dict] | None:
+        """(expert, {gate, up, down: (address in row 0, rows, bytes a row)}) when the copy is row e of a memory of
+        rows of N bytes (its storage: a layer's [E, N] buffer), else None. Each address is row 0's plus e times N by
+        construction, so whatever rows the storage holds, the ids the graph gets are rows this layer holds."""
+        store = views["gate"].untyped_storage()
+        rows = store.nbytes() // self.nbytes
+        e, rest = divmod(views["gate"].data_ptr() - store.data_ptr() - self.spans["gate"][0], self.nbytes)
+        if rest or not 0 <= e < rows or views["gate"].device.type != "cpu":
+            return None
+        return e, {name: (store.data_ptr() + self.spans[name][0], rows, self.nbytes) for name in ("gate", "up", "down")}
+
     def quantize(self, weights: dict[str, torch.Tensor], out: torch.Tensor | None = None, device: str = "cpu",
                  optimize: bool = False) -> torch.Tensor:
         """Pack ggml's quantization of `weights` (gate_up [2I, H], down [H, I]) into a uint8 buffer [N]. ggml's
