@@ -157,9 +157,13 @@ def test_fidelity_is_q4_0s_and_no_worse_than_todays_q4g64(tiny_small):
 
 def test_other_encodings_and_clear_errors(mixtral, tmp_path, capsys, monkeypatch):
     """Q8_0 copies: 34 bytes per 32, within q8 noise of the model; Q4_K needs rows of whole 256-weight blocks (this
-    model's are 64 and 128 wide): one error: line naming the encodings that fit; an unknown format and copies
-    asked for but not made: one error: line each."""
-    meta = quantize_model(str(mixtral), 4, 64, 1, workdir=str(tmp_path), progress=False, fmt="ggml-q8_0")
+    model's are 64 and 128 wide): one error: line naming the encodings that fit; an unknown format, ggml switched off
+    and copies asked for but not made: one error: line each. `quantize --format ggml-q8_0 --json` prints the
+    descriptor."""
+    code, out, _ = run_cli(["quantize", "--model", str(mixtral), "--workdir", str(tmp_path), "--format", "ggml-q8_0",
+                            "--json"], capsys, monkeypatch)
+    meta = json.loads(out)
+    assert code == 0 and meta["name"] == "ggml-q8_0" and meta["encoding"] == "Q8_0"
     assert meta["bytes_per_expert"] == 3 * 128 * 64 // 32 * 34 and all(x["rel_error"] < 0.01 for x in meta["layers"])
     base = _decode(Engine.load(str(mixtral), workdir=str(tmp_path), progress=False, threads=1)).float()
     q8 = _decode(Engine.load(str(mixtral), workdir=str(tmp_path), lowbit="ggml-q8_0", precision="lowbit-only",
@@ -170,6 +174,11 @@ def test_other_encodings_and_clear_errors(mixtral, tmp_path, capsys, monkeypatch
     code, _, err = run_cli(["quantize", "--model", str(mixtral), "--workdir", str(tmp_path), "--format", "q4_0"],
                            capsys, monkeypatch)
     assert_one_error(code, err, "--format 'q4_0'", "ggml-q4_0")
+    monkeypatch.setenv("MOECTL_GGML", "0")                                      # no ggml: said, not a traceback
+    code, _, err = run_cli(["quantize", "--model", str(mixtral), "--workdir", str(tmp_path), "--format", "ggml-q4_0"],
+                           capsys, monkeypatch)
+    assert_one_error(code, err, "ggml's CPU backend is not available", "MOECTL_GGML=0")
+    monkeypatch.delenv("MOECTL_GGML")
     code, _, err = run_cli(["generate", "--model", str(mixtral), "--workdir", str(tmp_path / "none"), "--lowbit",
                             "ggml-q4_0", "--prompt", "hi", "-n", "1", "--threads", "1"], capsys, monkeypatch)
     assert_one_error(code, err, "no low-bit copies ggml-q4_0", "--format ggml-q4_0")

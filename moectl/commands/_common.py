@@ -120,7 +120,8 @@ class PrecisionOpts:
     @staticmethod
     def lowbit():
         return typer.Option(None, "--lowbit",
-                            help="Also serve the low-bit expert copies made by `moectl quantize`, e.g. q4g64 "
+                            help="Also serve the low-bit expert copies made by `moectl quantize`, e.g. q4g64, or "
+                                 "ggml-q4_0 (--format ggml-q4_0: llama.cpp's blocks, computed by ggml on the CPU) "
                                  "(kept in host RAM; a pool of low-bit slots on the device).")
 
     @staticmethod
