@@ -198,6 +198,28 @@ def test_without_ggml_the_cpu_dequantises(mixtral, q4_0, monkeypatch):
     assert not torch.equal(got, want) and (got - want).norm() / want.norm() < 0.01
 
 
+def test_q4_k_copies_of_a_256_wide_model(tmp_path):
+    """Q4_K (256-weight super-blocks; what a Q4_K_M file's experts are) on a Mixtral whose expert rows are whole
+    super-blocks: 144 bytes per 256 weights, ggml's callables on the CPU, the model within q4 noise."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "ckpt")
+    meta = quantize_model(str(tmp_path / "ckpt"), 4, 64, 1, workdir=str(tmp_path), progress=False, fmt="ggml-q4_k")
+    assert meta["encoding"] == "Q4_K" and meta["bytes_per_expert"] == 3 * 256 * 256 // 256 * 144
+    assert all(0.05 < x["rel_error"] < 0.085 for x in meta["layers"])               # Q4_0 here: 0.086
+    base = Engine.load(str(tmp_path / "ckpt"), workdir=str(tmp_path), progress=False, threads=1)
+    eng = Engine.load(str(tmp_path / "ckpt"), workdir=str(tmp_path), lowbit="ggml-q4_k", precision="lowbit-only",
+                      progress=False, threads=1)
+    low = eng.store.lowbit
+    assert isinstance(low.format.weights(low.format.views(low.host(0, 2)))["down"], GgmlLinear)
+    a, b = _decode(base).float(), _decode(eng).float()
+    assert not torch.equal(a, b) and (a - b).norm() / a.norm() < 0.06
+
+
 def test_sizing_prices_the_copies_at_their_bytes(mixtral, q4_0):
     """The torch-free pricing (`core/shapes.py`: simulate, plan-cache, the resolver without a loaded copy set) gives
     each ggml format the bytes its copies have: the blocks' bits with their scales, no HQQ group meta."""
