@@ -13,8 +13,9 @@ scales and mins (4.5).
 It is a GGUF expert whose bytes are moectl's rather than a file's: the parts are gate [I, H], up [I, H] and down
 [H, I] (the file's [out, in]) as uint8 rows of blocks, back to back, so `GgufExpertFormat` (formats/gguf.py) does
 the rest: on a GPU its Triton kernels read the blocks in the slot (`device_kernels`, set at load), else torch
-dequantises them; on the CPU `weights` gives ggml's callables over the host copy (`cpu_weights`), which the in-place
-decode fuses into one ggml graph per layer (`kernels/ggml.py: experts`).
+dequantises them; on the CPU `weights` gives ggml's callables over the host copy (`cpu_weights`), which know the
+layer's [E, N] buffer as stacked experts N bytes apart: in place, a layer's routed experts are one mul_mat_id graph
+(`kernels/ggml.py: experts_decode`, `experts_routed`), decode and prefill, as llama.cpp computes them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ is checked before a byte is read: format and version, the model fingerprint (cop
 error), bits and group size (a file renamed to another name is an error), layer and expert counts, and the
 packed size the format computes. Then each layer's uint8 [E, N] tensor is read straight into one host buffer
 (pinned when CUDA is present): the low-bit tier always lives in host RAM, whatever `--offload` says for the
-full-precision copies.
+full-precision copies. `--lowbit ggml-q4_0` (ggml-q8_0, ggml-q4_k) names ggml block copies
+(`experts-ggml-q4_0.json`, `formats/ggml_copies.py`): checked the same way, their encoding and block-format version
+instead of bits and group size, and kept as written (ggml computes their blocks; no CPU-kernel repack).
 """
 
 from __future__ import annotations
