@@ -1,5 +1,6 @@
 """The dense model's Linears on the CPU (moectl/models/dense_cpu.py): the one-row GEMV swap is lossless, and
-`--dense-lowbit q8` quantizes the attention and lm_head (lossy, reported), with clear errors where it cannot run."""
+`--dense-lowbit q8|q4` quantizes the attention and lm_head (lossy, reported) through moectl's kernels, ggml's blocks
+where those cannot run, or torch's int8 kernel where neither can, with clear errors where it cannot run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from torch import nn
 from moectl import kernels
 from moectl.errors import MoectlError
 from moectl.formats import vnni
-from moectl.models.dense_cpu import GemvLinear, Int8DenseLinear, VnniDenseLinear, check_dense_lowbit, cpu_linears
+from moectl.formats.gguf_dequant import dequantize
+from moectl.formats.gguf_encodings import T
+from moectl.kernels import ggml
+from moectl.models.dense_cpu import (GemvLinear, GgmlDenseLinear, Int8DenseLinear, VnniDenseLinear, check_dense_lowbit,
+                                     cpu_linears, ggml_encoding)
 from moectl.runtime.engine import Engine
 from test_cpu_q8 import mixtral_q8, one_thread  # noqa: F401 (fixtures)
 from test_bad_input import assert_one_error, run_cli
@@ -41,15 +46,25 @@ def test_gemv_swap_keeps_the_module_and_its_products():
             assert (got.float() - want.float()).abs().max() <= 2 ** -6 * want.float().abs().max()
 
 
-@pytest.mark.parametrize("path", ["moectl-kernels", "torch-int8"])
-def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral, path, monkeypatch):
-    """q8: attention and lm_head q8g64 through moectl's kernels where they build, else int8 per row through torch's
-    kernel; said in lossy(), the same model within q8 noise."""
+def _take_path(path: str, monkeypatch) -> None:
+    """The kernels `--dense-lowbit` finds: moectl's (skipped where they cannot run), ggml's where moectl's are absent
+    (skipped where ggml cannot be built), torch's int8 where neither runs."""
     if path == "moectl-kernels" and kernels.library() is None:
         pytest.skip(f"moectl's CPU kernels cannot run here: {kernels.why_not()}")
-    if path == "torch-int8":
+    if path == "ggml" and ggml.library() is None:
+        pytest.skip(f"ggml cannot run here: {ggml.why_not()}")
+    if path != "moectl-kernels":
         monkeypatch.setattr(kernels, "library", lambda: None)
-    want = VnniDenseLinear if path == "moectl-kernels" else Int8DenseLinear
+    if path == "torch-int8":
+        monkeypatch.setenv("MOECTL_GGML", "0")
+
+
+@pytest.mark.parametrize("path", ["moectl-kernels", "ggml", "torch-int8"])
+def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral, path, monkeypatch):
+    """q8: attention and lm_head q8g64 through moectl's kernels where they run, else ggml's Q8_0 blocks, else int8
+    per row through torch's kernel; said in lossy(), the same model within q8 noise."""
+    _take_path(path, monkeypatch)
+    want = {"moectl-kernels": VnniDenseLinear, "ggml": GgmlDenseLinear, "torch-int8": Int8DenseLinear}[path]
     kw = dict(progress=False, dtype="bfloat16", threads=1)
     base = Engine.load(str(mixtral), **kw)
     eng = Engine.load(str(mixtral), dense_lowbit="q8", **kw)
@@ -58,35 +73,80 @@ def test_dense_lowbit_q8_quantizes_attention_and_lm_head_and_says_so(mixtral, pa
     assert kinds["lm_head"] is want and kinds["model.layers.0.self_attn.q_proj"] is want
     assert GemvLinear not in {kinds[n] for n in kinds if ".self_attn." in n or n == "lm_head"}
     assert all(kinds[n] is not want for n in kinds if n.endswith("embed_tokens"))
+    if path == "ggml":
+        assert {m.encoding for m in hf.modules() if isinstance(m, GgmlDenseLinear)} == {int(T.Q8_0)}
     assert eng.lossy()["dense_lowbit"] == "q8" and "dense_lowbit" not in base.lossy()
     a, b = _decode(base).float(), _decode(eng).float()
     assert not torch.equal(a, b) and (a - b).abs().max() <= 0.05 * a.abs().max()   # q8 noise, the same model
 
 
-@pytest.mark.skipif(kernels.library() is None, reason="moectl's CPU kernels cannot run here")
-def test_dense_lowbit_q4_is_llamacpps_q4_0_mix(mixtral):
+@pytest.mark.parametrize("path", ["moectl-kernels", "ggml"])
+def test_dense_lowbit_q4_is_llamacpps_q4_0_mix(mixtral, path, monkeypatch):
     """q4: attention projections q4g64 through moectl's q4 kernel, the lm_head q6g64 (llama.cpp's Q4_0 files keep
-    the output tensor at Q6_K); fewer bytes than q8, said in lossy(), the same model within q4 noise, the lm_head's
-    error between q8's and q4's."""
+    the output tensor at Q6_K); where moectl's kernels cannot run, ggml's Q4_0 and (this model's 64-wide lm_head is
+    not whole Q6_K blocks) Q8_0, llama-quantize's fallback. Fewer bytes than q8, said in lossy(), the same model
+    within q4 noise, the lm_head's error between q8's and q4's."""
+    _take_path(path, monkeypatch)
     kw = dict(progress=False, dtype="bfloat16", threads=1)
     base, q8 = Engine.load(str(mixtral), **kw), Engine.load(str(mixtral), dense_lowbit="q8", **kw)
     eng = Engine.load(str(mixtral), dense_lowbit="q4", **kw)
     mods = dict(eng.model.named_modules())
-    assert isinstance(mods["model.layers.0.self_attn.q_proj"], VnniDenseLinear)
-    assert mods["model.layers.0.self_attn.q_proj"].bits == 4 and mods["lm_head"].bits == 6
     assert eng.lossy()["dense_lowbit"] == "q4"
-    attn = [(n, m) for n, m in mods.items() if isinstance(m, VnniDenseLinear) and m.bits == 4]
-    attn_q8 = dict(q8.model.named_modules())
     nbytes = lambda m: sum(b.nbytes for b in m.buffers())  # noqa: E731
-    assert attn and all(nbytes(m) < 0.6 * nbytes(attn_q8[n]) for n, m in attn)
+    attn_q8 = dict(q8.model.named_modules())
     a, b, c = _decode(base).float(), _decode(eng).float(), _decode(q8).float()
     err_q4, err_q8 = (a - b).norm() / a.norm(), (a - c).norm() / a.norm()
     assert err_q8 < err_q4 < 0.2                                                  # q4 noise > q8's, the same model
+    if path == "ggml":
+        attn = [(n, m) for n, m in mods.items() if ".self_attn." in n and isinstance(m, GgmlDenseLinear)]
+        assert len(attn) == 4 * 4 and all(m.encoding == T.Q4_0 for _, m in attn)
+        assert isinstance(mods["lm_head"], GgmlDenseLinear) and mods["lm_head"].encoding == T.Q8_0
+        assert all(nbytes(m) < 0.6 * nbytes(attn_q8[n]) for n, m in attn)      # Q4_0: 18 bytes / 32, Q8_0: 34
+        return
+    assert isinstance(mods["model.layers.0.self_attn.q_proj"], VnniDenseLinear)
+    assert mods["model.layers.0.self_attn.q_proj"].bits == 4 and mods["lm_head"].bits == 6
+    attn = [(n, m) for n, m in mods.items() if isinstance(m, VnniDenseLinear) and m.bits == 4]
+    assert attn and all(nbytes(m) < 0.6 * nbytes(attn_q8[n]) for n, m in attn)
     assert nbytes(mods["lm_head"]) < 0.85 * nbytes(attn_q8["lm_head"])
     w = base.model.lm_head.weight.float()
     errs = {b: (vnni.dequantize(*vnni.quantize_rtn(w.bfloat16(), bits=b), *w.shape).float() - w).norm() / w.norm()
             for b in (4, 6, 8)}
     assert errs[8] < errs[6] < errs[4] / 3                                       # 6 bits: ~4x finer than 4
+
+
+def test_ggml_encoding_is_llamacpps_file_mix():
+    """q8: Q8_0; q4: attention Q4_0, lm_head Q6_K where its rows are whole 256-wide blocks, else Q8_0 (as
+    llama-quantize); rows not whole 32-wide blocks: none (the matrix stays as it is or goes to torch's int8)."""
+    assert ggml_encoding("q8", False, 64) == ggml_encoding("q8", True, 4096) == T.Q8_0
+    assert ggml_encoding("q4", False, 64) == T.Q4_0
+    assert ggml_encoding("q4", True, 4096) == T.Q6_K and ggml_encoding("q4", True, 2080) == T.Q8_0
+    assert ggml_encoding("q4", False, 80) is None and ggml_encoding("q8", True, 80) is None
+
+
+@pytest.mark.skipif(ggml.library() is None, reason="ggml cannot run here")
+@pytest.mark.parametrize("encoding, rel", [(T.Q8_0, 0.01), (T.Q6_K, 0.02), (T.Q4_0, 0.12)])
+def test_ggml_dense_linear_is_its_blocks_times_x(encoding, rel):
+    """GgmlDenseLinear's y = x W^T equals x times its own blocks dequantised (within the error of x's q8
+    quantization, llama.cpp's recipe), its blocks are W within the encoding's noise (Q8_0 < Q6_K < Q4_0), and the
+    bias is added; 1 and 5 rows."""
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(256, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 256, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(96, generator=g))
+    q = GgmlDenseLinear(lin, int(encoding), "w")
+    w = lin.weight.float()
+    deq = dequantize(torch.from_numpy(q.matrix.data.reshape(-1)), int(encoding), (96, 256), torch.float32, "w")
+    werr = ((deq - w).norm() / w.norm()).item()
+    assert 0 < werr < rel
+    assert sum(b.nbytes for b in q.buffers()) == 96 * ggml.require().mg_row_size(int(encoding), 256)
+    for rows in (1, 5):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        got = q(x).float() - lin.bias.float()
+        want = x.float() @ deq.T
+        assert got.shape == (rows, 96) and (got - want).norm() / want.norm() < 0.02     # x quantized to q8 per block
+        exact = x.float() @ w.T
+        assert (got - exact).norm() / exact.norm() < rel + 0.02
 
 
 def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):
@@ -96,7 +156,8 @@ def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):
         check_dense_lowbit("q2", torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(kernels, "library", lambda: None)
     monkeypatch.setattr(kernels, "why_not", lambda: "this CPU lacks avx512_vnni")
-    with pytest.raises(MoectlError, match="q4 needs moectl's CPU kernels.*lacks avx512_vnni"):
+    monkeypatch.setenv("MOECTL_GGML", "0")
+    with pytest.raises(MoectlError, match="q4 needs moectl's CPU kernels or ggml's.*lacks avx512_vnni; MOECTL_GGML=0"):
         check_dense_lowbit("q4", torch.device("cpu"), torch.bfloat16)
     monkeypatch.undo()
     check_dense_lowbit(None, torch.device("cuda"), torch.float32)                 # not asked: nothing to check

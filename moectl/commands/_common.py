@@ -120,16 +120,18 @@ class PrecisionOpts:
     @staticmethod
     def lowbit():
         return typer.Option(None, "--lowbit",
-                            help="Also serve the low-bit expert copies made by `moectl quantize`, e.g. q4g64 "
+                            help="Also serve the low-bit expert copies made by `moectl quantize`, e.g. q4g64, or "
+                                 "ggml-q4_0 (--format ggml-q4_0: llama.cpp's blocks, computed by ggml on the CPU) "
                                  "(kept in host RAM; a pool of low-bit slots on the device).")
 
     @staticmethod
     def dense_lowbit():
         return typer.Option(None, "--dense-lowbit",
                             help="q8: keep the attention projections and the lm_head 8-bit on the CPU (q8g64 "
-                                 "through moectl's kernels; int8 per row where they cannot build); q4: the attention "
-                                 "projections q4g64, the lm_head q6g64 (llama.cpp's Q4_0 mix; needs the kernels). "
-                                 "Lossy; llama.cpp's quantized files quantize them too. --device cpu, bf16.")
+                                 "through moectl's AVX-512 kernels; elsewhere ggml's Q8_0, or int8 per row where "
+                                 "ggml cannot build); q4: the attention projections q4g64, the lm_head q6g64 "
+                                 "(llama.cpp's Q4_0 mix; elsewhere ggml's Q4_0 and Q6_K). Lossy; llama.cpp's "
+                                 "quantized files quantize them too. --device cpu, bf16.")
 
     @staticmethod
     def precision():

@@ -1,4 +1,5 @@
-"""`moectl quantize`: HQQ low-bit copies of every routed expert (`--lowbit q{bits}g{group}` then serves them)."""
+"""`moectl quantize`: HQQ low-bit copies of every routed expert (`--lowbit q{bits}g{group}` then serves them), or
+ggml block copies (`--format ggml-q4_0`; `--lowbit ggml-q4_0` serves them)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,19 @@ def quantize(
     workdir: Optional[str] = CacheOpts.workdir(),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="dtype of scales, zeros and the dequantised weights "
                                         "(default: the checkpoint's)."),
+    fmt: str = typer.Option("hqq", "--format", help="hqq: HQQ's packing, set by --bits/--group-size/--axis/"
+                            "--method. ggml-q4_0, ggml-q8_0, ggml-q4_k: llama.cpp's blocks (Q4_0: 32 weights and "
+                            "one fp16 scale, 4.5 bits a weight; Q8_0: 8.5; Q4_K: 256-weight super-blocks, 4.5), "
+                            "quantized by ggml's own quantizer (round to nearest, as llama-quantize without an "
+                            "imatrix; the --bits/--group-size/--axis/--method flags do not apply) and computed on "
+                            "the CPU by ggml's kernels on any x86 or ARM CPU (moectl's own q4/q8 kernels need "
+                            "AVX-512 VNNI). Serve with --lowbit ggml-q4_0."),
     as_json: bool = typer.Option(False, "--json", help="Print the copy set's JSON descriptor."),
 ):
-    """Quantize every routed expert with HQQ's quantizer (no calibration data; --method rtn or hqq) into one
-    packed buffer per expert: <workdir>/experts-q{bits}g{group}.safetensors + .json (settings, per-layer relative error, bytes per expert,
-    fingerprint). Resumable: Ctrl-C keeps finished layers, a second run does the rest."""
+    """Quantize every routed expert with HQQ's quantizer (no calibration data; --method rtn or hqq), or ggml's
+    (--format ggml-q4_0 ...), into one packed buffer per expert: <workdir>/experts-q{bits}g{group}.safetensors
+    (experts-ggml-q4_0...) + .json (settings, per-layer relative error, bytes per expert, fingerprint).
+    Resumable: Ctrl-C keeps finished layers, a second run does the rest."""
     from rich.console import Console
     from rich.table import Table
 
@@ -43,12 +52,13 @@ def quantize(
     prepare_model(model, workdir)
     writable_workdir(model, workdir)                # the copies go there
     meta = quantize_model(model, bits, group_size, axis, device=device, workdir=workdir, dtype=dtype,
-                          progress=not as_json, method=method, device_note=device_note)
+                          progress=not as_json, method=method, device_note=device_note, fmt=fmt)
     if as_json:
         print(json.dumps(meta))
         return
     errs = [x["rel_error"] for x in meta["layers"]]
-    t = Table(title=f"{meta['model']}: {meta['name']} copies ({meta['method']}, axis {meta['axis']})"
+    how = f"ggml's {meta['encoding']}" if "encoding" in meta else f"{meta['method']}, axis {meta['axis']}"
+    t = Table(title=f"{meta['model']}: {meta['name']} copies ({how})"
               + (" -- already up to date" if meta.get("up_to_date") else f" in {meta['seconds']:.1f} s"),
               show_header=False)
     t.add_row("descriptor", meta["path"])

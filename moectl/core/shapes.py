@@ -91,11 +91,12 @@ def released_format(cfg: dict) -> dict:
     return out
 
 
-def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -> float:
+def expert_bytes(shape: dict, bits: float | None = None, group_size: int | None = 64) -> float:
     """Bytes of one routed expert (gate, up, down projections; + biases with `expert_bias`, GPT-OSS). `bits`
     None = the checkpoint's own precision: its `expert_format` as released (mxfp4, fp8), else the dtype;
     quantized copies add one scale and one zero point per `group_size` weights, in the model's dtype (HQQ's meta:
-    `formats/hqq.py`; 4 bytes a group in bf16, 8 in fp32 as the runtime's copies of an fp32 checkpoint)."""
+    `formats/hqq.py`; 4 bytes a group in bf16, 8 in fp32 as the runtime's copies of an fp32 checkpoint);
+    `group_size` None: ggml's blocks, whose scales `bits` counts (`GGML_COPY_BITS`)."""
     n = 3 * shape["hidden_size"] * shape["intermediate_size"]
     dtype_bytes = DTYPE_BYTES.get(str(shape.get("dtype", "bfloat16")), 2.0)
     bias = (2 * shape["intermediate_size"] + shape["hidden_size"]) * dtype_bytes if shape.get("expert_bias") else 0
@@ -109,17 +110,25 @@ def expert_bytes(shape: dict, bits: float | None = None, group_size: int = 64) -
             raise MoectlError(f"shape {shape.get('name', '?')}: unknown expert_format {fmt!r}; known: "
                               f"{', '.join(FORMAT_BITS)}")
         return n * (FORMAT_BITS[fmt](shape) / 8 if fmt else dtype_bytes) + bias
-    if bits >= 16:
+    if bits >= 16 or group_size is None:               # None: block formats whose `bits` hold their scales
         return n * bits / 8 + bias
     return n * bits / 8 + (n / group_size) * 2 * max(dtype_bytes, 2.0) + bias
 
 
-def parse_lowbit(spec: str) -> tuple[int, int]:
-    """`--lowbit q4g64` -> (bits 4, group size 64); `q4` alone means group 64."""
+# ggml block copies (`moectl quantize --format ggml-q4_0`, formats/ggml_copies.py): bits a weight, the blocks' own
+# scales included (Q4_0: 18 bytes per 32 weights; Q8_0: 34 per 32; Q4_K: 144 per 256)
+GGML_COPY_BITS = {"ggml-q4_0": 4.5, "ggml-q8_0": 8.5, "ggml-q4_k": 4.5}
+
+
+def parse_lowbit(spec: str) -> tuple[float, int | None]:
+    """`--lowbit q4g64` -> (bits 4, group size 64); `q4` alone means group 64; a ggml block copy set
+    (`ggml-q4_0`) -> (its bits a weight with the scales, None: no separate group meta)."""
+    if str(spec).strip().lower() in GGML_COPY_BITS:
+        return GGML_COPY_BITS[str(spec).strip().lower()], None
     m = re.fullmatch(r"q(\d+)(?:g(\d+))?", str(spec).strip().lower())
     if not m or int(m.group(1)) not in (1, 2, 3, 4, 8) or (m.group(2) and int(m.group(2)) < 1):
         raise MoectlError(f"--lowbit {spec!r} is not a low-bit copy set: write q<bits>g<group size>, "
-                          f"bits 8, 4, 3, 2 or 1, e.g. q4g64 or q2g16")
+                          f"bits 8, 4, 3, 2 or 1, e.g. q4g64 or q2g16, or {', '.join(GGML_COPY_BITS)}")
     return int(m.group(1)), int(m.group(2) or 64)
 
 

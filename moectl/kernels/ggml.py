@@ -284,22 +284,30 @@ def mul_mat_id(encoding: int, w, shape: tuple[int, int, int], x: torch.Tensor, i
 
 def moe(encodings: tuple[int, int, int], gate, up, down, A: int, H: int, I: int, x: torch.Tensor, ids: torch.Tensor,
         weights: torch.Tensor, n_threads: int | None = None, biases: tuple | None = None,
-        swiglu_oai: tuple[float, float] | None = None) -> torch.Tensor:
+        swiglu_oai: tuple[float, float] | None = None, expert_stride: int = 0) -> torch.Tensor:
     """One MoE layer as llama.cpp computes it: y [T, H] = sum_u weights[t, u] down_e(silu(gate_e x) * up_e x) with
     e = ids[t, u]; gate/up [A, I, H] and down [A, H, I] stacked (a GGUF's ffn_*_exps) in `encodings`.
     GPT-OSS's (openai-moe's build_moe_ffn) with `biases` = (bg [A, I], bu [A, I], bd [A, H]) F32 where they lie (a
     GGUF's ffn_*_exps.bias) and `swiglu_oai` = (alpha, limit): y [T, H] = sum_u weights[t, u]
     (down_e(swiglu_oai(gate_e x + bg_e, up_e x + bu_e)) + bd_e), swiglu_oai(g, u) = g' sigmoid(alpha g') (u' + 1),
-    g' = min(g, limit), u' = clamp(u, -limit, limit)."""
+    g' = min(g, limit), u' = clamp(u, -limit, limit).
+    `expert_stride`: bytes from one expert's matrix to the next's when the experts are not back to back (moectl's
+    ggml copies: one expert a row of a [A, bytes per expert] buffer, gate, up and down at `gate`, `up`, `down` in
+    row 0); 0: stacked as a GGUF's."""
     ids = ids.to(torch.int32).contiguous()
     T, U = ids.shape
     x, wts = _f32(x), _f32(weights)
     y = torch.empty(T, H, dtype=torch.float32)
     tg, tu, td = map(int, encodings)
-    if swiglu_oai is None:
+    if swiglu_oai is None and expert_stride:
+        _declared(require()).mg_moe_strided(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down),
+                                            expert_stride, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U,
+                                            T, y.data_ptr())
+    elif swiglu_oai is None:
         require().mg_moe(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), A, H, I, x.data_ptr(),
                          ids.data_ptr(), wts.data_ptr(), U, T, y.data_ptr())
     else:
+        assert not expert_stride, "GPT-OSS's experts are a GGUF's stacked tensors"
         bg, bu, bd = map(_ptr, biases)
         _declared(require()).mg_moe_oai(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), bg, bu,
                                         bd, *swiglu_oai, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U, T,
@@ -348,8 +356,9 @@ class GgmlLinear:
 
     def __init__(self, mats: list[tuple[int, int, tuple[int, int]]], keep=None, stacked=None):
         self.mats, self.keep = mats, keep
-        # (expert, [(address of expert 0, experts) per matrix]) where the matrices are rows of stacked tensors
-        # (a GGUF's ffn_*_exps): a decode step's layer is then one mul_mat_id call (`experts_decode`)
+        # (expert, [(address of expert 0, experts[, stride]) per matrix]) where the matrices are rows of stacked
+        # tensors (a GGUF's ffn_*_exps; with a stride in bytes, one expert a row of a buffer: moectl's ggml copies):
+        # a decode step's layer is then one mul_mat_id call (`experts_decode`)
         self.stacked = stacked
         self.K = mats[0][2][1]
         self.N = sum(m[2][0] for m in mats)
@@ -390,16 +399,25 @@ def experts_decode(x: torch.Tensor, pairs: list[tuple[GgmlLinear, GgmlLinear]], 
     if g0.stacked is not None and all(g.stacked is not None and d.stacked is not None and g.stacked[1] == g0.stacked[1]
                                       and d.stacked[1] == d0.stacked[1] for g, d in pairs):
         # rows of the same stacked tensors: llama.cpp's own mul_mat_id graph (x quantized once per matrix kind)
-        (bg, A), (bu, _) = g0.stacked[1]
-        (bd, _), = d0.stacked[1]
+        (bg, A, bu, bd), stride = _stacked_bases(g0, d0)
         encs = (g0.mats[0][0], g0.mats[1][0], d0.mats[0][0])
         xs = x.reshape(-1, H)
         ids = torch.tensor([[g.stacked[0] for g, _ in pairs]], dtype=torch.int32).expand(xs.shape[0], -1)
         wts = torch.tensor([coefs], dtype=torch.float32).expand(xs.shape[0], -1)
-        return moe(encs, bg, bu, bd, A, H, I, xs, ids, wts).to(x.dtype)
+        return moe(encs, bg, bu, bd, A, H, I, xs, ids, wts, expert_stride=stride).to(x.dtype)
     mats = [(g.mats[0][:2], g.mats[1][:2], d.mats[0][:2]) for g, d in pairs]
     coef = torch.tensor(coefs, dtype=torch.float32).repeat_interleave(x.reshape(-1, H).shape[0])
     return experts(mats, H, I, x.reshape(-1, H), coef).to(x.dtype)
+
+
+def _stacked_bases(g0: GgmlLinear, d0: GgmlLinear) -> tuple[tuple[int, int, int, int], int]:
+    """((gate's, experts, up's, down's address of expert 0), bytes between experts: 0 where back to back) of
+    stacked (gate_up, down) whose entries are (address, experts[, stride])."""
+    (g, A, *sg), (u, _, *su) = g0.stacked[1]
+    (d, _, *sd), = d0.stacked[1]
+    strides = {(sg or [0])[0], (su or [0])[0], (sd or [0])[0]}
+    assert len(strides) == 1, "one stride for the three matrices"
+    return (g, A, u, d), strides.pop()
 
 
 # --- a layer's routed experts over several tokens (prefill); GPT-OSS's experts ------------------------------
@@ -411,6 +429,9 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.mg_moe_oai.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, f32, f32, i64, i64, i64, ptr,
                                    ptr, ptr, i64, i64, ptr]
         lib.mg_moe_oai.restype = None
+        lib.mg_moe_strided.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64,
+                                       ptr]
+        lib.mg_moe_strided.restype = None
     return lib
 
 
@@ -462,8 +483,7 @@ def experts_routed(x: torch.Tensor, experts: dict[int, dict], ids: torch.Tensor,
         if oai and (g.bias_stacked is None or g.bias_stacked != g0.bias_stacked or d.bias_stacked != d0.bias_stacked):
             return None
     H, I = d0.N, d0.K
-    (bg, A), (bu, _) = g0.stacked[1]
-    (bd, _), = d0.stacked[1]
+    (bg, A, bu, bd), stride = _stacked_bases(g0, d0)
     encs = (g0.mats[0][0], g0.mats[1][0], d0.mats[0][0])
     xs = x.reshape(-1, H)
     row = ids.to(torch.int64).cpu()
@@ -474,4 +494,4 @@ def experts_routed(x: torch.Tensor, experts: dict[int, dict], ids: torch.Tensor,
         (cg, _), (cu, _) = g0.bias_stacked
         (cd, _), = d0.bias_stacked
         return moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts, biases=(cg, cu, cd), swiglu_oai=swiglu_oai).to(x.dtype)
-    return moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts).to(x.dtype)
+    return moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts, expert_stride=stride).to(x.dtype)

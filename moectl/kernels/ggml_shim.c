@@ -175,19 +175,29 @@ static struct ggml_tensor *activate(mg_handle *h, struct ggml_context *ctx, stru
 // [A, H, I]: the GGUF's ffn_*_exps), x [T, H], ids [T, U], weights [T, U]; biases bg/bu [A, I], bd [A, H] (F32:
 // GPT-OSS's ffn_*_exps.bias, added per used expert as ggml_add_id does) or NULL;
 // y [T, H] = sum_u weights[t, u] * (down_{ids[t,u]}(act(gate x + bg, up x + bu)) + bd).
+// stacked experts `A` matrices [N, K] of `type` at `data`, `stride` bytes apart (0: back to back, a GGUF's
+// ffn_*_exps; else the rows of a buffer holding one expert per row, moectl's ggml copies)
+static struct ggml_tensor *stack(struct ggml_context *ctx, int type, int64_t K, int64_t N, int64_t A, const void *data,
+                                 int64_t stride) {
+    struct ggml_tensor *t = ext(ctx, type, K, N, A, data);
+    if (stride) t->nb[2] = (size_t)stride;
+    return t;
+}
+
 static int moe_once(mg_handle *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd,
                     const float *bg, const float *bu, const float *bd, mg_act act, int64_t A, int64_t H, int64_t I,
-                    const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y) {
+                    const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y,
+                    int64_t stride) {
     struct ggml_context *ctx = begin(h);
     struct ggml_tensor *X = ext(ctx, GGML_TYPE_F32, H, 1, T, x);
     struct ggml_tensor *ID = ext(ctx, GGML_TYPE_I32, U, T, 1, ids);
     struct ggml_tensor *WT = ext(ctx, GGML_TYPE_F32, 1, U, T, wts);
-    struct ggml_tensor *G = own(h, ggml_mul_mat_id(ctx, ext(ctx, tg, H, I, A, wg), X, ID));   // [I, U, T]
-    struct ggml_tensor *Up = own(h, ggml_mul_mat_id(ctx, ext(ctx, tu, H, I, A, wu), X, ID));
+    struct ggml_tensor *G = own(h, ggml_mul_mat_id(ctx, stack(ctx, tg, H, I, A, wg, stride), X, ID));   // [I, U, T]
+    struct ggml_tensor *Up = own(h, ggml_mul_mat_id(ctx, stack(ctx, tu, H, I, A, wu, stride), X, ID));
     if (bg) G = own(h, ggml_add_id(ctx, G, ext(ctx, GGML_TYPE_F32, I, A, 1, bg), ID));
     if (bu) Up = own(h, ggml_add_id(ctx, Up, ext(ctx, GGML_TYPE_F32, I, A, 1, bu), ID));
     struct ggml_tensor *Act = activate(h, ctx, G, Up, act);
-    struct ggml_tensor *D = own(h, ggml_mul_mat_id(ctx, ext(ctx, td, I, H, A, wd), Act, ID));  // [H, U, T]
+    struct ggml_tensor *D = own(h, ggml_mul_mat_id(ctx, stack(ctx, td, I, H, A, wd, stride), Act, ID));  // [H, U, T]
     if (bd) D = own(h, ggml_add_id(ctx, D, ext(ctx, GGML_TYPE_F32, H, A, 1, bd), ID));
     D = own(h, ggml_mul(ctx, D, WT));
     struct ggml_tensor *acc = NULL;
@@ -203,7 +213,15 @@ static int moe_once(mg_handle *h, int tg, const void *wg, int tu, const void *wu
 void mg_moe(void *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd, int64_t A, int64_t H,
             int64_t I, const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y) {
     mg_act silu = {0, 0};
-    while (moe_once(h, tg, wg, tu, wu, td, wd, NULL, NULL, NULL, silu, A, H, I, x, ids, wts, U, T, y)) {}
+    while (moe_once(h, tg, wg, tu, wu, td, wd, NULL, NULL, NULL, silu, A, H, I, x, ids, wts, U, T, y, 0)) {}
+}
+
+// mg_moe over experts `stride` bytes apart: each matrix's expert e at its pointer + e * stride
+void mg_moe_strided(void *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd, int64_t stride,
+                    int64_t A, int64_t H, int64_t I, const float *x, const int32_t *ids, const float *wts, int64_t U,
+                    int64_t T, float *y) {
+    mg_act silu = {0, 0};
+    while (moe_once(h, tg, wg, tu, wu, td, wd, NULL, NULL, NULL, silu, A, H, I, x, ids, wts, U, T, y, stride)) {}
 }
 
 // GPT-OSS's MoE layer (llama.cpp's openai-moe build_moe_ffn): mg_moe with the biases and swiglu_oai(alpha, limit).
@@ -211,7 +229,7 @@ void mg_moe_oai(void *h, int tg, const void *wg, int tu, const void *wu, int td,
                 const float *bu, const float *bd, float alpha, float limit, int64_t A, int64_t H, int64_t I,
                 const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y) {
     mg_act oai = {alpha, limit};
-    while (moe_once(h, tg, wg, tu, wu, td, wd, bg, bu, bd, oai, A, H, I, x, ids, wts, U, T, y)) {}
+    while (moe_once(h, tg, wg, tu, wu, td, wd, bg, bu, bd, oai, A, H, I, x, ids, wts, U, T, y, 0)) {}
 }
 
 // n experts, each its own three matrices anywhere (per-expert pointers: the file's stacked tensors or per-expert

@@ -12,6 +12,10 @@ settings in its metadata; a second run skips the layers whose part matches the s
 When every layer is done the parts become the copy set (its files: `artifacts/lowbit.py`).
 
 HQQ is deterministic, so an interrupted run resumed gives the file an uninterrupted run gives.
+
+`fmt="ggml-q4_0"` (or ggml-q8_0, ggml-q4_k) writes ggml's blocks instead (`formats/ggml_copies.py`: ggml's own
+quantizer, round to nearest per block as llama-quantize without an importance matrix; bits, group, axis and method
+do not apply), the same way, named by the format: `--lowbit ggml-q4_0` serves them.
 """
 
 from __future__ import annotations
@@ -25,14 +29,19 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts.lowbit import FORMAT, KEY, SHARD_BYTES, VERSION, copy_paths
+from ..artifacts.lowbit import FORMAT, HQQ_VERSION, KEY, SHARD_BYTES, VERSION, copy_paths
 from ..errors import MoectlError
+from ..formats.ggml_copies import FORMAT_VERSION as GGML_FORMAT_VERSION, GgmlCopyFormat, is_ggml_copy
 from ..formats.hqq import HqqFormat, check_settings, lowbit_name
 from ..progress import ProgressBar
 from .methods import check_method, optimize
 
 
-def _settings(fingerprint: str, fmt: HqqFormat, dtype: torch.dtype, method: str) -> dict:
+def _settings(fingerprint: str, fmt: HqqFormat | GgmlCopyFormat, dtype: torch.dtype, method: str) -> dict:
+    if isinstance(fmt, GgmlCopyFormat):
+        return {"fingerprint": fingerprint, "method": method, "encoding": fmt.encoding.name,
+                "ggml_format_version": GGML_FORMAT_VERSION, "dtype": str(dtype).replace("torch.", ""),
+                "bytes_per_expert": fmt.nbytes}
     return {"fingerprint": fingerprint, "method": method, "bits": fmt.bits, "group_size": fmt.group,
             "axis": fmt.axis, "dtype": str(dtype).replace("torch.", ""), "bytes_per_expert": fmt.nbytes}
 
@@ -55,8 +64,10 @@ def _done_part(path: Path, settings: dict) -> float | None:
 
 def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device: str | None = None,
                    workdir: str | None = None, dtype: str | None = None, progress: bool = True,
-                   on_expert=None, method: str | None = None, device_note: str | None = None) -> dict:
-    """Write (or finish) the copy set of `model` at `bits`/`group`/`axis`; returns its JSON descriptor.
+                   on_expert=None, method: str | None = None, device_note: str | None = None,
+                   fmt: str | None = None) -> dict:
+    """Write (or finish) the copy set of `model` at `bits`/`group`/`axis` (HQQ), or in ggml's blocks with `fmt`
+    (ggml-q4_0, ggml-q8_0, ggml-q4_k); returns its JSON descriptor.
     `device`: cpu or cuda (default: cuda when present). `method`: rtn or hqq (`quant/methods.py`; default rtn
     on a CPU, hqq on a GPU). `on_expert(layer, expert)` runs after each expert (tests use it to interrupt a run).
     `device_note` (the device taken and why) is printed on stderr once the settings are checked."""
@@ -68,7 +79,15 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     from ..store.expert_store import ExpertStore
     from ..store.facts import built, load_config, parse_dtype, pick_device, skeleton
 
+    ggml_copy = fmt is not None and fmt.strip().lower() != "hqq"
+    if ggml_copy and not is_ggml_copy(fmt):
+        raise MoectlError(f"--format {fmt!r}: choose hqq, ggml-q4_0, ggml-q8_0 or ggml-q4_k")
     device = pick_device(device)[0]
+    if ggml_copy:
+        from ..kernels import ggml
+
+        ggml.require()                              # built here on first use, or one error: line saying why not
+        device, method = "cpu", "rtn"               # ggml's quantizer: round to nearest, on the CPU
     method = check_method(method, device)
     ref = built(resolve_model(model, workdir))
     config, adapter = load_config(ref.path)
@@ -79,7 +98,8 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
                           f"stored, that is their full precision here; `moectl quantize` makes low-bit copies "
                           f"of a safetensors checkpoint's experts")
     dt = parse_dtype(dtype, config)
-    check_settings(bits, group, axis, adapter.layout().shapes)
+    if not ggml_copy:
+        check_settings(bits, group, axis, adapter.layout().shapes)
     if device_note:
         from rich.console import Console
 
@@ -87,8 +107,9 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
     _, blocks = skeleton(config, adapter, dt, ref.path)
     moe_layer_ids = [i for i, _ in blocks]
     fingerprint = config_fingerprint(config)
-    fmt = HqqFormat(adapter.layout(), bits, group, axis, dt)
-    name = lowbit_name(bits, group)
+    fmt = GgmlCopyFormat(adapter.layout(), fmt, dt) if ggml_copy else HqqFormat(adapter.layout(), bits, group, axis, dt)
+    name = fmt.name if ggml_copy else lowbit_name(bits, group)
+    dequantized = fmt.dequantized if ggml_copy else fmt.weights
     json_path, parts_dir = copy_paths(ref.workdir, name)
     settings = _settings(fingerprint, fmt, dt, method)
     L, E = len(moe_layer_ids), adapter.num_experts
@@ -118,8 +139,8 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
                 store.load_into(l, e, full)
                 w = store.format.views(full)
                 fmt.quantize(w, out=out[e], device=device, optimize=optimize(method))
-                deq = fmt.weights(fmt.views(out[e]))
-                for m in fmt.matrices:
+                deq = dequantized(fmt.views(out[e]))
+                for m in adapter.layout().names:
                     err2 += float((deq[m].float() - w[m].float()).pow(2).sum())
                     ref2 += float(w[m].float().pow(2).sum())
                 done += 1
@@ -152,12 +173,19 @@ def quantize_model(model: str, bits: int, group: int = 64, axis: int = 1, device
             fname = f"{stem}-{l + 1:05d}-of-{L:05d}.safetensors"
             os.replace(parts_dir / f"layer-{l:03d}.safetensors", ref.workdir / fname)
             shards[fname] = [l]
-    import hqq
+    if ggml_copy:
+        from ..kernels.ggml import LLAMACPP_VERSION
 
-    meta = {"format": FORMAT, "version": VERSION, "model": ref.name, "fingerprint": fingerprint,
-            "name": name, "method": method, "hqq_version": getattr(hqq, "__version__", "?"),
-            "bits": bits, "group_size": group, "axis": axis, "dtype": settings["dtype"],
-            "num_layers": L, "num_experts": E, "moe_layer_ids": moe_layer_ids,
+        how = {"version": VERSION, "quantizer": f"ggml (llama-cpp-python {LLAMACPP_VERSION})",
+               "encoding": settings["encoding"], "ggml_format_version": GGML_FORMAT_VERSION,
+               "bits_per_weight": 8 * fmt.nbytes / adapter.layout().numel}
+    else:
+        import hqq
+
+        how = {"version": HQQ_VERSION, "hqq_version": getattr(hqq, "__version__", "?"), "bits": bits,
+               "group_size": group, "axis": axis}
+    meta = {"format": FORMAT, "model": ref.name, "fingerprint": fingerprint, "name": name, "method": method,
+            **how, "dtype": settings["dtype"], "num_layers": L, "num_experts": E, "moe_layer_ids": moe_layer_ids,
             "bytes_per_expert": fmt.nbytes, "full_bytes_per_expert": store.expert_nbytes,
             "expert_format": fmt.describe(), "key": KEY,
             "layers": [{"layer": l, "model_layer": moe_layer_ids[l], "rel_error": errors[l]} for l in range(L)],

@@ -127,7 +127,7 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
             f"gguf: {plural(len(mapped_dense), 'dense matrix', 'dense matrices')} (attention, lm_head, embedding) "
             "computed by ggml where they lie in the mapped file")]))
-    if dev.type == "cpu":          # the dense Linears: one-row GEMV, or int8 with --dense-lowbit (models/dense_cpu.py)
+    if dev.type == "cpu":          # the dense Linears: one-row GEMV, or low-bit: --dense-lowbit (models/dense_cpu.py)
         cpu_linears(hf, opts.dense_lowbit)
         cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():

@@ -16,8 +16,9 @@ byte is still read exactly once, straight into the buffer.
 `ram` tier: one uint8 [E, N] host tensor per layer (pinned when CUDA is present), filled at load; the
 shard files are closed afterwards, nothing stays mapped. On a CPU device these buffers are what the
 experts are computed on (`runtime/cache.py: InPlaceExperts`).
-`lowbit` (`store/lowbit.py: LowbitCopies`, `--lowbit q4g64`): a second copy of every expert, HQQ low-bit, always
-in host RAM; `host(l, e, LOW)` is its buffer. `format_of` / `nbytes` give each precision's format.
+`lowbit` (`store/lowbit.py: LowbitCopies`, `--lowbit q4g64`): a second copy of every expert, low-bit (HQQ, or
+ggml blocks: `--lowbit ggml-q4_0`), always in host RAM; `host(l, e, LOW)` is its buffer. `format_of` / `nbytes`
+give each precision's format.
 `disk` tier: nothing up front; `load_into` reads an expert into the buffer it is given (a slot), and
 `load_async` does it on one background thread (preadv releases the GIL, so reads overlap compute).
 """

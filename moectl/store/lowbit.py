@@ -7,7 +7,9 @@ is checked before a byte is read: format and version, the model fingerprint (cop
 error), bits and group size (a file renamed to another name is an error), layer and expert counts, and the
 packed size the format computes. Then each layer's uint8 [E, N] tensor is read straight into one host buffer
 (pinned when CUDA is present): the low-bit tier always lives in host RAM, whatever `--offload` says for the
-full-precision copies.
+full-precision copies. `--lowbit ggml-q4_0` (ggml-q8_0, ggml-q4_k) names ggml block copies
+(`experts-ggml-q4_0.json`, `formats/ggml_copies.py`): checked the same way, their encoding and block-format version
+instead of bits and group size, and kept as written (ggml computes their blocks; no CPU-kernel repack).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..artifacts.lowbit import FORMAT, KEY, VERSION, copy_paths
 from ..artifacts.versioned import read_descriptor, require_int
 from ..errors import MoectlError
 from ..formats.cpu_layout import cpu_kernel_format
+from ..formats.ggml_copies import ENCODINGS, FORMAT_VERSION, GgmlCopyFormat, is_ggml_copy
 from ..formats.hqq import HqqFormat, parse_lowbit
 from ..progress import ProgressBar
 from .checkpoint import byte_view, parse_header, read_at
@@ -29,13 +32,19 @@ from .memory import host_empty
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def lowbit_format(meta: dict, adapter, compute_dtype: torch.dtype, path) -> HqqFormat:
+def lowbit_format(meta: dict, adapter, compute_dtype: torch.dtype, path) -> HqqFormat | GgmlCopyFormat:
     """The copies' format from their descriptor, checked against the format this moectl computes."""
     dt = DTYPES.get(meta.get("dtype"))
     if dt is None:
         raise MoectlError(f"{path}: dtype {meta.get('dtype')!r} is not one of {', '.join(DTYPES)}")
-    fmt = HqqFormat(adapter.layout(), require_int(meta, "bits", path), require_int(meta, "group_size", path),
-                    require_int(meta, "axis", path), dt, compute_dtype)
+    if is_ggml_copy(meta.get("name")):
+        if meta.get("ggml_format_version") != FORMAT_VERSION:
+            raise MoectlError(f"{path}: ggml copies of format version {meta.get('ggml_format_version')!r}, this "
+                              f"moectl reads {FORMAT_VERSION}: run `moectl quantize --format {meta['name']}` again")
+        fmt = GgmlCopyFormat(adapter.layout(), meta["name"], compute_dtype)
+    else:
+        fmt = HqqFormat(adapter.layout(), require_int(meta, "bits", path), require_int(meta, "group_size", path),
+                        require_int(meta, "axis", path), dt, compute_dtype)
     if require_int(meta, "bytes_per_expert", path) != fmt.nbytes:
         raise MoectlError(f"{path}: {meta['bytes_per_expert']} bytes per expert, the {fmt.name} format of this "
                           f"model has {fmt.nbytes} (made by another moectl version or for another model)")
@@ -43,14 +52,26 @@ def lowbit_format(meta: dict, adapter, compute_dtype: torch.dtype, path) -> HqqF
 
 
 def read_lowbit_meta(workdir, name: str, fingerprint: str, num_layers: int, num_experts: int) -> tuple[dict, Path]:
-    bits, group = parse_lowbit(name)
-    path, _ = copy_paths(Path(workdir), f"q{bits}g{group}")
-    if not path.exists():
-        raise MoectlError(f"no low-bit copies {name} in {workdir} ({path.name} is missing): run "
-                          f"`moectl quantize --model <model> --bits {bits} --group-size {group}` first")
-    meta = read_descriptor(path, FORMAT, what="low-bit copy set", version_key="version", max_version=VERSION,
-                           expect_fingerprint=fingerprint)
-    if (meta.get("bits"), meta.get("group_size")) != (bits, group):
+    if is_ggml_copy(name):
+        name = name.strip().lower()
+        path, _ = copy_paths(Path(workdir), name)
+        if not path.exists():
+            raise MoectlError(f"no low-bit copies {name} in {workdir} ({path.name} is missing): run "
+                              f"`moectl quantize --model <model> --format {name}` first")
+        meta = read_descriptor(path, FORMAT, what="low-bit copy set", version_key="version", max_version=VERSION,
+                               expect_fingerprint=fingerprint)
+        if meta.get("name") != name or meta.get("encoding") != ENCODINGS[name].name:
+            raise MoectlError(f"{path} holds {meta.get('name')} copies, not the {name} asked for (renamed file?): "
+                              f"run `moectl quantize --format {name}`")
+    else:
+        bits, group = parse_lowbit(name)
+        path, _ = copy_paths(Path(workdir), f"q{bits}g{group}")
+        if not path.exists():
+            raise MoectlError(f"no low-bit copies {name} in {workdir} ({path.name} is missing): run "
+                              f"`moectl quantize --model <model> --bits {bits} --group-size {group}` first")
+        meta = read_descriptor(path, FORMAT, what="low-bit copy set", version_key="version", max_version=VERSION,
+                               expect_fingerprint=fingerprint)
+    if not is_ggml_copy(name) and (meta.get("bits"), meta.get("group_size")) != (bits, group):
         raise MoectlError(f"{path} holds q{meta.get('bits')}g{meta.get('group_size')} copies, not the {name} asked "
                           f"for (renamed file?): run `moectl quantize --bits {bits} --group-size {group}`")
     if (require_int(meta, "num_layers", path), require_int(meta, "num_experts", path)) != (num_layers, num_experts):
@@ -99,7 +120,9 @@ class LowbitCopies:
                     os.close(fd)
                 self.buffers.append(buf)
                 bar.update(task, advance=1)
-        kernel_fmt = cpu_kernel_format(stored) if cpu_kernel and adapter.linear_callables else None
+        # (ggml copies need none: ggml computes their blocks as stored)
+        kernel_fmt = cpu_kernel_format(stored) if (cpu_kernel and adapter.linear_callables
+                                                   and isinstance(stored, HqqFormat)) else None
         if kernel_fmt is not None:
             self._repack(kernel_fmt, pin)
 
