@@ -18,6 +18,8 @@ import torch
 from ..core.cache_model import FULL, LOW
 from ..core.recipes import resolve_model
 from ..errors import MoectlError
+from ..formats.ggml_copies import GgmlCopyFormat
+from ..formats.gguf_ggml import GgufMappedFormat
 from ..models import config_fingerprint
 from ..kernels.ggml import library as ggml_library
 from ..kernels.ggml import set_threads as ggml_threads
@@ -154,12 +156,6 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
             note = "; ".join(filter(None, [f"gguf: ggml not used ({why_not()})", note]))
     if note:
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, note]))
-    if mapped and mapped_dense and note is not None and "ggml not used" not in note and n_threads > 1:
-        # Every matrix is ggml's (its own threadpool, --threads wide); torch keeps norms, rotary, attention. torch's
-        # OpenMP workers spin after each of its ops (libgomp's default wait policy), so beside ggml's workers on the
-        # same cores they starve them: 2 threads under load took 437-504 ms/token against 133-247 with
-        # OMP_WAIT_POLICY=PASSIVE (qwen3-moe 2-layer Q4_K_M). One torch thread has no workers to spin.
-        torch.set_num_threads(1)
     if low_fmt is not None:
         from ..formats.int4_cpu import int4pack_layout
         from ..store.lowbit import LowbitCopies
@@ -171,6 +167,14 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
                                     progress=opts.progress, cpu_kernel=kernel)
     if dev.type == "cuda":
         device_expert_kernels(store, adapter, dev)
+    experts_ggml = (store.formats is not None and all(isinstance(f, GgufMappedFormat) for f in store.formats)) or (
+        in_place and prec.name == "lowbit-only" and isinstance(low_fmt, GgmlCopyFormat) and ggml_library() is not None)
+    if experts_ggml and n_threads > 1 and not _torch_matrices(hf):
+        # Every large matrix is ggml's (its own threadpool, --threads wide); torch keeps norms, rotary, attention. torch's
+        # OpenMP workers spin after each of its ops (libgomp's default wait policy), so beside ggml's workers on the
+        # same cores they starve them: 2 threads under load took 437-504 ms/token against 133-247 with
+        # OMP_WAIT_POLICY=PASSIVE (qwen3-moe 2-layer Q4_K_M). One torch thread has no workers to spin.
+        torch.set_num_threads(1)
     cache = InPlaceExperts(store, policy, prec) if in_place else \
         DeviceCache(store, full, dev, policy, low_slots=low, precision=prec, stream_prefill=opts.prefill == "stream",
                     staging=setting.staging if prefetch is not None else 0)
@@ -190,6 +194,11 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
     return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads)
+
+
+def _torch_matrices(model) -> list[str]:
+    """The model's nn.Linear of a million weights or more (torch computes them; routers are smaller)."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= 1 << 20]
 
 
 def device_expert_kernels(store: ExpertStore, adapter, dev: torch.device) -> bool:
