@@ -86,7 +86,7 @@ def config_dict(files: GgufFiles) -> dict:
         if files.get(key) is not None:
             cfg[attr] = files.get(key)
     if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in files.meta:
-        cfg["vocab_size"] = len(files.meta["tokenizer.ggml.tokens"])
+        cfg["vocab_size"] = files.meta.array_len("tokenizer.ggml.tokens")        # counted, not read
     cfg["tie_word_embeddings"] = "output.weight" not in files.tensors  # llama.cpp omits a tied output
     if family.startswith("deepseek"):
         _deepseek(files, cfg)
