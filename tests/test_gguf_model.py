@@ -58,6 +58,23 @@ def test_tokenizer_from_metadata_matches_original(mixtral_gguf, tiny_small):
     assert ours.chat_template == orig.chat_template
 
 
+def test_tokenizer_metadata_is_transformers_own(mixtral_gguf):
+    """The tokenizer is built from the metadata moectl parsed once: the same (architecture, vocabulary, config) that
+    transformers' get_gguf_tokenizer reads from the file itself, so the same ids."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    from moectl.store.gguf.config import tokenizer_metadata
+
+    files = GgufFiles(mixtral_gguf)
+    theirs = get_gguf_tokenizer(str(mixtral_gguf))
+    assert tokenizer_metadata(files) == theirs and len(theirs[1]["tokens"]) == 512
+    backend, extra = convert_gguf_tokenizer(theirs[0], theirs[1])
+    reference = PreTrainedTokenizerFast(tokenizer_object=backend, **theirs[2], **extra)
+    text = "Experts in RAM.\n<|im_start|>user\nwhat is 2+2?<|im_end|>\n  ünïcode"
+    assert gguf_tokenizer(files)(text).input_ids == reference(text).input_ids
+
+
 @pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per-expert"])
 def test_f32_experts_equal_safetensors(tiny_small, tmp_path, per_expert):
     path = write_gguf(tiny_small, tmp_path / "t.gguf", per_expert=per_expert)
