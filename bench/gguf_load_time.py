@@ -64,6 +64,7 @@ out = eng.generate(input_ids=ids, max_new_tokens=1, stop_at_eos=False)
 steps["first token"] = time.perf_counter() - t
 steps["total"] = time.perf_counter() - t0
 mods = {m: m in sys.modules for m in ("hqq", "torch._dynamo", "torch._inductor.compile_fx")}
+mods["tree"] = __import__("moectl").__file__
 print("RESULT " + json.dumps({"steps": steps, "modules": mods, "token": out.token_ids[-1]}))
 """
 
@@ -71,7 +72,8 @@ print("RESULT " + json.dumps({"steps": steps, "modules": mods, "token": out.toke
 def moectl_run(tree: Path, model: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", CHILD, model, PROMPT], env=env, capture_output=True, text=True)
+    # run in the tree (`python -c` puts the working directory first on the path)
+    p = subprocess.run([sys.executable, "-c", CHILD, model, PROMPT], env=env, cwd=tree, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if p.returncode:
         sys.exit(f"error: moectl from {tree} failed:\n{p.stderr[-2000:]}")
