@@ -123,12 +123,13 @@ def _read_array(buf: memoryview, pos: int, item: GGUFValueType, count: int, read
             raise _Bad("an array runs past the end")
         return out, pos
     if item == GGUFValueType.ARRAY:              # arrays of arrays: read whole
-        out = []
+        out = [] if read else None
         for _ in range(count):
             sub, n = struct.unpack_from("<IQ", buf, pos)
-            value, pos = _read_array(buf, pos + 12, GGUFValueType(sub), n)
-            out.append(value)
-        return (out if read else None), pos
+            value, pos = _read_array(buf, pos + 12, GGUFValueType(sub), n, read)
+            if read:
+                out.append(value)
+        return out, pos
     raise _Bad(f"unknown array item type {item}")
 
 
@@ -165,7 +166,6 @@ class _Header:
                 _, pos = _read_array(buf, pos + 12, GGUFValueType(item), count, read=False)
             else:
                 values[key], pos = _scalar(buf, pos, kind)
-        self.alignment_type = None
         self.tensors = []
         for _ in range(n_tensors):
             name, pos = _string(buf, pos)
