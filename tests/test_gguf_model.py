@@ -231,7 +231,7 @@ def test_metadata_equals_gguf_reader(mixtral_gguf):
 
     stock = {k: field_value(f) for k, f in GGUFReader(mixtral_gguf).fields.items() if not k.startswith("GGUF.")}
     ours = GgufFiles(mixtral_gguf).meta
-    assert ours == stock
+    assert ours == stock and list(ours) == list(stock)                  # the file's order too
     assert len(ours["tokenizer.ggml.tokens"]) == 512 and len(ours["tokenizer.ggml.token_type"]) == 512
     assert isinstance(ours["tokenizer.ggml.merges"][0], str) and ours["llama.expert_count"] == 8
 

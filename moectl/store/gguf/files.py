@@ -64,9 +64,9 @@ class Metadata(Mapping):
     an array (a vocabulary: 152k strings) when its key is first asked for, then kept. `array_len(key)` is an
     array's length without reading it. Values as `field_value` gives them from gguf's reader."""
 
-    def __init__(self, buf: memoryview, values: dict, arrays: dict):
+    def __init__(self, buf: memoryview, order: list[str], values: dict, arrays: dict):
         self._buf, self._values, self._arrays = buf, values, arrays       # arrays: key -> (offset, item type, count)
-        self._order = list(values) + [k for k in arrays if k not in values]
+        self._order = order
 
     def __getitem__(self, key: str):
         if key not in self._values:
@@ -151,11 +151,12 @@ class _Header:
         if version not in READER_SUPPORTED_VERSIONS:
             raise _Bad(f"GGUF version {version}")
         n_tensors, n_keys = struct.unpack_from("<QQ", buf, 8)
-        pos, values, arrays = 24, {}, {}
+        pos, order, values, arrays = 24, [], {}, {}
         for _ in range(n_keys):
             key, pos = _string(buf, pos)
             if key in values or key in arrays:
                 raise _Bad(f"duplicate key {key}")
+            order.append(key)
             (kind,) = struct.unpack_from("<I", buf, pos)
             kind, pos = GGUFValueType(kind), pos + 4
             if kind == GGUFValueType.STRING:
@@ -176,7 +177,7 @@ class _Header:
             pos += 4 + 8 * n_dims + 12
         if len({t[0] for t in self.tensors}) != len(self.tensors):
             raise _Bad("duplicate tensor names")
-        self.meta = Metadata(buf, values, arrays)
+        self.meta = Metadata(buf, order, values, arrays)
         alignment = GGUF_DEFAULT_ALIGNMENT
         if "general.alignment" in values:
             alignment = values["general.alignment"]
