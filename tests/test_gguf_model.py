@@ -58,6 +58,23 @@ def test_tokenizer_from_metadata_matches_original(mixtral_gguf, tiny_small):
     assert ours.chat_template == orig.chat_template
 
 
+def test_tokenizer_metadata_is_transformers_own(mixtral_gguf):
+    """The tokenizer is built from the metadata moectl parsed once: the same (architecture, vocabulary, config) that
+    transformers' get_gguf_tokenizer reads from the file itself, so the same ids."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    from moectl.store.gguf.config import tokenizer_metadata
+
+    files = GgufFiles(mixtral_gguf)
+    theirs = get_gguf_tokenizer(str(mixtral_gguf))
+    assert tokenizer_metadata(files) == theirs and len(theirs[1]["tokens"]) == 512
+    backend, extra = convert_gguf_tokenizer(theirs[0], theirs[1])
+    reference = PreTrainedTokenizerFast(tokenizer_object=backend, **theirs[2], **extra)
+    text = "Experts in RAM.\n<|im_start|>user\nwhat is 2+2?<|im_end|>\n  ünïcode"
+    assert gguf_tokenizer(files)(text).input_ids == reference(text).input_ids
+
+
 @pytest.mark.parametrize("per_expert", [False, True], ids=["stacked", "per-expert"])
 def test_f32_experts_equal_safetensors(tiny_small, tmp_path, per_expert):
     path = write_gguf(tiny_small, tmp_path / "t.gguf", per_expert=per_expert)
@@ -214,6 +231,43 @@ def test_metadata_equals_gguf_reader(mixtral_gguf):
 
     stock = {k: field_value(f) for k, f in GGUFReader(mixtral_gguf).fields.items() if not k.startswith("GGUF.")}
     ours = GgufFiles(mixtral_gguf).meta
-    assert ours == stock
+    assert ours == stock and list(ours) == list(stock)                  # the file's order too
     assert len(ours["tokenizer.ggml.tokens"]) == 512 and len(ours["tokenizer.ggml.token_type"]) == 512
     assert isinstance(ours["tokenizer.ggml.merges"][0], str) and ours["llama.expert_count"] == 8
+
+
+def test_tensor_table_equals_gguf_reader(mixtral_gguf, tiny_small, tmp_path):
+    """moectl's header parse finds every tensor where gguf's own reader does (file, offset, bytes, encoding, shape),
+    whole and split in parts."""
+    from gguf import GGUFReader
+
+    split = write_gguf(tiny_small, tmp_path / "m.gguf", split_max_tensors=7)
+    for first in (mixtral_gguf, split):
+        files = GgufFiles(first)
+        stock = {}
+        for path in files.paths:
+            for t in GGUFReader(path).tensors:
+                stock[t.name] = (path, int(t.data_offset), int(t.n_bytes), int(t.tensor_type),
+                                 tuple(int(d) for d in reversed(t.shape.tolist())))
+        ours = {n: (e.file, e.offset, e.nbytes, e.encoding, e.shape) for n, e in files.tensors.items()}
+        assert ours == stock and len(ours) > 20
+
+
+def test_opening_reads_no_vocabulary(mixtral_gguf, monkeypatch):
+    """The vocabulary's strings are read when a tokenizer is built, not to open the file, size it or make its
+    config (its length is counted); then they are gguf's."""
+    import moectl.store.gguf.files as files_module
+    from moectl.store.gguf.model import GgufModel
+
+    decoded, real = [], files_module._read_array
+
+    def counted(buf, pos, item, count, read=True):
+        if read:
+            decoded.append(count)
+        return real(buf, pos, item, count, read)
+
+    monkeypatch.setattr(files_module, "_read_array", counted)
+    g = GgufModel(mixtral_gguf)
+    g.sizes(2)
+    assert decoded == [] and g.config.vocab_size == 512
+    assert len(g.files.meta["tokenizer.ggml.tokens"]) == 512 and decoded == [512]

@@ -95,6 +95,10 @@ def open_checkpoint(path, adapter) -> Checkpoint:
 def skeleton(config, adapter, dtype: torch.dtype, path):
     """The model with parameters on meta (buffers such as rotary tables real) and its MoE blocks."""
     from accelerate import init_empty_weights
+
+    from ..models.hf_modeling import import_model_code
+
+    import_model_code()                                 # first, so that hqq's compiled kernels stay unimported
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():

@@ -86,7 +86,7 @@ def config_dict(files: GgufFiles) -> dict:
         if files.get(key) is not None:
             cfg[attr] = files.get(key)
     if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in files.meta:
-        cfg["vocab_size"] = len(files.meta["tokenizer.ggml.tokens"])
+        cfg["vocab_size"] = files.meta.array_len("tokenizer.ggml.tokens")        # counted, not read
     cfg["tie_word_embeddings"] = "output.weight" not in files.tensors  # llama.cpp omits a tied output
     if family.startswith("deepseek"):
         _deepseek(files, cfg)
@@ -183,14 +183,41 @@ def check_shapes(files: GgufFiles, config) -> None:
                           f"{config.num_hidden_layers} layers")
 
 
+# transformers' names of the special tokens, by the metadata key of their id (`tokenizer.ggml.<key>`)
+SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                  "pad_token": "padding_token_id"}
+
+
+def tokenizer_metadata(files: GgufFiles) -> tuple[str, dict, dict]:
+    """(architecture, tokenizer dict, tokenizer config): what transformers' `get_gguf_tokenizer(path)` gives, from
+    the metadata moectl already parsed (transformers' own reads the file again: 1-2 s of a 152k-token vocabulary
+    on the shared machine). The same grouping by its GGUF_TOKENIZER_MAPPING, its BOS defaults and special tokens;
+    tests/test_gguf_model.py compares the two on a file."""
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
+
+    meta = files.meta
+    grouped = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    kind = tokenizer.get("tokenizer_type")
+    if kind == "llama":                 # older files say nothing; llama.cpp adds BOS to a sentencepiece vocabulary
+        config.setdefault("add_bos_token", True)
+    elif kind == "gemma4":              # its chat template writes <bos> itself
+        config["add_bos_token"] = False
+    for name, key in SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    return files.arch, tokenizer, config
+
+
 def gguf_tokenizer(files: GgufFiles):
     """The tokenizer the metadata describes, built by transformers' GGUF tokenizer converter."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf import convert_gguf_tokenizer
 
     try:
-        arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(files.paths[0]))
+        arch, tokenizer_dict, tokenizer_config = tokenizer_metadata(files)
         backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, IndexError) as e:
         raise MoectlError(f"{files.paths[0]}: cannot build its tokenizer from the metadata ({e})") from None
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

@@ -2,8 +2,12 @@
 
 Legend: N = bytes of one tensor.
 
-`gguf.GGUFReader` parses the header and memory-maps each file; nothing is read until a tensor's bytes are used
-(its per-element walk of metadata arrays is replaced by whole-array reads: a large vocabulary opens in ~1 s).
+The header is parsed here (`_Header`: gguf's layout, read with `struct` off the memory-mapped file) rather than by
+`gguf.GGUFReader`, whose per-value numpy views made a 152k-token vocabulary (tokens and merges: 300k strings) cost
+1-4 s of every load on the shared test machine, once per open. Metadata arrays are read only when a key is asked
+for (`Metadata`): a run reads the vocabulary's strings when it builds the tokenizer, never to size the model
+(`array_len`). The values are gguf's own (`tests/test_gguf_model.py` checks them against `GGUFReader`, and the
+tensor table, key by key). The file is memory-mapped; nothing of a tensor is read until its bytes are used.
 A split model (`name-00001-of-00003.gguf`, as `llama-gguf-split` and llama.cpp's converter write it) is every
 part: the metadata comes from part 1 (the others hold only `split.*`), the tensors from all. Each part is
 checked (`split.no`, `split.count`, `split.tensors.count`), each tensor's encoding is one moectl reads and its
@@ -13,14 +17,18 @@ naming the file (and tensor) before anything runs. The module imports no torch (
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUFValueType
+from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 from ...errors import MoectlError
 from ...formats.gguf_encodings import check_supported, packed_nbytes
@@ -40,63 +48,170 @@ class TensorEntry:
     shape: tuple[int, ...]
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader that checks every tensor's encoding and extent before it makes its views (a tensor past the
-    end of a truncated file would otherwise be a bare numpy reshape error)."""
+# gguf's metadata value types of a fixed width: their struct code and numpy type (little-endian)
+SCALAR = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+          GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f",
+          GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d", GGUFValueType.BOOL: "?"}
+NUMPY = {t: np.dtype("<" + c) for t, c in SCALAR.items()}
+
+
+class _Bad(ValueError):
+    """The header does not parse (said in words by `_header_problem`)."""
+
+
+class Metadata(Mapping):
+    """key -> value of a GGUF's metadata, in the file's order. Scalars and strings are read with the header;
+    an array (a vocabulary: 152k strings) when its key is first asked for, then kept. `array_len(key)` is an
+    array's length without reading it. Values as `field_value` gives them from gguf's reader."""
+
+    def __init__(self, buf: memoryview, order: list[str], values: dict, arrays: dict):
+        self._buf, self._values, self._arrays = buf, values, arrays       # arrays: key -> (offset, item type, count)
+        self._order = order
+
+    def __getitem__(self, key: str):
+        if key not in self._values:
+            if key not in self._arrays:
+                raise KeyError(key)
+            offset, item, count = self._arrays[key]
+            self._values[key] = _read_array(self._buf, offset, item, count)[0]
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key) -> bool:
+        return key in self._values or key in self._arrays
+
+    def array_len(self, key: str) -> int | None:
+        """The number of items of array `key` (None: no such array), without reading them."""
+        return self._arrays[key][2] if key in self._arrays else None
+
+
+def _string(buf: memoryview, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    end = pos + 8 + n
+    if end > len(buf):
+        raise _Bad("a string runs past the end")
+    return str(buf[pos + 8:end], "utf-8"), end
+
+
+def _scalar(buf: memoryview, pos: int, kind: GGUFValueType):
+    (v,) = struct.unpack_from("<" + SCALAR[kind], buf, pos)
+    if kind == GGUFValueType.FLOAT32:
+        v = float(str(np.float32(v)))        # its shortest decimal: 1e-05, what the converter was given
+    return v, pos + struct.calcsize(SCALAR[kind])
+
+
+def _read_array(buf: memoryview, pos: int, item: GGUFValueType, count: int, read: bool = True) -> tuple:
+    """(the array's values as a list -- None when not `read` -- , the offset past it)."""
+    if item in NUMPY:
+        end = pos + count * NUMPY[item].itemsize
+        if end > len(buf):
+            raise _Bad("an array runs past the end")
+        return (np.frombuffer(buf[pos:end], NUMPY[item]).tolist() if read else None), end
+    if item == GGUFValueType.STRING:
+        out = [] if read else None
+        for _ in range(count):                   # variable lengths: walked one by one
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            if read:
+                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
+            pos += 8 + n
+        if pos > len(buf):
+            raise _Bad("an array runs past the end")
+        return out, pos
+    if item == GGUFValueType.ARRAY:              # arrays of arrays: read whole
+        out = [] if read else None
+        for _ in range(count):
+            sub, n = struct.unpack_from("<IQ", buf, pos)
+            value, pos = _read_array(buf, pos + 12, GGUFValueType(sub), n, read)
+            if read:
+                out.append(value)
+        return out, pos
+    raise _Bad(f"unknown array item type {item}")
+
+
+class _Header:
+    """One GGUF file's header: `meta` (Metadata), `tensors` [(name, encoding, dims in gguf order, offset)] and
+    `data_start` (where the tensor data begins, aligned), checked as gguf's reader checks it."""
 
     def __init__(self, path: Path):
-        self.path = path
         # copy-on-write: views are writable numpy arrays (torch.from_numpy takes them without a warning); the
         # file is never written, pages stay the page cache's until something writes one
-        super().__init__(path, "c")
+        self.data = np.memmap(path, mode="c")
+        buf = memoryview(self.data)
+        if struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
+            raise _Bad("GGUF magic invalid")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        self.big_endian = version & 0xFFFF == 0     # written on a big-endian host: refused by the caller
+        if self.big_endian:
+            return
+        if version not in READER_SUPPORTED_VERSIONS:
+            raise _Bad(f"GGUF version {version}")
+        n_tensors, n_keys = struct.unpack_from("<QQ", buf, 8)
+        pos, order, values, arrays = 24, [], {}, {}
+        for _ in range(n_keys):
+            key, pos = _string(buf, pos)
+            if key in values or key in arrays:
+                raise _Bad(f"duplicate key {key}")
+            order.append(key)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            kind, pos = GGUFValueType(kind), pos + 4
+            if kind == GGUFValueType.STRING:
+                values[key], pos = _string(buf, pos)
+            elif kind == GGUFValueType.ARRAY:
+                item, count = struct.unpack_from("<IQ", buf, pos)
+                arrays[key] = (pos + 12, GGUFValueType(item), count)
+                _, pos = _read_array(buf, pos + 12, GGUFValueType(item), count, read=False)
+            else:
+                values[key], pos = _scalar(buf, pos, kind)
+        self.tensors = []
+        for _ in range(n_tensors):
+            name, pos = _string(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            encoding, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            self.tensors.append((name, encoding, dims, offset))
+            pos += 4 + 8 * n_dims + 12
+        if len({t[0] for t in self.tensors}) != len(self.tensors):
+            raise _Bad("duplicate tensor names")
+        self.meta = Metadata(buf, order, values, arrays)
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        if "general.alignment" in values:
+            alignment = values["general.alignment"]
+            if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 \
+                    or alignment & (alignment - 1):
+                raise _Bad("general.alignment is not a power of two")
+        self.data_start = -(-pos // alignment) * alignment
 
-    def _get_field_parts(self, orig_offs, raw_type):
-        """Arrays whole: gguf's reader walks them one element at a time (a 152k-token vocabulary with its
-        merges took 17 s to open on the shared test machine); same parts for strings, one part for numbers."""
-        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
-            return super()._get_field_parts(orig_offs, raw_type)
-        item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        sub, n, offs = GGUFValueType(int(item_type[0])), int(count[0]), orig_offs + 12
-        numbers = self.gguf_scalar_to_np.get(sub)
-        if numbers is not None:
-            values = self._get(offs, numbers, n)
-            return 12 + int(values.nbytes), [item_type, count, values], [2], [GGUFValueType.ARRAY, sub]
-        if sub != GGUFValueType.STRING:
-            return super()._get_field_parts(orig_offs, raw_type)
-        parts = [item_type, count]
-        for _ in range(n):
-            (length,) = struct.unpack_from("<Q", self.data, offs)
-            parts.append(self.data[offs + 8:offs + 8 + length])
-            offs += 8 + length
-        return offs - orig_offs, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, sub]
-
-    def _build_tensors(self, start_offs, fields):
+    def check(self, path: Path) -> None:
+        """Every tensor's encoding is one moectl reads and its bytes lie inside the file."""
         size = len(self.data)
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            name = bytes(name).decode("utf-8", "replace")
-            shape = tuple(int(d) for d in reversed(dims.tolist()))
-            where = f"{self.path}: tensor {name}"
-            code = check_supported(int(raw_type[0]), where)
-            end = int(start_offs) + int(offset[0]) + packed_nbytes(code, shape, where)
+        for name, encoding, dims, offset in self.tensors:
+            shape = tuple(reversed(dims))
+            where = f"{path}: tensor {name}"
+            code = check_supported(encoding, where)
+            end = self.data_start + offset + packed_nbytes(code, shape, where)
             if end > size:
-                raise MoectlError(f"{self.path} is truncated: tensor {name} ends at byte {end:,} but the file has "
+                raise MoectlError(f"{path} is truncated: tensor {name} ends at byte {end:,} but the file has "
                                   f"{size:,} bytes (an incomplete download?)")
-        super()._build_tensors(start_offs, fields)
 
 
-def _read(path: Path) -> GGUFReader:
+def _read(path: Path) -> _Header:
     try:
-        reader = _CheckedReader(path)
+        header = _Header(path)
     except MoectlError:
         raise
     except OSError as e:
         raise MoectlError(f"cannot read {path}: {e}") from None
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError):
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, struct.error):
         raise MoectlError(f"{path} is not a readable GGUF file ({_header_problem(path)})") from None
-    if reader.byte_order == "S":
+    if header.big_endian:
         raise MoectlError(f"{path} is a big-endian GGUF; moectl reads little-endian files (llama.cpp's default)")
-    return reader
+    header.check(path)
+    return header
 
 
 # The vocabulary-sized tensors (150k x 2048 weights: 1.2 GB in fp32, and K-quant dequantisation holds several fp32
@@ -127,7 +242,8 @@ def _header_problem(path: Path) -> str:
 
 
 def field_value(field):
-    """A metadata field as Python: str, int, float, bool, or a list of them. A float32 is its shortest decimal
+    """A `gguf.GGUFReader` metadata field as Python (`Metadata`'s values are these; the tests compare them): str,
+    int, float, bool, or a list of them. A float32 is its shortest decimal
     (1e-05, not 9.999999747378752e-06: what the converter was given, and the same float32 in the model)."""
     if field.types == [GGUFValueType.FLOAT32]:
         return float(str(np.float32(field.contents())))
@@ -160,27 +276,30 @@ class GgufFiles:
         if not path.is_file():
             raise MoectlError(f"GGUF file {path} does not exist")
         self.paths = split_parts(path)
-        self.readers = [_read(p) for p in self.paths]
+        headers = [_read(p) for p in self.paths]
         # only part 1's keys: the others repeat `general.architecture`-less `split.*` keys
-        self.meta = {k: field_value(f) for k, f in self.readers[0].fields.items() if not k.startswith("GGUF.")}
+        self.meta: Metadata = headers[0].meta
+        self._part_meta = [h.meta for h in headers]
         self.tensors: dict[str, TensorEntry] = {}
-        for p, r in zip(self.paths, self.readers):
-            for t in r.tensors:
-                if t.name in self.tensors:
-                    raise MoectlError(f"tensor {t.name} is in both {self.tensors[t.name].file} and {p}")
-                self.tensors[t.name] = TensorEntry(t.name, p, int(t.data_offset), int(t.n_bytes), int(t.tensor_type),
-                                                   tuple(int(d) for d in reversed(t.shape.tolist())))
+        for p, h in zip(self.paths, headers):
+            for name, encoding, dims, offset in h.tensors:
+                if name in self.tensors:
+                    raise MoectlError(f"tensor {name} is in both {self.tensors[name].file} and {p}")
+                block, block_bytes = GGML_QUANT_SIZES[encoding]
+                self.tensors[name] = TensorEntry(name, p, h.data_start + offset,
+                                                 math.prod(dims) * block_bytes // block, encoding,
+                                                 tuple(reversed(dims)))
         self._check_split()
         if "general.architecture" not in self.meta:
             raise MoectlError(f"{self.paths[0]} has no general.architecture in its metadata")
         self.arch: str = self.meta["general.architecture"]
-        self._maps = {p: r.data for p, r in zip(self.paths, self.readers)}
+        self._maps = {p: h.data for p, h in zip(self.paths, headers)}
 
     def _check_split(self) -> None:
         if len(self.paths) == 1:
             return
-        for i, (p, r) in enumerate(zip(self.paths, self.readers)):
-            no, count = (field_value(r.fields[k]) if k in r.fields else None for k in ("split.no", "split.count"))
+        for i, (p, meta) in enumerate(zip(self.paths, self._part_meta)):
+            no, count = (meta.get(k) for k in ("split.no", "split.count"))
             if (no, count) != (i, len(self.paths)):
                 said = f"part {no + 1} of {count}" if no is not None else "no split part (no split.no key)"
                 raise MoectlError(f"{p} says it is split {said}, but its name says part {i + 1} of "
