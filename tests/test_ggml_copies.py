@@ -243,3 +243,15 @@ def test_dequantised_blocks_match_ggml_reference():
     blocks = torch.from_numpy(ggml.quantize(int(T.Q4_K), w).reshape(-1))
     deq = dequantize(blocks, int(T.Q4_K), (8, 256), torch.float32, "w")
     assert 0 < ((deq - w).norm() / w.norm()).item() < 0.12
+
+
+def test_inspect_sizes_the_copies_at_their_bytes(mixtral, q4_0, capsys, monkeypatch):
+    """`inspect --lowbit ggml-q4_0` (was: an error from the HQQ name parser) sizes the low-bit tier at the copies'
+    bytes."""
+    from test_bad_input import run_cli
+
+    wd, meta = q4_0
+    code, out, err = run_cli(["inspect", "--model", str(mixtral), "--workdir", str(wd), "--lowbit", "ggml-q4_0",
+                              "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    assert json.loads(out)["memory"]["bytes_per_expert_lowbit"] == meta["bytes_per_expert"]

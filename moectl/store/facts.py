@@ -259,11 +259,13 @@ def memory_plan(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers:
     """Host RAM and device memory of one configuration, by part, from shapes alone (nothing read): dense weights,
     copies per tier, KV reserve, cache slots. Without --budget the cache is the minimum, one slot per layer of
     each pool. `lowbit` (e.g. q4g64) sizes the low-bit tier from the format (HQQ, `axis`, scales in `dtype`)."""
+    from ..formats.ggml_copies import GgmlCopyFormat, is_ggml_copy
     from ..formats.hqq import HqqFormat, parse_lowbit
 
     L, E = num_moe_layers, adapter.num_experts
     full = adapter.format(dtype).nbytes
-    low = HqqFormat(adapter.layout(), *parse_lowbit(lowbit), axis, dtype).nbytes if lowbit else 0
+    low = (0 if not lowbit else GgmlCopyFormat(adapter.layout(), lowbit, dtype).nbytes if is_ggml_copy(lowbit)
+           else HqqFormat(adapter.layout(), *parse_lowbit(lowbit), axis, dtype).nbytes)
     kv = kv_reserve_nbytes(config, dtype)
     low_only = bool(lowbit) and precision == "lowbit-only"          # no full-precision pool (`sizing.split_pools`)
     split = split_budget(budget, checkpoint_sizes(config, adapter, dtype, dense, L),
