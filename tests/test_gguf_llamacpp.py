@@ -7,7 +7,8 @@ MOECTL_TEST_LLAMACPP=1; the build in $MOECTL_HOME/llamacpp/<version>/ is reused,
 - greedy tokens of the F32 GGUF through moectl equal the safetensors original's through moectl and through
   transformers;
 - the perplexity `moectl eval --llamacpp-windows` reports on each quantized file is within 0.5 % of
-  `llama-perplexity`'s on the same text and windows. How the windows are matched: llama-perplexity tokenizes the
+  `llama-perplexity`'s on the same text and windows; also, on k256 Qwen3-MoE and Mixtral, at every other type
+  llama-quantize makes (Q5_K_M, Q6_K, IQ4_XS, Q3_K_M, Q2_K, IQ3_XXS, IQ2_XXS, MXFP4_MOE). How the windows are matched: llama-perplexity tokenizes the
   whole file as one text (BOS first when the vocabulary adds one), cuts it into `-c` token chunks evaluated as
   one batch each (`-b` = `-c`), replaces each chunk's first token with BOS (when added) and scores only the
   second half: the tokens predicted from positions c/2 .. c-2. `--llamacpp-windows` does exactly that
@@ -246,3 +247,27 @@ def test_more_families_perplexity_within_half_a_percent_of_llama_perplexity(conv
                                                                             monkeypatch, capsys):
     test_perplexity_within_half_a_percent_of_llama_perplexity(converted_more, qt, text_file, tmp_path, monkeypatch,
                                                               capsys)
+
+
+# Issue 42: every other type llama-quantize makes of an MoE file, each through ggml in place (experts and dense)
+EVERY_QTYPE = ("Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_M", "Q2_K", "IQ3_XXS", "IQ2_XXS", "MXFP4_MOE")
+
+
+@pytest.fixture(scope="module", params=["k256-qwen3_moe", "k256-mixtral"])
+def every_encoding(request, text_file, tmp_path_factory):
+    """{type: GGUF file} of a k256 checkpoint (every row whole 256-weight blocks, so the K and IQ types are real) at
+    EVERY_QTYPE; the IQ2/IQ3 types with an importance matrix from llama-imatrix on the held-out text, as users'
+    dynamic quants are made."""
+    root = tmp_path_factory.mktemp(f"every-{request.param}")
+    ckpt = _family_checkpoint(CASES[request.param], root / "ckpt", 256)
+    f32 = llamacpp.convert(ckpt, root / "m-F32.gguf", "f32", root=BUILD_ROOT)
+    im = llamacpp.imatrix(f32, text_file, root / "imatrix.gguf", ctx=CTX, chunks=8, threads=1, root=BUILD_ROOT)
+    return {qt: llamacpp.quantize(f32, root / f"m-{qt}.gguf", qt, threads=1, root=BUILD_ROOT,
+                                  imatrix=im if qt.startswith(("IQ2", "IQ3")) else None) for qt in EVERY_QTYPE}
+
+
+@pytest.mark.parametrize("qt", EVERY_QTYPE)
+def test_every_encoding_perplexity_within_half_a_percent_of_llama_perplexity(every_encoding, qt, text_file, tmp_path,
+                                                                             monkeypatch, capsys):
+    test_perplexity_within_half_a_percent_of_llama_perplexity((None, every_encoding), qt, text_file, tmp_path,
+                                                              monkeypatch, capsys)
