@@ -114,6 +114,29 @@ class CacheOpts:
         return typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's).")
 
 
+class SamplingOpts:
+    """How `generate` and `chat` draw tokens (the "Sampling" panel of their --help); one definition for both."""
+
+    @staticmethod
+    def greedy():
+        return typer.Option(False, "--greedy", rich_help_panel="Sampling", help="Greedy decoding (default: sampling).")
+
+    @staticmethod
+    def temperature():
+        return typer.Option(0.8, "--temperature", rich_help_panel="Sampling", min=0.0,
+                            help="Sampling temperature: lower is more deterministic (ignored with --greedy).")
+
+    @staticmethod
+    def top_p():
+        return typer.Option(0.95, "--top-p", rich_help_panel="Sampling", min=0.0, max=1.0,
+                            help="Nucleus sampling: sample from the smallest set of tokens whose probability sums "
+                                 "to this (1 = all).")
+
+    @staticmethod
+    def seed(help: str = "Sampling seed."):
+        return typer.Option(0, "--seed", rich_help_panel="Sampling", help=help)
+
+
 class PrecisionOpts:
     """Low-bit copies and the precision a miss loads (`moectl quantize`, policies/precision.py)."""
 
