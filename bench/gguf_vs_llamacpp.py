@@ -2,19 +2,32 @@
 `llama-bench` runs them, `moectl` runs the same file in place on the CPU (experts by ggml's kernels where they lie in
 the mapped file: moectl/kernels/ggml.py), same threads.
 
-1. A synthetic checkpoint of a recipe's shapes (`make-synthetic`: mixtral, qwen3-moe = 128 small experts top-8,
-   gpt-oss-20b = MXFP4 experts; make-synthetic writes these families only), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16
-   and quantized by `llama-quantize` to each `--types` (GPT-OSS: the converter's MXFP4 experts, then the types for
-   the rest).
-2. Per file and thread count, `--repeat` alternating rounds: decode ms/token (llama-bench `-p 0 -n GEN`; moectl:
-   a prompt, then GEN drawn tokens fed one at a time, no logits read), prefill tokens/s (`-p PREFILL -n 0`; moectl
-   one forward of PREFILL tokens), peak RSS per process, and load to first token (moectl: `Engine.load` + one
-   token; llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token).
-Medians, [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as fast).
+1. A synthetic checkpoint of a recipe's shapes (`make-synthetic`: qwen3-moe = 128 small experts top-8, mixtral = 8
+   large experts top-2, gpt-oss-20b = 32 experts top-4 of GPT-OSS's shapes; make-synthetic writes these families
+   only), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16 (the checkpoint is then deleted: only the
+   conversion reads it) and quantized by `llama-quantize` to each `--types`. Default: issue 42's file set, Q4_K_M
+   Q4_0 Q5_K_M Q6_K Q8_0 IQ4_XS BF16 and the "other" encodings IQ2_XXS IQ3_XXS Q2_K Q3_K_M; for gpt-oss-20b the
+   MXFP4 file, MXFP4_MOE (experts MXFP4, the rest Q8_0: make-synthetic writes GPT-OSS's shapes as a Mixtral-family
+   bf16 checkpoint, so the MXFP4 comes from llama-quantize, not from the converter). IQ2_XXS and IQ3_XXS (and
+   IQ1_S / IQ2_XS / IQ2_S / IQ1_M) need an importance matrix: `llama-imatrix` on the BF16 file over 8 x 128 tokens
+   of moectl's built-in corpus (a random-weight model: it gives llama-quantize its required input and the
+   per-expert weighting a real imatrix has; a few experts no token routes to get none, as with a real text).
+   `--drop-bf16` deletes the BF16 file once the rest is made (2-layer Mixtral: 6.3 GB; then BF16 is not timed);
+   `--prepare-only` makes the files, prints them with their sizes and how long each took, and times nothing.
+2. Per file and thread count, `--repeat` alternating rounds, both tools in fresh processes: decode ms/token
+   (llama-bench `-p 0 -n GEN`; moectl: a prompt, then GEN drawn tokens fed one at a time, no logits read),
+   prefill tokens/s (`-p PREFILL -n 0`; moectl: one forward of PREFILL tokens after a warm-up forward, as
+   llama-bench warms up), peak RSS per process, and load to first token (moectl: `Engine.load` + one token;
+   llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token). moectl's side is
+   bench/moectl_timed.py, the same script bench/vs_llamacpp.py times moectl with.
+Medians, decode with [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as
+fast). The JSON has every run's kernels (moectl: ggml and the CPU features it dispatches on, or why not; its
+AVX-512 kernels or why not) and llama-bench's CPU and backend, and llama.cpp's system_info line (the ISA its CPU
+backend was built with). On an AVX2-only host the table says its figures are the AVX2 ones.
 
-    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 4 --threads 1 2 --repeat 3
-    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --types Q4_K_M Q4_0 Q8_0 Q6_K
-    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape gpt-oss-20b --layers 2 --types Q8_0
+    make bench-gguf                          # the issue's table: all three shapes, 1 and 2 threads, JSON in bench-gguf/
+    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 2 --prepare-only
+    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --drop-bf16 --types Q4_K_M Q8_0
     MOECTL_GGML=0 ... (the torch-int4 path it replaces)
 
 The machine is shared: run it alone, and read the spread next to the medians.
