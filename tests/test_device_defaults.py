@@ -140,12 +140,8 @@ def test_the_default_is_auto_and_says_which_device_it_took(model, capsys, monkey
 
 @pytest.mark.parametrize("command", ["generate", "chat", "eval", "serve", "bench", "profile", "sensitivity",
                                      "quantize", "train-predictor", "inspect"])
-def test_every_device_option_defaults_to_auto(command):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
-    out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "300"}).output
+def test_every_device_option_defaults_to_auto(cli, command):
+    out = cli([command, "--help"], env={"COLUMNS": "300"}).output
     line = next(ln for ln in out.splitlines() if "--device " in ln)
     assert "auto (CUDA when torch sees a device, else the CPU)" in " ".join(out.split()), line
     assert "[default: auto]" in line or "default: auto" in " ".join(out.split()), line
