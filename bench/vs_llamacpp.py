@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -82,6 +83,8 @@ def converted_bf16(shape: str, layers: int, work: Path, made: dict) -> tuple[Pat
 
     ckpt = work / "checkpoint"
     if not (ckpt / "config.json").exists():
+        if ckpt.exists():                   # an interrupted write (config.json is written last): start again
+            shutil.rmtree(ckpt)
         _log(f"make-synthetic {shape} --layers {layers}")
         family = load_recipe(shape).get("family", "mixtral")
         write_synthetic(load_shape(shape), ckpt, layers, family=family, dtype=None, progress=False)
@@ -89,7 +92,9 @@ def converted_bf16(shape: str, layers: int, work: Path, made: dict) -> tuple[Pat
     if not bf16.exists():
         _log("convert_hf_to_gguf.py --outtype bf16")
         t0 = time.perf_counter()
-        llamacpp.convert(ckpt, bf16, "bf16")
+        part = bf16.with_name(bf16.name + ".part")          # an interrupted run leaves no file that looks made
+        llamacpp.convert(ckpt, part, "bf16", log=Path(str(bf16) + ".convert.log"))
+        part.replace(bf16)
         made["convert_s"] = time.perf_counter() - t0
     return ckpt, bf16
 

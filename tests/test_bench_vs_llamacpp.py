@@ -141,6 +141,32 @@ def test_drop_bf16_deletes_it_after_quantizing_and_does_not_remake_it(fake_tools
             "Q3_K_M"} == set(gguf_vs_llamacpp.default_types("mixtral"))
 
 
+def test_an_interrupted_quantize_leaves_no_file_that_looks_made(fake_tools, tmp_path, monkeypatch):
+    def killed(src, out, qt, threads=2, imatrix=None):
+        Path(out).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "quantize", killed)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_vs_llamacpp.prepare("qwen3-moe", 2, tmp_path, ["Q8_0"])
+    assert not (tmp_path / "model-Q8_0.gguf").exists()
+
+
+def test_a_half_written_checkpoint_is_written_again(tmp_path, monkeypatch):
+    """write_synthetic refuses a non-empty directory; one without config.json (written last) was interrupted."""
+    import moectl.synth.checkpoint as checkpoint
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "model-00001-of-00003.safetensors").write_bytes(b"half")
+    written = []
+    monkeypatch.setattr(checkpoint, "write_synthetic", lambda shape, out, *a, **kw: written.append(
+        sorted(p.name for p in out.iterdir()) if out.exists() else []))
+    monkeypatch.setattr(vs_llamacpp.llamacpp, "convert", lambda ckpt, out, *a, **kw: Path(out).write_bytes(b"g"))
+    made = {}
+    vs_llamacpp.converted_bf16("mixtral", 2, tmp_path, made)
+    assert written == [[]] and (tmp_path / "model-BF16.gguf").read_bytes() == b"g" and "convert_s" in made
+
+
 def _row(qt, threads, decode, spread):
     s = lambda m, lo, hi: {"median": m, "min": lo, "max": hi, "n": 3}      # noqa: E731
     figures = lambda d: {"decode_ms": s(d, d - spread, d + spread), "prefill_tps": s(1234.5, 1, 2),  # noqa: E731
