@@ -234,15 +234,19 @@ def table(res: dict) -> list[str]:
         out += ["", "This host has AVX2 and no AVX-512: these are the AVX2 figures (llama.cpp built",
                 "natively for it; moectl's AVX-512 kernels cannot run)."]
     cpu = res["rows"][0]["llamacpp_cpu"][0]
-    feats = re.findall(r"(\w+) = 1", res.get("llamacpp_system_info", ""))
+    cpu_part = res.get("llamacpp_system_info", "").partition("CPU :")[2]      # after the thread counts
+    feats = re.findall(r"(\w+) = 1", cpu_part)
     out += textwrap.wrap(f"llama.cpp: {cpu.get('cpu_info')}, backend {cpu.get('backends')}, repack "
                          f"{cpu.get('repack')}; built with {' '.join(feats) or '?'}", 80)
     k = res["rows"][0]["kernels"][0]
     served = f"ggml ({' '.join(k['ggml_features'])})" if k["ggml"] else f"not ggml ({k['ggml_why_not']})"
     avx512 = "in use" if k["moectl_avx512"] else f"not in use ({k['moectl_avx512_why_not']})"
     out += textwrap.wrap(f"moectl: experts by {served}; its AVX-512 kernels {avx512}", 80)
-    for note in sorted({r["note"] for r in res["rows"] if r["note"]}):
-        out += textwrap.wrap(f"moectl: {note}", 80)
+    notes = list(dict.fromkeys(r["note"] for r in res["rows"] if r["note"]))    # each names its type and threads
+    if notes:
+        out += textwrap.wrap(f"moectl ({res['rows'][0]['type']}, {res['rows'][0]['threads']} thr): {notes[0]}", 80)
+        if len(notes) > 1:
+            out.append(f"  ({len(notes) - 1} more such notes, one per file and thread count: in the JSON's rows)")
     return out
 
 

@@ -70,3 +70,15 @@ def cli():
 
     runner = CliRunner()
     return lambda args, env=None: runner.invoke(app, [str(a) for a in args], env=env)
+
+
+@pytest.fixture(scope="module")
+def random_mixtral(tmp_path_factory) -> Path:
+    """A random 4-layer Mixtral (8 experts, top-2: L, E, K = 4, 8, 2) with a tokenizer; one per test module (the
+    tests write artifacts into its directory)."""
+    from model_factory import build_family, save_tokenizer
+
+    out = tmp_path_factory.mktemp("mixtral")
+    build_family("mixtral", out)
+    save_tokenizer(out)
+    return out

@@ -181,7 +181,8 @@ def _row(qt, threads, decode, spread):
 
 def test_the_table_fits_80_columns_with_decode_spreads_and_says_it_is_the_avx2_figure():
     res = {"shape": "gpt-oss-20b", "layers": 2, "load": (11.5, 1, 1), "host_isa": "AVX2",
-           "llamacpp_system_info": "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | REPACK = 1 |",
+           "llamacpp_system_info": "n_threads = 1 (n_threads_batch = 1) / 2 | CPU : SSE3 = 1 | AVX = 1 | "
+                                   "AVX2 = 1 | AVX512 = 0 | REPACK = 1 |",
            "rows": [_row("MXFP4_MOE", 1, 9876.5, 123.4), _row("IQ2_XXS", 2, 12.0, 0.5)]}
     lines = gguf_vs_llamacpp.table(res)
     assert max(map(len, lines)) <= 80
