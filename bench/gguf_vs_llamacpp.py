@@ -115,7 +115,8 @@ def prepare(shape: str, layers: int, work: Path, types: list[str], threads: int 
                 timed("llama-imatrix", lambda: make_imatrix(bf16, work, threads))
             _log(f"llama-quantize {qt}{' --imatrix' if imatrix else ''}")
             part = g.with_name(g.name + ".part")           # an interrupted run leaves no file that looks made
-            timed(f"llama-quantize {qt}", lambda: llamacpp.quantize(bf16, part, qt, threads, imatrix=imatrix))
+            timed(f"llama-quantize {qt}", lambda: llamacpp.quantize(bf16, part, qt, threads, imatrix=imatrix,
+                                                                     log=Path(str(g) + ".log")))
             part.replace(g)
         files[qt] = g
     if "BF16" in types and not drop_bf16:

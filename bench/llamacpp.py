@@ -262,11 +262,12 @@ def convert(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre: s
 
 
 def quantize(gguf_in: str | Path, gguf_out: str | Path, qtype: str, threads: int = 2,
-             root: Path | None = None, imatrix: str | Path | None = None) -> Path:
+             root: Path | None = None, imatrix: str | Path | None = None, log: Path | None = None) -> Path:
     """llama.cpp's own `llama-quantize` (Q8_0, Q4_0, Q4_K_M, ...); `imatrix`: an importance matrix (`imatrix()`),
-    which the IQ1/IQ2 types require."""
+    which the IQ1/IQ2 types require. Its log: `log`, default beside `gguf_out`."""
     extra = ["--imatrix", imatrix] if imatrix else []
-    _run([tool("llama-quantize", root), *extra, gguf_in, gguf_out, qtype, threads], Path(str(gguf_out) + ".log"))
+    _run([tool("llama-quantize", root), *extra, gguf_in, gguf_out, qtype, threads],
+         log or Path(str(gguf_out) + ".log"))
     return Path(gguf_out)
 
 

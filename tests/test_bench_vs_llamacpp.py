@@ -97,8 +97,8 @@ def fake_tools(monkeypatch):
         made.append("convert")
         return work / "checkpoint", work / "model-BF16.gguf"
 
-    def quantize(src, out, qt, threads=2, imatrix=None):
-        assert Path(src).exists()
+    def quantize(src, out, qt, threads=2, imatrix=None, log=None):
+        assert Path(src).exists() and str(out).endswith(".gguf.part") and str(log) == str(out)[:-5] + ".log"
         Path(out).write_bytes(b"q" * 100)
         made.append((qt, imatrix is not None))
 
@@ -142,7 +142,7 @@ def test_drop_bf16_deletes_it_after_quantizing_and_does_not_remake_it(fake_tools
 
 
 def test_an_interrupted_quantize_leaves_no_file_that_looks_made(fake_tools, tmp_path, monkeypatch):
-    def killed(src, out, qt, threads=2, imatrix=None):
+    def killed(src, out, qt, threads=2, imatrix=None, log=None):
         Path(out).write_bytes(b"half")
         raise KeyboardInterrupt
 
