@@ -354,6 +354,20 @@ def print_draft_line(d: dict, console=None) -> None:
         + (f"; {d['note']}" if d["note"] else "") + "[/]", highlight=False)
 
 
+def load_engine(model: str, opts, progress: bool):
+    """(engine, its lossy settings) for a command that runs the model: the built-in tiny model built on first use,
+    the load (a progress bar when `progress`), then the start-up lines: device, plan, lossy settings (stderr)."""
+    from ..runtime.engine import Engine
+    from ..status import print_device, print_plan_note
+
+    prepare_model(model, opts.workdir)
+    opts.progress = progress
+    eng = Engine.load(model, options=opts)
+    print_device(eng)
+    print_plan_note(eng)
+    return eng, print_lossy(eng)
+
+
 def print_lossy(eng, console=None) -> dict:
     """One start-up line naming the lossy settings in force (precision, gating, low-bit copies); returns them for
     `--json`. stderr: JSON on stdout stays clean."""

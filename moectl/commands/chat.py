@@ -7,8 +7,7 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_device, print_plan_note
-from ._common import SamplingOpts, prepare_model, print_lossy, runtime_options
+from ._common import SamplingOpts, load_engine, runtime_options
 
 
 @runtime_options
@@ -27,17 +26,11 @@ def chat(
 
     from rich.console import Console
 
-    from ..runtime.engine import Engine
     from ..serve.chat import ChatSession, run_chat
 
     console = Console()
     interactive = sys.stdin.isatty() and console.is_terminal
-    prepare_model(model, opts.workdir)
-    opts.progress = interactive
-    eng = Engine.load(model, options=opts)
-    print_device(eng)
-    print_plan_note(eng)
-    print_lossy(eng)
+    eng, _ = load_engine(model, opts, progress=interactive)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                           top_p=top_p, seed=seed, system=system)
     raise typer.Exit(run_chat(session, console=console, interactive=interactive))

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_device, print_plan_note, print_stats_line
-from ._common import SamplingOpts, prepare_model, print_draft_line, print_lossy, runtime_options
+from ..status import print_stats_line
+from ._common import SamplingOpts, load_engine, print_draft_line, runtime_options
 
 
 @runtime_options
@@ -33,15 +33,10 @@ def generate(
     """Generate text from a prompt, experts streamed through the device cache."""
     import sys
 
-    from ..runtime.engine import Engine, check_text
+    from ..runtime.engine import check_text
 
     check_text(prompt, "--prompt")                  # before the model loads
-    prepare_model(model, opts.workdir)
-    opts.progress = not as_json
-    eng = Engine.load(model, options=opts)
-    print_device(eng)
-    print_plan_note(eng)
-    lossy = print_lossy(eng)
+    eng, lossy = load_engine(model, opts, progress=not as_json)
     stream = None
     if not as_json:
         def stream(_tok, piece):
