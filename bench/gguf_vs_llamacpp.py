@@ -58,7 +58,9 @@ FILE_SET = ["Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "BF16", "IQ2_X
 GPT_OSS_SET = ["MXFP4_MOE"]
 # llama-quantize refuses these without an importance matrix (llama-quant.cpp: tensor_requires_imatrix)
 IMATRIX_TYPES = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"}
-IMATRIX_CTX, IMATRIX_CHUNKS = 128, 8           # 1024 tokens of the built-in corpus: every expert is routed some
+# 1024 tokens of the built-in corpus, a minute: on the Qwen3 shape 124 of 128 experts of layer 1 saw tokens
+# (llama-imatrix: "partial data (96.88%)"), and llama-quantize takes it
+IMATRIX_CTX, IMATRIX_CHUNKS = 128, 8
 
 
 def default_types(shape: str) -> list[str]:
