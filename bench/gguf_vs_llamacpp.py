@@ -59,7 +59,7 @@ GPT_OSS_SET = ["MXFP4_MOE"]
 # llama-quantize refuses these without an importance matrix (llama-quant.cpp: tensor_requires_imatrix)
 IMATRIX_TYPES = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"}
 # 1024 tokens of the built-in corpus, a minute: on the Qwen3 shape 124 of 128 experts of layer 1 saw tokens
-# (llama-imatrix: "partial data (96.88%)"), and llama-quantize takes it
+# (llama-imatrix: "partial data (96.88%)"); llama-quantize gives an expert without data weights of 1
 IMATRIX_CTX, IMATRIX_CHUNKS = 128, 8
 
 
