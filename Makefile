@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # people who pip-install moectl into their own environment). `make constraints` rewrites it from .venv.
 CONSTRAINTS := constraints.txt
 
-.PHONY: install test demo test-latest constraints clean gpu-check gpu-bundle install-llamacpp test-llamacpp bench-llamacpp \
+.PHONY: install test demo test-latest constraints clean gpu-check gpu-bundle install-llamacpp test-llamacpp bench-llamacpp bench-gguf \
 	bench-fidelity
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
@@ -35,6 +35,18 @@ bench-llamacpp: install-llamacpp
 	HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/vs_llamacpp.py --shape mixtral --layers 2 --repeat 3
 	HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/vs_llamacpp.py --shape qwen3-moe --layers 2 --repeat 3
 	HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/vs_llamacpp.py --fidelity
+
+# Issue 42's table (bench/gguf_vs_llamacpp.py): moectl and llama.cpp on the same GGUF files (llama.cpp's converter and
+# llama-quantize on make-synthetic checkpoints, 2 layers), Qwen3 shape (128 experts, top-8) and Mixtral shape (8, top-2)
+# in the whole file set, the GPT-OSS shape in MXFP4; 1 and 2 threads. The files are made on the first run (~25 GB; the
+# Mixtral and GPT-OSS BF16 files are deleted once quantized: not timed). Run it on a quiet machine. JSON in $(GGUF_OUT)/.
+GGUF_OUT ?= bench-gguf
+GGUF_BENCH = HF_HUB_OFFLINE=1 PYTHONPATH=. $(BIN)/python bench/gguf_vs_llamacpp.py --layers 2 --threads 1 2 --repeat 3
+bench-gguf: install-llamacpp
+	mkdir -p $(GGUF_OUT)
+	$(GGUF_BENCH) --shape qwen3-moe --json $(GGUF_OUT)/qwen3-moe.json
+	$(GGUF_BENCH) --shape mixtral --drop-bf16 --json $(GGUF_OUT)/mixtral.json
+	$(GGUF_BENCH) --shape gpt-oss-20b --drop-bf16 --json $(GGUF_OUT)/gpt-oss-20b.json
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo

@@ -2,19 +2,32 @@
 `llama-bench` runs them, `moectl` runs the same file in place on the CPU (experts by ggml's kernels where they lie in
 the mapped file: moectl/kernels/ggml.py), same threads.
 
-1. A synthetic checkpoint of a recipe's shapes (`make-synthetic`: mixtral, qwen3-moe = 128 small experts top-8,
-   gpt-oss-20b = MXFP4 experts; make-synthetic writes these families only), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16
-   and quantized by `llama-quantize` to each `--types` (GPT-OSS: the converter's MXFP4 experts, then the types for
-   the rest).
-2. Per file and thread count, `--repeat` alternating rounds: decode ms/token (llama-bench `-p 0 -n GEN`; moectl:
-   a prompt, then GEN drawn tokens fed one at a time, no logits read), prefill tokens/s (`-p PREFILL -n 0`; moectl
-   one forward of PREFILL tokens), peak RSS per process, and load to first token (moectl: `Engine.load` + one
-   token; llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token).
-Medians, [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as fast).
+1. A synthetic checkpoint of a recipe's shapes (`make-synthetic`: qwen3-moe = 128 small experts top-8, mixtral = 8
+   large experts top-2, gpt-oss-20b = 32 experts top-4 of GPT-OSS's shapes; make-synthetic writes these families
+   only), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16 (the checkpoint is then deleted: only the
+   conversion reads it) and quantized by `llama-quantize` to each `--types`. Default: issue 42's file set, Q4_K_M
+   Q4_0 Q5_K_M Q6_K Q8_0 IQ4_XS BF16 and the "other" encodings IQ2_XXS IQ3_XXS Q2_K Q3_K_M; for gpt-oss-20b the
+   MXFP4 file, MXFP4_MOE (experts MXFP4, the rest Q8_0: make-synthetic writes GPT-OSS's shapes as a Mixtral-family
+   bf16 checkpoint, so the MXFP4 comes from llama-quantize, not from the converter). IQ2_XXS and IQ3_XXS (and
+   IQ1_S / IQ2_XS / IQ2_S / IQ1_M) need an importance matrix: `llama-imatrix` on the BF16 file over 8 x 128 tokens
+   of moectl's built-in corpus (a random-weight model: it gives llama-quantize its required input and the
+   per-expert weighting a real imatrix has; a few experts no token routes to get none, as with a real text).
+   `--drop-bf16` deletes the BF16 file once the rest is made (2-layer Mixtral: 6.3 GB; then BF16 is not timed);
+   `--prepare-only` makes the files, prints them with their sizes and how long each took, and times nothing.
+2. Per file and thread count, `--repeat` alternating rounds, both tools in fresh processes: decode ms/token
+   (llama-bench `-p 0 -n GEN`; moectl: a prompt, then GEN drawn tokens fed one at a time, no logits read),
+   prefill tokens/s (`-p PREFILL -n 0`; moectl: one forward of PREFILL tokens after a warm-up forward, as
+   llama-bench warms up), peak RSS per process, and load to first token (moectl: `Engine.load` + one token;
+   llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token). moectl's side is
+   bench/moectl_timed.py, the same script bench/vs_llamacpp.py times moectl with.
+Medians, decode with [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as
+fast). The JSON has every run's kernels (moectl: ggml and the CPU features it dispatches on, or why not; its
+AVX-512 kernels or why not) and llama-bench's CPU and backend, and llama.cpp's system_info line (the ISA its CPU
+backend was built with). On an AVX2-only host the table says its figures are the AVX2 ones.
 
-    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 4 --threads 1 2 --repeat 3
-    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --types Q4_K_M Q4_0 Q8_0 Q6_K
-    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape gpt-oss-20b --layers 2 --types Q8_0
+    make bench-gguf                          # the issue's table: all three shapes, 1 and 2 threads, JSON in bench-gguf/
+    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 2 --prepare-only
+    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --drop-bf16 --types Q4_K_M Q8_0
     MOECTL_GGML=0 ... (the torch-int4 path it replaces)
 
 The machine is shared: run it alone, and read the spread next to the medians.
@@ -25,8 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,82 +49,139 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llamacpp  # noqa: E402
+import moectl_timed  # noqa: E402
 
-DEFAULT_TYPES = ["Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q3_K_M", "Q2_K", "BF16"]
+# The file set issue 42 asks for, per shape: the encodings people download, then the "other" ones (<= 1.5x there)
+FILE_SET = ["Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "BF16", "IQ2_XXS", "IQ3_XXS", "Q2_K", "Q3_K_M"]
+# make-synthetic writes gpt-oss-20b as a Mixtral-family checkpoint with GPT-OSS's expert shapes (bf16), so the
+# converter's file has BF16 experts; llama-quantize's MXFP4_MOE makes the GPT-OSS file (experts MXFP4, rest Q8_0)
+GPT_OSS_SET = ["MXFP4_MOE"]
+# llama-quantize refuses these without an importance matrix (llama-quant.cpp: tensor_requires_imatrix)
+IMATRIX_TYPES = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"}
+# 1024 tokens of the built-in corpus, a minute: on the Qwen3 shape 124 of 128 experts of layer 1 saw tokens
+# (llama-imatrix: "partial data (96.88%)"); llama-quantize gives an expert without data weights of 1
+IMATRIX_CTX, IMATRIX_CHUNKS = 128, 8
+
+
+def default_types(shape: str) -> list[str]:
+    return GPT_OSS_SET if shape.startswith("gpt-oss") else FILE_SET
 
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare(shape: str, layers: int, work: Path, types: list[str], threads: int = 2) -> dict[str, Path]:
-    """{type: GGUF file}: the synthetic checkpoint converted (BF16) and quantized by llama.cpp's own tools, once."""
+def make_imatrix(bf16: Path, work: Path, threads: int) -> Path:
+    """llama-imatrix on the BF16 file over IMATRIX_CHUNKS x IMATRIX_CTX tokens of moectl's built-in corpus (its
+    validation split): what a dynamic quant's maker does with a real text, on a random-weight model."""
+    from moectl.calib.builtin_corpus import builtin_corpus
+
+    out = work / "imatrix.gguf"
+    if not out.exists():
+        text = work / "imatrix-text.txt"
+        text.write_text("\n\n".join(builtin_corpus("validation")))
+        llamacpp.imatrix(bf16, text, out, IMATRIX_CTX, IMATRIX_CHUNKS, threads)
+    return out
+
+
+def prepare(shape: str, layers: int, work: Path, types: list[str], threads: int = 2, drop_bf16: bool = False,
+            keep_checkpoint: bool = False) -> dict[str, Path]:
+    """{type: GGUF file}: the synthetic checkpoint converted (BF16) and quantized by llama.cpp's own tools, each once
+    (the seconds each step took go to `work`/prepare.json). The checkpoint is deleted once converted unless
+    `keep_checkpoint`; `drop_bf16`: the BF16 file too once every other type is made (then BF16 is not timed)."""
     from vs_llamacpp import converted_bf16
 
-    _, bf16 = converted_bf16(shape, layers, work, {})
+    times_file = work / "prepare.json"
+    took = json.loads(times_file.read_text()) if times_file.exists() else {}
+
+    def timed(step: str, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        took[step] = round(time.perf_counter() - t0, 1)
+        times_file.write_text(json.dumps(took, indent=1))
+        return out
+
+    bf16 = work / "model-BF16.gguf"
+    quantized = {qt: work / f"model-{qt}.gguf" for qt in types if qt != "BF16"}
+    if not bf16.exists() and (not all(g.exists() for g in quantized.values()) or (not drop_bf16 and "BF16" in types)):
+        made: dict = {}
+        timed("checkpoint+convert", lambda: converted_bf16(shape, layers, work, made))
+    if not keep_checkpoint and (work / "checkpoint").exists() and bf16.exists():
+        shutil.rmtree(work / "checkpoint")                   # only the conversion reads it
     files = {}
-    for qt in types:
-        g = bf16 if qt == "BF16" else work / f"model-{qt}.gguf"
+    for qt, g in quantized.items():
         if not g.exists():
-            _log(f"llama-quantize {qt}")
-            llamacpp.quantize(bf16, g, qt, threads)
+            imatrix = work / "imatrix.gguf" if qt in IMATRIX_TYPES else None
+            if imatrix and not imatrix.exists():
+                _log("llama-imatrix")
+                timed("llama-imatrix", lambda: make_imatrix(bf16, work, threads))
+            _log(f"llama-quantize {qt}{' --imatrix' if imatrix else ''}")
+            part = g.with_name(g.name + ".part")           # an interrupted run leaves no file that looks made
+            timed(f"llama-quantize {qt}", lambda: llamacpp.quantize(bf16, part, qt, threads, imatrix=imatrix,
+                                                                     log=Path(str(g) + ".log")))
+            part.replace(g)
         files[qt] = g
+    if "BF16" in types and not drop_bf16:
+        files["BF16"] = bf16
+    if drop_bf16 and bf16.exists():
+        bf16.unlink()
     return files
 
 
-MOECTL_RUN = """
-import json, resource, time, torch
-t0 = time.perf_counter()
-from moectl.runtime.engine import Engine
-eng = Engine.load({gguf!r}, device="cpu", threads={threads}, progress=False, gating="none")
-with torch.inference_mode():
-    out, pkv = eng.forward(torch.tensor([[1]]), None, last_only=True)
-t_load = time.perf_counter() - t0
-note = getattr(eng, "plan_note", None)
-g = torch.Generator().manual_seed(0)
-V = eng.config.vocab_size
-with torch.inference_mode():
-    ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
-    t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
-    out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
-    feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
-    t0 = time.perf_counter()
-    for t in range({gen}):
-        out, pkv = eng.forward(feed[t], pkv)
-    t_dec = time.perf_counter() - t0
-print("RESULT " + json.dumps({{"prefill_tps": {prefill} / t_pre, "decode_ms": t_dec / {gen} * 1000, "load_s": t_load,
-                              "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "note": note}}))
-"""
+def file_list(files: dict[str, Path], work: Path) -> str:
+    """The files made, their sizes and how long each step took (`--prepare-only`'s report)."""
+    took = json.loads((work / "prepare.json").read_text()) if (work / "prepare.json").exists() else {}
+    lines = [f"{work}:"]
+    for qt, g in files.items():
+        s = took.get(f"llama-quantize {qt}")
+        lines.append(f"  {g.name:28} {g.stat().st_size / 1e9:6.2f} GB" + (f"  made in {s:.0f} s" if s else ""))
+    for step in ("checkpoint+convert", "llama-imatrix"):
+        if step in took:
+            lines.append(f"  {step}: {took[step]:.0f} s")
+    lines.append(f"  total {sum(g.stat().st_size for g in files.values()) / 1e9:.2f} GB")
+    return "\n".join(lines)
 
 
 def moectl_run(gguf: Path, threads: int, gen: int, prompt: int, prefill: int) -> dict:
-    """One fresh process on the file: load + first token, a prefill, a decode; its peak RSS."""
-    code = MOECTL_RUN.format(gguf=str(gguf), threads=threads, gen=gen, prompt=prompt, prefill=prefill)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    if r.returncode or not line:
-        raise SystemExit(f"moectl run failed on {gguf}:\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
-    return json.loads(line[-1][7:])
+    """One fresh process on the file (bench/moectl_timed.py, as vs_llamacpp.py's): load + first token, warm-up,
+    a prefill, a decode; its peak RSS and kernels."""
+    return moectl_timed.moectl_run({"model": str(gguf)}, threads, prompt, gen, prefill, time_load=True)
 
 
 def llama_run(gguf: Path, threads: int, gen: int, prefill: int) -> dict:
+    """llama-bench's loop: load + one token (wall time less the token), a decode of `gen`, a prefill of `prefill`;
+    the largest peak RSS of the three, and what llama-bench reports of the CPU and backend it ran on."""
     t0 = time.perf_counter()
     one = llamacpp.bench(gguf, threads, prompt=0, gen=1, reps=1)
     load_s = time.perf_counter() - t0 - 1 / one["tokens_per_s"]
-    dec = llamacpp.bench(gguf, threads, prompt=0, gen=gen, reps=1)
+    dec_rows, dec_rss = llamacpp.bench_rows(gguf, ["-t", threads, "-p", 0, "-n", gen, "-r", 1])
     pre = llamacpp.bench(gguf, threads, prompt=prefill, gen=0, reps=1)
-    return {"prefill_tps": pre["tokens_per_s"], "decode_ms": 1000 / dec["tokens_per_s"], "load_s": load_s,
-            "rss_gb": max(dec["rss_gb"], pre["rss_gb"], one["rss_gb"])}
+    d = dec_rows[0]
+    return {"prefill_tps": pre["tokens_per_s"], "decode_ms": 1000 / d["avg_ts"], "load_s": load_s,
+            "rss_gb": max(dec_rss, pre["rss_gb"], one["rss_gb"]),
+            "cpu": {k: d.get(k) for k in ("cpu_info", "backends", "repack", "build_commit", "n_threads")}}
+
+
+def host_isa() -> str:
+    """"AVX-512" or "AVX2" (or "older than AVX2"): the widest x86 vector ISA this host has (/proc/cpuinfo)."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    words = set(flags.split())
+    return "AVX-512" if "avx512f" in words else "AVX2" if "avx2" in words else "older than AVX2"
 
 
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+FIGURES = ("decode_ms", "prefill_tps", "rss_gb", "load_s")
+
+
 def compare(shape: str, layers: int, work: Path, types: list[str], threads: list[int], repeat: int, gen: int,
-            prompt: int, prefill: int) -> dict:
-    files = prepare(shape, layers, work, types)
+            prompt: int, prefill: int, drop_bf16: bool = False) -> dict:
+    files = prepare(shape, layers, work, types, drop_bf16=drop_bf16)
     rows = []
     for qt, path in files.items():
         for t in threads:
@@ -121,31 +192,69 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
                     runs[tool].append(moectl_run(path, t, gen, prompt, prefill) if tool == "moectl"
                                       else llama_run(path, t, gen, prefill))
             row = {"type": qt, "threads": t, "file_gb": path.stat().st_size / 1e9,
-                   "note": runs["moectl"][0].get("note")}
+                   "note": runs["moectl"][0].get("note"),
+                   # per run: moectl's kernels (ggml and its CPU features, or why not), llama-bench's CPU/backend
+                   "kernels": [x["kernels"] for x in runs["moectl"]],
+                   "llamacpp_cpu": [x["cpu"] for x in runs["llama.cpp"]]}
             for tool, rs in runs.items():
-                row[tool] = {k: summary([x[k] for x in rs]) for k in ("decode_ms", "prefill_tps", "rss_gb", "load_s")}
+                row[tool] = {k: summary([x[k] for x in rs]) for k in FIGURES}
             m, l = row["moectl"], row["llama.cpp"]
             row["ratio"] = {k: m[k]["median"] / l[k]["median"] for k in m}
             rows.append(row)
+    smallest = min(files.values(), key=lambda g: g.stat().st_size)
     return {"shape": shape, "layers": layers, "rows": rows, "load": os.getloadavg(),
-            "llamacpp_version": llamacpp.VERSION}
+            "llamacpp_version": llamacpp.VERSION, "host_isa": host_isa(),
+            "llamacpp_system_info": llamacpp.system_info(smallest)}
+
+
+def _spread(s: dict, width: int, prec: int = 1) -> str:
+    """"median [min-max]" in `width` columns."""
+    return f"{s['median']:.{prec}f} [{s['min']:.{prec}f}-{s['max']:.{prec}f}]".rjust(width)
+
+
+def table(res: dict) -> list[str]:
+    """The result as lines of at most 80 columns: decode (medians [min-max], ratio moectl / llama.cpp: <= 1.0 is
+    moectl at least as fast), then prefill, peak RSS and load to first token (medians), then what ran them."""
+    import textwrap
+
+    n = res["rows"][0]["moectl"]["decode_ms"]["n"]
+    out = [f"{res['shape']} x {res['layers']} layers, the same GGUF in both tools: medians of {n} alternating",
+           f"runs [min-max]; load average {res['load'][0]:.1f} at the end"]
+    out += ["", f"{'type':9} {'thr':>3} {'decode ms/token: moectl':>25} {'llama.cpp':>22} {'ratio':>6}"]
+    for r in res["rows"]:
+        m, l = r["moectl"], r["llama.cpp"]
+        out.append(f"{r['type']:9} {r['threads']:>3} {_spread(m['decode_ms'], 25)} {_spread(l['decode_ms'], 22)} "
+                   f"{r['ratio']['decode_ms']:6.2f}")
+    out += ["", f"{'type':9} {'thr':>3} {'prefill tok/s: moectl':>21} {'llama':>6} {'ratio':>5} "
+                f"{'RSS GB':>6} {'llama':>5} {'load s':>6} {'llama':>5}"]
+    for r in res["rows"]:
+        m, l, q = r["moectl"], r["llama.cpp"], r["ratio"]
+        out.append(f"{r['type']:9} {r['threads']:>3} {m['prefill_tps']['median']:21.1f} "
+                   f"{l['prefill_tps']['median']:6.1f} {q['prefill_tps']:5.2f} {m['rss_gb']['median']:6.2f} "
+                   f"{l['rss_gb']['median']:5.2f} {m['load_s']['median']:6.1f} {l['load_s']['median']:5.1f}")
+    isa = res.get("host_isa")
+    if isa == "AVX2":
+        out += ["", "This host has AVX2 and no AVX-512: these are the AVX2 figures (llama.cpp built",
+                "natively for it; moectl's AVX-512 kernels cannot run)."]
+    cpu = res["rows"][0]["llamacpp_cpu"][0]
+    cpu_part = res.get("llamacpp_system_info", "").partition("CPU :")[2]      # after the thread counts
+    feats = re.findall(r"(\w+) = 1", cpu_part)
+    out += textwrap.wrap(f"llama.cpp: {cpu.get('cpu_info')}, backend {cpu.get('backends')}, repack "
+                         f"{cpu.get('repack')}; built with {' '.join(feats) or '?'}", 80)
+    k = res["rows"][0]["kernels"][0]
+    served = f"ggml ({' '.join(k['ggml_features'])})" if k["ggml"] else f"not ggml ({k['ggml_why_not']})"
+    avx512 = "in use" if k["moectl_avx512"] else f"not in use ({k['moectl_avx512_why_not']})"
+    out += textwrap.wrap(f"moectl: experts by {served}; its AVX-512 kernels {avx512}", 80)
+    notes = list(dict.fromkeys(r["note"] for r in res["rows"] if r["note"]))    # each names its type and threads
+    if notes:
+        out += textwrap.wrap(f"moectl ({res['rows'][0]['type']}, {res['rows'][0]['threads']} thr): {notes[0]}", 80)
+        if len(notes) > 1:
+            out.append(f"  ({len(notes) - 1} more such notes, one per file and thread count: in the JSON's rows)")
+    return out
 
 
 def print_table(res: dict) -> None:
-    """Fits 80 columns: one line per file and thread count."""
-    print(f"\n{res['shape']} x {res['layers']} layers, same GGUF both tools (medians of {res['rows'][0]['moectl']['decode_ms']['n']}; "
-          f"load avg {res['load'][0]:.1f})")
-    print(f"{'type':7} {'thr':>3} {'ms/tok moectl':>13} {'llama':>6} {'ratio':>5} {'pp tok/s':>8} {'llama':>6} "
-          f"{'RSS GB':>6} {'llama':>5} {'load s':>6} {'llama':>5}")
-    for r in res["rows"]:
-        m, l, q = r["moectl"], r["llama.cpp"], r["ratio"]
-        print(f"{r['type']:7} {r['threads']:>3} {m['decode_ms']['median']:13.1f} {l['decode_ms']['median']:6.1f} "
-              f"{q['decode_ms']:5.2f} {m['prefill_tps']['median']:8.1f} {l['prefill_tps']['median']:6.1f} "
-              f"{m['rss_gb']['median']:6.2f} {l['rss_gb']['median']:5.2f} {m['load_s']['median']:6.1f} "
-              f"{l['load_s']['median']:5.1f}")
-    notes = {r["note"] for r in res["rows"] if r["note"]}
-    for n in notes:
-        print(f"  moectl: {n}")
+    print("\n" + "\n".join(table(res)))
 
 
 def main() -> None:
@@ -154,8 +263,15 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-moe", help="a recipe make-synthetic writes: mixtral, qwen3-moe, "
                     "gpt-oss-20b")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
-    ap.add_argument("--types", nargs="+", default=DEFAULT_TYPES, help="llama-quantize types (BF16: the converted "
-                    "file itself)")
+    ap.add_argument("--types", nargs="+", default=None, help="llama-quantize types (BF16: the converted file "
+                    "itself; default: issue 42's file set, " + " ".join(FILE_SET) + "; gpt-oss-20b: " +
+                    " ".join(GPT_OSS_SET) + ")")
+    ap.add_argument("--prepare-only", action="store_true", help="make the files, print their list, sizes and "
+                    "how long each took; time nothing")
+    ap.add_argument("--drop-bf16", action="store_true", help="delete the BF16 file once the other types are made "
+                    "(saves its size on disk; BF16 is then not timed)")
+    ap.add_argument("--keep-checkpoint", action="store_true", help="keep the synthetic safetensors checkpoint after "
+                    "the conversion (default: delete it)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=3, help="alternating rounds per file and thread count")
     ap.add_argument("--gen", type=int, default=32, help="decode tokens timed")
@@ -170,7 +286,12 @@ def main() -> None:
     work = a.work or moectl_home() / "gguf_vs_llamacpp" / f"{a.shape}-{a.layers}"
     work.mkdir(parents=True, exist_ok=True)
     llamacpp.build(echo=_log)
-    res = compare(a.shape, a.layers, work, a.types, a.threads, a.repeat, a.gen, a.prompt, a.prefill)
+    types = a.types or default_types(a.shape)
+    if a.prepare_only:
+        print(file_list(prepare(a.shape, a.layers, work, types, drop_bf16=a.drop_bf16,
+                                keep_checkpoint=a.keep_checkpoint), work))
+        return
+    res = compare(a.shape, a.layers, work, types, a.threads, a.repeat, a.gen, a.prompt, a.prefill, a.drop_bf16)
     print_table(res)
     if a.json:
         a.json.write_text(json.dumps(res, indent=1, default=str))

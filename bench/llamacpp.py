@@ -26,7 +26,9 @@ from moectl.errors import MoectlError
 from moectl.core.recipes import moectl_home
 
 VERSION = "0.3.36"      # llama-cpp-python's sdist; vendors llama.cpp (moectl/kernels/ggml.py builds ggml from the same)
-TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize")
+# llama-imatrix: the importance matrix llama-quantize needs for IQ2_XXS / IQ2_XS / IQ1_S (added later: an existing
+# build compiles only it, the other targets are up to date)
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize", "llama-imatrix")
 CUDA_TOOLS = ("llama-bench", "llama-quantize")      # what gpu-check's --n-cpu-moe row needs (bench/llamacpp_cuda.py)
 # The CUDA build is made here, ahead of time, for the lent machines (no compiling there: bench/gpu_bundle.py carries
 # it). Hopper only (H100/H200): each more architecture is another full pass of nvcc over ~190 kernel files.
@@ -116,7 +118,9 @@ def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = Fals
          f"log: {log}) ...")
     t0 = time.time()
     _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda, deps)], log)
-    _run(["cmake", "--build", bld, "-j", jobs, "--target", *(cuda_targets() if cuda else tools)], log)
+    # niced: minutes (the CUDA build: hours) of every core, often on a shared machine
+    nice = ["nice", "-n", "10"] if shutil.which("nice") else []
+    _run([*nice, "cmake", "--build", bld, "-j", jobs, "--target", *(cuda_targets() if cuda else tools)], log)
     (root / "bin").mkdir(exist_ok=True)
     for t in tools:
         shutil.copy2(bld / "bin" / t, tool(t, root))
@@ -260,10 +264,31 @@ def convert(model_dir: str | Path, out: str | Path, outtype: str = "f32", pre: s
 
 
 def quantize(gguf_in: str | Path, gguf_out: str | Path, qtype: str, threads: int = 2,
-             root: Path | None = None) -> Path:
-    """llama.cpp's own `llama-quantize` (Q8_0, Q4_0, Q4_K_M, ...)."""
-    _run([tool("llama-quantize", root), gguf_in, gguf_out, qtype, threads], Path(str(gguf_out) + ".log"))
+             root: Path | None = None, imatrix: str | Path | None = None, log: Path | None = None) -> Path:
+    """llama.cpp's own `llama-quantize` (Q8_0, Q4_0, Q4_K_M, ...); `imatrix`: an importance matrix (`imatrix()`),
+    which the IQ1/IQ2 types require. Its log: `log`, default beside `gguf_out`."""
+    extra = ["--imatrix", imatrix] if imatrix else []
+    _run([tool("llama-quantize", root), *extra, gguf_in, gguf_out, qtype, threads],
+         log or Path(str(gguf_out) + ".log"))
     return Path(gguf_out)
+
+
+def imatrix(gguf: str | Path, text_file: str | Path, out: str | Path, ctx: int = 128, chunks: int = 8,
+            threads: int = 2, root: Path | None = None) -> Path:
+    """`llama-imatrix` on `chunks` chunks of `ctx` tokens of a text file: the importance matrix (GGUF format) that
+    `llama-quantize --imatrix` reads. Its log (with llama.cpp's system_info line) is written beside `out`."""
+    _run([tool("llama-imatrix", root), "-m", gguf, "-f", text_file, "-o", out, "-c", ctx, "--chunks", chunks,
+          "-t", threads, "--no-ppl"], Path(str(out) + ".log"))
+    return Path(out)
+
+
+def system_info(gguf: str | Path, root: Path | None = None) -> str:
+    """llama.cpp's `system_info` line for this build on this CPU (the ISA features its CPU backend was built with and
+    uses, e.g. `AVX2 = 1`, and whether it repacks), from a one-token `llama-completion` run on `gguf`."""
+    out, _ = run_tool("llama-completion", ["-m", gguf, "-p", "a", "-n", 1, "-t", 1, "-no-cnv", "--no-warmup",
+                                           "-c", 64], root)
+    lines = [ln for ln in out.splitlines() if "system_info" in ln]
+    return lines[-1].split("system_info:", 1)[-1].strip() if lines else ""
 
 
 def run_tool(name: str, args: list, root: Path | None = None) -> tuple[str, float]:

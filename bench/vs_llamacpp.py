@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import llamacpp  # noqa: E402
+import moectl_timed  # noqa: E402
 
 LLAMA_TYPES = {"bf16": ["BF16"], "q8": ["Q8_0"], "q4": ["Q4_0", "Q4_K_M"]}
 MOECTL_LOWBIT = {"bf16": None, "q8": "q8g64", "q4": "q4g64"}
@@ -48,37 +49,12 @@ def _log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------- moectl's side
 def moectl_run(ckpt: str, workdir: str, lowbit: str | None, threads: int, prompt: int, gen: int,
                prefill: int, dense_lowbit: str | None = None) -> dict:
-    """One fresh process: load in place on the CPU, time a prefill of `prefill` tokens and a decode of `gen`
-    tokens after `prompt`; peak RSS of the process. `dense_lowbit` q8 / q4: attention + lm_head low-bit too."""
-    code = f"""
-import json, resource, time, torch
-from moectl.runtime.engine import Engine
-eng = Engine.load({ckpt!r}, device="cpu", workdir={workdir!r}, lowbit={lowbit!r},
-                  precision={"lowbit-only" if lowbit else None!r}, threads={threads}, progress=False, gating="none",
-                  dense_lowbit={dense_lowbit!r})
-g = torch.Generator().manual_seed(0)
-V = eng.config.vocab_size
-with torch.inference_mode():
-    ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
-    eng.forward(ids[:, :8], None)                                  # warm-up
-    t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
-    out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
-    # as llama-bench's generation test: each step feeds a drawn token and reads no logits (an argmax of a bf16
-    # [1, 151936] took 0.55 ms here, 4 % of a 2-layer Qwen3-shape token llama-bench does not pay for)
-    feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
-    t0 = time.perf_counter()
-    for t in range({gen}):
-        out, pkv = eng.forward(feed[t], pkv)
-    t_dec = time.perf_counter() - t0
-print("RESULT " + json.dumps({{"prefill_tps": {prefill} / t_pre, "decode_ms": t_dec / {gen} * 1000,
-                              "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}}))
-"""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-    if r.returncode or not line:
-        raise SystemExit(f"moectl run failed:\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
-    return json.loads(line[-1][7:])
+    """One fresh process (bench/moectl_timed.py, as gguf_vs_llamacpp.py's): load in place on the CPU, a warm-up,
+    a prefill of `prefill` tokens and a decode of `gen` tokens after `prompt`; peak RSS of the process.
+    `dense_lowbit` q8 / q4: attention + lm_head low-bit too."""
+    load = {"model": ckpt, "workdir": workdir, "lowbit": lowbit, "precision": "lowbit-only" if lowbit else None,
+            "dense_lowbit": dense_lowbit}
+    return moectl_timed.moectl_run(load, threads, prompt, gen, prefill)
 
 
 def moectl_quantize(ckpt: str, workdir: str, bits: int) -> float:
@@ -107,6 +83,8 @@ def converted_bf16(shape: str, layers: int, work: Path, made: dict) -> tuple[Pat
 
     ckpt = work / "checkpoint"
     if not (ckpt / "config.json").exists():
+        if ckpt.exists():                   # an interrupted write (config.json is written last): start again
+            shutil.rmtree(ckpt)
         _log(f"make-synthetic {shape} --layers {layers}")
         family = load_recipe(shape).get("family", "mixtral")
         write_synthetic(load_shape(shape), ckpt, layers, family=family, dtype=None, progress=False)
@@ -114,7 +92,9 @@ def converted_bf16(shape: str, layers: int, work: Path, made: dict) -> tuple[Pat
     if not bf16.exists():
         _log("convert_hf_to_gguf.py --outtype bf16")
         t0 = time.perf_counter()
-        llamacpp.convert(ckpt, bf16, "bf16")
+        part = bf16.with_name(bf16.name + ".part")          # an interrupted run leaves no file that looks made
+        llamacpp.convert(ckpt, part, "bf16", log=Path(str(bf16) + ".convert.log"))
+        part.replace(bf16)
         made["convert_s"] = time.perf_counter() - t0
     return ckpt, bf16
 

@@ -57,3 +57,28 @@ def tiny_small(tmp_path_factory) -> Path:
             os.environ.pop("MOECTL_HOME", None)
         else:
             os.environ["MOECTL_HOME"] = old
+
+
+@pytest.fixture
+def cli():
+    """`moectl ARGS` in this process through typer's test runner: `cli(args, env=None)` -> click's Result
+    (exit_code, stdout, output, exception). For the console script's own error handling (one `error:` line, exit
+    code 2) use test_bad_input.run_cli, which goes through `moectl.cli.main`."""
+    from typer.testing import CliRunner
+
+    from moectl.cli import app
+
+    runner = CliRunner()
+    return lambda args, env=None: runner.invoke(app, [str(a) for a in args], env=env)
+
+
+@pytest.fixture(scope="module")
+def random_mixtral(tmp_path_factory) -> Path:
+    """A random 4-layer Mixtral (8 experts, top-2: L, E, K = 4, 8, 2) with a tokenizer; one per test module (the
+    tests write artifacts into its directory)."""
+    from model_factory import build_family, save_tokenizer
+
+    out = tmp_path_factory.mktemp("mixtral")
+    build_family("mixtral", out)
+    save_tokenizer(out)
+    return out

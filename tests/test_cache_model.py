@@ -182,50 +182,42 @@ def test_runtime_and_simulator_agree_per_layer_and_phase(recorded, slots, prefet
     assert res.prefill_misses == sum(runtime["prefill"]["misses"])
 
 
-def test_profile_json_cache_counts_equal_simulate_json(tiny_small, tmp_path, monkeypatch):
+def test_profile_json_cache_counts_equal_simulate_json(cli, tiny_small, tmp_path, monkeypatch):
     """From the command line: `profile --json` reports the recorded run's cache counts per phase, and
     `simulate --json` on its trace with the same sizes and policies gives demand loads x tokens = decode misses."""
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
     data = tmp_path / "calib.txt"
     data.write_text("The cache keeps recently used experts.\n\nPrefetching guesses the next layers' experts.\n\n"
                     "A trace records every token's routing.")
     out = tmp_path / "trace"
-    r = CliRunner().invoke(app, ["profile", "--model", str(tiny_small), "--dataset", str(data), "--max-tokens", "24",
-                                 "--generate", "10", "--hidden-samples", "all", "--cache-experts", "4", "--emulate-device",
-                                 "--replacement", "lfu", "--prefetch", "gate-reuse", "--out", str(out), "--json"])
+    r = cli(["profile", "--model", str(tiny_small), "--dataset", str(data), "--max-tokens", "24",
+             "--generate", "10", "--hidden-samples", "all", "--cache-experts", "4", "--emulate-device",
+             "--replacement", "lfu", "--prefetch", "gate-reuse", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     cache = json.loads(r.stdout.strip().splitlines()[-1])["cache"]
     assert cache["decode"]["misses"] > 0 and cache["prefill"]["misses"] > 0
-    r = CliRunner().invoke(app, ["simulate", "--trace", str(out), "--cache-experts", "4", "--replacement", "lfu",
-                                 "--prefetch", "gate-reuse", "--model-shape", str(tiny_small), "--json"])
+    r = cli(["simulate", "--trace", str(out), "--cache-experts", "4", "--replacement", "lfu",
+             "--prefetch", "gate-reuse", "--model-shape", str(tiny_small), "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert round(d["demand_loads_per_token"] * d["tokens"]) == cache["decode"]["misses"]
     assert d["prefill_misses"] == cache["prefill"]["misses"]
 
 
-def test_moe_infinity_on_one_request_says_it_is_lfu(tmp_path):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
+def test_moe_infinity_on_one_request_says_it_is_lfu(cli, tmp_path):
     p = tmp_path / "t.jsonl"                                   # mixtral's shape: 32 layers x 8 experts, top-2
     rows = [json.dumps({"format": "moe-routing-v1", "model": "toy", "num_layers": 32, "num_experts": 8, "top_k": 2})]
     rows += [json.dumps({"request": "a", "pos": i, "phase": "decode",
                          "experts": [[(i + l) % 5, 5 + (i % 3)] for l in range(32)]}) for i in range(12)]
     p.write_text("\n".join(rows) + "\n")
     args = ["simulate", "--trace", str(p), "--cache-experts", "64", "--model-shape", "mixtral", "--json"]
-    r = CliRunner().invoke(app, args + ["--replacement", "moe-infinity"])
+    r = cli(args + ["--replacement", "moe-infinity"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert "sequence LFU" in d["note"] and "--train-on" in d["note"]
-    lfu = json.loads(CliRunner().invoke(app, args + ["--replacement", "lfu"]).stdout)
+    lfu = json.loads(cli(args + ["--replacement", "lfu"]).stdout)
     assert "note" not in lfu
-    r = CliRunner().invoke(app, ["simulate", "--help"])
+    r = cli(["simulate", "--help"])
     assert "--train-on" in r.output and "LFU" in r.output
 
 

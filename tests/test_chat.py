@@ -116,13 +116,10 @@ def test_plain_fallback_without_template(tiny_small):
     assert tok.decode(session.prompt_ids()) == "User: hi\nAssistant:"
 
 
-def test_demo_runs_steps_skips_missing_and_reports_failures(tiny_small, tmp_path, monkeypatch):
+def test_demo_runs_steps_skips_missing_and_reports_failures(cli, tiny_small, tmp_path, monkeypatch):
     """The demo on the (small) tiny build: a real step, a missing one, a failing one, then chat and the summary."""
     import shutil
 
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
     from moectl.commands import demo
 
     workdir = tmp_path / "tiny"
@@ -134,8 +131,8 @@ def test_demo_runs_steps_skips_missing_and_reports_failures(tiny_small, tmp_path
         demo.Step("no-such-command", [], ["nothing"]),
         demo.Step("generate", ["--prompt", "x", "--bogus-flag"], []),   # exists, but this call fails
     ])
-    result = CliRunner().invoke(app, ["demo", "--workdir", str(workdir), "--question", "hello"],
-                                env={"COLUMNS": "200"})
+    result = cli(["demo", "--workdir", str(workdir), "--question", "hello"],
+            env={"COLUMNS": "200"})
     assert result.exit_code == 1, result.output             # the failed step fails the demo, after the summary
     out = result.output
     assert "demo: generate failed" in out

@@ -17,7 +17,6 @@ import json
 
 import pytest
 import torch
-from model_factory import build_family, save_tokenizer
 from test_bad_input import assert_one_error, run_cli
 
 from moectl.errors import MoectlError
@@ -25,15 +24,6 @@ from moectl.store.facts import pick_device
 
 GB = 10**9
 GiB = 2**30
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A random 4-layer Mixtral (8 experts, top-2) with a tokenizer."""
-    out = tmp_path_factory.mktemp("mixtral-device")
-    build_family("mixtral", out)
-    save_tokenizer(out)
-    return out
 
 
 def fake_cuda(monkeypatch, count: int = 1, free: int = 70 * GB, total: int = 80 * GB) -> list:
@@ -117,20 +107,20 @@ RUNS = {        # command -> its arguments besides --model and --device (each wo
 
 
 @pytest.mark.parametrize("command", sorted(RUNS) + ["chat", "serve"])
-def test_cuda_0_without_a_gpu_is_one_error_line_in_every_command(command, model, capsys, monkeypatch):
+def test_cuda_0_without_a_gpu_is_one_error_line_in_every_command(command, random_mixtral, capsys, monkeypatch):
     no_cuda(monkeypatch)
     if command == "chat":
         monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hi\n"))
-    args = [command, "--model", str(model), "--device", "cuda:0", *RUNS.get(command, [])]
+    args = [command, "--model", str(random_mixtral), "--device", "cuda:0", *RUNS.get(command, [])]
     if command == "serve":
         args += ["--port", "0"]
     code, out, err = run_cli(args, capsys, monkeypatch)
     assert_one_error(code, err, "--device cuda:0: ", "use --device cpu")
 
 
-def test_the_default_is_auto_and_says_which_device_it_took(model, capsys, monkeypatch):
+def test_the_default_is_auto_and_says_which_device_it_took(random_mixtral, capsys, monkeypatch):
     no_cuda(monkeypatch)
-    code, out, err = run_cli(["generate", "--model", str(model), "-p", "hi", "-n", "1", "--greedy", "--json"],
+    code, out, err = run_cli(["generate", "--model", str(random_mixtral), "-p", "hi", "-n", "1", "--greedy", "--json"],
                              capsys, monkeypatch)
     assert code == 0, err
     lines = [ln for ln in err.splitlines() if ln.startswith("device:")]
@@ -140,30 +130,26 @@ def test_the_default_is_auto_and_says_which_device_it_took(model, capsys, monkey
 
 @pytest.mark.parametrize("command", ["generate", "chat", "eval", "serve", "bench", "profile", "sensitivity",
                                      "quantize", "train-predictor", "inspect"])
-def test_every_device_option_defaults_to_auto(command):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
-    out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "300"}).output
+def test_every_device_option_defaults_to_auto(cli, command):
+    out = cli([command, "--help"], env={"COLUMNS": "300"}).output
     line = next(ln for ln in out.splitlines() if "--device " in ln)
     assert "auto (CUDA when torch sees a device, else the CPU)" in " ".join(out.split()), line
     assert "[default: auto]" in line or "default: auto" in " ".join(out.split()), line
 
 
-def test_auto_on_a_gpu_loads_onto_it(model, monkeypatch):
+def test_auto_on_a_gpu_loads_onto_it(random_mixtral, monkeypatch):
     fake_cuda(monkeypatch, count=1)
-    s = resolved_setting(monkeypatch, model, device="auto")
+    s = resolved_setting(monkeypatch, random_mixtral, device="auto")
     assert s["device"] == "cuda" and s["torch_device"] == "cuda" and s["sources"]["device"] == "default"
     assert s["device_note"] == "device: cuda (Fake GPU; --device auto, 1 CUDA device)"
-    s = resolved_setting(monkeypatch, model, device="auto", emulate_device=True)     # the CPU it emulates on
+    s = resolved_setting(monkeypatch, random_mixtral, device="auto", emulate_device=True)     # the CPU it emulates on
     assert s["device"] == "cpu" and s["sources"]["device"] == "default" and "--emulate-device" in s["device_note"]
 
 
 # --- the budget -----------------------------------------------------------------------------------------------------
-def test_cuda_without_a_budget_takes_the_free_memory_less_a_margin(model, monkeypatch):
+def test_cuda_without_a_budget_takes_the_free_memory_less_a_margin(random_mixtral, monkeypatch):
     asked = fake_cuda(monkeypatch, free=70 * GB, total=80 * GB)
-    s = resolved_setting(monkeypatch, model, device="cuda:0")
+    s = resolved_setting(monkeypatch, random_mixtral, device="cuda:0")
     margin = 4 * GB                                         # 5 % of the 80 GB card (above the 1 GiB floor)
     assert asked == ["cuda:0"]
     assert s["budget"] == 70 * GB - margin and s["sources"]["budget"] == "default"
@@ -172,7 +158,7 @@ def test_cuda_without_a_budget_takes_the_free_memory_less_a_margin(model, monkey
     assert sum(s["slots"]) == s["L"] * s["E"]               # a model far smaller than the card: every expert
 
 
-def test_the_free_memory_budget_sizes_the_cache_as_that_budget_given(model, monkeypatch):
+def test_the_free_memory_budget_sizes_the_cache_as_that_budget_given(random_mixtral, monkeypatch):
     import moectl.runtime.load as load_mod
 
     real, parts = load_mod.resolve, {}
@@ -184,48 +170,48 @@ def test_the_free_memory_budget_sizes_the_cache_as_that_budget_given(model, monk
 
     monkeypatch.setattr(load_mod, "resolve", spy)
     fake_cuda(monkeypatch)
-    probe = resolved_setting(monkeypatch, model, device="cuda", budget="66GB")
+    probe = resolved_setting(monkeypatch, random_mixtral, device="cuda", budget="66GB")
     L, E, split = probe["L"], probe["E"], parts["split"]
     fixed = split.total - split.experts                     # dense + KV reserve + workspace + staging buffers
     need = fixed + (L + 3) * parts["expert"]                # a card whose free memory holds L + 3 experts
     fake_cuda(monkeypatch, free=GiB + need, total=2 * GiB)  # 5 % of 2 GiB is below the 1 GiB floor
-    auto = resolved_setting(monkeypatch, model, device="cuda")
-    given = resolved_setting(monkeypatch, model, device="cuda", budget=str(need))
+    auto = resolved_setting(monkeypatch, random_mixtral, device="cuda")
+    given = resolved_setting(monkeypatch, random_mixtral, device="cuda", budget=str(need))
     assert auto["budget"] == need and sum(auto["slots"]) == L + 3 < L * E
     assert auto["slots"] == given["slots"]
 
 
-def test_a_card_too_small_is_one_error_before_loading(model, capsys, monkeypatch):
+def test_a_card_too_small_is_one_error_before_loading(random_mixtral, capsys, monkeypatch):
     fake_cuda(monkeypatch, free=GiB + 1000, total=2 * GiB)
     import moectl.runtime.load as load_mod
 
     read = []
     monkeypatch.setattr(load_mod, "read_dense", lambda *a, **kw: read.append(1))
-    code, out, err = run_cli(["generate", "--model", str(model), "-p", "hi", "-n", "1"], capsys, monkeypatch)
+    code, out, err = run_cli(["generate", "--model", str(random_mixtral), "-p", "hi", "-n", "1"], capsys, monkeypatch)
     assert_one_error(code, err, "the device's free memory less its margin (1.00 KB) is below the minimum",
                      "free device memory, or run on the CPU (--device cpu)")
     assert read == []
 
 
 @pytest.mark.parametrize("given", [{"cache_experts": 8}, {"budget": "3GB"}])
-def test_a_given_size_is_not_replaced(model, monkeypatch, given):
+def test_a_given_size_is_not_replaced(random_mixtral, monkeypatch, given):
     fake_cuda(monkeypatch)
-    s = resolved_setting(monkeypatch, model, device="cuda", **given)
+    s = resolved_setting(monkeypatch, random_mixtral, device="cuda", **given)
     assert s["budget_note"] == "" and s["sources"].get("budget") in (None, "flag")
     if "cache_experts" in given:
         assert s["budget"] is None and sum(s["slots"]) == 8
 
 
-def test_a_plan_sets_the_slots_not_the_free_memory(model, monkeypatch, tmp_path):
+def test_a_plan_sets_the_slots_not_the_free_memory(random_mixtral, monkeypatch, tmp_path):
     fake_cuda(monkeypatch)
     plan = tmp_path / "plan.yaml"
     plan.write_text(json.dumps({"format": "moectl-plan-v1", "slots": [2] * 4}))
-    s = resolved_setting(monkeypatch, model, device="cuda", plan=str(plan))
+    s = resolved_setting(monkeypatch, random_mixtral, device="cuda", plan=str(plan))
     assert s["budget"] is None and s["budget_note"] == "" and s["slots"] == [2] * 4
 
 
-def test_a_cpu_never_asks_for_device_memory(model, monkeypatch):
+def test_a_cpu_never_asks_for_device_memory(random_mixtral, monkeypatch):
     no_cuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: pytest.fail("mem_get_info on a CPU run"))
-    s = resolved_setting(monkeypatch, model, device="auto", emulate_device=True)
+    s = resolved_setting(monkeypatch, random_mixtral, device="auto", emulate_device=True)
     assert s["device"] == "cpu" and s["budget"] is None and s["budget_note"] == ""

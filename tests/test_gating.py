@@ -9,13 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_factory import build_family  # noqa: E402
 from shared_data import SHARED_TRACES, needs_shared  # noqa: E402
 
-from moectl.cli import app  # noqa: E402
 from moectl.errors import MoectlError  # noqa: E402
 from moectl.policies.gating import (GatingPolicy, ScoreGating, SensitivityGating, gate_rows, gate_trace,  # noqa: E402
                                     parse_gating)
@@ -149,10 +147,6 @@ def test_ablation_sensitivity_sees_a_harmless_tail(tiny_small, tmp_path):
 
 
 # ------------------------------------------------------------------------------- runtime, eval, CLI (tiny)
-def _cli(*args):
-    r = CliRunner().invoke(app, list(args))
-    return r
-
 
 def test_eval_lossless_is_exact_and_gating_costs_something(tiny_small, tmp_path):
     from moectl.calib.fidelity import evaluate, token_windows
@@ -180,11 +174,11 @@ def test_eval_lossless_is_exact_and_gating_costs_something(tiny_small, tmp_path)
     assert 0 < lossy["greedy_agreement"] <= 1
 
 
-def test_cli_sensitivity_default_threshold_and_errors(tiny_small, tmp_path):
+def test_cli_sensitivity_default_threshold_and_errors(cli, tiny_small, tmp_path):
     wd = tmp_path / "wd"
     m = ["--model", str(tiny_small), "--workdir", str(wd)]
-    r = _cli("sensitivity", *m, "--dataset", "small", "--max-tokens", "1024", "--window", "64",
-             "--target-ppl-delta", "0.01", "--cache-experts", "2", "--emulate-device", "--json")
+    r = cli(["sensitivity", *m, "--dataset", "small", "--max-tokens", "1024", "--window", "64",
+             "--target-ppl-delta", "0.01", "--cache-experts", "2", "--emulate-device", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     saved = json.loads((wd / "sensitivity.json").read_text())
@@ -194,10 +188,10 @@ def test_cli_sensitivity_default_threshold_and_errors(tiny_small, tmp_path):
     assert saved["threshold"] is not None and saved["search"]["chosen"]["ppl_delta_rel"] <= 0.01
 
     # the runtime gates by default with the stored T_g, and says so; --gating-threshold 0 turns it off
-    r = _cli("generate", *m, "--prompt", "The list", "--greedy", "-n", "12", "--json")
+    r = cli(["generate", *m, "--prompt", "The list", "--greedy", "-n", "12", "--json"])
     assert r.exit_code == 0, r.output
     on = json.loads(r.stdout)["stats"]
-    r = _cli("generate", *m, "--prompt", "The list", "--greedy", "-n", "12", "--json", "--gating-threshold", "0")
+    r = cli(["generate", *m, "--prompt", "The list", "--greedy", "-n", "12", "--json", "--gating-threshold", "0"])
     off = json.loads(r.stdout)["stats"]
     assert off["experts_per_token"] == 2.0 and on["experts_per_token"] <= 2.0
     from moectl.runtime.engine import Engine
@@ -208,8 +202,8 @@ def test_cli_sensitivity_default_threshold_and_errors(tiny_small, tmp_path):
     assert "sensitivity.json" in eng.generate("The list", max_new_tokens=3).stats["gating"]
 
     # eval with the stored gating vs off
-    r = _cli("eval", *m, "--dataset", "small", "--max-tokens", "512", "--window", "64", "--generate", "8", "--json",
-             "--gating-threshold", "0")
+    r = cli(["eval", *m, "--dataset", "small", "--max-tokens", "512", "--window", "64", "--generate", "8", "--json",
+             "--gating-threshold", "0"])
     assert r.exit_code == 0, r.output
     e = json.loads(r.stdout)
     assert set(e) >= {"ppl", "ppl_lossless", "ppl_delta_rel", "greedy_agreement", "experts_per_token",
@@ -218,13 +212,13 @@ def test_cli_sensitivity_default_threshold_and_errors(tiny_small, tmp_path):
 
     # bad input: negative threshold, too little text, another model's sensitivities
     for args in (["--gating-threshold", "-1"], ["--gating", "score"]):
-        r = _cli("generate", *m, "--prompt", "x", "-n", "2", *args)
+        r = cli(["generate", *m, "--prompt", "x", "-n", "2", *args])
         assert r.exit_code != 0 and isinstance(r.exception, MoectlError), args
-    r = _cli("sensitivity", *m, "--dataset", "small", "--max-tokens", "10", "--window", "64")
+    r = cli(["sensitivity", *m, "--dataset", "small", "--max-tokens", "10", "--window", "64"])
     assert isinstance(r.exception, MoectlError) and "fewer than one window" in str(r.exception)
     saved["fingerprint"] = "mixtral:000000000000"
     (wd / "sensitivity.json").write_text(json.dumps(saved))
-    r = _cli("generate", *m, "--prompt", "x", "-n", "2")
+    r = cli(["generate", *m, "--prompt", "x", "-n", "2"])
     assert isinstance(r.exception, MoectlError) and "made for model mixtral:000000000000" in str(r.exception)
 
 
@@ -238,10 +232,10 @@ def test_cli_errors_are_one_line(tiny_small, tmp_path):
 
 # ------------------------------------------------------------------------------------------- simulator
 @needs_shared
-def test_simulate_score_gating_saves_loads_on_a_real_trace():
+def test_simulate_score_gating_saves_loads_on_a_real_trace(cli):
     trace = SHARED_TRACES / "mixtral-8x7b.gsm8k.jsonl"               # one of the traces with gate weights
-    base = _cli("simulate", "--trace", str(trace), "--cache-fraction", "0.5", "--json")
-    gated = _cli("simulate", "--trace", str(trace), "--cache-fraction", "0.5", "--gating", "score:0.3", "--json")
+    base = cli(["simulate", "--trace", str(trace), "--cache-fraction", "0.5", "--json"])
+    gated = cli(["simulate", "--trace", str(trace), "--cache-fraction", "0.5", "--gating", "score:0.3", "--json"])
     assert base.exit_code == 0 and gated.exit_code == 0, gated.output
     b, g = json.loads(base.stdout), json.loads(gated.stdout)
     assert b["experts_per_token"] == 2.0 and g["experts_per_token"] < 1.9

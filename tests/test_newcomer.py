@@ -13,21 +13,11 @@ import re
 
 import numpy as np
 import pytest
-from model_factory import build_family, save_tokenizer
 from test_bad_input import assert_one_error, run_cli
 
 from moectl.errors import MoectlError
 from moectl.artifacts.routing_jsonl import write_jsonl
 from moectl.core.trace import DECODE, Trace
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A random 4-layer Mixtral (8 experts, top-2) with a tokenizer: L, E, K = 4, 8, 2."""
-    out = tmp_path_factory.mktemp("mixtral")
-    build_family("mixtral", out)
-    save_tokenizer(out)
-    return out
 
 
 def toy_trace(path, L: int, E: int, K: int, n: int = 6, model: str = "toy"):
@@ -48,11 +38,11 @@ def routing_predictors(out, L: int, E: int, K: int):
     return str(out)
 
 
-def test_predictors_of_another_model_are_one_error_not_an_index_error(model, tmp_path, capsys, monkeypatch):
+def test_predictors_of_another_model_are_one_error_not_an_index_error(random_mixtral, tmp_path, capsys, monkeypatch):
     from moectl.predictors.file import load_predictors
 
     preds = routing_predictors(tmp_path / "p", 16, 64, 8)
-    code, _, err = run_cli(["generate", "--model", str(model), "--prompt", "def", "--max-new-tokens", "2",
+    code, _, err = run_cli(["generate", "--model", str(random_mixtral), "--prompt", "def", "--max-new-tokens", "2",
                             "--emulate-device", "--cache-experts", "8", "--prefetch", "routing", "--predictor", preds],
                            capsys, monkeypatch)
     assert_one_error(code, err, "16 MoE layers x 64 experts", "4 MoE layers x 8 experts", "train-predictor")
@@ -61,34 +51,34 @@ def test_predictors_of_another_model_are_one_error_not_an_index_error(model, tmp
     assert load_predictors(preds, expect_shape=(16, 64)).routing.E == 64
     # the default prefetch (auto) checks the shape of a workdir's predictors too, and an explicit --predictor that
     # does not exist is an error, not silently the fallback
-    code, _, err = run_cli(["generate", "--model", str(model), "--prompt", "def", "--max-new-tokens", "2",
+    code, _, err = run_cli(["generate", "--model", str(random_mixtral), "--prompt", "def", "--max-new-tokens", "2",
                             "--emulate-device", "--cache-experts", "8", "--predictor", str(tmp_path / "nowhere")],
                            capsys, monkeypatch)
     assert_one_error(code, err, "--predictor", "nowhere", "does not exist")
 
 
-def test_train_predictor_refuses_a_trace_of_another_shape(model, tmp_path, capsys, monkeypatch):
+def test_train_predictor_refuses_a_trace_of_another_shape(random_mixtral, tmp_path, capsys, monkeypatch):
     olmoe = toy_trace(tmp_path / "olmoe.jsonl", 16, 64, 8)
-    code, _, err = run_cli(["train-predictor", "--model", str(model), "--traces", olmoe, "--kind", "routing",
+    code, _, err = run_cli(["train-predictor", "--model", str(random_mixtral), "--traces", olmoe, "--kind", "routing",
                             "--out", str(tmp_path / "out")], capsys, monkeypatch)
     assert_one_error(code, err, "16 MoE layers x 64 experts, top-8", "4 MoE layers x 8 experts, top-2")
     assert not (tmp_path / "out" / "predictors.json").exists()
     topk = toy_trace(tmp_path / "top4.jsonl", 4, 8, 4)                        # same layers and experts, top-4
-    code, _, err = run_cli(["train-predictor", "--model", str(model), "--traces", topk, "--kind", "routing",
+    code, _, err = run_cli(["train-predictor", "--model", str(random_mixtral), "--traces", topk, "--kind", "routing",
                             "--out", str(tmp_path / "out")], capsys, monkeypatch)
     assert_one_error(code, err, "top-4", "top-2")
     same = toy_trace(tmp_path / "same.jsonl", 4, 8, 2, n=40)                  # the model's own shape trains
-    code, out, err = run_cli(["train-predictor", "--model", str(model), "--traces", same, "--kind", "routing",
+    code, out, err = run_cli(["train-predictor", "--model", str(random_mixtral), "--traces", same, "--kind", "routing",
                               "--out", str(tmp_path / "out"), "--json"], capsys, monkeypatch)
     assert code == 0, err
     assert (json.loads(out)["num_layers"], json.loads(out)["num_experts"]) == (4, 8)
 
 
-def test_replay_trace_of_another_shape_is_one_error(model, tmp_path, capsys, monkeypatch):
+def test_replay_trace_of_another_shape_is_one_error(random_mixtral, tmp_path, capsys, monkeypatch):
     from moectl.runtime.replay import RoutingReplay
 
     deeper = toy_trace(tmp_path / "deep.jsonl", 32, 8, 2)                     # a Mixtral-deep trace on 4 layers
-    code, _, err = run_cli(["generate", "--model", str(model), "--prompt", "def", "--max-new-tokens", "2",
+    code, _, err = run_cli(["generate", "--model", str(random_mixtral), "--prompt", "def", "--max-new-tokens", "2",
                             "--replay-trace", deeper], capsys, monkeypatch)
     assert_one_error(code, err, "32 MoE layers x 8 experts", "4 MoE layers x 8 experts", "deep.jsonl")
     with pytest.raises(MoectlError, match="top-4"):
@@ -143,8 +133,9 @@ def test_trace_import_refuses_a_non_empty_out(tmp_path, capsys, monkeypatch):
     assert code == 0 and (tmp_path / "new" / "meta.json").exists(), err
 
 
-def test_policy_name_errors_list_what_the_command_takes(model, tmp_path, capsys, monkeypatch):
-    runtime = ["generate", "--model", str(model), "--prompt", "def", "--max-new-tokens", "1", "--emulate-device"]
+def test_policy_name_errors_list_what_the_command_takes(random_mixtral, tmp_path, capsys, monkeypatch):
+    runtime = ["generate", "--model", str(random_mixtral), "--prompt", "def", "--max-new-tokens", "1",
+               "--emulate-device"]
     code, _, err = run_cli(runtime + ["--prefetch", "psychic"], capsys, monkeypatch)
     assert_one_error(code, err, "auto, none, gate-reuse, eam, routing, mlp, aux-gate")
     assert "oracle" not in err
@@ -223,9 +214,9 @@ def test_simulate_table_cuts_no_number_at_80_columns(capsys, monkeypatch):
         assert f" {v} " in row
 
 
-def test_readme_relative_calibration_path_says_the_set_name(model, tmp_path, capsys, monkeypatch):
+def test_readme_relative_calibration_path_says_the_set_name(random_mixtral, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)                       # outside the repo: README's relative path is not there
-    code, _, err = run_cli(["profile", "--model", str(model), "--dataset", "calibration/default.yaml",
+    code, _, err = run_cli(["profile", "--model", str(random_mixtral), "--dataset", "calibration/default.yaml",
                             "--workdir", str(tmp_path / "wd")], capsys, monkeypatch)
     assert_one_error(code, err, "calibration/default.yaml does not exist", str(tmp_path), "`--dataset default`")
 
@@ -250,7 +241,7 @@ def test_usage_without_a_sub_command_still_prints_its_help(capsys, monkeypatch):
     assert code == 2 and "import" in out + err and "export" in out + err and "error:" not in out + err
 
 
-def test_server_names_a_bad_number_as_a_number(model):
+def test_server_names_a_bad_number_as_a_number(random_mixtral):
     pytest.importorskip("fastapi", reason="moectl[serve] is not installed")
     import httpx
     from serve_helpers import MODEL, thread_server
@@ -258,7 +249,7 @@ def test_server_names_a_bad_number_as_a_number(model):
     from moectl.runtime.engine import Engine
 
     msgs = [{"role": "user", "content": "hi"}]
-    with thread_server(Engine.load(str(model), progress=False)) as live:
+    with thread_server(Engine.load(str(random_mixtral), progress=False)) as live:
         def ask(**body):
             return httpx.post(live.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs} | body,
                               timeout=60)

@@ -17,19 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from model_factory import build_family, save_tokenizer
 from test_bad_input import assert_one_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A random 4-layer Mixtral (8 experts, top-2) with a tokenizer."""
-    out = tmp_path_factory.mktemp("mixtral-tracebacks")
-    build_family("mixtral", out)
-    save_tokenizer(out)
-    return out
 
 
 @pytest.fixture
@@ -49,31 +39,32 @@ def the_error(code: int, err: str) -> str:
 
 
 # --- text that is not UTF-8 ---------------------------------------------------------------------------------------
-def test_chat_input_that_is_not_utf8_is_one_error(model, capsys, monkeypatch):
+def test_chat_input_that_is_not_utf8_is_one_error(random_mixtral, capsys, monkeypatch):
     # stdin as Python opens it on a pipe: undecodable bytes become lone surrogates (surrogateescape)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi \xff\xfe there\n"), encoding="utf-8",
                                                        errors="surrogateescape"))
-    code, out, err = run_cli(["chat", "--model", str(model), "-n", "2", "--device", "cpu"], capsys, monkeypatch)
+    code, out, err = run_cli(["chat", "--model", str(random_mixtral), "-n", "2", "--device", "cpu"], capsys,
+                             monkeypatch)
     assert the_error(code, err) == "error: input line 1 is not UTF-8 text: byte 0xff at character 4; convert it to " \
                                    "UTF-8 first"
 
 
-def test_a_prompt_that_is_not_utf8_is_one_error_before_loading(model, capsys, monkeypatch):
+def test_a_prompt_that_is_not_utf8_is_one_error_before_loading(random_mixtral, capsys, monkeypatch):
     import moectl.runtime.engine as engine
 
     monkeypatch.setattr(engine.Engine, "load", classmethod(lambda *a, **kw: pytest.fail("loaded")))
-    code, out, err = run_cli(["generate", "--model", str(model), "-p", "caf\udce9"], capsys, monkeypatch)
+    code, out, err = run_cli(["generate", "--model", str(random_mixtral), "-p", "caf\udce9"], capsys, monkeypatch)
     assert_one_error(code, err, "--prompt is not UTF-8 text: byte 0xe9 at character 4")
 
 
-def test_a_chat_session_refuses_the_message_and_keeps_its_history(model, monkeypatch):
+def test_a_chat_session_refuses_the_message_and_keeps_its_history(random_mixtral, monkeypatch):
     from rich.console import Console
 
     import moectl.serve.chat as chat
     from moectl.errors import MoectlError
     from moectl.runtime.engine import Engine
 
-    session = chat.ChatSession(Engine.load(str(model), progress=False), max_new_tokens=2)
+    session = chat.ChatSession(Engine.load(str(random_mixtral), progress=False), max_new_tokens=2)
     with pytest.raises(MoectlError, match="the message is not UTF-8 text: byte 0xff at character 1"):
         session.ask("\udcff")
     assert session.messages == []
@@ -130,13 +121,14 @@ def test_report_out_that_cannot_be_made_is_one_error(tmp_path, a_file, capsys, m
     ("quantize", ["--device", "cpu"], "the workdir"),
     ("profile", ["--device", "cpu", "--dataset", "builtin"], "the trace directory"),
 ])
-def test_a_workdir_that_cannot_be_written_is_one_error_before_the_work(model, a_file, capsys, monkeypatch, command,
-                                                                       extra, what):
+def test_a_workdir_that_cannot_be_written_is_one_error_before_the_work(random_mixtral, a_file, capsys, monkeypatch,
+                                                                       command, extra, what):
     import moectl.runtime.engine as engine
 
     monkeypatch.setattr(engine.Engine, "load", classmethod(lambda *a, **kw: pytest.fail("loaded")))
     workdir = a_file / "wd"
-    code, _, err = run_cli([command, "--model", str(model), "--workdir", str(workdir), *extra], capsys, monkeypatch)
+    code, _, err = run_cli([command, "--model", str(random_mixtral), "--workdir", str(workdir), *extra], capsys,
+                           monkeypatch)
     assert_one_error(code, err, f"cannot write to {what} {workdir}", ": Not a directory", "--workdir")
 
 

@@ -59,13 +59,9 @@ def test_defaults_and_missing_inputs():
     assert build_prefetch("mlp", PolicyInputs(4, 8, 2, mlp=Mlp())).depth == 3     # the predictor's lookaheads
 
 
-def test_cli_help_lists_the_registry():
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
+def test_cli_help_lists_the_registry(cli):
     for cmd in ("simulate", "generate", "profile"):
-        out = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "400"}).output
+        out = cli([cmd, "--help"], env={"COLUMNS": "400"}).output
         for name in REPLACEMENT_NAMES:
             if name != "belady" or cmd == "simulate":
                 assert name in out, (cmd, name)

@@ -225,16 +225,12 @@ def _write_trace_dir(trace: Trace, out: Path) -> Path:
     return out
 
 
-def test_cli_train_predictor(mini_trace, tmp_path, monkeypatch):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
+def test_cli_train_predictor(cli, mini_trace, tmp_path, monkeypatch):
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
     tdir = _write_trace_dir(mini_trace, tmp_path / "traces")
     out = tmp_path / "pred"
-    res = CliRunner().invoke(app, ["train-predictor", "--traces", str(tdir), "--kind", "mlp", "--lookahead", "1,2",
-                                   "--epochs", "3", "--width", "32", "--out", str(out), "--json"])
+    res = cli(["train-predictor", "--traces", str(tdir), "--kind", "mlp", "--lookahead", "1,2",
+               "--epochs", "3", "--width", "32", "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout[res.stdout.index("{"):])
     assert result["kinds"] == ["mlp"] and result["lookahead"] == [1, 2]
@@ -244,8 +240,8 @@ def test_cli_train_predictor(mini_trace, tmp_path, monkeypatch):
     ps = load_predictors(out, expect_fingerprint=mini_trace.fingerprint)
     assert ps.mlp.lookaheads == [1, 2] and ps.mlp.targets(0) == [1, 2]
     # human output: one table per lookahead
-    res = CliRunner().invoke(app, ["train-predictor", "--traces", str(tdir), "--kind", "aux-gate",
-                                   "--epochs", "2", "--out", str(out)])
+    res = cli(["train-predictor", "--traces", str(tdir), "--kind", "aux-gate",
+               "--epochs", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "aux gate" in res.output and load_predictors(out).kinds == ["mlp", "aux_gate"]
 
@@ -287,16 +283,12 @@ def test_routing_other_file_beats_frequency(model):
 
 
 @needs_shared
-def test_cli_routing_needs_no_model(tmp_path, monkeypatch):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
+def test_cli_routing_needs_no_model(cli, tmp_path, monkeypatch):
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
     src = tmp_path / "gptoss.math.jsonl"                 # a short copy: header + 96 tokens
     src.write_text("".join((SHARED_TRACES / "gptoss.math.jsonl").read_text().splitlines(True)[:97]))
-    res = CliRunner().invoke(app, ["train-predictor", "--traces", str(src), "--kind", "routing", "--lookahead", "1",
-                                   "--epochs", "20", "--json"])
+    res = cli(["train-predictor", "--traces", str(src), "--kind", "routing", "--lookahead", "1",
+               "--epochs", "20", "--json"])
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout[res.stdout.index("{"):])
     assert result["kinds"] == ["routing"] and result["fingerprint"] is None

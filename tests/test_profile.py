@@ -195,20 +195,17 @@ def test_fingerprint_mismatch_and_truncated_shard_are_clear_errors(tiny, tmp_pat
         load_trace(tmp_path / "t")
 
 
-def test_profile_cli_json_and_export(tiny, tmp_path):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
+def test_profile_cli_json_and_export(cli, tiny, tmp_path):
     from moectl.artifacts.trace_dir import load_trace
 
     ckpt, data = tiny
-    r = CliRunner().invoke(app, ["profile", "--model", str(ckpt), "--dataset", str(data), "--max-tokens", "12",
-                                 "--generate", "2", "--hidden-samples", "5", "--device", "cpu", "--json"])
+    r = cli(["profile", "--model", str(ckpt), "--dataset", str(data), "--max-tokens", "12",
+             "--generate", "2", "--hidden-samples", "5", "--device", "cpu", "--json"])
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     out = tmp_path / "home" / "tinymix" / "traces"                              # default: <workdir>/traces
     assert summary["out"] == str(out) and summary["samples"] == 5 and summary["hidden_samples"] == 5
-    r = CliRunner().invoke(app, ["trace", "export", str(out), "--out", str(tmp_path / "t.jsonl")])
+    r = cli(["trace", "export", str(out), "--out", str(tmp_path / "t.jsonl")])
     assert r.exit_code == 0, r.output
     a, b = load_trace(out), load_trace(tmp_path / "t.jsonl")
     np.testing.assert_array_equal(a.experts, b.experts)

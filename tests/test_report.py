@@ -10,10 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from moectl.calib.report import analyze, hit_rates, reuse_stats, usage_entropy
-from moectl.cli import app
 from moectl.policies.base import LRU
 from moectl.core.trace import Trace
 
@@ -33,8 +31,8 @@ def _trace(ids: list[list[int]], requests: list[str] | None = None, E: int = 3) 
 
 
 @needs_shared
-def test_report_on_olmoe_writes_pngs_and_belady_beats_lru_everywhere(tmp_path):
-    r = CliRunner().invoke(app, ["report", "--traces", str(OLMOE), "--out", str(tmp_path / "rep"), "--json"])
+def test_report_on_olmoe_writes_pngs_and_belady_beats_lru_everywhere(cli, tmp_path):
+    r = cli(["report", "--traces", str(OLMOE), "--out", str(tmp_path / "rep"), "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert set(s["plots"]) == {"usage_heatmap", "reuse_distance", "hit_rate"}
@@ -80,13 +78,13 @@ def test_reuse_within_and_across_requests_and_entropy():
     assert a["cache_sizes"] == [1, 2, 3] and a["requests"] == 2 and a["top_expert_share"][0] == 0.5
 
 
-def test_report_errors_are_clear(tmp_path):
-    r = CliRunner().invoke(app, ["report", "--traces", str(tmp_path / "missing.jsonl")])
+def test_report_errors_are_clear(cli, tmp_path):
+    r = cli(["report", "--traces", str(tmp_path / "missing.jsonl")])
     assert r.exit_code != 0 and "does not exist" in str(r.exception)
     bad = tmp_path / "x.jsonl"
     bad.write_text('{"format": "moe-routing-v1", "model": "m", "num_layers": 1, "num_experts": 3, "top_k": 1}\n'
                    '{"request": "a", "pos": 0, "phase": "decode", "experts": [[0]]}\n')
-    r = CliRunner().invoke(app, ["report", "--traces", str(bad), "--cache-sizes", "0,9"])
+    r = cli(["report", "--traces", str(bad), "--cache-sizes", "0,9"])
     assert r.exit_code != 0 and "cache sizes must be between" in str(r.exception)
-    r = CliRunner().invoke(app, ["report", "--traces", str(bad), "--phase", "prefill"])
+    r = cli(["report", "--traces", str(bad), "--phase", "prefill"])
     assert r.exit_code != 0 and "no prefill tokens" in str(r.exception)

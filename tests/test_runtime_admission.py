@@ -198,19 +198,15 @@ def test_runtime_and_simulator_admit_the_same_predictions(tiny_small, reference,
     assert 0 < counts["on"] < counts["off"]
 
 
-def test_admission_flag_on_generate(tiny_small, tmp_path, monkeypatch):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
+def test_admission_flag_on_generate(cli, tiny_small, tmp_path, monkeypatch):
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
     base = ["generate", "--model", str(tiny_small), "--prompt", PROMPT, "--max-new-tokens", "8", "--emulate-device",
             "--cache-experts", "8", "--prefetch", "gate-reuse", "--threads", "1", "--json"]
-    r = CliRunner().invoke(app, base + ["--admission", "maybe"])       # the console script prints it as error:
+    r = cli(base + ["--admission", "maybe"])       # the console script prints it as error:
     assert isinstance(r.exception, MoectlError) and "--admission" in str(r.exception)
     outs = {}
     for adm in ("off", "on"):
-        r = CliRunner().invoke(app, base + ["--admission", adm])
+        r = cli(base + ["--admission", adm])
         assert r.exit_code == 0, r.output
         outs[adm] = json.loads(r.stdout.strip().splitlines()[-1])
     assert outs["on"]["text"] == outs["off"]["text"]

@@ -7,35 +7,33 @@ import json
 import re
 
 import pytest
-from typer.testing import CliRunner
 
-from moectl.cli import app
 from moectl.commands._common import _runtime_option_table
 
 RUNTIME_COMMANDS = ("generate", "chat", "eval", "serve", "bench")
 
 
-def options_of(command: str) -> set[str]:
-    out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "300"}).output
+def options_of(cli, command: str) -> set[str]:
+    out = cli([command, "--help"], env={"COLUMNS": "300"}).output
     return set(re.findall(r"(--[a-z0-9-]+)", out))
 
 
-def test_every_runtime_command_takes_the_same_runtime_options():
+def test_every_runtime_command_takes_the_same_runtime_options(cli):
     shared = {opt.param_decls[0] for _, _, opt in _runtime_option_table()}
     assert {"--gating-threshold", "--gating", "--gate-prefill", "--cpu-experts", "--no-plan"} <= shared
     for command in RUNTIME_COMMANDS:
-        assert shared <= options_of(command), (command, shared - options_of(command))
+        assert shared <= options_of(cli, command), (command, shared - options_of(cli, command))
     # bench's own help for the two it reads its own way; every flag bench had before still works
-    out = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "300"}).output
+    out = cli(["bench", "--help"], env={"COLUMNS": "300"}).output
     assert "default: half the experts" in out and "--emulate-device is implied" in out
     assert {"--model", "--prompt-len", "--gen-len", "--repeat", "--baselines", "--what", "--model-shape",
-            "--json"} <= options_of("bench")
+            "--json"} <= options_of(cli, "bench")
 
 
-def test_generate_json_reports_config_sources_lossy_and_no_future_warning(tiny_small):
-    r = CliRunner().invoke(app, ["generate", "--model", str(tiny_small), "--prompt", "The cache", "-n", "3",
-                                 "--greedy", "--emulate-device", "--cache-experts", "6", "--replacement", "lfu",
-                                 "--json"])
+def test_generate_json_reports_config_sources_lossy_and_no_future_warning(cli, tiny_small):
+    r = cli(["generate", "--model", str(tiny_small), "--prompt", "The cache", "-n", "3",
+             "--greedy", "--emulate-device", "--cache-experts", "6", "--replacement", "lfu",
+             "--json"])
     assert r.exit_code == 0, r.output
     assert "FutureWarning" not in r.output and "deprecated" not in r.output
     d = json.loads(r.stdout.strip().splitlines()[-1])
@@ -62,10 +60,10 @@ def test_a_plan_in_place_on_a_cpu_says_its_slots_do_not_apply(tiny_small, tmp_pa
     assert emulated.cache.slots_per_layer == [2] * L and f"{2 * L} expert slots" in emulated.plan_note
 
 
-def test_inspect_without_device_reports_the_device_this_machine_has(tiny_small):
+def test_inspect_without_device_reports_the_device_this_machine_has(cli, tiny_small):
     import torch
 
-    r = CliRunner().invoke(app, ["inspect", "--model", str(tiny_small), "--json"])
+    r = cli(["inspect", "--model", str(tiny_small), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["memory"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -95,7 +93,7 @@ def test_generate_uses_no_deprecated_transformers_api(tiny_small):
     assert "FutureWarning" not in r.stderr and len(json.loads(r.stdout)["token_ids"]) == 3
 
 
-def test_bench_takes_the_shared_runtime_options(tiny_small, tmp_path, monkeypatch):
+def test_bench_takes_the_shared_runtime_options(cli, tiny_small, tmp_path, monkeypatch):
     """bench --model on the shared declaration: --no-plan drops the moectl-plan row (the workdir has a plan), and
     options bench had no flag for before reach its moectl row (--staging-buffers 0 under --prefetch gate-reuse)."""
     from test_speed import bench_workdir
@@ -105,7 +103,7 @@ def test_bench_takes_the_shared_runtime_options(tiny_small, tmp_path, monkeypatc
             "--repeat", "1", "--cache-experts", "8", "--baselines", "moectl-plan,lru", "--threads", "1", "--json"]
     runs = {}
     for extra in ([], ["--no-plan", "--prefetch", "gate-reuse", "--staging-buffers", "0"]):
-        r = CliRunner().invoke(app, base + extra)
+        r = cli(base + extra)
         assert r.exit_code == 0, r.output
         runs[tuple(extra)] = json.loads(r.stdout.strip().splitlines()[-1])["runs"]
     assert set(runs[()]) == {"moectl", "moectl-plan", "lru"}

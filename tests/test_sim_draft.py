@@ -187,14 +187,6 @@ def test_union_ratio():
 
 # ----------------------------------------------------------------------------- the command
 
-def cli(args):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
-    return CliRunner().invoke(app, args)
-
-
 def error_of(args, capsys, monkeypatch) -> str:
     """`moectl ARGS` through the real entry point, which must fail with one `error:` line (exit 2): that line."""
     from test_bad_input import run_cli
@@ -218,7 +210,7 @@ def trace_file(tmp_path_factory):
     return p
 
 
-def test_simulate_draft_json(trace_file):
+def test_simulate_draft_json(cli, trace_file):
     res = cli(["simulate", "-t", str(trace_file), "--cache-fraction", "0.25", "--draft-tokens", "3",
                "--acceptance", "1.0", "--json"])
     assert res.exit_code == 0, res.output
@@ -230,7 +222,7 @@ def test_simulate_draft_json(trace_file):
     assert dr["acceptance"]["per_position"] == [1.0]
 
 
-def test_simulate_reads_an_acceptance_file(trace_file, tmp_path):
+def test_simulate_reads_an_acceptance_file(cli, trace_file, tmp_path):
     f = tmp_path / "acc.json"
     f.write_text(json.dumps(Acceptance([0.9, 0.8], passes=10, source="measured").to_json()))
     res = cli(["simulate", "-t", str(trace_file), "--cache-fraction", "0.25", "--draft-tokens", "auto",

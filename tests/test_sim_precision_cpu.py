@@ -405,15 +405,7 @@ def mixtral_weighted(tmp_path_factory):
     return p
 
 
-def cli(args):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
-    return CliRunner().invoke(app, args)
-
-
-def test_simulate_precision_cpu_and_admission_flags(mixtral_weighted, tmp_path):
+def test_simulate_precision_cpu_and_admission_flags(cli, mixtral_weighted, tmp_path):
     import yaml
 
     from moectl.sim.cost import HARDWARE_DIR

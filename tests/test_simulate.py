@@ -219,15 +219,7 @@ def mixtral_like(tmp_path_factory):
     return paths
 
 
-def cli(args):
-    from typer.testing import CliRunner
-
-    from moectl.cli import app
-
-    return CliRunner().invoke(app, args)
-
-
-def test_simulate_json_fields(mixtral_like):
+def test_simulate_json_fields(cli, mixtral_like):
     res = cli(["simulate", "--trace", str(mixtral_like[0]), "--cache-fraction", "0.5", "--replacement", "lru",
                "--prefetch", "none", "--hardware", "rtx4090-pcie4", "--json"])
     assert res.exit_code == 0, res.output
@@ -241,7 +233,7 @@ def test_simulate_json_fields(mixtral_like):
     assert d["ms_per_token"] >= d["lower_bound_ms_per_token"]
 
 
-def test_preload_is_the_planning_traces_hot_set_and_saves_the_first_tokens_misses(mixtral_like, tmp_path):
+def test_preload_is_the_planning_traces_hot_set_and_saves_the_first_tokens_misses(cli, mixtral_like, tmp_path):
     """A plan's preload: per layer the experts its trace used most (ties to the lower id), up to the slots; with it
     `simulate --plan` starts warm, so the first tokens miss less than the same slots started empty."""
     from moectl.core.cache_model import hot_experts
@@ -276,7 +268,7 @@ def test_preload_is_the_planning_traces_hot_set_and_saves_the_first_tokens_misse
     assert isinstance(res.exception, MoectlError) and "preload" in str(res.exception)
 
 
-def test_simulate_compare_with_routing_trained_on_other_file(mixtral_like):
+def test_simulate_compare_with_routing_trained_on_other_file(cli, mixtral_like):
     res = cli(["simulate", "--trace", str(mixtral_like[0]), "--train-on", str(mixtral_like[1]),
                "--cache-experts", "128", "--compare", "--json"])
     assert res.exit_code == 0, res.output
@@ -285,7 +277,7 @@ def test_simulate_compare_with_routing_trained_on_other_file(mixtral_like):
         ("lru", "none"), ("lfu", "none"), ("moe-infinity", "eam"), ("ours", "routing")]
 
 
-def test_simulate_refuses_training_on_the_simulated_trace(mixtral_like):
+def test_simulate_refuses_training_on_the_simulated_trace(cli, mixtral_like):
     res = cli(["simulate", "--trace", str(mixtral_like[0]), "--train-on", str(mixtral_like[0]),
                "--cache-fraction", "0.5", "--prefetch", "routing"])
     assert isinstance(res.exception, MoectlError) and "never be trained" in str(res.exception)

@@ -7,9 +7,6 @@ import json
 
 import pytest
 import yaml
-from typer.testing import CliRunner
-
-from moectl.cli import app
 
 
 def _trace(tmp_path, model, L, E, K):
@@ -22,7 +19,7 @@ def _trace(tmp_path, model, L, E, K):
     return trace
 
 
-def test_the_same_budget_gives_the_same_slots_everywhere(tiny_small, tmp_path):
+def test_the_same_budget_gives_the_same_slots_everywhere(cli, tiny_small, tmp_path):
     from moectl.store.facts import model_sizes
     from moectl.runtime.engine import Engine
     from moectl.core.sizing import workspace_bytes
@@ -35,16 +32,16 @@ def test_the_same_budget_gives_the_same_slots_everywhere(tiny_small, tmp_path):
     trace = _trace(tmp_path, tiny_small, L, E, K)
 
     runtime = Engine.load(str(tiny_small), budget=budget, emulate_device=True, progress=False)
-    r = CliRunner().invoke(app, ["inspect", "--model", str(tiny_small), "--budget", budget, "--device", "cuda",
-                                 "--json"])
+    r = cli(["inspect", "--model", str(tiny_small), "--budget", budget, "--device", "cuda",
+             "--json"])
     assert r.exit_code == 0, r.output
     inspect = json.loads(r.stdout)["memory"]["full_slots"]
-    r = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--budget", budget, "--json"])
+    r = cli(["simulate", "--trace", str(trace), "--budget", budget, "--json"])
     assert r.exit_code == 0, r.output
     simulate = json.loads(r.stdout)["slots"]["full"]
     out = tmp_path / "plan.yaml"
-    r = CliRunner().invoke(app, ["plan-cache", "--model", str(tiny_small), "--budget", budget, "--traces", str(trace),
-                                 "--prefetch", "none", "--cpu-experts", "never", "--out", str(out)])
+    r = cli(["plan-cache", "--model", str(tiny_small), "--budget", budget, "--traces", str(trace),
+             "--prefetch", "none", "--cpu-experts", "never", "--out", str(out)])
     assert r.exit_code == 0, r.output
     plan = yaml.safe_load(out.read_text())
     assert sum(runtime.cache.slots_per_layer) == inspect == simulate == sum(plan["slots"]) == 5
@@ -65,8 +62,8 @@ def q4_workdir(tiny_small, tmp_path_factory):
     ("lowbit-only", 1.7, "none", {"low": 10}),              # every byte q4, no full-precision slot
     ("lowbit-only", 1.7, "eam", {"low": 8}),                # two q4 staging buffers off the budget first
 ])
-def test_the_same_budget_gives_the_same_low_bit_pools_everywhere(tiny_small, q4_workdir, tmp_path, precision,
-                                                                 experts, prefetch, want):
+def test_the_same_budget_gives_the_same_low_bit_pools_everywhere(cli, tiny_small, q4_workdir, tmp_path, precision,
+                                                                      experts, prefetch, want):
     """The low-bit pools too (issue 29): one budget, the same {precision: slots} in the runtime, `simulate`,
     `inspect` and the even split `plan-cache` measures its plan against; the low-bit copy is priced at the bytes
     the runtime's copies take (fp32 checkpoint: fp32 scales and zeros), and at lowbit-only there is no full pool."""
@@ -84,21 +81,21 @@ def test_the_same_budget_gives_the_same_low_bit_pools_everywhere(tiny_small, q4_
                       lowbit="q4g64", precision=precision, prefetch=prefetch, cpu_experts="never", plan=None)
     runtime = {p: sum(eng.cache.state.capacity(l, p) for l in range(L)) for p in eng.cache.state.counts}
     assert eng.cache.state.staging == (2 if prefetch != "none" else 0)
-    r = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--budget", budget, "--prefetch", prefetch,
-                                 "--json", *q4])
+    r = cli(["simulate", "--trace", str(trace), "--budget", budget, "--prefetch", prefetch,
+             "--json", *q4])
     assert r.exit_code == 0, r.output
     simulate = json.loads(r.stdout)["slots"]
     out = tmp_path / "plan.yaml"
-    r = CliRunner().invoke(app, ["plan-cache", "--model", str(tiny_small), "--budget", budget, "--traces", str(trace),
-                                 "--prefetch", prefetch, "--cpu-experts", "never", "--out", str(out), *q4])
+    r = cli(["plan-cache", "--model", str(tiny_small), "--budget", budget, "--traces", str(trace),
+             "--prefetch", prefetch, "--cpu-experts", "never", "--out", str(out), *q4])
     assert r.exit_code == 0, r.output
     plan = yaml.safe_load(out.read_text())
     planned = {p: sum(plan[k]) for p, k in (("full", "uniform_slots"), ("low", "uniform_slots_low"))
                if sum(plan[k])}
     assert runtime == simulate == planned == want
     if prefetch == "none":                                   # inspect knows no prefetch (no staging buffers)
-        r = CliRunner().invoke(app, ["inspect", "--model", str(tiny_small), "--budget", budget, "--device", "cuda",
-                                     "--json", *q4])
+        r = cli(["inspect", "--model", str(tiny_small), "--budget", budget, "--device", "cuda",
+                 "--json", *q4])
         assert r.exit_code == 0, r.output
         m = json.loads(r.stdout)["memory"]
         assert {p: n for p, n in (("full", m["full_slots"]), ("low", m["lowbit_slots"])) if n} == want

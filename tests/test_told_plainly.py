@@ -123,17 +123,6 @@ def test_help_shows_flags_without_bool_and_groups_the_runtime_options(command, c
 
 
 # --- smaller ----------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    """A random 4-layer Mixtral (8 experts, top-2) with a tokenizer: L, E, K = 4, 8, 2."""
-    from model_factory import build_family, save_tokenizer
-
-    out = tmp_path_factory.mktemp("mixtral")
-    build_family("mixtral", out)
-    save_tokenizer(out)
-    return out
-
-
 def test_lossy_line_names_gating_once():
     """It printed "gating gating: sensitivity T_g=0.02"."""
     from types import SimpleNamespace
@@ -181,36 +170,36 @@ def test_a_directory_named_gguf_is_not_called_a_hugging_face_checkpoint(tmp_path
         assert "Hugging Face" not in err
 
 
-def test_serve_prints_its_url_on_stdout(mixtral, tmp_path, capsys, monkeypatch):
+def test_serve_prints_its_url_on_stdout(random_mixtral, tmp_path, capsys, monkeypatch):
     pytest.importorskip("fastapi", reason="moectl[serve] is not installed")
     import uvicorn
 
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)     # bound, loaded, not served
-    code, out, err = run_cli(["serve", "--model", str(mixtral), "--port", "0", "--threads", "1"], capsys,
+    code, out, err = run_cli(["serve", "--model", str(random_mixtral), "--port", "0", "--threads", "1"], capsys,
                              monkeypatch)
     assert code == 0, err
     assert re.search(r"^serving \S+ on http://127.0.0.1:\d+ ", out) and "http://" not in err
 
 
-def test_threads_beyond_the_cores_is_one_error(mixtral, capsys, monkeypatch):
+def test_threads_beyond_the_cores_is_one_error(random_mixtral, capsys, monkeypatch):
     from moectl.setting.options import usable_cores
 
     n = usable_cores() + 1
-    code, _, err = run_cli(["generate", "--model", str(mixtral), "-p", "hi", "--threads", str(n)], capsys,
+    code, _, err = run_cli(["generate", "--model", str(random_mixtral), "-p", "hi", "--threads", str(n)], capsys,
                            monkeypatch)
     assert_one_error(code, err, f"--threads {n} is more than the {usable_cores()} CPU cores this process may run on",
                      f"use --threads {usable_cores()} or fewer")
 
 
-def test_budget_in_place_on_a_cpu_says_it_has_no_effect(mixtral, tmp_path, monkeypatch):
+def test_budget_in_place_on_a_cpu_says_it_has_no_effect(random_mixtral, tmp_path, monkeypatch):
     from moectl.runtime.engine import Engine
 
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
-    eng = Engine.load(str(mixtral), budget="1GB", threads=1, progress=False)
+    eng = Engine.load(str(random_mixtral), budget="1GB", threads=1, progress=False)
     assert "--budget 1GB has no effect: on --device cpu with --offload ram the experts are computed in place" \
         in eng.plan_note
-    plain = Engine.load(str(mixtral), threads=1, progress=False)
+    plain = Engine.load(str(random_mixtral), threads=1, progress=False)
     assert "no effect" not in plain.plan_note
 
 
@@ -249,7 +238,7 @@ class _Records(list):
 
 
 @pytest.mark.parametrize("as_gguf", [False, True])
-def test_moectls_calls_into_transformers_are_silent(as_gguf, mixtral, tmp_path, monkeypatch):
+def test_moectls_calls_into_transformers_are_silent(as_gguf, random_mixtral, tmp_path, monkeypatch):
     """transformers 5.24 renamed `past_key_values` to `cache` and warns on every decode ("`past_key_values` is
     deprecated and will be removed in version 5.40.0 ... Use `cache` instead"); `config.torch_dtype` warns too (a
     GGUF load printed "`torch_dtype` is deprecated!"). A load, a prefill and two decode steps raise no
@@ -263,11 +252,11 @@ def test_moectls_calls_into_transformers_are_silent(as_gguf, mixtral, tmp_path, 
     from moectl.runtime.engine import Engine
 
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
-    path = mixtral
+    path = random_mixtral
     if as_gguf:
         from gguf_build import write_gguf
 
-        path = write_gguf(mixtral, tmp_path / "m.gguf")
+        path = write_gguf(random_mixtral, tmp_path / "m.gguf")
     with _Records() as logs, warnings.catch_warnings():
         for category in (FutureWarning, DeprecationWarning):
             for module in ("transformers", "moectl"):
@@ -296,13 +285,13 @@ def test_bench_overhead_prints_no_transformers_progress_bars(capfd):
 
 # --- a GGUF load: its progress and its peak ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def q4_gguf(mixtral, tmp_path_factory):
+def q4_gguf(random_mixtral, tmp_path_factory):
     """The random Mixtral as a GGUF with Q4_0 experts (repacked for the int4 kernel in place) and Q8_0 dense
     tensors."""
     from gguf import GGMLQuantizationType as T
     from gguf_build import write_gguf
 
-    return write_gguf(mixtral, tmp_path_factory.mktemp("gguf") / "q4.gguf", expert_encoding=T.Q4_0,
+    return write_gguf(random_mixtral, tmp_path_factory.mktemp("gguf") / "q4.gguf", expert_encoding=T.Q4_0,
                       dense_encoding=T.Q8_0)
 
 

@@ -9,10 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from moectl.artifacts.trace_dir import TraceWriter, export_jsonl, import_jsonl, read_meta, read_trace_dir
-from moectl.cli import app
 from moectl.errors import MoectlError
 from moectl.artifacts.trace_dir import load_trace
 from moectl.core.trace import DECODE, PREFILL, Trace, expert_activation_matrices, expert_activation_matrix
@@ -34,14 +32,14 @@ def test_import_export_round_trips_shared_traces_byte_for_byte(src, tmp_path):
 
 
 @needs_shared
-def test_trace_cli_import_export(tmp_path):
+def test_trace_cli_import_export(cli, tmp_path):
     src = SHARED / "traces" / "mixtral-8x7b.gsm8k.jsonl"
-    r = CliRunner().invoke(app, ["trace", "import", str(src), "--model-name", "mixtral", "--out", str(tmp_path / "t"),
-                                 "--json"])
+    r = cli(["trace", "import", str(src), "--model-name", "mixtral", "--out", str(tmp_path / "t"),
+             "--json"])
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert info["tokens"] == 244 and info["requests"] == 2 and info["weights"] is True
-    r = CliRunner().invoke(app, ["trace", "export", str(tmp_path / "t"), "--out", str(tmp_path / "o.jsonl")])
+    r = cli(["trace", "export", str(tmp_path / "t"), "--out", str(tmp_path / "o.jsonl")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o.jsonl").read_bytes() == src.read_bytes()
     eams = expert_activation_matrices(load_trace(tmp_path / "t"))
@@ -104,7 +102,7 @@ def test_resume_keeps_shards_and_rejects_another_model(tmp_path):
     assert read_meta(tmp_path)["num_tokens"] == 0 and not list(tmp_path.glob("shard-*"))
 
 
-def test_corrupt_directories_are_clear_errors(tmp_path):
+def test_corrupt_directories_are_clear_errors(cli, tmp_path):
     base = {"model": "toy", "fingerprint": "mixtral:aaaaaaaaaaaa", "num_layers": 2, "num_experts": 4, "top_k": 2}
     w = TraceWriter(tmp_path, base, shard_rows=1)
     for r in _toy():
@@ -125,7 +123,7 @@ def test_corrupt_directories_are_clear_errors(tmp_path):
     (tmp_path / "meta.json").write_text("{not json")
     with pytest.raises(MoectlError, match="corrupt"):
         read_trace_dir(tmp_path)
-    r = CliRunner().invoke(app, ["trace", "export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.jsonl")])
+    r = cli(["trace", "export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.jsonl")])
     assert r.exit_code != 0 and isinstance(r.exception, MoectlError) and "meta.json is missing" in str(r.exception)
 
 
@@ -144,12 +142,12 @@ def test_write_jsonl_of_a_profiled_trace_uses_short_decimals(tmp_path):
 
 
 @needs_shared
-def test_import_under_a_recipe_name_checks_the_shape(tmp_path, monkeypatch):
+def test_import_under_a_recipe_name_checks_the_shape(cli, tmp_path, monkeypatch):
     monkeypatch.setenv("MOECTL_HOME", str(tmp_path / "home"))
     src = str(SHARED / "traces" / "olmoe.math.jsonl")
-    r = CliRunner().invoke(app, ["trace", "import", src, "--model-name", "mixtral"])
+    r = cli(["trace", "import", src, "--model-name", "mixtral"])
     assert r.exit_code != 0 and "does not fit recipe 'mixtral'" in str(r.exception)
     assert not (tmp_path / "home" / "mixtral").exists()                    # nothing written
-    r = CliRunner().invoke(app, ["trace", "import", src, "--model-name", "olmoe"])
+    r = cli(["trace", "import", src, "--model-name", "olmoe"])
     assert r.exit_code == 0, r.output
     assert read_meta(tmp_path / "home" / "olmoe" / "traces")["num_tokens"] == 512   # default: <workdir>/traces

@@ -114,6 +114,29 @@ class CacheOpts:
         return typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's).")
 
 
+class SamplingOpts:
+    """How `generate` and `chat` draw tokens (the "Sampling" panel of their --help); one definition for both."""
+
+    @staticmethod
+    def greedy():
+        return typer.Option(False, "--greedy", rich_help_panel="Sampling", help="Greedy decoding (default: sampling).")
+
+    @staticmethod
+    def temperature():
+        return typer.Option(0.8, "--temperature", rich_help_panel="Sampling", min=0.0,
+                            help="Sampling temperature: lower is more deterministic (ignored with --greedy).")
+
+    @staticmethod
+    def top_p():
+        return typer.Option(0.95, "--top-p", rich_help_panel="Sampling", min=0.0, max=1.0,
+                            help="Nucleus sampling: sample from the smallest set of tokens whose probability sums "
+                                 "to this (1 = all).")
+
+    @staticmethod
+    def seed(help: str = "Sampling seed."):
+        return typer.Option(0, "--seed", rich_help_panel="Sampling", help=help)
+
+
 class PrecisionOpts:
     """Low-bit copies and the precision a miss loads (`moectl quantize`, policies/precision.py)."""
 
@@ -331,6 +354,20 @@ def print_draft_line(d: dict, console=None) -> None:
         f"[dim]draft {d['source']} (K {d['draft_tokens']}, rule {d['rule']}): {d['passes']} passes, "
         f"{d['tokens_per_pass']:.2f} tokens/pass, acceptance per position [{acc}], {d['ms_per_token']:.1f} ms/token"
         + (f"; {d['note']}" if d["note"] else "") + "[/]", highlight=False)
+
+
+def load_engine(model: str, opts, progress: bool):
+    """(engine, its lossy settings) for a command that runs the model: the built-in tiny model built on first use,
+    the load (a progress bar when `progress`), then the start-up lines: device, plan, lossy settings (stderr)."""
+    from ..runtime.engine import Engine
+    from ..status import print_device, print_plan_note
+
+    prepare_model(model, opts.workdir)
+    opts.progress = progress
+    eng = Engine.load(model, options=opts)
+    print_device(eng)
+    print_plan_note(eng)
+    return eng, print_lossy(eng)
 
 
 def print_lossy(eng, console=None) -> dict:

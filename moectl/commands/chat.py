@@ -7,21 +7,17 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_device, print_plan_note
-from ._common import prepare_model, print_lossy, runtime_options
+from ._common import SamplingOpts, load_engine, runtime_options
 
 
 @runtime_options
 def chat(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1, help="Most tokens per answer."),
-    greedy: bool = typer.Option(False, "--greedy", rich_help_panel="Sampling", help="Greedy decoding (default: sampling)."),
-    temperature: float = typer.Option(0.8, "--temperature", rich_help_panel="Sampling", min=0.0,
-                                      help="Sampling temperature: lower is more deterministic (ignored with --greedy)."),
-    top_p: float = typer.Option(0.95, "--top-p", rich_help_panel="Sampling", min=0.0, max=1.0,
-                                help="Nucleus sampling: sample from the smallest set of tokens whose probability sums "
-                                     "to this (1 = all)."),
-    seed: Optional[int] = typer.Option(0, "--seed", rich_help_panel="Sampling", help="Sampling seed (turn i uses seed+i)."),
+    greedy: bool = SamplingOpts.greedy(),
+    temperature: float = SamplingOpts.temperature(),
+    top_p: float = SamplingOpts.top_p(),
+    seed: Optional[int] = SamplingOpts.seed("Sampling seed (turn i uses seed+i)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message at the start of the conversation."),
     opts: RuntimeOptions = None,
 ):
@@ -30,17 +26,11 @@ def chat(
 
     from rich.console import Console
 
-    from ..runtime.engine import Engine
     from ..serve.chat import ChatSession, run_chat
 
     console = Console()
     interactive = sys.stdin.isatty() and console.is_terminal
-    prepare_model(model, opts.workdir)
-    opts.progress = interactive
-    eng = Engine.load(model, options=opts)
-    print_device(eng)
-    print_plan_note(eng)
-    print_lossy(eng)
+    eng, _ = load_engine(model, opts, progress=interactive)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                           top_p=top_p, seed=seed, system=system)
     raise typer.Exit(run_chat(session, console=console, interactive=interactive))

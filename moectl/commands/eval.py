@@ -7,8 +7,7 @@ import json
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_device, print_plan_note
-from ._common import prepare_model, print_lossy, runtime_options
+from ._common import load_engine, runtime_options
 
 
 @runtime_options
@@ -41,14 +40,8 @@ def eval_(
     from ..calib.fidelity import evaluate, token_windows
     from ..calib.fidelity import llamacpp_windows as llama_windows
     from ..progress import ProgressBar
-    from ..runtime.engine import Engine
 
-    prepare_model(model, opts.workdir)
-    opts.progress = not as_json
-    eng = Engine.load(model, options=opts)
-    print_device(eng)
-    print_plan_note(eng)
-    lossy = print_lossy(eng)
+    eng, lossy = load_engine(model, opts, progress=not as_json)
     cut = llama_windows if llamacpp_windows else token_windows
     windows = cut(eng.tokenizer, load_calibration(dataset), window, max_tokens)
     starts = [w[: max(2, window // 4)] for w in windows[:prompts]]

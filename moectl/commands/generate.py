@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_device, print_plan_note, print_stats_line
-from ._common import prepare_model, print_draft_line, print_lossy, runtime_options
+from ..status import print_stats_line
+from ._common import SamplingOpts, load_engine, print_draft_line, runtime_options
 
 
 @runtime_options
@@ -17,13 +17,10 @@ def generate(
     model: str = typer.Option(..., "--model", "-m", help="Recipe name (e.g. tiny, mixtral), checkpoint directory or .gguf file."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
-    greedy: bool = typer.Option(False, "--greedy", rich_help_panel="Sampling", help="Greedy decoding (default: sampling)."),
-    temperature: float = typer.Option(0.8, "--temperature", rich_help_panel="Sampling", min=0.0,
-                                      help="Sampling temperature: lower is more deterministic (ignored with --greedy)."),
-    top_p: float = typer.Option(0.95, "--top-p", rich_help_panel="Sampling", min=0.0, max=1.0,
-                                help="Nucleus sampling: sample from the smallest set of tokens whose probability sums "
-                                     "to this (1 = all)."),
-    seed: Optional[int] = typer.Option(0, "--seed", rich_help_panel="Sampling", help="Sampling seed."),
+    greedy: bool = SamplingOpts.greedy(),
+    temperature: float = SamplingOpts.temperature(),
+    top_p: float = SamplingOpts.top_p(),
+    seed: Optional[int] = SamplingOpts.seed(),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", rich_help_panel="Output", help="Print one JSON object: text, token_ids, stats (tokens/s, "
                                  "cache hits, bytes loaded, load wait, prefill_ms, ttft_ms, decode_ms_per_token, "
@@ -36,15 +33,10 @@ def generate(
     """Generate text from a prompt, experts streamed through the device cache."""
     import sys
 
-    from ..runtime.engine import Engine, check_text
+    from ..runtime.engine import check_text
 
     check_text(prompt, "--prompt")                  # before the model loads
-    prepare_model(model, opts.workdir)
-    opts.progress = not as_json
-    eng = Engine.load(model, options=opts)
-    print_device(eng)
-    print_plan_note(eng)
-    lossy = print_lossy(eng)
+    eng, lossy = load_engine(model, opts, progress=not as_json)
     stream = None
     if not as_json:
         def stream(_tok, piece):

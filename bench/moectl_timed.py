@@ -1,0 +1,98 @@
+"""moectl's side of both llama.cpp comparisons (`bench/vs_llamacpp.py`: moectl's own copies from a checkpoint;
+`bench/gguf_vs_llamacpp.py`: the same GGUF file as llama.cpp): one timed run in one fresh process.
+
+What it times, as llama-bench does on its side:
+- load to first token (only where asked: `time_load`): `Engine.load` and one forward of one token, from before
+  moectl is imported (llama.cpp's side: the wall time of `llama-bench -n 1` less its token);
+- a warm-up forward of WARMUP_TOKENS tokens, untimed (llama-bench warms up before its timed runs too: without it,
+  the prefill paid for first-use work, page faults of the mapped file and kernel set-up, that llama.cpp's did not);
+- prefill: one forward of `prefill` tokens, tokens/s;
+- decode: a `prompt`-token context, then `gen` drawn tokens fed one at a time, no logits read (llama-bench's
+  generation test feeds `std::rand() % n_vocab` and reads none: an argmax of a bf16 [1, 151936] took 0.55 ms
+  here, 4 % of a 2-layer Qwen3-shape token llama-bench does not pay for), ms/token;
+- the process's peak RSS (GB) and which kernels served it (moectl/kernels: ggml's CPU backend, moectl's AVX-512
+  kernels, each with why not when not).
+
+Torch-free itself: the run happens in the child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WARMUP_TOKENS = 8
+
+# {load}: Engine.load's keyword arguments (repr-able: str, int, None), "model" among them
+SCRIPT = """
+import json, resource, time, torch
+t0 = time.perf_counter()
+from moectl.runtime.engine import Engine
+from moectl import kernels
+from moectl.kernels import ggml
+
+
+def kernels_used():
+    # what served this run: a kernel library counts when the run loaded it (asking here would build it: ggml's
+    # build takes minutes), with ggml's CPU features (its own dispatch) or why it did not load
+    g = ggml._load.cache_info().currsize > 0 and ggml.library() is not None
+    k = kernels.library.cache_info().currsize > 0 and kernels.library() is not None
+    feats = ggml.library().mg_features() if g else 0
+    names = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")
+    return {{"ggml": g, "ggml_features": [n for i, n in enumerate(names) if feats >> i & 1],
+            "ggml_why_not": None if g else (ggml._why[-1] if ggml._why else "not called by this run"),
+            "moectl_avx512": k,
+            "moectl_avx512_why_not": None if k else (kernels._why[-1] if kernels._why else "not called by this run"),
+            "torch_threads": torch.get_num_threads()}}
+
+
+load = {load!r}
+eng = Engine.load(load.pop("model"), **load)
+res = {{}}
+if {time_load!r}:
+    with torch.inference_mode():
+        eng.forward(torch.tensor([[1]]), None, last_only=True)
+    res["load_s"] = time.perf_counter() - t0
+g = torch.Generator().manual_seed(0)
+V = eng.config.vocab_size
+with torch.inference_mode():
+    ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
+    eng.forward(ids[:, :{warmup}], None, last_only=True)                 # warm-up, untimed
+    t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
+    out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
+    feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
+    t0 = time.perf_counter()
+    for t in range({gen}):
+        out, pkv = eng.forward(feed[t], pkv)
+    t_dec = time.perf_counter() - t0
+res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
+           rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+           note=getattr(eng, "plan_note", None) or None,
+           kernels=kernels_used())
+print("RESULT " + json.dumps(res))
+"""
+
+
+def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False) -> str:
+    """The child's Python source. `load` gets `threads`, `device="cpu"`, `progress=False` and `gating="none"` unless
+    it says otherwise."""
+    if prompt < 1 or gen < 1 or prefill < WARMUP_TOKENS:
+        raise ValueError(f"prompt and gen >= 1 and prefill >= {WARMUP_TOKENS} (got {prompt}, {gen}, {prefill})")
+    load = {"device": "cpu", "threads": threads, "progress": False, "gating": "none", **load}
+    return SCRIPT.format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
+                         warmup=WARMUP_TOKENS)
+
+
+def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False) -> dict:
+    """One fresh process: {"prefill_tps", "decode_ms", "rss_gb", "note", "kernels"} and, with `time_load`,
+    "load_s". Exits with the child's output tail when it fails."""
+    code = script(load, threads, prompt, gen, prefill, time_load)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode or not line:
+        raise SystemExit(f"moectl run failed on {load.get('model')}:\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
+    return json.loads(line[-1][7:])

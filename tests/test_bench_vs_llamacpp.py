@@ -1,0 +1,207 @@
+"""The two llama.cpp comparisons (`bench/vs_llamacpp.py`, `bench/gguf_vs_llamacpp.py`) time moectl with one script
+(`bench/moectl_timed.py`) that warms up before the timed prefill, as llama-bench does; the GGUF bench's file set
+(importance matrix only where llama-quantize needs one, checkpoint and BF16 dropped when asked) and its table
+(80 columns, decode medians with [min-max], the AVX2 note). No llama.cpp run here: its tools are stood in for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gguf_vs_llamacpp
+import moectl_timed
+import vs_llamacpp
+
+
+class _FakeEngine:
+    """Records the token count of every forward; a one-entry cache stands in for the KV cache."""
+    calls: list[int] = []
+
+    class config:
+        vocab_size = 50
+
+    plan_note = "plan: none"
+
+    @classmethod
+    def load(cls, model, **kw):
+        cls.calls = []
+        cls.loaded = (model, kw)
+        return cls()
+
+    def forward(self, ids, pkv, last_only=False):
+        self.calls.append(ids.shape[-1])
+        return torch.zeros(1, 1, 50), "cache"
+
+
+def _run_script_here(monkeypatch, capsys, **kw) -> dict:
+    monkeypatch.setattr("moectl.runtime.engine.Engine", _FakeEngine)
+    exec(moectl_timed.script(**kw), {})
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[7:])
+
+
+def test_the_timed_prefill_comes_after_a_warm_up_and_the_load_is_timed_only_when_asked(monkeypatch, capsys):
+    res = _run_script_here(monkeypatch, capsys, load={"model": "m.gguf"}, threads=2, prompt=4, gen=3, prefill=16,
+                           time_load=True)
+    # load's first token, the warm-up, the timed prefill, the context, then one token per decode step
+    assert _FakeEngine.calls == [1, moectl_timed.WARMUP_TOKENS, 16, 4, 1, 1, 1]
+    assert _FakeEngine.loaded == ("m.gguf", {"device": "cpu", "threads": 2, "progress": False, "gating": "none"})
+    assert set(res) == {"load_s", "prefill_tps", "decode_ms", "rss_gb", "note", "kernels"}
+    assert res["note"] == "plan: none" and res["kernels"]["torch_threads"] == torch.get_num_threads()
+    assert {"ggml", "ggml_features", "ggml_why_not", "moectl_avx512", "moectl_avx512_why_not"} <= set(res["kernels"])
+
+    res = _run_script_here(monkeypatch, capsys, load={"model": "ckpt", "lowbit": "q4g64"}, threads=1, prompt=2,
+                           gen=1, prefill=8)
+    assert _FakeEngine.calls == [8, 8, 2, 1] and "load_s" not in res
+    assert _FakeEngine.loaded[1]["lowbit"] == "q4g64"
+
+
+def test_too_short_a_prefill_for_the_warm_up_is_refused():
+    with pytest.raises(ValueError, match="prefill >= 8"):
+        moectl_timed.script({"model": "m"}, 1, 4, 4, prefill=4)
+
+
+def test_both_benches_time_moectl_with_the_shared_script(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(moectl_timed, "moectl_run", lambda load, *a, **kw: seen.append((load, a, kw)) or {})
+    vs_llamacpp.moectl_run("ckpt", "wd", "q8g64", 2, 32, 64, 512, dense_lowbit="q8")
+    gguf_vs_llamacpp.moectl_run(tmp_path / "f.gguf", 1, 32, 16, 64)
+    assert seen == [({"model": "ckpt", "workdir": "wd", "lowbit": "q8g64", "precision": "lowbit-only",
+                      "dense_lowbit": "q8"}, (2, 32, 64, 512), {}),
+                    ({"model": str(tmp_path / "f.gguf")}, (1, 16, 32, 64), {"time_load": True})]
+
+
+def test_the_shared_script_runs_the_tiny_model_in_a_fresh_process(tiny_small):
+    """The real thing, small: the child loads the tiny model, warms up and reports every field with a value."""
+    res = moectl_timed.moectl_run({"model": str(tiny_small), "workdir": str(tiny_small.parent)}, threads=1,
+                                  prompt=4, gen=2, prefill=8, time_load=True)
+    assert set(res) == {"load_s", "prefill_tps", "decode_ms", "rss_gb", "note", "kernels"}
+    assert res["load_s"] > 0 and res["prefill_tps"] > 0 and res["decode_ms"] > 0 and 0.05 < res["rss_gb"] < 64
+    assert res["kernels"]["torch_threads"] == 1
+
+
+@pytest.fixture
+def fake_tools(monkeypatch):
+    """llama.cpp's converter, llama-imatrix and llama-quantize stood in for: each writes its output file."""
+    made = []
+
+    def converted_bf16(shape, layers, work, m):
+        (work / "checkpoint").mkdir(exist_ok=True)
+        (work / "checkpoint" / "config.json").write_text("{}")
+        (work / "model-BF16.gguf").write_bytes(b"b" * 1000)
+        made.append("convert")
+        return work / "checkpoint", work / "model-BF16.gguf"
+
+    def quantize(src, out, qt, threads=2, imatrix=None, log=None):
+        assert Path(src).exists() and str(out).endswith(".gguf.part") and str(log) == str(out)[:-5] + ".log"
+        Path(out).write_bytes(b"q" * 100)
+        made.append((qt, imatrix is not None))
+
+    def imatrix(gguf, text, out, *a):
+        assert Path(text).read_text().strip()
+        Path(out).write_bytes(b"i")
+        made.append("imatrix")
+
+    monkeypatch.setattr(vs_llamacpp, "converted_bf16", converted_bf16)
+    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "quantize", quantize)
+    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "imatrix", imatrix)
+    return made
+
+
+def test_the_file_set_uses_an_importance_matrix_only_where_llama_quantize_needs_one(fake_tools, tmp_path):
+    files = gguf_vs_llamacpp.prepare("qwen3-moe", 2, tmp_path, ["Q4_K_M", "IQ2_XXS", "IQ3_XXS", "BF16"])
+    assert fake_tools == ["convert", ("Q4_K_M", False), "imatrix", ("IQ2_XXS", True), ("IQ3_XXS", True)]
+    assert sorted(files) == ["BF16", "IQ2_XXS", "IQ3_XXS", "Q4_K_M"] and all(f.exists() for f in files.values())
+    assert not (tmp_path / "checkpoint").exists()                       # only the conversion reads it
+    took = json.loads((tmp_path / "prepare.json").read_text())
+    assert set(took) == {"checkpoint+convert", "llama-imatrix", "llama-quantize Q4_K_M", "llama-quantize IQ2_XXS",
+                         "llama-quantize IQ3_XXS"}
+    listing = gguf_vs_llamacpp.file_list(files, tmp_path)
+    assert "model-IQ2_XXS.gguf" in listing and "0.00 GB" in listing and "total 0.00 GB" in listing
+
+    fake_tools.clear()                                                  # made once: nothing is redone
+    assert gguf_vs_llamacpp.prepare("qwen3-moe", 2, tmp_path, ["Q4_K_M", "IQ2_XXS", "BF16"]) == \
+        {k: files[k] for k in ("Q4_K_M", "IQ2_XXS", "BF16")}
+    assert fake_tools == []
+
+
+def test_drop_bf16_deletes_it_after_quantizing_and_does_not_remake_it(fake_tools, tmp_path):
+    files = gguf_vs_llamacpp.prepare("mixtral", 2, tmp_path, ["Q8_0", "BF16"], drop_bf16=True)
+    assert list(files) == ["Q8_0"] and not (tmp_path / "model-BF16.gguf").exists()
+    fake_tools.clear()
+    assert list(gguf_vs_llamacpp.prepare("mixtral", 2, tmp_path, ["Q8_0"], drop_bf16=True)) == ["Q8_0"]
+    assert fake_tools == []
+    assert gguf_vs_llamacpp.default_types("gpt-oss-20b") == ["MXFP4_MOE"]
+    assert {"Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "BF16", "IQ2_XXS", "IQ3_XXS", "Q2_K",
+            "Q3_K_M"} == set(gguf_vs_llamacpp.default_types("mixtral"))
+
+
+def test_an_interrupted_quantize_leaves_no_file_that_looks_made(fake_tools, tmp_path, monkeypatch):
+    def killed(src, out, qt, threads=2, imatrix=None, log=None):
+        Path(out).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "quantize", killed)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_vs_llamacpp.prepare("qwen3-moe", 2, tmp_path, ["Q8_0"])
+    assert not (tmp_path / "model-Q8_0.gguf").exists()
+
+
+def test_a_half_written_checkpoint_is_written_again(tmp_path, monkeypatch):
+    """write_synthetic refuses a non-empty directory; one without config.json (written last) was interrupted."""
+    import moectl.synth.checkpoint as checkpoint
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "model-00001-of-00003.safetensors").write_bytes(b"half")
+    written = []
+    monkeypatch.setattr(checkpoint, "write_synthetic", lambda shape, out, *a, **kw: written.append(
+        sorted(p.name for p in out.iterdir()) if out.exists() else []))
+    monkeypatch.setattr(vs_llamacpp.llamacpp, "convert", lambda ckpt, out, *a, **kw: Path(out).write_bytes(b"g"))
+    made = {}
+    vs_llamacpp.converted_bf16("mixtral", 2, tmp_path, made)
+    assert written == [[]] and (tmp_path / "model-BF16.gguf").read_bytes() == b"g" and "convert_s" in made
+
+
+def _row(qt, threads, decode, spread):
+    s = lambda m, lo, hi: {"median": m, "min": lo, "max": hi, "n": 3}      # noqa: E731
+    figures = lambda d: {"decode_ms": s(d, d - spread, d + spread), "prefill_tps": s(1234.5, 1, 2),  # noqa: E731
+                         "rss_gb": s(12.34, 12, 13), "load_s": s(123.4, 100, 200)}
+    return {"type": qt, "threads": threads, "note": "plan: none", "moectl": figures(decode),
+            "llama.cpp": figures(decode / 4), "ratio": {"decode_ms": 4.0, "prefill_tps": 1.0, "rss_gb": 1.0,
+                                                        "load_s": 1.0},
+            "kernels": [{"ggml": True, "ggml_features": ["avx2", "fma"], "ggml_why_not": None,
+                         "moectl_avx512": False, "moectl_avx512_why_not": "this CPU lacks avx512f"}],
+            "llamacpp_cpu": [{"cpu_info": "AMD EPYC", "backends": "CPU", "repack": True}]}
+
+
+def test_the_table_fits_80_columns_with_decode_spreads_and_says_it_is_the_avx2_figure():
+    res = {"shape": "gpt-oss-20b", "layers": 2, "load": (11.5, 1, 1), "host_isa": "AVX2",
+           "llamacpp_system_info": "n_threads = 1 (n_threads_batch = 1) / 2 | CPU : SSE3 = 1 | AVX = 1 | "
+                                   "AVX2 = 1 | AVX512 = 0 | REPACK = 1 |",
+           "rows": [_row("MXFP4_MOE", 1, 9876.5, 123.4), _row("IQ2_XXS", 2, 12.0, 0.5)]}
+    lines = gguf_vs_llamacpp.table(res)
+    assert max(map(len, lines)) <= 80
+    text = "\n".join(lines)
+    assert "9876.5 [9753.1-9999.9]" in text and "2469.1 [2345.7-2592.5]" in text and "12.0 [11.5-12.5]" in text
+    assert "these are the AVX2 figures" in text and "built with SSE3 AVX AVX2 REPACK" in text
+    assert "AVX512" not in text.split("built with")[1].split("\n")[0]
+    assert "experts by ggml (avx2 fma)" in text
+    res["host_isa"] = "AVX-512"
+    assert "AVX2 figures" not in "\n".join(gguf_vs_llamacpp.table(res))
+
+
+def test_prepare_only_is_in_the_help_and_the_make_target_runs_the_issues_table():
+    out = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--help"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert "--prepare-only" in out and "--drop-bf16" in out
+    made = subprocess.run(["make", "-n", "bench-gguf"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1]).stdout
+    runs = [ln for ln in made.splitlines() if "bench/gguf_vs_llamacpp.py" in ln]
+    assert len(runs) == 3
+    for shape, run in zip(("qwen3-moe", "mixtral", "gpt-oss-20b"), runs):
+        assert f"--shape {shape}" in run and "--threads 1 2" in run and f"--json bench-gguf/{shape}.json" in run
