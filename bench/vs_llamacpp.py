@@ -38,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llamacpp  # noqa: E402
 import moectl_timed  # noqa: E402
 
-LLAMA_TYPES = {"bf16": ["BF16"], "q8": ["Q8_0"], "q4": ["Q4_0", "Q4_K_M"]}
-MOECTL_LOWBIT = {"bf16": None, "q8": "q8g64", "q4": "q4g64"}
+# q4-ggml: moectl's own copies in ggml's Q4_0 blocks (`moectl quantize --format ggml-q4_0`: llama.cpp's Q4_0 recipe,
+# computed by ggml on the CPU: the kernel llama.cpp's Q4_0 file gets, on a host without moectl's AVX-512 kernels)
+LLAMA_TYPES = {"bf16": ["BF16"], "q8": ["Q8_0"], "q4": ["Q4_0", "Q4_K_M"], "q4-ggml": ["Q4_0"]}
+MOECTL_LOWBIT = {"bf16": None, "q8": "q8g64", "q4": "q4g64", "q4-ggml": "ggml-q4_0"}
 
 
 def _log(msg: str) -> None:
@@ -57,12 +59,16 @@ def moectl_run(ckpt: str, workdir: str, lowbit: str | None, threads: int, prompt
     return moectl_timed.moectl_run(load, threads, prompt, gen, prefill)
 
 
-def moectl_quantize(ckpt: str, workdir: str, bits: int) -> float:
-    """`moectl quantize` (rtn, the CPU default) of every expert; returns seconds (0 when already made)."""
+def moectl_quantize(ckpt: str, workdir: str, lowbit: str) -> float:
+    """`moectl quantize` (rtn, the CPU default) of every expert into the copies `lowbit` names (q4g64, q8g64, or
+    ggml-q4_0: ggml's blocks); returns seconds (0 when already made)."""
+    from moectl.formats.ggml_copies import is_ggml_copy
     from moectl.quant.quantize import quantize_model
 
     t0 = time.perf_counter()
-    meta = quantize_model(ckpt, bits, 64, 1, device="cpu", workdir=workdir, progress=False)
+    kw = {"fmt": lowbit} if is_ggml_copy(lowbit) else {}
+    meta = quantize_model(ckpt, 4 if kw else int(lowbit[1]), 64, 1, device="cpu", workdir=workdir, progress=False,
+                          **kw)
     return 0.0 if meta.get("up_to_date") else time.perf_counter() - t0
 
 
@@ -117,7 +123,7 @@ def prepare(shape: str, layers: int, work: Path, precisions: list[str]) -> dict:
             ggufs[qt] = g
         if MOECTL_LOWBIT[p]:
             _log(f"moectl quantize {MOECTL_LOWBIT[p]} (rtn)")
-            s = moectl_quantize(str(ckpt), str(work), int(MOECTL_LOWBIT[p][1]))
+            s = moectl_quantize(str(ckpt), str(work), MOECTL_LOWBIT[p])
             if s:
                 made[f"moectl_quantize_{MOECTL_LOWBIT[p]}_s"] = s
     return {"checkpoint": ckpt, "ggufs": ggufs, "made": made}
