@@ -336,7 +336,9 @@ def kl_divergence(base: str | Path, gguf: str | Path, text_file: str | Path, ctx
             return None
         value, err = (float(g.lstrip("-")) if "nan" in g else float(g) for g in m.groups())
         return (0.0 if value != value else value), (0.0 if err != err else err)
-    if stat("Mean PPL(Q)/PPL(base)", out) is None:      # its asynchronous logger can lose the last lines: once more
+    for _ in range(3):         # its asynchronous logger can lose the last lines (often on a busy machine): again
+        if stat("Mean PPL(Q)/PPL(base)", out) is not None:
+            break
         out, _ = run_tool("llama-perplexity", ["-m", gguf, *args, "--kl-divergence"], root)
     ratio, ln_ratio = stat("Mean PPL(Q)/PPL(base)", out), stat("Mean ln(PPL(Q)/PPL(base))", out)
     if ratio is None or ln_ratio is None:
