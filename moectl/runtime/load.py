@@ -20,9 +20,9 @@ from ..core.recipes import resolve_model
 from ..errors import MoectlError
 from ..formats.ggml_copies import GgmlCopyFormat
 from ..formats.gguf_ggml import GgufMappedFormat
-from ..models import config_fingerprint
 from ..kernels.ggml import library as ggml_library
 from ..kernels.ggml import set_threads as ggml_threads
+from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
 from ..models.dense_gguf import swap_in

@@ -27,11 +27,18 @@ GGUF_MODEL_TYPE = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qw
                    "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 
 
+def _processor(files: GgufFiles, model):
+    """transformers' per-architecture tensor processor: undoes llama.cpp's transforms of the converter."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
+
+
 def dense_names(files: GgufFiles, model) -> dict[str, str]:
     """GGUF name -> model state-dict name for every dense tensor of the file."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
+    processor = _processor(files, model)
     names = get_gguf_hf_weights_map(model, processor, GGUF_MODEL_TYPE[model.config.model_type],
                                     model.config.num_hidden_layers)
     if model.config.model_type == "gpt_oss":
@@ -58,9 +65,7 @@ def dense_in_place(files: GgufFiles, model) -> dict[str, tuple]:
     their scores pick the experts). The converter's transform must be a pure reordering of rows (the `llama`
     architecture's Q/K permutation; found by running transformers' processor over the row numbers), else the
     tensor is dequantised as before. A tied lm_head (no output.weight) points at the embedding table's bytes."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
+    processor = _processor(files, model)
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     out = {}
     for gguf_name, hf_name in dense_names(files, model).items():
@@ -100,9 +105,7 @@ def dense_tensors(files: GgufFiles, model, dtype_of=lambda name: torch.float32, 
     """(state-dict name, tensor in `dtype_of(name)`) of every dense tensor but those named in `skip`, one at a time:
     each read by a positioned read (nothing of the file stays mapped), dequantised in fp32, fixed up, cast, then the
     next, so loading holds one fp32 temporary at most beside the model."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    processor = TENSOR_PROCESSORS.get(files.arch, TensorProcessor)(config=model.config.to_dict())
+    processor = _processor(files, model)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     for gguf_name, hf_name in dense_names(files, model).items():
         if hf_name in skip:
