@@ -141,7 +141,7 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None) -> Path:
             (home / "BUILT").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n")
         tmp = shim.with_suffix(".tmp")
         _run([cc, "-O2", "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM, f"-L{lib}", "-lggml-cpu",
-              "-lggml-base", f"-Wl,-rpath,{lib}", "-o", tmp], log)
+              "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
         os.replace(tmp, shim)
     return shim
 

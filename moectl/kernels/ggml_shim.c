@@ -12,8 +12,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 
 #define MG_ALIGN 64
@@ -28,7 +31,10 @@ typedef struct {
     size_t arena_size, arena_used;
     uint8_t *work;       // ggml_graph_plan's work buffer (x quantized to the vec_dot type, ...)
     size_t work_size;
-    int failed;          // an arena too small: the call is redone with a larger one
+    int failed;
+    uint8_t *model_meta; // mg_model_eval's graph: tensor and graph headers (sized to the model), and ggml-alloc's
+    size_t model_meta_size;
+    ggml_gallocr_t galloc;  // intermediates, memory reused along the graph          // an arena too small: the call is redone with a larger one
 } mg_handle;
 
 int mg_abi(void) { return 2; }
@@ -50,6 +56,8 @@ void mg_free(void *hp) {
     mg_handle *h = hp;
     if (!h) return;
     ggml_threadpool_free(h->pool);
+    if (h->galloc) ggml_gallocr_free(h->galloc);
+    free(h->model_meta);
     free(h->meta);
     free(h->arena);
     free(h->work);
@@ -277,3 +285,184 @@ int mg_features(void) {
 
 // the type ggml quantizes x to for a weight of `type` (q8_0, q8_1, q8_K, or f16/bf16/f32 for float weights)
 int mg_vec_dot_type(int type) { return ggml_get_type_traits_cpu(type)->vec_dot_type; }
+
+// --- a whole model's forward in one graph (moectl/runtime/ggml_model.py) -----------------------------------------
+//
+// llama.cpp's own graph for its llama (Mixtral), qwen3moe and olmoe architectures (src/models/*.cpp): embedding
+// rows, then per layer RMS norm, Q/K/V (+ biases, + Qwen3's per-head / OLMoE's full-width q/k norms), RoPE, the KV
+// cache written at `pos`, attention over positions [0, pos + T) (causal within the T new tokens), the output
+// projection, RMS norm, router softmax, top-k (renormalised where the family does), the experts' mul_mat_id, and
+// the final norm and lm_head. One call per forward: the weights stay where they lie (the mapped file), the
+// intermediates get ggml-alloc's reused memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a
+// layer in Python and torch between ggml calls (docs/gguf.md), which llama.cpp does not.
+//
+// Legend (ggml order, ne0 first): H = hidden, D = head dim, NH / NKV = query / KV heads, T = new tokens,
+// P = positions attended (pos + T), E = experts, U = experts used, I = expert width, V = vocabulary.
+
+typedef struct {
+    int64_t ne[3];         // ggml order: ne[0] = row length
+    const void *data;      // NULL: absent
+    int32_t type;
+    int32_t pad;
+} mg_w;
+
+typedef struct {
+    mg_w attn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, ffn_norm, router, gate, up, down;
+} mg_layer_w;
+
+typedef struct {
+    int64_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab, n_expert, n_used, n_ctx;
+    float eps, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
+    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full, pad;
+    mg_w tok_embd, out_norm, output;
+    const mg_layer_w *layers;
+    float *k_cache, *v_cache;     // [n_layer, n_ctx, NKV * D] each, F32
+} mg_model_desc;
+
+int mg_model_abi(void) { return (int)sizeof(mg_model_desc) * 1000 + (int)sizeof(mg_w); }
+
+static struct ggml_tensor *weight(struct ggml_context *ctx, const mg_w *w) {
+    return w->data ? ext(ctx, w->type, w->ne[0], w->ne[1], w->ne[2], w->data) : NULL;
+}
+
+static struct ggml_tensor *rms(struct ggml_context *ctx, struct ggml_tensor *x, const mg_w *w, float eps) {
+    return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight(ctx, w));
+}
+
+static struct ggml_tensor *linear(struct ggml_context *ctx, const mg_w *w, const mg_w *b, struct ggml_tensor *x) {
+    struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, w), x);
+    return b->data ? ggml_add(ctx, y, weight(ctx, b)) : y;
+}
+
+static struct ggml_tensor *rope(struct ggml_context *ctx, const mg_model_desc *m, struct ggml_tensor *x,
+                                struct ggml_tensor *pos) {
+    return ggml_rope_ext(ctx, x, pos, NULL, m->n_rot, m->rope_mode, m->n_ctx_orig, m->freq_base, m->freq_scale,
+                         m->ext_factor, m->attn_factor, m->beta_fast, m->beta_slow);
+}
+
+// tokens [T] int32 at positions pos.. -> logits [T or 1, V] (last_only: the last token's); ids_out (or NULL):
+// each layer's selected experts [n_layer, T, U] int32. Returns 0, or -1 when pos + T > n_ctx.
+int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64_t T, int64_t pos,
+                  int32_t last_only, float *logits, int32_t *ids_out) {
+    mg_handle *h = hp;
+    if (pos + T > m->n_ctx || T < 1) return -1;
+    size_t n_tensors = (size_t)m->n_layer * 96 + 256;
+    size_t need = ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 4096;
+    if (need > h->model_meta_size) {
+        free(h->model_meta);
+        h->model_meta = malloc(need);
+        h->model_meta_size = need;
+    }
+    if (!h->galloc) h->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+    struct ggml_init_params ip = {h->model_meta_size, h->model_meta, true};
+    struct ggml_context *ctx = ggml_init(ip);
+    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_tensors, false);
+
+    const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, P = pos + T;
+    const int64_t KV = NKV * D, U = m->n_used, E = m->n_expert;
+    const float scale = 1.0f / sqrtf((float)D);
+
+    int32_t *posv = malloc(sizeof(int32_t) * T);
+    for (int64_t t = 0; t < T; t++) posv[t] = (int32_t)(pos + t);
+    struct ggml_tensor *inp_pos = ext(ctx, GGML_TYPE_I32, T, 1, 1, posv);
+    struct ggml_tensor *inp_tok = ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens);
+    int32_t last = (int32_t)(T - 1);
+    struct ggml_tensor *inp_last = ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last);
+
+    struct ggml_tensor *inpL = ggml_get_rows(ctx, weight(ctx, &m->tok_embd), inp_tok);      // [H, T]
+    int64_t Tn = T;                                                                          // rows still carried
+    for (int64_t il = 0; il < m->n_layer; il++) {
+        const mg_layer_w *L = &m->layers[il];
+        struct ggml_tensor *cur = rms(ctx, inpL, &L->attn_norm, m->eps);
+        struct ggml_tensor *Q = linear(ctx, &L->wq, &L->bq, cur);                           // [NH*D, T]
+        struct ggml_tensor *K = linear(ctx, &L->wk, &L->bk, cur);                           // [KV, T]
+        struct ggml_tensor *V = linear(ctx, &L->wv, &L->bv, cur);                           // [KV, T]
+        if (L->q_norm.data && m->qk_norm_full) {                    // OLMoE: over all heads at once
+            Q = rms(ctx, Q, &L->q_norm, m->eps);
+            K = rms(ctx, K, &L->k_norm, m->eps);
+        }
+        Q = ggml_reshape_3d(ctx, Q, D, NH, T);
+        K = ggml_reshape_3d(ctx, K, D, NKV, T);
+        if (L->q_norm.data && !m->qk_norm_full) {                   // Qwen3: per head
+            Q = rms(ctx, Q, &L->q_norm, m->eps);
+            K = rms(ctx, K, &L->k_norm, m->eps);
+        }
+        Q = rope(ctx, m, Q, inp_pos);                                                       // [D, NH, T]
+        K = rope(ctx, m, K, inp_pos);                                                       // [D, NKV, T]
+        // the new tokens' K and V into the cache (run before the attention reads it: graph order)
+        float *kc = m->k_cache + il * m->n_ctx * KV, *vc = m->v_cache + il * m->n_ctx * KV;
+        struct ggml_tensor *kdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, kc + pos * KV);
+        struct ggml_tensor *vdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, vc + pos * KV);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, K, kdst));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_cont(ctx, V), vdst));
+        // attention over P positions; GQA by ggml's broadcast over the head axis (query head h reads KV head
+        // h / (NH / NKV), transformers' repeat_kv)
+        struct ggml_tensor *kall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, kc);
+        struct ggml_tensor *vall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, vc);
+        struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
+        struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
+        struct ggml_tensor *q = ggml_permute(ctx, Q, 0, 2, 1, 3);                            // [D, T, NH]
+        struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                                    // [P, T, NH]
+        if (T > 1) kq = ggml_diag_mask_inf(ctx, kq, (int)pos);
+        kq = ggml_soft_max_ext(ctx, kq, NULL, scale, 0.0f);
+        struct ggml_tensor *vt = ggml_cont(ctx, ggml_transpose(ctx, v));                     // [P, D, NKV]
+        struct ggml_tensor *kqv = ggml_mul_mat(ctx, vt, kq);                                 // [D, T, NH]
+        cur = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), D * NH, T);             // [NH*D, T]
+        cur = linear(ctx, &L->wo, &L->bo, cur);                                              // [H, T]
+        struct ggml_tensor *res = inpL;
+        if (il == m->n_layer - 1 && last_only && T > 1) {          // the last layer's FFN: only the row kept
+            cur = ggml_get_rows(ctx, cur, inp_last);
+            res = ggml_get_rows(ctx, res, inp_last);
+            Tn = 1;
+        }
+        struct ggml_tensor *ffn_inp = ggml_add(ctx, cur, res);
+        cur = rms(ctx, ffn_inp, &L->ffn_norm, m->eps);                                      // [H, Tn]
+        // routing (llama.cpp's build_moe_ffn, softmax gating)
+        struct ggml_tensor *probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, weight(ctx, &L->router), cur));  // [E, Tn]
+        struct ggml_tensor *sel = ggml_argsort_top_k(ctx, probs, (int)U);                   // [U, Tn] int32
+        struct ggml_tensor *wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, Tn), sel);   // [1, U, Tn]
+        if (m->norm_topk) {
+            struct ggml_tensor *w2 = ggml_reshape_2d(ctx, wts, U, Tn);
+            w2 = ggml_div(ctx, w2, ggml_sum_rows(ctx, w2));
+            wts = ggml_reshape_3d(ctx, w2, 1, U, Tn);
+        }
+        if (ids_out) {                           // the rows routed (the last layer's last row only, see above)
+            struct ggml_tensor *dst = ext(ctx, GGML_TYPE_I32, U, Tn, 1, ids_out + (il * T + T - Tn) * U);
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, sel, dst));
+        }
+        struct ggml_tensor *x3 = ggml_reshape_3d(ctx, cur, H, 1, Tn);
+        struct ggml_tensor *G = ggml_mul_mat_id(ctx, weight(ctx, &L->gate), x3, sel);       // [I, U, Tn]
+        struct ggml_tensor *Up = ggml_mul_mat_id(ctx, weight(ctx, &L->up), x3, sel);
+        struct ggml_tensor *Dn = ggml_mul_mat_id(ctx, weight(ctx, &L->down), ggml_swiglu_split(ctx, G, Up), sel);
+        Dn = ggml_mul(ctx, Dn, wts);                                                        // [H, U, Tn]
+        struct ggml_tensor *moe = NULL;
+        for (int64_t u = 0; u < U; u++) {
+            struct ggml_tensor *vu = ggml_view_2d(ctx, Dn, H, Tn, Dn->nb[2], u * Dn->nb[1]);
+            moe = moe == NULL ? vu : ggml_add(ctx, moe, vu);
+        }
+        if (U == 1) moe = ggml_cont(ctx, moe);
+        inpL = ggml_add(ctx, moe, ffn_inp);                                                 // [H, Tn]
+    }
+    struct ggml_tensor *cur = rms(ctx, inpL, &m->out_norm, m->eps);
+    if (last_only && Tn > 1) cur = ggml_get_rows(ctx, cur, inp_last);
+    const mg_w *out = m->output.data ? &m->output : &m->tok_embd;                         // tied: the embedding
+    struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, out), cur);                       // [V, T or 1]
+    y->data = logits;
+    ggml_build_forward_expand(gf, y);
+    int rc = 0;
+    if (!ggml_gallocr_alloc_graph(h->galloc, gf)) {
+        rc = -2;
+    } else {
+        struct ggml_cplan plan = ggml_graph_plan(gf, h->n_threads, h->pool);
+        if (plan.work_size > h->work_size) {
+            free(h->work);
+            h->work_size = plan.work_size;
+            h->work = malloc(h->work_size);
+        }
+        plan.work_data = h->work;
+        ggml_graph_compute(gf, &plan);
+    }
+    ggml_free(ctx);
+    free(posv);
+    return rc;
+}

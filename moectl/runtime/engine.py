@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.cache_model import COUNTERS, FULL
 from ..errors import MoectlError
 from ..kernels import gemv
 from ..models import config_fingerprint
@@ -31,6 +32,7 @@ from ..store.expert_store import ExpertStore
 from ..store.facts import dense_nbytes, kv_nbytes
 from ..store.memory import host_alloc, rss_bytes
 from .cache import ExpertCache
+from .ggml_model import GraphKV
 from .load import load
 from .offloaded import Runtime
 from .speculative import Sampling, Speculator, make_drafter
@@ -64,6 +66,7 @@ class Engine:
         self._progress = PrefillProgress(len(self.moe_layer_ids)) if progress else None
         runtime.on_layer = self._progress.layer if progress else None
         self.speculator = None                      # --draft: speculative.Speculator
+        self.graph = None                           # set by `load` where a GGUF's forward is one ggml graph
         self.model.model.norm.register_forward_hook(self._on_final_norm)
 
     # --- loading ------------------------------------------------------------------------
@@ -82,6 +85,7 @@ class Engine:
         eng = cls(parts.model, parts.config, parts.adapter, parts.ckpt, parts.store, parts.cache, parts.runtime,
                   parts.device, parts.dtype, parts.ref, progress=opts.progress)
         eng.threads = parts.threads
+        eng.graph = parts.graph                     # a GGUF in place: one ggml graph a forward (ggml_model.py)
         eng.options = opts
         eng.plan, eng.plan_note = opts.plan_data, opts.plan_note
         if opts.draft is not None:
@@ -147,6 +151,8 @@ class Engine:
         tokens are a speculative verification pass (the last accepted token + drafts), a decode step of T tokens.
         `last_only`: the last position's logits only, [1,1,V] (a prompt's prefill: the lm_head of every position is
         512 x 151936 x 2048 multiply-adds for a 512-token Qwen3 prompt, wasted)."""
+        if self._graph_takes(past_key_values, verify):
+            return self._graph_forward(input_ids, past_key_values, last_only)
         from transformers import DynamicCache
 
         from ..models.kv_cache import cache_kwargs, output_cache
@@ -174,6 +180,33 @@ class Engine:
         if self.runtime.replay is not None:
             self.runtime.replay.advance(input_ids.shape[-1])
         return out.logits, output_cache(out)
+
+    def _graph_takes(self, past_key_values, verify: bool) -> bool:
+        """Whether this forward is the one-graph one: a sequence started there continues there; a new one starts
+        there unless something watches the layers (observers: profile, predictors) or a draft verifies."""
+        if isinstance(past_key_values, GraphKV):
+            return True
+        return (self.graph is not None and past_key_values is None and not verify and not self.runtime.observers
+                and self.speculator is None and self.runtime.replay is None)
+
+    def _graph_forward(self, input_ids: torch.Tensor, kv, last_only: bool):
+        """`forward` as one ggml graph (ggml_model.py); the cache's counters as the module path keeps them in
+        place: every routed expert a hit, its layer's uses, its phase."""
+        T = input_ids.shape[-1]
+        self.cache.begin_step("decode" if kv is not None else "prefill")
+        logits, kv = host_alloc(lambda: self.graph.forward(input_ids, kv, last_only),
+                                f"running the model on {T} tokens")
+        ids = self.graph.last_ids.reshape(self.graph.n_layer, -1).long()        # [L, T*U], -1: not routed
+        L, E = ids.shape[0], self.graph.n_expert
+        routed = ids >= 0
+        # a step acquires each expert it routes once per layer (the module path's count)
+        flat = (ids + torch.arange(L)[:, None] * E)[routed]
+        distinct = (torch.bincount(flat, minlength=L * E).reshape(L, E) > 0).sum(1).numpy()    # [L]
+        state = self.cache.state
+        state.counts[FULL][state.phase][:, COUNTERS.index("hits")] += distinct
+        self.runtime.expert_calls += int(routed.sum())
+        self.cache.end_token()
+        return logits, kv
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         check_text(prompt, "the prompt")
@@ -275,7 +308,8 @@ class Engine:
         (`device_peak_allocated_bytes`, torch.cuda.max_memory_allocated), which includes activations."""
         if self._dense_bytes is None:
             self._dense_bytes = dense_nbytes(self.model, self.config)
-        out = {"device_held_bytes": self._dense_bytes + self.cache.device_nbytes() + kv_nbytes(past_key_values)}
+        kv = past_key_values.nbytes() if isinstance(past_key_values, GraphKV) else kv_nbytes(past_key_values)
+        out = {"device_held_bytes": self._dense_bytes + self.cache.device_nbytes() + kv}
         if self.device.type == "cuda":
             out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out

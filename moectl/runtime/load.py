@@ -75,6 +75,7 @@ class Loaded:
     runtime: Runtime                # the layers' shared state: gating, prefetch, placement, the CPU worker
     opts: RuntimeOptions
     threads: int
+    graph: object = None            # a GGUF in place: its whole forward as one ggml graph (ggml_model.py), or None
 
 
 def load(model: str, opts: RuntimeOptions) -> Loaded:
@@ -193,7 +194,18 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         # a make-synthetic checkpoint cut to its recipe's first layers replays the recipe's deeper trace
         runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
-    return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads)
+    graph = None
+    if in_place and adapter.gguf is not None and mapped_dense and store.formats is not None and all(
+            isinstance(f, GgufMappedFormat) for f in store.formats) and prefetch is None and runtime.gating is None:
+        from .ggml_model import GgmlModel, why_not
+
+        why = why_not(adapter.gguf, config, opts)
+        if why is None:
+            graph = GgmlModel(adapter.gguf, config)
+            opts.plan_note = "; ".join(filter(None, [opts.plan_note, "gguf: one ggml graph a forward, as llama.cpp's"]))
+        else:
+            opts.plan_note = "; ".join(filter(None, [opts.plan_note, f"gguf: module path ({why})"]))
+    return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads, graph)
 
 
 def _torch_matrices(model) -> list[str]:
