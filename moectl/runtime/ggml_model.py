@@ -77,11 +77,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def why_not(gguf, config, options=None) -> str | None:
+def why_not(gguf, config, options=None, gating=None, prefetch=None) -> str | None:
     """Why this run cannot take the one-graph forward (None: it can). `gguf`: the GgufModel; `options`: the
-    run's RuntimeOptions (None: not asked)."""
+    run's RuntimeOptions (None: not asked); `gating`, `prefetch`: the run's policies (None: none)."""
     if os.environ.get("MOECTL_GGML_GRAPH", "1") == "0":
         return "MOECTL_GGML_GRAPH=0"
+    if gating is not None:
+        return f"--gating {gating.describe()} needs the module path (adaptive top-k is not in the graph)"
+    if prefetch is not None:
+        return f"--prefetch {getattr(prefetch, 'name', prefetch)} needs the module path"
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
         return f"no one-graph forward for the {family} family yet"
@@ -95,10 +99,9 @@ def why_not(gguf, config, options=None) -> str | None:
             if field not in OPTIONAL and f"blk.{l}.{name}" not in files:
                 return f"blk.{l}.{name} is not in the file (per-expert or fused tensors)"
     if options is not None:
-        for name, off in (("gating", None), ("lowbit", None), ("draft", None), ("replay_trace", None),
-                          ("dense_lowbit", None)):
+        for name in ("lowbit", "draft", "replay_trace", "dense_lowbit"):
             v = getattr(options, name, None)
-            if v not in (off, "none") and not (name == "gating" and v is None):
+            if v not in (None, "none"):
                 return f"--{name.replace('_', '-')} {v} needs the module path"
     if ggml.library() is None:
         return f"ggml is not available: {ggml.why_not()}"

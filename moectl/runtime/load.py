@@ -196,10 +196,10 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
     graph = None
     if in_place and adapter.gguf is not None and mapped_dense and store.formats is not None and all(
-            isinstance(f, GgufMappedFormat) for f in store.formats) and prefetch is None and runtime.gating is None:
+            isinstance(f, GgufMappedFormat) for f in store.formats):
         from .ggml_model import GgmlModel, why_not
 
-        why = why_not(adapter.gguf, config, opts)
+        why = why_not(adapter.gguf, config, opts, runtime.gating, prefetch)
         if why is None:
             graph = GgmlModel(adapter.gguf, config)
             opts.plan_note = "; ".join(filter(None, [opts.plan_note, "gguf: one ggml graph a forward, as llama.cpp's"]))

@@ -1,0 +1,141 @@
+"""A GGUF's whole forward as one ggml graph (moectl/runtime/ggml_model.py, `mg_model_eval` in the shim): on each
+family it is written for, the F32 file's logits equal the safetensors original's through transformers (exact up
+to summation order), prefill and decode; a quantized file gives the module path's tokens and logits within ggml's
+activation rounding; a prompt's prefill equals feeding it a token at a time (the KV cache, the causal mask); the
+KV cache grows past its first capacity; the cache's counters are the module path's; a run that needs the modules
+(a gating policy, an observer) keeps them; a bad token id is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from gguf_build import write_gguf
+from model_factory import save_tokenizer
+from moectl.errors import MoectlError
+from moectl.runtime.engine import Engine
+from moectl.runtime.ggml_model import GraphKV
+from test_gguf_run import GGML_LOGITS_RTOL, PROMPT, STEPS, ggml_or_skip
+from test_runtime import LOSSLESS_ATOL, _engine_run
+
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+
+
+def _checkpoint(family: str, root):
+    from test_gguf_model import build_with_rope
+
+    build_with_rope(family, root / "ckpt")             # qwen3_moe: linear rope scaling (freq_scale 1/2)
+    save_tokenizer(root / "ckpt")
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_files(request, tmp_path_factory):
+    """(family, checkpoint, F32 GGUF, Q8_0 dense + Q4_0 experts GGUF) of a tiny model of each family."""
+    root = tmp_path_factory.mktemp(f"graph_{request.param}")
+    ckpt = _checkpoint(request.param, root)
+    f32 = write_gguf(ckpt, root / "F32.gguf")
+    q = write_gguf(ckpt, root / "Q.gguf", dense_encoding=T.Q8_0, expert_encoding=T.Q4_0)
+    return request.param, ckpt, f32, q
+
+
+def _load(path, tmp_path, **kw):
+    return Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path), **kw)
+
+
+def test_f32_graph_equals_the_original(family_files, tmp_path, monkeypatch):
+    """F32 weights: x stays f32 in every product, so the graph (llama.cpp's RoPE on the converter's Q/K rows, its
+    routing, its attention) is checked against transformers' forward of the original within LOSSLESS_ATOL."""
+    ggml_or_skip()
+    family, ckpt, f32, _ = family_files
+    want_logits, want = _engine_run(_load(ckpt, tmp_path / "s", emulate_device=True, cache_experts=4), PROMPT, STEPS)
+    eng = _load(f32, tmp_path / "g")
+    assert eng.graph is not None, eng.plan_note
+    logits, got = _engine_run(eng, PROMPT, STEPS)
+    assert got == want
+    err = max((a - b).abs().max().item() for a, b in zip(logits, want_logits))
+    assert err <= LOSSLESS_ATOL * 10, err           # one graph sums in ggml's order: a few ulps more than torch's
+    assert logits[0].shape == want_logits[0].shape  # a prefill's logits: every position
+
+
+def test_quantized_graph_equals_the_module_path(family_files, tmp_path, monkeypatch):
+    """Q8_0 dense, Q4_0 experts: the same greedy tokens as the module path (MOECTL_GGML_GRAPH=0: the same ggml
+    products, one at a time), logits within ggml's activation rounding."""
+    ggml_or_skip()
+    family, _, _, q = family_files
+    eng = _load(q, tmp_path / "g")
+    assert eng.graph is not None and "one ggml graph" in eng.plan_note
+    logits, got = _engine_run(eng, PROMPT, STEPS)
+    monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
+    mod = _load(q, tmp_path / "m")
+    assert mod.graph is None and "MOECTL_GGML_GRAPH=0" in mod.plan_note
+    want_logits, want = _engine_run(mod, PROMPT, STEPS)
+    assert got == want
+    scale = max(b.abs().max().item() for b in want_logits)
+    assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= GGML_LOGITS_RTOL * scale
+
+
+def test_prefill_equals_token_by_token_and_the_cache_grows(family_files, tmp_path):
+    """A prompt's prefill (the causal mask over its own tokens) gives, at every position, the logits of feeding it
+    one token at a time (each attending the cache); a cache made for 2 positions grows (its filled rows kept) and
+    changes nothing; `last_only` is the last row."""
+    ggml_or_skip()
+    _, _, f32, _ = family_files
+    g = _load(f32, tmp_path).graph
+    ids = torch.tensor([[5, 17, 42, 9, 100, 7, 3, 64, 11, 2]])
+    full, kv = g.forward(ids)
+    assert full.shape == (1, 10, g.V) and kv.pos == 10
+    small = g.new_kv(2)
+    for t in range(ids.shape[1]):
+        one, small = g.forward(ids[:, t:t + 1], small)
+        assert torch.allclose(one[0, 0], full[0, t], atol=1e-4, rtol=1e-4), t
+    assert small.capacity >= 10 and small.pos == 10
+    last, _ = g.forward(ids, None, last_only=True)
+    assert last.shape == (1, 1, g.V) and torch.allclose(last[0, 0], full[0, -1], atol=1e-5)
+
+
+def test_counters_are_the_module_paths(family_files, tmp_path, monkeypatch):
+    """generate's stats: hits (each expert a step routes, once per layer) and experts per token in the decode
+    phase as the module path counts them; the KV cache's bytes in device_held_bytes."""
+    ggml_or_skip()
+    _, _, _, q = family_files
+    runs = {}
+    for graph in ("1", "0"):
+        monkeypatch.setenv("MOECTL_GGML_GRAPH", graph)
+        eng = _load(q, tmp_path / graph)
+        r = eng.generate(input_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)
+        runs[graph] = (r.token_ids, eng.cache.stats.as_dict()["decode"], r.stats)
+    (tok_g, dec_g, st_g), (tok_m, dec_m, st_m) = runs["1"], runs["0"]
+    assert tok_g == tok_m and dec_g == dec_m and dec_g["hits"] > 0
+    assert st_g["misses"] == 0 and st_g["device_held_bytes"] > st_m["device_held_bytes"] - 1  # KV counted
+
+
+def test_runs_that_need_the_modules_keep_them(family_files, tmp_path):
+    """A gating policy (adaptive top-k) is not in the graph: the module path, said in the load's note. An observer
+    added before a sequence starts (profile, predictors) gets the module path for that sequence."""
+    ggml_or_skip()
+    _, _, _, q = family_files
+    eng = _load(q, tmp_path / "a", gating="score:0.5")
+    assert eng.graph is None and "module path (--gating" in eng.plan_note
+    eng = _load(q, tmp_path / "b")
+    seen = []
+
+    class Obs:
+        def on_route(self, layer, idx, weights, hidden):
+            seen.append(layer)
+
+    eng.add_observer(Obs())
+    _, pkv = eng.forward(PROMPT)
+    assert not isinstance(pkv, GraphKV) and seen
+    eng.remove_observer(eng.runtime.observers[0])
+    _, pkv = eng.forward(PROMPT)
+    assert isinstance(pkv, GraphKV)
+
+
+def test_bad_token_id_is_one_error(family_files, tmp_path):
+    ggml_or_skip()
+    _, _, _, q = family_files
+    eng = _load(q, tmp_path)
+    with pytest.raises(MoectlError, match="outside the vocabulary"):
+        eng.forward(torch.tensor([[1, eng.graph.V]]))
