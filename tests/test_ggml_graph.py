@@ -139,3 +139,40 @@ def test_bad_token_id_is_one_error(family_files, tmp_path):
     eng = _load(q, tmp_path)
     with pytest.raises(MoectlError, match="outside the vocabulary"):
         eng.forward(torch.tensor([[1, eng.graph.V]]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dense", [None, "q4"])
+def test_own_ggml_copies_take_the_graph(family, dense, tmp_path, monkeypatch):
+    """moectl's own copies (`quantize --format ggml-q4_0`, `--precision lowbit-only`), the dense part bf16 or ggml
+    blocks (`--dense-lowbit q4`): the graph reads the loaded modules and the copies' rows (NEOX RoPE on
+    transformers' Q/K order) and gives the module path's tokens, logits within ggml's activation rounding."""
+    ggml_or_skip()
+    from model_factory import build_family
+    from moectl.quant.quantize import quantize_model
+
+    ckpt = tmp_path / "ckpt"
+    build_family(family, ckpt)
+    save_tokenizer(ckpt)
+    wd = tmp_path / "wd"
+    quantize_model(str(ckpt), 4, 64, 1, workdir=str(wd), progress=False, fmt="ggml-q4_0")
+    kw = dict(workdir=str(wd), lowbit="ggml-q4_0", precision="lowbit-only", progress=False, threads=1,
+              dtype="bfloat16", dense_lowbit=dense)
+    eng = Engine.load(str(ckpt), **kw)
+    assert eng.graph is not None, eng.plan_note
+    monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
+    want_logits, want = _engine_run(Engine.load(str(ckpt), **kw), PROMPT, STEPS)
+    # the module path's tokens fed to the graph (teacher forcing: bf16 rounding between the module path's ops can
+    # flip a near tie of this random model, and one flip changes every later step)
+    logits, kv, step = [], None, PROMPT
+    for nxt in want:
+        out, kv = eng.forward(step, kv)
+        logits.append(out[0])
+        step = torch.tensor([[nxt]])
+    scale = max(b.float().abs().max().item() for b in want_logits)
+    tol = 4 * GGML_LOGITS_RTOL * scale                              # the module path rounds to bf16 between ops
+    for a, b, w in zip(logits, want_logits, want):
+        assert (a.float() - b.float()).abs().max().item() <= tol
+        top2 = b[-1].float().topk(2).values
+        if top2[0] - top2[1] > 2 * tol:                             # a clear choice is the same choice
+            assert int(a[-1].argmax()) == w

@@ -301,6 +301,8 @@ int mg_vec_dot_type(int type) { return ggml_get_type_traits_cpu(type)->vec_dot_t
 
 typedef struct {
     int64_t ne[3];         // ggml order: ne[0] = row length
+    int64_t nb2;           // bytes from one matrix of a stack to the next (moectl's copies: one expert a row of a
+                           // buffer); 0: back to back
     const void *data;      // NULL: absent
     int32_t type;
     int32_t pad;
@@ -322,7 +324,7 @@ typedef struct {
 int mg_model_abi(void) { return (int)sizeof(mg_model_desc) * 1000 + (int)sizeof(mg_w); }
 
 static struct ggml_tensor *weight(struct ggml_context *ctx, const mg_w *w) {
-    return w->data ? ext(ctx, w->type, w->ne[0], w->ne[1], w->ne[2], w->data) : NULL;
+    return w->data ? stack(ctx, w->type, w->ne[0], w->ne[1], w->ne[2], w->data, w->nb2) : NULL;
 }
 
 static struct ggml_tensor *rms(struct ggml_context *ctx, struct ggml_tensor *x, const mg_w *w, float eps) {

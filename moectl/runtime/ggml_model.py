@@ -46,8 +46,8 @@ F32 = 0                                                     # GGML_TYPE_F32
 
 
 class MgW(ctypes.Structure):
-    _fields_ = [("ne", ctypes.c_int64 * 3), ("data", ctypes.c_void_p), ("type", ctypes.c_int32),
-                ("pad", ctypes.c_int32)]
+    _fields_ = [("ne", ctypes.c_int64 * 3), ("nb2", ctypes.c_int64), ("data", ctypes.c_void_p),
+                ("type", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 class MgLayer(ctypes.Structure):
@@ -77,9 +77,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def why_not(gguf, config, options=None, gating=None, prefetch=None) -> str | None:
-    """Why this run cannot take the one-graph forward (None: it can). `gguf`: the GgufModel; `options`: the
-    run's RuntimeOptions (None: not asked); `gating`, `prefetch`: the run's policies (None: none)."""
+def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
+    """Why this run cannot take the one-graph forward (None: it can, if its weights are ones the graph reads:
+    `GgmlModel.from_gguf` / `from_modules` say). `options`: the run's RuntimeOptions (None: not asked);
+    `gating`, `prefetch`: the run's policies (None: none)."""
     if os.environ.get("MOECTL_GGML_GRAPH", "1") == "0":
         return "MOECTL_GGML_GRAPH=0"
     if gating is not None:
@@ -89,23 +90,108 @@ def why_not(gguf, config, options=None, gating=None, prefetch=None) -> str | Non
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
         return f"no one-graph forward for the {family} family yet"
-    files = gguf.files
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in ("default", "linear"):
         return f"rope {rope.get('rope_type')} is not in the one-graph forward"
-    n_layer = int(config.num_hidden_layers)
-    for l in range(n_layer):
-        for field, name in LAYER_TENSORS.items():
-            if field not in OPTIONAL and f"blk.{l}.{name}" not in files:
-                return f"blk.{l}.{name} is not in the file (per-expert or fused tensors)"
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) not in (1, None):
+        return "dense (non-MoE) layers are not in the one-graph forward"
     if options is not None:
-        for name in ("lowbit", "draft", "replay_trace", "dense_lowbit"):
+        for name in ("draft", "replay_trace"):
             v = getattr(options, name, None)
             if v not in (None, "none"):
                 return f"--{name.replace('_', '-')} {v} needs the module path"
     if ggml.library() is None:
         return f"ggml is not available: {ggml.why_not()}"
     return None
+
+
+def gguf_tensors_missing(files, n_layer: int) -> str | None:
+    """A required tensor of the graph the file lacks (per-expert or fused tensors), or None."""
+    for l in range(n_layer):
+        for field, name in LAYER_TENSORS.items():
+            if field not in OPTIONAL and f"blk.{l}.{name}" not in files:
+                return f"blk.{l}.{name} is not in the file (per-expert or fused tensors)"
+    return None
+
+
+SMALL = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo")     # handed over as fp32
+GGML_TYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
+
+def _mgw(addr: int, encoding: int, shape: tuple, stride: int = 0) -> MgW:
+    """A matrix (or stack of them: `stride` bytes apart, 0 back to back) of torch-order `shape` [A,] N, K at
+    `addr`, in ggml order."""
+    w = MgW()
+    dims = list(reversed([int(d) for d in shape])) + [1] * (3 - len(shape))
+    for i in range(3):
+        w.ne[i] = dims[i]
+    w.nb2, w.data, w.type = int(stride), int(addr), int(encoding)
+    return w
+
+
+def _weight(t: torch.Tensor, keep: list) -> MgW:
+    if t.dtype not in GGML_TYPE or t.device.type != "cpu" or t.is_meta:
+        raise MoectlError(f"a {t.dtype} weight on {t.device} is not in the one-graph forward")
+    t = t.detach().contiguous()
+    keep.append(t)
+    return _mgw(t.data_ptr(), GGML_TYPE[t.dtype], tuple(t.shape))
+
+
+def _linear(mod, keep: list) -> MgW | str:
+    """A Linear's matrix as the graph reads it, or why not: ggml blocks (GgufLinear / GgmlDenseLinear with
+    rows in order) or a bf16 / fp16 / fp32 weight."""
+    from ..models.dense_gguf import GgufLinear
+
+    if isinstance(mod, GgufLinear):
+        if mod.perm is not None:
+            return "rows permuted (a GGUF's Q/K): read the file instead"
+        mat = mod.matrix
+        keep.append(mat.data)
+        return _mgw(mat.data.ctypes.data, mat.encoding, mat.shape)
+    w = getattr(mod, "weight", None)
+    if type(mod).__name__ not in ("Linear", "GemvLinear") or not isinstance(w, torch.Tensor) \
+            or w.dtype not in GGML_TYPE or w.is_meta:
+        return f"{type(mod).__name__} is not a matrix ggml reads"
+    return _weight(w, keep)
+
+
+def _experts(cache, layer: int) -> tuple[MgW, MgW, MgW] | str:
+    """A layer's experts as the in-place cache computes them, when they are ggml stacks (a GGUF's ffn_*_exps, or
+    moectl's ggml copies one expert a row of a buffer): (gate, up, down) descriptors; else why not."""
+    if not getattr(cache, "in_place", False):
+        return "not computed in place"
+    w = cache.resident_weights(layer, 0)
+    g, d = (w or {}).get("gate_up"), (w or {}).get("down")
+    if not (isinstance(g, ggml.GgmlLinear) and isinstance(d, ggml.GgmlLinear) and type(g) is ggml.GgmlLinear
+            and g.stacked is not None and d.stacked is not None):
+        return "not ggml blocks (moectl's own kernels or torch's compute them)"
+    (bg, A, bu, bd), stride = ggml._stacked_bases(g, d)
+    (eg, _, (I, H)), (eu, _, _) = g.mats
+    (ed, _, _), = d.mats
+    return (_mgw(bg, eg, (A, I, H), stride), _mgw(bu, eu, (A, I, H), stride), _mgw(bd, ed, (A, H, I), stride))
+
+
+def _hyper(config, rope_mode: int, vocab: int, experts: int) -> MgModel:
+    """A descriptor with the config's sizes, norm, RoPE and routing (weights not set)."""
+    fam = FAMILIES[config.model_type]
+    m = MgModel()
+    H = int(config.hidden_size)
+    NH, NKV = int(config.num_attention_heads), int(config.num_key_value_heads)
+    D = int(getattr(config, "head_dim", None) or H // NH)
+    rope = getattr(config, "rope_parameters", None) or {}
+    m.n_layer, m.n_embd, m.n_head, m.n_head_kv, m.head_dim = int(config.num_hidden_layers), H, NH, NKV, D
+    m.n_vocab, m.n_expert, m.n_used = vocab, experts, int(config.num_experts_per_tok)
+    m.eps = float(config.rms_norm_eps)
+    m.freq_base = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    m.freq_scale = 1.0 / float(rope["factor"]) if rope.get("rope_type") == "linear" else 1.0
+    m.ext_factor, m.attn_factor, m.beta_fast, m.beta_slow = 0.0, 1.0, 32.0, 1.0
+    m.rope_mode, m.n_rot = rope_mode, D
+    m.n_ctx_orig = int(getattr(config, "max_position_embeddings", 4096))
+    # Mixtral always renormalises its top-k; Qwen3-MoE and OLMoE as their config says
+    m.norm_topk = 1 if config.model_type == "mixtral" else int(bool(getattr(config, "norm_topk_prob",
+                                                                             fam["norm_topk"])))
+    m.qk_norm_full = int(fam["qk_norm_full"])
+    return m
 
 
 class GraphKV:
@@ -139,69 +225,102 @@ class GraphKV:
 
 
 class GgmlModel:
-    """The one-graph forward over a GgufModel's mapped file: `forward(ids [1, T], kv | None, last_only)` ->
-    (logits [1, T or 1, V] fp32, kv), and each layer's routed experts of the last forward (`last_ids`
-    [L, T, U] int32, for the cache's counters)."""
+    """The one-graph forward: `forward(ids [1, T], kv | None, last_only)` -> (logits [1, T or 1, V] fp32, kv), and
+    each layer's routed experts of the last forward (`last_ids` [L, T, U] int32, -1 where a row was not routed).
+    Made by `from_gguf` (a GGUF's tensors where they lie in the mapped file) or `from_modules` (a checkpoint's
+    loaded modules and expert copies in ggml blocks)."""
 
-    def __init__(self, gguf, config):
-        self.gguf, self.config = gguf, config
+    def __init__(self, desc: MgModel, layers, keep: list):
         self.lib = _declare(ggml.require())
-        files = gguf.files
+        self.desc, self.layers, self._keep = desc, layers, keep     # keep: what the descriptors point at
+        self.n_layer, self.V, self.U, self.n_expert = desc.n_layer, desc.n_vocab, desc.n_used, desc.n_expert
+        self.KV = desc.n_head_kv * desc.head_dim
+
+    @classmethod
+    def from_gguf(cls, gguf, config) -> "GgmlModel":
+        files, keep = gguf.files, [gguf]
         fam = FAMILIES[config.model_type]
-        self._keep: list = []                       # arrays the descriptors point at (fp32 copies of norms)
-        L = self.n_layer = int(config.num_hidden_layers)
-        self.layers = (MgLayer * L)()
+
+        def w(name: str, f32: bool = False) -> MgW:
+            # a weight where it lies in the mapped file; `f32`: a norm or bias, handed over as fp32 (a copy
+            # unless the file's is)
+            e = files.entry(name)
+            if f32 and e.encoding != F32:
+                from gguf.quants import dequantize
+
+                raw = files.bytes_of(e.file, e.offset, e.nbytes)
+                arr = np.ascontiguousarray(dequantize(raw, e.encoding).astype(np.float32).reshape(-1))
+                keep.append(arr)
+                return _mgw(arr.ctypes.data, F32, e.shape)
+            return _mgw(files.bytes_of(e.file, e.offset, e.nbytes).ctypes.data, int(e.encoding), e.shape)
+
+        L = int(config.num_hidden_layers)
+        layers = (MgLayer * L)()
         for l in range(L):
             for field in LAYER_FIELDS:
                 name = f"blk.{l}.{LAYER_TENSORS[field]}"
                 if name in files:
-                    small = field in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo")
-                    setattr(self.layers[l], field, self._w(name, f32=small))
-        m = self.desc = MgModel()
-        H = int(config.hidden_size)
-        NH, NKV = int(config.num_attention_heads), int(config.num_key_value_heads)
-        D = int(getattr(config, "head_dim", None) or H // NH)
-        rope = getattr(config, "rope_parameters", None) or {}
-        self.U = int(config.num_experts_per_tok)
-        self.n_expert = int(files.entry("blk.0.ffn_gate_inp.weight").shape[0])
-        m.n_layer, m.n_embd, m.n_head, m.n_head_kv, m.head_dim = L, H, NH, NKV, D
-        m.n_vocab = int(files.entry("token_embd.weight").shape[0])
-        m.n_expert = self.n_expert
-        m.n_used = self.U
-        m.eps = float(config.rms_norm_eps)
-        m.freq_base = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        m.freq_scale = 1.0 / float(rope["factor"]) if rope.get("rope_type") == "linear" else 1.0
-        m.ext_factor, m.attn_factor, m.beta_fast, m.beta_slow = 0.0, 1.0, 32.0, 1.0
-        m.rope_mode, m.n_rot = fam["rope_mode"], int(files.get("{arch}.rope.dimension_count", D))
-        m.n_ctx_orig = int(getattr(config, "max_position_embeddings", 4096))
-        m.norm_topk = int(bool(getattr(config, "norm_topk_prob", fam["norm_topk"])) if config.model_type != "mixtral"
-                          else 1)
-        m.qk_norm_full = int(fam["qk_norm_full"])
-        m.tok_embd = self._w("token_embd.weight")
-        m.out_norm = self._w("output_norm.weight", f32=True)
+                    setattr(layers[l], field, w(name, f32=field in SMALL))
+        m = _hyper(config, fam["rope_mode"], int(files.entry("token_embd.weight").shape[0]),
+                   int(files.entry("blk.0.ffn_gate_inp.weight").shape[0]))
+        m.n_rot = int(files.get("{arch}.rope.dimension_count", m.head_dim))
+        m.tok_embd = w("token_embd.weight")
+        m.out_norm = w("output_norm.weight", f32=True)
         if "output.weight" in files:
-            m.output = self._w("output.weight")
-        m.layers = self.layers
-        self.V, self.KV = m.n_vocab, NKV * D
+            m.output = w("output.weight")
+        m.layers = layers
+        return cls(m, layers, keep)
 
-    def _w(self, name: str, f32: bool = False) -> MgW:
-        """A weight where it lies in the mapped file (ggml order: ne[0] the row length); `f32`: a norm or bias,
-        handed over as fp32 (a copy unless the file's is)."""
-        e = self.gguf.files.entry(name)
-        w = MgW()
-        dims = list(reversed(e.shape)) + [1] * (3 - len(e.shape))
-        for i in range(3):
-            w.ne[i] = int(dims[i])
-        if f32 and e.encoding != F32:
-            from gguf.quants import dequantize
+    @classmethod
+    def from_modules(cls, model, config, cache) -> "GgmlModel | str":
+        """From a loaded skeleton's modules (norms, attention, router, embedding, lm_head: bf16 / fp32 weights, or
+        ggml blocks: `--dense-lowbit` through ggml) and the experts the cache computes in place as ggml stacks
+        (moectl's `--format ggml-*` copies). The checkpoint's Q/K rows are transformers' order: NEOX RoPE (its
+        rotate_half), every family. A str: why not (a module or expert kind the graph cannot read)."""
+        fam = FAMILIES[config.model_type]
+        keep: list = []
+        inner = model.model
+        L = len(inner.layers)
+        layers = (MgLayer * L)()
 
-            raw = self.gguf.files.bytes_of(e.file, e.offset, e.nbytes)
-            arr = np.ascontiguousarray(dequantize(raw, e.encoding).astype(np.float32).reshape(-1))
-            self._keep.append(arr)
-            w.data, w.type = arr.ctypes.data, F32
-        else:
-            w.data, w.type = self.gguf.files.bytes_of(e.file, e.offset, e.nbytes).ctypes.data, int(e.encoding)
-        return w
+        def f32(t: torch.Tensor) -> MgW:
+            t = t.detach().float().contiguous()
+            keep.append(t)
+            return _mgw(t.data_ptr(), F32, tuple(t.shape))
+
+        for l, layer in enumerate(inner.layers):
+            attn, block = layer.self_attn, layer.mlp
+            dst = layers[l]
+            for field, mod in (("wq", attn.q_proj), ("wk", attn.k_proj), ("wv", attn.v_proj), ("wo", attn.o_proj)):
+                got = _linear(mod, keep)
+                if isinstance(got, str):
+                    return f"layer {l} {field}: {got}"
+                setattr(dst, field, got)
+                if getattr(mod, "bias", None) is not None:
+                    setattr(dst, "b" + field[1], f32(mod.bias))
+            for field, mod in (("q_norm", getattr(attn, "q_norm", None)), ("k_norm", getattr(attn, "k_norm", None))):
+                if mod is not None:
+                    setattr(dst, field, f32(mod.weight))
+            dst.attn_norm, dst.ffn_norm = f32(layer.input_layernorm.weight), f32(layer.post_attention_layernorm.weight)
+            router = getattr(block, "gate", None)
+            if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
+                return f"layer {l}: no router weight"
+            dst.router = f32(router.weight)
+            got = _experts(cache, l)
+            if isinstance(got, str):
+                return f"layer {l} experts: {got}"
+            dst.gate, dst.up, dst.down = got
+        emb = inner.embed_tokens
+        head = model.lm_head
+        m = _hyper(config, 2, int(emb.weight.shape[0]), int(layers[0].router.ne[1]))
+        m.tok_embd = _weight(emb.weight, keep)
+        m.out_norm = f32(inner.norm.weight)
+        out = _linear(head, keep)
+        if isinstance(out, str):
+            return f"lm_head: {out}"
+        m.output = out
+        m.layers = layers
+        return cls(m, layers, keep)
 
     def new_kv(self, capacity: int = 256) -> GraphKV:
         return GraphKV(self.n_layer, self.KV, capacity)

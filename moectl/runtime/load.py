@@ -194,18 +194,30 @@ def load(model: str, opts: RuntimeOptions) -> Loaded:
         # a make-synthetic checkpoint cut to its recipe's first layers replays the recipe's deeper trace
         runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
-    graph = None
-    if in_place and adapter.gguf is not None and mapped_dense and store.formats is not None and all(
-            isinstance(f, GgufMappedFormat) for f in store.formats):
-        from .ggml_model import GgmlModel, why_not
-
-        why = why_not(adapter.gguf, config, opts, runtime.gating, prefetch)
-        if why is None:
-            graph = GgmlModel(adapter.gguf, config)
-            opts.plan_note = "; ".join(filter(None, [opts.plan_note, "gguf: one ggml graph a forward, as llama.cpp's"]))
-        else:
-            opts.plan_note = "; ".join(filter(None, [opts.plan_note, f"gguf: module path ({why})"]))
+    graph = one_graph(hf, config, adapter, cache, opts, runtime, prefetch, mapped_dense, experts_ggml) \
+        if in_place else None
     return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads, graph)
+
+
+def one_graph(hf, config, adapter, cache, opts: RuntimeOptions, runtime: Runtime, prefetch, mapped_dense: dict,
+              experts_ggml: bool):
+    """The run's whole forward as one ggml graph (ggml_model.py), or None with the reason in the load's note: a
+    GGUF in place (its tensors where they lie) or a checkpoint whose experts are ggml copies computed in place."""
+    from .ggml_model import GgmlModel, gguf_tensors_missing, why_not
+
+    if not experts_ggml or (adapter.gguf is not None and not mapped_dense):
+        return None                                  # not ggml's run: nothing to say
+    why = why_not(config, opts, runtime.gating, prefetch)
+    if why is None and adapter.gguf is not None:
+        why = gguf_tensors_missing(adapter.gguf.files, config.num_hidden_layers)
+        graph = GgmlModel.from_gguf(adapter.gguf, config) if why is None else None
+    elif why is None:
+        graph = GgmlModel.from_modules(hf, config, cache)
+        why, graph = (graph, None) if isinstance(graph, str) else (None, graph)
+    what = "gguf" if adapter.gguf is not None else "ggml"
+    note = f"{what}: one ggml graph a forward, as llama.cpp's" if why is None else f"{what}: module path ({why})"
+    opts.plan_note = "; ".join(filter(None, [opts.plan_note, note]))
+    return graph if why is None else None
 
 
 def _torch_matrices(model) -> list[str]:
