@@ -15,6 +15,7 @@ from gguf_build import write_gguf
 from model_factory import save_tokenizer
 from moectl.errors import MoectlError
 from moectl.runtime.engine import Engine
+from moectl.runtime import ggml_model
 from moectl.runtime.ggml_model import GraphKV
 from test_gguf_run import GGML_LOGITS_RTOL, PROMPT, STEPS, ggml_or_skip
 from test_runtime import LOSSLESS_ATOL, _engine_run
@@ -76,10 +77,10 @@ def test_quantized_graph_equals_the_module_path(family_files, tmp_path, monkeypa
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= GGML_LOGITS_RTOL * scale
 
 
-def test_prefill_equals_token_by_token_and_the_cache_grows(family_files, tmp_path):
+def test_prefill_equals_token_by_token_and_the_cache_grows(family_files, tmp_path, monkeypatch):
     """A prompt's prefill (the causal mask over its own tokens) gives, at every position, the logits of feeding it
     one token at a time (each attending the cache); a cache made for 2 positions grows (its filled rows kept) and
-    changes nothing; `last_only` is the last row."""
+    changes nothing; `last_only` is the last row; a prompt in chunks (llama.cpp's ubatch) is the same prompt."""
     ggml_or_skip()
     _, _, f32, _ = family_files
     g = _load(f32, tmp_path).graph
@@ -93,6 +94,14 @@ def test_prefill_equals_token_by_token_and_the_cache_grows(family_files, tmp_pat
     assert small.capacity >= 10 and small.pos == 10
     last, _ = g.forward(ids, None, last_only=True)
     assert last.shape == (1, 1, g.V) and torch.allclose(last[0, 0], full[0, -1], atol=1e-5)
+    # a prompt longer than a graph's chunk: chunks of 4 tokens, each attending the ones before (the cache)
+    monkeypatch.setattr(ggml_model, "CHUNK", 4)
+    done = []
+    chunked, kv = g.forward(ids, None, on_chunk=lambda d, t: done.append((d, t)))
+    assert done == [(4, 10), (8, 10), (10, 10)] and kv.pos == 10 and g.last_ids.shape == (g.n_layer, 10, g.U)
+    assert torch.allclose(chunked, full, atol=1e-4, rtol=1e-4)
+    last, _ = g.forward(ids, None, last_only=True)
+    assert last.shape == (1, 1, g.V) and torch.allclose(last[0, 0], full[0, -1], atol=1e-4, rtol=1e-4)
 
 
 def test_counters_are_the_module_paths(family_files, tmp_path, monkeypatch):

@@ -194,8 +194,17 @@ class Engine:
         place: every routed expert a hit, its layer's uses, its phase."""
         T = input_ids.shape[-1]
         self.cache.begin_step("decode" if kv is not None else "prefill")
-        logits, kv = host_alloc(lambda: self.graph.forward(input_ids, kv, last_only),
-                                f"running the model on {T} tokens")
+        bar = self._progress
+        if bar is not None:
+            bar.start()
+        # the bar counts layers; a chunk done is its share of them
+        on_chunk = (lambda done, total: bar.layer(done * len(self.moe_layer_ids) // total - 1, T)) if bar else None
+        try:
+            logits, kv = host_alloc(lambda: self.graph.forward(input_ids, kv, last_only, on_chunk),
+                                    f"running the model on {T} tokens")
+        finally:
+            if bar is not None:
+                bar.close()
         ids = self.graph.last_ids.reshape(self.graph.n_layer, -1).long()        # [L, T*U], -1: not routed
         L, E = ids.shape[0], self.graph.n_expert
         routed = ids >= 0

@@ -43,6 +43,7 @@ LAYER_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "
                  "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
 OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm"}
 F32 = 0                                                     # GGML_TYPE_F32
+CHUNK = 512                                                 # tokens a graph takes at most (llama.cpp's ubatch)
 
 
 class MgW(ctypes.Structure):
@@ -325,7 +326,12 @@ class GgmlModel:
     def new_kv(self, capacity: int = 256) -> GraphKV:
         return GraphKV(self.n_layer, self.KV, capacity)
 
-    def forward(self, input_ids: torch.Tensor, kv: GraphKV | None = None, last_only: bool = False):
+    def forward(self, input_ids: torch.Tensor, kv: GraphKV | None = None, last_only: bool = False,
+                on_chunk=None):
+        """Logits [1, T or 1, V] fp32 and the KV cache after `input_ids` [1, T]. A long prompt goes in chunks of
+        CHUNK tokens, as llama.cpp's ubatch: a chunk's attention scores are [P, CHUNK, heads] floats, where one
+        graph of T tokens would hold [P, T, heads] (4096 tokens, 32 heads: 2 GB). `on_chunk(done, total)` after
+        each chunk."""
         ids = input_ids.reshape(-1).to(torch.int32).contiguous()
         T = ids.numel()
         if T == 0:
@@ -337,13 +343,24 @@ class GgmlModel:
         kv.reserve(kv.pos + T)
         m = self.desc
         m.n_ctx, m.k_cache, m.v_cache = kv.capacity, kv.k.data_ptr(), kv.v.data_ptr()
-        rows = 1 if last_only else T
-        logits = torch.empty(rows, self.V)
-        # each layer's routed experts; -1 where a row was not routed (last_only: the last layer routes one row)
-        self.last_ids = torch.full((self.n_layer, T, self.U), -1, dtype=torch.int32)
-        rc = self.lib.mg_model_eval(ggml.handle(), ctypes.byref(m), ids.data_ptr(), T, kv.pos, int(last_only),
-                                    logits.data_ptr(), self.last_ids.data_ptr())
-        if rc:
-            raise MoectlError(f"ggml's graph failed (code {rc}) on {T} tokens at position {kv.pos}")
-        kv.pos += T
-        return logits[None], kv
+        logits, routed = [], []
+        for c0 in range(0, T, CHUNK):
+            chunk = ids[c0:c0 + CHUNK]
+            n, final = chunk.numel(), c0 + CHUNK >= T
+            # only the kept rows' logits: the last chunk's last row (last_only), else every row
+            out = torch.empty(1 if last_only else n, self.V)
+            # each layer's routed experts [L, n, U]; -1 where a row was not routed (last_only: the last layer
+            # routes one row, the only one whose output is used)
+            ids_out = torch.full((self.n_layer, n, self.U), -1, dtype=torch.int32)
+            rc = self.lib.mg_model_eval(ggml.handle(), ctypes.byref(m), chunk.data_ptr(), n, kv.pos,
+                                        int(last_only), out.data_ptr(), ids_out.data_ptr())
+            if rc:
+                raise MoectlError(f"ggml's graph failed (code {rc}) on {n} tokens at position {kv.pos}")
+            kv.pos += n
+            if final or not last_only:
+                logits.append(out)
+            routed.append(ids_out)
+            if on_chunk is not None:
+                on_chunk(min(c0 + CHUNK, T), T)
+        self.last_ids = torch.cat(routed, dim=1)                                 # [L, T, U]
+        return torch.cat(logits)[None], kv
