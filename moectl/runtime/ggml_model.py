@@ -362,5 +362,6 @@ class GgmlModel:
             routed.append(ids_out)
             if on_chunk is not None:
                 on_chunk(min(c0 + CHUNK, T), T)
-        self.last_ids = torch.cat(routed, dim=1)                                 # [L, T, U]
-        return torch.cat(logits)[None], kv
+        # one chunk (a decode step): no copies
+        self.last_ids = routed[0] if len(routed) == 1 else torch.cat(routed, dim=1)          # [L, T, U]
+        return (logits[0] if len(logits) == 1 else torch.cat(logits))[None], kv
