@@ -105,10 +105,18 @@ class _SingleExpertRows:
         self.rows += top_k_index.shape[0]
         self.single += int(((top_k_index >= 0).sum(-1) == 1).sum())
 
+    def graph_forward(self, last_ids: torch.Tensor) -> None:
+        """The same counts from the one-graph forward's routed experts [L, T, U] (-1: a row not routed)."""
+        n = (last_ids >= 0).sum(-1)                                                         # [L, T]
+        self.rows += int((n > 0).sum())
+        self.single += int((n == 1).sum())
+
 
 def _window_logits(eng, ids: list[int], decode: bool) -> torch.Tensor:
     """Next-token logits [W-1,V] of one window: one teacher-forced prefill step, or (`decode`) one decode step
     per token after a one-token prompt."""
+    if not decode and getattr(eng, "graph", None) is not None:     # one ggml graph (runtime/ggml_model.py): every row
+        return eng.forward(torch.tensor([ids]))[0][0, :-1].float()             # [W-1,V]
     if not decode:
         x = torch.tensor([ids], device=eng.device)                              # [1,W]
         eng.cache.begin_step("prefill")
@@ -130,10 +138,15 @@ def window_nll(eng, windows: list[list[int]], progress=None, decode: bool = Fals
     calls0, bytes0 = rt.expert_calls, cache.stats.as_dict()["bytes_loaded"]
     nll, scored, computed, per_window = 0.0, 0, 0, []
     rows = _SingleExpertRows()
-    eng.add_observer(rows)
+    # the one-graph forward says what it routed (an observer would send the run to the module path)
+    graph = getattr(eng, "graph", None)
+    if graph is None:
+        eng.add_observer(rows)
     try:
         for ids in windows:
             logits = _window_logits(eng, ids, decode)[score_from:]           # [W-1-s,V]
+            if graph is not None and not decode:
+                rows.graph_forward(graph.last_ids)
             target = torch.tensor(ids[1 + score_from:], device=logits.device)
             per_window.append(float(F.cross_entropy(logits, target, reduction="sum")))
             nll += per_window[-1]
