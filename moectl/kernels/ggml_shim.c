@@ -11,6 +11,7 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -101,7 +102,7 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
 
 typedef struct rp_entry {
     const uint8_t *src;                  // the registered bytes it copies
-    int type;
+    enum ggml_type type;
     int64_t ne0, ne1, ne2;               // K, N, A
     struct ggml_context *ctx;            // its tensor headers: the whole and a slice header per expert
     struct ggml_tensor *t;               // [A, N, K] in the CPU_REPACK buffer
@@ -124,9 +125,16 @@ static ggml_backend_buffer_type_t rp_buft;
 static ggml_backend_buffer_t rp_probe;   // a tiny CPU_REPACK buffer: its init_tensor says what ggml would repack
 static int rp_ready;                     // 0 not looked up, 1 found, -1 none on this build
 
+// ggml's log without its debug lines (CPU_REPACK says each tensor it repacks at that level)
+static void rp_log(enum ggml_log_level level, const char *text, void *user) {
+    (void)user;
+    if (level != GGML_LOG_LEVEL_DEBUG) fputs(text, stderr);
+}
+
 static int rp_setup(void) {               // under rp_lock
     if (rp_ready) return rp_ready > 0;
     rp_ready = -1;
+    ggml_log_set(rp_log, NULL);
     ggml_backend_reg_t reg = ggml_backend_cpu_reg();
     ggml_backend_dev_get_extra_bufts_t get =
         (ggml_backend_dev_get_extra_bufts_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
