@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.ggml import expert_weights, oai_expert_weights
+from ..kernels.ggml import expert_weights, oai_expert_weights, register_stable
 from .expert import ExpertFormat, Part
 from .gguf import GgufExpertFormat
 from .gguf_dequant import dequantize
@@ -43,6 +43,7 @@ class GgufMappedFormat(ExpertFormat):
             first = dict(self.src.index.parts(self.layer, 0))
             for name, t in self.src.index.parts(self.layer, e):
                 arr = files.bytes_of(t.file, t.offset, t.nbytes)               # the mapped file: no copy
+                register_stable(arr)       # ggml may repack its matrices on first use (llama.cpp's CPU_REPACK)
                 keep.append(arr)
                 mats[name] = (t.encoding, arr.ctypes.data, tuple(t.shape))
                 arrays[name] = arr

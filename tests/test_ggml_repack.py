@@ -1,0 +1,219 @@
+"""llama.cpp's CPU repack in moectl's ggml shim (moectl/kernels/ggml_shim.c, issue 42): a weight in registered stable
+memory (a mapped GGUF) that ggml's CPU_REPACK buffer type takes on this CPU is copied into its interleaved layout on
+first use -- a stacked tensor's experts as the ids name them -- and every later graph reads that copy.
+
+Legend: T = tokens, K = input width, N = output rows, A = stacked experts, U = experts used per token, H = hidden
+size, I = expert intermediate size.
+
+The tolerance, found: the repacked kernels quantize x exactly as the plain ones (q8_0 / q8_K per block, the same
+values), so the products differ only in fp32 summation order: at most 1.3e-6 of max|y| over Q4_0, Q4_K, IQ4_NL and
+MXFP4 at T = 1, 3, 4, 64 (measured; ~25 % of the entries bit-equal, MXFP4 80 %). The tests allow 2e-5 of
+|W| @ |x| per entry, the fp32 summation bound test_ggml_kernels.py uses.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from moectl.kernels import ggml
+
+REPACKED = (T.Q4_0, T.Q4_K, T.IQ4_NL, T.MXFP4)        # what ggml repacks with AVX2 (8 rows interleaved)
+N, K = 64, 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib():
+    if ggml.library() is None:
+        why = ggml.why_not()
+        if "no cmake" in why or "no C/C++ compiler" in why:
+            pytest.skip(why)
+        pytest.fail(f"ggml could not be built or loaded: {why}")
+    return ggml.library()
+
+
+@pytest.fixture(autouse=True)
+def _repack_on(monkeypatch):
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "1")
+
+
+def repacked_here(enc: T, shape=(N, K)) -> None:
+    if not ggml.repacks(enc, shape):
+        pytest.skip(f"this CPU's ggml does not repack {enc.name} (llama.cpp interleaves it with AVX2, or NEON "
+                    "with i8mm / dotprod, for rows a multiple of 8 or 4)")
+
+
+def weights(enc: T, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """(ggml's quantizer's bytes [rows, row bytes], their dequantisation fp32 [rows, cols])."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+    raw = ggml.quantize(int(enc), w)
+    deq = torch.from_numpy(np.ascontiguousarray(quants.dequantize(raw, enc), dtype=np.float32)).reshape(rows, cols)
+    return raw, deq
+
+
+def xs(tokens: int, cols: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def plain(monkeypatch, fn):
+    """fn() with the repack switched off (the file's own layout, as before)."""
+    with monkeypatch.context() as m:
+        m.setenv("MOECTL_GGML_REPACK", "0")
+        return fn()
+
+
+def within_summation(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    err = (got - want).abs()
+    assert (err <= 2e-5 * bound).all(), float((err / bound).max())
+
+
+def delta(before: dict) -> dict:
+    now = ggml.repack_stats()
+    return {k: now[k] - before[k] for k in now}
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("enc", REPACKED, ids=lambda t: t.name)
+def test_mul_mat_reads_a_copy_made_once(enc, tokens, monkeypatch):
+    """y = x W^T over registered bytes equals the plain layout's product within fp32 summation; the first call
+    repacks the matrix (one copy, its own bytes), the second reuses it."""
+    repacked_here(enc)
+    raw, deq = weights(enc, N, K)
+    x = xs(tokens, K)
+    want = plain(monkeypatch, lambda: ggml.mul_mat(enc, raw, (N, K), x))
+    ggml.register_stable(raw)
+    before = ggml.repack_stats()
+    got = ggml.mul_mat(enc, raw, (N, K), x)
+    assert delta(before) == {"copies": 1, "repacked": 1, "bytes": raw.nbytes, "graphs": 1}
+    within_summation(got, want, x.abs() @ deq.abs().T)
+    again = ggml.mul_mat(enc, raw, (N, K), x)
+    assert delta(before) == {"copies": 1, "repacked": 1, "bytes": raw.nbytes, "graphs": 2}
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("enc", REPACKED, ids=lambda t: t.name)
+def test_mul_mat_id_repacks_the_experts_its_ids_name(enc, monkeypatch):
+    """A stack of A = 4 experts: ids naming experts 0 and 2 repack those two (the stack allocated whole), a later
+    call naming 2 and 3 repacks only 3; the products equal the plain layout's; a 2-d matrix of the stack (expert 3's
+    own address) reads the stack's copy."""
+    A = 4
+    repacked_here(enc)
+    raw, deq = weights(enc, A * N, K)                                    # [A * N, row bytes]: A matrices [N, K]
+    x = xs(3, K)
+    ids = torch.tensor([[0, 2], [2, 0], [0, 2]], dtype=torch.int32)      # [T, U]
+    want = plain(monkeypatch, lambda: ggml.mul_mat_id(enc, raw, (A, N, K), x, ids))
+    ggml.register_stable(raw)
+    before = ggml.repack_stats()
+    got = ggml.mul_mat_id(enc, raw, (A, N, K), x, ids)
+    assert delta(before) == {"copies": 1, "repacked": 2, "bytes": raw.nbytes, "graphs": 1}
+    w = deq.reshape(A, N, K)
+    bound = torch.stack([torch.stack([x[t].abs() @ w[e].abs().T for e in ids[t].tolist()]) for t in range(3)])
+    within_summation(got, want, bound)
+    ids2 = torch.tensor([[2, 3]], dtype=torch.int32)
+    got2 = ggml.mul_mat_id(enc, raw, (A, N, K), x[:1], ids2)
+    want2 = plain(monkeypatch, lambda: ggml.mul_mat_id(enc, raw, (A, N, K), x[:1], ids2))
+    assert delta(before)["repacked"] == 3 and delta(before)["copies"] == 1
+    within_summation(got2, want2, torch.stack([x[0].abs() @ w[e].abs().T for e in (2, 3)])[None])
+    row3 = raw[3 * N:4 * N]                                              # expert 3's matrix, inside the stack
+    y3 = ggml.mul_mat(enc, row3, (N, K), x)
+    assert delta(before) == {"copies": 1, "repacked": 3, "bytes": raw.nbytes, "graphs": 3}
+    within_summation(y3, plain(monkeypatch, lambda: ggml.mul_mat(enc, row3, (N, K), x)), x.abs() @ w[3].abs().T)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_moe_layer_equals_the_plain_layout(tokens, monkeypatch):
+    """One MoE layer (gate/up Q4_K, down Q4_0: both repacked; llama.cpp's build_moe_ffn graph) equals the plain
+    layout's within 1e-5 of its scale (summation order, carried through SiLU and the down product); three copies."""
+    A, H, I, U = 4, 256, 256, 2
+    for enc in (T.Q4_K, T.Q4_0):
+        repacked_here(enc, (I, H))
+    g, _ = weights(T.Q4_K, A * I, H, 2)
+    u, _ = weights(T.Q4_K, A * I, H, 3)
+    d, _ = weights(T.Q4_0, A * H, I, 4)
+    x = xs(tokens, H)
+    ids = torch.tensor([[(t + j) % A for j in range(U)] for t in range(tokens)], dtype=torch.int32)
+    wts = torch.full((tokens, U), 0.5)
+    encs = (T.Q4_K, T.Q4_K, T.Q4_0)
+
+    def run():
+        return ggml.moe(encs, g, u, d, A, H, I, x, ids, wts)
+
+    want = plain(monkeypatch, run)
+    for a in (g, u, d):
+        ggml.register_stable(a)
+    before = ggml.repack_stats()
+    got = run()
+    used = len(set(ids.flatten().tolist()))
+    assert delta(before) == {"copies": 3, "repacked": 3 * used, "bytes": g.nbytes + u.nbytes + d.nbytes,
+                             "graphs": 1}
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_unregistered_memory_and_strided_stacks_are_not_repacked(monkeypatch):
+    """Bytes in no registered range (a transient host buffer) are read as they lie; so are experts `stride` bytes
+    apart (moectl's own ggml copies: nb[2] set), registered or not; and nothing with MOECTL_GGML_REPACK=0."""
+    repacked_here(T.Q4_0, (256, 256))
+    raw, _ = weights(T.Q4_0, N, K)
+    x = xs(2, K)
+    before = ggml.repack_stats()
+    ggml.mul_mat(T.Q4_0, raw, (N, K), x)
+    assert delta(before) == {"copies": 0, "repacked": 0, "bytes": 0, "graphs": 0}
+    A, H, I = 2, 256, 256
+    row = 2 * 256 * ggml.require().mg_row_size(int(T.Q4_0), H) + 256 * ggml.require().mg_row_size(int(T.Q4_0), I)
+    buf = np.concatenate([weights(T.Q4_0, 3 * 256, 256, 5 + e)[0].reshape(-1) for e in range(A)]).reshape(A, row)
+    padded = np.zeros((A, row + 64), np.uint8)                           # one expert a row, 64 bytes of padding
+    padded[:, :row] = buf
+    ggml.register_stable(padded)
+    gate = padded.ctypes.data
+    up, down = gate + buf.nbytes // A // 3, gate + 2 * buf.nbytes // A // 3
+    ids, wts = torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, 2)
+    ggml.moe((T.Q4_0,) * 3, gate, up, down, A, H, I, xs(1, H), ids, wts, expert_stride=row + 64)
+    assert delta(before) == {"copies": 0, "repacked": 0, "bytes": 0, "graphs": 0}
+    ggml.register_stable(raw)
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    ggml.mul_mat(T.Q4_0, raw, (N, K), x)
+    assert delta(before) == {"copies": 0, "repacked": 0, "bytes": 0, "graphs": 0}
+    assert not ggml.repacks(T.Q4_0, (N, K))                              # the sizes say so too
+
+
+def test_the_sizes_query_says_what_is_repacked():
+    """`repacks` (the shim's mg_repacks: ggml's own acceptance, nothing allocated) is true for the types this CPU's
+    ggml interleaves and rows a multiple of 8, false for the others; the copy it predicts takes the matrix's bytes
+    (test_mul_mat_reads_a_copy_made_once checks the allocation)."""
+    before = ggml.repack_stats()
+    if not ggml.repacks(T.Q4_0, (N, K)):
+        pytest.skip("this CPU's ggml repacks nothing (no AVX2, no NEON dot product)")
+    assert not ggml.repacks(T.Q4_0, (N + 4, K))                          # rows are interleaved 8 at a time
+    for enc in (T.Q8_0, T.Q6_K, T.Q5_K, T.F32, T.BF16):                  # never on AVX2 (Q8_0 / K-quants: NEON only)
+        if ggml.library().mg_features() & 1 and not ggml.library().mg_features() & 2:
+            assert not ggml.repacks(enc, (N, K)), enc.name
+    assert delta(before) == {"copies": 0, "repacked": 0, "bytes": 0, "graphs": 0}
+
+
+def test_a_range_that_goes_drops_its_copies():
+    """The registration lives as long as the array (a memory map): when it goes, its copies are freed, so a new
+    array at the same addresses is never read through a stale copy."""
+    repacked_here(T.Q4_0)
+    x = xs(1, K)
+    start = ggml.repack_stats()
+    raw, _ = weights(T.Q4_0, N, K)
+    ggml.register_stable(raw)
+    ggml.mul_mat(T.Q4_0, raw[:N // 2], (N // 2, K), x)
+    ggml.mul_mat(T.Q4_0, raw, (N, K), x)
+    assert delta(start)["copies"] == 2
+    del raw
+    gc.collect()
+    assert delta(start)["copies"] == 0 and delta(start)["bytes"] == 0
+    for seed in range(3):                              # new bytes, wherever the allocator puts them: their own product
+        raw, deq = weights(T.Q4_0, N, K, 10 + seed)
+        ggml.register_stable(raw)
+        got = ggml.mul_mat(T.Q4_0, raw, (N, K), x)
+        assert (got - x @ deq.T).abs().max() <= 0.02 * (x @ deq.T).abs().max()
+        del raw
+        gc.collect()
