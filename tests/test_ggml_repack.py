@@ -275,3 +275,44 @@ def test_a_gguf_in_place_gives_the_same_logits_repacked(q4_0_gguf, tmp_path, mon
     scale = max(b.abs().max().item() for b in want_logits)
     err = max((a - b).abs().max().item() for a, b in zip(logits, want_logits))
     assert err <= 1e-5 * scale, (err, scale)                          # found: 1.7e-7 of the scale
+
+
+def mapping_rss(address: int) -> int:
+    """Resident bytes of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_mapped_files_copied_pages_leave_the_process(tmp_path):
+    """A file's copy-on-write map (a GGUF's): once a matrix is repacked its pages leave the process's RSS (the copy
+    stands in for them, so the host figures hold the same total), and reading them again gives the file's bytes.
+    Anonymous memory registered the same way keeps its pages (dropping them would zero them)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/smaps")
+    repacked_here(T.Q4_0, (1024, 1024))
+    raw, _ = weights(T.Q4_0, 1024, 1024)                                 # 576 KiB: 144 pages
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mapped = np.memmap(path, mode="c").reshape(raw.shape)
+    assert int(mapped.sum(dtype=np.int64)) == int(raw.sum(dtype=np.int64))          # every page read in
+    assert mapping_rss(mapped.ctypes.data) >= raw.nbytes
+    ggml.register_stable(mapped)
+    x = xs(1, 1024)
+    y = ggml.mul_mat(T.Q4_0, mapped, (1024, 1024), x)
+    assert mapping_rss(mapped.ctypes.data) <= 4096                      # only a page shared with other bytes may stay
+    assert np.array_equal(mapped, raw)                                  # faulted back from the file, unchanged
+    assert torch.equal(ggml.mul_mat(T.Q4_0, mapped, (1024, 1024), x), y)
+    anon = raw.copy()
+    ggml.register_stable(anon)
+    ggml.mul_mat(T.Q4_0, anon, (1024, 1024), x)
+    assert np.array_equal(anon, raw)

@@ -181,7 +181,7 @@ def _load() -> ctypes.CDLL | None:
     lib.mg_features.restype = i32
     lib.mg_vec_dot_type.argtypes, lib.mg_vec_dot_type.restype = [i32], i32
     lib.mg_repacks.argtypes, lib.mg_repacks.restype = [i32, i64, i64], i32
-    lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64], None
+    lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64, i32], None
     lib.mg_repack_unregister.argtypes, lib.mg_repack_unregister.restype = [ptr, i64], None
     lib.mg_repack_stats.argtypes, lib.mg_repack_stats.restype = [ptr], None
     return lib
@@ -470,13 +470,15 @@ def register_stable(a: np.ndarray) -> None:
     """Let the shim repack matrices that lie in `a`'s whole buffer (its root array: a memory-mapped GGUF's
     `np.memmap`), whose addresses hold the same bytes for as long as that array lives: the range is dropped, with the
     copies made of it, when the array goes (a test opens and closes many files; a new map may reuse the addresses).
-    Never for a transient host buffer. Does nothing where ggml is not loaded."""
+    Never for a transient host buffer. A file's copy-on-write map (`np.memmap` mode "c", never written: moectl's
+    GGUF maps; or "r") lets the shim drop a repacked matrix's pages from the process (the page cache keeps them; the copy
+    stands in for them, not beside them). Does nothing where ggml is not loaded."""
     lib = library()
     root = _root(a)
     if lib is None or id(root) in _registered:
         return
     lo, n = root.ctypes.data, root.nbytes
-    lib.mg_repack_register(lo, n)
+    lib.mg_repack_register(lo, n, int(isinstance(root, np.memmap) and root.mode in ("c", "r")))
 
     def drop(lib=lib, lo=lo, n=n, key=id(root)):
         lib.mg_repack_unregister(lo, n)

@@ -9,11 +9,14 @@
 // buffer, as llama.cpp does. Intermediates live in a per-handle arena; one handle per calling thread (a handle
 // holds ggml's threadpool at the caller's thread count, its arena and work buffer: not thread safe).
 
+#define _DEFAULT_SOURCE                  // madvise
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -97,11 +100,15 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
 // (MUL_MAT_ID) is allocated whole but repacked an expert at a time, those its ids name before the graph runs (all
 // of them when the ids are computed inside the graph); a 2-d matrix inside such a stack uses that stack's copy.
 // Strided stacks (moectl's ggml copies: nb[2] set) are not contiguous: left as they are, as is whatever ggml does
-// not repack. The copy takes the bytes of the original (the buffer type sizes a tensor at ggml_nbytes).
+// not repack. The copy takes the bytes of the original (the buffer type sizes a tensor at ggml_nbytes), and where the
+// range is a file's private mapping that nothing writes (`drop_pages`), the original's whole pages leave the process
+// once copied (madvise DONTNEED: the page cache keeps them, a later read faults them back unchanged), so the copy
+// stands in for them instead of beside them.
 // MOECTL_GGML_REPACK=0 switches it off (read per graph).
 
 typedef struct rp_entry {
     const uint8_t *src;                  // the registered bytes it copies
+    int drop_pages;                      // its range is a file's unwritten private mapping: pages copied are dropped
     enum ggml_type type;
     int64_t ne0, ne1, ne2;               // K, N, A
     struct ggml_context *ctx;            // its tensor headers: the whole and a slice header per expert
@@ -115,7 +122,7 @@ typedef struct rp_entry {
 #define RP_BUCKETS 4096
 
 static pthread_mutex_t rp_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct { uintptr_t lo, hi; } *rp_ranges;
+static struct { uintptr_t lo, hi; int drop_pages; } *rp_ranges;
 static int rp_nranges;
 static rp_entry *rp_table[RP_BUCKETS];
 static rp_entry **rp_stacks;             // the entries with A > 1 (a 2-d matrix may lie inside one)
@@ -175,19 +182,23 @@ int mg_repacks(int type, int64_t ne0, int64_t ne1) {
 
 static size_t rp_hash(const void *p) { return ((uintptr_t)p >> 6) * 11400714819323198485ull >> 52 & (RP_BUCKETS - 1); }
 
+// 0: [p, p + n) is in no registered range; else 1 + its drop_pages
 static int rp_registered(const void *p, size_t n) {
     for (int i = 0; i < rp_nranges; i++)
-        if ((uintptr_t)p >= rp_ranges[i].lo && (uintptr_t)p + n <= rp_ranges[i].hi) return 1;
+        if ((uintptr_t)p >= rp_ranges[i].lo && (uintptr_t)p + n <= rp_ranges[i].hi) return 1 + rp_ranges[i].drop_pages;
     return 0;
 }
 
-// bytes [lo, lo + size) stay mapped and unchanged until unregistered
-void mg_repack_register(const void *lo, int64_t size) {
+// bytes [lo, lo + size) stay mapped and unchanged until unregistered; `drop_pages`: they are a file's private
+// mapping nothing writes (a copied matrix's pages may leave the process: never for anonymous memory, they would read
+// back as zeros)
+void mg_repack_register(const void *lo, int64_t size, int drop_pages) {
     pthread_mutex_lock(&rp_lock);
     if (!rp_registered(lo, (size_t)size)) {
         rp_ranges = realloc(rp_ranges, (rp_nranges + 1) * sizeof(*rp_ranges));
         rp_ranges[rp_nranges].lo = (uintptr_t)lo;
-        rp_ranges[rp_nranges++].hi = (uintptr_t)lo + (uintptr_t)size;
+        rp_ranges[rp_nranges].hi = (uintptr_t)lo + (uintptr_t)size;
+        rp_ranges[rp_nranges++].drop_pages = drop_pages;
     }
     pthread_mutex_unlock(&rp_lock);
 }
@@ -231,7 +242,7 @@ void mg_repack_stats(int64_t *out) {
     pthread_mutex_unlock(&rp_lock);
 }
 
-static rp_entry *rp_new(const struct ggml_tensor *w) {      // under rp_lock
+static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // under rp_lock
     int64_t A = w->ne[2];
     rp_entry *e = calloc(1, sizeof(rp_entry));
     struct ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(A + 1), NULL, true};
@@ -246,6 +257,7 @@ static rp_entry *rp_new(const struct ggml_tensor *w) {      // under rp_lock
         return NULL;
     }
     e->src = w->data;
+    e->drop_pages = drop_pages;
     e->type = w->type;
     e->ne0 = w->ne[0], e->ne1 = w->ne[1], e->ne2 = A;
     e->slice = calloc((size_t)A, sizeof(*e->slice));
@@ -272,17 +284,24 @@ static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
         s->extra = e->t->extra;                  // the same interleaving: it depends on the type and N only
     }
     if (!e->done[a]) {
-        ggml_backend_tensor_set(s, e->src + a * e->t->nb[2], 0, ggml_nbytes(s));      // CPU_REPACK's set: repacks
+        const uint8_t *from = e->src + a * e->t->nb[2];
+        ggml_backend_tensor_set(s, from, 0, ggml_nbytes(s));                         // CPU_REPACK's set: repacks
         e->done[a] = 1;
         rp_stat[1]++;
+        if (e->drop_pages) {             // the whole pages of the original: the page cache's again, not the process's
+            uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = ((uintptr_t)from + page - 1) / page * page,
+                      hi = ((uintptr_t)from + ggml_nbytes(s)) / page * page;
+            if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        }
     }
     return s;
 }
 
 // the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
 static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids) {   // under rp_lock
+    int reg;
     if (w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data || w->ne[3] != 1 || !ggml_is_contiguous(w) ||
-        !rp_registered(w->data, ggml_nbytes(w)) || !rp_accepts(w->type, w->ne[0], w->ne[1]))
+        !(reg = rp_registered(w->data, ggml_nbytes(w))) || !rp_accepts(w->type, w->ne[0], w->ne[1]))
         return NULL;
     rp_entry *e = rp_table[rp_hash(w->data)];
     while (e && !(e->src == w->data && e->type == w->type && e->ne0 == w->ne[0] && e->ne1 == w->ne[1] &&
@@ -298,7 +317,7 @@ static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml
                 return rp_slice(s, (p - s->src) / nb2);
         }
     }
-    if (!e && !(e = rp_new(w))) return NULL;
+    if (!e && !(e = rp_new(w, reg - 1))) return NULL;
     if (e->ne2 == 1) return rp_slice(e, 0) ? e->t : NULL;
     if (ids && ids->op == GGML_OP_NONE && ids->data && ids->type == GGML_TYPE_I32) {    // the ids are known now
         for (int64_t j = 0; j < ids->ne[1]; j++)
