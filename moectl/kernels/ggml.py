@@ -11,7 +11,9 @@ this machine, no OpenMP (ggml's own threadpool: torch's OpenMP runtime shares th
 `$MOECTL_HOME/llamacpp/<version>/ggml/` on first use (cached; minutes, see `BUILD_NOTE`), and the
 shim (`ggml_shim.c`, one C file against ggml's headers) beside it. The shim's calls build a tiny ggml graph over
 tensors that point at the caller's memory: the memory-mapped file's bytes or a host buffer holding them; nothing is
-repacked, copied or dequantised.
+copied or dequantised, save llama.cpp's own CPU repack: a matrix in a registered stable range (`register_stable`: the
+mapped file) that ggml's CPU_REPACK buffer type takes gets an interleaved copy on first use (a stacked tensor's
+experts as they are routed to), read by every later graph (docs/gguf.md; `MOECTL_GGML_REPACK=0`: off).
 
 Where ggml cannot be built (no cmake or C compiler, no network for the source, a failed build) or `MOECTL_GGML=0`,
 `library()` is None, `why_not()` says why, and callers keep torch's path (moectl/store/gguf/cpu.py).
