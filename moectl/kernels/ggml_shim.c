@@ -160,7 +160,7 @@ static int rp_enabled(void) {
 
 // whether ggml's repack takes a [N, K] matrix (ne0 = K, ne1 = N) of `type` on this CPU: its init_tensor picks an
 // interleaving (tensor->extra) and its repack() accepts the shape (8 rows at a time, K a multiple of 8)
-static int rp_accepts(int type, int64_t ne0, int64_t ne1) {   // under rp_lock
+static int rp_accepts_uncached(int type, int64_t ne0, int64_t ne1) {
     if (!rp_setup() || type < 0 || type >= GGML_TYPE_COUNT || ne1 % 8 || ne0 % 8) return 0;
     uint8_t mem[1024] __attribute__((aligned(64)));
     if (ggml_tensor_overhead() > sizeof(mem)) return 0;
@@ -170,6 +170,20 @@ static int rp_accepts(int type, int64_t ne0, int64_t ne1) {   // under rp_lock
     t->buffer = rp_probe;
     int ok = ggml_backend_buffer_init_tensor(rp_probe, t) == GGML_STATUS_SUCCESS && t->extra != NULL;
     ggml_free(ctx);
+    return ok;
+}
+
+// rp_accepts_uncached, remembered for the last RP_SEEN shapes asked (a graph asks for every weight it has)
+#define RP_SEEN 64
+static struct { int type; int64_t ne0, ne1; int ok; } rp_seen[RP_SEEN];
+static int rp_nseen;
+
+static int rp_accepts(int type, int64_t ne0, int64_t ne1) {   // under rp_lock
+    int n = rp_nseen < RP_SEEN ? rp_nseen : RP_SEEN;
+    for (int i = 0; i < n; i++)
+        if (rp_seen[i].type == type && rp_seen[i].ne0 == ne0 && rp_seen[i].ne1 == ne1) return rp_seen[i].ok;
+    int ok = rp_accepts_uncached(type, ne0, ne1), k = rp_nseen++ % RP_SEEN;
+    rp_seen[k].type = type, rp_seen[k].ne0 = ne0, rp_seen[k].ne1 = ne1, rp_seen[k].ok = ok;
     return ok;
 }
 
