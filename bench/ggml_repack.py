@@ -48,13 +48,13 @@ def timed(fn, iters: int) -> float:
 
 
 def case(enc: Q, n: int, k: int, tokens: list[int], threads: int, repeat: int, iters: int) -> dict:
+    os.environ["MOECTL_GGML_REPACK"] = "all"                     # Q4_K too (not repacked by default)
     w = matrix(enc, n, k)
     if not ggml.repacks(enc, (n, k)):
         return {"encoding": enc.name, "shape": [n, k], "repacked": False,
                 "why": "this CPU's ggml does not repack it"}
     ggml.register_stable(w)
     x = {t: torch.randn(t, k, generator=torch.Generator().manual_seed(t)) for t in tokens}
-    os.environ["MOECTL_GGML_REPACK"] = "1"
     t0 = time.perf_counter()
     ggml.mul_mat(enc, w, (n, k), x[tokens[0]], threads)          # the copy is made here
     first_ms = (time.perf_counter() - t0) * 1e3
@@ -64,12 +64,11 @@ def case(enc: Q, n: int, k: int, tokens: list[int], threads: int, repeat: int, i
         runs = {"on": [], "off": []}
         for _ in range(repeat):
             for mode in ("off", "on"):                           # alternating rounds
-                os.environ["MOECTL_GGML_REPACK"] = "1" if mode == "on" else "0"
+                os.environ["MOECTL_GGML_REPACK"] = "all" if mode == "on" else "0"
                 ggml.mul_mat(enc, w, (n, k), x[t], threads)      # warm
                 runs[mode].append(timed(lambda: ggml.mul_mat(enc, w, (n, k), x[t], threads), iters))
         on, off = statistics.median(runs["on"]), statistics.median(runs["off"])
         out["tokens"][t] = {"on_ms": on, "off_ms": off, "ratio": on / off, "runs": runs}
-    os.environ["MOECTL_GGML_REPACK"] = "1"
     return out
 
 

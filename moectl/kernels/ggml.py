@@ -430,25 +430,27 @@ def _stacked_bases(g0: GgmlLinear, d0: GgmlLinear) -> tuple[tuple[int, int, int,
 # --- llama.cpp's CPU repack of the mapped file's matrices ---------------------------------------------------------
 
 def repack_enabled() -> bool:
-    """Whether the shim gives registered weights ggml's CPU_REPACK copies (`MOECTL_GGML_REPACK=0`: no; read by the
-    shim at every graph, so a run or a test may switch it)."""
+    """Whether the shim gives registered weights ggml's CPU_REPACK copies. `MOECTL_GGML_REPACK`: unset or 1, every
+    encoding ggml repacks on this CPU but Q4_K (its repacked GEMM measured slower than ggml's own Q4_K product at
+    T = 64 here: docs/gguf.md); `all`: Q4_K too; `0`: none; or a comma list of ggml's type names (q4_0,iq4_nl,mxfp4,
+    q4_K). Read by the shim at every graph, so a run or a test may switch it."""
     return os.environ.get("MOECTL_GGML_REPACK", "1") != "0"
 
 
 @functools.lru_cache(maxsize=4096)
-def _repacks(encoding: int, K: int, N: int) -> bool:
+def _repacks(encoding: int, K: int, N: int, setting: str) -> bool:
     lib = library()
     return bool(lib is not None and lib.mg_repacks(int(encoding), K, N))
 
 
 def repacks(encoding: int, shape: tuple[int, int]) -> bool:
     """Whether ggml's CPU repack takes a matrix [N, K] (`shape`) in GGUF `encoding` on this CPU (AVX2: Q4_0, Q4_K,
-    IQ4_NL, MXFP4 with N a multiple of 8); False where it is switched off or ggml is not loaded or built (nothing
-    is built here: `inspect` asks). Its copy takes the matrix's own bytes (`repacked_nbytes`)."""
+    IQ4_NL, MXFP4 with N a multiple of 8) and `MOECTL_GGML_REPACK` asks for it (`repack_enabled`); False where ggml
+    is not loaded or built (nothing is built here: `inspect` asks). Its copy takes the matrix's own bytes (`repacked_nbytes`)."""
     if not repack_enabled() or not (_load.cache_info().currsize or built()):
         return False
     N, K = shape
-    return _repacks(int(encoding), int(K), int(N))
+    return _repacks(int(encoding), int(K), int(N), os.environ.get("MOECTL_GGML_REPACK", "1"))
 
 
 def repack_stats() -> dict[str, int]:

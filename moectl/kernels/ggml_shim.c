@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -104,7 +105,7 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
 // range is a file's private mapping that nothing writes (`drop_pages`), the original's whole pages leave the process
 // once copied (madvise DONTNEED: the page cache keeps them, a later read faults them back unchanged), so the copy
 // stands in for them instead of beside them.
-// MOECTL_GGML_REPACK=0 switches it off (read per graph).
+// MOECTL_GGML_REPACK picks the types (`rp_type_on`; 0: none).
 
 typedef struct rp_entry {
     const uint8_t *src;                  // the registered bytes it copies
@@ -153,6 +154,24 @@ static int rp_setup(void) {               // under rp_lock
     return 1;
 }
 
+// MOECTL_GGML_REPACK: unset, "" or "1": every type ggml repacks here but Q4_K (its repacked GEMM measured slower than
+// ggml's own Q4_K product at T = 64 on an AVX2 host, bench/ggml_repack.py); "all": every one; "0": none; else a comma
+// list of ggml's type names (q4_0,q4_K,iq4_nl,mxfp4; any case). Read per graph: a run or a test may switch it.
+static int rp_type_on(const char *v, int type) {
+    if (!v || !*v || strcmp(v, "1") == 0) return type != GGML_TYPE_Q4_K;
+    if (strcmp(v, "0") == 0) return 0;
+    if (strcmp(v, "all") == 0) return 1;
+    const char *name = ggml_type_name(type);
+    size_t n = strlen(name);
+    for (const char *p = v; *p;) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len == n && strncasecmp(p, name, n) == 0) return 1;
+        p += len + (end != NULL);
+    }
+    return 0;
+}
+
 static int rp_enabled(void) {
     const char *v = getenv("MOECTL_GGML_REPACK");
     return !(v && strcmp(v, "0") == 0);
@@ -187,7 +206,10 @@ static int rp_accepts(int type, int64_t ne0, int64_t ne1) {   // under rp_lock
     return ok;
 }
 
+// whether a registered [N, K] matrix (ne0 = K, ne1 = N) of `type` gets a copy (ggml takes it, MOECTL_GGML_REPACK
+// asks for its type); nothing is allocated
 int mg_repacks(int type, int64_t ne0, int64_t ne1) {
+    if (!rp_type_on(getenv("MOECTL_GGML_REPACK"), type)) return 0;
     pthread_mutex_lock(&rp_lock);
     int ok = rp_accepts(type, ne0, ne1);
     pthread_mutex_unlock(&rp_lock);
@@ -312,9 +334,9 @@ static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
 }
 
 // the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
-static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids) {   // under rp_lock
-    int reg;
-    if (w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data || w->ne[3] != 1 || !ggml_is_contiguous(w) ||
+static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids, const char *types) {
+    int reg;                                                                                       // under rp_lock
+    if (!rp_type_on(types, w->type) || w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data || w->ne[3] != 1 || !ggml_is_contiguous(w) ||
         !(reg = rp_registered(w->data, ggml_nbytes(w))) || !rp_accepts(w->type, w->ne[0], w->ne[1]))
         return NULL;
     rp_entry *e = rp_table[rp_hash(w->data)];
@@ -348,6 +370,7 @@ static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml
 // every MUL_MAT / MUL_MAT_ID of the graph whose weight has (or gets) a repacked copy reads that copy
 static void rp_graph(struct ggml_cgraph *gf) {
     if (!rp_enabled()) return;
+    const char *types = getenv("MOECTL_GGML_REPACK");
     int used = 0;
     pthread_mutex_lock(&rp_lock);
     if (rp_nranges) {
@@ -357,7 +380,7 @@ static void rp_graph(struct ggml_cgraph *gf) {
             if ((n->op != GGML_OP_MUL_MAT && !id) || n->src[1]->type != GGML_TYPE_F32 ||
                 (!id && n->src[0]->ne[2] != 1))
                 continue;
-            struct ggml_tensor *r = rp_get(n->src[0], id ? n->src[2] : NULL);
+            struct ggml_tensor *r = rp_get(n->src[0], id ? n->src[2] : NULL, types);
             if (r) {
                 n->src[0] = r;
                 used = 1;
