@@ -90,6 +90,10 @@ def memory_table(m: dict):
         if m["host"][k]:
             t.add_row(name, format_bytes(m["host"][k]))
     t.add_row("host RAM needed", format_bytes(m["host"]["total"]))
+    if (m.get("ggml_repack") or {}).get("total"):   # ggml's CPU repack: copies in place of the file's pages
+        r = m["ggml_repack"]
+        t.add_row("of which ggml's repack", f"{format_bytes(r['total'])} anonymous, made on first use (experts "
+                  f"{format_bytes(r['experts'])}, dense {format_bytes(r['dense'])}), in place of those file pages")
     if m.get("load_peak"):                  # a GGUF in place: loading holds more for a while than the run keeps
         p = m["load_peak"]
         t.add_row("host RAM peak while loading", f"{format_bytes(p['total'])} (dense {format_bytes(p['dense'])} + "

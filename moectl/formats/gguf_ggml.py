@@ -5,7 +5,8 @@ Legend: E = experts per layer, I = expert intermediate size, H = hidden size.
 In place on the CPU the experts are never read into moectl's buffers: `GgufMappedFormat`'s "packed expert" is its
 index (one int64), the RAM tier of a layer is [E, 8] bytes of those indices, and `weights` returns `GgmlLinear`
 callables whose addresses are the expert's matrices in the memory-mapped file (the page cache holds them, as
-llama.cpp's mmap does): no repack pass before the first token, no copy, no dequantisation. GPT-OSS's experts get
+llama.cpp's mmap does): no repack pass before the first token, no copy, no dequantisation (ggml's own CPU repack
+copies an expert's Q4_0 / Q4_K / IQ4_NL / MXFP4 matrices on its first use: the map is registered for it). GPT-OSS's experts get
 `GgmlBiasedLinear`s: their F32 biases (ffn_*_exps.bias) added, and pointed at where they lie for the fused graph.
 (`GgufExpertFormat.cpu_weights` gives the same callables over a host buffer holding the file's bytes: the CPU side
 of a GPU run.)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.ggml import expert_weights, oai_expert_weights
+from ..kernels.ggml import expert_weights, oai_expert_weights, register_stable
 from .expert import ExpertFormat, Part
 from .gguf import GgufExpertFormat
 from .gguf_dequant import dequantize
@@ -43,6 +44,7 @@ class GgufMappedFormat(ExpertFormat):
             first = dict(self.src.index.parts(self.layer, 0))
             for name, t in self.src.index.parts(self.layer, e):
                 arr = files.bytes_of(t.file, t.offset, t.nbytes)               # the mapped file: no copy
+                register_stable(arr)       # ggml may repack its matrices on first use (llama.cpp's CPU_REPACK)
                 keep.append(arr)
                 mats[name] = (t.encoding, arr.ctypes.data, tuple(t.shape))
                 arrays[name] = arr

@@ -11,7 +11,9 @@ this machine, no OpenMP (ggml's own threadpool: torch's OpenMP runtime shares th
 `$MOECTL_HOME/llamacpp/<version>/ggml/` on first use (cached; minutes, see `BUILD_NOTE`), and the
 shim (`ggml_shim.c`, one C file against ggml's headers) beside it. The shim's calls build a tiny ggml graph over
 tensors that point at the caller's memory: the memory-mapped file's bytes or a host buffer holding them; nothing is
-repacked, copied or dequantised.
+copied or dequantised, save llama.cpp's own CPU repack: a matrix in a registered stable range (`register_stable`: the
+mapped file) that ggml's CPU_REPACK buffer type takes gets an interleaved copy on first use (a stacked tensor's
+experts as they are routed to), read by every later graph (docs/gguf.md; `MOECTL_GGML_REPACK=0`: off).
 
 Where ggml cannot be built (no cmake or C compiler, no network for the source, a failed build) or `MOECTL_GGML=0`,
 `library()` is None, `why_not()` says why, and callers keep torch's path (moectl/store/gguf/cpu.py).
@@ -30,6 +32,7 @@ import sys
 import tarfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +182,10 @@ def _load() -> ctypes.CDLL | None:
     lib.mg_row_size.argtypes, lib.mg_row_size.restype = [i32, i64], ctypes.c_size_t
     lib.mg_features.restype = i32
     lib.mg_vec_dot_type.argtypes, lib.mg_vec_dot_type.restype = [i32], i32
+    lib.mg_repacks.argtypes, lib.mg_repacks.restype = [i32, i64, i64], i32
+    lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64, i32], None
+    lib.mg_repack_unregister.argtypes, lib.mg_repack_unregister.restype = [ptr, i64], None
+    lib.mg_repack_stats.argtypes, lib.mg_repack_stats.restype = [ptr], None
     return lib
 
 
@@ -418,6 +425,70 @@ def _stacked_bases(g0: GgmlLinear, d0: GgmlLinear) -> tuple[tuple[int, int, int,
     strides = {(sg or [0])[0], (su or [0])[0], (sd or [0])[0]}
     assert len(strides) == 1, "one stride for the three matrices"
     return (g, A, u, d), strides.pop()
+
+
+# --- llama.cpp's CPU repack of the mapped file's matrices ---------------------------------------------------------
+
+def repack_enabled() -> bool:
+    """Whether the shim gives registered weights ggml's CPU_REPACK copies. `MOECTL_GGML_REPACK`: unset or 1, every
+    encoding ggml repacks on this CPU but Q4_K (its repacked GEMM measured slower than ggml's own Q4_K product at
+    T = 64 here: docs/gguf.md); `all`: Q4_K too; `0`: none; or a comma list of ggml's type names (q4_0,iq4_nl,mxfp4,
+    q4_K). Read by the shim at every graph, so a run or a test may switch it."""
+    return os.environ.get("MOECTL_GGML_REPACK", "1") != "0"
+
+
+@functools.lru_cache(maxsize=4096)
+def _repacks(encoding: int, K: int, N: int, setting: str) -> bool:
+    lib = library()
+    return bool(lib is not None and lib.mg_repacks(int(encoding), K, N))
+
+
+def repacks(encoding: int, shape: tuple[int, int]) -> bool:
+    """Whether ggml's CPU repack takes a matrix [N, K] (`shape`) in GGUF `encoding` on this CPU (AVX2: Q4_0, Q4_K,
+    IQ4_NL, MXFP4 with N a multiple of 8) and `MOECTL_GGML_REPACK` asks for it (`repack_enabled`); False where ggml
+    is not loaded or built (nothing is built here: `inspect` asks). Its copy takes the matrix's own bytes (`repacked_nbytes`)."""
+    if not repack_enabled() or not (_load.cache_info().currsize or built()):
+        return False
+    N, K = shape
+    return _repacks(int(encoding), int(K), int(N), os.environ.get("MOECTL_GGML_REPACK", "1"))
+
+
+def repack_stats() -> dict[str, int]:
+    """The shim's repack counters: copies held, matrices repacked (one expert of a stack counts one), bytes its
+    copies take, graphs that read a copy."""
+    out = (ctypes.c_int64 * 4)()
+    require().mg_repack_stats(out)
+    return dict(zip(("copies", "repacked", "bytes", "graphs"), out))
+
+
+_registered: dict[int, object] = {}        # id of a registered root array -> its weakref.finalize
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def register_stable(a: np.ndarray) -> None:
+    """Let the shim repack matrices that lie in `a`'s whole buffer (its root array: a memory-mapped GGUF's
+    `np.memmap`), whose addresses hold the same bytes for as long as that array lives: the range is dropped, with the
+    copies made of it, when the array goes (a test opens and closes many files; a new map may reuse the addresses).
+    Never for a transient host buffer. A file's copy-on-write map (`np.memmap` mode "c", never written: moectl's
+    GGUF maps; or "r") lets the shim drop a repacked matrix's pages from the process (the page cache keeps them; the copy
+    stands in for them, not beside them). Does nothing where ggml is not loaded."""
+    lib = library()
+    root = _root(a)
+    if lib is None or id(root) in _registered:
+        return
+    lo, n = root.ctypes.data, root.nbytes
+    lib.mg_repack_register(lo, n, int(isinstance(root, np.memmap) and root.mode in ("c", "r")))
+
+    def drop(lib=lib, lo=lo, n=n, key=id(root)):
+        lib.mg_repack_unregister(lo, n)
+        _registered.pop(key, None)
+
+    _registered[id(root)] = weakref.finalize(root, drop)
 
 
 # --- a layer's routed experts over several tokens (prefill); GPT-OSS's experts ------------------------------

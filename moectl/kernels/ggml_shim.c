@@ -9,10 +9,16 @@
 // buffer, as llama.cpp does. Intermediates live in a per-handle arena; one handle per calling thread (a handle
 // holds ggml's threadpool at the caller's thread count, its arena and work buffer: not thread safe).
 
+#define _DEFAULT_SOURCE                  // madvise
+#include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <strings.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -37,7 +43,7 @@ typedef struct {
     ggml_gallocr_t galloc;  // intermediates, memory reused along the graph          // an arena too small: the call is redone with a larger one
 } mg_handle;
 
-int mg_abi(void) { return 2; }
+int mg_abi(void) { return 3; }
 
 void *mg_new(int n_threads, int poll) {
     ggml_cpu_init();
@@ -92,6 +98,307 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
     return t;
 }
 
+// --- llama.cpp's CPU repack ------------------------------------------------------------------------------------------
+// ggml's CPU backend has an extra buffer type, CPU_REPACK (ggml-cpu/repack.cpp): a weight put there is interleaved
+// 8 rows at a time (on AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4; `ggml_repack_get_optimal_repack_type`) and MUL_MAT /
+// MUL_MAT_ID on it run its GEMV/GEMM kernels, as llama.cpp's model loader arranges for every weight it can.
+// Here a graph's weight (the src0 of a MUL_MAT or MUL_MAT_ID, a leaf, contiguous) whose bytes lie in a range
+// registered as stable (`mg_repack_register`: a mapped GGUF, whose addresses live until it is unregistered; never a
+// transient host buffer, whose addresses get reused) and that ggml accepts is swapped for a copy in a CPU_REPACK
+// buffer, made on first use and kept (one entry per (address, type, shape)). A stacked tensor of A experts
+// (MUL_MAT_ID) is allocated whole but repacked an expert at a time, those its ids name before the graph runs (all
+// of them when the ids are computed inside the graph); a 2-d matrix inside such a stack uses that stack's copy.
+// Strided stacks (moectl's ggml copies: nb[2] set) are not contiguous: left as they are, as is whatever ggml does
+// not repack. The copy takes the bytes of the original (the buffer type sizes a tensor at ggml_nbytes), and where the
+// range is a file's private mapping that nothing writes (`drop_pages`), the original's whole pages leave the process
+// once copied (madvise DONTNEED: the page cache keeps them, a later read faults them back unchanged), so the copy
+// stands in for them instead of beside them.
+// MOECTL_GGML_REPACK picks the types (`rp_type_on`; 0: none).
+
+typedef struct rp_entry {
+    const uint8_t *src;                  // the registered bytes it copies
+    int drop_pages;                      // its range is a file's unwritten private mapping: pages copied are dropped
+    enum ggml_type type;
+    int64_t ne0, ne1, ne2;               // K, N, A
+    struct ggml_context *ctx;            // its tensor headers: the whole and a slice header per expert
+    struct ggml_tensor *t;               // [A, N, K] in the CPU_REPACK buffer
+    struct ggml_tensor **slice;          // [A] 2-d headers of expert e's matrix in that buffer (made when used)
+    ggml_backend_buffer_t buf;
+    uint8_t *done;                       // [A] repacked yet
+    struct rp_entry *next;               // hash chain
+} rp_entry;
+
+#define RP_BUCKETS 4096
+
+static pthread_mutex_t rp_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { uintptr_t lo, hi; int drop_pages; } *rp_ranges;
+static int rp_nranges;
+static rp_entry *rp_table[RP_BUCKETS];
+static rp_entry **rp_stacks;             // the entries with A > 1 (a 2-d matrix may lie inside one)
+static int rp_nstacks;
+static int64_t rp_stat[4];               // entries held, matrices repacked, bytes allocated, graphs that used one
+static ggml_backend_buffer_type_t rp_buft;
+static ggml_backend_buffer_t rp_probe;   // a tiny CPU_REPACK buffer: its init_tensor says what ggml would repack
+static int rp_ready;                     // 0 not looked up, 1 found, -1 none on this build
+
+// ggml's log without its debug lines (CPU_REPACK says each tensor it repacks at that level)
+static void rp_log(enum ggml_log_level level, const char *text, void *user) {
+    (void)user;
+    if (level != GGML_LOG_LEVEL_DEBUG) fputs(text, stderr);
+}
+
+static int rp_setup(void) {               // under rp_lock
+    if (rp_ready) return rp_ready > 0;
+    rp_ready = -1;
+    ggml_log_set(rp_log, NULL);
+    ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+    ggml_backend_dev_get_extra_bufts_t get =
+        (ggml_backend_dev_get_extra_bufts_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+    if (!get) return 0;
+    for (ggml_backend_buffer_type_t *b = get(ggml_backend_reg_dev_get(reg, 0)); b && *b; b++)
+        if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) rp_buft = *b;
+    if (!rp_buft || !(rp_probe = ggml_backend_buft_alloc_buffer(rp_buft, 256))) return 0;
+    rp_ready = 1;
+    return 1;
+}
+
+// MOECTL_GGML_REPACK: unset, "" or "1": every type ggml repacks here but Q4_K (its repacked GEMM measured slower than
+// ggml's own Q4_K product at T = 64 on an AVX2 host, bench/ggml_repack.py); "all": every one; "0": none; else a comma
+// list of ggml's type names (q4_0,q4_K,iq4_nl,mxfp4; any case). Read per graph: a run or a test may switch it.
+static int rp_type_on(const char *v, int type) {
+    if (!v || !*v || strcmp(v, "1") == 0) return type != GGML_TYPE_Q4_K;
+    if (strcmp(v, "0") == 0) return 0;
+    if (strcmp(v, "all") == 0) return 1;
+    const char *name = ggml_type_name(type);
+    size_t n = strlen(name);
+    for (const char *p = v; *p;) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len == n && strncasecmp(p, name, n) == 0) return 1;
+        p += len + (end != NULL);
+    }
+    return 0;
+}
+
+static int rp_enabled(void) {
+    const char *v = getenv("MOECTL_GGML_REPACK");
+    return !(v && strcmp(v, "0") == 0);
+}
+
+// whether ggml's repack takes a [N, K] matrix (ne0 = K, ne1 = N) of `type` on this CPU: its init_tensor picks an
+// interleaving (tensor->extra) and its repack() accepts the shape (8 rows at a time, K a multiple of 8)
+static int rp_accepts_uncached(int type, int64_t ne0, int64_t ne1) {
+    if (!rp_setup() || type < 0 || type >= GGML_TYPE_COUNT || ne1 % 8 || ne0 % 8) return 0;
+    uint8_t mem[1024] __attribute__((aligned(64)));
+    if (ggml_tensor_overhead() > sizeof(mem)) return 0;
+    struct ggml_init_params ip = {sizeof(mem), mem, true};
+    struct ggml_context *ctx = ggml_init(ip);
+    struct ggml_tensor *t = ggml_new_tensor_2d(ctx, type, ne0, ne1);
+    t->buffer = rp_probe;
+    int ok = ggml_backend_buffer_init_tensor(rp_probe, t) == GGML_STATUS_SUCCESS && t->extra != NULL;
+    ggml_free(ctx);
+    return ok;
+}
+
+// rp_accepts_uncached, remembered for the last RP_SEEN shapes asked (a graph asks for every weight it has)
+#define RP_SEEN 64
+static struct { int type; int64_t ne0, ne1; int ok; } rp_seen[RP_SEEN];
+static int rp_nseen;
+
+static int rp_accepts(int type, int64_t ne0, int64_t ne1) {   // under rp_lock
+    int n = rp_nseen < RP_SEEN ? rp_nseen : RP_SEEN;
+    for (int i = 0; i < n; i++)
+        if (rp_seen[i].type == type && rp_seen[i].ne0 == ne0 && rp_seen[i].ne1 == ne1) return rp_seen[i].ok;
+    int ok = rp_accepts_uncached(type, ne0, ne1), k = rp_nseen++ % RP_SEEN;
+    rp_seen[k].type = type, rp_seen[k].ne0 = ne0, rp_seen[k].ne1 = ne1, rp_seen[k].ok = ok;
+    return ok;
+}
+
+// whether a registered [N, K] matrix (ne0 = K, ne1 = N) of `type` gets a copy (ggml takes it, MOECTL_GGML_REPACK
+// asks for its type); nothing is allocated
+int mg_repacks(int type, int64_t ne0, int64_t ne1) {
+    if (!rp_type_on(getenv("MOECTL_GGML_REPACK"), type)) return 0;
+    pthread_mutex_lock(&rp_lock);
+    int ok = rp_accepts(type, ne0, ne1);
+    pthread_mutex_unlock(&rp_lock);
+    return ok;
+}
+
+static size_t rp_hash(const void *p) { return ((uintptr_t)p >> 6) * 11400714819323198485ull >> 52 & (RP_BUCKETS - 1); }
+
+// 0: [p, p + n) is in no registered range; else 1 + its drop_pages
+static int rp_registered(const void *p, size_t n) {
+    for (int i = 0; i < rp_nranges; i++)
+        if ((uintptr_t)p >= rp_ranges[i].lo && (uintptr_t)p + n <= rp_ranges[i].hi) return 1 + rp_ranges[i].drop_pages;
+    return 0;
+}
+
+// bytes [lo, lo + size) stay mapped and unchanged until unregistered; `drop_pages`: they are a file's private
+// mapping nothing writes (a copied matrix's pages may leave the process: never for anonymous memory, they would read
+// back as zeros)
+void mg_repack_register(const void *lo, int64_t size, int drop_pages) {
+    pthread_mutex_lock(&rp_lock);
+    if (!rp_registered(lo, (size_t)size)) {
+        rp_ranges = realloc(rp_ranges, (rp_nranges + 1) * sizeof(*rp_ranges));
+        rp_ranges[rp_nranges].lo = (uintptr_t)lo;
+        rp_ranges[rp_nranges].hi = (uintptr_t)lo + (uintptr_t)size;
+        rp_ranges[rp_nranges++].drop_pages = drop_pages;
+    }
+    pthread_mutex_unlock(&rp_lock);
+}
+
+static void rp_drop(rp_entry *e) {
+    for (int i = 0; i < rp_nstacks; i++)
+        if (rp_stacks[i] == e) rp_stacks[i--] = rp_stacks[--rp_nstacks];
+    rp_stat[0]--;
+    rp_stat[2] -= (int64_t)ggml_nbytes(e->t);
+    ggml_backend_buffer_free(e->buf);
+    ggml_free(e->ctx);
+    free(e->slice);
+    free(e->done);
+    free(e);
+}
+
+// the range [lo, lo + size) is going (unmapped): its ranges and every copy of its bytes are dropped
+void mg_repack_unregister(const void *lo, int64_t size) {
+    uintptr_t a = (uintptr_t)lo, b = a + (uintptr_t)size;
+    pthread_mutex_lock(&rp_lock);
+    for (int i = 0; i < rp_nranges; i++)
+        if (rp_ranges[i].lo < b && rp_ranges[i].hi > a) rp_ranges[i--] = rp_ranges[--rp_nranges];
+    for (int k = 0; k < RP_BUCKETS; k++)
+        for (rp_entry **pe = &rp_table[k]; *pe;) {
+            rp_entry *e = *pe;
+            if ((uintptr_t)e->src >= a && (uintptr_t)e->src < b) {
+                *pe = e->next;
+                rp_drop(e);
+            } else {
+                pe = &e->next;
+            }
+        }
+    pthread_mutex_unlock(&rp_lock);
+}
+
+// out[4]: copies held, matrices repacked (an expert of a stack counts one), bytes allocated for copies, graphs that
+// used a copy
+void mg_repack_stats(int64_t *out) {
+    pthread_mutex_lock(&rp_lock);
+    memcpy(out, rp_stat, sizeof(rp_stat));
+    pthread_mutex_unlock(&rp_lock);
+}
+
+static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // under rp_lock
+    int64_t A = w->ne[2];
+    rp_entry *e = calloc(1, sizeof(rp_entry));
+    struct ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(A + 1), NULL, true};
+    e->ctx = ggml_init(ip);
+    e->t = ggml_new_tensor_3d(e->ctx, w->type, w->ne[0], w->ne[1], A);
+    e->buf = ggml_backend_buft_alloc_buffer(rp_buft, ggml_nbytes(e->t));    // pages untouched until repacked
+    if (!e->ctx || !e->buf || ggml_backend_tensor_alloc(e->buf, e->t, ggml_backend_buffer_get_base(e->buf)) !=
+        GGML_STATUS_SUCCESS || !e->t->extra) {
+        if (e->buf) ggml_backend_buffer_free(e->buf);
+        if (e->ctx) ggml_free(e->ctx);
+        free(e);
+        return NULL;
+    }
+    e->src = w->data;
+    e->drop_pages = drop_pages;
+    e->type = w->type;
+    e->ne0 = w->ne[0], e->ne1 = w->ne[1], e->ne2 = A;
+    e->slice = calloc((size_t)A, sizeof(*e->slice));
+    e->done = calloc((size_t)A, 1);
+    size_t k = rp_hash(e->src);
+    e->next = rp_table[k];
+    rp_table[k] = e;
+    if (A > 1) {
+        rp_stacks = realloc(rp_stacks, (rp_nstacks + 1) * sizeof(*rp_stacks));
+        rp_stacks[rp_nstacks++] = e;
+    }
+    rp_stat[0]++;
+    rp_stat[2] += (int64_t)ggml_nbytes(e->t);
+    return e;
+}
+
+// expert a's matrix of entry e: a 2-d header in e's buffer, repacked from the registered bytes on first use
+static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
+    struct ggml_tensor *s = e->slice[a];
+    if (!s) {
+        s = e->slice[a] = ggml_new_tensor_2d(e->ctx, e->type, e->ne0, e->ne1);
+        s->buffer = e->buf;
+        s->data = (uint8_t *)e->t->data + a * e->t->nb[2];
+        s->extra = e->t->extra;                  // the same interleaving: it depends on the type and N only
+    }
+    if (!e->done[a]) {
+        const uint8_t *from = e->src + a * e->t->nb[2];
+        ggml_backend_tensor_set(s, from, 0, ggml_nbytes(s));                         // CPU_REPACK's set: repacks
+        e->done[a] = 1;
+        rp_stat[1]++;
+        if (e->drop_pages) {             // the whole pages of the original: the page cache's again, not the process's
+            uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = ((uintptr_t)from + page - 1) / page * page,
+                      hi = ((uintptr_t)from + ggml_nbytes(s)) / page * page;
+            if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        }
+    }
+    return s;
+}
+
+// the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
+static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids, const char *types) {
+    int reg;                                                                                       // under rp_lock
+    if (!rp_type_on(types, w->type) || w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data || w->ne[3] != 1 || !ggml_is_contiguous(w) ||
+        !(reg = rp_registered(w->data, ggml_nbytes(w))) || !rp_accepts(w->type, w->ne[0], w->ne[1]))
+        return NULL;
+    rp_entry *e = rp_table[rp_hash(w->data)];
+    while (e && !(e->src == w->data && e->type == w->type && e->ne0 == w->ne[0] && e->ne1 == w->ne[1] &&
+                  e->ne2 == w->ne[2]))
+        e = e->next;
+    if (!e && w->ne[2] == 1) {                          // a matrix of a stack already copied: that stack's slice
+        for (int i = 0; i < rp_nstacks; i++) {
+            rp_entry *s = rp_stacks[i];
+            size_t nb2 = s->t->nb[2];
+            const uint8_t *p = w->data;
+            if (s->type == w->type && s->ne0 == w->ne[0] && s->ne1 == w->ne[1] && p >= s->src &&
+                p < s->src + nb2 * s->ne2 && (size_t)(p - s->src) % nb2 == 0)
+                return rp_slice(s, (p - s->src) / nb2);
+        }
+    }
+    if (!e && !(e = rp_new(w, reg - 1))) return NULL;
+    if (e->ne2 == 1) return rp_slice(e, 0) ? e->t : NULL;
+    if (ids && ids->op == GGML_OP_NONE && ids->data && ids->type == GGML_TYPE_I32) {    // the ids are known now
+        for (int64_t j = 0; j < ids->ne[1]; j++)
+            for (int64_t i = 0; i < ids->ne[0]; i++) {
+                int32_t a = *(const int32_t *)((const char *)ids->data + j * ids->nb[1] + i * ids->nb[0]);
+                if (a >= 0 && a < e->ne2) rp_slice(e, a);
+            }
+    } else {
+        for (int64_t a = 0; a < e->ne2; a++) rp_slice(e, a);
+    }
+    return e->t;
+}
+
+// every MUL_MAT / MUL_MAT_ID of the graph whose weight has (or gets) a repacked copy reads that copy
+static void rp_graph(struct ggml_cgraph *gf) {
+    if (!rp_enabled()) return;
+    const char *types = getenv("MOECTL_GGML_REPACK");
+    int used = 0;
+    pthread_mutex_lock(&rp_lock);
+    if (rp_nranges) {
+        for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+            struct ggml_tensor *n = ggml_graph_node(gf, i);
+            int id = n->op == GGML_OP_MUL_MAT_ID;
+            if ((n->op != GGML_OP_MUL_MAT && !id) || n->src[1]->type != GGML_TYPE_F32 ||
+                (!id && n->src[0]->ne[2] != 1))
+                continue;
+            struct ggml_tensor *r = rp_get(n->src[0], id ? n->src[2] : NULL, types);
+            if (r) {
+                n->src[0] = r;
+                used = 1;
+            }
+        }
+    }
+    rp_stat[3] += used;
+    pthread_mutex_unlock(&rp_lock);
+}
+
 // run the graph ending in the n tensors `outs`; returns 0, or 1 when the arena was too small (grown: the caller
 // retries)
 static int run_all(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *const *outs, int n) {
@@ -104,6 +411,7 @@ static int run_all(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *c
     }
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, MG_MAX_NODES, false);
     for (int i = 0; i < n; i++) ggml_build_forward_expand(gf, outs[i]);
+    rp_graph(gf);                                    // weights with a CPU_REPACK copy read it
     struct ggml_cplan plan = ggml_graph_plan(gf, h->n_threads, h->pool);
     if (plan.work_size > h->work_size) {
         free(h->work);
@@ -451,6 +759,7 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, out), cur);                       // [V, T or 1]
     y->data = logits;
     ggml_build_forward_expand(gf, y);
+    rp_graph(gf);                                    // weights with a CPU_REPACK copy read it
     int rc = 0;
     if (!ggml_gallocr_alloc_graph(h->galloc, gf)) {
         rc = -2;

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..formats.gguf_dequant import dequantize
-from ..kernels.ggml import GgmlLinear
+from ..kernels.ggml import GgmlLinear, register_stable
 
 _ROWS_AT_ONCE = 1 << 22                 # weights dequantised at a time in a backward: 16 MB of fp32
 
@@ -66,6 +66,7 @@ class GgufLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.matrix = _MappedMatrix(encoding, data, (self.out_features, self.in_features), name)
         self.kernel = GgmlLinear([(self.matrix.encoding, data.ctypes.data, self.matrix.shape)], keep=data)
+        register_stable(data)          # the mapped file: ggml may repack the matrix on first use (CPU_REPACK)
         self.perm = perm                                                  # [N] long, or None (rows in file order)
         self.bias = linear.bias
         # the file bytes it reads, for sizing (`store/facts.py: dense_nbytes` counts buffers): not in the state dict

@@ -312,11 +312,12 @@ def inspect_model(model: str, workdir: str | None = None, dtype: str | None = No
         dense += file_bytes - skeleton_bytes
     info = describe(config, adapter, expert_nbytes, dense, L)
     weights = sum(math.prod(s) for s in adapter.layout().shapes if len(s) == 2)      # biases are not weights
-    gguf = gguf_facts(adapter, dt, mapped)
+    gguf = gguf_facts(adapter, dt, mapped, hf)
     info["memory"] = memory_plan(config, adapter, dt, info["dense_bytes"], L, lowbit, offload, device,
                                  budget, lowbit_fraction, precision=precision)
     if gguf and device == "cpu" and offload == "ram" and not lowbit:    # the run loads in place: its load's peak
         info["memory"]["load_peak"] = gguf["gguf"]["cpu_in_place"]["load_peak"]
+        info["memory"]["ggml_repack"] = gguf["gguf"]["cpu_in_place"]["ggml_repack"]
     return info | {"model": ref.name, "path": str(ref.path), "dtype": str(dt).replace("torch.", ""),
                    "expert_format": fmt.name, "bits_per_weight": expert_nbytes * 8 / weights,
                    "quantization": adapter.quant.describe() if adapter.quant else None,
@@ -347,18 +348,21 @@ def mapped_names(mapped: dict | None) -> frozenset:
     return frozenset(v[3] for v in (mapped or {}).values())
 
 
-def gguf_facts(adapter, dtype: torch.dtype, mapped: dict | None = None) -> dict:
+def gguf_facts(adapter, dtype: torch.dtype, mapped: dict | None = None, model=None) -> dict:
     """A GGUF model's figures for `inspect`, from its header (moectl/store/gguf/experts.py `sizes`): the layers'
     formats (`gguf-Q4_K+Q6_K,gguf-Q4_K`), bits per weight of the experts as stored (packed bytes over weights, all
     layers), and the file's figures under `gguf`, with what the CPU in place holds (`cpu_in_place`: the file's expert
     bytes, mapped, where ggml computes them; else Q4 matrices repacked for the int4 kernel, moectl/store/gguf/cpu.py).
-    Empty for a safetensors checkpoint."""
+    `ggml_repack`: of those bytes, the matrices ggml's CPU repack copies into anonymous memory on first use
+    (`gguf/cpu.py: ggml_repacked_bytes`; `model` says which mapped dense weights are multiplied by). Empty for a
+    safetensors checkpoint."""
     g = adapter.gguf
     if g is None:
         return {}
-    from .gguf.cpu import ggml_in_place, in_place_expert_bytes
+    from .gguf.cpu import ggml_in_place, ggml_repacked_bytes, in_place_expert_bytes
 
     s = g.sizes(dtype.itemsize, mapped_names(mapped))
+    mapped_dense = mapped
     repacked = in_place_expert_bytes(adapter, dtype)
     mapped = ggml_in_place(adapter)         # ggml on the mapped file: the pages of the file's expert bytes
     return {"expert_format": adapter.format_names(dtype), "bits_per_weight": s["bits_per_weight"],
@@ -369,7 +373,8 @@ def gguf_facts(adapter, dtype: torch.dtype, mapped: dict | None = None) -> dict:
                                 "int4_repacked": repacked is not None, "scale_dtype": str(dtype).removeprefix("torch."),
                                 "expert_bytes": repacked if repacked is not None else s["expert_bytes"],
                                 "host_bytes": (repacked if repacked is not None else s["expert_bytes"])
-                                + s["dense_bytes"], "load_peak": gguf_load_peak(s, repacked)}}}
+                                + s["dense_bytes"], "load_peak": gguf_load_peak(s, repacked),
+                                "ggml_repack": ggml_repacked_bytes(adapter, model, mapped_dense)}}}
 
 
 # The working set of one GGUF load step beyond what it keeps (`gguf_load_peak`), in bytes per weight, measured on

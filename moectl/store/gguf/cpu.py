@@ -44,6 +44,38 @@ def dense_mapped(adapter, model) -> dict:
     return adapter.gguf.dense_in_place(model) if adapter.gguf is not None and ggml.planned() else {}
 
 
+def ggml_repacked_bytes(adapter, model=None, mapped: dict | None = None) -> dict:
+    """The copies ggml's CPU repack makes in place (llama.cpp's CPU_REPACK, moectl/kernels/ggml_shim.c: of each
+    mapped matrix on its first use, a stacked tensor's experts as they are first routed to; anonymous memory), from
+    the header and the shim's own query (`ggml.repacks`: the encodings and shapes this CPU's ggml interleaves; AVX2:
+    Q4_0, Q4_K, IQ4_NL, MXFP4 with rows a multiple of 8): {"experts": bytes of every expert matrix it repacks, all
+    layers and experts (each once routed to), "dense": bytes of the `mapped` dense matrices (`dense_in_place`) a
+    `GgufLinear` multiplies by (the embedding table only when a tied lm_head reads it; `model` says which module
+    reads which), "total"}. A copy takes its matrix's bytes in the file (ggml sizes it at ggml_nbytes) and stands in
+    for them: the file's pages of a repacked matrix are not read again (page cache the kernel reclaims), so the host
+    figures that count the mapped bytes hold the same total, part of it now anonymous. All 0 where ggml is not in
+    place, not built yet (nothing is built to answer), or `MOECTL_GGML_REPACK=0`."""
+    out = {"experts": 0, "dense": 0, "total": 0}
+    if not ggml_in_place(adapter):
+        return out
+    E = adapter.num_experts
+    for f in adapter.formats(torch.float32).values():
+        for _, t in f.tensors:
+            if len(t.shape) == 2 and ggml.repacks(t.encoding, tuple(t.shape)):
+                out["experts"] += E * t.nbytes
+    modules = dict(model.named_modules()) if model is not None else {}
+    seen = set()
+    for key, (encoding, data, *_rest) in (mapped or {}).items():
+        module = modules.get(key.removesuffix(".weight"))
+        if not isinstance(module, torch.nn.Linear) or data.ctypes.data in seen:
+            continue
+        seen.add(data.ctypes.data)
+        if ggml.repacks(encoding, (data.shape[0], module.in_features)):
+            out["dense"] += data.nbytes
+    out["total"] = out["experts"] + out["dense"]
+    return out
+
+
 def map_for_ggml(store) -> str:
     """The store's experts as ggml computes them in place: each layer's 'RAM tier' is its experts' indices, their
     matrices are the mapped file's (moectl/formats/gguf_ggml.py). Builds ggml on first use (minutes, said);
