@@ -241,6 +241,8 @@ class GgmlModel:
     def from_gguf(cls, gguf, config) -> "GgmlModel":
         files, keep = gguf.files, [gguf]
         fam = FAMILIES[config.model_type]
+        for part in files.paths:            # the mapped file(s): ggml may repack a matrix on first use (CPU_REPACK)
+            ggml.register_stable(files.bytes_of(part, 0, 1))
 
         def w(name: str, f32: bool = False) -> MgW:
             # a weight where it lies in the mapped file; `f32`: a norm or bias, handed over as fp32 (a copy
