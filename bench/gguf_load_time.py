@@ -3,8 +3,9 @@
 Each run is a fresh process (nothing imported, nothing parsed yet) that times, with time.perf_counter: importing
 moectl's engine (torch, moectl), every step of `Engine.load(FILE, device="cpu", threads=1, gating="none")` it can
 name (the functions `moectl/runtime/load.py` calls: the config and GGUF header, the skeleton, the dense weights,
-the expert store, ...), building the tokenizer, and one greedy token from a short prompt; and records whether
-`hqq`, `torch._dynamo` and `torch._inductor.compile_fx` were imported on the way. llama.cpp's figure is the wall
+the expert store, ...) and the garbage collections during it ("gc in Engine.load": `gc.callbacks` timed), building
+the tokenizer, and one greedy token from a short prompt; and records whether `hqq`, `torch._dynamo` and
+`torch._inductor.compile_fx` were imported on the way. llama.cpp's figure is the wall
 time of `llama-completion -n 1` (load, the prompt and one token: the same work), from bench/llamacpp.py's build.
 
 Then the same work as a user runs it: `python -m moectl generate -m FILE -p PROMPT -n 1 --greedy --device cpu
@@ -65,9 +66,19 @@ def timed(name, fn):
 for name in STEPS:
     if hasattr(L, name):
         setattr(L, name, timed(name, getattr(L, name)))
+import gc
+collecting = {}
+def collector(phase, info):              # Python's garbage collections during the load: their own time
+    if phase == "start":
+        collecting["t"] = now()
+    else:
+        steps["gc in Engine.load"] = [a + b for a, b in zip(steps.get("gc in Engine.load", [0.0, 0.0]),
+                                                           since(collecting["t"]))]
+gc.callbacks.append(collector)
 t = now()
 eng = Engine.load(sys.argv[1], device="cpu", threads=1, progress=False, gating="none")
 steps["Engine.load"] = since(t)
+gc.callbacks.remove(collector)
 t = now()
 ids = eng.tokenizer(sys.argv[2])["input_ids"]
 steps["tokenizer"] = since(t)
