@@ -271,3 +271,48 @@ def test_opening_reads_no_vocabulary(mixtral_gguf, monkeypatch):
     g.sizes(2)
     assert decoded == [] and g.config.vocab_size == 512
     assert len(g.files.meta["tokenizer.ggml.tokens"]) == 512 and decoded == [512]
+
+
+def test_tokenizer_cache_is_the_same_tokenizer_and_follows_the_file(mixtral_gguf, tmp_path, monkeypatch):
+    """GgufModel.tokenizer(cache): built and saved once, read back by later calls (the converter is not called),
+    the same ids, special tokens and chat template; a rewritten file (new mtime) or another transformers is built
+    again; a cache that cannot be written is no error."""
+    import os
+    import shutil
+
+    import moectl.store.gguf.model as gm
+    from moectl.store.gguf.model import GgufModel
+
+    f = tmp_path / "m.gguf"
+    shutil.copy(mixtral_gguf, f)
+    built = []
+    convert = gm.gguf_tokenizer
+    monkeypatch.setattr(gm, "gguf_tokenizer", lambda files: (built.append(1), convert(files))[1])
+    cache = tmp_path / "work" / "gguf-tokenizer"
+    fresh = GgufModel(f).tokenizer(cache)
+    assert len(built) == 1 and (cache / "source.json").exists()
+    cached = GgufModel(f).tokenizer(cache)
+    assert len(built) == 1                                  # read back, not converted
+    texts = ["The cache holds experts.\n<|im_start|>user\nwhat is 2+2?<|im_end|>\n  spaces  and ünïcode", "", " x"]
+    for text in texts:
+        for special in (True, False):
+            assert cached(text, add_special_tokens=special).input_ids == fresh(text, add_special_tokens=special).input_ids
+    ids = fresh(texts[0]).input_ids
+    assert cached.decode(ids) == fresh.decode(ids) and len(cached) == len(fresh)
+    assert cached.special_tokens_map == fresh.special_tokens_map
+    assert (cached.eos_token_id, cached.bos_token_id, cached.pad_token_id) == \
+        (fresh.eos_token_id, fresh.bos_token_id, fresh.pad_token_id)
+    assert cached.chat_template == fresh.chat_template
+    chat = [{"role": "user", "content": "hi"}]
+    if fresh.chat_template:
+        assert cached.apply_chat_template(chat, tokenize=False) == fresh.apply_chat_template(chat, tokenize=False)
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))     # the file rewritten: its cache is stale
+    GgufModel(f).tokenizer(cache)
+    assert len(built) == 2
+    monkeypatch.setattr("transformers.__version__", "0.0-other")
+    GgufModel(f).tokenizer(cache)
+    assert len(built) == 3
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    assert GgufModel(f).tokenizer(blocked / "gguf-tokenizer")(texts[0]).input_ids == fresh(texts[0]).input_ids

@@ -1,7 +1,8 @@
 """What loading a model imports: a GGUF's load, first tokens and `inspect` leave hqq (and the torch compiler its
-HQQLinear class pulls in through `@torch.compile`) unimported (moectl/models/hf_modeling.py), and moectl's own HQQ
-quantizer still works in the same process afterwards. Each check runs in a fresh interpreter: `sys.modules` of
-the test process holds whatever earlier tests imported. `make test-latest` runs it on the newer transformers."""
+HQQLinear class pulls in through `@torch.compile`) unimported, and triton too on a CPU-only torch
+(moectl/models/hf_modeling.py); moectl's own HQQ quantizer still works in the same process afterwards, and triton
+still imports. Each check runs in a fresh interpreter: `sys.modules` of the test process holds whatever earlier
+tests imported. `make test-latest` runs it on the newer transformers."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from gguf_build import write_gguf
 from model_factory import save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILER = ("hqq", "hqq.core.quantize", "torch._inductor.compile_fx")
+# a torch built for no GPU: transformers' model code leaves triton unimported too (hf_modeling.py)
+CPU_ONLY_TORCH = not (torch.version.cuda or torch.version.hip or getattr(torch.version, "xpu", None))
+COMPILER = ("hqq", "hqq.core.quantize", "torch._inductor.compile_fx") + (("triton",) if CPU_ONLY_TORCH else ())
 
 CHILD = r"""
 import json, sys
@@ -38,8 +41,11 @@ torch.manual_seed(0)
 w = {n: torch.randn(s) for n, s in zip(fmt.layout.names, fmt.layout.shapes)}
 back = fmt.weights(fmt.views(fmt.quantize(w, optimize=False)))
 err = max(float((back[n] - w[n]).abs().max() / w[n].abs().max()) for n in fmt.matrices)
+import importlib.util
+triton_after = importlib.util.find_spec("triton") is None or bool(__import__("triton").jit)   # importable again
 print("RESULT " + json.dumps({"seen": seen, "tokens": len(out.token_ids), "experts": info["experts"],
-                              "hqq_error": err, "hqq_after": "hqq.core.quantize" in sys.modules}))
+                              "hqq_error": err, "hqq_after": "hqq.core.quantize" in sys.modules,
+                              "triton_after": triton_after}))
 """
 
 
@@ -67,6 +73,7 @@ def test_gguf_load_generate_inspect_import_no_hqq(q4km):
     assert r["seen"] == {m: False for m in COMPILER}
     assert r["tokens"] == 2 and r["experts"] == 4
     assert r["hqq_after"] and 0 < r["hqq_error"] < 0.2          # 4-bit round-to-nearest: close, not exact
+    assert r["triton_after"]
 
 
 def test_model_code_import_hides_hqq_only_for_that_import(monkeypatch):

@@ -99,9 +99,9 @@ class Engine:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            gguf = self.adapter.gguf          # a GGUF file: the tokenizer its metadata describes
+            gguf = self.adapter.gguf          # a GGUF file: the tokenizer its metadata describes, kept in the workdir
             if gguf is not None:
-                self._tokenizer = gguf.tokenizer()
+                self._tokenizer = gguf.tokenizer(self.ref.workdir / "gguf-tokenizer")
                 return self._tokenizer
             if not ((self.ref.path / "tokenizer.json").exists() or (self.ref.path / "tokenizer_config.json").exists()
                     or (self.ref.path / "tokenizer.model").exists()):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..core.cache_model import FULL, LOW
+from ..core.gc_pause import collector_paused
 from ..core.recipes import resolve_model
 from ..errors import MoectlError
 from ..formats.ggml_copies import GgmlCopyFormat
@@ -79,6 +80,11 @@ class Loaded:
 
 
 def load(model: str, opts: RuntimeOptions) -> Loaded:
+    with collector_paused():                            # the heap this builds, traversed once (core/gc_pause.py)
+        return _load(model, opts)
+
+
+def _load(model: str, opts: RuntimeOptions) -> Loaded:
     take_device(opts)                                   # checks the options too
     ref = built(resolve_model(model, opts.workdir))
     dev = torch.device(opts.device)
