@@ -399,6 +399,18 @@ static void rp_graph(struct ggml_cgraph *gf) {
     pthread_mutex_unlock(&rp_lock);
 }
 
+// compute a built graph on the handle's threadpool, its work buffer grown as the plan asks
+static void compute(mg_handle *h, struct ggml_cgraph *gf) {
+    struct ggml_cplan plan = ggml_graph_plan(gf, h->n_threads, h->pool);
+    if (plan.work_size > h->work_size) {
+        free(h->work);
+        h->work_size = plan.work_size;
+        h->work = malloc(h->work_size);
+    }
+    plan.work_data = h->work;
+    ggml_graph_compute(gf, &plan);
+}
+
 // run the graph ending in the n tensors `outs`; returns 0, or 1 when the arena was too small (grown: the caller
 // retries)
 static int run_all(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *const *outs, int n) {
@@ -412,14 +424,7 @@ static int run_all(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *c
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, MG_MAX_NODES, false);
     for (int i = 0; i < n; i++) ggml_build_forward_expand(gf, outs[i]);
     rp_graph(gf);                                    // weights with a CPU_REPACK copy read it
-    struct ggml_cplan plan = ggml_graph_plan(gf, h->n_threads, h->pool);
-    if (plan.work_size > h->work_size) {
-        free(h->work);
-        h->work_size = plan.work_size;
-        h->work = malloc(h->work_size);
-    }
-    plan.work_data = h->work;
-    ggml_graph_compute(gf, &plan);
+    compute(h, gf);
     ggml_free(ctx);
     return 0;
 }
@@ -760,19 +765,8 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     y->data = logits;
     ggml_build_forward_expand(gf, y);
     rp_graph(gf);                                    // weights with a CPU_REPACK copy read it
-    int rc = 0;
-    if (!ggml_gallocr_alloc_graph(h->galloc, gf)) {
-        rc = -2;
-    } else {
-        struct ggml_cplan plan = ggml_graph_plan(gf, h->n_threads, h->pool);
-        if (plan.work_size > h->work_size) {
-            free(h->work);
-            h->work_size = plan.work_size;
-            h->work = malloc(h->work_size);
-        }
-        plan.work_data = h->work;
-        ggml_graph_compute(gf, &plan);
-    }
+    int rc = ggml_gallocr_alloc_graph(h->galloc, gf) ? 0 : -2;
+    if (rc == 0) compute(h, gf);
     ggml_free(ctx);
     free(posv);
     return rc;
