@@ -185,3 +185,17 @@ def test_own_ggml_copies_take_the_graph(family, dense, tmp_path, monkeypatch):
         top2 = b[-1].float().topk(2).values
         if top2[0] - top2[1] > 2 * tol:                             # a clear choice is the same choice
             assert int(a[-1].argmax()) == w
+
+
+def test_a_run_in_place_asks_for_the_file_in_the_background(family_files, tmp_path, monkeypatch):
+    """A run computing where the weights lie asks the kernel for the mapped file (MADV_WILLNEED) at load: its first
+    tokens touch every expert, and a page not cached would be a disk read inside a token."""
+    ggml_or_skip()
+    from moectl.store.gguf.files import GgufFiles
+
+    _, _, _, q = family_files
+    asked = []
+    real = GgufFiles.will_need
+    monkeypatch.setattr(GgufFiles, "will_need", lambda self: asked.append(self.paths[0]) or real(self))
+    _load(q, tmp_path)
+    assert asked == [q]

@@ -39,7 +39,7 @@ def lib():
 
 @pytest.fixture(autouse=True)
 def _repack_on(monkeypatch):
-    monkeypatch.setenv("MOECTL_GGML_REPACK", "all")               # Q4_K too (not by default: docs/gguf.md)
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "all")               # every type (the default too)
 
 
 def repacked_here(enc: T, shape=(N, K)) -> None:
@@ -197,11 +197,13 @@ def test_the_sizes_query_says_what_is_repacked():
 
 
 def test_the_setting_picks_the_types(monkeypatch):
-    """MOECTL_GGML_REPACK unset: every type ggml repacks but Q4_K (slower repacked at T = 64 on AVX2, measured);
-    `all`: Q4_K too; a list: those types; `0`: none. The sizes query and the graphs agree."""
+    """MOECTL_GGML_REPACK unset: every type ggml repacks, as llama.cpp; a list: those types; `0`: none. The sizes
+    query and the graphs agree."""
     for enc in (T.Q4_0, T.Q4_K):
         repacked_here(enc)
-    monkeypatch.delenv("MOECTL_GGML_REPACK")
+    monkeypatch.delenv("MOECTL_GGML_REPACK", raising=False)
+    assert ggml.repacks(T.Q4_0, (N, K)) and ggml.repacks(T.Q4_K, (N, K))
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "q4_0")
     assert ggml.repacks(T.Q4_0, (N, K)) and not ggml.repacks(T.Q4_K, (N, K))
     x = xs(1, K)
     q4k, _ = weights(T.Q4_K, N, K)

@@ -430,10 +430,9 @@ def _stacked_bases(g0: GgmlLinear, d0: GgmlLinear) -> tuple[tuple[int, int, int,
 # --- llama.cpp's CPU repack of the mapped file's matrices ---------------------------------------------------------
 
 def repack_enabled() -> bool:
-    """Whether the shim gives registered weights ggml's CPU_REPACK copies. `MOECTL_GGML_REPACK`: unset or 1, every
-    encoding ggml repacks on this CPU but Q4_K (its repacked GEMM measured slower than ggml's own Q4_K product at
-    T = 64 here: docs/gguf.md); `all`: Q4_K too; `0`: none; or a comma list of ggml's type names (q4_0,iq4_nl,mxfp4,
-    q4_K). Read by the shim at every graph, so a run or a test may switch it."""
+    """Whether the shim gives registered weights ggml's CPU_REPACK copies. `MOECTL_GGML_REPACK`: unset, 1 or all,
+    every encoding ggml repacks on this CPU, as llama.cpp (docs/gguf.md); `0`: none; or a comma list of ggml's type
+    names (q4_0,iq4_nl,mxfp4,q4_K). Read by the shim at every graph, so a run or a test may switch it."""
     return os.environ.get("MOECTL_GGML_REPACK", "1") != "0"
 
 

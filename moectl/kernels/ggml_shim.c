@@ -162,11 +162,12 @@ static int rp_setup(void) {               // under rp_lock
     return 1;
 }
 
-// MOECTL_GGML_REPACK: unset, "" or "1": every type ggml repacks here but Q4_K (its repacked GEMM measured slower than
-// ggml's own Q4_K product at T = 64 on an AVX2 host, bench/ggml_repack.py); "all": every one; "0": none; else a comma
-// list of ggml's type names (q4_0,q4_K,iq4_nl,mxfp4; any case). Read per graph: a run or a test may switch it.
+// MOECTL_GGML_REPACK: unset, "", "1" or "all": every type ggml repacks here, as llama.cpp (Q4_K too: on a quiet AVX2
+// host it took a Qwen3-shaped Q4_K_M decode from 1.19x to 1.08x llama.cpp's at 1 thread, docs/gguf.md; an earlier
+// measurement under load had found its T = 64 product slower); "0": none; else a comma list of ggml's type names
+// (q4_0,q4_K,iq4_nl,mxfp4; any case). Read per graph: a run or a test may switch it.
 static int rp_type_on(const char *v, int type) {
-    if (!v || !*v || strcmp(v, "1") == 0) return type != GGML_TYPE_Q4_K;
+    if (!v || !*v || strcmp(v, "1") == 0) return 1;
     if (strcmp(v, "0") == 0) return 0;
     if (strcmp(v, "all") == 0) return 1;
     const char *name = ggml_type_name(type);

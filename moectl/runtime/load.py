@@ -151,6 +151,8 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
     store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload="disk" if mapped or repack else full_tier,
                         pin=(dev.type == "cuda"), progress=opts.progress)
     note = map_for_ggml(store) if mapped else None
+    if mapped:                          # the file into the page cache in the background (first tokens touch it all)
+        adapter.gguf.files.will_need()
     if note is None and (mapped or repack):
         if mapped and not repack:                   # ggml failed to load: the packed bytes read into RAM instead
             store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=full_tier, pin=False,

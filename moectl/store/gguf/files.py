@@ -18,6 +18,7 @@ naming the file (and tensor) before anything runs. The module imports no torch (
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
 import struct
@@ -342,3 +343,13 @@ class GgufFiles:
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
+
+    def will_need(self) -> None:
+        """Ask the kernel to read the mapped files into the page cache now, in the background (MADV_WILLNEED:
+        readahead, nothing waits, nothing enters the process's RSS). A run that computes where the weights lie
+        touches every expert within its first tokens; without this each first touch of a page not cached is a
+        read from disk inside a token (llama.cpp reads the whole file at load: MAP_POPULATE)."""
+        for m in self._maps.values():
+            mm = getattr(m, "_mmap", None)
+            if mm is not None and hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_WILLNEED)
