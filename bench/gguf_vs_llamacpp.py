@@ -14,7 +14,8 @@ the mapped file: moectl/kernels/ggml.py), same threads.
    per-expert weighting a real imatrix has; a few experts no token routes to get none, as with a real text).
    `--drop-bf16` deletes the BF16 file once the rest is made (2-layer Mixtral: 6.3 GB; then BF16 is not timed);
    `--prepare-only` makes the files, prints them with their sizes and how long each took, and times nothing.
-2. Per file and thread count, `--repeat` alternating rounds, both tools in fresh processes: decode ms/token
+2. Per file (read once first, untimed: both tools start with it in the page cache) and thread count, `--repeat`
+   alternating rounds, both tools in fresh processes: decode ms/token
    (llama-bench `-p 0 -n GEN`; moectl: a prompt, then GEN drawn tokens fed one at a time, no logits read),
    prefill tokens/s (`-p PREFILL -n 0`; moectl: one forward of PREFILL tokens after a warm-up forward, as
    llama-bench warms up), peak RSS per process, and load to first token (moectl: `Engine.load` + one token;
@@ -179,11 +180,22 @@ def summary(xs: list[float]) -> dict:
 FIGURES = ("decode_ms", "prefill_tps", "rss_gb", "load_s")
 
 
+def warm_page_cache(path: Path) -> None:
+    """Read the file once, untimed, so neither tool's first run meets it out of the page cache (the machine holds
+    a few of the set's files at a time): llama.cpp reads the whole file at load (MAP_POPULATE), moectl asks for it
+    in the background (MADV_WILLNEED) and touches it over its first tokens, so a cold file was a disk read inside
+    moectl's timed tokens and inside llama.cpp's untimed load: the 1-thread Mixtral rows at 1.1-2x (stop 50)."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(1 << 24):
+            pass
+
+
 def compare(shape: str, layers: int, work: Path, types: list[str], threads: list[int], repeat: int, gen: int,
             prompt: int, prefill: int, drop_bf16: bool = False) -> dict:
     files = prepare(shape, layers, work, types, drop_bf16=drop_bf16)
     rows = []
     for qt, path in files.items():
+        warm_page_cache(path)
         for t in threads:
             runs = {"moectl": [], "llama.cpp": []}
             for r in range(repeat):
