@@ -79,6 +79,7 @@ static struct ggml_context *begin(mg_handle *h) {
 
 // an op's result gets arena memory as soon as it is made (views made later see its data)
 static struct ggml_tensor *own(mg_handle *h, struct ggml_tensor *t) {
+    if (!h) return t;                                // no arena: ggml-alloc places it (mg_model_eval's graph)
     size_t n = (ggml_nbytes(t) + MG_ALIGN - 1) / MG_ALIGN * MG_ALIGN;
     if (h->arena_used + n > h->arena_size) {
         h->failed = 1;                               // counted; memory found for the retry
@@ -506,6 +507,29 @@ static struct ggml_tensor *stack(struct ggml_context *ctx, int type, int64_t K, 
     return t;
 }
 
+// A layer's routed experts in llama.cpp's build_moe_ffn order: x [H, 1, T], ids [U, T], weights [1, U, T] ->
+// y [H, T] = sum_u weights[u] (down(act(gate x + bg, up x + bu)) + bd) over the used experts (biases: NULL or F32
+// [I or H, A], added per used expert as ggml_add_id does). h NULL: no arena (the caller's ggml-alloc places them).
+static struct ggml_tensor *experts_ffn(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *Wg,
+                                       struct ggml_tensor *Wu, struct ggml_tensor *Wd, struct ggml_tensor *Bg,
+                                       struct ggml_tensor *Bu, struct ggml_tensor *Bd, mg_act act,
+                                       struct ggml_tensor *X, struct ggml_tensor *ID, struct ggml_tensor *WT) {
+    const int64_t H = Wd->ne[1], T = X->ne[2], U = ID->ne[0];
+    struct ggml_tensor *G = own(h, ggml_mul_mat_id(ctx, Wg, X, ID));                          // [I, U, T]
+    struct ggml_tensor *Up = own(h, ggml_mul_mat_id(ctx, Wu, X, ID));
+    if (Bg) G = own(h, ggml_add_id(ctx, G, Bg, ID));
+    if (Bu) Up = own(h, ggml_add_id(ctx, Up, Bu, ID));
+    struct ggml_tensor *D = own(h, ggml_mul_mat_id(ctx, Wd, activate(h, ctx, G, Up, act), ID));  // [H, U, T]
+    if (Bd) D = own(h, ggml_add_id(ctx, D, Bd, ID));
+    D = own(h, ggml_mul(ctx, D, WT));
+    struct ggml_tensor *acc = NULL;
+    for (int64_t u = 0; u < U; u++) {                                                          // sum over U
+        struct ggml_tensor *v = ggml_view_2d(ctx, D, H, T, D->nb[2], u * D->nb[1]);
+        acc = acc == NULL ? v : own(h, ggml_add(ctx, acc, v));
+    }
+    return U == 1 ? own(h, ggml_cont(ctx, acc)) : acc;
+}
+
 static int moe_once(mg_handle *h, int tg, const void *wg, int tu, const void *wu, int td, const void *wd,
                     const float *bg, const float *bu, const float *bd, mg_act act, int64_t A, int64_t H, int64_t I,
                     const float *x, const int32_t *ids, const float *wts, int64_t U, int64_t T, float *y,
@@ -514,20 +538,11 @@ static int moe_once(mg_handle *h, int tg, const void *wg, int tu, const void *wu
     struct ggml_tensor *X = ext(ctx, GGML_TYPE_F32, H, 1, T, x);
     struct ggml_tensor *ID = ext(ctx, GGML_TYPE_I32, U, T, 1, ids);
     struct ggml_tensor *WT = ext(ctx, GGML_TYPE_F32, 1, U, T, wts);
-    struct ggml_tensor *G = own(h, ggml_mul_mat_id(ctx, stack(ctx, tg, H, I, A, wg, stride), X, ID));   // [I, U, T]
-    struct ggml_tensor *Up = own(h, ggml_mul_mat_id(ctx, stack(ctx, tu, H, I, A, wu, stride), X, ID));
-    if (bg) G = own(h, ggml_add_id(ctx, G, ext(ctx, GGML_TYPE_F32, I, A, 1, bg), ID));
-    if (bu) Up = own(h, ggml_add_id(ctx, Up, ext(ctx, GGML_TYPE_F32, I, A, 1, bu), ID));
-    struct ggml_tensor *Act = activate(h, ctx, G, Up, act);
-    struct ggml_tensor *D = own(h, ggml_mul_mat_id(ctx, stack(ctx, td, I, H, A, wd, stride), Act, ID));  // [H, U, T]
-    if (bd) D = own(h, ggml_add_id(ctx, D, ext(ctx, GGML_TYPE_F32, H, A, 1, bd), ID));
-    D = own(h, ggml_mul(ctx, D, WT));
-    struct ggml_tensor *acc = NULL;
-    for (int64_t u = 0; u < U; u++) {                                                          // sum over U
-        struct ggml_tensor *v = ggml_view_2d(ctx, D, H, T, D->nb[2], u * D->nb[1]);
-        acc = acc == NULL ? v : own(h, ggml_add(ctx, acc, v));
-    }
-    if (U == 1) acc = own(h, ggml_cont(ctx, acc));
+    struct ggml_tensor *acc = experts_ffn(
+        h, ctx, stack(ctx, tg, H, I, A, wg, stride), stack(ctx, tu, H, I, A, wu, stride),
+        stack(ctx, td, I, H, A, wd, stride), bg ? ext(ctx, GGML_TYPE_F32, I, A, 1, bg) : NULL,
+        bu ? ext(ctx, GGML_TYPE_F32, I, A, 1, bu) : NULL, bd ? ext(ctx, GGML_TYPE_F32, H, A, 1, bd) : NULL, act, X,
+        ID, WT);
     acc->data = y;                                   // the last op writes the caller's y [T, H]
     return run(h, ctx, acc);
 }
@@ -677,6 +692,7 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, P = pos + T;
     const int64_t KV = NKV * D, U = m->n_used, E = m->n_expert;
     const float scale = 1.0f / sqrtf((float)D);
+    const mg_act silu = {0, 0};                                 // the families here: SiLU(gate) * up
 
     int32_t *posv = malloc(sizeof(int32_t) * T);
     for (int64_t t = 0; t < T; t++) posv[t] = (int32_t)(pos + t);
@@ -710,7 +726,7 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
         struct ggml_tensor *kdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, kc + pos * KV);
         struct ggml_tensor *vdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, vc + pos * KV);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, K, kdst));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_cont(ctx, V), vdst));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, V, vdst));
         // attention over P positions; GQA by ggml's broadcast over the head axis (query head h reads KV head
         // h / (NH / NKV), transformers' repeat_kv)
         struct ggml_tensor *kall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, kc);
@@ -746,17 +762,9 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
             struct ggml_tensor *dst = ext(ctx, GGML_TYPE_I32, U, Tn, 1, ids_out + (il * T + T - Tn) * U);
             ggml_build_forward_expand(gf, ggml_cpy(ctx, sel, dst));
         }
-        struct ggml_tensor *x3 = ggml_reshape_3d(ctx, cur, H, 1, Tn);
-        struct ggml_tensor *G = ggml_mul_mat_id(ctx, weight(ctx, &L->gate), x3, sel);       // [I, U, Tn]
-        struct ggml_tensor *Up = ggml_mul_mat_id(ctx, weight(ctx, &L->up), x3, sel);
-        struct ggml_tensor *Dn = ggml_mul_mat_id(ctx, weight(ctx, &L->down), ggml_swiglu_split(ctx, G, Up), sel);
-        Dn = ggml_mul(ctx, Dn, wts);                                                        // [H, U, Tn]
-        struct ggml_tensor *moe = NULL;
-        for (int64_t u = 0; u < U; u++) {
-            struct ggml_tensor *vu = ggml_view_2d(ctx, Dn, H, Tn, Dn->nb[2], u * Dn->nb[1]);
-            moe = moe == NULL ? vu : ggml_add(ctx, moe, vu);
-        }
-        if (U == 1) moe = ggml_cont(ctx, moe);
+        struct ggml_tensor *moe = experts_ffn(NULL, ctx, weight(ctx, &L->gate), weight(ctx, &L->up),
+                                              weight(ctx, &L->down), NULL, NULL, NULL, silu,
+                                              ggml_reshape_3d(ctx, cur, H, 1, Tn), sel, wts);   // [H, Tn]
         inpL = ggml_add(ctx, moe, ffn_inp);                                                 // [H, Tn]
     }
     struct ggml_tensor *cur = rms(ctx, inpL, &m->out_norm, m->eps);
