@@ -178,6 +178,11 @@ class CacheState:
     def _count(self, layer: int, precision: str, name: str) -> None:
         self.counts[precision][self.phase][layer, COUNTERS.index(name)] += 1
 
+    def count_hits(self, per_layer, precision: str = FULL) -> None:
+        """Hits counted in bulk, per_layer[l] of them in layer l, in this step's phase: accesses of experts that
+        are all resident and stay so (in place, one ggml graph a forward: no policy to tick, nothing to evict)."""
+        self.counts[precision][self.phase][:, COUNTERS.index("hits")] += np.asarray(per_layer, dtype=np.int64)
+
     def begin_request(self, name: str) -> None:
         for pol in self.policies.values():
             pol.on_request_start(name)

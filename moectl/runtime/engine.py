@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.cache_model import COUNTERS
 from ..errors import MoectlError
 from ..kernels import gemv
 from ..models import config_fingerprint
@@ -211,8 +210,7 @@ class Engine:
         # a step acquires each expert it routes once per layer (the module path's count)
         flat = (ids + torch.arange(L)[:, None] * E)[routed]
         distinct = (torch.bincount(flat, minlength=L * E).reshape(L, E) > 0).sum(1).numpy()    # [L]
-        state, pool = self.cache.state, self.cache.plan(0, 0, [])     # in place: one pool computes every expert
-        state.counts[pool][state.phase][:, COUNTERS.index("hits")] += distinct
+        self.cache.state.count_hits(distinct, self.cache.plan(0, 0, []))   # in place: one pool computes them all
         self.runtime.expert_calls += int(routed.sum())
         self.cache.end_token()
         return logits, kv
