@@ -8,11 +8,12 @@ and moectl's expert block: ~40 torch operations and 5 ggml calls a layer, each w
 or one decode token) is one call: embedding rows, attention with a KV cache held here, routing, the experts'
 mul_mat_id and the lm_head, in the file's own blocks.
 
-Which runs take it (`why_not`): a GGUF of the families whose graph is written (Mixtral as llama.cpp's `llama`,
-Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts, RoPE without YaRN), in place on the CPU
-with ggml, nothing that needs the module path: no gating policy (adaptive top-k), no low-bit copies, no draft,
-no replay, no observers (profile, predictors). Every other run keeps the module path, unchanged.
-`MOECTL_GGML_GRAPH=0` switches it off.
+Which runs take it (`why_not`, runtime/load.py: `one_graph`): the families whose graph is written (Mixtral as
+llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts, RoPE without YaRN), in
+place on the CPU with ggml, from a GGUF (`from_gguf`) or from a checkpoint with moectl's ggml copies
+(`from_modules`), and nothing that needs the module path: no gating or prefetch policy, no draft, no replay, no
+observers (profile, predictors). Every other run keeps the module path, unchanged. `MOECTL_GGML_GRAPH=0` switches
+it off.
 
 Legend: T = tokens, U = experts used a token, V = vocabulary, L = layers, C = KV capacity (positions), KV = KV
 heads x head dim.
@@ -29,13 +30,14 @@ import torch
 from ..errors import MoectlError
 from ..kernels import ggml
 
-FAMILIES = {"mixtral": dict(rope_mode=0, norm_topk=True, qk_norm_full=False),     # llama.cpp: LLAMA_ROPE_TYPE_NORM
-            "qwen3_moe": dict(rope_mode=2, norm_topk=True, qk_norm_full=False),   # NEOX, per-head q/k norm
-            "olmoe": dict(rope_mode=2, norm_topk=False, qk_norm_full=True)}       # NEOX, q/k norm over all heads
+ROPE_NORM, ROPE_NEOX = 0, 2                 # llama.cpp's LLAMA_ROPE_TYPE_NORM / _NEOX (ggml_rope_ext's mode)
+FAMILIES = {"mixtral": dict(rope_mode=ROPE_NORM, norm_topk=True, qk_norm_full=False),   # on the converter's Q/K rows
+            "qwen3_moe": dict(rope_mode=ROPE_NEOX, norm_topk=True, qk_norm_full=False),  # per-head q/k norm
+            "olmoe": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=True)}      # q/k norm over all heads
 
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "ffn_norm",
                 "router", "gate", "up", "down")
-# the GGUF tensor of each field (blk.N.<name>); None: required, else optional
+# the GGUF tensor of each field (blk.N.<name>); those in OPTIONAL may be absent
 LAYER_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                  "wv": "attn_v.weight", "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias",
                  "bv": "attn_v.bias", "bo": "attn_output.bias", "q_norm": "attn_q_norm.weight",
@@ -280,7 +282,6 @@ class GgmlModel:
         ggml blocks: `--dense-lowbit` through ggml) and the experts the cache computes in place as ggml stacks
         (moectl's `--format ggml-*` copies). The checkpoint's Q/K rows are transformers' order: NEOX RoPE (its
         rotate_half), every family. A str: why not (a module or expert kind the graph cannot read)."""
-        fam = FAMILIES[config.model_type]
         keep: list = []
         inner = model.model
         L = len(inner.layers)
@@ -315,7 +316,7 @@ class GgmlModel:
             dst.gate, dst.up, dst.down = got
         emb = inner.embed_tokens
         head = model.lm_head
-        m = _hyper(config, 2, int(emb.weight.shape[0]), int(layers[0].router.ne[1]))
+        m = _hyper(config, ROPE_NEOX, int(emb.weight.shape[0]), int(layers[0].router.ne[1]))
         m.tok_embd = _weight(emb.weight, keep)
         m.out_norm = f32(inner.norm.weight)
         out = _linear(head, keep)

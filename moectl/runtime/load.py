@@ -56,6 +56,8 @@ from ..store.memory import check_host_memory, host_alloc, host_need, release_fre
 from ..tables import plural
 from .cache import InPlaceExperts
 from .device_cache import DeviceCache
+from .ggml_model import GgmlModel, gguf_tensors_missing
+from .ggml_model import why_not as graph_why_not
 from .offloaded import OffloadedExperts, Runtime
 from .policy_objects import admission_gate, build_policies, placement
 from .worker import CpuWorker
@@ -211,11 +213,9 @@ def one_graph(hf, config, adapter, cache, opts: RuntimeOptions, runtime: Runtime
               experts_ggml: bool):
     """The run's whole forward as one ggml graph (ggml_model.py), or None with the reason in the load's note: a
     GGUF in place (its tensors where they lie) or a checkpoint whose experts are ggml copies computed in place."""
-    from .ggml_model import GgmlModel, gguf_tensors_missing, why_not
-
     if not experts_ggml or (adapter.gguf is not None and not mapped_dense):
         return None                                  # not ggml's run: nothing to say
-    why = why_not(config, opts, runtime.gating, prefetch)
+    why = graph_why_not(config, opts, runtime.gating, prefetch)
     if why is None and adapter.gguf is not None:
         why = gguf_tensors_missing(adapter.gguf.files, config.num_hidden_layers)
         graph = GgmlModel.from_gguf(adapter.gguf, config) if why is None else None
