@@ -150,6 +150,24 @@ def write_vocab(w: GGUFWriter, ckpt: Path, vocab_size: int) -> None:
     SpecialVocab(ckpt, load_merges=True, n_vocab=vocab_size).add_to_gguf(w, quiet=True)
 
 
+def k256_mixtral(root: Path, layers: int = 2, tied: bool = False) -> Path:
+    """A tiny Mixtral checkpoint (seed 0, with a tokenizer) whose rows are whole 256-weight K blocks, written to
+    root / "ckpt" in the released on-disk layout: the model the Q4_K_M-like GGUF fixtures quantize."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from model_factory import save_tokenizer
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=1,
+                        tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    ckpt = root / "ckpt"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(ckpt, save_original_format=True)
+    save_tokenizer(ckpt)
+    return ckpt
+
+
 def write_gguf(ckpt: Path, out: Path, expert_encoding=T.F32, dense_encoding: T = T.F32,
                per_expert: bool = False, split_max_tensors: int = 0, meta: dict | None = None,
                mla_split: bool = False) -> Path:

@@ -22,19 +22,10 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from moectl.kernels import ggml
+from test_ggml_kernels import lib  # noqa: F401  (autouse: ggml built here, or skip / fail as there)
 
 REPACKED = (T.Q4_0, T.Q4_K, T.IQ4_NL, T.MXFP4)        # what ggml repacks with AVX2 (8 rows interleaved)
 N, K = 64, 512
-
-
-@pytest.fixture(scope="module", autouse=True)
-def lib():
-    if ggml.library() is None:
-        why = ggml.why_not()
-        if "no cmake" in why or "no C/C++ compiler" in why:
-            pytest.skip(why)
-        pytest.fail(f"ggml could not be built or loaded: {why}")
-    return ggml.library()
 
 
 @pytest.fixture(autouse=True)
@@ -246,19 +237,10 @@ def test_a_range_that_goes_drops_its_copies():
 @pytest.fixture(scope="module")
 def q4_0_gguf(tmp_path_factory):
     """A tiny Mixtral whose dense matrices and experts are Q4_0 (every Linear's rows a multiple of 8)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
-    from gguf_build import write_gguf
-    from model_factory import save_tokenizer
+    from gguf_build import k256_mixtral, write_gguf
 
     root = tmp_path_factory.mktemp("repack")
-    cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "ckpt", save_original_format=True)
-    save_tokenizer(root / "ckpt")
-    return write_gguf(root / "ckpt", root / "tiny-Q4_0.gguf", dense_encoding=T.Q4_0, expert_encoding=T.Q4_0)
+    return write_gguf(k256_mixtral(root), root / "tiny-Q4_0.gguf", dense_encoding=T.Q4_0, expert_encoding=T.Q4_0)
 
 
 def test_a_gguf_in_place_gives_the_same_logits_repacked(q4_0_gguf, tmp_path, monkeypatch):

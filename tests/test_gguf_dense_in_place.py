@@ -17,8 +17,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
-from gguf_build import write_gguf
-from model_factory import save_tokenizer
+from gguf_build import k256_mixtral, write_gguf
 from moectl.models.dense_gguf import GgufEmbedding, GgufLinear, swap_in
 from moectl.runtime.engine import Engine
 from moectl.store.facts import dense_nbytes
@@ -91,18 +90,9 @@ def test_embedding_in_place_rows_are_the_dequantised_rows(enc):
 def q8_models(tmp_path_factory):
     """Mixtral-shaped (the `llama` architecture: Q/K rows permuted by the converter) with Q8_0 dense tensors, one
     with its own output.weight, one with the lm_head tied to the embedding (no output.weight in the file)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
     root, out = tmp_path_factory.mktemp("dense_in_place"), {}
     for tied in (False, True):
-        cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                            max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=1,
-                            tie_word_embeddings=tied)
-        torch.manual_seed(0)
-        ckpt = root / f"ckpt-{tied}"
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(ckpt, save_original_format=True)
-        save_tokenizer(ckpt)
+        ckpt = k256_mixtral(root / f"tied-{tied}", tied=tied)
         out[tied] = write_gguf(ckpt, root / f"tiny-{'tied' if tied else 'untied'}-Q8_0.gguf",
                                dense_encoding=T.Q8_0, expert_encoding=T.Q8_0)
     return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from gguf_build import model_from_gguf, write_gguf
+from gguf_build import k256_mixtral, model_from_gguf, write_gguf
 from model_factory import save_tokenizer
 from moectl.runtime.engine import Engine
 from moectl.store.facts import dense_nbytes, header_dense_nbytes
@@ -33,16 +33,8 @@ def f32(tiny_small, tmp_path_factory):
 def q4km(tmp_path_factory):
     """Mixtral with whole 256-weight K blocks: gate/up Q4_K, down Q6_K in layer 0 and Q4_K in layer 1 (llama.cpp's
     Q4_K_M gives some layers' down_proj more bits), dense Q8_0."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
     root = tmp_path_factory.mktemp("run_q4km")
-    cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "ckpt", save_original_format=True)
-    save_tokenizer(root / "ckpt")
-    return write_gguf(root / "ckpt", root / "tiny-Q4_K_M.gguf", dense_encoding=T.Q8_0,
+    return write_gguf(k256_mixtral(root), root / "tiny-Q4_K_M.gguf", dense_encoding=T.Q8_0,
                       expert_encoding=lambda layer, proj: T.Q6_K if (proj == "down" and layer == 0) else T.Q4_K)
 
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from gguf_build import write_gguf
-from model_factory import save_tokenizer
+from gguf_build import k256_mixtral, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 # a torch built for no GPU: transformers' model code leaves triton unimported too (hf_modeling.py)
@@ -52,16 +51,8 @@ print("RESULT " + json.dumps({"seen": seen, "tokens": len(out.token_ids), "exper
 @pytest.fixture(scope="module")
 def q4km(tmp_path_factory):
     """A Mixtral GGUF with K-quant experts and Q8_0 dense tensors (what a downloaded file holds)."""
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
     root = tmp_path_factory.mktemp("imports")
-    cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "ckpt", save_original_format=True)
-    save_tokenizer(root / "ckpt")
-    return write_gguf(root / "ckpt", root / "tiny-Q4_K_M.gguf", dense_encoding=T.Q8_0, expert_encoding=T.Q4_K)
+    return write_gguf(k256_mixtral(root), root / "tiny-Q4_K_M.gguf", dense_encoding=T.Q8_0, expert_encoding=T.Q4_K)
 
 
 def test_gguf_load_generate_inspect_import_no_hqq(q4km):

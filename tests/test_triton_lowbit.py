@@ -299,18 +299,10 @@ def test_hqq_slot_weights_are_the_kernels_when_flagged():
 @pytest.fixture(scope="module")
 def q4km_one_layer(tmp_path_factory):
     """One Mixtral layer of whole 256-weight K blocks as a Q4_K_M file holds it: gate / up Q4_K, down Q6_K."""
-    from gguf_build import write_gguf
-    from model_factory import save_tokenizer
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from gguf_build import k256_mixtral, write_gguf
 
     root = tmp_path_factory.mktemp("triton_q4km")
-    cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "ckpt", save_original_format=True)
-    save_tokenizer(root / "ckpt")
-    return write_gguf(root / "ckpt", root / "tiny-Q4_K_M.gguf", dense_encoding=GGMLQuantizationType.Q8_0,
+    return write_gguf(k256_mixtral(root, layers=1), root / "tiny-Q4_K_M.gguf", dense_encoding=GGMLQuantizationType.Q8_0,
                       expert_encoding=lambda layer, proj: GGMLQuantizationType.Q6_K if proj == "down"
                       else GGMLQuantizationType.Q4_K)
 
