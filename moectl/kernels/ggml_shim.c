@@ -639,16 +639,30 @@ typedef struct {
 
 typedef struct {
     mg_w attn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, ffn_norm, router, gate, up, down;
+    mg_w router_b;                 // F32 [E]: added to the router's logits (GPT-OSS's ffn_gate_inp.bias)
+    mg_w gate_b, up_b, down_b;     // F32 [I, E], [I, E], [H, E]: the experts' biases (GPT-OSS's ffn_*_exps.bias)
+    mg_w sinks;                    // F32 [NH]: per-head attention sink logits (GPT-OSS's attn_sinks)
 } mg_layer_w;
 
 typedef struct {
     int64_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab, n_expert, n_used, n_ctx;
     float eps, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
-    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full, pad;
+    float freq_base_swa;           // the sliding-window layers' RoPE base (llama.cpp's rope_freq_base_train_swa)
+    float act_alpha, act_limit;    // the experts' activation: alpha > 0 swiglu_oai(alpha, limit), else SiLU(gate) * up
+    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full;
+    int32_t gating;                // MG_GATING_SOFTMAX or MG_GATING_SOFTMAX_WEIGHT
+    int32_t n_swa;                 // the sliding window (positions a query sees, itself included) of the layers
+                                   // is_swa marks
+    int32_t pad;
     mg_w tok_embd, out_norm, output;
     const mg_layer_w *layers;
+    const uint8_t *is_swa;         // [n_layer]: 1 where the layer attends a sliding window; NULL: none
     float *k_cache, *v_cache;     // [n_layer, n_ctx, NKV * D] each, F32
 } mg_model_desc;
+
+// llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (softmax over all experts, then top-k of the probabilities)
+// and _SOFTMAX_WEIGHT (top-k of the logits, then softmax over the selected: GPT-OSS)
+enum { MG_GATING_SOFTMAX = 0, MG_GATING_SOFTMAX_WEIGHT = 1 };
 
 int mg_model_abi(void) { return (int)sizeof(mg_model_desc) * 1000 + (int)sizeof(mg_w); }
 
@@ -666,9 +680,53 @@ static struct ggml_tensor *linear(struct ggml_context *ctx, const mg_w *w, const
 }
 
 static struct ggml_tensor *rope(struct ggml_context *ctx, const mg_model_desc *m, struct ggml_tensor *x,
-                                struct ggml_tensor *pos) {
-    return ggml_rope_ext(ctx, x, pos, NULL, m->n_rot, m->rope_mode, m->n_ctx_orig, m->freq_base, m->freq_scale,
+                                struct ggml_tensor *pos, float freq_base) {
+    return ggml_rope_ext(ctx, x, pos, NULL, m->n_rot, m->rope_mode, m->n_ctx_orig, freq_base, m->freq_scale,
                          m->ext_factor, m->attn_factor, m->beta_fast, m->beta_slow);
+}
+
+// The first cache position a sliding-window layer's chunk of queries at pos.. can see: a query at p1 sees keys at
+// p0 with p1 - p0 < n_swa (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD); the earliest query is pos.
+static int64_t swa_start(const mg_model_desc *m, int64_t pos) {
+    return pos - m->n_swa + 1 > 0 ? pos - m->n_swa + 1 : 0;
+}
+
+// The sliding-window layers' mask [P - s0, T] (s0 = swa_start): 0 where query pos + t sees key s0 + j, -INF where
+// the key is in its future or n_swa or more positions back (as llama.cpp's kv cache fills kq_mask_swa).
+static float *swa_mask(const mg_model_desc *m, int64_t pos, int64_t T) {
+    const int64_t s0 = swa_start(m, pos), n = pos + T - s0;
+    float *mask = malloc(sizeof(float) * n * T);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t p0 = s0 + j, p1 = pos + t;
+            mask[t * n + j] = p0 > p1 || p1 - p0 >= m->n_swa ? -INFINITY : 0.0f;
+        }
+    return mask;
+}
+
+// One layer's attention of the T new queries Q [D, NH, T] over the cache's positions [0, P) of this layer (kc, vc:
+// [P, NKV * D] F32), causal within the new tokens; a sliding-window layer (mask: swa_mask's) over positions
+// [swa_start, P) only; `sinks` (F32 [NH] or NULL): each head's sink logit joins its softmax (llama.cpp's
+// ggml_soft_max_add_sinks) and takes its share of the weight, adding no value. -> [NH * D, T]
+static struct ggml_tensor *attention(struct ggml_context *ctx, const mg_model_desc *m, struct ggml_tensor *Q,
+                                     float *kc, float *vc, int64_t pos, int64_t T, struct ggml_tensor *mask,
+                                     struct ggml_tensor *sinks) {
+    const int64_t D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, KV = NKV * D;
+    const int64_t s0 = mask ? swa_start(m, pos) : 0, P = pos + T - s0;
+    // GQA by ggml's broadcast over the head axis (query head h reads KV head h / (NH / NKV), transformers'
+    // repeat_kv)
+    struct ggml_tensor *kall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, kc + s0 * KV);
+    struct ggml_tensor *vall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, vc + s0 * KV);
+    struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
+    struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
+    struct ggml_tensor *q = ggml_permute(ctx, Q, 0, 2, 1, 3);                            // [D, T, NH]
+    struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                                    // [P, T, NH]
+    if (T > 1 && !mask) kq = ggml_diag_mask_inf(ctx, kq, (int)pos);
+    kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f / sqrtf((float)D), 0.0f);
+    if (sinks) ggml_soft_max_add_sinks(kq, sinks);
+    struct ggml_tensor *vt = ggml_cont(ctx, ggml_transpose(ctx, v));                     // [P, D, NKV]
+    struct ggml_tensor *kqv = ggml_mul_mat(ctx, vt, kq);                                 // [D, T, NH]
+    return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), D * NH, T);            // [NH*D, T]
 }
 
 // tokens [T] int32 at positions pos.. -> logits [T or 1, V] (last_only: the last token's); ids_out (or NULL):
@@ -689,10 +747,9 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     struct ggml_context *ctx = ggml_init(ip);
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_tensors, false);
 
-    const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, P = pos + T;
+    const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv;
     const int64_t KV = NKV * D, U = m->n_used, E = m->n_expert;
-    const float scale = 1.0f / sqrtf((float)D);
-    const mg_act silu = {0, 0};                                 // the families here: SiLU(gate) * up
+    const mg_act act = {m->act_alpha, m->act_limit};            // SiLU(gate) * up, or GPT-OSS's swiglu_oai
 
     int32_t *posv = malloc(sizeof(int32_t) * T);
     for (int64_t t = 0; t < T; t++) posv[t] = (int32_t)(pos + t);
@@ -700,6 +757,12 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     struct ggml_tensor *inp_tok = ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens);
     int32_t last = (int32_t)(T - 1);
     struct ggml_tensor *inp_last = ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last);
+
+    float *swa_maskv = NULL;                                   // the sliding-window layers' mask, if any
+    for (int64_t il = 0; m->is_swa && il < m->n_layer && !swa_maskv; il++)
+        if (m->is_swa[il]) swa_maskv = swa_mask(m, pos, T);
+    struct ggml_tensor *kq_mask_swa = swa_maskv ? ext(ctx, GGML_TYPE_F32, pos + T - swa_start(m, pos), T, 1,
+                                                      swa_maskv) : NULL;
 
     struct ggml_tensor *inpL = ggml_get_rows(ctx, weight(ctx, &m->tok_embd), inp_tok);      // [H, T]
     int64_t Tn = T;                                                                          // rows still carried
@@ -719,27 +782,17 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
             Q = rms(ctx, Q, &L->q_norm, m->eps);
             K = rms(ctx, K, &L->k_norm, m->eps);
         }
-        Q = rope(ctx, m, Q, inp_pos);                                                       // [D, NH, T]
-        K = rope(ctx, m, K, inp_pos);                                                       // [D, NKV, T]
+        const int swa = m->is_swa && m->is_swa[il];
+        const float freq_base = swa ? m->freq_base_swa : m->freq_base;
+        Q = rope(ctx, m, Q, inp_pos, freq_base);                                            // [D, NH, T]
+        K = rope(ctx, m, K, inp_pos, freq_base);                                            // [D, NKV, T]
         // the new tokens' K and V into the cache (run before the attention reads it: graph order)
         float *kc = m->k_cache + il * m->n_ctx * KV, *vc = m->v_cache + il * m->n_ctx * KV;
         struct ggml_tensor *kdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, kc + pos * KV);
         struct ggml_tensor *vdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, vc + pos * KV);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, K, kdst));
         ggml_build_forward_expand(gf, ggml_cpy(ctx, V, vdst));
-        // attention over P positions; GQA by ggml's broadcast over the head axis (query head h reads KV head
-        // h / (NH / NKV), transformers' repeat_kv)
-        struct ggml_tensor *kall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, kc);
-        struct ggml_tensor *vall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, vc);
-        struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
-        struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
-        struct ggml_tensor *q = ggml_permute(ctx, Q, 0, 2, 1, 3);                            // [D, T, NH]
-        struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                                    // [P, T, NH]
-        if (T > 1) kq = ggml_diag_mask_inf(ctx, kq, (int)pos);
-        kq = ggml_soft_max_ext(ctx, kq, NULL, scale, 0.0f);
-        struct ggml_tensor *vt = ggml_cont(ctx, ggml_transpose(ctx, v));                     // [P, D, NKV]
-        struct ggml_tensor *kqv = ggml_mul_mat(ctx, vt, kq);                                 // [D, T, NH]
-        cur = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), D * NH, T);             // [NH*D, T]
+        cur = attention(ctx, m, Q, kc, vc, pos, T, swa ? kq_mask_swa : NULL, weight(ctx, &L->sinks));
         cur = linear(ctx, &L->wo, &L->bo, cur);                                              // [H, T]
         struct ggml_tensor *res = inpL;
         if (il == m->n_layer - 1 && last_only && T > 1) {          // the last layer's FFN: only the row kept
@@ -749,10 +802,14 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
         }
         struct ggml_tensor *ffn_inp = ggml_add(ctx, cur, res);
         cur = rms(ctx, ffn_inp, &L->ffn_norm, m->eps);                                      // [H, Tn]
-        // routing (llama.cpp's build_moe_ffn, softmax gating)
-        struct ggml_tensor *probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, weight(ctx, &L->router), cur));  // [E, Tn]
+        // routing (llama.cpp's build_moe_ffn): softmax gating picks the top-k probabilities; softmax_weight the
+        // top-k logits, then a softmax over the k selected
+        struct ggml_tensor *probs = linear(ctx, &L->router, &L->router_b, cur);              // [E, Tn] logits
+        if (m->gating == MG_GATING_SOFTMAX) probs = ggml_soft_max(ctx, probs);
         struct ggml_tensor *sel = ggml_argsort_top_k(ctx, probs, (int)U);                   // [U, Tn] int32
         struct ggml_tensor *wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, Tn), sel);   // [1, U, Tn]
+        if (m->gating == MG_GATING_SOFTMAX_WEIGHT)
+            wts = ggml_reshape_3d(ctx, ggml_soft_max(ctx, ggml_reshape_2d(ctx, wts, U, Tn)), 1, U, Tn);
         if (m->norm_topk) {
             struct ggml_tensor *w2 = ggml_reshape_2d(ctx, wts, U, Tn);
             w2 = ggml_div(ctx, w2, ggml_sum_rows(ctx, w2));
@@ -763,7 +820,8 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
             ggml_build_forward_expand(gf, ggml_cpy(ctx, sel, dst));
         }
         struct ggml_tensor *moe = experts_ffn(NULL, ctx, weight(ctx, &L->gate), weight(ctx, &L->up),
-                                              weight(ctx, &L->down), NULL, NULL, NULL, silu,
+                                              weight(ctx, &L->down), weight(ctx, &L->gate_b),
+                                              weight(ctx, &L->up_b), weight(ctx, &L->down_b), act,
                                               ggml_reshape_3d(ctx, cur, H, 1, Tn), sel, wts);   // [H, Tn]
         inpL = ggml_add(ctx, moe, ffn_inp);                                                 // [H, Tn]
     }
@@ -778,5 +836,6 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     if (rc == 0) compute(h, gf);
     ggml_free(ctx);
     free(posv);
+    free(swa_maskv);
     return rc;
 }

@@ -22,6 +22,7 @@ heads x head dim.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import numpy as np
@@ -31,19 +32,36 @@ from ..errors import MoectlError
 from ..kernels import ggml
 
 ROPE_NORM, ROPE_NEOX = 0, 2                 # llama.cpp's LLAMA_ROPE_TYPE_NORM / _NEOX (ggml_rope_ext's mode)
+GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT = 0, 1    # the shim's MG_GATING_*: llama.cpp's expert gating funcs
 FAMILIES = {"mixtral": dict(rope_mode=ROPE_NORM, norm_topk=True, qk_norm_full=False),   # on the converter's Q/K rows
             "qwen3_moe": dict(rope_mode=ROPE_NEOX, norm_topk=True, qk_norm_full=False),  # per-head q/k norm
-            "olmoe": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=True)}      # q/k norm over all heads
+            "olmoe": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=True),      # q/k norm over all heads
+            # llama.cpp's openai-moe: YaRN, sinks, sliding-window layers, biases, softmax_weight, swiglu_oai
+            "gpt_oss": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=False)}
+# GPT-OSS's swiglu_oai: alpha as llama.cpp's LLM_FFN_SWIGLU_OAI_MOE and transformers' GptOssExperts fix it; the
+# limit is the config's swiglu_limit (7.0 in both)
+OAI_ALPHA = 1.702
 
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "ffn_norm",
-                "router", "gate", "up", "down")
+                "router", "gate", "up", "down", "router_b", "gate_b", "up_b", "down_b", "sinks")
 # the GGUF tensor of each field (blk.N.<name>); those in OPTIONAL may be absent
 LAYER_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                  "wv": "attn_v.weight", "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias",
                  "bv": "attn_v.bias", "bo": "attn_output.bias", "q_norm": "attn_q_norm.weight",
                  "k_norm": "attn_k_norm.weight", "ffn_norm": "ffn_norm.weight", "router": "ffn_gate_inp.weight",
-                 "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
-OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm"}
+                 "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight",
+                 "router_b": "ffn_gate_inp.bias", "gate_b": "ffn_gate_exps.bias", "up_b": "ffn_up_exps.bias",
+                 "down_b": "ffn_down_exps.bias", "sinks": "attn_sinks.weight"}
+OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm", "router_b", "gate_b", "up_b", "down_b", "sinks"}
+# GPT-OSS: the norm before the MoE is `post_attention_norm` (llama.cpp's attn_post_norm), and every field it reads
+# is required (a file without its sinks or biases is not GPT-OSS's graph)
+FAMILY_TENSORS = {"gpt_oss": {"ffn_norm": "post_attention_norm.weight"}}
+FAMILY_REQUIRED = {"gpt_oss": {"bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b", "sinks"}}
+
+
+def layer_tensors(family: str) -> dict[str, str]:
+    """field -> the GGUF tensor (blk.N.<name>) of this family's layers."""
+    return LAYER_TENSORS | FAMILY_TENSORS.get(family, {})
 F32 = 0                                                     # GGML_TYPE_F32
 CHUNK = 512                                                 # tokens a graph takes at most (llama.cpp's ubatch)
 
@@ -61,11 +79,11 @@ class MgModel(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab",
                                                "n_expert", "n_used", "n_ctx")]
                 + [(n, ctypes.c_float) for n in ("eps", "freq_base", "freq_scale", "ext_factor", "attn_factor",
-                                                 "beta_fast", "beta_slow")]
+                                                 "beta_fast", "beta_slow", "freq_base_swa", "act_alpha", "act_limit")]
                 + [(n, ctypes.c_int32) for n in ("rope_mode", "n_rot", "n_ctx_orig", "norm_topk", "qk_norm_full",
-                                                 "pad")]
+                                                 "gating", "n_swa", "pad")]
                 + [("tok_embd", MgW), ("out_norm", MgW), ("output", MgW), ("layers", ctypes.POINTER(MgLayer)),
-                   ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)])
+                   ("is_swa", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)])
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -94,8 +112,13 @@ def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
     if family not in FAMILIES:
         return f"no one-graph forward for the {family} family yet"
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in ("default", "linear"):
+    if rope.get("rope_type", "default") not in ("default", "linear", "yarn"):
         return f"rope {rope.get('rope_type')} is not in the one-graph forward"
+    if rope.get("rope_type") == "yarn" and (rope.get("mscale") or rope.get("mscale_all_dim")):
+        return "YaRN with DeepSeek's mscale is not in the one-graph forward"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return f"attention {sorted(layer_types)} is not in the one-graph forward"
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) not in (1, None):
         return "dense (non-MoE) layers are not in the one-graph forward"
     if options is not None:
@@ -108,16 +131,18 @@ def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
     return None
 
 
-def gguf_tensors_missing(files, n_layer: int) -> str | None:
+def gguf_tensors_missing(files, n_layer: int, family: str | None = None) -> str | None:
     """A required tensor of the graph the file lacks (per-expert or fused tensors), or None."""
+    required = FAMILY_REQUIRED.get(family, set())
     for l in range(n_layer):
-        for field, name in LAYER_TENSORS.items():
-            if field not in OPTIONAL and f"blk.{l}.{name}" not in files:
+        for field, name in layer_tensors(family).items():
+            if (field not in OPTIONAL or field in required) and f"blk.{l}.{name}" not in files:
                 return f"blk.{l}.{name} is not in the file (per-expert or fused tensors)"
     return None
 
 
-SMALL = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo")     # handed over as fp32
+SMALL = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b",
+         "sinks")                                                                # handed over as fp32
 GGML_TYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
@@ -186,15 +211,41 @@ def _hyper(config, rope_mode: int, vocab: int, experts: int) -> MgModel:
     m.n_vocab, m.n_expert, m.n_used = vocab, experts, int(config.num_experts_per_tok)
     m.eps = float(config.rms_norm_eps)
     m.freq_base = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    m.freq_scale = 1.0 / float(rope["factor"]) if rope.get("rope_type") == "linear" else 1.0
+    m.freq_base_swa = m.freq_base
+    kind = rope.get("rope_type", "default")
+    m.freq_scale = 1.0 / float(rope["factor"]) if kind in ("linear", "yarn") else 1.0
+    # llama.cpp's hparams defaults: the betas are not read from the file for these architectures
     m.ext_factor, m.attn_factor, m.beta_fast, m.beta_slow = 0.0, 1.0, 32.0, 1.0
     m.rope_mode, m.n_rot = rope_mode, D
     m.n_ctx_orig = int(getattr(config, "max_position_embeddings", 4096))
+    if kind == "yarn":
+        # llama-context.cpp: ext_factor 1 for YaRN; attn_factor = mscale(factor) / (1 + 0.1 ln factor), which
+        # cancels ggml_rope's own (1 + 0.1 ln(1 / freq_scale)) so the net magnitude scale is mscale(factor)
+        factor = float(rope["factor"])
+        mscale = 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+        m.ext_factor = 1.0
+        m.attn_factor = mscale / (1.0 + 0.1 * math.log(factor))
+        m.n_ctx_orig = int(rope.get("original_max_position_embeddings") or m.n_ctx_orig)   # n_ctx_orig_yarn
+    m.gating = GATING_SOFTMAX_WEIGHT if config.model_type == "gpt_oss" else GATING_SOFTMAX
+    if config.model_type == "gpt_oss":
+        m.act_alpha, m.act_limit = OAI_ALPHA, float(getattr(config, "swiglu_limit", 7.0))
+    types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in types:
+        m.n_swa = int(config.sliding_window)
     # Mixtral always renormalises its top-k; Qwen3-MoE and OLMoE as their config says
     m.norm_topk = 1 if config.model_type == "mixtral" else int(bool(getattr(config, "norm_topk_prob",
                                                                              fam["norm_topk"])))
     m.qk_norm_full = int(fam["qk_norm_full"])
     return m
+
+
+def swa_layers(config) -> np.ndarray | None:
+    """uint8 [L]: 1 where the layer attends a sliding window (the config's layer_types: GPT-OSS's even layers, as
+    llama.cpp's swa pattern 2), or None where no layer does."""
+    types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" not in types:
+        return None
+    return np.array([t == "sliding_attention" for t in types], dtype=np.uint8)
 
 
 class GraphKV:
@@ -233,8 +284,12 @@ class GgmlModel:
     Made by `from_gguf` (a GGUF's tensors where they lie in the mapped file) or `from_modules` (a checkpoint's
     loaded modules and expert copies in ggml blocks)."""
 
-    def __init__(self, desc: MgModel, layers, keep: list):
+    def __init__(self, desc: MgModel, layers, keep: list, config=None):
         self.lib = _declare(ggml.require())
+        swa = swa_layers(config) if config is not None else None
+        if swa is not None:
+            keep.append(swa)
+            desc.is_swa = swa.ctypes.data
         self.desc, self.layers, self._keep = desc, layers, keep     # keep: what the descriptors point at
         self.n_layer, self.V, self.U, self.n_expert = desc.n_layer, desc.n_vocab, desc.n_used, desc.n_expert
         self.KV = desc.n_head_kv * desc.head_dim
@@ -261,20 +316,23 @@ class GgmlModel:
 
         L = int(config.num_hidden_layers)
         layers = (MgLayer * L)()
+        names = layer_tensors(config.model_type)
         for l in range(L):
             for field in LAYER_FIELDS:
-                name = f"blk.{l}.{LAYER_TENSORS[field]}"
+                name = f"blk.{l}.{names[field]}"
                 if name in files:
                     setattr(layers[l], field, w(name, f32=field in SMALL))
         m = _hyper(config, fam["rope_mode"], int(files.entry("token_embd.weight").shape[0]),
                    int(files.entry("blk.0.ffn_gate_inp.weight").shape[0]))
         m.n_rot = int(files.get("{arch}.rope.dimension_count", m.head_dim))
+        m.freq_base_swa = float(files.get("{arch}.rope.freq_base_swa", m.freq_base))
+        m.attn_factor *= float(files.get("{arch}.rope.scaling.attn_factor", 1.0))   # hparams.rope_attn_factor
         m.tok_embd = w("token_embd.weight")
         m.out_norm = w("output_norm.weight", f32=True)
         if "output.weight" in files:
             m.output = w("output.weight")
         m.layers = layers
-        return cls(m, layers, keep)
+        return cls(m, layers, keep, config)
 
     @classmethod
     def from_modules(cls, model, config, cache) -> "GgmlModel | str":
@@ -282,6 +340,8 @@ class GgmlModel:
         ggml blocks: `--dense-lowbit` through ggml) and the experts the cache computes in place as ggml stacks
         (moectl's `--format ggml-*` copies). The checkpoint's Q/K rows are transformers' order: NEOX RoPE (its
         rotate_half), every family. A str: why not (a module or expert kind the graph cannot read)."""
+        if config.model_type == "gpt_oss":
+            return "GPT-OSS's graph reads a GGUF's tensors (sinks, biases), not a checkpoint's modules"
         keep: list = []
         inner = model.model
         L = len(inner.layers)
@@ -324,7 +384,7 @@ class GgmlModel:
             return f"lm_head: {out}"
         m.output = out
         m.layers = layers
-        return cls(m, layers, keep)
+        return cls(m, layers, keep, config)
 
     def new_kv(self, capacity: int = 256) -> GraphKV:
         return GraphKV(self.n_layer, self.KV, capacity)

@@ -217,7 +217,7 @@ def one_graph(hf, config, adapter, cache, opts: RuntimeOptions, runtime: Runtime
         return None                                  # not ggml's run: nothing to say
     why = graph_why_not(config, opts, runtime.gating, prefetch)
     if why is None and adapter.gguf is not None:
-        why = gguf_tensors_missing(adapter.gguf.files, config.num_hidden_layers)
+        why = gguf_tensors_missing(adapter.gguf.files, config.num_hidden_layers, config.model_type)
         graph = GgmlModel.from_gguf(adapter.gguf, config) if why is None else None
     elif why is None:
         graph = GgmlModel.from_modules(hf, config, cache)
