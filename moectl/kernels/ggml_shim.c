@@ -617,11 +617,12 @@ int mg_vec_dot_type(int type) { return ggml_get_type_traits_cpu(type)->vec_dot_t
 
 // --- a whole model's forward in one graph (moectl/runtime/ggml_model.py) -----------------------------------------
 //
-// llama.cpp's own graph for its llama (Mixtral), qwen3moe and olmoe architectures (src/models/*.cpp): embedding
-// rows, then per layer RMS norm, Q/K/V (+ biases, + Qwen3's per-head / OLMoE's full-width q/k norms), RoPE, the KV
-// cache written at `pos`, attention over positions [0, pos + T) (causal within the T new tokens), the output
-// projection, RMS norm, router softmax, top-k (renormalised where the family does), the experts' mul_mat_id, and
-// the final norm and lm_head. One call per forward: the weights stay where they lie (the mapped file), the
+// llama.cpp's own graph for its llama (Mixtral), qwen3moe, olmoe and gpt-oss (openai-moe) architectures
+// (src/models/*.cpp): embedding rows, then per layer RMS norm, Q/K/V (+ biases, + Qwen3's per-head / OLMoE's
+// full-width q/k norms), RoPE (YaRN where ext_factor says), the KV cache written at `pos`, attention over positions
+// [0, pos + T) (causal within the T new tokens; a sliding-window layer's last n_swa only; GPT-OSS's sinks), the
+// output projection, RMS norm, the router (+ bias) with softmax or softmax_weight gating, top-k (renormalised where
+// the family does), the experts' mul_mat_id (+ biases, SiLU or swiglu_oai), and the final norm and lm_head. One call per forward: the weights stay where they lie (the mapped file), the
 // intermediates get ggml-alloc's reused memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a
 // layer in Python and torch between ggml calls (docs/gguf.md), which llama.cpp does not.
 //

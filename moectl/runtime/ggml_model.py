@@ -9,9 +9,10 @@ or one decode token) is one call: embedding rows, attention with a KV cache held
 mul_mat_id and the lm_head, in the file's own blocks.
 
 Which runs take it (`why_not`, runtime/load.py: `one_graph`): the families whose graph is written (Mixtral as
-llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts, RoPE without YaRN), in
-place on the CPU with ggml, from a GGUF (`from_gguf`) or from a checkpoint with moectl's ggml copies
-(`from_modules`), and nothing that needs the module path: no gating or prefetch policy, no draft, no replay, no
+llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts; GPT-OSS as its
+`gpt-oss`: attention sinks, sliding-window layers, YaRN, biases, softmax_weight routing, swiglu_oai), in place on the
+CPU with ggml, from a GGUF (`from_gguf`) or from a checkpoint with moectl's ggml copies (`from_modules`; not
+GPT-OSS), and nothing that needs the module path: no gating or prefetch policy, no draft, no replay, no
 observers (profile, predictors). Every other run keeps the module path, unchanged. `MOECTL_GGML_GRAPH=0` switches
 it off.
 
