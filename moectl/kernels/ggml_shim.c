@@ -644,10 +644,10 @@ typedef struct {
 typedef struct {
     int64_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab, n_expert, n_used, n_ctx;
     float eps, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
-    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full, pad;
+    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full, kv_type;   // kv_type: GGML_TYPE_F16 or F32
     mg_w tok_embd, out_norm, output;
     const mg_layer_w *layers;
-    float *k_cache, *v_cache;     // [n_layer, n_ctx, NKV * D] each, F32
+    char *k_cache, *v_cache;      // [n_layer, n_ctx, NKV * D] each, of kv_type (F16: llama.cpp's default cache type)
 } mg_model_desc;
 
 int mg_model_abi(void) { return (int)sizeof(mg_model_desc) * 1000 + (int)sizeof(mg_w); }
@@ -676,7 +676,7 @@ static struct ggml_tensor *rope(struct ggml_context *ctx, const mg_model_desc *m
 int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64_t T, int64_t pos,
                   int32_t last_only, float *logits, int32_t *ids_out) {
     mg_handle *h = hp;
-    if (pos + T > m->n_ctx || T < 1) return -1;
+    if (pos + T > m->n_ctx || T < 1 || (m->kv_type != GGML_TYPE_F16 && m->kv_type != GGML_TYPE_F32)) return -1;
     size_t n_tensors = (size_t)m->n_layer * 96 + 256;
     size_t need = ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 4096;
     if (need > h->model_meta_size) {
@@ -692,6 +692,8 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, P = pos + T;
     const int64_t KV = NKV * D, U = m->n_used, E = m->n_expert;
     const float scale = 1.0f / sqrtf((float)D);
+    const enum ggml_type kvt = (enum ggml_type)m->kv_type;
+    const size_t es = ggml_type_size(kvt);                      // bytes an element of the cache
     const mg_act silu = {0, 0};                                 // the families here: SiLU(gate) * up
 
     int32_t *posv = malloc(sizeof(int32_t) * T);
@@ -700,6 +702,17 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     struct ggml_tensor *inp_tok = ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens);
     int32_t last = (int32_t)(T - 1);
     struct ggml_tensor *inp_last = ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last);
+    // causal mask of the new tokens [P, T] F16 (flash attention's type): token t sees positions <= pos + t;
+    // a decode step (T = 1) sees every position, no mask
+    ggml_fp16_t *maskv = NULL;
+    struct ggml_tensor *kq_mask = NULL;
+    if (T > 1) {
+        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+        maskv = malloc(sizeof(ggml_fp16_t) * (size_t)(pos + T) * (size_t)T);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t p = 0; p < pos + T; p++) maskv[t * (pos + T) + p] = p <= pos + t ? zero : ninf;
+        kq_mask = ext(ctx, GGML_TYPE_F16, pos + T, T, 1, maskv);
+    }
 
     struct ggml_tensor *inpL = ggml_get_rows(ctx, weight(ctx, &m->tok_embd), inp_tok);      // [H, T]
     int64_t Tn = T;                                                                          // rows still carried
@@ -721,25 +734,24 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
         }
         Q = rope(ctx, m, Q, inp_pos);                                                       // [D, NH, T]
         K = rope(ctx, m, K, inp_pos);                                                       // [D, NKV, T]
-        // the new tokens' K and V into the cache (run before the attention reads it: graph order)
-        float *kc = m->k_cache + il * m->n_ctx * KV, *vc = m->v_cache + il * m->n_ctx * KV;
-        struct ggml_tensor *kdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, kc + pos * KV);
-        struct ggml_tensor *vdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, vc + pos * KV);
+        // the new tokens' K and V into the cache, converted to f16 (run before the attention reads it: graph order)
+        char *kc = m->k_cache + il * m->n_ctx * KV * es, *vc = m->v_cache + il * m->n_ctx * KV * es;
+        struct ggml_tensor *kdst = ext(ctx, kvt, KV * T, 1, 1, kc + pos * KV * es);
+        struct ggml_tensor *vdst = ext(ctx, kvt, KV * T, 1, 1, vc + pos * KV * es);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, K, kdst));
         ggml_build_forward_expand(gf, ggml_cpy(ctx, V, vdst));
-        // attention over P positions; GQA by ggml's broadcast over the head axis (query head h reads KV head
-        // h / (NH / NKV), transformers' repeat_kv)
-        struct ggml_tensor *kall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, kc);
-        struct ggml_tensor *vall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, vc);
-        struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
-        struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
+        // flash attention over P positions, as llama.cpp's default on the CPU (build_attn_mha): K and V read
+        // where they lie in the cache, V not transposed (the non-FA form's transposed copy of V cost ~1.5 ms a
+        // token at a few hundred positions: ggml copies it element by element); GQA by ggml's broadcast over the
+        // head axis (query head h reads KV head h / (NH / NKV), transformers' repeat_kv)
+        struct ggml_tensor *kall = ext(ctx, kvt, KV * P, 1, 1, kc);
+        struct ggml_tensor *vall = ext(ctx, kvt, KV * P, 1, 1, vc);
+        struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * es, D * es, 0);      // [D, P, NKV]
+        struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * es, D * es, 0);      // [D, P, NKV]
         struct ggml_tensor *q = ggml_permute(ctx, Q, 0, 2, 1, 3);                            // [D, T, NH]
-        struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                                    // [P, T, NH]
-        if (T > 1) kq = ggml_diag_mask_inf(ctx, kq, (int)pos);
-        kq = ggml_soft_max_ext(ctx, kq, NULL, scale, 0.0f);
-        struct ggml_tensor *vt = ggml_cont(ctx, ggml_transpose(ctx, v));                     // [P, D, NKV]
-        struct ggml_tensor *kqv = ggml_mul_mat(ctx, vt, kq);                                 // [D, T, NH]
-        cur = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), D * NH, T);             // [NH*D, T]
+        struct ggml_tensor *att = ggml_flash_attn_ext(ctx, q, k, v, kq_mask, scale, 0.0f, 0.0f);  // [D, NH, T]
+        ggml_prec_set_acc(att, GGML_PREC_F32);
+        cur = ggml_reshape_2d(ctx, att, D * NH, T);                                         // [NH*D, T]
         cur = linear(ctx, &L->wo, &L->bo, cur);                                              // [H, T]
         struct ggml_tensor *res = inpL;
         if (il == m->n_layer - 1 && last_only && T > 1) {          // the last layer's FFN: only the row kept
@@ -778,5 +790,6 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     if (rc == 0) compute(h, gf);
     ggml_free(ctx);
     free(posv);
+    free(maskv);
     return rc;
 }
