@@ -62,11 +62,14 @@ def test_f32_graph_equals_the_original(family_files, tmp_path, monkeypatch):
 
 def test_quantized_graph_equals_the_module_path(family_files, tmp_path, monkeypatch):
     """Q8_0 dense, Q4_0 experts: the same greedy tokens as the module path (MOECTL_GGML_GRAPH=0: the same ggml
-    products, one at a time), logits within ggml's activation rounding."""
+    products, one at a time, attention in fp32), logits within ggml's activation rounding. The graph's cache is
+    fp16 on such a file (llama.cpp's default); here fp32, as the module path's, so only the products differ."""
     ggml_or_skip()
     family, _, _, q = family_files
     eng = _load(q, tmp_path / "g")
     assert eng.graph is not None and "one ggml graph" in eng.plan_note
+    assert eng.graph.kv_dtype == torch.float16
+    eng.graph.kv_dtype = torch.float32
     logits, got = _engine_run(eng, PROMPT, STEPS)
     monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
     mod = _load(q, tmp_path / "m")
@@ -75,6 +78,32 @@ def test_quantized_graph_equals_the_module_path(family_files, tmp_path, monkeypa
     assert got == want
     scale = max(b.abs().max().item() for b in want_logits)
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= GGML_LOGITS_RTOL * scale
+
+
+def test_fp16_cache_is_llamacpps_default_within_its_rounding(family_files, tmp_path):
+    """A quantized file's cache is fp16 (llama.cpp's default, read by flash attention), an F32 file's fp32; the
+    fp16 cache's logits are the fp32 cache's within fp16's rounding of K and V (~1e-3 relative), prefill and
+    decode, and a cache of the other dtype is refused."""
+    ggml_or_skip()
+    _, _, f32, q = family_files
+    assert _load(f32, tmp_path / "f").graph.kv_dtype == torch.float32
+    g = _load(q, tmp_path / "q").graph
+    ids = torch.tensor([[5, 17, 42, 9, 100, 7, 3, 64, 11, 2]])
+    runs = {}
+    for dtype in (torch.float16, torch.float32):
+        g.kv_dtype = dtype
+        pre, kv = g.forward(ids[:, :6])
+        assert kv.k.dtype == dtype
+        steps = [g.forward(ids[:, t:t + 1], kv)[0] for t in range(6, 10)]
+        runs[dtype] = torch.cat([pre, *steps], dim=1)                  # [1, 10, V]
+    a, b = runs[torch.float16], runs[torch.float32]
+    scale = b.abs().max().item()
+    err = (a - b).abs().max().item()
+    assert 0 < err <= 2e-2 * scale, (err, scale)       # not the same cache, and fp16's rounding only
+    with pytest.raises(ValueError, match="KV cache"):
+        g.forward(ids[:, :1], GraphKV(g.n_layer, g.KV, 4, torch.float16))
+    with pytest.raises(ValueError, match="fp16 or fp32"):
+        g.kv_dtype = torch.bfloat16
 
 
 def test_prefill_equals_token_by_token_and_the_cache_grows(family_files, tmp_path, monkeypatch):

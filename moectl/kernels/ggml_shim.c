@@ -650,15 +650,14 @@ typedef struct {
     float eps, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
     float freq_base_swa;           // the sliding-window layers' RoPE base (llama.cpp's rope_freq_base_train_swa)
     float act_alpha, act_limit;    // the experts' activation: alpha > 0 swiglu_oai(alpha, limit), else SiLU(gate) * up
-    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full;
+    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full, kv_type;   // kv_type: GGML_TYPE_F16 or F32
     int32_t gating;                // MG_GATING_SOFTMAX or MG_GATING_SOFTMAX_WEIGHT
     int32_t n_swa;                 // the sliding window (positions a query sees, itself included) of the layers
                                    // is_swa marks
-    int32_t pad;
     mg_w tok_embd, out_norm, output;
     const mg_layer_w *layers;
     const uint8_t *is_swa;         // [n_layer]: 1 where the layer attends a sliding window; NULL: none
-    float *k_cache, *v_cache;     // [n_layer, n_ctx, NKV * D] each, F32
+    char *k_cache, *v_cache;      // [n_layer, n_ctx, NKV * D] each, of kv_type (F16: llama.cpp's default cache type)
 } mg_model_desc;
 
 // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (softmax over all experts, then top-k of the probabilities)
@@ -692,42 +691,43 @@ static int64_t swa_start(const mg_model_desc *m, int64_t pos) {
     return pos - m->n_swa + 1 > 0 ? pos - m->n_swa + 1 : 0;
 }
 
-// The sliding-window layers' mask [P - s0, T] (s0 = swa_start): 0 where query pos + t sees key s0 + j, -INF where
-// the key is in its future or n_swa or more positions back (as llama.cpp's kv cache fills kq_mask_swa).
-static float *swa_mask(const mg_model_desc *m, int64_t pos, int64_t T) {
+// The sliding-window layers' mask [P - s0, T] F16 (s0 = swa_start): 0 where query pos + t sees key s0 + j, -INF
+// where the key is in its future or n_swa or more positions back (as llama.cpp's kv cache fills kq_mask_swa).
+static ggml_fp16_t *swa_mask(const mg_model_desc *m, int64_t pos, int64_t T) {
     const int64_t s0 = swa_start(m, pos), n = pos + T - s0;
-    float *mask = malloc(sizeof(float) * n * T);
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    ggml_fp16_t *mask = malloc(sizeof(ggml_fp16_t) * (size_t)n * (size_t)T);
     for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < n; j++) {
             const int64_t p0 = s0 + j, p1 = pos + t;
-            mask[t * n + j] = p0 > p1 || p1 - p0 >= m->n_swa ? -INFINITY : 0.0f;
+            mask[t * n + j] = p0 > p1 || p1 - p0 >= m->n_swa ? ninf : zero;
         }
     return mask;
 }
 
-// One layer's attention of the T new queries Q [D, NH, T] over the cache's positions [0, P) of this layer (kc, vc:
-// [P, NKV * D] F32), causal within the new tokens; a sliding-window layer (mask: swa_mask's) over positions
-// [swa_start, P) only; `sinks` (F32 [NH] or NULL): each head's sink logit joins its softmax (llama.cpp's
-// ggml_soft_max_add_sinks) and takes its share of the weight, adding no value. -> [NH * D, T]
+// One layer's attention of the T new queries Q [D, NH, T] over this layer's cache positions [s0, pos + T) (kc, vc:
+// [n_ctx, NKV * D] of kv_type): flash attention, as llama.cpp's default on the CPU (build_attn_mha), K and V read
+// where they lie in the cache, V not transposed (the non-FA form's transposed copy of V cost ~1.5 ms a token at a
+// few hundred positions: ggml copies it element by element); GQA by ggml's broadcast over the head axis (query
+// head h reads KV head h / (NH / NKV), transformers' repeat_kv). `mask` [pos + T - s0, T] F16 (-INF: not seen) or
+// NULL (a decode step sees every position from s0); s0 > 0: a sliding-window layer's first visible position.
+// `sinks` (F32 [NH] or NULL): each head's sink logit joins its softmax (ggml_flash_attn_ext_add_sinks), taking its
+// share of the weight and adding no value. -> [NH * D, T]
 static struct ggml_tensor *attention(struct ggml_context *ctx, const mg_model_desc *m, struct ggml_tensor *Q,
-                                     float *kc, float *vc, int64_t pos, int64_t T, struct ggml_tensor *mask,
-                                     struct ggml_tensor *sinks) {
-    const int64_t D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, KV = NKV * D;
-    const int64_t s0 = mask ? swa_start(m, pos) : 0, P = pos + T - s0;
-    // GQA by ggml's broadcast over the head axis (query head h reads KV head h / (NH / NKV), transformers'
-    // repeat_kv)
-    struct ggml_tensor *kall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, kc + s0 * KV);
-    struct ggml_tensor *vall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, vc + s0 * KV);
-    struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
-    struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
+                                     char *kc, char *vc, int64_t s0, int64_t pos, int64_t T,
+                                     struct ggml_tensor *mask, struct ggml_tensor *sinks) {
+    const int64_t D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, KV = NKV * D, P = pos + T - s0;
+    const enum ggml_type kvt = (enum ggml_type)m->kv_type;
+    const size_t es = ggml_type_size(kvt);
+    struct ggml_tensor *kall = ext(ctx, kvt, KV * P, 1, 1, kc + s0 * KV * es);
+    struct ggml_tensor *vall = ext(ctx, kvt, KV * P, 1, 1, vc + s0 * KV * es);
+    struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * es, D * es, 0);      // [D, P, NKV]
+    struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * es, D * es, 0);      // [D, P, NKV]
     struct ggml_tensor *q = ggml_permute(ctx, Q, 0, 2, 1, 3);                            // [D, T, NH]
-    struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                                    // [P, T, NH]
-    if (T > 1 && !mask) kq = ggml_diag_mask_inf(ctx, kq, (int)pos);
-    kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f / sqrtf((float)D), 0.0f);
-    if (sinks) ggml_soft_max_add_sinks(kq, sinks);
-    struct ggml_tensor *vt = ggml_cont(ctx, ggml_transpose(ctx, v));                     // [P, D, NKV]
-    struct ggml_tensor *kqv = ggml_mul_mat(ctx, vt, kq);                                 // [D, T, NH]
-    return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), D * NH, T);            // [NH*D, T]
+    struct ggml_tensor *att = ggml_flash_attn_ext(ctx, q, k, v, mask, 1.0f / sqrtf((float)D), 0.0f, 0.0f);
+    ggml_flash_attn_ext_add_sinks(att, sinks);                                           // [D, NH, T]
+    ggml_prec_set_acc(att, GGML_PREC_F32);
+    return ggml_reshape_2d(ctx, att, D * NH, T);                                        // [NH*D, T]
 }
 
 // tokens [T] int32 at positions pos.. -> logits [T or 1, V] (last_only: the last token's); ids_out (or NULL):
@@ -735,7 +735,7 @@ static struct ggml_tensor *attention(struct ggml_context *ctx, const mg_model_de
 int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64_t T, int64_t pos,
                   int32_t last_only, float *logits, int32_t *ids_out) {
     mg_handle *h = hp;
-    if (pos + T > m->n_ctx || T < 1) return -1;
+    if (pos + T > m->n_ctx || T < 1 || (m->kv_type != GGML_TYPE_F16 && m->kv_type != GGML_TYPE_F32)) return -1;
     size_t n_tensors = (size_t)m->n_layer * 96 + 256;
     size_t need = ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 4096;
     if (need > h->model_meta_size) {
@@ -750,6 +750,8 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
 
     const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv;
     const int64_t KV = NKV * D, U = m->n_used, E = m->n_expert;
+    const enum ggml_type kvt = (enum ggml_type)m->kv_type;
+    const size_t es = ggml_type_size(kvt);                      // bytes an element of the cache
     const mg_act act = {m->act_alpha, m->act_limit};            // SiLU(gate) * up, or GPT-OSS's swiglu_oai
 
     int32_t *posv = malloc(sizeof(int32_t) * T);
@@ -758,11 +760,24 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     struct ggml_tensor *inp_tok = ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens);
     int32_t last = (int32_t)(T - 1);
     struct ggml_tensor *inp_last = ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last);
+    // causal mask of the new tokens [P, T] F16 (flash attention's type): token t sees positions <= pos + t;
+    // a decode step (T = 1) sees every position, no mask
+    ggml_fp16_t *maskv = NULL;
+    struct ggml_tensor *kq_mask = NULL;
+    if (T > 1) {
+        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+        maskv = malloc(sizeof(ggml_fp16_t) * (size_t)(pos + T) * (size_t)T);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t p = 0; p < pos + T; p++) maskv[t * (pos + T) + p] = p <= pos + t ? zero : ninf;
+        kq_mask = ext(ctx, GGML_TYPE_F16, pos + T, T, 1, maskv);
+    }
 
-    float *swa_maskv = NULL;                                   // the sliding-window layers' mask, if any
-    for (int64_t il = 0; m->is_swa && il < m->n_layer && !swa_maskv; il++)
+    // the sliding-window layers' mask over [swa_start, pos + T), if a layer is one (a decode step: none, the
+    // window is the cache view's start)
+    ggml_fp16_t *swa_maskv = NULL;
+    for (int64_t il = 0; T > 1 && m->is_swa && il < m->n_layer && !swa_maskv; il++)
         if (m->is_swa[il]) swa_maskv = swa_mask(m, pos, T);
-    struct ggml_tensor *kq_mask_swa = swa_maskv ? ext(ctx, GGML_TYPE_F32, pos + T - swa_start(m, pos), T, 1,
+    struct ggml_tensor *kq_mask_swa = swa_maskv ? ext(ctx, GGML_TYPE_F16, pos + T - swa_start(m, pos), T, 1,
                                                       swa_maskv) : NULL;
 
     struct ggml_tensor *inpL = ggml_get_rows(ctx, weight(ctx, &m->tok_embd), inp_tok);      // [H, T]
@@ -787,13 +802,14 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
         const float freq_base = swa ? m->freq_base_swa : m->freq_base;
         Q = rope(ctx, m, Q, inp_pos, freq_base);                                            // [D, NH, T]
         K = rope(ctx, m, K, inp_pos, freq_base);                                            // [D, NKV, T]
-        // the new tokens' K and V into the cache (run before the attention reads it: graph order)
-        float *kc = m->k_cache + il * m->n_ctx * KV, *vc = m->v_cache + il * m->n_ctx * KV;
-        struct ggml_tensor *kdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, kc + pos * KV);
-        struct ggml_tensor *vdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, vc + pos * KV);
+        // the new tokens' K and V into the cache, converted to f16 (run before the attention reads it: graph order)
+        char *kc = m->k_cache + il * m->n_ctx * KV * es, *vc = m->v_cache + il * m->n_ctx * KV * es;
+        struct ggml_tensor *kdst = ext(ctx, kvt, KV * T, 1, 1, kc + pos * KV * es);
+        struct ggml_tensor *vdst = ext(ctx, kvt, KV * T, 1, 1, vc + pos * KV * es);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, K, kdst));
         ggml_build_forward_expand(gf, ggml_cpy(ctx, V, vdst));
-        cur = attention(ctx, m, Q, kc, vc, pos, T, swa ? kq_mask_swa : NULL, weight(ctx, &L->sinks));
+        cur = swa ? attention(ctx, m, Q, kc, vc, swa_start(m, pos), pos, T, kq_mask_swa, weight(ctx, &L->sinks))
+                  : attention(ctx, m, Q, kc, vc, 0, pos, T, kq_mask, weight(ctx, &L->sinks));  // [NH*D, T]
         cur = linear(ctx, &L->wo, &L->bo, cur);                                              // [H, T]
         struct ggml_tensor *res = inpL;
         if (il == m->n_layer - 1 && last_only && T > 1) {          // the last layer's FFN: only the row kept
@@ -837,6 +853,7 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     if (rc == 0) compute(h, gf);
     ggml_free(ctx);
     free(posv);
+    free(maskv);
     free(swa_maskv);
     return rc;
 }

@@ -5,8 +5,8 @@ Why: in place on the CPU, every matrix was already ggml's, but a token still wen
 and moectl's expert block: ~40 torch operations and 5 ggml calls a layer, each waking ggml's threadpool. On a
 2-layer Qwen3-shaped Q8_0 file that was 6.4 ms of a 31 ms token (docs/gguf.md), and it grows with the layer count
 (48 layers: ~150 ms a token) where llama.cpp's one graph a token has none of it. Here a forward (a prompt's prefill,
-or one decode token) is one call: embedding rows, attention with a KV cache held here, routing, the experts'
-mul_mat_id and the lm_head, in the file's own blocks.
+or one decode token) is one call: embedding rows, flash attention over an f16 KV cache held here (llama.cpp's CPU
+default), routing, the experts' mul_mat_id and the lm_head, in the file's own blocks.
 
 Which runs take it (`why_not`, runtime/load.py: `one_graph`): the families whose graph is written (Mixtral as
 llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts; GPT-OSS as its
@@ -82,7 +82,7 @@ class MgModel(ctypes.Structure):
                 + [(n, ctypes.c_float) for n in ("eps", "freq_base", "freq_scale", "ext_factor", "attn_factor",
                                                  "beta_fast", "beta_slow", "freq_base_swa", "act_alpha", "act_limit")]
                 + [(n, ctypes.c_int32) for n in ("rope_mode", "n_rot", "n_ctx_orig", "norm_topk", "qk_norm_full",
-                                                 "gating", "n_swa", "pad")]
+                                                 "kv_type", "gating", "n_swa")]
                 + [("tok_embd", MgW), ("out_norm", MgW), ("output", MgW), ("layers", ctypes.POINTER(MgLayer)),
                    ("is_swa", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)])
 
@@ -250,11 +250,13 @@ def swa_layers(config) -> np.ndarray | None:
 
 
 class GraphKV:
-    """The KV cache of one sequence in the one-graph forward: K and V [L, C, KV] fp32, `pos` positions filled."""
+    """The KV cache of one sequence in the one-graph forward: K and V [L, C, KV] of `dtype`, `pos` positions
+    filled. fp16 is llama.cpp's default cache type (its flash attention reads it); fp32 keeps an fp32 model's
+    forward lossless (GgmlModel.kv_dtype)."""
 
-    def __init__(self, layers: int, kv: int, capacity: int):
-        self.k = torch.zeros(layers, capacity, kv)
-        self.v = torch.zeros(layers, capacity, kv)
+    def __init__(self, layers: int, kv: int, capacity: int, dtype: torch.dtype = torch.float16):
+        self.k = torch.zeros(layers, capacity, kv, dtype=dtype)
+        self.v = torch.zeros(layers, capacity, kv, dtype=dtype)
         self.pos = 0
 
     @property
@@ -268,7 +270,7 @@ class GraphKV:
         cap = max(n, 2 * self.capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = torch.zeros(old.shape[0], cap, old.shape[2])
+            new = torch.zeros(old.shape[0], cap, old.shape[2], dtype=old.dtype)
             new[:, :self.pos] = old[:, :self.pos]
             setattr(self, name, new)
 
@@ -285,15 +287,27 @@ class GgmlModel:
     Made by `from_gguf` (a GGUF's tensors where they lie in the mapped file) or `from_modules` (a checkpoint's
     loaded modules and expert copies in ggml blocks)."""
 
-    def __init__(self, desc: MgModel, layers, keep: list, config=None):
+    def __init__(self, desc: MgModel, layers, keep: list, kv_dtype: torch.dtype = torch.float16, config=None):
         self.lib = _declare(ggml.require())
         swa = swa_layers(config) if config is not None else None
         if swa is not None:
             keep.append(swa)
             desc.is_swa = swa.ctypes.data
         self.desc, self.layers, self._keep = desc, layers, keep     # keep: what the descriptors point at
+        self.kv_dtype = kv_dtype
         self.n_layer, self.V, self.U, self.n_expert = desc.n_layer, desc.n_vocab, desc.n_used, desc.n_expert
         self.KV = desc.n_head_kv * desc.head_dim
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (a new cache's: `new_kv`): fp16 or fp32."""
+        return self._kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"the graph's KV cache is fp16 or fp32, not {dtype}")
+        self._kv_dtype, self.desc.kv_type = dtype, GGML_TYPE[dtype]
 
     @classmethod
     def from_gguf(cls, gguf, config) -> "GgmlModel":
@@ -333,7 +347,9 @@ class GgmlModel:
         if "output.weight" in files:
             m.output = w("output.weight")
         m.layers = layers
-        return cls(m, layers, keep, config)
+        # the KV cache: fp16 as llama.cpp's, fp32 for an fp32 file (its forward stays lossless)
+        return cls(m, layers, keep, torch.float32 if files.entry("blk.0.attn_q.weight").encoding == F32
+                   else torch.float16, config)
 
     @classmethod
     def from_modules(cls, model, config, cache) -> "GgmlModel | str":
@@ -385,10 +401,12 @@ class GgmlModel:
             return f"lm_head: {out}"
         m.output = out
         m.layers = layers
-        return cls(m, layers, keep, config)
+        q_w = getattr(inner.layers[0].self_attn.q_proj, "weight", None)
+        return cls(m, layers, keep, torch.float32 if isinstance(q_w, torch.Tensor) and q_w.dtype == torch.float32
+                   else torch.float16, config)
 
     def new_kv(self, capacity: int = 256) -> GraphKV:
-        return GraphKV(self.n_layer, self.KV, capacity)
+        return GraphKV(self.n_layer, self.KV, capacity, self.kv_dtype)
 
     def forward(self, input_ids: torch.Tensor, kv: GraphKV | None = None, last_only: bool = False,
                 on_chunk=None):
@@ -404,6 +422,8 @@ class GgmlModel:
             raise MoectlError(f"token id {int(ids.max()) if int(ids.max()) >= self.V else int(ids.min())} is outside "
                               f"the vocabulary (0..{self.V - 1})")
         kv = kv if kv is not None else self.new_kv(max(256, T))
+        if kv.k.dtype != self.kv_dtype:
+            raise ValueError(f"a {kv.k.dtype} KV cache given to a graph whose cache is {self.kv_dtype}")
         kv.reserve(kv.pos + T)
         m = self.desc
         m.n_ctx, m.k_cache, m.v_cache = kv.capacity, kv.k.data_ptr(), kv.v.data_ptr()
