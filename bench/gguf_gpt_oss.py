@@ -12,6 +12,9 @@ Medians and [min-max].
 
     PYTHONPATH=. python bench/gguf_gpt_oss.py --layers 1 --threads 1 --repeat 3
 
+`--write-only --dense Q8_0` writes the file in llama-quantize's MXFP4_MOE layout (dense Q8_0) and prints its path,
+for `bench/gguf_vs_llamacpp.py --gguf FILE` (moectl's one graph beside llama.cpp on the real GPT-OSS architecture).
+
 Memory: one layer at the default shapes is ~0.8 G weights (3.2 GB fp32 while written). Run it alone.
 """
 
@@ -28,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, layers: int) -> Path:
-    """The gpt_oss checkpoint and its MXFP4 GGUF under `out` (reused when there)."""
+def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, layers: int,
+                dense: str = "F32") -> Path:
+    """The gpt_oss checkpoint and its MXFP4 GGUF (`dense`: the attention / embedding / lm_head encoding; Q8_0 is
+    llama-quantize's MXFP4_MOE) under `out` (reused when there)."""
     import torch
     from gguf import GGMLQuantizationType as T
     from transformers import AutoModelForCausalLM, GptOssConfig
@@ -37,7 +42,8 @@ def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, la
     from gguf_build import write_gguf
     from model_factory import save_tokenizer
 
-    gguf = out / f"gpt-oss-{hidden}x{inter}-{experts}e-top{top_k}-{layers}l-MXFP4.gguf"
+    suffix = "MXFP4" if dense == "F32" else f"MXFP4-{dense}"
+    gguf = out / f"gpt-oss-{hidden}x{inter}-{experts}e-top{top_k}-{layers}l-{suffix}.gguf"
     if gguf.exists():
         return gguf
     ckpt = out / gguf.stem
@@ -54,7 +60,7 @@ def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, la
     model.save_pretrained(ckpt)
     del model
     save_tokenizer(ckpt)
-    return write_gguf(ckpt, gguf, expert_encoding=T.MXFP4)
+    return write_gguf(ckpt, gguf, expert_encoding=T.MXFP4, dense_encoding=T[dense])
 
 
 def time_path(path: Path, ggml_on: bool, prefill: int, gen: int, repeat: int, threads: int) -> dict:
@@ -92,9 +98,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "moectl" / "bench-gpt-oss",
                     help="where the checkpoint and GGUF go (reused)")
+    ap.add_argument("--dense", default="F32", choices=["F32", "Q8_0"], help="the dense matrices' encoding (Q8_0: "
+                    "llama-quantize's MXFP4_MOE layout)")
+    ap.add_argument("--write-only", action="store_true", help="write the file, print its path, time nothing (for "
+                    "bench/gguf_vs_llamacpp.py --gguf)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    path = write_model(a.work, a.hidden, a.inter, a.experts, a.top_k, a.layers)
+    path = write_model(a.work, a.hidden, a.inter, a.experts, a.top_k, a.layers, a.dense)
+    if a.write_only:
+        print(path)
+        return
     print(f"{path.name}, {a.threads} thread(s), prefill {a.prefill} tokens, decode {a.gen}, {a.repeat} rounds")
     print(f"{'path':<12} {'prefill tok/s':>22} {'decode ms/token':>22}")
     for name, on in (("dequantise", False), ("ggml", True)):

@@ -28,6 +28,7 @@ backend was built with). On an AVX2-only host the table says its figures are the
 
     make bench-gguf                          # the issue's table: all three shapes, 1 and 2 threads, JSON in bench-gguf/
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 2 --prepare-only
+    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --gguf FILE.gguf --threads 1 2 --repeat 2   # files made elsewhere
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --drop-bf16 --types Q4_K_M Q8_0
     MOECTL_GGML=0 ... (the torch-int4 path it replaces)
 
@@ -191,8 +192,9 @@ def warm_page_cache(path: Path) -> None:
 
 
 def compare(shape: str, layers: int, work: Path, types: list[str], threads: list[int], repeat: int, gen: int,
-            prompt: int, prefill: int, drop_bf16: bool = False) -> dict:
-    files = prepare(shape, layers, work, types, drop_bf16=drop_bf16)
+            prompt: int, prefill: int, drop_bf16: bool = False, files: dict[str, Path] | None = None) -> dict:
+    """`files` ({label: GGUF}): time these instead of making the shape's (`--gguf`)."""
+    files = files or prepare(shape, layers, work, types, drop_bf16=drop_bf16)
     rows = []
     for qt, path in files.items():
         warm_page_cache(path)
@@ -292,7 +294,24 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="where the files go (default "
                     "$MOECTL_HOME/gguf_vs_llamacpp/<shape>-<layers>/)")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--gguf", type=Path, nargs="+", help="time these GGUF files instead of making the shape's (e.g. "
+                    "bench/gguf_gpt_oss.py --write-only's real GPT-OSS file: --shape gpt-oss-20b is a "
+                    "Mixtral-architecture file of GPT-OSS's shapes)")
     a = ap.parse_args()
+    if a.gguf:
+        from moectl.store.gguf.files import GgufFiles
+
+        missing = [str(g) for g in a.gguf if not g.is_file()]
+        if missing:
+            sys.exit(f"error: no such GGUF file: {', '.join(missing)}")
+        llamacpp.build(echo=_log)
+        head = GgufFiles(a.gguf[0])
+        res = compare(head.arch, int(head.get("{arch}.block_count")), a.gguf[0].parent, [], a.threads, a.repeat,
+                      a.gen, a.prompt, a.prefill, files={g.stem: g for g in a.gguf})
+        print_table(res)
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1, default=str))
+        return
     from moectl.core.recipes import moectl_home
 
     work = a.work or moectl_home() / "gguf_vs_llamacpp" / f"{a.shape}-{a.layers}"
