@@ -216,3 +216,15 @@ def test_gpt_oss_from_modules_keeps_the_module_path(tmp_path):
 
     got = ggml_model.GgmlModel.from_modules(None, SimpleNamespace(model_type="gpt_oss"), None)
     assert isinstance(got, str) and "GGUF" in got
+
+
+def test_a_gpt_oss_file_without_its_sinks_or_biases_is_named():
+    """GPT-OSS's graph needs every tensor its layers read (the norm before the MoE is post_attention_norm, the
+    sinks and biases are not optional for it): the first missing one is named, for the load's note."""
+    names = {f"blk.0.{t}" for t in ggml_model.layer_tensors("gpt_oss").values()}
+    assert ggml_model.gguf_tensors_missing(names, 1, "gpt_oss") is None
+    assert "blk.0.post_attention_norm.weight" in names and "blk.0.ffn_norm.weight" not in names
+    for gone in ("blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_down_exps.bias"):
+        assert gone in ggml_model.gguf_tensors_missing(names - {gone}, 1, "gpt_oss")
+    mixtral = {f"blk.0.{t}" for f, t in ggml_model.LAYER_TENSORS.items() if f not in ggml_model.OPTIONAL}
+    assert ggml_model.gguf_tensors_missing(mixtral, 1, "mixtral") is None        # biases stay optional there
