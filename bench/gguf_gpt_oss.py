@@ -1,6 +1,8 @@
 """GPT-OSS's MXFP4 GGUF experts in place on the CPU: ggml's openai-moe graph (`kernels/ggml.py: moe` -> mg_moe_oai,
 biases and swiglu_oai where they lie in the mapped file) against the path it replaces, MXFP4 dequantised per use
-(`MOECTL_GGML=0`), on the same file (issue 42).
+(`MOECTL_GGML=0`), on the same file (issue 42). The ggml path is the whole forward as one graph now
+(runtime/ggml_model.py, GPT-OSS's since it was added); `MOECTL_GGML_GRAPH=0` in the environment times the
+per-module path (one `mg_moe_oai` a layer) instead.
 
 `bench/gguf_vs_llamacpp.py --shape gpt-oss-20b` times GPT-OSS-20B's expert shapes written as a Mixtral-family
 checkpoint (make-synthetic's "GPT-OSS-like": no biases, SiLU): it never reaches GPT-OSS's own expert path. This
@@ -15,13 +17,15 @@ Medians and [min-max].
 `--write-only --dense Q8_0` writes the file in llama-quantize's MXFP4_MOE layout (dense Q8_0) and prints its path,
 for `bench/gguf_vs_llamacpp.py --gguf FILE` (moectl's one graph beside llama.cpp on the real GPT-OSS architecture).
 
-Memory: one layer at the default shapes is ~0.8 G weights (3.2 GB fp32 while written). Run it alone.
+Memory: one layer at the default shapes is ~0.8 G weights (3.2 GB fp32 while written, on disk too until the GGUF
+is made; ~2x that at the write's peak). Run it alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -60,7 +64,11 @@ def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, la
     model.save_pretrained(ckpt)
     del model
     save_tokenizer(ckpt)
-    return write_gguf(ckpt, gguf, expert_encoding=T.MXFP4, dense_encoding=T[dense])
+    part = gguf.with_name(gguf.name + ".part")        # an interrupted write leaves no file that looks made
+    write_gguf(ckpt, part, expert_encoding=T.MXFP4, dense_encoding=T[dense])
+    part.replace(gguf)
+    shutil.rmtree(ckpt)                               # only the conversion reads it (fp32: 3.3 GB a default layer)
+    return gguf
 
 
 def time_path(path: Path, ggml_on: bool, prefill: int, gen: int, repeat: int, threads: int) -> dict:
