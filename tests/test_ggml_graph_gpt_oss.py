@@ -228,3 +228,15 @@ def test_a_gpt_oss_file_without_its_sinks_or_biases_is_named():
         assert gone in ggml_model.gguf_tensors_missing(names - {gone}, 1, "gpt_oss")
     mixtral = {f"blk.0.{t}" for f, t in ggml_model.LAYER_TENSORS.items() if f not in ggml_model.OPTIONAL}
     assert ggml_model.gguf_tensors_missing(mixtral, 1, "mixtral") is None        # biases stay optional there
+
+
+def test_yarn_takes_the_graph_for_gpt_oss_only():
+    """YaRN is in the graph as llama.cpp sets it up for GPT-OSS; another family's YaRN keeps the module path (said),
+    as before."""
+    from types import SimpleNamespace
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 4096}
+    why = ggml_model.why_not(SimpleNamespace(model_type="qwen3_moe", rope_parameters=yarn))
+    assert why is not None and "GPT-OSS only" in why
+    assert ggml_model.why_not(SimpleNamespace(model_type="gpt_oss", rope_parameters=yarn)) in (
+        None, f"ggml is not available: {ggml_model.ggml.why_not()}")

@@ -58,13 +58,13 @@ OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm", "router_b", "gate_b", "u
 # is required (a file without its sinks or biases is not GPT-OSS's graph)
 FAMILY_TENSORS = {"gpt_oss": {"ffn_norm": "post_attention_norm.weight"}}
 FAMILY_REQUIRED = {"gpt_oss": {"bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b", "sinks"}}
-
-
-def layer_tensors(family: str) -> dict[str, str]:
-    """field -> the GGUF tensor (blk.N.<name>) of this family's layers."""
-    return LAYER_TENSORS | FAMILY_TENSORS.get(family, {})
 F32 = 0                                                     # GGML_TYPE_F32
 CHUNK = 512                                                 # tokens a graph takes at most (llama.cpp's ubatch)
+
+
+def layer_tensors(family: str | None) -> dict[str, str]:
+    """field -> the GGUF tensor (blk.N.<name>) of this family's layers."""
+    return LAYER_TENSORS | FAMILY_TENSORS.get(family, {})
 
 
 class MgW(ctypes.Structure):
@@ -115,8 +115,8 @@ def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in ("default", "linear", "yarn"):
         return f"rope {rope.get('rope_type')} is not in the one-graph forward"
-    if rope.get("rope_type") == "yarn" and (rope.get("mscale") or rope.get("mscale_all_dim")):
-        return "YaRN with DeepSeek's mscale is not in the one-graph forward"
+    if rope.get("rope_type") == "yarn" and family != "gpt_oss":
+        return f"rope yarn is in the one-graph forward for GPT-OSS only (not {family})"
     layer_types = set(getattr(config, "layer_types", None) or ())
     if layer_types - {"full_attention", "sliding_attention"}:
         return f"attention {sorted(layer_types)} is not in the one-graph forward"
@@ -230,8 +230,7 @@ def _hyper(config, rope_mode: int, vocab: int, experts: int) -> MgModel:
     m.gating = GATING_SOFTMAX_WEIGHT if config.model_type == "gpt_oss" else GATING_SOFTMAX
     if config.model_type == "gpt_oss":
         m.act_alpha, m.act_limit = OAI_ALPHA, float(getattr(config, "swiglu_limit", 7.0))
-    types = getattr(config, "layer_types", None) or ()
-    if "sliding_attention" in types:
+    if swa_layers(config) is not None:
         m.n_swa = int(config.sliding_window)
     # Mixtral always renormalises its top-k; Qwen3-MoE and OLMoE as their config says
     m.norm_topk = 1 if config.model_type == "mixtral" else int(bool(getattr(config, "norm_topk_prob",
@@ -241,10 +240,11 @@ def _hyper(config, rope_mode: int, vocab: int, experts: int) -> MgModel:
 
 
 def swa_layers(config) -> np.ndarray | None:
-    """uint8 [L]: 1 where the layer attends a sliding window (the config's layer_types: GPT-OSS's even layers, as
-    llama.cpp's swa pattern 2), or None where no layer does."""
+    """uint8 [L]: 1 where the layer attends a sliding window (GPT-OSS's config's layer_types: its even layers, as
+    llama.cpp's swa pattern 2), or None where no layer does (the other families' graphs in llama.cpp have no
+    sliding window, whatever a config says)."""
     types = getattr(config, "layer_types", None) or ()
-    if "sliding_attention" not in types:
+    if config.model_type != "gpt_oss" or "sliding_attention" not in types:
         return None
     return np.array([t == "sliding_attention" for t in types], dtype=np.uint8)
 
