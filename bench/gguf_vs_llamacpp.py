@@ -234,6 +234,8 @@ def table(res: dict) -> list[str]:
     n = res["rows"][0]["moectl"]["decode_ms"]["n"]
     out = [f"{res['shape']} x {res['layers']} layers, the same GGUF in both tools: medians of {n} alternating",
            f"runs [min-max]; load average {res['load'][0]:.1f} at the end"]
+    for label, path in res.get("files", {}).items():     # --gguf: the files' short names
+        out += textwrap.wrap(f"{label} = {path}", 80, subsequent_indent="  ")
     out += ["", f"{'type':9} {'thr':>3} {'decode ms/token: moectl':>25} {'llama.cpp':>22} {'ratio':>6}"]
     for r in res["rows"]:
         m, l = r["moectl"], r["llama.cpp"]
@@ -306,8 +308,11 @@ def main() -> None:
             sys.exit(f"error: no such GGUF file: {', '.join(missing)}")
         llamacpp.build(echo=_log)
         head = GgufFiles(a.gguf[0])
+        # the table's type column is 9 wide: a longer file name is file1, file2, ... there, named above it
+        labels = {(g.stem if len(g.stem) <= 9 else f"file{i + 1}"): g for i, g in enumerate(a.gguf)}
         res = compare(head.arch, int(head.get("{arch}.block_count")), a.gguf[0].parent, [], a.threads, a.repeat,
-                      a.gen, a.prompt, a.prefill, files={g.stem: g for g in a.gguf})
+                      a.gen, a.prompt, a.prefill, files=labels)
+        res["files"] = {k: str(g) for k, g in labels.items()}
         print_table(res)
         if a.json:
             a.json.write_text(json.dumps(res, indent=1, default=str))
