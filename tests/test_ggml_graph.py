@@ -239,7 +239,8 @@ def test_own_ggml_copies_are_repacked_as_llama_cpps(family, dense, tmp_path, mon
     taken = [name for name, t in fmt.tensors if ggml.repacks(fmt.encoding, tuple(t.shape))]
     if not taken:
         pytest.skip("this CPU's ggml repacks none of this model's expert matrices")
-    # the dense part's ggml blocks (--dense-lowbit q4: attention Q4_0) are registered too: repacked where ggml takes them
+    # the dense part's ggml blocks (--dense-lowbit q4: attention Q4_0) are registered too: repacked where ggml
+    # takes them
     dense = [m.matrix for m in eng.model.modules() if isinstance(m, GgmlDenseLinear)
              and ggml.repacks(m.matrix.encoding, m.matrix.shape)]
     logits, ids = _engine_run(eng, PROMPT, STEPS)

@@ -111,10 +111,11 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
 // of them when the ids are computed inside the graph); a 2-d matrix inside such a stack uses that stack's copy.
 // A strided stack (moectl's ggml copies: one expert a row of a layer's buffer, gate|up|down, so nb[2] is the row's
 // bytes) is taken too, each matrix's rows being contiguous: the copy is a contiguous [A, N, K], expert a repacked
-// from src + a * nb[2] of the original. Whatever ggml does not repack is left as it is. The copy takes the bytes of the original (the buffer type sizes a tensor at ggml_nbytes), and where the
-// range is a file's private mapping that nothing writes (`drop_pages`), the original's whole pages leave the process
-// once copied (madvise DONTNEED: the page cache keeps them, a later read faults them back unchanged), so the copy
-// stands in for them instead of beside them.
+// from src + a * nb[2] of the original. Whatever ggml does not repack is left as it is. The copy takes the bytes of
+// the original (the buffer type sizes a tensor at ggml_nbytes), and where the range is a file's private mapping
+// that nothing writes (`drop_pages`), the original's whole pages leave the process once copied (madvise DONTNEED:
+// the page cache keeps them, a later read faults them back unchanged), so the copy stands in for them instead of
+// beside them.
 // MOECTL_GGML_REPACK picks the types (`rp_type_on`; 0: none).
 
 typedef struct rp_entry {
