@@ -109,11 +109,13 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
 // buffer, made on first use and kept (one entry per (address, type, shape)). A stacked tensor of A experts
 // (MUL_MAT_ID) is allocated whole but repacked an expert at a time, those its ids name before the graph runs (all
 // of them when the ids are computed inside the graph); a 2-d matrix inside such a stack uses that stack's copy.
-// Strided stacks (moectl's ggml copies: nb[2] set) are not contiguous: left as they are, as is whatever ggml does
-// not repack. The copy takes the bytes of the original (the buffer type sizes a tensor at ggml_nbytes), and where the
-// range is a file's private mapping that nothing writes (`drop_pages`), the original's whole pages leave the process
-// once copied (madvise DONTNEED: the page cache keeps them, a later read faults them back unchanged), so the copy
-// stands in for them instead of beside them.
+// A strided stack (moectl's ggml copies: one expert a row of a layer's buffer, gate|up|down, so nb[2] is the row's
+// bytes) is taken too, each matrix's rows being contiguous: the copy is a contiguous [A, N, K], expert a repacked
+// from src + a * nb[2] of the original. Whatever ggml does not repack is left as it is. The copy takes the bytes of
+// the original (the buffer type sizes a tensor at ggml_nbytes), and where the range is a file's private mapping
+// that nothing writes (`drop_pages`), the original's whole pages leave the process once copied (madvise DONTNEED:
+// the page cache keeps them, a later read faults them back unchanged), so the copy stands in for them instead of
+// beside them.
 // MOECTL_GGML_REPACK picks the types (`rp_type_on`; 0: none).
 
 typedef struct rp_entry {
@@ -121,6 +123,7 @@ typedef struct rp_entry {
     int drop_pages;                      // its range is a file's unwritten private mapping: pages copied are dropped
     enum ggml_type type;
     int64_t ne0, ne1, ne2;               // K, N, A
+    size_t src_nb2;                      // bytes from one expert's matrix to the next in the original (strided)
     struct ggml_context *ctx;            // its tensor headers: the whole and a slice header per expert
     struct ggml_tensor *t;               // [A, N, K] in the CPU_REPACK buffer
     struct ggml_tensor **slice;          // [A] 2-d headers of expert e's matrix in that buffer (made when used)
@@ -306,6 +309,7 @@ static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // u
     e->drop_pages = drop_pages;
     e->type = w->type;
     e->ne0 = w->ne[0], e->ne1 = w->ne[1], e->ne2 = A;
+    e->src_nb2 = w->nb[2];
     e->slice = calloc((size_t)A, sizeof(*e->slice));
     e->done = calloc((size_t)A, 1);
     size_t k = rp_hash(e->src);
@@ -330,7 +334,7 @@ static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
         s->extra = e->t->extra;                  // the same interleaving: it depends on the type and N only
     }
     if (!e->done[a]) {
-        const uint8_t *from = e->src + a * e->t->nb[2];
+        const uint8_t *from = e->src + a * e->src_nb2;
         ggml_backend_tensor_set(s, from, 0, ggml_nbytes(s));                         // CPU_REPACK's set: repacks
         e->done[a] = 1;
         rp_stat[1]++;
@@ -343,20 +347,27 @@ static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
     return s;
 }
 
+// each matrix of w is contiguous rows, its matrices nb[2] >= their bytes apart (a contiguous stack, or a strided one)
+static int rp_rows_contiguous(const struct ggml_tensor *w) {
+    return w->nb[0] == ggml_type_size(w->type) && w->nb[1] == ggml_row_size(w->type, w->ne[0]) &&
+           (w->ne[2] == 1 || w->nb[2] >= w->nb[1] * (size_t)w->ne[1]) && w->ne[3] == 1;
+}
+
 // the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
 static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids, const char *types) {
     int reg;                                                                                       // under rp_lock
-    if (!rp_type_on(types, w->type) || w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data || w->ne[3] != 1 || !ggml_is_contiguous(w) ||
-        !(reg = rp_registered(w->data, ggml_nbytes(w))) || !rp_accepts(w->type, w->ne[0], w->ne[1]))
+    if (!rp_type_on(types, w->type) || w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data ||
+        !rp_rows_contiguous(w) || !(reg = rp_registered(w->data, ggml_nbytes(w))) ||
+        !rp_accepts(w->type, w->ne[0], w->ne[1]))
         return NULL;
     rp_entry *e = rp_table[rp_hash(w->data)];
     while (e && !(e->src == w->data && e->type == w->type && e->ne0 == w->ne[0] && e->ne1 == w->ne[1] &&
-                  e->ne2 == w->ne[2]))
+                  e->ne2 == w->ne[2] && (e->ne2 == 1 || e->src_nb2 == w->nb[2])))
         e = e->next;
     if (!e && w->ne[2] == 1) {                          // a matrix of a stack already copied: that stack's slice
         for (int i = 0; i < rp_nstacks; i++) {
             rp_entry *s = rp_stacks[i];
-            size_t nb2 = s->t->nb[2];
+            size_t nb2 = s->src_nb2;
             const uint8_t *p = w->data;
             if (s->type == w->type && s->ne0 == w->ne[0] && s->ne1 == w->ne[1] && p >= s->src &&
                 p < s->src + nb2 * s->ne2 && (size_t)(p - s->src) % nb2 == 0)

@@ -414,13 +414,13 @@ class GgmlModel:
         CHUNK tokens, as llama.cpp's ubatch: a chunk's attention scores are [P, CHUNK, heads] floats, where one
         graph of T tokens would hold [P, T, heads] (4096 tokens, 32 heads: 2 GB). `on_chunk(done, total)` after
         each chunk."""
-        ids = input_ids.reshape(-1).to(torch.int32).contiguous()
-        T = ids.numel()
+        ids = np.ascontiguousarray(input_ids.reshape(-1).numpy(), dtype=np.int32)    # numpy: fewer torch calls
+        T = ids.size
         if T == 0:
             raise MoectlError("a forward needs at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.V:
-            raise MoectlError(f"token id {int(ids.max()) if int(ids.max()) >= self.V else int(ids.min())} is outside "
-                              f"the vocabulary (0..{self.V - 1})")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.V:
+            raise MoectlError(f"token id {hi if hi >= self.V else lo} is outside the vocabulary (0..{self.V - 1})")
         kv = kv if kv is not None else self.new_kv(max(256, T))
         if kv.k.dtype != self.kv_dtype:
             raise ValueError(f"a {kv.k.dtype} KV cache given to a graph whose cache is {self.kv_dtype}")
@@ -430,14 +430,14 @@ class GgmlModel:
         logits, routed = [], []
         for c0 in range(0, T, CHUNK):
             chunk = ids[c0:c0 + CHUNK]
-            n, final = chunk.numel(), c0 + CHUNK >= T
+            n, final = chunk.size, c0 + CHUNK >= T
             # only the kept rows' logits: the last chunk's last row (last_only), else every row
             out = torch.empty(1 if last_only else n, self.V)
             # each layer's routed experts [L, n, U]; -1 where a row was not routed (last_only: the last layer
             # routes one row, the only one whose output is used)
-            ids_out = torch.full((self.n_layer, n, self.U), -1, dtype=torch.int32)
-            rc = self.lib.mg_model_eval(ggml.handle(), ctypes.byref(m), chunk.data_ptr(), n, kv.pos,
-                                        int(last_only), out.data_ptr(), ids_out.data_ptr())
+            ids_out = np.full((self.n_layer, n, self.U), -1, dtype=np.int32)
+            rc = self.lib.mg_model_eval(ggml.handle(), ctypes.byref(m), chunk.ctypes.data, n, kv.pos,
+                                        int(last_only), out.data_ptr(), ids_out.ctypes.data)
             if rc:
                 raise MoectlError(f"ggml's graph failed (code {rc}) on {n} tokens at position {kv.pos}")
             kv.pos += n
@@ -447,5 +447,5 @@ class GgmlModel:
             if on_chunk is not None:
                 on_chunk(min(c0 + CHUNK, T), T)
         # one chunk (a decode step): no copies
-        self.last_ids = routed[0] if len(routed) == 1 else torch.cat(routed, dim=1)          # [L, T, U]
+        self.last_ids = torch.from_numpy(routed[0] if len(routed) == 1 else np.concatenate(routed, axis=1))  # [L, T, U]
         return (logits[0] if len(logits) == 1 else torch.cat(logits))[None], kv

@@ -139,7 +139,8 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
             f"gguf: {plural(len(mapped_dense), 'dense matrix', 'dense matrices')} (attention, lm_head, embedding) "
             "computed by ggml where they lie in the mapped file")]))
     if dev.type == "cpu":          # the dense Linears: one-row GEMV, or low-bit: --dense-lowbit (models/dense_cpu.py)
-        cpu_linears(hf, opts.dense_lowbit)
+        if cpu_linears(hf, opts.dense_lowbit)["bytes_before"]:
+            release_freed()        # the bf16 matrices the low-bit ones replaced leave the RSS
         cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
         raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "
