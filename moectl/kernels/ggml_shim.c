@@ -633,9 +633,10 @@ int mg_vec_dot_type(int type) { return ggml_get_type_traits_cpu(type)->vec_dot_t
 // full-width q/k norms), RoPE (YaRN where ext_factor says), the KV cache written at `pos`, attention over positions
 // [0, pos + T) (causal within the T new tokens; a sliding-window layer's last n_swa only; GPT-OSS's sinks), the
 // output projection, RMS norm, the router (+ bias) with softmax or softmax_weight gating, top-k (renormalised where
-// the family does), the experts' mul_mat_id (+ biases, SiLU or swiglu_oai), and the final norm and lm_head. One call per forward: the weights stay where they lie (the mapped file), the
-// intermediates get ggml-alloc's reused memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a
-// layer in Python and torch between ggml calls (docs/gguf.md), which llama.cpp does not.
+// the family does), the experts' mul_mat_id (+ biases, SiLU or swiglu_oai), and the final norm and lm_head. One
+// call per forward: the weights stay where they lie (the mapped file), the intermediates get ggml-alloc's reused
+// memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a layer in Python and torch between ggml
+// calls (docs/gguf.md), which llama.cpp does not.
 //
 // Legend (ggml order, ne0 first): H = hidden, D = head dim, NH / NKV = query / KV heads, T = new tokens,
 // P = positions attended (pos + T), E = experts, U = experts used, I = expert width, V = vocabulary.
