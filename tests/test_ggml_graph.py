@@ -179,13 +179,9 @@ def test_bad_token_id_is_one_error(family_files, tmp_path):
         eng.forward(torch.tensor([[1, eng.graph.V]]))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dense", [None, "q4"])
-def test_own_ggml_copies_take_the_graph(family, dense, tmp_path, monkeypatch):
-    """moectl's own copies (`quantize --format ggml-q4_0`, `--precision lowbit-only`), the dense part bf16 or ggml
-    blocks (`--dense-lowbit q4`): the graph reads the loaded modules and the copies' rows (NEOX RoPE on
-    transformers' Q/K order) and gives the module path's tokens, logits within ggml's activation rounding."""
-    ggml_or_skip()
+def _own_copies(family: str, tmp_path, dense):
+    """A tiny checkpoint of `family` with moectl's ggml-q4_0 copies: (checkpoint, Engine.load's keywords for a
+    lowbit-only run, the dense part bf16 or `dense` ggml blocks)."""
     from model_factory import build_family
     from moectl.quant.quantize import quantize_model
 
@@ -194,8 +190,18 @@ def test_own_ggml_copies_take_the_graph(family, dense, tmp_path, monkeypatch):
     save_tokenizer(ckpt)
     wd = tmp_path / "wd"
     quantize_model(str(ckpt), 4, 64, 1, workdir=str(wd), progress=False, fmt="ggml-q4_0")
-    kw = dict(workdir=str(wd), lowbit="ggml-q4_0", precision="lowbit-only", progress=False, threads=1,
-              dtype="bfloat16", dense_lowbit=dense)
+    return ckpt, dict(workdir=str(wd), lowbit="ggml-q4_0", precision="lowbit-only", progress=False, threads=1,
+                      dtype="bfloat16", dense_lowbit=dense)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dense", [None, "q4"])
+def test_own_ggml_copies_take_the_graph(family, dense, tmp_path, monkeypatch):
+    """moectl's own copies (`quantize --format ggml-q4_0`, `--precision lowbit-only`), the dense part bf16 or ggml
+    blocks (`--dense-lowbit q4`): the graph reads the loaded modules and the copies' rows (NEOX RoPE on
+    transformers' Q/K order) and gives the module path's tokens, logits within ggml's activation rounding."""
+    ggml_or_skip()
+    ckpt, kw = _own_copies(family, tmp_path, dense)
     eng = Engine.load(str(ckpt), **kw)
     assert eng.graph is not None, eng.plan_note
     monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
@@ -245,19 +251,11 @@ def test_own_ggml_copies_are_repacked_as_llama_cpps(family, dense, tmp_path, mon
     import gc
 
     import numpy as np
-    from model_factory import build_family
     from moectl.kernels import ggml
     from moectl.models.dense_cpu import GgmlDenseLinear
-    from moectl.quant.quantize import quantize_model
 
     monkeypatch.setenv("MOECTL_GGML_REPACK", "1")
-    ckpt = tmp_path / "ckpt"
-    build_family(family, ckpt)
-    save_tokenizer(ckpt)
-    wd = tmp_path / "wd"
-    quantize_model(str(ckpt), 4, 64, 1, workdir=str(wd), progress=False, fmt="ggml-q4_0")
-    kw = dict(workdir=str(wd), lowbit="ggml-q4_0", precision="lowbit-only", progress=False, threads=1,
-              dtype="bfloat16", dense_lowbit=dense)
+    ckpt, kw = _own_copies(family, tmp_path, dense)
     gc.collect()
     before = ggml.repack_stats()
     eng = Engine.load(str(ckpt), **kw)
@@ -284,7 +282,7 @@ def test_own_ggml_copies_are_repacked_as_llama_cpps(family, dense, tmp_path, mon
     assert len(dense) < made["repacked"] <= len(taken) * L * E + len(dense) and made["graphs"] > 0
     for b in low.buffers:                   # a private map of the shard: the shim may drop the pages it copied
         perms, file = mapping_of(b.data_ptr())                           # (test_ggml_repack checks that it does)
-        assert perms.endswith("p") and file.startswith(str(wd)) and file.endswith(".safetensors"), (perms, file)
+        assert perms.endswith("p") and file.startswith(kw["workdir"]) and file.endswith(".safetensors"), (perms, file)
 
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     off = Engine.load(str(ckpt), **kw)
