@@ -269,6 +269,8 @@ def lean_why_not(config, adapter, opts: RuntimeOptions) -> str | None:
     why = graph_why_not(config, opts)               # the family, MOECTL_GGML_GRAPH, --draft, --replay-trace, ggml
     if why is None and not ggml_in_place(adapter):
         why = "ggml is not planned"
+    if why is None and not dense_in_place_names(adapter.gguf.files):
+        why = "no dense matrix computed where it lies"  # one_graph takes a GGUF's graph only with them mapped
     return why or gguf_tensors_missing(adapter.gguf.files, config.num_hidden_layers)
 
 
