@@ -134,10 +134,9 @@ def run_cli(args, capsys, monkeypatch, stdin: str = ""):
     return code, out.out, out.err
 
 
+@pytest.mark.parametrize("q_file", ["mixtral"], indirect=True)        # one family is enough for the commands
 def test_generate_chat_inspect_on_the_lean_load(q_file, tmp_path, capsys, monkeypatch):
     ggml_or_skip()
-    if "mixtral" not in q_file.parent.name or "tied" in q_file.parent.name:
-        pytest.skip("one family is enough for the commands")
     wd = str(tmp_path / "wd")
     code, out, err = run_cli(["generate", "--model", str(q_file), "--workdir", wd, "-p", "the experts", "-n", "3",
                               "--greedy", "--json", "--device", "cpu", "--threads", "1"], capsys, monkeypatch)
