@@ -1,6 +1,8 @@
 """GPT-OSS's MXFP4 GGUF experts in place on the CPU: ggml's openai-moe graph (`kernels/ggml.py: moe` -> mg_moe_oai,
 biases and swiglu_oai where they lie in the mapped file) against the path it replaces, MXFP4 dequantised per use
-(`MOECTL_GGML=0`), on the same file (issue 42).
+(`MOECTL_GGML=0`), on the same file (issue 42). The ggml path is the whole forward as one graph now
+(runtime/ggml_model.py, GPT-OSS's since it was added); `MOECTL_GGML_GRAPH=0` in the environment times the
+per-module path (one `mg_moe_oai` a layer) instead.
 
 `bench/gguf_vs_llamacpp.py --shape gpt-oss-20b` times GPT-OSS-20B's expert shapes written as a Mixtral-family
 checkpoint (make-synthetic's "GPT-OSS-like": no biases, SiLU): it never reaches GPT-OSS's own expert path. This
@@ -12,13 +14,18 @@ Medians and [min-max].
 
     PYTHONPATH=. python bench/gguf_gpt_oss.py --layers 1 --threads 1 --repeat 3
 
-Memory: one layer at the default shapes is ~0.8 G weights (3.2 GB fp32 while written). Run it alone.
+`--write-only --dense Q8_0` writes the file in llama-quantize's MXFP4_MOE layout (dense Q8_0) and prints its path,
+for `bench/gguf_vs_llamacpp.py --gguf FILE` (moectl's one graph beside llama.cpp on the real GPT-OSS architecture).
+
+Memory: one layer at the default shapes is ~0.8 G weights (3.2 GB fp32 while written, on disk too until the GGUF
+is made; ~2x that at the write's peak). Run it alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -28,8 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, layers: int) -> Path:
-    """The gpt_oss checkpoint and its MXFP4 GGUF under `out` (reused when there)."""
+def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, layers: int,
+                dense: str = "F32") -> Path:
+    """The gpt_oss checkpoint and its MXFP4 GGUF (`dense`: the attention / embedding / lm_head encoding; Q8_0 is
+    llama-quantize's MXFP4_MOE) under `out` (reused when there)."""
     import torch
     from gguf import GGMLQuantizationType as T
     from transformers import AutoModelForCausalLM, GptOssConfig
@@ -37,7 +46,8 @@ def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, la
     from gguf_build import write_gguf
     from model_factory import save_tokenizer
 
-    gguf = out / f"gpt-oss-{hidden}x{inter}-{experts}e-top{top_k}-{layers}l-MXFP4.gguf"
+    suffix = "MXFP4" if dense == "F32" else f"MXFP4-{dense}"
+    gguf = out / f"gpt-oss-{hidden}x{inter}-{experts}e-top{top_k}-{layers}l-{suffix}.gguf"
     if gguf.exists():
         return gguf
     ckpt = out / gguf.stem
@@ -54,7 +64,11 @@ def write_model(out: Path, hidden: int, inter: int, experts: int, top_k: int, la
     model.save_pretrained(ckpt)
     del model
     save_tokenizer(ckpt)
-    return write_gguf(ckpt, gguf, expert_encoding=T.MXFP4)
+    part = gguf.with_name(gguf.name + ".part")        # an interrupted write leaves no file that looks made
+    write_gguf(ckpt, part, expert_encoding=T.MXFP4, dense_encoding=T[dense])
+    part.replace(gguf)
+    shutil.rmtree(ckpt)                               # only the conversion reads it (fp32: 3.3 GB a default layer)
+    return gguf
 
 
 def time_path(path: Path, ggml_on: bool, prefill: int, gen: int, repeat: int, threads: int) -> dict:
@@ -92,9 +106,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "moectl" / "bench-gpt-oss",
                     help="where the checkpoint and GGUF go (reused)")
+    ap.add_argument("--dense", default="F32", choices=["F32", "Q8_0"], help="the dense matrices' encoding (Q8_0: "
+                    "llama-quantize's MXFP4_MOE layout)")
+    ap.add_argument("--write-only", action="store_true", help="write the file, print its path, time nothing (for "
+                    "bench/gguf_vs_llamacpp.py --gguf)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    path = write_model(a.work, a.hidden, a.inter, a.experts, a.top_k, a.layers)
+    path = write_model(a.work, a.hidden, a.inter, a.experts, a.top_k, a.layers, a.dense)
+    if a.write_only:
+        print(path)
+        return
     print(f"{path.name}, {a.threads} thread(s), prefill {a.prefill} tokens, decode {a.gen}, {a.repeat} rounds")
     print(f"{'path':<12} {'prefill tok/s':>22} {'decode ms/token':>22}")
     for name, on in (("dequantise", False), ("ggml", True)):

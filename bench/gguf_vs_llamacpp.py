@@ -28,6 +28,7 @@ backend was built with). On an AVX2-only host the table says its figures are the
 
     make bench-gguf                          # the issue's table: all three shapes, 1 and 2 threads, JSON in bench-gguf/
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 2 --prepare-only
+    PYTHONPATH=. python bench/gguf_vs_llamacpp.py --gguf FILE.gguf --threads 1 2 --repeat 2   # files made elsewhere
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --drop-bf16 --types Q4_K_M Q8_0
     MOECTL_GGML=0 ... (the torch-int4 path it replaces)
 
@@ -191,8 +192,9 @@ def warm_page_cache(path: Path) -> None:
 
 
 def compare(shape: str, layers: int, work: Path, types: list[str], threads: list[int], repeat: int, gen: int,
-            prompt: int, prefill: int, drop_bf16: bool = False) -> dict:
-    files = prepare(shape, layers, work, types, drop_bf16=drop_bf16)
+            prompt: int, prefill: int, drop_bf16: bool = False, files: dict[str, Path] | None = None) -> dict:
+    """`files` ({label: GGUF}): time these instead of making the shape's (`--gguf`)."""
+    files = files or prepare(shape, layers, work, types, drop_bf16=drop_bf16)
     rows = []
     for qt, path in files.items():
         warm_page_cache(path)
@@ -232,6 +234,8 @@ def table(res: dict) -> list[str]:
     n = res["rows"][0]["moectl"]["decode_ms"]["n"]
     out = [f"{res['shape']} x {res['layers']} layers, the same GGUF in both tools: medians of {n} alternating",
            f"runs [min-max]; load average {res['load'][0]:.1f} at the end"]
+    for label, path in res.get("files", {}).items():     # --gguf: the files' short names
+        out += textwrap.wrap(f"{label} = {path}", 80, subsequent_indent="  ")
     out += ["", f"{'type':9} {'thr':>3} {'decode ms/token: moectl':>25} {'llama.cpp':>22} {'ratio':>6}"]
     for r in res["rows"]:
         m, l = r["moectl"], r["llama.cpp"]
@@ -292,7 +296,27 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="where the files go (default "
                     "$MOECTL_HOME/gguf_vs_llamacpp/<shape>-<layers>/)")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--gguf", type=Path, nargs="+", help="time these GGUF files instead of making the shape's (e.g. "
+                    "bench/gguf_gpt_oss.py --write-only's real GPT-OSS file: --shape gpt-oss-20b is a "
+                    "Mixtral-architecture file of GPT-OSS's shapes)")
     a = ap.parse_args()
+    if a.gguf:
+        from moectl.store.gguf.files import GgufFiles
+
+        missing = [str(g) for g in a.gguf if not g.is_file()]
+        if missing:
+            sys.exit(f"error: no such GGUF file: {', '.join(missing)}")
+        llamacpp.build(echo=_log)
+        head = GgufFiles(a.gguf[0])
+        # the table's type column is 9 wide: a longer file name is file1, file2, ... there, named above it
+        labels = {(g.stem if len(g.stem) <= 9 else f"file{i + 1}"): g for i, g in enumerate(a.gguf)}
+        res = compare(head.arch, int(head.get("{arch}.block_count")), a.gguf[0].parent, [], a.threads, a.repeat,
+                      a.gen, a.prompt, a.prefill, files=labels)
+        res["files"] = {k: str(g) for k, g in labels.items()}
+        print_table(res)
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1, default=str))
+        return
     from moectl.core.recipes import moectl_home
 
     work = a.work or moectl_home() / "gguf_vs_llamacpp" / f"{a.shape}-{a.layers}"

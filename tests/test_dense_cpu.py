@@ -149,6 +149,57 @@ def test_ggml_dense_linear_is_its_blocks_times_x(encoding, rel):
         assert (got - exact).norm() / exact.norm() < rel + 0.02
 
 
+@pytest.mark.skipif(ggml.library() is None, reason="ggml cannot run here")
+@pytest.mark.parametrize("encoding", [T.Q4_0, T.Q6_K, T.Q8_0])
+def test_ggml_quantize_a_chunk_of_rows_at_a_time_gives_the_same_bytes(encoding):
+    """ggml quantizes each row on its own: a bf16 W through fp32 7 rows at a time (the last chunk short) gives the
+    bytes of W quantized whole in fp32 (`ggml.quantize`'s bounded transient: a Qwen3 lm_head is not copied whole)."""
+    w = (torch.randn(45, 256, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
+    whole = ggml.quantize(int(encoding), w.float(), rows_at_a_time=1 << 30)
+    chunked = ggml.quantize(int(encoding), w, rows_at_a_time=7)
+    assert chunked.shape == whole.shape == (45, ggml.require().mg_row_size(int(encoding), 256))
+    assert (chunked == whole).all()
+
+
+def test_cpu_linears_frees_the_bf16_weights_it_replaces(monkeypatch):
+    """--dense-lowbit: each replaced Linear's bf16 weight is gone once its low-bit module exists (held by nothing:
+    a weak reference dies), even where something else still holds the old Linear; the GEMV-swapped ones (the
+    router here) and a weight tied to the embedding keep theirs; the counts and bytes are said."""
+    import gc
+    import weakref
+
+    if kernels.library() is None and ggml.library() is None:
+        pytest.skip("neither moectl's kernels nor ggml run here: q4 has no low-bit module")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = nn.Module()
+            self.self_attn.q_proj = nn.Linear(256, 256, bias=False)
+            self.self_attn.o_proj = nn.Linear(256, 256, bias=False)
+            self.gate = nn.Linear(256, 8, bias=False)
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Block()])
+    model.embed = nn.Embedding(512, 256)
+    model.lm_head = nn.Linear(256, 512, bias=False)
+    model.lm_head.weight = model.embed.weight                              # tied
+    model.to(torch.bfloat16)
+    replaced = [model.layers[i].self_attn.get_submodule(n) for i in range(2) for n in ("q_proj", "o_proj")]
+    gone = [weakref.ref(m.weight) for m in replaced]
+    kept_router = model.layers[0].gate.weight
+    out = cpu_linears(model, "q4")
+    gc.collect()
+    assert all(r() is None for r in gone)                 # `replaced` still holds the old Linears: not their weights
+    assert all(m.weight is None for m in replaced)
+    assert model.layers[0].gate.weight is kept_router and type(model.layers[0].gate) is GemvLinear
+    assert model.embed.weight.dtype == torch.bfloat16 and model.embed.weight.shape == (512, 256)
+    assert out["gemv"] == 2 and out["bytes_before"] == 4 * 256 * 256 * 2 + 512 * 256 * 2
+    assert sum(out[k] for k in ("q4", "q6", "q8", "Q4_0", "Q6_K", "Q8_0", "int8")) == 5
+    names = {n for n, _ in model.named_parameters()}
+    assert not any(n.endswith(("q_proj.weight", "o_proj.weight", "lm_head.weight")) for n in names)
+
+
 def test_dense_lowbit_clear_errors(mixtral, capsys, monkeypatch):
     with pytest.raises(MoectlError, match="--device cpu --dtype bfloat16"):
         check_dense_lowbit("q8", torch.device("cpu"), torch.float32)

@@ -70,7 +70,8 @@ def test_cpu_computes_them_with_ggml_and_equals_their_dequantised_weights(mixtra
     """On the CPU the copies' weights are ggml's callables over the host copy (no dequantisation); a decode step's
     experts equal the same blocks dequantised (gguf's reference) and multiplied in fp32, within x's q8 rounding;
     emulated device slots (on the CPU) compute them by ggml too: the same logits as the module path in place (the
-    one-graph forward, tests/test_ggml_graph.py, is off here: it computes the dense part in fp32)."""
+    one-graph forward, tests/test_ggml_graph.py, is off here: it computes the dense part in fp32): bit-equal with the
+    repack off (slots are never repacked), within fp32 summation order of the copies repacked in place."""
     monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
     wd, _ = q4_0
     eng = _ggml(mixtral, wd)
@@ -83,9 +84,12 @@ def test_cpu_computes_them_with_ggml_and_equals_their_dequantised_weights(mixtra
     want = deq["gate_up"] @ x.T                                                  # [2I, 3]
     got = ws["gate_up"](x).T
     assert (got - want).norm() / want.norm() < 0.01
+    repacked = _decode(eng).float()
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")      # in place the mapped copies are repacked; slots never are
     a = _decode(eng).float()
     dev = _ggml(mixtral, wd, cache_experts=8, emulate_device=True)
     assert torch.equal(_decode(dev).float(), a)                                 # slots on the CPU: ggml's too
+    assert (repacked - a).abs().max() <= 1e-5 * a.abs().max()                  # fp32 summation order only
 
 
 def test_a_layers_experts_are_one_mul_mat_id_graph(mixtral, q4_0, monkeypatch):

@@ -146,31 +146,54 @@ def test_moe_layer_equals_the_plain_layout(tokens, monkeypatch):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_unregistered_memory_and_strided_stacks_are_not_repacked(monkeypatch):
-    """Bytes in no registered range (a transient host buffer) are read as they lie; so are experts `stride` bytes
-    apart (moectl's own ggml copies: nb[2] set), registered or not; and nothing with MOECTL_GGML_REPACK=0."""
-    repacked_here(T.Q4_0, (256, 256))
+def test_unregistered_memory_is_not_repacked(monkeypatch):
+    """Bytes in no registered range (a transient host buffer) are read as they lie; and nothing with
+    MOECTL_GGML_REPACK=0."""
+    repacked_here(T.Q4_0)
     raw, _ = weights(T.Q4_0, N, K)
     x = xs(2, K)
     before = ggml.repack_stats()
     ggml.mul_mat(T.Q4_0, raw, (N, K), x)
-    assert delta(before) == {"copies": 0, "repacked": 0, "bytes": 0, "graphs": 0}
-    A, H, I = 2, 256, 256
-    row = 2 * 256 * ggml.require().mg_row_size(int(T.Q4_0), H) + 256 * ggml.require().mg_row_size(int(T.Q4_0), I)
-    buf = np.concatenate([weights(T.Q4_0, 3 * 256, 256, 5 + e)[0].reshape(-1) for e in range(A)]).reshape(A, row)
-    padded = np.zeros((A, row + 64), np.uint8)                           # one expert a row, 64 bytes of padding
-    padded[:, :row] = buf
-    ggml.register_stable(padded)
-    gate = padded.ctypes.data
-    up, down = gate + buf.nbytes // A // 3, gate + 2 * buf.nbytes // A // 3
-    ids, wts = torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, 2)
-    ggml.moe((T.Q4_0,) * 3, gate, up, down, A, H, I, xs(1, H), ids, wts, expert_stride=row + 64)
     assert delta(before) == {"copies": 0, "repacked": 0, "bytes": 0, "graphs": 0}
     ggml.register_stable(raw)
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     ggml.mul_mat(T.Q4_0, raw, (N, K), x)
     assert delta(before) == {"copies": 0, "repacked": 0, "bytes": 0, "graphs": 0}
     assert not ggml.repacks(T.Q4_0, (N, K))                              # the sizes say so too
+
+
+def test_strided_stacks_are_repacked(monkeypatch):
+    """Experts `stride` bytes apart (moectl's own ggml copies: one expert a row gate|up|down, plus padding here) in a
+    registered range: each of the three strided stacks gets a contiguous copy, the routed experts repacked from their
+    own rows; the layer equals the plain layout's within 1e-5 of its scale; a 2-d matrix of an expert's row (its up,
+    at that row's address) reads the up stack's copy, not the gate's, though gate and up have one shape."""
+    A, H, I = 3, 256, 256
+    repacked_here(T.Q4_0, (I, H))
+    mat = ggml.require().mg_row_size(int(T.Q4_0), H) * I                 # bytes of one [256, 256] Q4_0 matrix
+    rows = [weights(T.Q4_0, 3 * 256, 256, 5 + e) for e in range(A)]     # gate | up | down of expert e
+    padded = np.zeros((A, 3 * mat + 64), np.uint8)                       # one expert a row, 64 bytes of padding
+    for e, (raw, _) in enumerate(rows):
+        padded[e, :3 * mat] = raw.reshape(-1)
+    gate = padded.ctypes.data
+    up, down, stride = gate + mat, gate + 2 * mat, padded.shape[1]
+    ids, wts = torch.tensor([[0, 2], [2, 0]], dtype=torch.int32), torch.full((2, 2), 0.5)
+    x = xs(2, H)
+
+    def run():
+        return ggml.moe((T.Q4_0,) * 3, gate, up, down, A, H, I, x, ids, wts, expert_stride=stride)
+
+    want = plain(monkeypatch, run)
+    ggml.register_stable(padded)
+    before = ggml.repack_stats()
+    got = run()
+    assert delta(before) == {"copies": 3, "repacked": 3 * 2, "bytes": 3 * A * mat, "graphs": 1}
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    deq_up = rows[2][1][I:2 * I]                                         # expert 2's up, dequantised
+    y = ggml.mul_mat(T.Q4_0, up + 2 * stride, (I, H), x)
+    assert delta(before) == {"copies": 3, "repacked": 6, "bytes": 3 * A * mat, "graphs": 2}
+    within_summation(y, plain(monkeypatch, lambda: ggml.mul_mat(T.Q4_0, up + 2 * stride, (I, H), x)),
+                     x.abs() @ deq_up.abs().T)
+    assert (y - x @ deq_up.T).abs().max() <= 0.05 * (x @ deq_up.T).abs().max()     # up's product, not gate's
 
 
 def test_the_sizes_query_says_what_is_repacked():

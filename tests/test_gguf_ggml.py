@@ -170,9 +170,11 @@ def test_gpt_oss_f32_gguf_through_ggml_is_the_original(gpt_oss_ggufs, tmp_path, 
     """GPT-OSS's F32 GGUF in place: experts mapped for ggml (GgmlBiasedLinear), each layer one `mg_moe_oai` graph in
     the prefill and in each decode step; F32 weights leave x unquantized, so the wiring (the biases where they lie,
     gate/up, swiglu_oai's alpha and limit) is checked exactly: logits and greedy tokens of the safetensors
-    original within the lossless tolerance."""
+    original within the lossless tolerance. The module path's (`MOECTL_GGML_GRAPH=0`; the one-graph forward is
+    tests/test_ggml_graph_gpt_oss.py's)."""
     from moectl.formats.gguf_ggml import GgufMappedFormat
 
+    monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
     kw = dict(progress=False, threads=1)
     want_logits, want = _engine_run(Engine.load(str(gpt_oss_ggufs["ckpt"]), workdir=str(tmp_path / "s"), **kw),
                                     PROMPT, STEPS)
@@ -204,7 +206,8 @@ def test_gpt_oss_mxfp4_experts_through_ggml_equal_the_dequantised(gpt_oss_ggufs,
     same input and routing within 2 % (q8_0's rounding of x and of the activations, per element up to d/2 of a
     block's max/127: measured 0.4-0.8 % per layer call here; the whole model's logits move more, 19 %, as a 4-layer
     random model's routing flips), in the 6-token prefill and in decode steps; the per-expert ggml path
-    (`experts_routed` refused) gives the fused one's logits."""
+    (`experts_routed` refused) gives the fused one's logits. The module path's (`MOECTL_GGML_GRAPH=0`)."""
+    monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
     kw = dict(progress=False, threads=1)
     path = str(gpt_oss_ggufs["MXFP4"])
     monkeypatch.setenv("MOECTL_GGML", "0")

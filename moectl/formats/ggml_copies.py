@@ -15,7 +15,9 @@ It is a GGUF expert whose bytes are moectl's rather than a file's: the parts are
 the rest: on a GPU its Triton kernels read the blocks in the slot (`device_kernels`, set at load), else torch
 dequantises them; on the CPU `weights` gives ggml's callables over the host copy (`cpu_weights`), which know the
 layer's [E, N] buffer as stacked experts N bytes apart: in place, a layer's routed experts are one mul_mat_id graph
-(`kernels/ggml.py: experts_decode`, `experts_routed`), decode and prefill, as llama.cpp computes them.
+(`kernels/ggml.py: experts_decode`, `experts_routed`), decode and prefill, as llama.cpp computes them. On a CPU run
+that buffer is the shard mapped copy-on-write and registered (`store/lowbit.py`), so ggml's CPU_REPACK interleaves
+those strided stacks on first use (Q4_0 and Q4_K on AVX2), as llama.cpp's loader does for its file.
 """
 
 from __future__ import annotations

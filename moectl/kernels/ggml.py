@@ -341,18 +341,26 @@ def vec_dot_type(encoding: int) -> int:
     return int(require().mg_vec_dot_type(int(encoding)))
 
 
-def quantize(encoding: int, w: torch.Tensor, imatrix: torch.Tensor | None = None) -> np.ndarray:
-    """ggml's own quantizer: W [N, K] fp32 -> the encoding's bytes (uint8 [N, row bytes]). Types that need an
-    importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) get `imatrix` [K], or ones."""
+QUANTIZE_ROWS = 4096      # rows converted to fp32 at a time: a 151936 x 2048 bf16 lm_head is not copied whole (1.2 GB)
+
+
+def quantize(encoding: int, w: torch.Tensor, imatrix: torch.Tensor | None = None,
+             rows_at_a_time: int = QUANTIZE_ROWS) -> np.ndarray:
+    """ggml's own quantizer: W [N, K] (any float dtype) -> the encoding's bytes (uint8 [N, row bytes]). Types that
+    need an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) get `imatrix` [K], or ones. ggml quantizes each row on its
+    own, so W goes through fp32 `rows_at_a_time` rows at a time (the same bytes as whole, a bounded transient)."""
     lib = require()
-    w = _f32(w)
+    w = w.detach()
     N, K = w.shape
     row = lib.mg_row_size(int(encoding), K)
     out = np.zeros((N, row), dtype=np.uint8)
     if imatrix is None and lib.mg_requires_imatrix(int(encoding)):
         imatrix = torch.ones(K)
     im = _f32(imatrix) if imatrix is not None else None
-    lib.mg_quantize(int(encoding), w.data_ptr(), out.ctypes.data, N, K, im.data_ptr() if im is not None else None)
+    for r0 in range(0, N, max(1, int(rows_at_a_time))):
+        chunk = _f32(w[r0:r0 + rows_at_a_time])
+        lib.mg_quantize(int(encoding), chunk.data_ptr(), out[r0:].ctypes.data, chunk.shape[0], K,
+                        im.data_ptr() if im is not None else None)
     return out
 
 

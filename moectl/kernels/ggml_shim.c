@@ -109,11 +109,13 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
 // buffer, made on first use and kept (one entry per (address, type, shape)). A stacked tensor of A experts
 // (MUL_MAT_ID) is allocated whole but repacked an expert at a time, those its ids name before the graph runs (all
 // of them when the ids are computed inside the graph); a 2-d matrix inside such a stack uses that stack's copy.
-// Strided stacks (moectl's ggml copies: nb[2] set) are not contiguous: left as they are, as is whatever ggml does
-// not repack. The copy takes the bytes of the original (the buffer type sizes a tensor at ggml_nbytes), and where the
-// range is a file's private mapping that nothing writes (`drop_pages`), the original's whole pages leave the process
-// once copied (madvise DONTNEED: the page cache keeps them, a later read faults them back unchanged), so the copy
-// stands in for them instead of beside them.
+// A strided stack (moectl's ggml copies: one expert a row of a layer's buffer, gate|up|down, so nb[2] is the row's
+// bytes) is taken too, each matrix's rows being contiguous: the copy is a contiguous [A, N, K], expert a repacked
+// from src + a * nb[2] of the original. Whatever ggml does not repack is left as it is. The copy takes the bytes of
+// the original (the buffer type sizes a tensor at ggml_nbytes), and where the range is a file's private mapping
+// that nothing writes (`drop_pages`), the original's whole pages leave the process once copied (madvise DONTNEED:
+// the page cache keeps them, a later read faults them back unchanged), so the copy stands in for them instead of
+// beside them.
 // MOECTL_GGML_REPACK picks the types (`rp_type_on`; 0: none).
 
 typedef struct rp_entry {
@@ -121,6 +123,7 @@ typedef struct rp_entry {
     int drop_pages;                      // its range is a file's unwritten private mapping: pages copied are dropped
     enum ggml_type type;
     int64_t ne0, ne1, ne2;               // K, N, A
+    size_t src_nb2;                      // bytes from one expert's matrix to the next in the original (strided)
     struct ggml_context *ctx;            // its tensor headers: the whole and a slice header per expert
     struct ggml_tensor *t;               // [A, N, K] in the CPU_REPACK buffer
     struct ggml_tensor **slice;          // [A] 2-d headers of expert e's matrix in that buffer (made when used)
@@ -306,6 +309,7 @@ static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // u
     e->drop_pages = drop_pages;
     e->type = w->type;
     e->ne0 = w->ne[0], e->ne1 = w->ne[1], e->ne2 = A;
+    e->src_nb2 = w->nb[2];
     e->slice = calloc((size_t)A, sizeof(*e->slice));
     e->done = calloc((size_t)A, 1);
     size_t k = rp_hash(e->src);
@@ -330,7 +334,7 @@ static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
         s->extra = e->t->extra;                  // the same interleaving: it depends on the type and N only
     }
     if (!e->done[a]) {
-        const uint8_t *from = e->src + a * e->t->nb[2];
+        const uint8_t *from = e->src + a * e->src_nb2;
         ggml_backend_tensor_set(s, from, 0, ggml_nbytes(s));                         // CPU_REPACK's set: repacks
         e->done[a] = 1;
         rp_stat[1]++;
@@ -343,20 +347,27 @@ static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
     return s;
 }
 
+// each matrix of w is contiguous rows, its matrices nb[2] >= their bytes apart (a contiguous stack, or a strided one)
+static int rp_rows_contiguous(const struct ggml_tensor *w) {
+    return w->nb[0] == ggml_type_size(w->type) && w->nb[1] == ggml_row_size(w->type, w->ne[0]) &&
+           (w->ne[2] == 1 || w->nb[2] >= w->nb[1] * (size_t)w->ne[1]) && w->ne[3] == 1;
+}
+
 // the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
 static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids, const char *types) {
     int reg;                                                                                       // under rp_lock
-    if (!rp_type_on(types, w->type) || w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data || w->ne[3] != 1 || !ggml_is_contiguous(w) ||
-        !(reg = rp_registered(w->data, ggml_nbytes(w))) || !rp_accepts(w->type, w->ne[0], w->ne[1]))
+    if (!rp_type_on(types, w->type) || w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data ||
+        !rp_rows_contiguous(w) || !(reg = rp_registered(w->data, ggml_nbytes(w))) ||
+        !rp_accepts(w->type, w->ne[0], w->ne[1]))
         return NULL;
     rp_entry *e = rp_table[rp_hash(w->data)];
     while (e && !(e->src == w->data && e->type == w->type && e->ne0 == w->ne[0] && e->ne1 == w->ne[1] &&
-                  e->ne2 == w->ne[2]))
+                  e->ne2 == w->ne[2] && (e->ne2 == 1 || e->src_nb2 == w->nb[2])))
         e = e->next;
     if (!e && w->ne[2] == 1) {                          // a matrix of a stack already copied: that stack's slice
         for (int i = 0; i < rp_nstacks; i++) {
             rp_entry *s = rp_stacks[i];
-            size_t nb2 = s->t->nb[2];
+            size_t nb2 = s->src_nb2;
             const uint8_t *p = w->data;
             if (s->type == w->type && s->ne0 == w->ne[0] && s->ne1 == w->ne[1] && p >= s->src &&
                 p < s->src + nb2 * s->ne2 && (size_t)(p - s->src) % nb2 == 0)
@@ -617,13 +628,15 @@ int mg_vec_dot_type(int type) { return ggml_get_type_traits_cpu(type)->vec_dot_t
 
 // --- a whole model's forward in one graph (moectl/runtime/ggml_model.py) -----------------------------------------
 //
-// llama.cpp's own graph for its llama (Mixtral), qwen3moe and olmoe architectures (src/models/*.cpp): embedding
-// rows, then per layer RMS norm, Q/K/V (+ biases, + Qwen3's per-head / OLMoE's full-width q/k norms), RoPE, the KV
-// cache written at `pos`, attention over positions [0, pos + T) (causal within the T new tokens), the output
-// projection, RMS norm, router softmax, top-k (renormalised where the family does), the experts' mul_mat_id, and
-// the final norm and lm_head. One call per forward: the weights stay where they lie (the mapped file), the
-// intermediates get ggml-alloc's reused memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a
-// layer in Python and torch between ggml calls (docs/gguf.md), which llama.cpp does not.
+// llama.cpp's own graph for its llama (Mixtral), qwen3moe, olmoe and gpt-oss (openai-moe) architectures
+// (src/models/*.cpp): embedding rows, then per layer RMS norm, Q/K/V (+ biases, + Qwen3's per-head / OLMoE's
+// full-width q/k norms), RoPE (YaRN where ext_factor says), the KV cache written at `pos`, attention over positions
+// [0, pos + T) (causal within the T new tokens; a sliding-window layer's last n_swa only; GPT-OSS's sinks), the
+// output projection, RMS norm, the router (+ bias) with softmax or softmax_weight gating, top-k (renormalised where
+// the family does), the experts' mul_mat_id (+ biases, SiLU or swiglu_oai), and the final norm and lm_head. One
+// call per forward: the weights stay where they lie (the mapped file), the intermediates get ggml-alloc's reused
+// memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a layer in Python and torch between ggml
+// calls (docs/gguf.md), which llama.cpp does not.
 //
 // Legend (ggml order, ne0 first): H = hidden, D = head dim, NH / NKV = query / KV heads, T = new tokens,
 // P = positions attended (pos + T), E = experts, U = experts used, I = expert width, V = vocabulary.
@@ -639,16 +652,29 @@ typedef struct {
 
 typedef struct {
     mg_w attn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, ffn_norm, router, gate, up, down;
+    mg_w router_b;                 // F32 [E]: added to the router's logits (GPT-OSS's ffn_gate_inp.bias)
+    mg_w gate_b, up_b, down_b;     // F32 [I, E], [I, E], [H, E]: the experts' biases (GPT-OSS's ffn_*_exps.bias)
+    mg_w sinks;                    // F32 [NH]: per-head attention sink logits (GPT-OSS's attn_sinks)
 } mg_layer_w;
 
 typedef struct {
     int64_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab, n_expert, n_used, n_ctx;
     float eps, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
-    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full, pad;
+    float freq_base_swa;           // the sliding-window layers' RoPE base (llama.cpp's rope_freq_base_train_swa)
+    float act_alpha, act_limit;    // the experts' activation: alpha > 0 swiglu_oai(alpha, limit), else SiLU(gate) * up
+    int32_t rope_mode, n_rot, n_ctx_orig, norm_topk, qk_norm_full, kv_type;   // kv_type: GGML_TYPE_F16 or F32
+    int32_t gating;                // MG_GATING_SOFTMAX or MG_GATING_SOFTMAX_WEIGHT
+    int32_t n_swa;                 // the sliding window (positions a query sees, itself included) of the layers
+                                   // is_swa marks
     mg_w tok_embd, out_norm, output;
     const mg_layer_w *layers;
-    float *k_cache, *v_cache;     // [n_layer, n_ctx, NKV * D] each, F32
+    const uint8_t *is_swa;         // [n_layer]: 1 where the layer attends a sliding window; NULL: none
+    char *k_cache, *v_cache;      // [n_layer, n_ctx, NKV * D] each, of kv_type (F16: llama.cpp's default cache type)
 } mg_model_desc;
+
+// llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (softmax over all experts, then top-k of the probabilities)
+// and _SOFTMAX_WEIGHT (top-k of the logits, then softmax over the selected: GPT-OSS)
+enum { MG_GATING_SOFTMAX = 0, MG_GATING_SOFTMAX_WEIGHT = 1 };
 
 int mg_model_abi(void) { return (int)sizeof(mg_model_desc) * 1000 + (int)sizeof(mg_w); }
 
@@ -666,9 +692,54 @@ static struct ggml_tensor *linear(struct ggml_context *ctx, const mg_w *w, const
 }
 
 static struct ggml_tensor *rope(struct ggml_context *ctx, const mg_model_desc *m, struct ggml_tensor *x,
-                                struct ggml_tensor *pos) {
-    return ggml_rope_ext(ctx, x, pos, NULL, m->n_rot, m->rope_mode, m->n_ctx_orig, m->freq_base, m->freq_scale,
+                                struct ggml_tensor *pos, float freq_base) {
+    return ggml_rope_ext(ctx, x, pos, NULL, m->n_rot, m->rope_mode, m->n_ctx_orig, freq_base, m->freq_scale,
                          m->ext_factor, m->attn_factor, m->beta_fast, m->beta_slow);
+}
+
+// The first cache position a sliding-window layer's chunk of queries at pos.. can see: a query at p1 sees keys at
+// p0 with p1 - p0 < n_swa (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD); the earliest query is pos.
+static int64_t swa_start(const mg_model_desc *m, int64_t pos) {
+    return pos - m->n_swa + 1 > 0 ? pos - m->n_swa + 1 : 0;
+}
+
+// The sliding-window layers' mask [P - s0, T] F16 (s0 = swa_start): 0 where query pos + t sees key s0 + j, -INF
+// where the key is in its future or n_swa or more positions back (as llama.cpp's kv cache fills kq_mask_swa).
+static ggml_fp16_t *swa_mask(const mg_model_desc *m, int64_t pos, int64_t T) {
+    const int64_t s0 = swa_start(m, pos), n = pos + T - s0;
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    ggml_fp16_t *mask = malloc(sizeof(ggml_fp16_t) * (size_t)n * (size_t)T);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t p0 = s0 + j, p1 = pos + t;
+            mask[t * n + j] = p0 > p1 || p1 - p0 >= m->n_swa ? ninf : zero;
+        }
+    return mask;
+}
+
+// One layer's attention of the T new queries Q [D, NH, T] over this layer's cache positions [s0, pos + T) (kc, vc:
+// [n_ctx, NKV * D] of kv_type): flash attention, as llama.cpp's default on the CPU (build_attn_mha), K and V read
+// where they lie in the cache, V not transposed (the non-FA form's transposed copy of V cost ~1.5 ms a token at a
+// few hundred positions: ggml copies it element by element); GQA by ggml's broadcast over the head axis (query
+// head h reads KV head h / (NH / NKV), transformers' repeat_kv). `mask` [pos + T - s0, T] F16 (-INF: not seen) or
+// NULL (a decode step sees every position from s0); s0 > 0: a sliding-window layer's first visible position.
+// `sinks` (F32 [NH] or NULL): each head's sink logit joins its softmax (ggml_flash_attn_ext_add_sinks), taking its
+// share of the weight and adding no value. -> [NH * D, T]
+static struct ggml_tensor *attention(struct ggml_context *ctx, const mg_model_desc *m, struct ggml_tensor *Q,
+                                     char *kc, char *vc, int64_t s0, int64_t pos, int64_t T,
+                                     struct ggml_tensor *mask, struct ggml_tensor *sinks) {
+    const int64_t D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, KV = NKV * D, P = pos + T - s0;
+    const enum ggml_type kvt = (enum ggml_type)m->kv_type;
+    const size_t es = ggml_type_size(kvt);
+    struct ggml_tensor *kall = ext(ctx, kvt, KV * P, 1, 1, kc + s0 * KV * es);
+    struct ggml_tensor *vall = ext(ctx, kvt, KV * P, 1, 1, vc + s0 * KV * es);
+    struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * es, D * es, 0);      // [D, P, NKV]
+    struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * es, D * es, 0);      // [D, P, NKV]
+    struct ggml_tensor *q = ggml_permute(ctx, Q, 0, 2, 1, 3);                            // [D, T, NH]
+    struct ggml_tensor *att = ggml_flash_attn_ext(ctx, q, k, v, mask, 1.0f / sqrtf((float)D), 0.0f, 0.0f);
+    ggml_flash_attn_ext_add_sinks(att, sinks);                                           // [D, NH, T]
+    ggml_prec_set_acc(att, GGML_PREC_F32);
+    return ggml_reshape_2d(ctx, att, D * NH, T);                                        // [NH*D, T]
 }
 
 // tokens [T] int32 at positions pos.. -> logits [T or 1, V] (last_only: the last token's); ids_out (or NULL):
@@ -676,7 +747,7 @@ static struct ggml_tensor *rope(struct ggml_context *ctx, const mg_model_desc *m
 int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64_t T, int64_t pos,
                   int32_t last_only, float *logits, int32_t *ids_out) {
     mg_handle *h = hp;
-    if (pos + T > m->n_ctx || T < 1) return -1;
+    if (pos + T > m->n_ctx || T < 1 || (m->kv_type != GGML_TYPE_F16 && m->kv_type != GGML_TYPE_F32)) return -1;
     size_t n_tensors = (size_t)m->n_layer * 96 + 256;
     size_t need = ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 4096;
     if (need > h->model_meta_size) {
@@ -689,10 +760,11 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     struct ggml_context *ctx = ggml_init(ip);
     struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_tensors, false);
 
-    const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, P = pos + T;
+    const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv;
     const int64_t KV = NKV * D, U = m->n_used, E = m->n_expert;
-    const float scale = 1.0f / sqrtf((float)D);
-    const mg_act silu = {0, 0};                                 // the families here: SiLU(gate) * up
+    const enum ggml_type kvt = (enum ggml_type)m->kv_type;
+    const size_t es = ggml_type_size(kvt);                      // bytes an element of the cache
+    const mg_act act = {m->act_alpha, m->act_limit};            // SiLU(gate) * up, or GPT-OSS's swiglu_oai
 
     int32_t *posv = malloc(sizeof(int32_t) * T);
     for (int64_t t = 0; t < T; t++) posv[t] = (int32_t)(pos + t);
@@ -700,6 +772,25 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     struct ggml_tensor *inp_tok = ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens);
     int32_t last = (int32_t)(T - 1);
     struct ggml_tensor *inp_last = ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last);
+    // causal mask of the new tokens [P, T] F16 (flash attention's type): token t sees positions <= pos + t;
+    // a decode step (T = 1) sees every position, no mask
+    ggml_fp16_t *maskv = NULL;
+    struct ggml_tensor *kq_mask = NULL;
+    if (T > 1) {
+        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+        maskv = malloc(sizeof(ggml_fp16_t) * (size_t)(pos + T) * (size_t)T);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t p = 0; p < pos + T; p++) maskv[t * (pos + T) + p] = p <= pos + t ? zero : ninf;
+        kq_mask = ext(ctx, GGML_TYPE_F16, pos + T, T, 1, maskv);
+    }
+
+    // the sliding-window layers' mask over [swa_start, pos + T), if a layer is one (a decode step: none, the
+    // window is the cache view's start)
+    ggml_fp16_t *swa_maskv = NULL;
+    for (int64_t il = 0; T > 1 && m->is_swa && il < m->n_layer && !swa_maskv; il++)
+        if (m->is_swa[il]) swa_maskv = swa_mask(m, pos, T);
+    struct ggml_tensor *kq_mask_swa = swa_maskv ? ext(ctx, GGML_TYPE_F16, pos + T - swa_start(m, pos), T, 1,
+                                                      swa_maskv) : NULL;
 
     struct ggml_tensor *inpL = ggml_get_rows(ctx, weight(ctx, &m->tok_embd), inp_tok);      // [H, T]
     int64_t Tn = T;                                                                          // rows still carried
@@ -719,27 +810,18 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
             Q = rms(ctx, Q, &L->q_norm, m->eps);
             K = rms(ctx, K, &L->k_norm, m->eps);
         }
-        Q = rope(ctx, m, Q, inp_pos);                                                       // [D, NH, T]
-        K = rope(ctx, m, K, inp_pos);                                                       // [D, NKV, T]
-        // the new tokens' K and V into the cache (run before the attention reads it: graph order)
-        float *kc = m->k_cache + il * m->n_ctx * KV, *vc = m->v_cache + il * m->n_ctx * KV;
-        struct ggml_tensor *kdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, kc + pos * KV);
-        struct ggml_tensor *vdst = ext(ctx, GGML_TYPE_F32, KV * T, 1, 1, vc + pos * KV);
+        const int swa = m->is_swa && m->is_swa[il];
+        const float freq_base = swa ? m->freq_base_swa : m->freq_base;
+        Q = rope(ctx, m, Q, inp_pos, freq_base);                                            // [D, NH, T]
+        K = rope(ctx, m, K, inp_pos, freq_base);                                            // [D, NKV, T]
+        // the new tokens' K and V into the cache, converted to f16 (run before the attention reads it: graph order)
+        char *kc = m->k_cache + il * m->n_ctx * KV * es, *vc = m->v_cache + il * m->n_ctx * KV * es;
+        struct ggml_tensor *kdst = ext(ctx, kvt, KV * T, 1, 1, kc + pos * KV * es);
+        struct ggml_tensor *vdst = ext(ctx, kvt, KV * T, 1, 1, vc + pos * KV * es);
         ggml_build_forward_expand(gf, ggml_cpy(ctx, K, kdst));
         ggml_build_forward_expand(gf, ggml_cpy(ctx, V, vdst));
-        // attention over P positions; GQA by ggml's broadcast over the head axis (query head h reads KV head
-        // h / (NH / NKV), transformers' repeat_kv)
-        struct ggml_tensor *kall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, kc);
-        struct ggml_tensor *vall = ext(ctx, GGML_TYPE_F32, KV * P, 1, 1, vc);
-        struct ggml_tensor *k = ggml_view_3d(ctx, kall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
-        struct ggml_tensor *v = ggml_view_3d(ctx, vall, D, P, NKV, KV * 4, D * 4, 0);        // [D, P, NKV]
-        struct ggml_tensor *q = ggml_permute(ctx, Q, 0, 2, 1, 3);                            // [D, T, NH]
-        struct ggml_tensor *kq = ggml_mul_mat(ctx, k, q);                                    // [P, T, NH]
-        if (T > 1) kq = ggml_diag_mask_inf(ctx, kq, (int)pos);
-        kq = ggml_soft_max_ext(ctx, kq, NULL, scale, 0.0f);
-        struct ggml_tensor *vt = ggml_cont(ctx, ggml_transpose(ctx, v));                     // [P, D, NKV]
-        struct ggml_tensor *kqv = ggml_mul_mat(ctx, vt, kq);                                 // [D, T, NH]
-        cur = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), D * NH, T);             // [NH*D, T]
+        cur = swa ? attention(ctx, m, Q, kc, vc, swa_start(m, pos), pos, T, kq_mask_swa, weight(ctx, &L->sinks))
+                  : attention(ctx, m, Q, kc, vc, 0, pos, T, kq_mask, weight(ctx, &L->sinks));  // [NH*D, T]
         cur = linear(ctx, &L->wo, &L->bo, cur);                                              // [H, T]
         struct ggml_tensor *res = inpL;
         if (il == m->n_layer - 1 && last_only && T > 1) {          // the last layer's FFN: only the row kept
@@ -749,10 +831,14 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
         }
         struct ggml_tensor *ffn_inp = ggml_add(ctx, cur, res);
         cur = rms(ctx, ffn_inp, &L->ffn_norm, m->eps);                                      // [H, Tn]
-        // routing (llama.cpp's build_moe_ffn, softmax gating)
-        struct ggml_tensor *probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, weight(ctx, &L->router), cur));  // [E, Tn]
+        // routing (llama.cpp's build_moe_ffn): softmax gating picks the top-k probabilities; softmax_weight the
+        // top-k logits, then a softmax over the k selected
+        struct ggml_tensor *probs = linear(ctx, &L->router, &L->router_b, cur);              // [E, Tn] logits
+        if (m->gating == MG_GATING_SOFTMAX) probs = ggml_soft_max(ctx, probs);
         struct ggml_tensor *sel = ggml_argsort_top_k(ctx, probs, (int)U);                   // [U, Tn] int32
         struct ggml_tensor *wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, Tn), sel);   // [1, U, Tn]
+        if (m->gating == MG_GATING_SOFTMAX_WEIGHT)
+            wts = ggml_reshape_3d(ctx, ggml_soft_max(ctx, ggml_reshape_2d(ctx, wts, U, Tn)), 1, U, Tn);
         if (m->norm_topk) {
             struct ggml_tensor *w2 = ggml_reshape_2d(ctx, wts, U, Tn);
             w2 = ggml_div(ctx, w2, ggml_sum_rows(ctx, w2));
@@ -763,7 +849,8 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
             ggml_build_forward_expand(gf, ggml_cpy(ctx, sel, dst));
         }
         struct ggml_tensor *moe = experts_ffn(NULL, ctx, weight(ctx, &L->gate), weight(ctx, &L->up),
-                                              weight(ctx, &L->down), NULL, NULL, NULL, silu,
+                                              weight(ctx, &L->down), weight(ctx, &L->gate_b),
+                                              weight(ctx, &L->up_b), weight(ctx, &L->down_b), act,
                                               ggml_reshape_3d(ctx, cur, H, 1, Tn), sel, wts);   // [H, Tn]
         inpL = ggml_add(ctx, moe, ffn_inp);                                                 // [H, Tn]
     }
@@ -778,5 +865,7 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     if (rc == 0) compute(h, gf);
     ggml_free(ctx);
     free(posv);
+    free(maskv);
+    free(swa_maskv);
     return rc;
 }

@@ -90,10 +90,11 @@ class VnniDenseLinear(nn.Module):
 class GgmlDenseLinear(GgufLinear):
     """An nn.Linear quantized once at load into ggml blocks of `encoding` (ggml's own quantizer: round to nearest
     per block, as llama-quantize without an importance matrix) and multiplied by ggml's `mul_mat` (x quantized per
-    block as llama.cpp does). The blocks are a host copy the module owns, not a mapped file; the bias stays."""
+    block as llama.cpp does). The blocks are a host copy the module owns, not a mapped file; the bias stays, the bf16
+    weight does not (`cpu_linears` drops the Linear it replaces)."""
 
     def __init__(self, linear: nn.Linear, encoding: int, name: str):
-        blocks = ggml.quantize(encoding, linear.weight.detach().float())        # uint8 [N, row bytes]
+        blocks = ggml.quantize(encoding, linear.weight)           # uint8 [N, row bytes]; fp32 a chunk of rows at a time
         super().__init__(linear, encoding, blocks, None, name)
 
     @property
@@ -149,16 +150,24 @@ def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
     moectl's; Q8_0 / Q6_K / Q4_0: ggml's), and the low-bit matrices' weight bytes before and after."""
     out = {"gemv": 0, "int8": 0, "q8": 0, "q6": 0, "q4": 0, "Q8_0": 0, "Q6_K": 0, "Q4_0": 0, "bytes_before": 0,
            "bytes_after": 0}
-    for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+    # by name, one module at a time: a replaced Linear's bf16 weight (unless tied to the embedding) is freed before
+    # the next is quantized, so the load holds one matrix twice at a time, not every one (the caller then trims the
+    # heap: runtime/load.py)
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        lin = getattr(owner, leaf)
         q = _lowbit_linear(dense_lowbit, name, lin) if dense_lowbit else None
         if q is None:
             lin.__class__ = GemvLinear
             out["gemv"] += 1
             continue
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, q)
+        setattr(owner, leaf, q)
         out[f"q{q.bits}" if isinstance(q, VnniDenseLinear) else
             encoding_name(q.encoding) if isinstance(q, GgmlDenseLinear) else "int8"] += 1
         out["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
         out["bytes_after"] += sum(b.numel() * b.element_size() for b in q.buffers())
+        lin.weight = None                  # whatever else holds the Linear (a hook, a list) does not keep its weight
+        del lin, q
     return out

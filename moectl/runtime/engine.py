@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import MoectlError
@@ -226,14 +227,12 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-        ids = self.graph.last_ids.reshape(self.graph.n_layer, -1).long()        # [L, T*U], -1: not routed
-        L, E = ids.shape[0], self.graph.n_expert
-        routed = ids >= 0
-        # a step acquires each expert it routes once per layer (the module path's count)
-        flat = (ids + torch.arange(L)[:, None] * E)[routed]
-        distinct = (torch.bincount(flat, minlength=L * E).reshape(L, E) > 0).sum(1).numpy()    # [L]
+        # numpy on the small id array: a decode step's counting in torch ops was ~0.2 ms of Python a token
+        ids = np.sort(self.graph.last_ids.numpy().reshape(self.graph.n_layer, -1), axis=1)  # [L, T*U], -1: not routed
+        # a step acquires each expert it routes once per layer (the module path's count): the distinct ids >= 0
+        distinct = (ids[:, 0] >= 0) + ((ids[:, 1:] != ids[:, :-1]) & (ids[:, 1:] >= 0)).sum(1)    # [L]
         self.cache.state.count_hits(distinct, self.cache.plan(0, 0, []))   # in place: one pool computes them all
-        self.runtime.expert_calls += int(routed.sum())
+        self.runtime.expert_calls += int((ids >= 0).sum())
         self.cache.end_token()
         return logits, kv
 

@@ -5,13 +5,14 @@ Why: in place on the CPU, every matrix was already ggml's, but a token still wen
 and moectl's expert block: ~40 torch operations and 5 ggml calls a layer, each waking ggml's threadpool. On a
 2-layer Qwen3-shaped Q8_0 file that was 6.4 ms of a 31 ms token (docs/gguf.md), and it grows with the layer count
 (48 layers: ~150 ms a token) where llama.cpp's one graph a token has none of it. Here a forward (a prompt's prefill,
-or one decode token) is one call: embedding rows, attention with a KV cache held here, routing, the experts'
-mul_mat_id and the lm_head, in the file's own blocks.
+or one decode token) is one call: embedding rows, flash attention over an f16 KV cache held here (llama.cpp's CPU
+default), routing, the experts' mul_mat_id and the lm_head, in the file's own blocks.
 
 Which runs take it (`why_not`, runtime/load.py: `one_graph`): the families whose graph is written (Mixtral as
-llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts, RoPE without YaRN), in
-place on the CPU with ggml, from a GGUF (`from_gguf`) or from a checkpoint with moectl's ggml copies
-(`from_modules`), and nothing that needs the module path: no gating or prefetch policy, no draft, no replay, no
+llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts; GPT-OSS as its
+`gpt-oss`: attention sinks, sliding-window layers, YaRN, biases, softmax_weight routing, swiglu_oai), in place on the
+CPU with ggml, from a GGUF (`from_gguf`) or from a checkpoint with moectl's ggml copies (`from_modules`; not
+GPT-OSS), and nothing that needs the module path: no gating or prefetch policy, no draft, no replay, no
 observers (profile, predictors). Every other run keeps the module path, unchanged. `MOECTL_GGML_GRAPH=0` switches
 it off.
 
@@ -22,6 +23,7 @@ heads x head dim.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import numpy as np
@@ -31,21 +33,38 @@ from ..errors import MoectlError
 from ..kernels import ggml
 
 ROPE_NORM, ROPE_NEOX = 0, 2                 # llama.cpp's LLAMA_ROPE_TYPE_NORM / _NEOX (ggml_rope_ext's mode)
+GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT = 0, 1    # the shim's MG_GATING_*: llama.cpp's expert gating funcs
 FAMILIES = {"mixtral": dict(rope_mode=ROPE_NORM, norm_topk=True, qk_norm_full=False),   # on the converter's Q/K rows
             "qwen3_moe": dict(rope_mode=ROPE_NEOX, norm_topk=True, qk_norm_full=False),  # per-head q/k norm
-            "olmoe": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=True)}      # q/k norm over all heads
+            "olmoe": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=True),      # q/k norm over all heads
+            # llama.cpp's openai-moe: YaRN, sinks, sliding-window layers, biases, softmax_weight, swiglu_oai
+            "gpt_oss": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=False)}
+# GPT-OSS's swiglu_oai: alpha as llama.cpp's LLM_FFN_SWIGLU_OAI_MOE and transformers' GptOssExperts fix it; the
+# limit is the config's swiglu_limit (7.0 in both)
+OAI_ALPHA = 1.702
 
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "ffn_norm",
-                "router", "gate", "up", "down")
+                "router", "gate", "up", "down", "router_b", "gate_b", "up_b", "down_b", "sinks")
 # the GGUF tensor of each field (blk.N.<name>); those in OPTIONAL may be absent
 LAYER_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                  "wv": "attn_v.weight", "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias",
                  "bv": "attn_v.bias", "bo": "attn_output.bias", "q_norm": "attn_q_norm.weight",
                  "k_norm": "attn_k_norm.weight", "ffn_norm": "ffn_norm.weight", "router": "ffn_gate_inp.weight",
-                 "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
-OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm"}
+                 "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight",
+                 "router_b": "ffn_gate_inp.bias", "gate_b": "ffn_gate_exps.bias", "up_b": "ffn_up_exps.bias",
+                 "down_b": "ffn_down_exps.bias", "sinks": "attn_sinks.weight"}
+OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm", "router_b", "gate_b", "up_b", "down_b", "sinks"}
+# GPT-OSS: the norm before the MoE is `post_attention_norm` (llama.cpp's attn_post_norm), and every field it reads
+# is required (a file without its sinks or biases is not GPT-OSS's graph)
+FAMILY_TENSORS = {"gpt_oss": {"ffn_norm": "post_attention_norm.weight"}}
+FAMILY_REQUIRED = {"gpt_oss": {"bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b", "sinks"}}
 F32 = 0                                                     # GGML_TYPE_F32
 CHUNK = 512                                                 # tokens a graph takes at most (llama.cpp's ubatch)
+
+
+def layer_tensors(family: str | None) -> dict[str, str]:
+    """field -> the GGUF tensor (blk.N.<name>) of this family's layers."""
+    return LAYER_TENSORS | FAMILY_TENSORS.get(family, {})
 
 
 class MgW(ctypes.Structure):
@@ -61,11 +80,11 @@ class MgModel(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab",
                                                "n_expert", "n_used", "n_ctx")]
                 + [(n, ctypes.c_float) for n in ("eps", "freq_base", "freq_scale", "ext_factor", "attn_factor",
-                                                 "beta_fast", "beta_slow")]
+                                                 "beta_fast", "beta_slow", "freq_base_swa", "act_alpha", "act_limit")]
                 + [(n, ctypes.c_int32) for n in ("rope_mode", "n_rot", "n_ctx_orig", "norm_topk", "qk_norm_full",
-                                                 "pad")]
+                                                 "kv_type", "gating", "n_swa")]
                 + [("tok_embd", MgW), ("out_norm", MgW), ("output", MgW), ("layers", ctypes.POINTER(MgLayer)),
-                   ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)])
+                   ("is_swa", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)])
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -94,8 +113,13 @@ def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
     if family not in FAMILIES:
         return f"no one-graph forward for the {family} family yet"
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in ("default", "linear"):
+    if rope.get("rope_type", "default") not in ("default", "linear", "yarn"):
         return f"rope {rope.get('rope_type')} is not in the one-graph forward"
+    if rope.get("rope_type") == "yarn" and family != "gpt_oss":
+        return f"rope yarn is in the one-graph forward for GPT-OSS only (not {family})"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return f"attention {sorted(layer_types)} is not in the one-graph forward"
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) not in (1, None):
         return "dense (non-MoE) layers are not in the one-graph forward"
     if options is not None:
@@ -108,16 +132,18 @@ def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
     return None
 
 
-def gguf_tensors_missing(files, n_layer: int) -> str | None:
+def gguf_tensors_missing(files, n_layer: int, family: str | None = None) -> str | None:
     """A required tensor of the graph the file lacks (per-expert or fused tensors), or None."""
+    required = FAMILY_REQUIRED.get(family, set())
     for l in range(n_layer):
-        for field, name in LAYER_TENSORS.items():
-            if field not in OPTIONAL and f"blk.{l}.{name}" not in files:
+        for field, name in layer_tensors(family).items():
+            if (field not in OPTIONAL or field in required) and f"blk.{l}.{name}" not in files:
                 return f"blk.{l}.{name} is not in the file (per-expert or fused tensors)"
     return None
 
 
-SMALL = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo")     # handed over as fp32
+SMALL = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b",
+         "sinks")                                                                # handed over as fp32
 GGML_TYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
@@ -186,10 +212,26 @@ def _hyper(config, rope_mode: int, vocab: int, experts: int) -> MgModel:
     m.n_vocab, m.n_expert, m.n_used = vocab, experts, int(config.num_experts_per_tok)
     m.eps = float(config.rms_norm_eps)
     m.freq_base = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    m.freq_scale = 1.0 / float(rope["factor"]) if rope.get("rope_type") == "linear" else 1.0
+    m.freq_base_swa = m.freq_base
+    kind = rope.get("rope_type", "default")
+    m.freq_scale = 1.0 / float(rope["factor"]) if kind in ("linear", "yarn") else 1.0
+    # llama.cpp's hparams defaults: the betas are not read from the file for these architectures
     m.ext_factor, m.attn_factor, m.beta_fast, m.beta_slow = 0.0, 1.0, 32.0, 1.0
     m.rope_mode, m.n_rot = rope_mode, D
     m.n_ctx_orig = int(getattr(config, "max_position_embeddings", 4096))
+    if kind == "yarn":
+        # llama-context.cpp: ext_factor 1 for YaRN; attn_factor = mscale(factor) / (1 + 0.1 ln factor), which
+        # cancels ggml_rope's own (1 + 0.1 ln(1 / freq_scale)) so the net magnitude scale is mscale(factor)
+        factor = float(rope["factor"])
+        mscale = 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+        m.ext_factor = 1.0
+        m.attn_factor = mscale / (1.0 + 0.1 * math.log(factor))
+        m.n_ctx_orig = int(rope.get("original_max_position_embeddings") or m.n_ctx_orig)   # n_ctx_orig_yarn
+    m.gating = GATING_SOFTMAX_WEIGHT if config.model_type == "gpt_oss" else GATING_SOFTMAX
+    if config.model_type == "gpt_oss":
+        m.act_alpha, m.act_limit = OAI_ALPHA, float(getattr(config, "swiglu_limit", 7.0))
+    if swa_layers(config) is not None:
+        m.n_swa = int(config.sliding_window)
     # Mixtral always renormalises its top-k; Qwen3-MoE and OLMoE as their config says
     m.norm_topk = 1 if config.model_type == "mixtral" else int(bool(getattr(config, "norm_topk_prob",
                                                                              fam["norm_topk"])))
@@ -197,12 +239,24 @@ def _hyper(config, rope_mode: int, vocab: int, experts: int) -> MgModel:
     return m
 
 
-class GraphKV:
-    """The KV cache of one sequence in the one-graph forward: K and V [L, C, KV] fp32, `pos` positions filled."""
+def swa_layers(config) -> np.ndarray | None:
+    """uint8 [L]: 1 where the layer attends a sliding window (GPT-OSS's config's layer_types: its even layers, as
+    llama.cpp's swa pattern 2), or None where no layer does (the other families' graphs in llama.cpp have no
+    sliding window, whatever a config says)."""
+    types = getattr(config, "layer_types", None) or ()
+    if config.model_type != "gpt_oss" or "sliding_attention" not in types:
+        return None
+    return np.array([t == "sliding_attention" for t in types], dtype=np.uint8)
 
-    def __init__(self, layers: int, kv: int, capacity: int):
-        self.k = torch.zeros(layers, capacity, kv)
-        self.v = torch.zeros(layers, capacity, kv)
+
+class GraphKV:
+    """The KV cache of one sequence in the one-graph forward: K and V [L, C, KV] of `dtype`, `pos` positions
+    filled. fp16 is llama.cpp's default cache type (its flash attention reads it); fp32 keeps an fp32 model's
+    forward lossless (GgmlModel.kv_dtype)."""
+
+    def __init__(self, layers: int, kv: int, capacity: int, dtype: torch.dtype = torch.float16):
+        self.k = torch.zeros(layers, capacity, kv, dtype=dtype)
+        self.v = torch.zeros(layers, capacity, kv, dtype=dtype)
         self.pos = 0
 
     @property
@@ -216,7 +270,7 @@ class GraphKV:
         cap = max(n, 2 * self.capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = torch.zeros(old.shape[0], cap, old.shape[2])
+            new = torch.zeros(old.shape[0], cap, old.shape[2], dtype=old.dtype)
             new[:, :self.pos] = old[:, :self.pos]
             setattr(self, name, new)
 
@@ -233,11 +287,27 @@ class GgmlModel:
     Made by `from_gguf` (a GGUF's tensors where they lie in the mapped file) or `from_modules` (a checkpoint's
     loaded modules and expert copies in ggml blocks)."""
 
-    def __init__(self, desc: MgModel, layers, keep: list):
+    def __init__(self, desc: MgModel, layers, keep: list, kv_dtype: torch.dtype = torch.float16, config=None):
         self.lib = _declare(ggml.require())
+        swa = swa_layers(config) if config is not None else None
+        if swa is not None:
+            keep.append(swa)
+            desc.is_swa = swa.ctypes.data
         self.desc, self.layers, self._keep = desc, layers, keep     # keep: what the descriptors point at
+        self.kv_dtype = kv_dtype
         self.n_layer, self.V, self.U, self.n_expert = desc.n_layer, desc.n_vocab, desc.n_used, desc.n_expert
         self.KV = desc.n_head_kv * desc.head_dim
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (a new cache's: `new_kv`): fp16 or fp32."""
+        return self._kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"the graph's KV cache is fp16 or fp32, not {dtype}")
+        self._kv_dtype, self.desc.kv_type = dtype, GGML_TYPE[dtype]
 
     @classmethod
     def from_gguf(cls, gguf, config) -> "GgmlModel":
@@ -261,20 +331,25 @@ class GgmlModel:
 
         L = int(config.num_hidden_layers)
         layers = (MgLayer * L)()
+        names = layer_tensors(config.model_type)
         for l in range(L):
             for field in LAYER_FIELDS:
-                name = f"blk.{l}.{LAYER_TENSORS[field]}"
+                name = f"blk.{l}.{names[field]}"
                 if name in files:
                     setattr(layers[l], field, w(name, f32=field in SMALL))
         m = _hyper(config, fam["rope_mode"], int(files.entry("token_embd.weight").shape[0]),
                    int(files.entry("blk.0.ffn_gate_inp.weight").shape[0]))
         m.n_rot = int(files.get("{arch}.rope.dimension_count", m.head_dim))
+        m.freq_base_swa = float(files.get("{arch}.rope.freq_base_swa", m.freq_base))
+        m.attn_factor *= float(files.get("{arch}.rope.scaling.attn_factor", 1.0))   # hparams.rope_attn_factor
         m.tok_embd = w("token_embd.weight")
         m.out_norm = w("output_norm.weight", f32=True)
         if "output.weight" in files:
             m.output = w("output.weight")
         m.layers = layers
-        return cls(m, layers, keep)
+        # the KV cache: fp16 as llama.cpp's, fp32 for an fp32 file (its forward stays lossless)
+        return cls(m, layers, keep, torch.float32 if files.entry("blk.0.attn_q.weight").encoding == F32
+                   else torch.float16, config)
 
     @classmethod
     def from_modules(cls, model, config, cache) -> "GgmlModel | str":
@@ -282,6 +357,8 @@ class GgmlModel:
         ggml blocks: `--dense-lowbit` through ggml) and the experts the cache computes in place as ggml stacks
         (moectl's `--format ggml-*` copies). The checkpoint's Q/K rows are transformers' order: NEOX RoPE (its
         rotate_half), every family. A str: why not (a module or expert kind the graph cannot read)."""
+        if config.model_type == "gpt_oss":
+            return "GPT-OSS's graph reads a GGUF's tensors (sinks, biases), not a checkpoint's modules"
         keep: list = []
         inner = model.model
         L = len(inner.layers)
@@ -324,10 +401,12 @@ class GgmlModel:
             return f"lm_head: {out}"
         m.output = out
         m.layers = layers
-        return cls(m, layers, keep)
+        q_w = getattr(inner.layers[0].self_attn.q_proj, "weight", None)
+        return cls(m, layers, keep, torch.float32 if isinstance(q_w, torch.Tensor) and q_w.dtype == torch.float32
+                   else torch.float16, config)
 
     def new_kv(self, capacity: int = 256) -> GraphKV:
-        return GraphKV(self.n_layer, self.KV, capacity)
+        return GraphKV(self.n_layer, self.KV, capacity, self.kv_dtype)
 
     def forward(self, input_ids: torch.Tensor, kv: GraphKV | None = None, last_only: bool = False,
                 on_chunk=None):
@@ -335,28 +414,30 @@ class GgmlModel:
         CHUNK tokens, as llama.cpp's ubatch: a chunk's attention scores are [P, CHUNK, heads] floats, where one
         graph of T tokens would hold [P, T, heads] (4096 tokens, 32 heads: 2 GB). `on_chunk(done, total)` after
         each chunk."""
-        ids = input_ids.reshape(-1).to(torch.int32).contiguous()
-        T = ids.numel()
+        ids = np.ascontiguousarray(input_ids.reshape(-1).numpy(), dtype=np.int32)    # numpy: fewer torch calls
+        T = ids.size
         if T == 0:
             raise MoectlError("a forward needs at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.V:
-            raise MoectlError(f"token id {int(ids.max()) if int(ids.max()) >= self.V else int(ids.min())} is outside "
-                              f"the vocabulary (0..{self.V - 1})")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.V:
+            raise MoectlError(f"token id {hi if hi >= self.V else lo} is outside the vocabulary (0..{self.V - 1})")
         kv = kv if kv is not None else self.new_kv(max(256, T))
+        if kv.k.dtype != self.kv_dtype:
+            raise ValueError(f"a {kv.k.dtype} KV cache given to a graph whose cache is {self.kv_dtype}")
         kv.reserve(kv.pos + T)
         m = self.desc
         m.n_ctx, m.k_cache, m.v_cache = kv.capacity, kv.k.data_ptr(), kv.v.data_ptr()
         logits, routed = [], []
         for c0 in range(0, T, CHUNK):
             chunk = ids[c0:c0 + CHUNK]
-            n, final = chunk.numel(), c0 + CHUNK >= T
+            n, final = chunk.size, c0 + CHUNK >= T
             # only the kept rows' logits: the last chunk's last row (last_only), else every row
             out = torch.empty(1 if last_only else n, self.V)
             # each layer's routed experts [L, n, U]; -1 where a row was not routed (last_only: the last layer
             # routes one row, the only one whose output is used)
-            ids_out = torch.full((self.n_layer, n, self.U), -1, dtype=torch.int32)
-            rc = self.lib.mg_model_eval(ggml.handle(), ctypes.byref(m), chunk.data_ptr(), n, kv.pos,
-                                        int(last_only), out.data_ptr(), ids_out.data_ptr())
+            ids_out = np.full((self.n_layer, n, self.U), -1, dtype=np.int32)
+            rc = self.lib.mg_model_eval(ggml.handle(), ctypes.byref(m), chunk.ctypes.data, n, kv.pos,
+                                        int(last_only), out.data_ptr(), ids_out.ctypes.data)
             if rc:
                 raise MoectlError(f"ggml's graph failed (code {rc}) on {n} tokens at position {kv.pos}")
             kv.pos += n
@@ -366,5 +447,5 @@ class GgmlModel:
             if on_chunk is not None:
                 on_chunk(min(c0 + CHUNK, T), T)
         # one chunk (a decode step): no copies
-        self.last_ids = routed[0] if len(routed) == 1 else torch.cat(routed, dim=1)          # [L, T, U]
+        self.last_ids = torch.from_numpy(routed[0] if len(routed) == 1 else np.concatenate(routed, axis=1))  # [L, T, U]
         return (logits[0] if len(logits) == 1 else torch.cat(logits))[None], kv

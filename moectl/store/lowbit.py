@@ -9,14 +9,20 @@ packed size the format computes. Then each layer's uint8 [E, N] tensor is read s
 (pinned when CUDA is present): the low-bit tier always lives in host RAM, whatever `--offload` says for the
 full-precision copies. `--lowbit ggml-q4_0` (ggml-q8_0, ggml-q4_k) names ggml block copies
 (`experts-ggml-q4_0.json`, `formats/ggml_copies.py`): checked the same way, their encoding and block-format version
-instead of bits and group size, and kept as written (ggml computes their blocks; no CPU-kernel repack).
+instead of bits and group size, and kept as written (ggml computes their blocks; no CPU-kernel repack). On the CPU
+(not pinned) with ggml loaded, ggml copies are not read but mapped from their shards copy-on-write, as a GGUF is,
+and the map registered as stable memory (`kernels/ggml.py: register_stable`): ggml's CPU_REPACK then makes its
+interleaved copy of each expert on first use (llama.cpp's Q4_0 GEMV / GEMM kernels) and the mapped pages it copied
+leave the process, so RAM holds one copy of each expert, not two.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..artifacts.lowbit import FORMAT, KEY, VERSION, copy_paths
@@ -25,6 +31,7 @@ from ..errors import MoectlError
 from ..formats.cpu_layout import cpu_kernel_format
 from ..formats.ggml_copies import ENCODINGS, FORMAT_VERSION, GgmlCopyFormat, is_ggml_copy
 from ..formats.hqq import HqqFormat, parse_lowbit
+from ..kernels import ggml
 from ..progress import ProgressBar
 from .checkpoint import byte_view, parse_header, read_at
 from .memory import host_empty
@@ -99,6 +106,8 @@ class LowbitCopies:
                 raise MoectlError(f"{path} lists shard {fname}, which is missing: run `moectl quantize` again")
             ranges.update(parse_header(f))
         self.buffers: list[torch.Tensor] = []            # [L] of uint8 [E, N]
+        # ggml copies computed by ggml on the CPU: mapped, for its repack (the docstring); read (pinned) for a GPU
+        self.mapped = isinstance(stored, GgmlCopyFormat) and not pin and ggml.planned() and ggml.library() is not None
         with ProgressBar(progress, transient=True) as bar:
             task = bar.add(f"reading {self.name} copies", num_layers)
             for l in range(num_layers):
@@ -106,6 +115,10 @@ class LowbitCopies:
                 if r is None or r.dtype != torch.uint8 or r.shape != (self.num_experts, self.expert_nbytes):
                     raise MoectlError(f"{path}: layer {l}'s copies are missing or of the wrong size "
                                       f"({r.shape if r else 'absent'}, want {(self.num_experts, self.expert_nbytes)})")
+                if self.mapped:
+                    self.buffers.append(self._map(r, path))
+                    bar.update(task, advance=1)
+                    continue
                 buf = host_empty((self.num_experts, self.expert_nbytes), torch.uint8, f"reading {self.name} copies",
                                  pin=pin)
                 fd = os.open(r.file, os.O_RDONLY)
@@ -125,6 +138,18 @@ class LowbitCopies:
                                                    and isinstance(stored, HqqFormat)) else None
         if kernel_fmt is not None:
             self._repack(kernel_fmt, pin)
+
+    def _map(self, r, path) -> torch.Tensor:
+        """A layer's [E, N] bytes where they lie in the shard: a copy-on-write map (never written), registered with
+        ggml as stable, asked for in the background (MADV_WILLNEED: the first tokens touch every expert)."""
+        if r.file.stat().st_size < r.offset + r.nbytes:
+            raise MoectlError(f"{r.file} is truncated (run `moectl quantize --format {self.name}` again)")
+        arr = np.memmap(r.file, dtype=np.uint8, mode="c", offset=r.offset, shape=(self.num_experts, self.expert_nbytes))
+        mm = getattr(arr, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_WILLNEED)
+        ggml.register_stable(arr)
+        return torch.from_numpy(arr)
 
     def _repack(self, fmt, pin: bool) -> None:
         # Every expert converted into `fmt`, one layer at a time (the peak is one extra layer).
