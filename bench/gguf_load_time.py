@@ -54,7 +54,7 @@ import moectl.runtime.load as L
 from moectl.runtime.engine import Engine
 steps = {"import": since(t0)}
 STEPS = ("take_device", "load_config", "open_checkpoint", "skeleton", "resolve", "check_host", "read_dense",
-         "cpu_linears", "cpu_attention", "build_policies", "ExpertStore", "map_for_ggml")
+         "cpu_linears", "cpu_attention", "build_policies", "ExpertStore", "map_for_ggml", "one_graph")
 def timed(name, fn):
     def run(*a, **k):
         t = now()

@@ -89,6 +89,7 @@ def test_prefill_is_one_ggml_graph_per_layer(q4km, tmp_path, monkeypatch):
     from moectl.runtime import load
 
     monkeypatch.setattr(load, "dense_mapped", lambda *a: {})
+    monkeypatch.setattr(load, "dense_in_place_names", lambda files: frozenset())     # the lean load's, from the header
     with monkeypatch.context() as m:
         per_expert(m)
         calls_before = count_ggml_calls(m)

@@ -54,7 +54,8 @@ class Engine:
     def __init__(self, model, config, adapter, ckpt: Checkpoint, store: ExpertStore,
                  cache: ExpertCache, runtime: Runtime, device: torch.device, dtype: torch.dtype, ref,
                  progress: bool = False):
-        self.model, self.config, self.adapter, self.ckpt = model, config, adapter, ckpt
+        self._model, self._build_model = None, None     # the model, or (the lean load) how to build it
+        self.config, self.adapter, self.ckpt = config, adapter, ckpt
         self.store, self.cache, self.device, self.dtype = store, cache, device, dtype
         self.runtime = runtime                      # what every layer's experts share (offloaded.py)
         self.ref = ref
@@ -67,7 +68,8 @@ class Engine:
         runtime.on_layer = self._progress.layer if progress else None
         self.speculator = None                      # --draft: speculative.Speculator
         self.graph = None                           # set by `load` where a GGUF's forward is one ggml graph
-        self.model.model.norm.register_forward_hook(self._on_final_norm)
+        if model is not None:
+            self._attach(model)
 
     # --- loading ------------------------------------------------------------------------
     @classmethod
@@ -85,6 +87,8 @@ class Engine:
         eng = cls(parts.model, parts.config, parts.adapter, parts.ckpt, parts.store, parts.cache, parts.runtime,
                   parts.device, parts.dtype, parts.ref, progress=opts.progress)
         eng.threads = parts.threads
+        if parts.model is None:                     # the lean load: the model is built on first need
+            eng._build_model, eng._dense_bytes = parts.build_model, parts.dense_bytes
         eng.graph = parts.graph                     # a GGUF in place: one ggml graph a forward (ggml_model.py)
         eng.options = opts
         eng.plan, eng.plan_note = opts.plan_data, opts.plan_note
@@ -92,6 +96,24 @@ class Engine:
             eng.speculator = Speculator(make_drafter(eng, opts.draft), opts.draft_tokens, opts.draft_rule,
                                         eng.fingerprint)
         return eng
+
+    @property
+    def model(self):
+        """transformers' model, its experts offloaded; after a lean load (runtime/load.py: the one graph serves
+        every forward) built here on first need: an observer, a module-path forward, a caller's own use."""
+        if self._model is None and self._build_model is not None:
+            self._attach(self._build_model())
+            self._build_model = None
+        return self._model
+
+    def _attach(self, model) -> None:
+        self._model = model
+        model.model.norm.register_forward_hook(self._on_final_norm)
+
+    @property
+    def model_built(self) -> bool:
+        """Whether transformers' model object exists (a lean load builds it only when needed)."""
+        return self._model is not None
 
     # --- facts --------------------------------------------------------------------------
     @property

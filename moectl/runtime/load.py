@@ -6,6 +6,14 @@ headers (a clear error before anything is read) -> skeleton under `init_empty_we
 swapped for `OffloadedExperts` -> non-expert tensors read onto the device -> routed experts into the `ExpertStore`
 (host RAM, or left on disk; with `--lowbit` the `moectl quantize` copies too) -> the cache: `InPlaceExperts` on a CPU
 with experts in RAM (nothing copied), else `DeviceCache` slots -> the policies (`runtime/policy_objects.py`).
+
+The lean load: a GGUF in place on the CPU whose every forward the one ggml graph serves (`lean_why_not`, decided
+before the skeleton from the options; then from the resolved gating and prefetch) builds no transformers model:
+no skeleton, no dense weights read, no CPU Linears. The sizes, the host-memory check and the dense bytes come from
+the header (`store/facts.py: lean_dense_nbytes`, `store/gguf/dense.py: dense_in_place_names`), equal to the full
+load's. The model object is built on first need (`Loaded.build_model`, called by `Engine.model`): an observer
+(profile, predictors), a module-path forward, `eval`'s fidelity. A draft or a routing replay is decided at load:
+those runs take the full load.
 """
 
 from __future__ import annotations
@@ -38,12 +46,14 @@ from ..store.facts import (
     header_dense_nbytes,
     host_options,
     kv_reserve_nbytes,
+    lean_dense_nbytes,
     load_config,
     open_checkpoint,
     parse_dtype,
     pick_device,
     skeleton,
 )
+from ..store.gguf.dense import dense_in_place_names
 from ..store.gguf.cpu import (
     dense_mapped,
     ggml_in_place,
@@ -79,6 +89,8 @@ class Loaded:
     opts: RuntimeOptions
     threads: int
     graph: object = None            # a GGUF in place: its whole forward as one ggml graph (ggml_model.py), or None
+    build_model: object = None      # the lean load (model None): builds the model on first need, returns it
+    dense_bytes: int | None = None  # the lean load: `dense_nbytes` of the model it did not build (from the header)
 
 
 def load(model: str, opts: RuntimeOptions) -> Loaded:
@@ -99,21 +111,27 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
 
     n_threads = set_threads(opts.threads, config.hidden_size, adapter.expert_intermediate, dev.type == "cuda")
     ggml_threads(n_threads)
-    hf, blocks = skeleton(config, adapter, dt, ref.path)
-    L, E, fingerprint = len(blocks), adapter.num_experts, config_fingerprint(config)
+    runtime = Runtime(adapter, None, opts.gate_prefill)
+    lean = in_place and lean_why_not(config, adapter, opts) is None
+    if lean:                                            # no model: the one graph serves every forward
+        hf, layer_ids, dense = None, list(range(config.num_hidden_layers)), lean_dense_nbytes(config, adapter, dt)
+    else:
+        hf, layer_ids = model_skeleton(config, adapter, dt, ref.path, runtime)
+        dense = dense_nbytes(hf, config)
+    L, E, fingerprint = len(layer_ids), adapter.num_experts, config_fingerprint(config)
     low_fmt = None
     if opts.lowbit:                                     # --lowbit names the copies; a plan never loads them unasked
         from ..store.lowbit import lowbit_format, read_lowbit_meta
 
         meta, path = read_lowbit_meta(ref.workdir, opts.lowbit, fingerprint, L, E)
         low_fmt = lowbit_format(meta, adapter, dt, path)
-    runtime = Runtime(adapter, None, opts.gate_prefill)
-    for moe_idx, (layer_idx, block) in enumerate(blocks):
-        block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, block.experts._apply_gate, E)
-    sizes = checkpoint_sizes(config, adapter, dt, dense_nbytes(hf, config), L, path=ref.path)
+    sizes = checkpoint_sizes(config, adapter, dt, dense, L, path=ref.path)
     setting = resolve(opts, sizes, ref.workdir, in_place=in_place,
                       low_nbytes=low_fmt.nbytes if low_fmt is not None else None,
                       device_memory=torch.cuda.mem_get_info(dev) if dev.type == "cuda" else None)
+    if lean and graph_why_not(config, opts, setting.gating, setting.prefetch) is not None:
+        lean = False                                    # a plan's or the workdir's gating or prefetch: the modules
+        hf, layer_ids = model_skeleton(config, adapter, dt, ref.path, runtime)
     if in_place:                                        # said, not silently ignored: nothing is cached in place
         given = [f"--{n.replace('_', '-')} {getattr(opts, n)}" for n in ("budget", "cache_experts")
                  if opts.sources.get(n) == FLAG]
@@ -129,19 +147,20 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
     full_tier = "disk" if in_place and prec.name == "lowbit-only" else opts.offload
     full, low = setting.pools.get(FULL, [0] * L), setting.pools.get(LOW)
     # A GGUF in place with ggml: its dense matrices and embedding are computed where they lie in the mapped file, as
-    # llama.cpp's (models/dense_gguf.py); --dense-lowbit asks for moectl's own low-bit copies instead
-    mapped_dense = dense_mapped(adapter, hf) if (in_place and not opts.dense_lowbit
-                                                 and ggml_library() is not None) else {}
+    # llama.cpp's (models/dense_gguf.py); --dense-lowbit asks for moectl's own low-bit copies instead. The lean
+    # load: their GGUF names, from the header (the same set)
+    if lean:
+        mapped_dense = dense_in_place_names(adapter.gguf.files)
+    else:
+        mapped_dense = dense_mapped(adapter, hf) if (in_place and not opts.dense_lowbit
+                                                     and ggml_library() is not None) else {}
     check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier, mapped_dense)
-    read_dense(hf, config, adapter, ckpt, dev, dt, ref.path, opts.progress, mapped_dense)
+    if not lean:
+        fill_model(hf, config, adapter, ckpt, dev, dt, ref.path, opts, mapped_dense)
     if mapped_dense:
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
-            f"gguf: {plural(len(mapped_dense), 'dense matrix', 'dense matrices')} (attention, lm_head, embedding) "
-            "computed by ggml where they lie in the mapped file")]))
-    if dev.type == "cpu":          # the dense Linears: one-row GEMV, or low-bit: --dense-lowbit (models/dense_cpu.py)
-        if cpu_linears(hf, opts.dense_lowbit)["bytes_before"]:
-            release_freed()        # the bf16 matrices the low-bit ones replaced leave the RSS
-        cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
+            f"gguf: {plural(_mapped_count(mapped_dense, config, adapter), 'dense matrix', 'dense matrices')} "
+            "(attention, lm_head, embedding) computed by ggml where they lie in the mapped file")]))
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
         raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "
                           "`moectl train-predictor`)")
@@ -151,14 +170,14 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
     # its Q4 experts read and repacked for torch's int4 kernel
     mapped = in_place and full_tier == "ram" and ggml_in_place(adapter)
     repack = in_place and full_tier == "ram" and int4_repackable(adapter)
-    store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload="disk" if mapped or repack else full_tier,
+    store = ExpertStore(ckpt, adapter, layer_ids, dt, offload="disk" if mapped or repack else full_tier,
                         pin=(dev.type == "cuda"), progress=opts.progress)
     note = map_for_ggml(store) if mapped else None
     if mapped:                          # the file into the page cache in the background (first tokens touch it all)
         adapter.gguf.files.will_need()
     if note is None and (mapped or repack):
         if mapped and not repack:                   # ggml failed to load: the packed bytes read into RAM instead
-            store = ExpertStore(ckpt, adapter, [i for i, _ in blocks], dt, offload=full_tier, pin=False,
+            store = ExpertStore(ckpt, adapter, layer_ids, dt, offload=full_tier, pin=False,
                                 progress=opts.progress)
         else:
             note = repack_for_cpu(store, dt, opts.progress)
@@ -181,7 +200,8 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
         device_expert_kernels(store, adapter, dev)
     experts_ggml = (store.formats is not None and all(isinstance(f, GgufMappedFormat) for f in store.formats)) or (
         in_place and prec.name == "lowbit-only" and isinstance(low_fmt, GgmlCopyFormat) and ggml_library() is not None)
-    if experts_ggml and n_threads > 1 and not _torch_matrices(hf):
+    if experts_ggml and n_threads > 1 and not (_header_torch_matrices(adapter, mapped_dense) if lean
+                                               else _torch_matrices(hf)):
         # Every large matrix is ggml's (its own threadpool, --threads wide); torch keeps norms, rotary, attention. torch's
         # OpenMP workers spin after each of its ops (libgomp's default wait policy), so beside ggml's workers on the
         # same cores they starve them: 2 threads under load took 437-504 ms/token against 133-247 with
@@ -205,13 +225,20 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
         # a make-synthetic checkpoint cut to its recipe's first layers replays the recipe's deeper trace
         runtime.replay = RoutingReplay(opts.replay_trace, L, E, adapter.top_k,
                                        prefix=bool(getattr(config, "moectl_synthetic", None)))
-    graph = one_graph(hf, config, adapter, cache, opts, runtime, prefetch, mapped_dense, experts_ggml) \
+    graph = one_graph(hf, config, adapter, cache, opts, runtime, prefetch, mapped_dense, experts_ggml, lean) \
         if in_place else None
-    return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads, graph)
+    if lean and graph is None:      # not expected (lean_why_not asks what one_graph does): the modules, now
+        hf = lazy_model(config, adapter, ckpt, dev, dt, ref.path, opts, runtime)()
+        lean = False
+    if not lean:
+        return Loaded(hf, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads, graph)
+    return Loaded(None, config, adapter, ckpt, store, cache, dev, dt, ref, runtime, opts, n_threads, graph,
+                  build_model=lazy_model(config, adapter, ckpt, dev, dt, ref.path, opts, runtime),
+                  dense_bytes=lean_dense_nbytes(config, adapter, dt, mapped_dense))
 
 
-def one_graph(hf, config, adapter, cache, opts: RuntimeOptions, runtime: Runtime, prefetch, mapped_dense: dict,
-              experts_ggml: bool):
+def one_graph(hf, config, adapter, cache, opts: RuntimeOptions, runtime: Runtime, prefetch, mapped_dense,
+              experts_ggml: bool, lean: bool = False):
     """The run's whole forward as one ggml graph (ggml_model.py), or None with the reason in the load's note: a
     GGUF in place (its tensors where they lie) or a checkpoint whose experts are ggml copies computed in place."""
     if not experts_ggml or (adapter.gguf is not None and not mapped_dense):
@@ -225,8 +252,81 @@ def one_graph(hf, config, adapter, cache, opts: RuntimeOptions, runtime: Runtime
         why, graph = (graph, None) if isinstance(graph, str) else (None, graph)
     what = "gguf" if adapter.gguf is not None else "ggml"
     note = f"{what}: one ggml graph a forward, as llama.cpp's" if why is None else f"{what}: module path ({why})"
+    if why is None and lean:
+        note += " (lean load: transformers' model built only if a module-path forward needs it)"
     opts.plan_note = "; ".join(filter(None, [opts.plan_note, note]))
     return graph if why is None else None
+
+
+# the one-graph families whose header figures (`lean_dense_nbytes`, `dense_in_place_names`) tests/test_lean_load.py
+# checks against the full load's; GPT-OSS's graph (sinks, biases, YaRN) is not checked there yet
+LEAN_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+
+
+def lean_why_not(config, adapter, opts: RuntimeOptions) -> str | None:
+    """Why this in-place CPU run cannot take the lean load (None: it can, unless the resolved gating or prefetch
+    needs the modules; `_load` asks that after resolving): the one graph must serve every forward it runs, from
+    the options alone, before anything is built."""
+    if adapter.gguf is None:
+        return "not a GGUF"
+    if opts.dense_lowbit or opts.lowbit:
+        return "low-bit copies (--dense-lowbit, --lowbit) are the modules'"
+    why = graph_why_not(config, opts)               # the family, MOECTL_GGML_GRAPH, --draft, --replay-trace, ggml
+    if why is None and not ggml_in_place(adapter):
+        why = "ggml is not planned"
+    if why is None and not dense_in_place_names(adapter.gguf.files):
+        why = "no dense matrix computed where it lies"  # one_graph takes a GGUF's graph only with them mapped
+    if why is None and config.model_type not in LEAN_FAMILIES:
+        why = f"no lean load for the {config.model_type} family yet"
+    return why or gguf_tensors_missing(adapter.gguf.files, config.num_hidden_layers, config.model_type)
+
+
+def model_skeleton(config, adapter, dt: torch.dtype, path, runtime: Runtime) -> tuple[object, list[int]]:
+    """(transformers' model on meta, its MoE layers' ids): each MoE block's experts swapped for `OffloadedExperts`
+    sharing `runtime`."""
+    hf, blocks = skeleton(config, adapter, dt, path)
+    for moe_idx, (layer_idx, block) in enumerate(blocks):
+        block.experts = OffloadedExperts(moe_idx, layer_idx, runtime, block.experts._apply_gate, adapter.num_experts)
+    return hf, [i for i, _ in blocks]
+
+
+def fill_model(hf, config, adapter, ckpt: Checkpoint, dev, dt, path, opts: RuntimeOptions, mapped_dense) -> None:
+    """The skeleton's dense weights read (or mapped), then on a CPU its Linears and attention made moectl's."""
+    read_dense(hf, config, adapter, ckpt, dev, dt, path, opts.progress, mapped_dense)
+    if dev.type == "cpu":          # the dense Linears: one-row GEMV, or low-bit: --dense-lowbit (models/dense_cpu.py)
+        if cpu_linears(hf, opts.dense_lowbit)["bytes_before"]:
+            release_freed()        # the bf16 matrices the low-bit ones replaced leave the RSS
+        cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
+
+
+def lazy_model(config, adapter, ckpt, dev, dt, path, opts: RuntimeOptions, runtime: Runtime):
+    """The lean load's model, built when first needed: what the full load builds (skeleton, dense weights mapped
+    where they lie, CPU Linears and attention), with the runtime, cache and store the load made."""
+    def build():
+        with collector_paused(), torch.inference_mode(False):     # a forward's inference mode: not the weights'
+            hf, _ = model_skeleton(config, adapter, dt, path, runtime)
+            fill_model(hf, config, adapter, ckpt, dev, dt, path, opts, dense_mapped(adapter, hf))
+        return hf
+
+    return build
+
+
+def _mapped_count(mapped_dense, config, adapter) -> int:
+    """How many modules compute where their matrix lies: a mapping's entries, or for the lean load's GGUF names, one
+    more where a tied lm_head reads the embedding's bytes (`dense_in_place`)."""
+    if not isinstance(mapped_dense, frozenset):
+        return len(mapped_dense)
+    tied = (getattr(config, "tie_word_embeddings", False) and "output.weight" not in adapter.gguf.files.tensors
+            and "token_embd.weight" in mapped_dense)
+    return len(mapped_dense) + tied
+
+
+def _header_torch_matrices(adapter, mapped: frozenset) -> list[str]:
+    """The lean load's `_torch_matrices`, from the header: its unmapped matrices (the routers) of a million weights
+    or more."""
+    files = adapter.gguf.files
+    return [n for n, t in files.tensors.items() if "ffn_gate_inp" in n and n not in mapped and len(t.shape) == 2
+            and t.shape[0] * t.shape[1] >= 1 << 20]
 
 
 def _torch_matrices(model) -> list[str]:

@@ -343,9 +343,23 @@ def offloaded_skeleton(model: str, workdir=None, dtype: str | None = None):
     return ref, config, adapter, ckpt, dt, hf, blocks
 
 
-def mapped_names(mapped: dict | None) -> frozenset:
-    """The GGUF names of a `dense_in_place` mapping."""
+def mapped_names(mapped: dict | frozenset | None) -> frozenset:
+    """The GGUF names of a `dense_in_place` mapping (a frozenset: those names already, the lean load's)."""
+    if isinstance(mapped, frozenset):
+        return mapped
     return frozenset(v[3] for v in (mapped or {}).values())
+
+
+def lean_dense_nbytes(config, adapter, dtype: torch.dtype, mapped: frozenset = frozenset()) -> int:
+    """`dense_nbytes` of a one-graph family's GGUF model, from the header and config alone (the lean load builds no
+    model, runtime/load.py): every dense tensor in `dtype` (the `mapped` ones, GGUF names, at their bytes in the
+    file: the modules `swap_in` made hold them as buffers) plus the rotary tables, the skeleton's only buffers
+    (transformers 5's `inv_freq` and `original_inv_freq`, fp32, half the rotary width each). Empty `mapped`: the
+    skeleton's, before any is read; the mapped set: the loaded model's. tests/test_lean_load.py checks both equal
+    the full load's on each family."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    return adapter.gguf.sizes(dtype.itemsize, mapped)["dense_bytes"] + 2 * 4 * -(-rotary // 2)
 
 
 def gguf_facts(adapter, dtype: torch.dtype, mapped: dict | None = None, model=None) -> dict:
