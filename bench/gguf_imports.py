@@ -26,17 +26,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = "~/.cache/moectl/gguf_vs_llamacpp/qwen3-moe-2/model-Q4_K_M.gguf"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PRELUDE = r"""
-import json, sys, time
-def now():
-    return time.perf_counter(), time.process_time()
-def since(t):
-    w, c = now()
-    return [w - t[0], c - t[1]]
-"""
+from gguf_load_time import DEFAULT_MODEL, ROOT, TIMER  # noqa: E402
+
 # name -> (setup, timed): each a fresh process; `timed` is what the row measures, after `setup`
 ROWS = {
     "import torch": ("", "import torch"),
@@ -54,7 +47,7 @@ ROWS = {
 
 
 def run_row(setup: str, timed: str, model: str, tok_dir: str) -> list[float]:
-    code = PRELUDE + setup + "\nt = now()\n" + timed + "\nprint('RESULT ' + json.dumps(since(t)))\n"
+    code = TIMER + setup + "\nt = now()\n" + timed + "\nprint('RESULT ' + json.dumps(since(t)))\n"
     p = subprocess.run([sys.executable, "-c", code, model, tok_dir], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if p.returncode:

@@ -40,14 +40,16 @@ PROMPT = "The capital of France is"
 
 # The child: one cold load. Each step of runtime/load.py's `load` that is a module-level name there is wrapped
 # with a timer (those the tree lacks are skipped: the script runs on older trees too).
-CHILD = r"""
+# a child's clock: (wall, CPU) now, and [wall, CPU] seconds since (bench/gguf_imports.py's rows use it too)
+TIMER = r"""
 import json, sys, time
 def now():
     return time.perf_counter(), time.process_time()
 def since(t):
     w, c = now()
     return [w - t[0], c - t[1]]
-t0 = now()
+"""
+CHILD = TIMER + r"""t0 = now()
 import torch
 torch.set_num_threads(1)
 import moectl.runtime.load as L

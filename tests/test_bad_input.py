@@ -7,6 +7,7 @@ Legend: L = MoE layers, E = experts, K = top-k.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -30,9 +31,11 @@ def _jsonl(path, header, rows) -> str:
     return str(path)
 
 
-def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    """`moectl ARGS` through the real entry point: (exit code, stdout, stderr)."""
+def run_cli(args, capsys, monkeypatch, stdin: str | None = None) -> tuple[int, str, str]:
+    """`moectl ARGS` through the real entry point: (exit code, stdout, stderr); `stdin`: what it reads there."""
     monkeypatch.setattr(sys, "argv", ["moectl", *args])
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     code = 0
     try:
         cli.main()

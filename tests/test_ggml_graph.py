@@ -149,6 +149,16 @@ def test_counters_are_the_module_paths(family_files, tmp_path, monkeypatch):
     assert st_g["misses"] == 0 and st_g["device_held_bytes"] > st_m["device_held_bytes"] - 1  # KV counted
 
 
+class RouteRecorder:
+    """An observer of the layers (as profile and the predictors are): the layer of each routing it is shown."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def on_route(self, layer, idx, weights, hidden):
+        self.seen.append(layer)
+
+
 def test_runs_that_need_the_modules_keep_them(family_files, tmp_path):
     """A gating policy (adaptive top-k) is not in the graph: the module path, said in the load's note. An observer
     added before a sequence starts (profile, predictors) gets the module path for that sequence."""
@@ -157,15 +167,10 @@ def test_runs_that_need_the_modules_keep_them(family_files, tmp_path):
     eng = _load(q, tmp_path / "a", gating="score:0.5")
     assert eng.graph is None and "module path (--gating" in eng.plan_note
     eng = _load(q, tmp_path / "b")
-    seen = []
-
-    class Obs:
-        def on_route(self, layer, idx, weights, hidden):
-            seen.append(layer)
-
-    eng.add_observer(Obs())
+    obs = RouteRecorder()
+    eng.add_observer(obs)
     _, pkv = eng.forward(PROMPT)
-    assert not isinstance(pkv, GraphKV) and seen
+    assert not isinstance(pkv, GraphKV) and obs.seen
     eng.remove_observer(eng.runtime.observers[0])
     _, pkv = eng.forward(PROMPT)
     assert isinstance(pkv, GraphKV)

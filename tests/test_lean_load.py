@@ -10,7 +10,6 @@ and no accelerate."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -22,14 +21,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from gguf_build import k256_mixtral, write_gguf
-from moectl import cli
 from moectl.runtime import load as load_module
 from moectl.runtime.engine import Engine
 from moectl.runtime.ggml_model import GraphKV
 from moectl.store.facts import dense_nbytes, lean_dense_nbytes, mapped_names
 from moectl.store.gguf.cpu import dense_mapped
 from moectl.store.gguf.dense import dense_in_place_names
-from test_ggml_graph import _checkpoint
+from test_bad_input import run_cli
+from test_ggml_graph import RouteRecorder, _checkpoint
 from test_gguf_run import GGML_LOGITS_RTOL, PROMPT, STEPS, ggml_or_skip
 from test_runtime import _engine_run
 
@@ -112,16 +111,11 @@ def test_an_observer_gets_the_model_built_on_first_need(q_file, tmp_path, monkey
     lean = _load(q_file, tmp_path / "lean")
     _, kv = lean.forward(PROMPT)
     assert isinstance(kv, GraphKV) and not lean.model_built
-    seen = []
-
-    class Obs:
-        def on_route(self, layer, idx, weights, hidden):
-            seen.append(layer)
-
-    lean.add_observer(Obs())
+    obs = RouteRecorder()
+    lean.add_observer(obs)
     out, pkv = lean.forward(PROMPT)
     assert lean.model_built and not isinstance(pkv, GraphKV)
-    assert sorted(set(seen)) == list(range(len(lean.moe_layer_ids)))
+    assert sorted(set(obs.seen)) == list(range(len(lean.moe_layer_ids)))
     monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
     full = _load(q_file, tmp_path / "full")
     want, _ = full.forward(PROMPT)
@@ -132,18 +126,6 @@ def test_a_resolved_gating_takes_the_full_load(q_file, tmp_path):
     ggml_or_skip()
     eng = _load(q_file, tmp_path / "g", gating="score:0.5")
     assert eng.graph is None and eng.model_built and "lean load" not in eng.plan_note
-
-
-def run_cli(args, capsys, monkeypatch, stdin: str = ""):
-    monkeypatch.setattr(sys, "argv", ["moectl", *args])
-    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("q_file", ["mixtral"], indirect=True)        # one family is enough for the commands
