@@ -26,7 +26,8 @@ import time
 import torch
 
 from moectl import kernels
-from moectl.runtime.machine import cpu_expert_ms, cpu_expert_q4_ms, cpu_expert_q8_ms, default_threads, mem_read_gbps
+from moectl.runtime.machine import cpu_expert_ms, cpu_expert_q4_ms, cpu_expert_q8_ms, mem_read_gbps
+from moectl.setting.threads import default_threads
 from moectl.models.base import ExpertLayout
 from moectl.formats.fp8_block import Fp8BlockFormat
 from moectl.formats.mxfp4 import Mxfp4Format

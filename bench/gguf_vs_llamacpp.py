@@ -144,9 +144,20 @@ def file_list(files: dict[str, Path], work: Path) -> str:
     return "\n".join(lines)
 
 
+TORCH_FREE = [True]     # --engine torch: the torch Engine even where `moectl generate` takes the torch-free one
+
+
 def moectl_run(gguf: Path, threads: int, gen: int, prompt: int, prefill: int) -> dict:
     """One fresh process on the file (bench/moectl_timed.py, as vs_llamacpp.py's): load + first token, warm-up,
-    a prefill, a decode; its peak RSS and kernels."""
+    a prefill, a decode; its peak RSS and kernels. The engine `moectl generate` runs on it: the torch-free one
+    where it serves the file (runtime/graph_engine.py), else the torch Engine."""
+    if TORCH_FREE[0]:
+        try:
+            return moectl_timed.moectl_run({"model": str(gguf)}, threads, prompt, gen, prefill, time_load=True,
+                                           torch_free=True)
+        except SystemExit as e:
+            if "does not serve" not in str(e):
+                raise
     return moectl_timed.moectl_run({"model": str(gguf)}, threads, prompt, gen, prefill, time_load=True)
 
 
@@ -296,10 +307,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="where the files go (default "
                     "$MOECTL_HOME/gguf_vs_llamacpp/<shape>-<layers>/)")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--engine", choices=("auto", "torch"), default="auto", help="moectl's engine: auto = what "
+                    "`moectl generate` runs (the torch-free one where it serves the file), torch = the torch Engine")
     ap.add_argument("--gguf", type=Path, nargs="+", help="time these GGUF files instead of making the shape's (e.g. "
                     "bench/gguf_gpt_oss.py --write-only's real GPT-OSS file: --shape gpt-oss-20b is a "
                     "Mixtral-architecture file of GPT-OSS's shapes)")
     a = ap.parse_args()
+    TORCH_FREE[0] = a.engine == "auto"
     if a.gguf:
         from moectl.store.gguf.files import GgufFiles
 

@@ -13,7 +13,9 @@ What it times, as llama-bench does on its side:
 - the process's peak RSS (GB) and which kernels served it (moectl/kernels: ggml's CPU backend, moectl's AVX-512
   kernels, each with why not when not).
 
-Torch-free itself: the run happens in the child process.
+Torch-free itself: the run happens in the child process. `torch_free`: the child runs what `moectl generate` runs on a
+GGUF the one ggml graph serves (moectl/runtime/graph_engine.py: neither torch nor transformers imported), after one
+`moectl generate -n 1` has saved the config and tokenizer in the model's workdir (untimed, as a user's first run).
 """
 
 from __future__ import annotations
@@ -76,22 +78,72 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False) -> str:
+# the same run through the torch-free engine: numpy ids, no logits read
+SCRIPT_TORCH_FREE = """
+import json, resource, time
+t0 = time.perf_counter()
+import numpy as np
+from moectl.kernels import ggml
+from moectl.runtime.graph_engine import GraphEngine
+from moectl.setting.options import RuntimeOptions
+
+load = {load!r}
+model = load.pop("model")
+eng, why = GraphEngine.try_load(model, RuntimeOptions(**load))
+if eng is None:
+    print("NOTREADY " + json.dumps(why))
+    raise SystemExit(0)
+res = {{}}
+if {time_load!r}:
+    eng.forward([1], None, last_only=True)
+    res["load_s"] = time.perf_counter() - t0
+rng = np.random.default_rng(0)
+V = eng.graph.V
+ids = rng.integers(0, min(V, 1024), {prefill})
+eng.forward(ids[:{warmup}], None, last_only=True)                        # warm-up, untimed
+t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
+out, kv = eng.forward(ids[:{prompt}], None, last_only=True)
+feed = rng.integers(0, min(V, 1024), {gen})
+t0 = time.perf_counter()
+for t in range({gen}):
+    out, kv = eng.forward(feed[t:t + 1], kv)
+t_dec = time.perf_counter() - t0
+feats = ggml.library().mg_features()
+names = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")
+res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
+           rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, note=eng.plan_note,
+           kernels={{"ggml": True, "ggml_features": [n for i, n in enumerate(names) if feats >> i & 1],
+                    "torch_free": True}})
+print("RESULT " + json.dumps(res))
+"""
+
+
+def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False,
+           torch_free: bool = False) -> str:
     """The child's Python source. `load` gets `threads`, `device="cpu"`, `progress=False` and `gating="none"` unless
     it says otherwise."""
     if prompt < 1 or gen < 1 or prefill < WARMUP_TOKENS:
         raise ValueError(f"prompt and gen >= 1 and prefill >= {WARMUP_TOKENS} (got {prompt}, {gen}, {prefill})")
     load = {"device": "cpu", "threads": threads, "progress": False, "gating": "none", **load}
-    return SCRIPT.format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
+    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
                          warmup=WARMUP_TOKENS)
 
 
-def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False) -> dict:
+def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False,
+               torch_free: bool = False) -> dict:
     """One fresh process: {"prefill_tps", "decode_ms", "rss_gb", "note", "kernels"} and, with `time_load`,
-    "load_s". Exits with the child's output tail when it fails."""
-    code = script(load, threads, prompt, gen, prefill, time_load)
+    "load_s". Exits with the child's output tail when it fails. `torch_free`: the torch-free engine (a GGUF the
+    one graph serves; its first `moectl generate` run, untimed, saves what it reads)."""
+    code = script(load, threads, prompt, gen, prefill, time_load, torch_free)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if torch_free and r.stdout.startswith("NOTREADY "):
+        first = [sys.executable, "-m", "moectl", "generate", "-m", load["model"], "-p", "Hello", "-n", "1",
+                 "--greedy", "--device", "cpu", "--threads", "1", "--json"]
+        subprocess.run(first, capture_output=True, text=True, env=env, check=True)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        if r.stdout.startswith("NOTREADY "):
+            raise SystemExit(f"the torch-free engine does not serve {load['model']}: {r.stdout[9:].strip()}")
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or not line:
         raise SystemExit(f"moectl run failed on {load.get('model')}:\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")

@@ -75,7 +75,7 @@ def thread_server(engine, **kw):
 
 def greedy_chat(engine, content: str, max_tokens: int) -> tuple[list[int], str]:
     """What the server must answer at temperature 0: the runtime's own greedy generation on the chat template."""
-    from moectl.runtime.engine import chat_ids
+    from moectl.runtime.generation import chat_ids
 
     ids = chat_ids(engine.tokenizer, [{"role": "user", "content": content}])
     return ids, engine.generate(input_ids=ids, max_new_tokens=max_tokens, greedy=True).text

@@ -198,7 +198,7 @@ def test_allocation_failure_while_loading_is_not_a_corrupt_file(mixtral, monkeyp
 
 
 def test_generate_timings(mixtral, monkeypatch, capsys):
-    from moectl.runtime import engine as engine_mod
+    from moectl.runtime import generation as engine_mod
 
     eng = Engine.load(str(mixtral), progress=True)
     monkeypatch.setattr(engine_mod, "PREFILL_PROGRESS_AFTER_S", 0.0)    # a "long" prefill: the bar shows

@@ -24,9 +24,10 @@ from gguf_build import k256_mixtral, write_gguf
 from moectl.runtime import load as load_module
 from moectl.runtime.engine import Engine
 from moectl.runtime.ggml_model import GraphKV
+from moectl.runtime.graph_engine import mapped_count
 from moectl.store.facts import dense_nbytes, lean_dense_nbytes, mapped_names
 from moectl.store.gguf.cpu import dense_mapped
-from moectl.store.gguf.dense import dense_in_place_names
+from moectl.store.gguf.experts import dense_in_place_names
 from test_bad_input import run_cli
 from test_ggml_graph import RouteRecorder, _checkpoint
 from test_gguf_run import GGML_LOGITS_RTOL, PROMPT, STEPS, ggml_or_skip
@@ -99,7 +100,7 @@ def test_header_figures_equal_the_models(q_file, tmp_path):
     names = dense_in_place_names(adapter.gguf.files)
     mapped = dense_mapped(adapter, hf)
     assert names == mapped_names(mapped) and len(names) > 0
-    assert load_module._mapped_count(names, config, adapter) == len(mapped)
+    assert mapped_count(names, config, adapter.gguf.files) == len(mapped)
     assert eng._dense_bytes == lean_dense_nbytes(config, adapter, dt, names)
     assert eng._dense_bytes == dense_nbytes(eng.model, config)    # built now, as the full load builds it
 

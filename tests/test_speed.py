@@ -260,7 +260,7 @@ def test_replay_trace_forces_the_routing(mixtral, tmp_path):
 
 
 def test_threads_default_and_override(mixtral):
-    from moectl.runtime.machine import default_threads
+    from moectl.setting.threads import default_threads
 
     assert default_threads(64, 128) == 1                                # dispatch bound: one thread
     assert default_threads(4096, 14336) >= 1

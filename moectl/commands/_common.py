@@ -356,15 +356,24 @@ def print_draft_line(d: dict, console=None) -> None:
         + (f"; {d['note']}" if d["note"] else "") + "[/]", highlight=False)
 
 
-def load_engine(model: str, opts, progress: bool):
+def load_engine(model: str, opts, progress: bool, torch_free: bool = False):
     """(engine, its lossy settings) for a command that runs the model: the built-in tiny model built on first use,
-    the load (a progress bar when `progress`), then the start-up lines: device, plan, lossy settings (stderr)."""
-    from ..runtime.engine import Engine
+    the load (a progress bar when `progress`), then the start-up lines: device, plan, lossy settings (stderr).
+    `torch_free`: a command that needs no more of the engine than `generate` takes the torch-free engine where it
+    serves the run (a GGUF the one ggml graph computes: runtime/graph_engine.py), else the `Engine` as always."""
     from ..status import print_device, print_plan_note
 
     prepare_model(model, opts.workdir)
     opts.progress = progress
-    eng = Engine.load(model, options=opts)
+    eng = None
+    if torch_free:
+        from ..runtime.graph_engine import GraphEngine
+
+        eng, _ = GraphEngine.try_load(model, opts)
+    if eng is None:
+        from ..runtime.engine import Engine
+
+        eng = Engine.load(model, options=opts)
     print_device(eng)
     print_plan_note(eng)
     return eng, print_lossy(eng)

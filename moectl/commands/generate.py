@@ -33,10 +33,10 @@ def generate(
     """Generate text from a prompt, experts streamed through the device cache."""
     import sys
 
-    from ..runtime.engine import check_text
+    from ..runtime.generation import check_text
 
     check_text(prompt, "--prompt")                  # before the model loads
-    eng, lossy = load_engine(model, opts, progress=not as_json)
+    eng, lossy = load_engine(model, opts, progress=not as_json, torch_free=True)
     stream = None
     if not as_json:
         def stream(_tok, piece):

@@ -18,7 +18,6 @@ greedy or temperature + top-p sampling.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,19 +34,9 @@ from .cache import ExpertCache
 from .ggml_model import GraphKV
 from .load import load
 from .offloaded import Runtime
+from .generation import GenerationResult, PrefillProgress, TokenSink, chat_ids, check_text, eos_ids, run_stats, step_delta
 from .speculative import Sampling, Speculator, make_drafter
 
-PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]                    # generated ids only
-    prompt_ids: list[int]
-    stats: dict = field(default_factory=dict)
-    per_token: list[dict] = field(default_factory=list)   # cache hits/misses/bytes of each forward step (--draft:
-    #                                                       of each verification pass, with k, accepted, tokens)
 
 
 class Engine:
@@ -254,7 +243,7 @@ class Engine:
         ids = self._prompt_ids(prompt, input_ids, chat)
         sampling = Sampling(greedy, temperature, top_p, torch.Generator().manual_seed(seed) if seed is not None
                             else None)
-        out = TokenSink(self._tokenizer, max_new_tokens, _eos_ids(self.config, self._tokenizer) if stop_at_eos
+        out = TokenSink(self._tokenizer, max_new_tokens, eos_ids(self.config, self._tokenizer) if stop_at_eos
                         else set(), on_token, should_stop)
         before = self.cache.snapshot()
         calls0, cpu0 = self.runtime.expert_calls, self.runtime.cpu_experts
@@ -264,7 +253,7 @@ class Engine:
         mark = self.cache.stats.as_dict()
         logits, pkv = self.forward(torch.tensor([ids], dtype=torch.long), last_only=True)   # the prompt's prefill
         t_prefill = time.perf_counter() - t0
-        per_token = [_step_delta(mark, self.cache.stats.as_dict())]
+        per_token = [step_delta(mark, self.cache.stats.as_dict())]
         out.emit(sampling.pick(logits[0, -1])[0])
         ttft = time.perf_counter() - t0
         per_token[0]["ms"] = ttft * 1000
@@ -309,7 +298,7 @@ class Engine:
         while not out.done:
             mark, t = self.cache.stats.as_dict(), time.perf_counter()
             logits, pkv = self.forward(torch.tensor([[out.tokens[-1]]], dtype=torch.long), pkv)
-            per_token.append(_step_delta(mark, self.cache.stats.as_dict()))
+            per_token.append(step_delta(mark, self.cache.stats.as_dict()))
             nxt = sampling.pick(logits[0, -1])[0]
             per_token[-1]["ms"] = (time.perf_counter() - t) * 1000
             out.emit(nxt)
@@ -343,110 +332,6 @@ class Engine:
         return out
 
 
-class PrefillProgress:
-    """A per-MoE-layer bar for a multi-token forward, shown once it has taken PREFILL_PROGRESS_AFTER_S: `start` as
-    a forward begins, `layer(l, tokens)` as each MoE layer routes (the layers' `Runtime.on_layer`), `close` after."""
-
-    def __init__(self, layers: int):
-        self.layers, self.bar, self.t0 = layers, None, 0.0
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def layer(self, layer: int, tokens: int) -> None:
-        if tokens < 2:
-            return
-        if self.bar is None:
-            if time.perf_counter() - self.t0 < PREFILL_PROGRESS_AFTER_S:
-                return
-            from ..progress import ProgressBar
-
-            bar = ProgressBar(True).__enter__()          # stays: a long prefill is worth a line
-            self.bar = bar, bar.add(f"prefill ({tokens} tokens), MoE layers", total=self.layers)
-        bar, task = self.bar
-        bar.update(task, completed=layer + 1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar[0].__exit__(None, None, None)
-            self.bar = None
-
-
 def sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, gen) -> int:
     """Next token from logits [V]: argmax, or temperature + nucleus (top-p) sampling."""
     return Sampling(greedy, temperature, top_p, gen).pick(logits)[0]
-
-
-class TokenSink:
-    """The tokens a generation emits: streamed to `on_token(id, text_piece)`, done at EOS, at `should_stop()` or at
-    `max_new` tokens."""
-
-    def __init__(self, tokenizer, max_new: int, eos: set[int], on_token=None, should_stop=None):
-        self.tokenizer, self.max_new, self.eos = tokenizer, max_new, eos
-        self.on_token, self.should_stop = on_token, should_stop
-        self.tokens: list[int] = []
-        self.text = ""
-        self.done = False
-
-    @property
-    def room(self) -> int:
-        return self.max_new - len(self.tokens)
-
-    def emit(self, tok: int) -> bool:
-        """Add a token; True when generation is over."""
-        self.tokens.append(tok)
-        if self.on_token is not None:
-            piece = ""
-            if self.tokenizer is not None:
-                full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-                piece, self.text = full[len(self.text):], full
-            self.on_token(tok, piece)
-        self.done = (tok in self.eos or (self.should_stop is not None and self.should_stop())
-                     or len(self.tokens) >= self.max_new)
-        return self.done
-
-
-def _step_delta(mark: dict, now: dict) -> dict:
-    return {k: now[k] - mark[k] for k in ("hits", "misses", "bytes_loaded", "prefetches")}
-
-
-def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
-    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-    loaded = after["bytes_loaded"] - before["bytes_loaded"]
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "bytes_loaded": loaded, "bytes_per_token": loaded / tokens if tokens else 0.0,
-            "load_wait_s": after["load_wait_s"] - before["load_wait_s"],   # every wait for a copy or read
-            "prefetches": after["prefetches"] - before["prefetches"],
-            **{k: after[k] - before[k] for k in ("low_misses", "full_misses", "skips", "fills") if k in after}}
-
-
-def _eos_ids(config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(i) for i in src)
-    return ids
-
-
-def check_text(text: str, what: str) -> str:
-    """`text` when it is text a tokenizer takes; else one clear error. Python reads bytes that are not UTF-8 (from a
-    pipe, a file, argv) as lone surrogates (surrogateescape), which the tokenizers reject with a TypeError."""
-    for i, ch in enumerate(text):
-        if "\udc80" <= ch <= "\udcff":
-            raise MoectlError(f"{what} is not UTF-8 text: byte 0x{ord(ch) - 0xdc00:02x} at character {i + 1}; "
-                              "convert it to UTF-8 first")
-    return text
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation with the model's chat template, or a plain fallback."""
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return [int(i) for i in out]
-    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
-    return tokenizer(text)["input_ids"]

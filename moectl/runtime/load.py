@@ -35,8 +35,8 @@ from ..models import config_fingerprint
 from ..models.attention_cpu import cpu_attention
 from ..models.dense_cpu import check_dense_lowbit, cpu_linears
 from ..models.dense_gguf import swap_in
-from ..setting.options import DEFAULT, FLAG, RuntimeOptions
-from ..setting.resolve import resolve
+from ..setting.options import DEFAULT, RuntimeOptions
+from ..setting.resolve import note_in_place_sizes, resolve
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.facts import (
@@ -44,7 +44,6 @@ from ..store.facts import (
     checkpoint_sizes,
     dense_nbytes,
     header_dense_nbytes,
-    host_options,
     kv_reserve_nbytes,
     lean_dense_nbytes,
     load_config,
@@ -53,7 +52,8 @@ from ..store.facts import (
     pick_device,
     skeleton,
 )
-from ..store.gguf.dense import dense_in_place_names
+from ..store.gguf.experts import dense_in_place_names
+from ..store.gguf.saved_config import save_config
 from ..store.gguf.cpu import (
     dense_mapped,
     ggml_in_place,
@@ -62,12 +62,12 @@ from ..store.gguf.cpu import (
     map_for_ggml,
     repack_for_cpu,
 )
-from ..store.memory import check_host_memory, host_alloc, host_need, release_freed
-from ..tables import plural
+from ..store.memory import check_host_memory, host_alloc, host_need, host_options, release_freed
 from .cache import InPlaceExperts
 from .device_cache import DeviceCache
 from .ggml_model import GgmlModel, gguf_tensors_missing
 from .ggml_model import why_not as graph_why_not
+from .graph_engine import LEAN_FAMILIES, mapped_count, mapped_dense_note
 from .offloaded import OffloadedExperts, Runtime
 from .policy_objects import admission_gate, build_policies, placement
 from .worker import CpuWorker
@@ -103,6 +103,8 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
     ref = built(resolve_model(model, opts.workdir))
     dev = torch.device(opts.device)
     config, adapter = load_config(ref.path)
+    if adapter.gguf is not None:                        # for the next run's torch-free engine (graph_engine.py)
+        save_config(ref.workdir, adapter.gguf.files.paths, config)
     ckpt = open_checkpoint(ref.path, adapter)
     dt = parse_dtype(opts.dtype, config)
     check_dense_lowbit(opts.dense_lowbit, dev, dt)
@@ -133,13 +135,7 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
         lean = False                                    # a plan's or the workdir's gating or prefetch: the modules
         hf, layer_ids = model_skeleton(config, adapter, dt, ref.path, runtime)
     if in_place:                                        # said, not silently ignored: nothing is cached in place
-        given = [f"--{n.replace('_', '-')} {getattr(opts, n)}" for n in ("budget", "cache_experts")
-                 if opts.sources.get(n) == FLAG]
-        if given:
-            opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
-                f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: on --device cpu with "
-                "--offload ram the experts are computed in place from host RAM (no device cache to size; "
-                "--emulate-device or --offload disk give the CPU one)")]))
+        note_in_place_sizes(opts)
     prec = setting.precision
     runtime.gating = setting.gating
     # In place at --precision lowbit-only nothing computes from the full-precision experts: they stay in the file
@@ -158,9 +154,8 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
     if not lean:
         fill_model(hf, config, adapter, ckpt, dev, dt, ref.path, opts, mapped_dense)
     if mapped_dense:
-        opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
-            f"gguf: {plural(_mapped_count(mapped_dense, config, adapter), 'dense matrix', 'dense matrices')} "
-            "(attention, lm_head, embedding) computed by ggml where they lie in the mapped file")]))
+        count = mapped_count(mapped_dense, config, adapter.gguf.files) if lean else len(mapped_dense)
+        opts.plan_note = "; ".join(filter(None, [opts.plan_note, mapped_dense_note(count)]))
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
         raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "
                           "`moectl train-predictor`)")
@@ -258,11 +253,6 @@ def one_graph(hf, config, adapter, cache, opts: RuntimeOptions, runtime: Runtime
     return graph if why is None else None
 
 
-# the one-graph families whose header figures (`lean_dense_nbytes`, `dense_in_place_names`) tests/test_lean_load.py
-# checks against the full load's; GPT-OSS's graph (sinks, biases, YaRN) is not checked there yet
-LEAN_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
-
-
 def lean_why_not(config, adapter, opts: RuntimeOptions) -> str | None:
     """Why this in-place CPU run cannot take the lean load (None: it can, unless the resolved gating or prefetch
     needs the modules; `_load` asks that after resolving): the one graph must serve every forward it runs, from
@@ -309,16 +299,6 @@ def lazy_model(config, adapter, ckpt, dev, dt, path, opts: RuntimeOptions, runti
         return hf
 
     return build
-
-
-def _mapped_count(mapped_dense, config, adapter) -> int:
-    """How many modules compute where their matrix lies: a mapping's entries, or for the lean load's GGUF names, one
-    more where a tied lm_head reads the embedding's bytes (`dense_in_place`)."""
-    if not isinstance(mapped_dense, frozenset):
-        return len(mapped_dense)
-    tied = (getattr(config, "tie_word_embeddings", False) and "output.weight" not in adapter.gguf.files.tensors
-            and "token_embd.weight" in mapped_dense)
-    return len(mapped_dense) + tied
 
 
 def _header_torch_matrices(adapter, mapped: frozenset) -> list[str]:

@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from ..runtime.engine import chat_ids
+from ..runtime.generation import chat_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, validation_error
 from .worker import Job, Worker

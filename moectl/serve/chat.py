@@ -53,7 +53,7 @@ class ChatSession:
                  top_p: float = 0.95, seed: int | None = 0, system: str | None = None):
         self.engine = engine
         self.max_new_tokens, self.greedy, self.temperature, self.top_p = max_new_tokens, greedy, temperature, top_p
-        from ..runtime.engine import check_text
+        from ..runtime.generation import check_text
 
         self.seed, self.system = seed, system if system is None else check_text(system, "--system")
         self.messages: list[dict] = []
@@ -66,7 +66,7 @@ class ChatSession:
     def prompt_ids(self) -> list[int]:
         """The conversation through the chat template (plain 'User: ...' fallback), oldest turns dropped to fit."""
         from ..errors import MoectlError
-        from ..runtime.engine import chat_ids
+        from ..runtime.generation import chat_ids
 
         limit = getattr(self.engine.config, "max_position_embeddings", None) or 4096
         keep = 1 if self.system else 0
@@ -90,7 +90,7 @@ class ChatSession:
     def add_message(self, text: str) -> list[int]:
         """Add the user's message; the prompt's token ids. A message that cannot fit the context even alone is an
         error and left out of the conversation."""
-        from ..runtime.engine import check_text
+        from ..runtime.generation import check_text
 
         self.messages.append({"role": "user", "content": check_text(text, "the message")})
         try:
@@ -149,7 +149,7 @@ def run_chat(session: ChatSession, console=None, stdin: TextIO | None = None, in
     from rich.markup import escape
 
     from ..errors import MoectlError
-    from ..runtime.engine import check_text
+    from ..runtime.generation import check_text
     from ..status import print_stats_line
 
     console = console or Console()

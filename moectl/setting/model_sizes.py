@@ -5,7 +5,7 @@ checkpoint directory or GGUF file (`store/facts.py: checkpoint_sizes`). No torch
 
 from __future__ import annotations
 
-from ..core.shapes import dense_bytes, expert_bytes, kv_reserve_bytes, parse_lowbit
+from ..core.shapes import dense_bytes, expert_bytes, kv_reserve_bytes, parse_lowbit, shape_from_hf_config
 from ..core.sizing import ModelSizes
 
 
@@ -20,6 +20,16 @@ def shape_sizes(shape: dict, num_layers: int | None = None, num_experts: int | N
                       num_experts or shape["num_experts"], top_k or shape["top_k"], int(dense_bytes(shape)),
                       int(kv_reserve_bytes(shape, 1)), fingerprint, source or f"shape {shape.get('name')}",
                       int(expert_nbytes or expert_bytes(shape)))
+
+
+def config_sizes(config: dict, fingerprint: str, dtype: str, num_layers: int, num_experts: int, top_k: int,
+                 dense: int, kv_bytes_per_token: int, expert_nbytes: int, source: str = "",
+                 name: str | None = None) -> ModelSizes:
+    """ModelSizes of a checkpoint or GGUF from its config's dict and the figures its header gives (`store/facts.py:
+    checkpoint_sizes`, and the torch-free run's `runtime/graph_engine.py`): the shape at `dtype` (e.g. bfloat16)."""
+    shape = shape_from_hf_config(config) | {"dtype": dtype, "moe_layers": num_layers} | ({"name": name} if name else {})
+    return ModelSizes(shape.get("name", "model"), shape, num_layers, num_experts, top_k, dense, kv_bytes_per_token,
+                      fingerprint, source, expert_nbytes)
 
 
 def lowbit_nbytes(sizes: ModelSizes, lowbit: str) -> int:

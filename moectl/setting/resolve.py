@@ -59,6 +59,18 @@ class Setting:
     sources: dict[str, str]
 
 
+def note_in_place_sizes(o: RuntimeOptions) -> None:
+    """In place (a CPU computing its experts from RAM) there is no cache to size: a --budget or --cache-experts given
+    is said in the run's note, not silently ignored."""
+    given = [f"--{n.replace('_', '-')} {getattr(o, n)}" for n in ("budget", "cache_experts")
+             if o.sources.get(n) == FLAG]
+    if given:
+        o.plan_note = "; ".join(filter(None, [o.plan_note, (
+            f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: on --device cpu with "
+            "--offload ram the experts are computed in place from host RAM (no device cache to size; "
+            "--emulate-device or --offload disk give the CPU one)")]))
+
+
 def resolve(options: RuntimeOptions, sizes: ModelSizes, workdir=None, *, live: bool = True, trace=None,
             in_place: bool = False, expert_nbytes: float | None = None, low_nbytes: float | None = None,
             price_shape: dict | None = None, sensitivity=None, kv_tokens: int = KV_RESERVE_TOKENS,

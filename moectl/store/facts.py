@@ -15,7 +15,7 @@ from ..core.sizing import KV_RESERVE_TOKENS, ModelSizes, budget_pools, lowbit_fr
 from ..errors import MoectlError
 from ..models import adapter_for, config_fingerprint
 from .checkpoint import Checkpoint
-from .memory import host_need
+from .memory import host_need, kv_cache_nbytes, rotary_tables_nbytes
 
 
 def checkpoint_sizes(config, adapter, dtype: torch.dtype, dense: int, num_moe_layers: int, name: str | None = None,
@@ -24,13 +24,11 @@ def checkpoint_sizes(config, adapter, dtype: torch.dtype, dense: int, num_moe_la
     of its skeleton (`dense_nbytes`, experts offloaded): KV bytes per token, one expert's bytes in its packed format,
     the shape (`sim/cost.py: shape_from_hf_config`, at `dtype`). One of the two constructors of ModelSizes; the
     other estimates them from a shape (`setting/model_sizes.py: shape_sizes`). `model_sizes` reads them by name."""
-    from ..core.shapes import shape_from_hf_config
+    from ..setting.model_sizes import config_sizes
 
-    shape = shape_from_hf_config(config.to_dict()) | {"dtype": str(dtype).replace("torch.", ""),
-                                                      "moe_layers": num_moe_layers} | ({"name": name} if name else {})
-    return ModelSizes(shape.get("name", "model"), shape, num_moe_layers, adapter.num_experts, adapter.top_k, dense,
-                      kv_reserve_nbytes(config, dtype, 1), config_fingerprint(config),
-                      f"checkpoint {path}" if path else "", adapter.format(dtype).nbytes)
+    return config_sizes(config.to_dict(), config_fingerprint(config), str(dtype).replace("torch.", ""), num_moe_layers,
+                        adapter.num_experts, adapter.top_k, dense, kv_reserve_nbytes(config, dtype, 1),
+                        adapter.format(dtype).nbytes, f"checkpoint {path}" if path else "", name)
 
 
 def model_sizes(model: str, workdir=None) -> ModelSizes:
@@ -220,28 +218,9 @@ def header_dense_nbytes(ckpt: Checkpoint, adapter, dtype: torch.dtype, mapped: d
                for key, r in ckpt.ranges.items() if adapter.skeleton_key(key) is not None)
 
 
-def host_options(free: int, offload: str, on_host: bool, in_place: bool, slots: int, expert_nbytes: int,
-                 num_layers: int, num_experts: int, dense: int, kv: int) -> list[str]:
-    """Configurations of this model that fit `free` bytes of host RAM, for the not-enough-memory error."""
-    out = []
-    total = num_layers * num_experts
-    if on_host and offload == "ram" and not in_place:
-        need = host_need("ram", True, True, 0, expert_nbytes, total, dense, kv).total
-        if need <= free:
-            out.append(f"drop --emulate-device (experts computed in place: {format_bytes(need)})")
-    fixed = host_need("disk", on_host, False, 0, expert_nbytes, total, dense, kv).total
-    n = min(total, (free - fixed) // expert_nbytes) if free > fixed else 0
-    if n >= num_layers and (offload == "ram" or n < slots):
-        need = host_need("disk", on_host, False, int(n), expert_nbytes, total, dense, kv).total
-        out.append(f"--offload disk --cache-experts {int(n)} ({format_bytes(need)})")
-    return out
-
-
 def kv_reserve_nbytes(config, dtype: torch.dtype, tokens: int = KV_RESERVE_TOKENS) -> int:
     """Bytes of the KV cache for `tokens` tokens (K and V, every layer) at the config's shapes."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()
+    return kv_cache_nbytes(config, dtype.itemsize, tokens)
 
 
 def describe(config, adapter, expert_nbytes: int, dense: int, num_moe_layers: int) -> dict:
@@ -357,9 +336,7 @@ def lean_dense_nbytes(config, adapter, dtype: torch.dtype, mapped: frozenset = f
     (transformers 5's `inv_freq` and `original_inv_freq`, fp32, half the rotary width each). Empty `mapped`: the
     skeleton's, before any is read; the mapped set: the loaded model's. tests/test_lean_load.py checks both equal
     the full load's on each family."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rotary = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
-    return adapter.gguf.sizes(dtype.itemsize, mapped)["dense_bytes"] + 2 * 4 * -(-rotary // 2)
+    return adapter.gguf.sizes(dtype.itemsize, mapped)["dense_bytes"] + rotary_tables_nbytes(config)
 
 
 def gguf_facts(adapter, dtype: torch.dtype, mapped: dict | None = None, model=None) -> dict:

@@ -15,8 +15,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..core.recipes import format_bytes
 from ..errors import MoectlError
 
@@ -55,6 +53,38 @@ def host_need(offload: str, on_host_device: bool, in_place: bool, slots: int, ex
     return HostNeed(dense=dense if on_host_device else 0,
                     experts=num_experts_total * expert_nbytes if offload == "ram" else 0,
                     lowbit=num_experts_total * lowbit_nbytes, cache=cache, kv=kv if on_host_device else 0)
+
+
+def host_options(free: int, offload: str, on_host: bool, in_place: bool, slots: int, expert_nbytes: int,
+                 num_layers: int, num_experts: int, dense: int, kv: int) -> list[str]:
+    """Configurations of this model that fit `free` bytes of host RAM, for the not-enough-memory error."""
+    out = []
+    total = num_layers * num_experts
+    if on_host and offload == "ram" and not in_place:
+        need = host_need("ram", True, True, 0, expert_nbytes, total, dense, kv).total
+        if need <= free:
+            out.append(f"drop --emulate-device (experts computed in place: {format_bytes(need)})")
+    fixed = host_need("disk", on_host, False, 0, expert_nbytes, total, dense, kv).total
+    n = min(total, (free - fixed) // expert_nbytes) if free > fixed else 0
+    if n >= num_layers and (offload == "ram" or n < slots):
+        need = host_need("disk", on_host, False, int(n), expert_nbytes, total, dense, kv).total
+        out.append(f"--offload disk --cache-experts {int(n)} ({format_bytes(need)})")
+    return out
+
+
+def kv_cache_nbytes(config, itemsize: int, tokens: int) -> int:
+    """Bytes of a KV cache of `tokens` tokens (K and V, every layer, `itemsize` bytes a value) at the config's shapes."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * tokens * itemsize
+
+
+def rotary_tables_nbytes(config) -> int:
+    """Bytes of the rotary tables a transformers 5 model holds as buffers (`inv_freq` and `original_inv_freq`, fp32,
+    half the rotary width each): what a dense part's bytes count besides its weights."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    return 2 * 4 * -(-rotary // 2)
 
 
 def _read_int(path: Path) -> int | None:
@@ -160,6 +190,8 @@ def advise_huge_pages(t: torch.Tensor) -> None:
 def host_empty(shape, dtype: torch.dtype, what: str, pin: bool = False, touch: bool = False) -> torch.Tensor:
     """torch.empty on the host (huge pages asked for); `touch` writes every page now, so the memory is paid for
     at start-up and never as page faults on the first use of a slot (pinned pages are resident already)."""
+    import torch                        # here: a torch-free run (runtime/graph_engine.py) reads this module too
+
     def make():
         t = torch.empty(shape, dtype=dtype, pin_memory=pin)
         if not pin:

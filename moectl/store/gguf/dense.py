@@ -95,15 +95,6 @@ def dense_in_place(files: GgufFiles, model) -> dict[str, tuple]:
     return out
 
 
-def dense_in_place_names(files: GgufFiles) -> frozenset:
-    """The GGUF names `dense_in_place` maps, from the header alone (no model to ask), for the families whose converter
-    only reorders a dense matrix's rows (the one-graph families, runtime/ggml_model.py: Mixtral as `llama`,
-    Qwen3-MoE, OLMoE): every 2-D non-expert tensor but the routers. For the lean load (runtime/load.py), which
-    builds no model; tests/test_lean_load.py checks it equals `dense_in_place`'s names on each family."""
-    return frozenset(n for n, t in files.tensors.items()
-                     if len(t.shape) == 2 and not _is_expert(n) and "ffn_gate_inp" not in n)
-
-
 def dense_state_dict(files: GgufFiles, model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """{state-dict name: tensor} of every dense tensor, dequantised to `dtype` (the skeleton loads it with
     `load_state_dict(..., assign=True)`); the model's non-expert parameters must all be there."""

@@ -106,6 +106,12 @@ class ExpertIndex:
                 most[name] = max(most.get(name, 0), t.nbytes)
         return sum(most.values())
 
+    def held_dense_bytes(self, itemsize: int, mapped: frozenset = frozenset()) -> int:
+        """Bytes of the dense tensors as a run holds them: dequantised at `itemsize` bytes a weight, but the `mapped`
+        ones (GGUF names) at their bytes in the file."""
+        s = self.sizes(mapped)
+        return (s["dense_weights"] - s["dense_mapped_weights"]) * itemsize + s["dense_mapped_bytes"]
+
     def sizes(self, mapped: frozenset = frozenset()) -> dict:
         """What `inspect` shows, from the header alone: bits per weight over all expert matrices, bytes per expert
         (the largest layer's: a slot must hold any), all experts' bytes, and the encodings' share of them.
@@ -136,6 +142,15 @@ class ExpertIndex:
                 "dense_weights": sum(_numel(t.shape) for t in dense),
                 "dense_mapped_bytes": sum(t.nbytes for t in dense if t.name in mapped),
                 "dense_mapped_weights": sum(_numel(t.shape) for t in dense if t.name in mapped)}
+
+
+def dense_in_place_names(files: GgufFiles) -> frozenset:
+    """The GGUF names `dense.py: dense_in_place` maps, from the header alone (no model to ask), for the families whose converter
+    only reorders a dense matrix's rows (the one-graph families, runtime/ggml_model.py: Mixtral as `llama`,
+    Qwen3-MoE, OLMoE): every 2-D non-expert tensor but the routers. For the lean load (runtime/load.py), which
+    builds no model; tests/test_lean_load.py checks it equals `dense_in_place`'s names on each family."""
+    return frozenset(n for n, t in files.tensors.items()
+                     if len(t.shape) == 2 and not _is_expert(n) and "ffn_gate_inp" not in n)
 
 
 def _is_expert(name: str) -> bool:

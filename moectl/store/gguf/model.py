@@ -102,7 +102,7 @@ class GgufModel:
         RAM: the packed experts and the dense tensors dequantised once (`dense_bytes_per_weight`: 2 for bf16), but
         the `mapped` ones (GGUF names, `dense_in_place`) at their bytes in the file."""
         s = self.index.sizes(frozenset(mapped))
-        dense = (s["dense_weights"] - s["dense_mapped_weights"]) * dense_bytes_per_weight + s["dense_mapped_bytes"]
+        dense = self.index.held_dense_bytes(dense_bytes_per_weight, frozenset(mapped))
         return s | {"family": self.family, "architecture": self.files.arch, "files": [str(p) for p in self.files.paths],
                     "file_bytes": sum(p.stat().st_size for p in self.files.paths), "dense_bytes": dense,
                     "host_bytes_ram_tier": s["expert_bytes"] + dense}

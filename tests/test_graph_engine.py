@@ -1,0 +1,139 @@
+"""The torch-free engine (moectl/runtime/graph_engine.py): a GGUF that the one ggml graph serves, run without torch
+or transformers once an earlier run saved its config and tokenizer in the workdir. On each lean-load family:
+`moectl generate` gives the `Engine`'s tokens, text, counters, options and lossy settings (greedy, and sampled with
+a seed: numpy's draws on both); a fresh process's run imports neither torch nor transformers; what it computes from
+the header (sizes, dense bytes, host need, fingerprint) equals the `Engine`'s; a run it cannot serve says why and
+takes the `Engine` (no saved config, a rewritten file, low-bit copies, gating, the switch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from gguf_build import k256_mixtral, write_gguf
+from moectl.runtime import graph_engine as ge
+from moectl.runtime.engine import Engine
+from moectl.setting.options import RuntimeOptions
+from moectl.store.facts import checkpoint_sizes, lean_dense_nbytes
+from moectl.store.gguf.saved_config import saved_config, view_fingerprint
+from moectl.models import config_fingerprint
+from test_bad_input import run_cli
+from test_ggml_graph import _checkpoint
+from test_gguf_run import ggml_or_skip
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module", params=[*ge.LEAN_FAMILIES, "mixtral-tied"])
+def q_file(request, tmp_path_factory):
+    """A tiny model of each lean-load family as a Q8_0 dense + Q4_0 experts GGUF (and a Mixtral whose lm_head is
+    the embedding)."""
+    root = tmp_path_factory.mktemp(f"torchfree_{request.param}")
+    ckpt = k256_mixtral(root, tied=True) if request.param == "mixtral-tied" else _checkpoint(request.param, root)
+    return write_gguf(ckpt, root / "Q.gguf", dense_encoding=T.Q8_0, expert_encoding=T.Q4_0)
+
+
+def _generate(path, workdir, capsys, monkeypatch, *extra) -> tuple[dict, str]:
+    code, out, err = run_cli(["generate", "--model", str(path), "--prompt", PROMPT, "-n", "6", "--threads", "1",
+                              "--device", "cpu", "--workdir", str(workdir), "--json", *extra], capsys, monkeypatch)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+TORCH_FREE_NOTE = "torch-free run"
+
+
+@pytest.mark.parametrize("sampling", [["--greedy"], ["--seed", "3"]])
+def test_torch_free_run_gives_the_engines_answer(q_file, tmp_path, capsys, monkeypatch, sampling):
+    """The first run (the Engine) saves the config and tokenizer; the second is torch-free and answers the same:
+    tokens, text, counters, resolved options, lossy settings; its note says which engine ran."""
+    ggml_or_skip()
+    first, err1 = _generate(q_file, tmp_path, capsys, monkeypatch, *sampling)
+    assert TORCH_FREE_NOTE not in err1
+    assert (tmp_path / "gguf-config.json").exists()
+    second, err2 = _generate(q_file, tmp_path, capsys, monkeypatch, *sampling)
+    assert TORCH_FREE_NOTE in err2, err2
+    assert second["token_ids"] == first["token_ids"] and second["text"] == first["text"]
+    assert second["lossy"] == first["lossy"] and second["config"] == first["config"]
+    for key in ("hits", "misses", "bytes_loaded", "hit_rate", "tokens", "experts_per_token", "threads",
+                "cpu_experts", "load_wait_s", "bytes_per_token"):
+        assert second["stats"][key] == first["stats"][key], key
+    assert set(second["stats"]) == set(first["stats"])
+    monkeypatch.setenv("MOECTL_TORCH_FREE", "0")            # the switch: the Engine again, the same answer
+    third, err3 = _generate(q_file, tmp_path, capsys, monkeypatch, *sampling)
+    assert TORCH_FREE_NOTE not in err3 and third["token_ids"] == first["token_ids"]
+
+
+def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch):
+    """The saved config's fingerprint, the sizes the resolver splits, the host-memory check's need and the dense
+    bytes a run holds: the torch-free engine's equal the Engine's (lean load) on the same file."""
+    ggml_or_skip()
+    needs = []
+    for mod in (ge, __import__("moectl.runtime.load", fromlist=["x"])):
+        real = mod.check_host_memory
+        monkeypatch.setattr(mod, "check_host_memory",
+                            lambda need, what, fits, real=real: (needs.append((need, what)), real(need, what, fits))[1])
+    eng = Engine.load(str(q_file), progress=False, threads=1, workdir=str(tmp_path), device="cpu")
+    eng.tokenizer                                           # saved in the workdir, as generate does
+    fast, why = ge.GraphEngine.try_load(str(q_file), RuntimeOptions(threads=1, workdir=str(tmp_path), device="cpu"))
+    assert why is None and fast is not None
+    view = saved_config(tmp_path, eng.adapter.gguf.files.paths)
+    assert view_fingerprint(view, eng.adapter.family) == config_fingerprint(eng.config) == fast.fingerprint
+    dt = eng.dtype
+    want = checkpoint_sizes(eng.config, eng.adapter, dt, lean_dense_nbytes(eng.config, eng.adapter, dt),
+                            len(eng.moe_layer_ids), path=q_file)
+    assert fast.sizes == want
+    assert needs[0] == needs[1]
+    a = eng.generate(PROMPT, max_new_tokens=3, greedy=True)
+    b = fast.generate(PROMPT, max_new_tokens=3, greedy=True)
+    assert a.token_ids == b.token_ids and a.stats["device_held_bytes"] == b.stats["device_held_bytes"]
+    assert fast.threads == eng.threads and fast.plan_note.startswith(eng.plan_note.split("; gguf: one ggml")[0])
+
+
+def test_a_fresh_process_imports_neither_torch_nor_transformers(q_file, tmp_path, capsys, monkeypatch):
+    ggml_or_skip()
+    first, _ = _generate(q_file, tmp_path, capsys, monkeypatch, "--greedy")
+    code = ("import sys, json\nfrom moectl import cli\nsys.argv = %r\ntry:\n    cli.main()\nexcept SystemExit:\n"
+            "    pass\nprint(json.dumps(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules)),"
+            " file=sys.stderr)\n") % (["moectl", "generate", "--model", str(q_file), "--prompt", PROMPT, "-n", "6",
+                                      "--threads", "1", "--device", "cpu", "--workdir", str(tmp_path), "--json",
+                                      "--greedy"],)
+    env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stderr.strip().splitlines()[-1]) == [], r.stderr
+    assert TORCH_FREE_NOTE in r.stderr
+    assert json.loads(r.stdout)["token_ids"] == first["token_ids"]
+
+
+def test_runs_it_cannot_serve_say_why(q_file, tmp_path, capsys, monkeypatch):
+    """No saved config yet, a rewritten file, low-bit copies, gating, a device cache, the switch: each a reason,
+    and the command takes the Engine."""
+    ggml_or_skip()
+    q_file = Path(shutil.copy(q_file, tmp_path / "Q.gguf"))     # its own copy: this test rewrites its mtime
+
+    def why(**kw):
+        eng, reason = ge.GraphEngine.try_load(str(q_file), RuntimeOptions(threads=1, workdir=str(tmp_path),
+                                                                         device="cpu", **kw))
+        assert (eng is None) == (reason is not None)
+        return reason
+
+    assert "no config saved" in why()
+    _generate(q_file, tmp_path, capsys, monkeypatch, "--greedy")
+    assert why() is None
+    assert "low-bit" in why(dense_lowbit="q8")
+    assert "gating" in why(gating="adaptive")
+    assert "device cache" in why(emulate_device=True)
+    monkeypatch.setenv("MOECTL_TORCH_FREE", "0")
+    assert "MOECTL_TORCH_FREE" in why()
+    monkeypatch.delenv("MOECTL_TORCH_FREE")
+    os.utime(q_file, ns=(os.stat(q_file).st_atime_ns, os.stat(q_file).st_mtime_ns + 10**9))   # "rewritten"
+    assert "no config saved" in why()
