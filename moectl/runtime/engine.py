@@ -35,7 +35,8 @@ from .cache import ExpertCache
 from .ggml_model import GraphKV
 from .load import load
 from .offloaded import Runtime
-from .speculative import Sampling, Speculator, make_drafter
+from .sampling import Sampling
+from .speculative import Speculator, as_numpy, make_drafter
 
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
@@ -252,8 +253,7 @@ class Engine:
         (`--draft`), decoding is speculative (`speculative.py`): the same tokens greedily, the same distribution
         sampled; stats["draft"] holds its figures."""
         ids = self._prompt_ids(prompt, input_ids, chat)
-        sampling = Sampling(greedy, temperature, top_p, torch.Generator().manual_seed(seed) if seed is not None
-                            else None)
+        sampling = Sampling(greedy, temperature, top_p, seed)           # numpy: the torch-free engine's picks too
         out = TokenSink(self._tokenizer, max_new_tokens, _eos_ids(self.config, self._tokenizer) if stop_at_eos
                         else set(), on_token, should_stop)
         before = self.cache.snapshot()
@@ -265,7 +265,7 @@ class Engine:
         logits, pkv = self.forward(torch.tensor([ids], dtype=torch.long), last_only=True)   # the prompt's prefill
         t_prefill = time.perf_counter() - t0
         per_token = [_step_delta(mark, self.cache.stats.as_dict())]
-        out.emit(sampling.pick(logits[0, -1])[0])
+        out.emit(sampling.pick(as_numpy(logits[0, -1]))[0])
         ttft = time.perf_counter() - t0
         per_token[0]["ms"] = ttft * 1000
         spec = self.speculator if self.speculator is not None and self.speculator.enabled else None
@@ -310,7 +310,7 @@ class Engine:
             mark, t = self.cache.stats.as_dict(), time.perf_counter()
             logits, pkv = self.forward(torch.tensor([[out.tokens[-1]]], dtype=torch.long), pkv)
             per_token.append(_step_delta(mark, self.cache.stats.as_dict()))
-            nxt = sampling.pick(logits[0, -1])[0]
+            nxt = sampling.pick(as_numpy(logits[0, -1]))[0]
             per_token[-1]["ms"] = (time.perf_counter() - t) * 1000
             out.emit(nxt)
         return pkv
@@ -372,9 +372,9 @@ class PrefillProgress:
             self.bar = None
 
 
-def sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, gen) -> int:
-    """Next token from logits [V]: argmax, or temperature + nucleus (top-p) sampling."""
-    return Sampling(greedy, temperature, top_p, gen).pick(logits)[0]
+def sample(logits, greedy: bool, temperature: float, top_p: float, seed: int | None = None) -> int:
+    """Next token from logits [V] (torch or numpy): argmax, or temperature + nucleus (top-p) sampling."""
+    return Sampling(greedy, temperature, top_p, seed).pick(as_numpy(logits))[0]
 
 
 class TokenSink:
