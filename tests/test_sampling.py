@@ -47,6 +47,13 @@ def test_nucleus_kept_set_and_renormalisation_by_hand(top_p, expected):
     np.testing.assert_allclose(probs, _scatter(expected), atol=1e-6, rtol=0)
 
 
+def test_ties_at_the_nucleus_edge_keep_the_lower_ids():
+    """[.2, .4, .2, .2], top-p .5: .4 then one of the three .2s (mass ahead .4 < .5; the next has .6): token 0."""
+    logits = np.log(np.array([0.2, 0.4, 0.2, 0.2], dtype=np.float32))
+    np.testing.assert_allclose(sampling_probs(logits, 1.0, 0.5), [1 / 3, 2 / 3, 0, 0], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(sampling_probs(logits, 1.0, 0.7), [0.25, 0.5, 0.25, 0], atol=1e-6, rtol=0)
+
+
 def test_temperature_sharpens_by_hand():
     """T = 0.5 squares the probabilities: [.25, .0625, .0225, .01] / .345; top-p .9 then keeps the first two
     (mass ahead of the third: .3125/.345 = .906)."""

@@ -11,9 +11,10 @@ The distribution (`sampling_probs`): softmax(logits / temperature), cut to the t
 most likely tokens whose mass reaches top_p; the top token always stays), renormalised. Probabilities are float32
 [V], like the logits: exp in float32 (after subtracting the max, every term is in (0, 1], no underflow that matters
 for sampling), but every sum and the cumulative sums a draw searches are float64, so 152k terms add up without a
-float32 drift of up to ~1% at the tail of a cumulative sum. The nucleus is found with np.argpartition on a growing
-top-k (256, then x8) and a sort of that top-k only: exact, and ~10x cheaper than sorting the whole vocabulary.
-Ties are broken by token id (the lower first), as torch.argmax does for greedy.
+float32 drift of up to ~1% at the tail of a cumulative sum. The nucleus is found by sorting values, not indices: the
+largest k (np.partition; k = 256, then x8, then all) until their mass reaches top_p (`_nucleus`): exact, and many
+times cheaper than torch's full argsort. Ties are broken by token id (the lower first), as torch.argmax does for
+greedy, so the kept set does not depend on a sort's tie order (nor on the CPU's SIMD sort).
 
 The generator is numpy's PCG64 seeded with `seed mod 2**64` (a negative seed wraps, as torch.Generator's did); a draw
 is one uniform number searched in the float64 cumulative sum of the distribution (inverse CDF), so a seed gives the
@@ -41,25 +42,27 @@ def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
 
 
 def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
-    """p [V] cut to its top-p nucleus and renormalised (float32 [V])."""
+    """p [V] cut to its top-p nucleus and renormalised (float32 [V]).
+
+    Only the probabilities' values are sorted (no argsort: a value sort is several times cheaper), and only the
+    largest k of them while their mass falls short of top_p. The kept count n follows from the values alone (ties
+    have equal mass, so the mass ahead of each rank does not depend on how ties are ordered); the kept set is then
+    every token above the n-th value t, and of the tokens equal to t the lowest ids, to make n."""
     V = p.shape[-1]
     k = min(V, _FIRST_TOP_K)
     while True:
-        idx = np.argpartition(p, V - k)[V - k:] if k < V else np.arange(V)    # the k largest, unordered
-        idx.sort()                                                            # ties: the lower id first
-        order = idx[np.argsort(-p[idx], kind="stable")]                       # [k] most likely first
-        sorted_p = p[order].astype(np.float64)
-        before = np.cumsum(sorted_p) - sorted_p                               # mass of the tokens ahead
-        # a token outside the top k has at least sum(top k) ahead of it: enough to know the cut is inside
-        if before[-1] + sorted_p[-1] >= top_p or k == V:
+        top = np.partition(p, V - k)[V - k:] if k < V else p                 # [k] the k largest values
+        sorted_p = np.sort(top)[::-1].astype(np.float64)                     # [k] largest first
+        mass = np.cumsum(sorted_p)                                            # [k] mass up to each rank
+        # a token outside the top k has at least mass[-1] ahead of it: when that reaches top_p it is cut
+        if mass[-1] >= top_p or k == V:
             break
-        k = min(V, k * _GROW)
-    keep = before < top_p
-    keep[0] = True                                                            # the top token always stays
-    out = np.zeros(V, dtype=np.float32)
-    kept = sorted_p[keep]
-    out[order[keep]] = kept / kept.sum()
-    return out
+        k = V if k * _GROW > V // 4 else k * _GROW                           # a full value sort is cheap
+    n = max(1, int(np.searchsorted(mass - sorted_p, top_p, side="left")))   # ranks with less than top_p ahead
+    t = np.float32(sorted_p[n - 1])
+    keep = p > t                                                              # [V]
+    keep[np.flatnonzero(p == t)[:n - int(keep.sum())]] = True                # ties at the edge: the lower ids
+    return np.where(keep, p / np.float32(mass[n - 1]), np.float32(0)).astype(np.float32)
 
 
 def sampling_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
