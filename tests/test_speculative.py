@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from moectl.errors import MoectlError
-from moectl.runtime.speculative import (Sampling, accept_greedy, accept_probability, accept_sampled, residual,
-                                        token_distribution)
+from moectl.runtime.sampling import make_rng
+from moectl.runtime.speculative import (Sampling, accept_greedy, accept_probability, accept_sampled, as_numpy, draw,
+                                        residual, token_distribution)
 
 PROMPT = [5, 97, 211, 42, 300, 17, 88, 150]          # token ids of the tiny model's vocabulary (512)
 
@@ -26,34 +27,34 @@ CASES = [([0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]),
 
 @pytest.mark.parametrize("p,q", CASES)
 def test_one_position_emits_the_target_distribution_exactly(p, q):
-    p, q = torch.tensor(p, dtype=torch.float64), torch.tensor(q, dtype=torch.float64)
+    p, q = np.array(p), np.array(q)                                 # float64 [V]
     # by hand: P(x) = q(x) min(1, p(x)/q(x)) + P(reject) * norm(max(0, p - q))(x)
     keep = [float(q[x]) * accept_probability(p, q, x) for x in range(4)]
     r = residual(p, q)
-    by_hand = torch.tensor([keep[x] + (1 - sum(keep)) * float(r[x]) for x in range(4)], dtype=torch.float64)
-    assert torch.allclose(by_hand, p, atol=1e-12)
-    assert torch.allclose(token_distribution(p, q), p, atol=1e-12)
+    by_hand = np.array([keep[x] + (1 - sum(keep)) * float(r[x]) for x in range(4)])
+    np.testing.assert_allclose(by_hand, p, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(token_distribution(p, q), p, atol=1e-12, rtol=0)
 
 
 def test_sampled_acceptance_matches_p_by_monte_carlo():
     """accept_sampled itself (random draws, K=1): the emitted first token ~ p, and the acceptance rate is
     sum_x min(p(x), q(x)) exactly as the rule says."""
-    p = torch.tensor([[0.1, 0.1, 0.8, 0.0], [0.3, 0.3, 0.2, 0.2]])
-    q = torch.tensor([[0.7, 0.2, 0.05, 0.05]])
-    gen = torch.Generator().manual_seed(0)
+    p = np.array([[0.1, 0.1, 0.8, 0.0], [0.3, 0.3, 0.2, 0.2]], dtype=np.float32)      # [K+1, V]
+    q = np.array([[0.7, 0.2, 0.05, 0.05]], dtype=np.float32)                          # [K, V]
+    rng = make_rng(0)
     n, counts, accepted = 20000, np.zeros(4), 0
     for _ in range(n):
-        x = int(torch.multinomial(q[0], 1, generator=gen))
-        a, tok = accept_sampled([x], p, q, gen)
+        x = draw(q[0], rng)
+        a, tok = accept_sampled([x], p, q, rng)
         counts[x if a else tok] += 1
         accepted += a
-    sigma = np.sqrt(p[0].numpy() * (1 - p[0].numpy()) / n)
-    assert np.all(np.abs(counts / n - p[0].numpy()) <= 4 * sigma + 1e-9)
-    assert abs(accepted / n - float(torch.minimum(p[0], q[0]).sum())) < 4 * np.sqrt(0.25 / n)
+    sigma = np.sqrt(p[0] * (1 - p[0]) / n)
+    assert np.all(np.abs(counts / n - p[0]) <= 4 * sigma + 1e-9)
+    assert abs(accepted / n - float(np.minimum(p[0], q[0]).sum())) < 4 * np.sqrt(0.25 / n)
 
 
 def test_greedy_acceptance_is_the_argmax_prefix():
-    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]])       # argmax 1, 0, 2
+    logits = np.array([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]], dtype=np.float32)  # argmax 1, 0, 2
     assert accept_greedy([1, 0], logits) == (2, 2)                  # both accepted, bonus = argmax of the last row
     assert accept_greedy([1, 2], logits) == (1, 0)                  # second rejected: the target's own token
     assert accept_greedy([0, 0], logits) == (0, 1)
@@ -156,20 +157,20 @@ def test_sampled_output_follows_the_target_distribution(tiny_small, draft_model)
     kw = dict(greedy=False, temperature=1.0, top_p=0.9)
     s = Sampling(False, 1.0, 0.9)
     logits, pkv = eng.forward(torch.tensor([PROMPT]))
-    p1 = s.probs(logits[0, -1].float())                                            # [V]
-    exact = torch.zeros_like(p1)
-    for t1 in p1.nonzero().flatten().tolist():
+    p1 = s.probs(as_numpy(logits[0, -1])).astype(np.float64)                     # [V]
+    exact = np.zeros_like(p1)
+    for t1 in np.flatnonzero(p1).tolist():
         l2, _ = eng.forward(torch.tensor([PROMPT + [t1]]))
-        exact += p1[t1] * s.probs(l2[0, -1].float())
-    n, counts, passes = 600, torch.zeros_like(exact), 0
+        exact += p1[t1] * s.probs(as_numpy(l2[0, -1]))
+    n, counts, passes = 600, np.zeros_like(exact), 0
     for seed in range(n):
         r = eng.generate(input_ids=PROMPT, max_new_tokens=3, stop_at_eos=False, seed=seed, **kw)
         counts[r.token_ids[1]] += 1
         passes += r.stats["draft"]["drafted"]
     assert passes == n                                               # every request verified one draft
-    big = (exact * n >= 8).nonzero().flatten()
-    obs = torch.cat([counts[big], (n - counts[big].sum()).reshape(1)])
-    exp = torch.cat([exact[big] * n, (n - exact[big].sum() * n).reshape(1)])
+    big = np.flatnonzero(exact * n >= 8)
+    obs = np.append(counts[big], n - counts[big].sum())
+    exp = np.append(exact[big] * n, n - exact[big].sum() * n)
     assert len(big) >= 3
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     pvalue = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2), torch.tensor(chi2 / 2)))

@@ -35,7 +35,8 @@ from .ggml_model import GraphKV
 from .load import load
 from .offloaded import Runtime
 from .generation import GenerationResult, PrefillProgress, TokenSink, chat_ids, check_text, eos_ids, run_stats, step_delta
-from .speculative import Sampling, Speculator, make_drafter
+from .sampling import Sampling
+from .speculative import Speculator, as_numpy, make_drafter
 
 
 
@@ -241,8 +242,7 @@ class Engine:
         (`--draft`), decoding is speculative (`speculative.py`): the same tokens greedily, the same distribution
         sampled; stats["draft"] holds its figures."""
         ids = self._prompt_ids(prompt, input_ids, chat)
-        sampling = Sampling(greedy, temperature, top_p, torch.Generator().manual_seed(seed) if seed is not None
-                            else None)
+        sampling = Sampling(greedy, temperature, top_p, seed)           # numpy: the torch-free engine's picks too
         out = TokenSink(self._tokenizer, max_new_tokens, eos_ids(self.config, self._tokenizer) if stop_at_eos
                         else set(), on_token, should_stop)
         before = self.cache.snapshot()
@@ -254,7 +254,7 @@ class Engine:
         logits, pkv = self.forward(torch.tensor([ids], dtype=torch.long), last_only=True)   # the prompt's prefill
         t_prefill = time.perf_counter() - t0
         per_token = [step_delta(mark, self.cache.stats.as_dict())]
-        out.emit(sampling.pick(logits[0, -1])[0])
+        out.emit(sampling.pick(as_numpy(logits[0, -1]))[0])
         ttft = time.perf_counter() - t0
         per_token[0]["ms"] = ttft * 1000
         spec = self.speculator if self.speculator is not None and self.speculator.enabled else None
@@ -299,7 +299,7 @@ class Engine:
             mark, t = self.cache.stats.as_dict(), time.perf_counter()
             logits, pkv = self.forward(torch.tensor([[out.tokens[-1]]], dtype=torch.long), pkv)
             per_token.append(step_delta(mark, self.cache.stats.as_dict()))
-            nxt = sampling.pick(logits[0, -1])[0]
+            nxt = sampling.pick(as_numpy(logits[0, -1]))[0]
             per_token[-1]["ms"] = (time.perf_counter() - t) * 1000
             out.emit(nxt)
         return pkv
@@ -331,7 +331,3 @@ class Engine:
             out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
 
-
-def sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, gen) -> int:
-    """Next token from logits [V]: argmax, or temperature + nucleus (top-p) sampling."""
-    return Sampling(greedy, temperature, top_p, gen).pick(logits)[0]

@@ -3,8 +3,9 @@ drafts and verifies, and who drafts (`--draft`).
 
 Legend: K = tokens drafted this pass, V = vocabulary, n = tokens in the target's KV cache before the pass.
 
-Sampling (`Sampling`): greedy, or temperature + top-p with a seeded generator; `sampling_probs` is the one definition
-of the distribution sampling draws from, used by plain sampling (`engine.sample`), the draft and the verification.
+Sampling (`Sampling`, numpy, in sampling.py): greedy, or temperature + top-p with a seeded PCG64 generator;
+`sampling_probs` is the one definition of the distribution sampling draws from, used by plain sampling
+(`Engine.generate`), the draft and the verification. Logits go to numpy once (`as_numpy`), where they are picked.
 
 One pass (`Speculator.step`), after the prompt's prefill and first token:
 
@@ -49,100 +50,31 @@ Draft sources:
               with the accepted tokens, then fed the rest in one forward.
   mtp         DeepSeek-V3's multi-token-prediction layers: not buildable here (`mtp_unavailable` says why).
 
-`draft(ctx, pkv, k, sampling)` -> (drafts [K], q [K,V] or None for greedy): ctx is every token so far, its last
-one not yet in `pkv` (the target's KV cache, n = len(ctx) - 1 entries); `pkv` is left with n entries.
+`draft(ctx, pkv, k, sampling)` -> (drafts [K], q [K,V] numpy float32, or None for greedy): ctx is every token so
+far, its last one not yet in `pkv` (the target's KV cache, n = len(ctx) - 1 entries); `pkv` is left with n entries.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..errors import MoectlError
 from ..models.kv_cache import cache_kwargs
 from ..policies.draft_length import AcceptanceCounter, FixedDraftRule, OnlineDraftRule
+from .sampling import (Sampling, accept_greedy, accept_probability, accept_sampled, draw, residual,  # noqa: F401
+                       sampling_probs, token_distribution)
 
 
-# --- sampling and the acceptance rule -----------------------------------------------------------------------------
-def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution [..., V] sampling draws from: softmax(logits / temperature), cut to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        keep = torch.cumsum(sorted_p, -1) - sorted_p < top_p          # always keeps the top token
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """One token from a distribution [V]."""
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def accept_probability(p: torch.Tensor, q: torch.Tensor, x: int) -> float:
-    """min(1, p(x) / q(x)) for a draft x sampled from q (so q(x) > 0)."""
-    return min(1.0, float(p[x]) / float(q[x])) if float(q[x]) > 0 else 0.0
-
-
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) [V]: what a rejection draws from. (p == q never rejects; p is returned for safety.)"""
-    r = torch.clamp(p - q, min=0.0)
-    total = float(r.sum())
-    return r / total if total > 0 else p
-
-
-def token_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The exact distribution [V] of the token emitted at one position: draw x ~ q, keep it with min(1, p/q),
-    else draw from the residual. Equal to p for every q (the tests check it on constructed cases)."""
-    keep = q * torch.clamp(p / torch.where(q > 0, q, torch.ones_like(q)), max=1.0) * (q > 0)   # q(x) min(1,p/q)
-    return keep + (1.0 - keep.sum()) * residual(p, q)
-
-
-def accept_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts, the token that follows them) for greedy decoding; `target_logits` [K+1,V]."""
-    best = target_logits.argmax(-1).tolist()                            # [K+1]
-    n = 0
-    while n < len(drafts) and drafts[n] == best[n]:
-        n += 1
-    return n, best[n]
-
-
-def accept_sampled(drafts: list[int], p: torch.Tensor, q: torch.Tensor,
-                   gen: torch.Generator | None) -> tuple[int, int]:
-    """(accepted drafts, the token that follows them) by speculative sampling; p [K+1,V] target, q [K,V] draft."""
-    for i, x in enumerate(drafts):
-        u = float(torch.rand((), generator=gen))
-        if u >= accept_probability(p[i], q[i], x):
-            return i, draw(residual(p[i], q[i]), gen)
-    return len(drafts), draw(p[len(drafts)], gen)                      # every draft accepted: a bonus token
-
-
-class Sampling:
-    """How a generation picks tokens: greedy, or temperature + top-p with a seeded generator. `pick(logits [V])`
-    -> (token, the distribution [V] it was drawn from, or None when greedy)."""
-
-    def __init__(self, greedy: bool, temperature: float = 1.0, top_p: float = 1.0, gen=None):
-        self.greedy = greedy or temperature <= 0
-        self.temperature, self.top_p, self.gen = temperature, top_p, gen
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return sampling_probs(logits, self.temperature, self.top_p)
-
-    def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        logits = logits.float().cpu()
-        if self.greedy:
-            return int(torch.argmax(logits)), None
-        probs = self.probs(logits)
-        return draw(probs, self.gen), probs
-
-    def accept(self, drafts: list[int], target_logits: torch.Tensor, q: torch.Tensor | None) -> tuple[int, int]:
-        """(accepted drafts, the next token) of a verification pass; `target_logits` [K+1,V]."""
-        target_logits = target_logits.float().cpu()
-        if self.greedy:
-            return accept_greedy(drafts, target_logits)
-        return accept_sampled(drafts, self.probs(target_logits), q, self.gen)
+# --- sampling and the acceptance rule: numpy, in sampling.py (its names importable from here too) ---------------------
+def as_numpy(logits) -> np.ndarray:
+    """Logits as sampling.py takes them, float32 numpy: a torch tensor converted once (any dtype, any device),
+    numpy passed through."""
+    if isinstance(logits, torch.Tensor):
+        return logits.float().cpu().numpy()
+    return np.asarray(logits, dtype=np.float32)
 
 
 # --- the loop -----------------------------------------------------------------------------------------------------
@@ -181,13 +113,13 @@ class Speculator:
         if k <= 0:
             logits, pkv = eng.forward(torch.tensor([[ctx[-1]]]), pkv)
             rollback(pkv, pkv.get_seq_length())                    # (trims sliding-window layers)
-            accepted, emit, t_draft = 0, [sampling.pick(logits[0, -1])[0]], t0
+            accepted, emit, t_draft = 0, [sampling.pick(as_numpy(logits[0, -1]))[0]], t0
         else:
             n = pkv.get_seq_length()
             drafts, q = self.drafter.draft(ctx, pkv, k, sampling)
             t_draft = time.perf_counter()
             logits, pkv = eng.forward(torch.tensor([[ctx[-1]] + drafts]), pkv, verify=True)     # [1,K+1,V]
-            accepted, nxt = sampling.accept(drafts, logits[0], q)
+            accepted, nxt = sampling.accept(drafts, as_numpy(logits[0]), q)
             rollback(pkv, n + 1 + accepted)
             emit = drafts[:accepted] + [nxt]
             self.counter.record(k, accepted)
@@ -236,7 +168,7 @@ class CachedDraft:
                      "(self-drafting; a draft costs a decode step)") if self.in_place else ""
 
     @torch.inference_mode()
-    def draft(self, ctx: list[int], pkv, k: int, sampling) -> tuple[list[int], torch.Tensor | None]:
+    def draft(self, ctx: list[int], pkv, k: int, sampling) -> tuple[list[int], np.ndarray | None]:
         n = pkv.get_seq_length()
         rt, tok, drafts, qs = self.eng.runtime, ctx[-1], [], []
         rt.drafting = True
@@ -244,13 +176,13 @@ class CachedDraft:
             for _ in range(k):
                 x = torch.tensor([[tok]], device=self.eng.device)
                 logits = self.eng.model(input_ids=x, **cache_kwargs(self.eng.model, pkv), use_cache=True).logits[0, -1]   # [V]
-                tok, q = sampling.pick(logits)
+                tok, q = sampling.pick(as_numpy(logits))
                 drafts.append(tok)
                 qs.append(q)
         finally:
             rt.drafting = False
             rollback(pkv, n)                            # the draft's positions never happened
-        return drafts, None if qs[0] is None else torch.stack(qs)
+        return drafts, None if qs[0] is None else np.stack(qs)                # q [K,V]
 
 
 class ModelDraft:
@@ -277,7 +209,7 @@ class ModelDraft:
         self.pkv, self.seen = None, []              # the draft's KV cache holds `seen`
 
     @torch.inference_mode()
-    def draft(self, ctx: list[int], pkv, k: int, sampling) -> tuple[list[int], torch.Tensor | None]:
+    def draft(self, ctx: list[int], pkv, k: int, sampling) -> tuple[list[int], np.ndarray | None]:
         from transformers import DynamicCache
 
         keep = 0
@@ -292,12 +224,12 @@ class ModelDraft:
         for _ in range(k):
             ids = torch.tensor([x], device=self.eng.device)
             logits = self.model(input_ids=ids, **cache_kwargs(self.model, self.pkv), use_cache=True).logits[0, -1]   # [V']
-            tok, q = sampling.pick(_to_vocab(logits, self.vocab))
+            tok, q = sampling.pick(as_numpy(_to_vocab(logits, self.vocab)))
             drafts.append(tok)
             qs.append(q)
             x = [tok]
         self.seen = list(ctx) + drafts[:-1]
-        return drafts, None if qs[0] is None else torch.stack(qs)
+        return drafts, None if qs[0] is None else np.stack(qs)                # q [K,V]
 
 
 def _to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

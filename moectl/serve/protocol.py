@@ -53,7 +53,7 @@ class Sampling(BaseModel):
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)       # a JSON integer is a number too (bools are not)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    seed: Optional[StrictInt] = Field(None, ge=-(2**63), lt=2**64)          # what torch.Generator takes
+    seed: Optional[StrictInt] = Field(None, ge=-(2**63), lt=2**64)          # int64 or uint64: mod 2**64
     stop: Union[StrictStr, list[StrictStr], None] = Field(None, validate_default=True)   # -> list[str]
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
