@@ -104,9 +104,9 @@ class SavedTokenizer:
             "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
 
         backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        # the added tokens as tokenizer.json spells them: a named special token takes its flags from there
-        saved = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
-        added = {entry["id"]: AddedToken(**{k: v for k, v in entry.items() if k != "id"}) for entry in saved}
+        # the added tokens as tokenizer.json spells them (transformers reads them from the JSON; the backend holds
+        # the same, without parsing a 152k-token file twice): a named special token takes its flags from there
+        added = backend.get_added_tokens_decoder()
         by_content = {str(t): t for t in added.values()}
 
         def token(value):
