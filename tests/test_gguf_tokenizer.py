@@ -2,8 +2,8 @@
 SavedTokenizer) is transformers' tokenizer loaded from the same directory: the same ids, text, special tokens and
 chat-template ids, on a byte-level BPE vocabulary (gpt2 / qwen2 style, with a Qwen3-style chat template) and a
 sentencepiece one (llama style: BOS added, byte fallback, with Mixtral's template), and on the 152k-token
-Qwen3-MoE file of bench/gguf_vs_llamacpp.py where it is on this machine. Reading it, encoding and decoding import neither torch nor
-transformers (a fresh interpreter)."""
+Qwen3-MoE file of bench/gguf_vs_llamacpp.py where it is on this machine. Reading it, encoding and decoding import
+neither torch nor transformers (a fresh interpreter)."""
 
 from __future__ import annotations
 
@@ -200,6 +200,12 @@ def test_chat_template_ids_as_transformers(pair):
             assert ours.apply_chat_template(chat, add_generation_prompt=True, **extra)["input_ids"] == ids
             assert ours.apply_chat_template(chat, add_generation_prompt=True, return_dict=False, **extra) == ids
         assert chat_ids(ours, chat) == chat_ids(theirs, chat)
+    if kind == "bpe":       # Qwen3's tools branch: the schemas through its tojson
+        tools = [{"type": "function", "function": {"name": "weather", "description": "Météo à Paris",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        assert ours.apply_chat_template(CHATS[2], tools=tools, add_generation_prompt=True)["input_ids"] == \
+            theirs.apply_chat_template(CHATS[2], tools=tools, add_generation_prompt=True)["input_ids"]
+        assert "Météo" in ours.apply_chat_template(CHATS[2], tools=tools, tokenize=False)
     if kind == "bpe":
         text = ours.apply_chat_template(CHATS[1], add_generation_prompt=True, tokenize=False)
         assert text == ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nadd them\n"

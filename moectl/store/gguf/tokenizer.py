@@ -137,7 +137,7 @@ class SavedTokenizer:
         update_post_processor = backend.post_processor is None
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         to_add = [added[i] for i in sorted(added)]
-        have = {str(t) for t in backend.get_added_tokens_decoder().values()} | {str(t) for t in to_add}
+        have = set(by_content)
         for value in [v for v in named.values() if v is not None] + extra:
             if str(value) not in have and value not in to_add:
                 to_add.append(value)
@@ -234,18 +234,20 @@ class SavedTokenizer:
         return text
 
     # --- chat -------------------------------------------------------------------------------------
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = False,
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
+                            documents: list[dict] | None = None, add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = True, **kwargs):
         """The conversation through the chat template: the text (tokenize=False), or its ids encoded without
         special tokens ({"input_ids", "attention_mask"} with return_dict, as transformers 5.x gives by default).
-        `kwargs` are template variables (e.g. enable_thinking), over the special tokens."""
+        `tools` are JSON schemas (not functions, which transformers converts), `documents` dicts; `kwargs` are
+        template variables (e.g. enable_thinking), over the special tokens."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if not conversation:
             raise ValueError("cannot apply a chat template to an empty conversation")
         messages = _aliased_reasoning([{k: v for k, v in m.items() if v is not None} for m in conversation])
         text = _compiled(self.chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens_map, **kwargs})
         if not tokenize:
             return text
