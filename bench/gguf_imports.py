@@ -6,8 +6,9 @@ a fresh process (nothing imported yet) timing one thing with time.perf_counter, 
   - `import transformers` after torch (its package __init__: every transformers import pays it);
   - the GGUF's config (`store/facts.py: load_config` after both: the config class, its auto docstrings, the header);
   - the tokenizer from the workdir's cache (`gguf-tokenizer/`, as `Engine.tokenizer` reads it: AutoTokenizer) after
-    the config, and the same tokenizer.json by the `tokenizers` library alone (what a transformers-free path
-    would pay);
+    the config, the same tokenizer.json by the `tokenizers` library alone, and moectl's transformers-free reader
+    of that directory (`store/gguf/tokenizer.py: SavedTokenizer`, one encode; then, apart, its first chat prompt:
+    jinja2 imported, the template compiled and rendered, the text encoded);
   - `import moectl.runtime.engine` after torch (moectl's own modules, numpy, gguf, ...).
 The medians of `--repeat` runs, in seconds. The workdir's tokenizer cache must exist (run `moectl generate` on the
 file once).
@@ -42,6 +43,14 @@ ROWS = {
         "AutoTokenizer.from_pretrained(sys.argv[2])"),
     "tokenizer: tokenizers alone": ("", "import tokenizers\ntokenizers.Tokenizer.from_file(sys.argv[2] + "
                                         "'/tokenizer.json')"),
+    "tokenizer: SavedTokenizer, one encode": (
+        "from pathlib import Path",
+        "from moectl.store.gguf.tokenizer import SavedTokenizer\n"
+        "SavedTokenizer(Path(sys.argv[2])).encode('The capital of France is')"),
+    "its first chat prompt (jinja2)": (
+        "from pathlib import Path\nfrom moectl.store.gguf.tokenizer import SavedTokenizer\n"
+        "tok = SavedTokenizer(Path(sys.argv[2]))",
+        "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True)"),
     "import moectl.runtime.engine (after torch)": ("import torch", "import moectl.runtime.engine"),
 }
 

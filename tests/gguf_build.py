@@ -150,6 +150,43 @@ def write_vocab(w: GGUFWriter, ckpt: Path, vocab_size: int) -> None:
     SpecialVocab(ckpt, load_merges=True, n_vocab=vocab_size).add_to_gguf(w, quiet=True)
 
 
+def write_spm_vocab(w: GGUFWriter, vocab_size: int, chat_template: str | None = None) -> None:
+    """A sentencepiece-style vocabulary as llama.cpp's `_set_vocab_sentencepiece` stores it (tokenizer model
+    `llama`): <unk> <s> </s>, the 256 byte tokens <0xNN>, then "\u2581"-spelled pieces with their scores (no merges:
+    readers rebuild them from the scores), the rest USER_DEFINED fillers; BOS 1, EOS 2, UNK 0, no PAD.
+    The pieces are a BPE learned in ~0.1 s on a few KB of local text (deterministic)."""
+    import inspect as _inspect
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = _inspect.getsource(torch.nn.modules.linear)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size - 259, min_frequency=2,
+                                                        show_progress=False))
+    pieces = [t for t, _ in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = ([TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+             + [TokenType.NORMAL] * len(pieces))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"<unused{i}>")
+        types.append(TokenType.USER_DEFINED)
+        scores.append(-1e4)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
 def k256_mixtral(root: Path, layers: int = 2, tied: bool = False) -> Path:
     """A tiny Mixtral checkpoint (seed 0, with a tokenizer) whose rows are whole 256-weight K blocks, written to
     root / "ckpt" in the released on-disk layout: the model the Q4_K_M-like GGUF fixtures quantize."""
@@ -170,8 +207,10 @@ def k256_mixtral(root: Path, layers: int = 2, tied: bool = False) -> Path:
 
 def write_gguf(ckpt: Path, out: Path, expert_encoding=T.F32, dense_encoding: T = T.F32,
                per_expert: bool = False, split_max_tensors: int = 0, meta: dict | None = None,
-               mla_split: bool = False) -> Path:
+               mla_split: bool = False, spm_vocab: bool = False, chat_template: str | None = None) -> Path:
     """Write `ckpt` (a tiny HF checkpoint) as GGUF `out` in llama.cpp's layout; returns the (first) file.
+    `spm_vocab`: a sentencepiece-style vocabulary (`write_spm_vocab`, with `chat_template`) instead of the
+    checkpoint's byte-level BPE.
     `expert_encoding`: one encoding, or (layer, proj) -> encoding (a Q4_K_M-like mix).
     `mla_split` (DeepSeek): today's converter, kv_b_proj split into attn_k_b (transposed) and attn_v_b and the
     attention written as MQA; else the older single attn_kv_b."""
@@ -186,7 +225,10 @@ def write_gguf(ckpt: Path, out: Path, expert_encoding=T.F32, dense_encoding: T =
     w = GGUFWriter(out, MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
     write_metadata(w, family, c, expert_encoding(0, "gate") if callable(expert_encoding) else expert_encoding,
                    mla_split)
-    write_vocab(w, ckpt, c["vocab_size"])
+    if spm_vocab:
+        write_spm_vocab(w, c["vocab_size"], chat_template)
+    else:
+        write_vocab(w, ckpt, c["vocab_size"])
     for key, value in (meta or {}).items():                       # overrides (bad-input tests)
         w.add_uint32(key.replace("{arch}", MODEL_ARCH_NAMES[arch]), value)
 

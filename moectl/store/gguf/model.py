@@ -4,6 +4,7 @@
     g.family, g.config, g.index         # moectl family, transformers config, ExpertIndex
     g.tokenizer()                       # transformers' GGUF tokenizer converter
     g.tokenizer(cache_dir)              # the same, saved there once and read back by later runs
+    g.saved_tokenizer(cache_dir)        # that saved one read without transformers (tokenizer.py), or None
     g.sizes(2)                          # header-only figures for inspect / sizing (dense at 2 bytes/weight)
     g.dense_state_dict(skeleton, dtype) # dense tensors dequantised once, under the skeleton's names
     g.dense_in_place(skeleton)          # or, on the CPU with ggml, the matrices where they lie in the mapped file
@@ -25,6 +26,7 @@ from .config import family_of, gguf_config, gguf_tokenizer
 from .dense import dense_in_place, dense_state_dict, dense_tensors
 from .experts import ExpertIndex
 from .files import GgufFiles
+from .tokenizer import SavedTokenizer, saved_tokenizer, tokenizer_key
 
 is_gguf = is_gguf_path          # whether `--model` names a GGUF file (a directory is a safetensors checkpoint)
 _OPEN: dict[tuple, "GgufModel"] = {}
@@ -90,12 +92,17 @@ class GgufModel:
             pass
         return tok
 
+    def saved_tokenizer(self, cache: Path) -> SavedTokenizer | None:
+        """The tokenizer `tokenizer(cache)` saved for this file, read with the tokenizers library alone (no
+        transformers import: moectl/store/gguf/tokenizer.py); None when there is none valid for this file and these
+        versions, or it holds what that reader does not reproduce: then call `tokenizer(cache)`."""
+        return saved_tokenizer(Path(cache), self.files.paths)
+
     def _tokenizer_key(self) -> dict:
         import tokenizers
         import transformers
 
-        return {"files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files.paths],
-                "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+        return tokenizer_key(self.files.paths, transformers.__version__, tokenizers.__version__)
 
     def sizes(self, dense_bytes_per_weight: int = 2, mapped: frozenset = frozenset()) -> dict:
         """`ExpertIndex.sizes()` (experts packed, as stored) plus what a run holds in host RAM with the experts in
