@@ -221,30 +221,34 @@ np.savez(sys.argv[4], logits=logits, step=step, prefill_ids=prefill_ids, last_id
          k=kv.k[:, :kv.pos], v=kv.v[:, :kv.pos])
 print("RESULT " + json.dumps({"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
                               "why": why, "kv_dtype": str(graph.kv_dtype), "kv_pos": kv.pos,
-                              "swa": ggml_model.swa_layers(config) is None}))
+                              "swa": swa.tolist() if (swa := ggml_model.swa_layers(config)) is not None else None}))
 """
 
 
-def test_graph_runs_without_torch(family_files, tmp_path):
-    """A fresh process builds the graph from the file's tensors (`GgufFiles`, the config's attributes as a plain
-    namespace of its `to_dict()`) and runs a prefill and a decode step with neither torch nor transformers imported;
-    its logits, routed experts and KV cache are the Engine's graph forward's on the same ids, bit for bit."""
-    ggml_or_skip()
+def torch_free_forward(path, ids: list[int], tmp_path) -> tuple[dict, dict]:
+    """The graph of the GGUF at `path` built and run in a fresh process without torch (`TORCH_FREE_CHILD`: a
+    prefill of `ids`, then a decode step of ids[0]): (what it says of itself, its arrays)."""
     from moectl.store.gguf.model import GgufModel
 
-    _, _, _, q = family_files
-    config = GgufModel(q).config.to_dict()
-    ids = [5, 17, 42, 9, 100, 7]
+    config = GgufModel(path).config.to_dict()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "child.npz"
-    p = subprocess.run([sys.executable, "-c", TORCH_FREE_CHILD, str(q), json.dumps(config, default=str),
+    p = subprocess.run([sys.executable, "-c", TORCH_FREE_CHILD, str(path), json.dumps(config, default=str),
                         json.dumps(ids), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return res, dict(np.load(out))
+
+
+def check_torch_free_forward(path, tmp_path, swa: list[int] | None = None) -> None:
+    """The torch-free process's graph (`torch_free_forward`) imported neither torch nor transformers, read the
+    namespace config as the Engine's reads transformers' (`why_not` None, the sliding-window layers `swa`), and its
+    logits, routed experts and KV cache are the Engine's graph forward's on the same ids, bit for bit."""
+    ids = [5, 17, 42, 9, 100, 7]
+    res, child = torch_free_forward(path, ids, tmp_path)
     assert res == {"torch": False, "transformers": False, "why": None, "kv_dtype": "float16", "kv_pos": 7,
-                   "swa": True}
-    child = np.load(out)
-    eng = _load(q, tmp_path / "e")
+                   "swa": swa}
+    eng = _load(path, tmp_path / "e")
     want, kv = eng.forward(torch.tensor([ids]))
     want_ids = eng.graph.last_ids.copy()
     want_step, kv = eng.forward(torch.tensor([ids[:1]]), kv)
@@ -254,6 +258,14 @@ def test_graph_runs_without_torch(family_files, tmp_path):
     assert child["prefill_ids"].shape == (eng.graph.n_layer, len(ids), eng.graph.U)
     assert np.array_equal(child["prefill_ids"], want_ids) and np.array_equal(child["last_ids"], eng.graph.last_ids)
     assert np.array_equal(child["k"], kv.k[:, :kv.pos]) and np.array_equal(child["v"], kv.v[:, :kv.pos])
+
+
+def test_graph_runs_without_torch(family_files, tmp_path):
+    """A fresh process builds the graph from the file's tensors (`GgufFiles`, the config's attributes as a plain
+    namespace of its `to_dict()`) and runs a prefill and a decode step with neither torch nor transformers imported;
+    its logits, routed experts and KV cache are the Engine's graph forward's on the same ids, bit for bit."""
+    ggml_or_skip()
+    check_torch_free_forward(family_files[3], tmp_path)
 
 
 def _own_copies(family: str, tmp_path, dense):

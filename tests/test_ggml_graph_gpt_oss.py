@@ -247,3 +247,13 @@ def test_yarn_takes_the_graph_for_gpt_oss_only():
     assert why is not None and "GPT-OSS only" in why
     assert ggml_model.why_not(SimpleNamespace(model_type="gpt_oss", rope_parameters=yarn)) in (
         None, f"ggml is not available: {ggml_model.ggml.why_not()}")
+
+
+def test_gpt_oss_graph_runs_without_torch(oss_files, tmp_path):
+    """GPT-OSS's graph (MXFP4 experts, its sliding-window layers read from the config namespace's layer_types, YaRN,
+    sinks) built and run in a fresh process without torch or transformers: the Engine's graph forward, bit for bit
+    (tests/test_ggml_graph.py: check_torch_free_forward)."""
+    from test_ggml_graph import check_torch_free_forward
+
+    ggml_or_skip()
+    check_torch_free_forward(oss_files["MXFP4"], tmp_path, swa=[1, 0, 1, 0])
