@@ -200,6 +200,12 @@ def test_bad_token_id_is_one_error(family_files, tmp_path):
     eng = _load(q, tmp_path)
     with pytest.raises(MoectlError, match="outside the vocabulary"):
         eng.forward(torch.tensor([[1, eng.graph.V]]))
+    with pytest.raises(MoectlError, match="outside the vocabulary"):
+        eng.graph.forward([1, 2 ** 32 + 1])                # not wrapped into the vocabulary by the int32 cast
+    with pytest.raises(MoectlError, match="one sequence of token ids"):
+        eng.graph.forward(np.ones((2, 3), dtype=np.int64))
+    with pytest.raises(MoectlError, match="integers, not float"):
+        eng.graph.forward([1.0, 2.5])
 
 
 TORCH_FREE_CHILD = r"""
