@@ -7,6 +7,13 @@ KV cache grows past its first capacity; the cache's counters are the module path
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -21,6 +28,7 @@ from test_gguf_run import GGML_LOGITS_RTOL, PROMPT, STEPS, ggml_or_skip
 from test_runtime import LOSSLESS_ATOL, _engine_run
 
 FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _checkpoint(family: str, root):
@@ -68,8 +76,8 @@ def test_quantized_graph_equals_the_module_path(family_files, tmp_path, monkeypa
     family, _, _, q = family_files
     eng = _load(q, tmp_path / "g")
     assert eng.graph is not None and "one ggml graph" in eng.plan_note
-    assert eng.graph.kv_dtype == torch.float16
-    eng.graph.kv_dtype = torch.float32
+    assert eng.graph.kv_dtype == np.float16
+    eng.graph.kv_dtype = torch.float32              # torch's name of it, as a caller may give it
     logits, got = _engine_run(eng, PROMPT, STEPS)
     monkeypatch.setenv("MOECTL_GGML_GRAPH", "0")
     mod = _load(q, tmp_path / "m")
@@ -83,27 +91,33 @@ def test_quantized_graph_equals_the_module_path(family_files, tmp_path, monkeypa
 def test_fp16_cache_is_llamacpps_default_within_its_rounding(family_files, tmp_path):
     """A quantized file's cache is fp16 (llama.cpp's default, read by flash attention), an F32 file's fp32; the
     fp16 cache's logits are the fp32 cache's within fp16's rounding of K and V (~1e-3 relative), prefill and
-    decode, and a cache of the other dtype is refused."""
+    decode, and a cache of the other dtype is refused. The cache's dtype is numpy's; torch's names of fp16 and fp32
+    set it too, the same dtype."""
     ggml_or_skip()
     _, _, f32, q = family_files
-    assert _load(f32, tmp_path / "f").graph.kv_dtype == torch.float32
+    assert _load(f32, tmp_path / "f").graph.kv_dtype == np.float32
     g = _load(q, tmp_path / "q").graph
-    ids = torch.tensor([[5, 17, 42, 9, 100, 7, 3, 64, 11, 2]])
+    ids = np.array([[5, 17, 42, 9, 100, 7, 3, 64, 11, 2]])
     runs = {}
-    for dtype in (torch.float16, torch.float32):
-        g.kv_dtype = dtype
+    for dtype, named in ((np.float16, torch.float16), (np.float32, torch.float32)):
+        g.kv_dtype = named
+        assert g.kv_dtype == dtype
         pre, kv = g.forward(ids[:, :6])
-        assert kv.k.dtype == dtype
+        assert kv.k.dtype == dtype and kv.v.dtype == dtype
         steps = [g.forward(ids[:, t:t + 1], kv)[0] for t in range(6, 10)]
-        runs[dtype] = torch.cat([pre, *steps], dim=1)                  # [1, 10, V]
-    a, b = runs[torch.float16], runs[torch.float32]
-    scale = b.abs().max().item()
-    err = (a - b).abs().max().item()
+        runs[dtype] = np.concatenate([pre, *steps], axis=1)             # [1, 10, V]
+    a, b = runs[np.float16], runs[np.float32]
+    assert a.dtype == b.dtype == np.float32 and a.shape == (1, 10, g.V)
+    scale = float(np.abs(b).max())
+    err = float(np.abs(a - b).max())
     assert 0 < err <= 2e-2 * scale, (err, scale)       # not the same cache, and fp16's rounding only
     with pytest.raises(ValueError, match="KV cache"):
-        g.forward(ids[:, :1], GraphKV(g.n_layer, g.KV, 4, torch.float16))
+        g.forward(ids[:, :1], GraphKV(g.n_layer, g.KV, 4, np.float16))
+    for other in (torch.bfloat16, np.float64):
+        with pytest.raises(ValueError, match="fp16 or fp32"):
+            g.kv_dtype = other
     with pytest.raises(ValueError, match="fp16 or fp32"):
-        g.kv_dtype = torch.bfloat16
+        GraphKV(g.n_layer, g.KV, 4, torch.bfloat16)
 
 
 def test_prefill_equals_token_by_token_and_the_cache_grows(family_files, tmp_path, monkeypatch):
@@ -113,24 +127,28 @@ def test_prefill_equals_token_by_token_and_the_cache_grows(family_files, tmp_pat
     ggml_or_skip()
     _, _, f32, _ = family_files
     g = _load(f32, tmp_path).graph
-    ids = torch.tensor([[5, 17, 42, 9, 100, 7, 3, 64, 11, 2]])
+    ids = np.array([[5, 17, 42, 9, 100, 7, 3, 64, 11, 2]])
     full, kv = g.forward(ids)
-    assert full.shape == (1, 10, g.V) and kv.pos == 10
+    assert full.shape == (1, 10, g.V) and full.dtype == np.float32 and kv.pos == 10
     small = g.new_kv(2)
     for t in range(ids.shape[1]):
         one, small = g.forward(ids[:, t:t + 1], small)
-        assert torch.allclose(one[0, 0], full[0, t], atol=1e-4, rtol=1e-4), t
+        assert np.allclose(one[0, 0], full[0, t], atol=1e-4, rtol=1e-4), t
     assert small.capacity >= 10 and small.pos == 10
     last, _ = g.forward(ids, None, last_only=True)
-    assert last.shape == (1, 1, g.V) and torch.allclose(last[0, 0], full[0, -1], atol=1e-5)
+    assert last.shape == (1, 1, g.V) and np.allclose(last[0, 0], full[0, -1], atol=1e-5)
+    # the ids as a list, a flat array or a torch tensor: the same forward, bit for bit
+    for same in (ids[0].tolist(), ids[0], torch.from_numpy(ids)):
+        assert np.array_equal(g.forward(same)[0], full)
     # a prompt longer than a graph's chunk: chunks of 4 tokens, each attending the ones before (the cache)
     monkeypatch.setattr(ggml_model, "CHUNK", 4)
     done = []
     chunked, kv = g.forward(ids, None, on_chunk=lambda d, t: done.append((d, t)))
     assert done == [(4, 10), (8, 10), (10, 10)] and kv.pos == 10 and g.last_ids.shape == (g.n_layer, 10, g.U)
-    assert torch.allclose(chunked, full, atol=1e-4, rtol=1e-4)
+    assert g.last_ids.dtype == np.int32
+    assert np.allclose(chunked, full, atol=1e-4, rtol=1e-4)
     last, _ = g.forward(ids, None, last_only=True)
-    assert last.shape == (1, 1, g.V) and torch.allclose(last[0, 0], full[0, -1], atol=1e-4, rtol=1e-4)
+    assert last.shape == (1, 1, g.V) and np.allclose(last[0, 0], full[0, -1], atol=1e-4, rtol=1e-4)
 
 
 def test_counters_are_the_module_paths(family_files, tmp_path, monkeypatch):
@@ -182,6 +200,78 @@ def test_bad_token_id_is_one_error(family_files, tmp_path):
     eng = _load(q, tmp_path)
     with pytest.raises(MoectlError, match="outside the vocabulary"):
         eng.forward(torch.tensor([[1, eng.graph.V]]))
+    with pytest.raises(MoectlError, match="outside the vocabulary"):
+        eng.graph.forward([1, 2 ** 32 + 1])                # not wrapped into the vocabulary by the int32 cast
+    with pytest.raises(MoectlError, match="one sequence of token ids"):
+        eng.graph.forward(np.ones((2, 3), dtype=np.int64))
+    with pytest.raises(MoectlError, match="integers, not float"):
+        eng.graph.forward([1.0, 2.5])
+
+
+TORCH_FREE_CHILD = r"""
+import json, sys, types
+import numpy as np
+from moectl.kernels import ggml
+from moectl.runtime import ggml_model
+from moectl.store.gguf.files import GgufFiles
+ggml.set_threads(1)
+config = types.SimpleNamespace(**json.loads(sys.argv[2]))         # the config's attributes, as a plain view
+files = GgufFiles(sys.argv[1])
+why = ggml_model.why_not(config)
+graph = ggml_model.GgmlModel.from_gguf(types.SimpleNamespace(files=files), config)
+ids = json.loads(sys.argv[3])
+logits, kv = graph.forward(np.array([ids]))
+prefill_ids = graph.last_ids.copy()
+step, kv = graph.forward([ids[0]], kv)                           # a decode step on the cache: a list of ids
+np.savez(sys.argv[4], logits=logits, step=step, prefill_ids=prefill_ids, last_ids=graph.last_ids,
+         k=kv.k[:, :kv.pos], v=kv.v[:, :kv.pos])
+print("RESULT " + json.dumps({"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
+                              "why": why, "kv_dtype": str(graph.kv_dtype), "kv_pos": kv.pos,
+                              "swa": swa.tolist() if (swa := ggml_model.swa_layers(config)) is not None else None}))
+"""
+
+
+def torch_free_forward(path, ids: list[int], tmp_path) -> tuple[dict, dict]:
+    """The graph of the GGUF at `path` built and run in a fresh process without torch (`TORCH_FREE_CHILD`: a
+    prefill of `ids`, then a decode step of ids[0]): (what it says of itself, its arrays)."""
+    from moectl.store.gguf.model import GgufModel
+
+    config = GgufModel(path).config.to_dict()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "child.npz"
+    p = subprocess.run([sys.executable, "-c", TORCH_FREE_CHILD, str(path), json.dumps(config, default=str),
+                        json.dumps(ids), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return res, dict(np.load(out))
+
+
+def check_torch_free_forward(path, tmp_path, swa: list[int] | None = None) -> None:
+    """The torch-free process's graph (`torch_free_forward`) imported neither torch nor transformers, read the
+    namespace config as the Engine's reads transformers' (`why_not` None, the sliding-window layers `swa`), and its
+    logits, routed experts and KV cache are the Engine's graph forward's on the same ids, bit for bit."""
+    ids = [5, 17, 42, 9, 100, 7]
+    res, child = torch_free_forward(path, ids, tmp_path)
+    assert res == {"torch": False, "transformers": False, "why": None, "kv_dtype": "float16", "kv_pos": 7,
+                   "swa": swa}
+    eng = _load(path, tmp_path / "e")
+    want, kv = eng.forward(torch.tensor([ids]))
+    want_ids = eng.graph.last_ids.copy()
+    want_step, kv = eng.forward(torch.tensor([ids[:1]]), kv)
+    assert isinstance(want, torch.Tensor) and want.dtype == torch.float32 and want.shape == (1, len(ids), eng.graph.V)
+    assert torch.equal(torch.from_numpy(child["logits"]), want)
+    assert torch.equal(torch.from_numpy(child["step"]), want_step)
+    assert child["prefill_ids"].shape == (eng.graph.n_layer, len(ids), eng.graph.U)
+    assert np.array_equal(child["prefill_ids"], want_ids) and np.array_equal(child["last_ids"], eng.graph.last_ids)
+    assert np.array_equal(child["k"], kv.k[:, :kv.pos]) and np.array_equal(child["v"], kv.v[:, :kv.pos])
+
+
+def test_graph_runs_without_torch(family_files, tmp_path):
+    """A fresh process builds the graph from the file's tensors (`GgufFiles`, the config's attributes as a plain
+    namespace of its `to_dict()`) and runs a prefill and a decode step with neither torch nor transformers imported;
+    its logits, routed experts and KV cache are the Engine's graph forward's on the same ids, bit for bit."""
+    ggml_or_skip()
+    check_torch_free_forward(family_files[3], tmp_path)
 
 
 def _own_copies(family: str, tmp_path, dense):

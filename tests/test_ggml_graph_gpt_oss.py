@@ -10,6 +10,7 @@ give the module path llama.cpp's truncated range (`_llamacpp_yarn`), so what is 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -25,6 +26,12 @@ from test_runtime import LOSSLESS_ATOL
 WINDOW = 4                                                    # the sliding window: the prompt is 2.5 of it
 PROMPT = torch.tensor([[5, 17, 42, 9, 100, 7, 3, 64, 11, 2]])
 STEPS = 6
+
+
+def _forward(g, ids, kv=None, last_only=False):
+    """The graph's forward with its numpy logits as a tensor (the module path's are), no copy."""
+    logits, kv = g.forward(ids, kv, last_only)
+    return torch.from_numpy(logits), kv
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +104,7 @@ def _run(eng: Engine, steps: int, routes: _Routes | None = None, forced: list | 
             ids_routed.append(routes.take())
         else:
             assert isinstance(kv, GraphKV)
-            ids_routed.append(eng.graph.last_ids.sort(dim=-1).values)
+            ids_routed.append(torch.from_numpy(np.sort(eng.graph.last_ids, axis=-1)))
         step = torch.tensor([[forced[i] if forced else ids[-1]]])
     return logits, ids, ids_routed
 
@@ -137,23 +144,23 @@ def test_the_window_sinks_and_yarn_are_what_makes_it_equal(oss_files, tmp_path, 
     ggml_or_skip()
     g = _load(oss_files["F32"], tmp_path / "g").graph
     want, _, _ = _module_path(oss_files["F32"], tmp_path, monkeypatch, steps=0)
-    full, _ = g.forward(PROMPT)
+    full, _ = _forward(g, PROMPT)
     assert (full[0] - want[0]).abs().max() <= LOSSLESS_ATOL
     swa = g.desc.is_swa
     g.desc.is_swa = None                                    # every layer full attention
-    no_window, _ = g.forward(PROMPT)
+    no_window, _ = _forward(g, PROMPT)
     g.desc.is_swa = swa
     diff = (no_window[0] - want[0]).abs().amax(dim=-1)      # [T]
     assert diff[:WINDOW].max() <= LOSSLESS_ATOL and diff[WINDOW:].min() > 1e-3, diff
     sinks = [g.layers[l].sinks.data for l in range(g.n_layer)]
     for l in range(g.n_layer):
         g.layers[l].sinks.data = None
-    no_sinks, _ = g.forward(PROMPT)
+    no_sinks, _ = _forward(g, PROMPT)
     for l in range(g.n_layer):
         g.layers[l].sinks.data = sinks[l]
     assert (no_sinks[0] - want[0]).abs().amax(dim=-1).min() > 1e-3
     g.desc.ext_factor = 0.0                                 # YaRN's ramp off: every frequency interpolated
-    no_ramp, _ = g.forward(PROMPT)
+    no_ramp, _ = _forward(g, PROMPT)
     g.desc.ext_factor = 1.0
     assert (no_ramp[0] - want[0]).abs().amax(dim=-1)[1:].min() > 1e-3     # position 0 is not rotated
 
@@ -164,16 +171,16 @@ def test_prefill_equals_token_by_token_and_chunks(oss_files, tmp_path, monkeypat
     inside the previous chunk)."""
     ggml_or_skip()
     g = _load(oss_files["F32"], tmp_path).graph
-    full, kv = g.forward(PROMPT)
+    full, kv = _forward(g, PROMPT)
     assert kv.pos == PROMPT.shape[1]
     one_kv = g.new_kv(2)
     for t in range(PROMPT.shape[1]):
-        one, one_kv = g.forward(PROMPT[:, t:t + 1], one_kv)
+        one, one_kv = _forward(g, PROMPT[:, t:t + 1], one_kv)
         assert torch.allclose(one[0, 0], full[0, t], atol=1e-4, rtol=1e-4), t
     monkeypatch.setattr(ggml_model, "CHUNK", 3)
-    chunked, kv = g.forward(PROMPT)
+    chunked, kv = _forward(g, PROMPT)
     assert kv.pos == PROMPT.shape[1] and torch.allclose(chunked, full, atol=1e-4, rtol=1e-4)
-    last, _ = g.forward(PROMPT, None, last_only=True)
+    last, _ = _forward(g, PROMPT, None, last_only=True)
     assert last.shape == (1, 1, g.V) and torch.allclose(last[0, 0], full[0, -1], atol=1e-4, rtol=1e-4)
 
 
@@ -240,3 +247,13 @@ def test_yarn_takes_the_graph_for_gpt_oss_only():
     assert why is not None and "GPT-OSS only" in why
     assert ggml_model.why_not(SimpleNamespace(model_type="gpt_oss", rope_parameters=yarn)) in (
         None, f"ggml is not available: {ggml_model.ggml.why_not()}")
+
+
+def test_gpt_oss_graph_runs_without_torch(oss_files, tmp_path):
+    """GPT-OSS's graph (MXFP4 experts, its sliding-window layers read from the config namespace's layer_types, YaRN,
+    sinks) built and run in a fresh process without torch or transformers: the Engine's graph forward, bit for bit
+    (tests/test_ggml_graph.py: check_torch_free_forward)."""
+    from test_ggml_graph import check_torch_free_forward
+
+    ggml_or_skip()
+    check_torch_free_forward(oss_files["MXFP4"], tmp_path, swa=[1, 0, 1, 0])

@@ -8,7 +8,12 @@ Legend: T = tokens, K = top-k, H = hidden size, A = stacked experts, I = expert 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,3 +251,47 @@ def test_gpt_oss_cpu_experts_side_through_ggml(gpt_oss_ggufs, tmp_path):
     assert eng.runtime.cpu_experts > 0
     assert got == want
     assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) <= LOSSLESS_ATOL
+
+
+KERNELS_CHILD = r"""
+import json, os, sys
+import numpy as np
+from moectl.kernels import ggml
+fallback = ggml.threads()                       # no --threads set, no torch: the CPU count
+ggml.set_threads(3)
+h = ggml.handle()
+mapped = np.memmap(sys.argv[1], dtype=np.uint8, mode="r")
+ggml.register_stable(mapped)                    # the repack's stable range, as a GGUF's map registers
+print("RESULT " + json.dumps({"fallback": fallback, "cpus": os.cpu_count(), "set": ggml.threads(),
+                              "why": ggml.why_not(), "same_handle": ggml.handle(3) == h != 0,
+                              "registered": len(ggml._registered), "torch": "torch" in sys.modules}))
+"""
+
+
+def test_ggml_kernels_load_without_torch(tmp_path):
+    """kernels/ggml.py in a fresh process: the shim loads, its threads are the CPU count until a run sets them
+    (then those), a handle is made for them and kept, a mapped range is registered, and torch is never imported."""
+    root = Path(__file__).resolve().parents[1]
+    blob = tmp_path / "blob"
+    blob.write_bytes(bytes(4096))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", KERNELS_CHILD, str(blob)], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert res == {"fallback": os.cpu_count(), "cpus": os.cpu_count(), "set": 3, "why": None, "same_handle": True,
+                   "registered": 1, "torch": False}
+
+
+def test_threads_are_torchs_count_where_torch_is_loaded(monkeypatch):
+    """With torch loaded and no --threads set, ggml's threads are torch's intra-op count (as before kernels/ggml.py
+    stopped importing torch); a set count wins."""
+    monkeypatch.setattr(ggml, "_THREADS", [])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ggml.threads() == 2
+        ggml.set_threads(5)
+        assert ggml.threads() == 5
+    finally:
+        torch.set_num_threads(before)

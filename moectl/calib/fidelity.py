@@ -28,6 +28,7 @@ import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -105,7 +106,7 @@ class _SingleExpertRows:
         self.rows += top_k_index.shape[0]
         self.single += int(((top_k_index >= 0).sum(-1) == 1).sum())
 
-    def graph_forward(self, last_ids: torch.Tensor) -> None:
+    def graph_forward(self, last_ids: np.ndarray) -> None:
         """The same counts from the one-graph forward's routed experts [L, T, U] (-1: a row not routed)."""
         n = (last_ids >= 0).sum(-1)                                                         # [L, T]
         self.rows += int((n > 0).sum())

@@ -28,8 +28,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-
 from ..core.recipes import moectl_home
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -56,6 +54,9 @@ def _compiler() -> str | None:
 
 
 def _build(cxx: str) -> Path:
+    # torch here, not at the top: its headers and libraries build these kernels, while the package's other modules
+    # (kernels/ggml.py: a GGUF's one-graph run) are imported without torch
+    import torch
     from torch.utils.cpp_extension import include_paths
 
     lib_dir = Path(torch.__file__).parent / "lib"

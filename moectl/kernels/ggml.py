@@ -17,6 +17,10 @@ experts as they are routed to), read by every later graph (docs/gguf.md; `MOECTL
 
 Where ggml cannot be built (no cmake or C compiler, no network for the source, a failed build) or `MOECTL_GGML=0`,
 `library()` is None, `why_not()` says why, and callers keep torch's path (moectl/store/gguf/cpu.py).
+
+torch is imported by the functions that take or make its tensors, not by the module: a GGUF's one-graph run
+(runtime/ggml_model.py) loads, builds and calls the shim without it (`library`, `handle`, `threads`,
+`register_stable`; the build needs cmake and a compiler only), so its load does not pay torch's import.
 """
 
 from __future__ import annotations
@@ -34,12 +38,15 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..core.recipes import moectl_home
 from ..errors import MoectlError
+
+if TYPE_CHECKING:                   # annotations only: the functions that take or make tensors import torch
+    import torch
 
 LLAMACPP_VERSION = "0.3.36"                      # llama-cpp-python's sdist: vendors llama.cpp (bench/llamacpp.py too)
 SHIM = Path(__file__).with_name("ggml_shim.c")
@@ -243,8 +250,12 @@ def set_threads(n: int) -> None:
 
 
 def threads() -> int:
-    """ggml's threads: the run's --threads (`set_threads`), else torch's intra-op count."""
-    return _THREADS[0] if _THREADS else max(1, torch.get_num_threads())
+    """ggml's threads: the run's --threads (`set_threads`), else torch's intra-op count where torch is loaded (it
+    is not imported for this), else the CPU count."""
+    if _THREADS:
+        return _THREADS[0]
+    torch = sys.modules.get("torch")
+    return max(1, torch.get_num_threads() if torch is not None else os.cpu_count() or 1)
 
 
 def handle(n_threads: int | None = None) -> int:
@@ -257,16 +268,23 @@ def handle(n_threads: int | None = None) -> int:
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return x.detach().to(torch.float32).contiguous()
 
 
 def _ptr(a) -> int:
-    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data if isinstance(a, np.ndarray) else int(a)
+    """The address of a torch tensor's or numpy array's data, or `a` itself (an address)."""
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    return a.data_ptr() if hasattr(a, "data_ptr") else int(a)
 
 
 def mul_mat(encoding: int, w, shape: tuple[int, int], x: torch.Tensor, n_threads: int | None = None) -> torch.Tensor:
     """y [T, N] = x [T, K] @ W^T, W [N, K] (`shape`) in GGUF `encoding` at `w` (a tensor, an array or an address);
     fp32, x quantized as ggml quantizes it (its vec_dot type)."""
+    import torch
+
     N, K = shape
     x = _f32(x).reshape(-1, K)
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
@@ -278,6 +296,8 @@ def mul_mat_id(encoding: int, w, shape: tuple[int, int, int], x: torch.Tensor, i
                n_threads: int | None = None) -> torch.Tensor:
     """ggml_mul_mat_id: y [T, U, N], y[t, u] = W[ids[t, u]] @ x[t] (x [T, K], or [T, U, K]: one row per used
     expert); W = A matrices [N, K] (`shape` = (A, N, K)) stacked at `w`."""
+    import torch
+
     A, N, K = shape
     ids = ids.to(torch.int32).contiguous()
     T, U = ids.shape
@@ -301,6 +321,8 @@ def moe(encodings: tuple[int, int, int], gate, up, down, A: int, H: int, I: int,
     `expert_stride`: bytes from one expert's matrix to the next's when the experts are not back to back (moectl's
     ggml copies: one expert a row of a [A, bytes per expert] buffer, gate, up and down at `gate`, `up`, `down` in
     row 0); 0: stacked as a GGUF's."""
+    import torch
+
     ids = ids.to(torch.int32).contiguous()
     T, U = ids.shape
     x, wts = _f32(x), _f32(weights)
@@ -326,6 +348,8 @@ def experts(mats: list[tuple], H: int, I: int, x: torch.Tensor, coef: torch.Tens
             n_threads: int | None = None) -> torch.Tensor:
     """y [T, H] = sum_e coef[e, t] down_e(silu(gate_e x) * up_e x) for n experts given as
     [((enc, addr) gate, (enc, addr) up, (enc, addr) down)], all on the same x [T, H]: one graph, one call."""
+    import torch
+
     n = len(mats)
     types = (ctypes.c_int32 * (3 * n))(*[int(m[j][0]) for m in mats for j in range(3)])
     ptrs = (ctypes.c_void_p * (3 * n))(*[_ptr(m[j][1]) for m in mats for j in range(3)])
@@ -349,6 +373,8 @@ def quantize(encoding: int, w: torch.Tensor, imatrix: torch.Tensor | None = None
     """ggml's own quantizer: W [N, K] (any float dtype) -> the encoding's bytes (uint8 [N, row bytes]). Types that
     need an importance matrix (IQ2_XXS, IQ2_XS, IQ1_S) get `imatrix` [K], or ones. ggml quantizes each row on its
     own, so W goes through fp32 `rows_at_a_time` rows at a time (the same bytes as whole, a bounded transient)."""
+    import torch
+
     lib = require()
     w = w.detach()
     N, K = w.shape
@@ -379,6 +405,8 @@ class GgmlLinear:
         self.N = sum(m[2][0] for m in mats)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch
+
         lead, dtype = x.shape[:-1], x.dtype
         xf = _f32(x).reshape(-1, self.K)
         T = xf.shape[0]
@@ -409,6 +437,8 @@ def expert_weights(tensors: dict[str, tuple[int, int, tuple[int, int]]], keep=No
 def experts_decode(x: torch.Tensor, pairs: list[tuple[GgmlLinear, GgmlLinear]], coefs: list[float]) -> torch.Tensor:
     """A decode step's experts of one layer in one call: y [T, H] = sum_e coefs[e] down_e(silu(gate_e x) * up_e x),
     `pairs` = [(gate_up, down)] as `GgmlLinear`s (gate and up its two matrices); in x's dtype."""
+    import torch
+
     H, I = pairs[0][1].N, pairs[0][1].K
     g0, d0 = pairs[0]
     if g0.stacked is not None and all(g.stacked is not None and d.stacked is not None and g.stacked[1] == g0.stacked[1]
@@ -531,6 +561,8 @@ def oai_expert_weights(tensors: dict, biases: dict[str, torch.Tensor], keep=None
     """A GPT-OSS expert's {gate_up, down} callables (x -> [gate x + bg | up x + bu], h -> down h + bd) from
     {gate, up, down: (encoding, address, (rows, cols))} and {gate, up, down: bias [rows] fp32}; `stacked` as
     `expert_weights`'s, `bias_stacked` {gate, up, down: (address of expert 0's bias, experts)}."""
+    import torch
+
     e, base = stacked if stacked is not None else (None, None)
     bs = bias_stacked
     return {"gate_up": GgmlBiasedLinear([tensors["gate"], tensors["up"]], torch.cat([biases["gate"], biases["up"]]),
@@ -548,6 +580,8 @@ def experts_routed(x: torch.Tensor, experts: dict[int, dict], ids: torch.Tensor,
     `swiglu_oai`: GPT-OSS's (alpha, limit), its experts `GgmlBiasedLinear`s with stacked biases; else SiLU(gate) * up.
     An entry of `ids` that is not in `experts` (a dropped expert: -1, or one the plan skipped) adds nothing: its
     weight is 0 and its id one of `experts`' (ggml_mul_mat_id reads every id it is given)."""
+    import torch
+
     first = next(iter(experts.values()))
     g0, d0 = first["gate_up"], first["down"]
     oai = swiglu_oai is not None

@@ -218,13 +218,13 @@ class Engine:
             if bar is not None:
                 bar.close()
         # numpy on the small id array: a decode step's counting in torch ops was ~0.2 ms of Python a token
-        ids = np.sort(self.graph.last_ids.numpy().reshape(self.graph.n_layer, -1), axis=1)  # [L, T*U], -1: not routed
+        ids = np.sort(self.graph.last_ids.reshape(self.graph.n_layer, -1), axis=1)  # [L, T*U], -1: not routed
         # a step acquires each expert it routes once per layer (the module path's count): the distinct ids >= 0
         distinct = (ids[:, 0] >= 0) + ((ids[:, 1:] != ids[:, :-1]) & (ids[:, 1:] >= 0)).sum(1)    # [L]
         self.cache.state.count_hits(distinct, self.cache.plan(0, 0, []))   # in place: one pool computes them all
         self.runtime.expert_calls += int((ids >= 0).sum())
         self.cache.end_token()
-        return logits, kv
+        return torch.from_numpy(logits), kv                     # the graph's numpy logits as a tensor, no copy
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         check_text(prompt, "the prompt")

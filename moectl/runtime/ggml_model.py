@@ -18,6 +18,10 @@ it off.
 
 Legend: T = tokens, U = experts used a token, V = vocabulary, L = layers, C = KV capacity (positions), KV = KV
 heads x head dim.
+
+No torch here at import, nor in `from_gguf`, `forward`, `new_kv`: a GGUF's run through the graph takes numpy ids
+and gives numpy logits, its KV cache numpy arrays, so its load need not import torch (~2 s). `from_modules` (a
+checkpoint's modules, torch's tensors) imports it.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..errors import MoectlError
 from ..kernels import ggml
+
+if TYPE_CHECKING:                   # annotations only: from_modules imports torch
+    import torch
 
 ROPE_NORM, ROPE_NEOX = 0, 2                 # llama.cpp's LLAMA_ROPE_TYPE_NORM / _NEOX (ggml_rope_ext's mode)
 GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT = 0, 1    # the shim's MG_GATING_*: llama.cpp's expert gating funcs
@@ -144,7 +151,27 @@ def gguf_tensors_missing(files, n_layer: int, family: str | None = None) -> str 
 
 SMALL = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b",
          "sinks")                                                                # handed over as fp32
-GGML_TYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+# a weight's ggml type, by its dtype's name (torch's or numpy's: "float16"), so that no torch is needed here
+GGML_TYPE = {"float32": 0, "float16": 1, "bfloat16": 30}
+KV_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}    # the graph's KV cache
+
+
+def dtype_name(dtype) -> str:
+    """"float16" for torch.float16, np.float16, np.dtype("float16") or "float16"."""
+    if isinstance(dtype, type):                               # np.float16 (a scalar type)
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            return str(dtype)
+    return str(dtype).removeprefix("torch.")
+
+
+def kv_dtype_of(dtype) -> np.dtype:
+    """The graph's KV cache dtype named by `dtype` (numpy's or torch's fp16 / fp32); ValueError for another."""
+    got = KV_DTYPES.get(dtype_name(dtype))
+    if got is None:
+        raise ValueError(f"the graph's KV cache is fp16 or fp32, not {dtype}")
+    return got
 
 
 def _mgw(addr: int, encoding: int, shape: tuple, stride: int = 0) -> MgW:
@@ -159,16 +186,18 @@ def _mgw(addr: int, encoding: int, shape: tuple, stride: int = 0) -> MgW:
 
 
 def _weight(t: torch.Tensor, keep: list) -> MgW:
-    if t.dtype not in GGML_TYPE or t.device.type != "cpu" or t.is_meta:
+    if dtype_name(t.dtype) not in GGML_TYPE or t.device.type != "cpu" or t.is_meta:
         raise MoectlError(f"a {t.dtype} weight on {t.device} is not in the one-graph forward")
     t = t.detach().contiguous()
     keep.append(t)
-    return _mgw(t.data_ptr(), GGML_TYPE[t.dtype], tuple(t.shape))
+    return _mgw(t.data_ptr(), GGML_TYPE[dtype_name(t.dtype)], tuple(t.shape))
 
 
 def _linear(mod, keep: list) -> MgW | str:
     """A Linear's matrix as the graph reads it, or why not: ggml blocks (GgufLinear / GgmlDenseLinear with
     rows in order) or a bf16 / fp16 / fp32 weight."""
+    import torch
+
     from ..models.dense_gguf import GgufLinear
 
     if isinstance(mod, GgufLinear):
@@ -179,7 +208,7 @@ def _linear(mod, keep: list) -> MgW | str:
         return _mgw(mat.data.ctypes.data, mat.encoding, mat.shape)
     w = getattr(mod, "weight", None)
     if type(mod).__name__ not in ("Linear", "GemvLinear") or not isinstance(w, torch.Tensor) \
-            or w.dtype not in GGML_TYPE or w.is_meta:
+            or dtype_name(w.dtype) not in GGML_TYPE or w.is_meta:
         return f"{type(mod).__name__} is not a matrix ggml reads"
     return _weight(w, keep)
 
@@ -250,13 +279,14 @@ def swa_layers(config) -> np.ndarray | None:
 
 
 class GraphKV:
-    """The KV cache of one sequence in the one-graph forward: K and V [L, C, KV] of `dtype`, `pos` positions
-    filled. fp16 is llama.cpp's default cache type (its flash attention reads it); fp32 keeps an fp32 model's
-    forward lossless (GgmlModel.kv_dtype)."""
+    """The KV cache of one sequence in the one-graph forward: K and V [L, C, KV] numpy arrays of `dtype` (np.float16
+    or np.float32; torch's names of them are taken too), `pos` positions filled. fp16 is llama.cpp's default cache
+    type (its flash attention reads it); fp32 keeps an fp32 model's forward lossless (GgmlModel.kv_dtype)."""
 
-    def __init__(self, layers: int, kv: int, capacity: int, dtype: torch.dtype = torch.float16):
-        self.k = torch.zeros(layers, capacity, kv, dtype=dtype)
-        self.v = torch.zeros(layers, capacity, kv, dtype=dtype)
+    def __init__(self, layers: int, kv: int, capacity: int, dtype=np.float16):
+        dtype = kv_dtype_of(dtype)
+        self.k = np.zeros((layers, capacity, kv), dtype=dtype)
+        self.v = np.zeros((layers, capacity, kv), dtype=dtype)
         self.pos = 0
 
     @property
@@ -270,7 +300,7 @@ class GraphKV:
         cap = max(n, 2 * self.capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = torch.zeros(old.shape[0], cap, old.shape[2], dtype=old.dtype)
+            new = np.zeros((old.shape[0], cap, old.shape[2]), dtype=old.dtype)
             new[:, :self.pos] = old[:, :self.pos]
             setattr(self, name, new)
 
@@ -282,12 +312,13 @@ class GraphKV:
 
 
 class GgmlModel:
-    """The one-graph forward: `forward(ids [1, T], kv | None, last_only)` -> (logits [1, T or 1, V] fp32, kv), and
-    each layer's routed experts of the last forward (`last_ids` [L, T, U] int32, -1 where a row was not routed).
+    """The one-graph forward: `forward(ids [1, T], kv | None, last_only)` -> (logits [1, T or 1, V] float32, kv),
+    numpy, and each layer's routed experts of the last forward (`last_ids` [L, T, U] int32 numpy, -1 where a row was
+    not routed).
     Made by `from_gguf` (a GGUF's tensors where they lie in the mapped file) or `from_modules` (a checkpoint's
     loaded modules and expert copies in ggml blocks)."""
 
-    def __init__(self, desc: MgModel, layers, keep: list, kv_dtype: torch.dtype = torch.float16, config=None):
+    def __init__(self, desc: MgModel, layers, keep: list, kv_dtype=np.float16, config=None):
         self.lib = _declare(ggml.require())
         swa = swa_layers(config) if config is not None else None
         if swa is not None:
@@ -299,18 +330,21 @@ class GgmlModel:
         self.KV = desc.n_head_kv * desc.head_dim
 
     @property
-    def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype (a new cache's: `new_kv`): fp16 or fp32."""
+    def kv_dtype(self) -> np.dtype:
+        """The KV cache's dtype (a new cache's: `new_kv`): np.float16 or np.float32. Set with numpy's or torch's
+        fp16 / fp32 (another: ValueError)."""
         return self._kv_dtype
 
     @kv_dtype.setter
-    def kv_dtype(self, dtype: torch.dtype) -> None:
-        if dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"the graph's KV cache is fp16 or fp32, not {dtype}")
-        self._kv_dtype, self.desc.kv_type = dtype, GGML_TYPE[dtype]
+    def kv_dtype(self, dtype) -> None:
+        self._kv_dtype = kv_dtype_of(dtype)
+        self.desc.kv_type = GGML_TYPE[self._kv_dtype.name]
 
     @classmethod
     def from_gguf(cls, gguf, config) -> "GgmlModel":
+        """From a GGUF's tensors where they lie in its mapped file(s): `gguf` is anything with `.files` (a
+        store/gguf/files.py `GgufFiles`; it is kept alive as long as the graph), `config` anything with the
+        config's attributes (transformers' config, or a namespace of its `to_dict()`). No torch."""
         files, keep = gguf.files, [gguf]
         fam = FAMILIES[config.model_type]
         for part in files.paths:            # the mapped file(s): ggml may repack a matrix on first use (CPU_REPACK)
@@ -348,8 +382,8 @@ class GgmlModel:
             m.output = w("output.weight")
         m.layers = layers
         # the KV cache: fp16 as llama.cpp's, fp32 for an fp32 file (its forward stays lossless)
-        return cls(m, layers, keep, torch.float32 if files.entry("blk.0.attn_q.weight").encoding == F32
-                   else torch.float16, config)
+        return cls(m, layers, keep, np.float32 if files.entry("blk.0.attn_q.weight").encoding == F32
+                   else np.float16, config)
 
     @classmethod
     def from_modules(cls, model, config, cache) -> "GgmlModel | str":
@@ -359,6 +393,8 @@ class GgmlModel:
         rotate_half), every family. A str: why not (a module or expert kind the graph cannot read)."""
         if config.model_type == "gpt_oss":
             return "GPT-OSS's graph reads a GGUF's tensors (sinks, biases), not a checkpoint's modules"
+        import torch
+
         keep: list = []
         inner = model.model
         L = len(inner.layers)
@@ -402,42 +438,46 @@ class GgmlModel:
         m.output = out
         m.layers = layers
         q_w = getattr(inner.layers[0].self_attn.q_proj, "weight", None)
-        return cls(m, layers, keep, torch.float32 if isinstance(q_w, torch.Tensor) and q_w.dtype == torch.float32
-                   else torch.float16, config)
+        return cls(m, layers, keep, np.float32 if isinstance(q_w, torch.Tensor) and q_w.dtype == torch.float32
+                   else np.float16, config)
 
     def new_kv(self, capacity: int = 256) -> GraphKV:
         return GraphKV(self.n_layer, self.KV, capacity, self.kv_dtype)
 
-    def forward(self, input_ids: torch.Tensor, kv: GraphKV | None = None, last_only: bool = False,
-                on_chunk=None):
-        """Logits [1, T or 1, V] fp32 and the KV cache after `input_ids` [1, T]. A long prompt goes in chunks of
-        CHUNK tokens, as llama.cpp's ubatch: a chunk's attention scores are [P, CHUNK, heads] floats, where one
-        graph of T tokens would hold [P, T, heads] (4096 tokens, 32 heads: 2 GB). `on_chunk(done, total)` after
-        each chunk."""
-        ids = np.ascontiguousarray(input_ids.reshape(-1).numpy(), dtype=np.int32)    # numpy: fewer torch calls
-        T = ids.size
+    def forward(self, input_ids, kv: GraphKV | None = None, last_only: bool = False, on_chunk=None):
+        """Logits [1, T or 1, V] float32 (numpy) and the KV cache after `input_ids` [1, T] or [T] (any array of
+        ints: numpy, a list, a CPU torch tensor). A long prompt goes in chunks of CHUNK tokens, as llama.cpp's
+        ubatch: a chunk's attention scores are [P, CHUNK, heads] floats, where one graph of T tokens would hold
+        [P, T, heads] (4096 tokens, 32 heads: 2 GB). `on_chunk(done, total)` after each chunk."""
+        given = np.asarray(input_ids)               # a torch tensor through its __array__: no torch call here
+        if given.ndim > 2 or (given.ndim == 2 and given.shape[0] != 1):
+            raise MoectlError(f"the one-graph forward takes one sequence of token ids, not an array {given.shape}")
+        if given.size and given.dtype.kind not in "iu":
+            raise MoectlError(f"token ids are integers, not {given.dtype}")
+        T = given.size
         if T == 0:
             raise MoectlError("a forward needs at least one token")
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = int(given.min()), int(given.max())         # before the int32 cast, which could wrap one
         if lo < 0 or hi >= self.V:
             raise MoectlError(f"token id {hi if hi >= self.V else lo} is outside the vocabulary (0..{self.V - 1})")
+        ids = np.ascontiguousarray(given.reshape(-1), dtype=np.int32)                          # [T]
         kv = kv if kv is not None else self.new_kv(max(256, T))
         if kv.k.dtype != self.kv_dtype:
             raise ValueError(f"a {kv.k.dtype} KV cache given to a graph whose cache is {self.kv_dtype}")
         kv.reserve(kv.pos + T)
         m = self.desc
-        m.n_ctx, m.k_cache, m.v_cache = kv.capacity, kv.k.data_ptr(), kv.v.data_ptr()
+        m.n_ctx, m.k_cache, m.v_cache = kv.capacity, kv.k.ctypes.data, kv.v.ctypes.data
         logits, routed = [], []
         for c0 in range(0, T, CHUNK):
             chunk = ids[c0:c0 + CHUNK]
             n, final = chunk.size, c0 + CHUNK >= T
             # only the kept rows' logits: the last chunk's last row (last_only), else every row
-            out = torch.empty(1 if last_only else n, self.V)
+            out = np.empty((1 if last_only else n, self.V), dtype=np.float32)
             # each layer's routed experts [L, n, U]; -1 where a row was not routed (last_only: the last layer
             # routes one row, the only one whose output is used)
             ids_out = np.full((self.n_layer, n, self.U), -1, dtype=np.int32)
             rc = self.lib.mg_model_eval(ggml.handle(), ctypes.byref(m), chunk.ctypes.data, n, kv.pos,
-                                        int(last_only), out.data_ptr(), ids_out.ctypes.data)
+                                        int(last_only), out.ctypes.data, ids_out.ctypes.data)
             if rc:
                 raise MoectlError(f"ggml's graph failed (code {rc}) on {n} tokens at position {kv.pos}")
             kv.pos += n
@@ -447,5 +487,5 @@ class GgmlModel:
             if on_chunk is not None:
                 on_chunk(min(c0 + CHUNK, T), T)
         # one chunk (a decode step): no copies
-        self.last_ids = torch.from_numpy(routed[0] if len(routed) == 1 else np.concatenate(routed, axis=1))  # [L, T, U]
-        return (logits[0] if len(logits) == 1 else torch.cat(logits))[None], kv
+        self.last_ids = routed[0] if len(routed) == 1 else np.concatenate(routed, axis=1)          # [L, T, U]
+        return (logits[0] if len(logits) == 1 else np.concatenate(logits))[None], kv
