@@ -359,8 +359,9 @@ def print_draft_line(d: dict, console=None) -> None:
 def load_engine(model: str, opts, progress: bool, torch_free: bool = False):
     """(engine, its lossy settings) for a command that runs the model: the built-in tiny model built on first use,
     the load (a progress bar when `progress`), then the start-up lines: device, plan, lossy settings (stderr).
-    `torch_free`: a command that needs no more of the engine than `generate` takes the torch-free engine where it
-    serves the run (a GGUF the one ggml graph computes: runtime/graph_engine.py), else the `Engine` as always."""
+    `torch_free`: a command that needs no more of the engine than `generate` and `chat` do takes the torch-free
+    engine where it serves the run (a GGUF the one ggml graph computes: runtime/graph_engine.py), else the `Engine`
+    as always."""
     from ..status import print_device, print_plan_note
 
     prepare_model(model, opts.workdir)

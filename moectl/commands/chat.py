@@ -30,7 +30,7 @@ def chat(
 
     console = Console()
     interactive = sys.stdin.isatty() and console.is_terminal
-    eng, _ = load_engine(model, opts, progress=interactive)
+    eng, _ = load_engine(model, opts, progress=interactive, torch_free=True)
     session = ChatSession(eng, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                           top_p=top_p, seed=seed, system=system)
     raise typer.Exit(run_chat(session, console=console, interactive=interactive))

@@ -23,6 +23,7 @@ import copy
 import glob
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -35,7 +36,8 @@ from ..setting.model_sizes import config_sizes
 from ..setting.options import DEFAULT, RuntimeOptions
 from ..setting.resolve import note_in_place_sizes, resolve
 from ..setting.threads import thread_count
-from ..store.gguf.experts import ExpertIndex, dense_in_place_names
+from ..formats.gguf_encodings import encoding_name
+from ..store.gguf.experts import ExpertIndex, dense_in_place_names, ggml_experts_note
 from ..store.gguf.files import GgufFiles
 from ..store.gguf.saved_config import saved_config
 from ..store.gguf.tokenizer import saved_tokenizer
@@ -103,10 +105,11 @@ class GraphEngine:
     """A GGUF's run through the one ggml graph alone (module docstring). `try_load` -> engine or (None, why not)."""
 
     speculator = None                               # no --draft here (`Engine` drafts)
+    prefetch = None                                 # nor a prefetch policy
 
-    def __init__(self, config, files: GgufFiles, graph: GgmlModel, tokenizer, opts: RuntimeOptions, setting,
+    def __init__(self, ref, config, files: GgufFiles, graph: GgmlModel, tokenizer, opts: RuntimeOptions, setting,
                  threads: int, fingerprint: str, dense_nbytes: int, progress: bool):
-        self.config, self.files, self.graph, self.tokenizer = config, files, graph, tokenizer
+        self.config, self.files, self.graph, self.tokenizer, self.ref = config, files, graph, tokenizer, ref
         self.options, self.setting, self.threads, self.fingerprint = opts, setting, threads, fingerprint
         self.plan, self.plan_note = opts.plan_data, opts.plan_note
         self._dense_bytes = dense_nbytes
@@ -173,13 +176,15 @@ class GraphEngine:
         check_host_memory(host_need("ram", True, True, 0, index.slot_nbytes(), L * E, dense, kv),
                           "--offload ram on cpu (experts in place)",
                           lambda free: host_options(free, "ram", True, True, 0, index.slot_nbytes(), L, E, dense, kv))
+        encodings = sorted({encoding_name(t.encoding) for layer in index.layers for _, t in index.parts(layer, 0)})
         opts.plan_note = "; ".join(filter(None, [opts.plan_note,
-                                                 mapped_dense_note(mapped_count(mapped, config, files))]))
+                                                 mapped_dense_note(mapped_count(mapped, config, files)),
+                                                 ggml_experts_note(encodings, n_threads)]))
         files.will_need()                           # the file into the page cache in the background
         graph = GgmlModel.from_gguf(GgufHeader(files), config)
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
             "gguf: one ggml graph a forward, as llama.cpp's (torch-free run: neither torch nor transformers loaded)")]))
-        eng = cls(config, files, graph, tokenizer, opts, setting, n_threads, fingerprint,
+        eng = cls(ref, config, files, graph, tokenizer, opts, setting, n_threads, fingerprint,
                   dense + rotary_tables_nbytes(config), opts.progress)
         eng.sizes = sizes
         return eng
@@ -259,10 +264,15 @@ class GraphEngine:
     def lossy(self) -> dict:
         return self.options.lossy(None) | {"precision": self.setting.precision.name}
 
+    @property
+    def cache(self):
+        """What a command reads of the in-place cache (`chat`'s session table): every expert of every layer held."""
+        return SimpleNamespace(slots_per_layer=[int(self.graph.n_expert)] * self.n_layer)
+
     def resolved_options(self) -> dict:
         """{option: [value, source]}, as `Engine.resolved_options` (in place: E slots a layer, nothing prefetched)."""
         r = self.setting.replacement
-        return self.options.config({"slots_per_layer": [int(self.graph.n_expert)] * self.n_layer,
+        return self.options.config({"slots_per_layer": self.cache.slots_per_layer,
                                     "replacement": getattr(r, "name", r), "prefetch": "none"})
 
 

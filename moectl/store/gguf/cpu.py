@@ -27,8 +27,8 @@ from ...formats.gguf_encodings import T
 from ...formats.gguf_int4 import GgufInt4Format
 from ...kernels import ggml
 from ...progress import ProgressBar
-from ...tables import plural
 from ..memory import host_empty, release_freed
+from .experts import ggml_experts_note
 
 
 def ggml_in_place(adapter) -> bool:
@@ -87,8 +87,7 @@ def map_for_ggml(store) -> str:
     store.formats = [GgufMappedFormat(f) for f in store.formats]
     store.buffers = [GgufMappedFormat.indices(store.num_experts) for _ in store.formats]
     encs = sorted({T(t.encoding).name for f in store.formats for _, t in f.src.tensors})
-    return (f"gguf: experts computed by ggml's CPU backend where they lie in the mapped file ({', '.join(encs)}; "
-            f"x quantized per block as llama.cpp does, {plural(ggml.threads(), 'thread')})")
+    return ggml_experts_note(encs, ggml.threads())
 
 
 def int4_repackable(adapter) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import MoectlError
+from ...tables import plural
 from ...formats.gguf_encodings import bits_per_weight, encoding_name
 from .files import ROW_CHUNKED, GgufFiles
 
@@ -142,6 +143,12 @@ class ExpertIndex:
                 "dense_weights": sum(_numel(t.shape) for t in dense),
                 "dense_mapped_bytes": sum(t.nbytes for t in dense if t.name in mapped),
                 "dense_mapped_weights": sum(_numel(t.shape) for t in dense if t.name in mapped)}
+
+
+def ggml_experts_note(encodings, threads: int) -> str:
+    """The load's note where ggml computes a GGUF's experts in place (`cpu.py: map_for_ggml`, and the torch-free run)."""
+    return (f"gguf: experts computed by ggml's CPU backend where they lie in the mapped file ({', '.join(encodings)}; "
+            f"x quantized per block as llama.cpp does, {plural(threads, 'thread')})")
 
 
 def dense_in_place_names(files: GgufFiles) -> frozenset:
