@@ -11,8 +11,10 @@ time of `llama-completion -n 1` (load, the prompt and one token: the same work),
 Then the same work as a user runs it: `python -m moectl generate -m FILE -p PROMPT -n 1 --greedy --device cpu
 --threads 1`, its whole process timed (row "cli generate -n 1": the command line's imports, the load, the
 tokenizer, one token, and the way the process ends: `moectl/cli.py: exit_now` skips the interpreter's teardown).
-A GGUF's tokenizer is saved in the model's workdir by the first run and read back by later ones
-(`store/gguf/model.py`); the medians are of those later runs when `--repeat` is 3 or more.
+A GGUF's tokenizer and config are saved in the model's workdir by the first run and read back by later ones
+(`store/gguf/model.py`, `store/gguf/saved_config.py`); the medians are of those later runs when `--repeat` is 3 or
+more. From the second run on, that command takes the torch-free engine where it serves the file
+(`runtime/graph_engine.py`: neither torch nor transformers imported); the step rows above are the torch `Engine`'s.
 
 `--tree DIR` (repeatable) runs moectl from that source tree (PYTHONPATH=DIR): give two trees (before / after a
 change) and their runs alternate, so both see the same machine. The table prints each step's median over
