@@ -80,7 +80,7 @@ print("RESULT " + json.dumps(res))
 
 # the same run through the torch-free engine: numpy ids, no logits read
 SCRIPT_TORCH_FREE = """
-import json, resource, time
+import json, resource, sys, time
 t0 = time.perf_counter()
 import numpy as np
 from moectl.kernels import ggml
@@ -113,7 +113,7 @@ names = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")
 res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
            rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, note=eng.plan_note,
            kernels={{"ggml": True, "ggml_features": [n for i, n in enumerate(names) if feats >> i & 1],
-                    "torch_free": True}})
+                    "torch_free": True, "torch_imported": "torch" in sys.modules}})
 print("RESULT " + json.dumps(res))
 """
 

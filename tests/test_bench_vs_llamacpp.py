@@ -73,7 +73,7 @@ def test_both_benches_time_moectl_with_the_shared_script(monkeypatch, tmp_path):
     gguf_vs_llamacpp.moectl_run(tmp_path / "f.gguf", 1, 32, 16, 64)
     assert seen == [({"model": "ckpt", "workdir": "wd", "lowbit": "q8g64", "precision": "lowbit-only",
                       "dense_lowbit": "q8"}, (2, 32, 64, 512), {}),
-                    ({"model": str(tmp_path / "f.gguf")}, (1, 16, 32, 64), {"time_load": True})]
+                    ({"model": str(tmp_path / "f.gguf")}, (1, 16, 32, 64), {"time_load": True, "torch_free": True})]
 
 
 def test_the_shared_script_runs_the_tiny_model_in_a_fresh_process(tiny_small):

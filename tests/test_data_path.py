@@ -190,7 +190,7 @@ def test_allocation_failure_while_loading_is_not_a_corrupt_file(mixtral, monkeyp
                                "you tried to allocate 786432 bytes")
         return real(*a, **k)
 
-    monkeypatch.setattr(memory.torch, "empty", failing)
+    monkeypatch.setattr(torch, "empty", failing)             # store/memory.py: host_empty's torch.empty
     code, out, err = run_cli(["generate", "--model", str(mixtral), "--prompt", "x"], capsys)
     assert code == 2, err
     assert "out of memory while reading experts into RAM" in err and "--offload disk" in err

@@ -158,3 +158,18 @@ def test_chat_runs_torch_free_with_the_engines_answers(q_file, tmp_path, capsys,
     second, err2 = chat()
     assert TORCH_FREE_NOTE not in err1 and TORCH_FREE_NOTE in err2, err2
     assert second == first and len(first) >= 2
+
+
+def test_the_bench_child_times_the_torch_free_engine(q_file, request):
+    """bench/moectl_timed.py's torch-free child (what `bench/gguf_vs_llamacpp.py` times): its first `moectl
+    generate` saves what it reads, then it loads, warms up, prefills and decodes with neither torch nor transformers
+    and reports every field."""
+    ggml_or_skip()
+    if "qwen3_moe" not in request.node.callspec.id:
+        pytest.skip("one family is enough for the bench's plumbing")
+    sys.path.insert(0, str(ROOT / "bench"))
+    import moectl_timed
+
+    res = moectl_timed.moectl_run({"model": str(q_file)}, 1, 2, 2, 8, time_load=True, torch_free=True)
+    assert res["kernels"]["torch_free"] and not res["kernels"]["torch_imported"] and res["decode_ms"] > 0 and res["prefill_tps"] > 0 and res["load_s"] > 0
+    assert TORCH_FREE_NOTE in res["note"] and res["rss_gb"] > 0

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from moectl.errors import MoectlError
-from moectl.runtime.sampling import make_rng
-from moectl.runtime.speculative import (Sampling, accept_greedy, accept_probability, accept_sampled, as_numpy, draw,
-                                        residual, token_distribution)
+from moectl.runtime.sampling import (Sampling, accept_greedy, accept_probability, accept_sampled, draw, make_rng,
+                                     residual, token_distribution)
+from moectl.runtime.speculative import as_numpy
 
 PROMPT = [5, 97, 211, 42, 300, 17, 88, 150]          # token ids of the tiny model's vocabulary (512)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..errors import MoectlError
+
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
 

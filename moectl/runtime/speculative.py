@@ -64,8 +64,6 @@ import torch
 from ..errors import MoectlError
 from ..models.kv_cache import cache_kwargs
 from ..policies.draft_length import AcceptanceCounter, FixedDraftRule, OnlineDraftRule
-from .sampling import (Sampling, accept_greedy, accept_probability, accept_sampled, draw, residual,  # noqa: F401
-                       sampling_probs, token_distribution)
 
 
 # --- sampling and the acceptance rule: numpy, in sampling.py (its names importable from here too) ---------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.recipes import format_bytes, is_gguf_path, resolve_model
+from ..core.recipes import is_gguf_path, resolve_model
 from ..core.sizing import KV_RESERVE_TOKENS, ModelSizes, budget_pools, lowbit_fraction_for, split_budget
 from ..errors import MoectlError
 from ..models import adapter_for, config_fingerprint

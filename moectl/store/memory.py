@@ -173,7 +173,7 @@ def host_alloc(make, what: str, nbytes: int = 0):
 HUGE_PAGE = 2 * 2**20
 
 
-def advise_huge_pages(t: torch.Tensor) -> None:
+def advise_huge_pages(t) -> None:
     """Ask Linux for transparent huge pages under a big host buffer (THP 'madvise' mode): 512x fewer page
     faults when it is first written, fewer TLB misses when experts are computed on or copied from it."""
     n = t.numel() * t.element_size()
@@ -187,7 +187,7 @@ def advise_huge_pages(t: torch.Tensor) -> None:
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)      # MADV_HUGEPAGE; advisory only
 
 
-def host_empty(shape, dtype: torch.dtype, what: str, pin: bool = False, touch: bool = False) -> torch.Tensor:
+def host_empty(shape, dtype, what: str, pin: bool = False, touch: bool = False):
     """torch.empty on the host (huge pages asked for); `touch` writes every page now, so the memory is paid for
     at start-up and never as page faults on the first use of a slot (pinned pages are resident already)."""
     import torch                        # here: a torch-free run (runtime/graph_engine.py) reads this module too
