@@ -342,9 +342,9 @@ def main() -> None:
                                 keep_checkpoint=a.keep_checkpoint), work))
         return
     res = compare(a.shape, a.layers, work, types, a.threads, a.repeat, a.gen, a.prompt, a.prefill, a.drop_bf16)
-    print_table(res)
-    if a.json:
+    if a.json:                                          # first: a table that fails to print loses nothing
         a.json.write_text(json.dumps(res, indent=1, default=str))
+    print_table(res)
 
 
 if __name__ == "__main__":

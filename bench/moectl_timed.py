@@ -113,7 +113,9 @@ names = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")
 res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
            rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, note=eng.plan_note,
            kernels={{"ggml": True, "ggml_features": [n for i, n in enumerate(names) if feats >> i & 1],
-                    "torch_free": True, "torch_imported": "torch" in sys.modules}})
+                    "ggml_why_not": None, "moectl_avx512": False,
+                    "moectl_avx512_why_not": "the torch-free engine: the one ggml graph computes everything",
+                    "torch_threads": None, "torch_free": True, "torch_imported": "torch" in sys.modules}})
 print("RESULT " + json.dumps(res))
 """
 

@@ -188,7 +188,7 @@ def test_chat_template_ids_as_transformers(pair):
     """apply_chat_template(add_generation_prompt=True), as moectl's chat_ids calls it: the same text and ids for
     one to four messages; Qwen3's template also with enable_thinking=False; a template's raise_exception the same
     error."""
-    from moectl.runtime.engine import chat_ids
+    from moectl.runtime.generation import chat_ids
 
     kind, ours, theirs = pair
     chats = CHATS if kind == "bpe" else [CHATS[0], CHATS[1], CHATS[2][1:]]   # Mixtral's has no system role
@@ -200,6 +200,9 @@ def test_chat_template_ids_as_transformers(pair):
             assert ours.apply_chat_template(chat, add_generation_prompt=True, **extra)["input_ids"] == ids
             assert ours.apply_chat_template(chat, add_generation_prompt=True, return_dict=False, **extra) == ids
         assert chat_ids(ours, chat) == chat_ids(theirs, chat)
+    other = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"     # a template given
+    assert ours.apply_chat_template(CHATS[0], tokenize=False, chat_template=other) == \
+        theirs.apply_chat_template(CHATS[0], tokenize=False, chat_template=other)
     if kind == "bpe":       # Qwen3's tools branch: the schemas through its tojson
         tools = [{"type": "function", "function": {"name": "weather", "description": "Météo à Paris",
                                                    "parameters": {"type": "object", "properties": {}}}}]

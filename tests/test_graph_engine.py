@@ -173,3 +173,4 @@ def test_the_bench_child_times_the_torch_free_engine(q_file, request):
     res = moectl_timed.moectl_run({"model": str(q_file)}, 1, 2, 2, 8, time_load=True, torch_free=True)
     assert res["kernels"]["torch_free"] and not res["kernels"]["torch_imported"] and res["decode_ms"] > 0 and res["prefill_tps"] > 0 and res["load_s"] > 0
     assert TORCH_FREE_NOTE in res["note"] and res["rss_gb"] > 0
+    assert {"ggml", "ggml_features", "ggml_why_not", "moectl_avx512", "moectl_avx512_why_not"} <= set(res["kernels"])

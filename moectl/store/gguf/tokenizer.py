@@ -236,17 +236,20 @@ class SavedTokenizer:
     # --- chat -------------------------------------------------------------------------------------
     def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
                             documents: list[dict] | None = None, add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = True, **kwargs):
+                            tokenize: bool = True, return_dict: bool = True, chat_template: str | None = None,
+                            **kwargs):
         """The conversation through the chat template: the text (tokenize=False), or its ids encoded without
         special tokens ({"input_ids", "attention_mask"} with return_dict, as transformers 5.x gives by default).
         `tools` are JSON schemas (not functions, which transformers converts), `documents` dicts; `kwargs` are
-        template variables (e.g. enable_thinking), over the special tokens."""
-        if self.chat_template is None:
+        template variables (e.g. enable_thinking), over the special tokens. `chat_template`: a template's text to
+        render instead of the saved one (as transformers takes it)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
             raise ValueError("this tokenizer has no chat template")
         if not conversation:
             raise ValueError("cannot apply a chat template to an empty conversation")
         messages = _aliased_reasoning([{k: v for k, v in m.items() if v is not None} for m in conversation])
-        text = _compiled(self.chat_template).render(
+        text = _compiled(template).render(
             messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens_map, **kwargs})
         if not tokenize:
