@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from ..errors import MoectlError
@@ -32,6 +31,7 @@ from ..store.facts import dense_nbytes, kv_nbytes
 from ..store.memory import host_alloc, rss_bytes
 from .cache import ExpertCache
 from .ggml_model import GraphKV
+from .graph_engine import routed_counts
 from .load import load
 from .offloaded import Runtime
 from .generation import GenerationResult, PrefillProgress, TokenSink, chat_ids, check_text, eos_ids, run_stats, step_delta
@@ -217,12 +217,9 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-        # numpy on the small id array: a decode step's counting in torch ops was ~0.2 ms of Python a token
-        ids = np.sort(self.graph.last_ids.reshape(self.graph.n_layer, -1), axis=1)  # [L, T*U], -1: not routed
-        # a step acquires each expert it routes once per layer (the module path's count): the distinct ids >= 0
-        distinct = (ids[:, 0] >= 0) + ((ids[:, 1:] != ids[:, :-1]) & (ids[:, 1:] >= 0)).sum(1)    # [L]
+        distinct, calls = routed_counts(self.graph.last_ids, self.graph.n_layer)    # each expert routed, once a layer
         self.cache.state.count_hits(distinct, self.cache.plan(0, 0, []))   # in place: one pool computes them all
-        self.runtime.expert_calls += int((ids >= 0).sum())
+        self.runtime.expert_calls += calls
         self.cache.end_token()
         return torch.from_numpy(logits), kv                     # the graph's numpy logits as a tensor, no copy
 

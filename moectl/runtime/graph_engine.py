@@ -199,7 +199,7 @@ class GraphEngine:
             bar.start()
         on_chunk = (lambda done, total: bar.layer(done * self.n_layer // total - 1, T)) if bar else None
         try:
-            logits, kv = host_alloc(lambda: self.graph.forward(np.asarray(ids, dtype=np.int32)[None], kv, last_only,
+            logits, kv = host_alloc(lambda: self.graph.forward(np.asarray(ids).reshape(1, -1), kv, last_only,
                                                                on_chunk), f"running the model on {T} tokens")
         finally:
             if bar is not None:
@@ -237,8 +237,7 @@ class GraphEngine:
         new = out.tokens
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         computed = (len(ids) + len(new) - 1) * self.n_layer                     # tokens x layers run
-        after = self.counts | {"hit_rate": 0.0}
-        stats = run_stats(before, after, len(new), elapsed) | {
+        stats = run_stats(before, self.counts, len(new), elapsed) | {
             "prefill_ms": t_prefill * 1000, "ttft_ms": ttft * 1000,
             "decode_ms_per_token": 1000 * decode_s / (len(new) - 1) if len(new) > 1 else 0.0,
             "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
