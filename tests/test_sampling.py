@@ -163,7 +163,7 @@ def test_the_module_imports_no_torch():
     src = Path(__file__).resolve().parents[1] / "moectl" / "runtime" / "sampling.py"
     names = {a.name for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
-    assert names <= {"__future__", "numpy"}, names                   # not even in a function
+    assert names <= {"__future__", "numpy", "errors"}, names         # not even in a function (errors: moectl's)
     code = "import sys, moectl.runtime.sampling; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=src.parents[2])
@@ -195,3 +195,13 @@ def test_softmax_rows_sum_to_one():
     s = softmax(x, 0.8)
     assert s.dtype == np.float32
     np.testing.assert_allclose(s.sum(-1, dtype=np.float64), 1.0, atol=1e-5)
+
+
+def test_nan_logits_are_one_error_not_a_token():
+    from moectl.errors import MoectlError
+
+    logits = np.zeros(8, dtype=np.float32)
+    logits[3] = np.nan
+    for greedy in (True, False):
+        with pytest.raises(MoectlError, match="NaN"):
+            Sampling(greedy, 0.8, 0.95, seed=0).pick(logits)

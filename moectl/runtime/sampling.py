@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import MoectlError
+
 _FIRST_TOP_K = 256     # the nucleus search's first top-k (a peaked next-token distribution's nucleus fits)
 _GROW = 8              # how much the top-k grows when its mass is short of top_p
 
@@ -141,6 +143,8 @@ class Sampling:
         return sampling_probs(logits, self.temperature, self.top_p)
 
     def pick(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
+        if np.isnan(logits).any():              # a broken forward: no token is right (torch's multinomial raised)
+            raise MoectlError("the model's logits hold NaN (a broken forward or weights): no token to pick")
         if self.greedy:
             return int(np.argmax(logits)), None
         probs = self.probs(logits)
