@@ -66,9 +66,8 @@ from .ggml_model import why_not as graph_why_not
 from .sampling import Sampling
 
 # the one-graph families whose header figures (`lean_dense_nbytes`, `dense_in_place_names`) tests/test_lean_load.py
-# checks against the full load's (the lean load, runtime/load.py, and this engine); GPT-OSS's graph (sinks, biases,
-# YaRN) is not checked there yet
-LEAN_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+# checks against the full load's (the lean load, runtime/load.py, and this engine)
+LEAN_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
 ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 DTYPE_NAME = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
               "float16": "float16", "fp16": "float16"}
