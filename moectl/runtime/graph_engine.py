@@ -68,9 +68,9 @@ from .sampling import Sampling
 # the one-graph families whose header figures (`lean_dense_nbytes`, `dense_in_place_names`) tests/test_lean_load.py
 # checks against the full load's (the lean load, runtime/load.py, and this engine)
 LEAN_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
-ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-DTYPE_NAME = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-              "float16": "float16", "fp16": "float16"}
+# --dtype's names (`store/facts.py: parse_dtype`'s) -> (the dtype's name, bytes a value)
+DTYPES = {"float32": ("float32", 4), "fp32": ("float32", 4), "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
+          "float16": ("float16", 2), "fp16": ("float16", 2)}
 COUNTERS = ("hits", "misses", "bytes_loaded", "load_wait_s", "prefetches", "fills")
 
 
@@ -153,16 +153,16 @@ class GraphEngine:
             opts.sources["device"] = DEFAULT
         opts.device, opts.device_note = "cpu", device_note
         name = str(opts.dtype or getattr(config, "dtype", None) or "float32").replace("torch.", "")
-        if name not in ITEMSIZE:
+        if name not in DTYPES:
             raise MoectlError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16")
-        itemsize = ITEMSIZE[name]
+        dtype, itemsize = DTYPES[name]
         index = ExpertIndex(files)
         L, E, K = int(config.num_hidden_layers), index.num_experts, int(config.num_experts_per_tok)
         fingerprint = model_fingerprint(config.to_dict(), config.model_type)
         n_threads = thread_count(opts.threads, config.hidden_size, index_intermediate(config))
         ggml.set_threads(n_threads)
         # the sizes `store/facts.py: checkpoint_sizes` gives the lean load (its dense part before anything is mapped)
-        sizes = config_sizes(config.to_dict(), fingerprint, DTYPE_NAME[name], L, E, K,
+        sizes = config_sizes(config.to_dict(), fingerprint, dtype, L, E, K,
                              index.held_dense_bytes(itemsize) + rotary_tables_nbytes(config),
                              kv_cache_nbytes(config, itemsize, 1), index.slot_nbytes(), f"checkpoint {ref.path}")
         setting = resolve(opts, sizes, ref.workdir, in_place=True)
