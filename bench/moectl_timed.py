@@ -4,8 +4,11 @@
 What it times, as llama-bench does on its side:
 - load to first token (only where asked: `time_load`): `Engine.load` and one forward of one token, from before
   moectl is imported (llama.cpp's side: the wall time of `llama-bench -n 1` less its token);
-- a warm-up forward of WARMUP_TOKENS tokens, untimed (llama-bench warms up before its timed runs too: without it,
-  the prefill paid for first-use work, page faults of the mapped file and kernel set-up, that llama.cpp's did not);
+- a warm-up forward of `prefill` other tokens, untimed: llama-bench's own warm-up (`llama-bench.cpp`: a whole
+  `test_prompt(n_prompt)` before a prompt test's timed runs). A shorter one (8 tokens until stop 53) left the timed
+  prefill paying first-use work llama.cpp's did not: the repack of every expert the warm-up had not routed (llama.cpp
+  repacks all of them at load) and the page faults of the mapped file (Qwen3 Q4_K_M, 128 experts, top-8: 233-267
+  against 295-302 tokens/s, the same process's later prefills);
 - prefill: one forward of `prefill` tokens, tokens/s;
 - decode: a `prompt`-token context, then `gen` drawn tokens fed one at a time, no logits read (llama-bench's
   generation test feeds `std::rand() % n_vocab` and reads none: an argmax of a bf16 [1, 151936] took 0.55 ms
@@ -25,8 +28,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-WARMUP_TOKENS = 8
 
 # {load}: Engine.load's keyword arguments (repr-able: str, int, None), "model" among them
 SCRIPT = """
@@ -61,8 +62,9 @@ if {time_load!r}:
 g = torch.Generator().manual_seed(0)
 V = eng.config.vocab_size
 with torch.inference_mode():
+    warm = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
     ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
-    eng.forward(ids[:, :{warmup}], None, last_only=True)                 # warm-up, untimed
+    eng.forward(warm, None, last_only=True)                              # warm-up, untimed
     t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
     out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
     feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
@@ -99,8 +101,9 @@ if {time_load!r}:
     res["load_s"] = time.perf_counter() - t0
 rng = np.random.default_rng(0)
 V = eng.graph.V
+warm = rng.integers(0, min(V, 1024), {prefill})
 ids = rng.integers(0, min(V, 1024), {prefill})
-eng.forward(ids[:{warmup}], None, last_only=True)                        # warm-up, untimed
+eng.forward(warm, None, last_only=True)                                  # warm-up, untimed
 t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
 out, kv = eng.forward(ids[:{prompt}], None, last_only=True)
 feed = rng.integers(0, min(V, 1024), {gen})
@@ -124,11 +127,10 @@ def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_l
            torch_free: bool = False) -> str:
     """The child's Python source. `load` gets `threads`, `device="cpu"`, `progress=False` and `gating="none"` unless
     it says otherwise."""
-    if prompt < 1 or gen < 1 or prefill < WARMUP_TOKENS:
-        raise ValueError(f"prompt and gen >= 1 and prefill >= {WARMUP_TOKENS} (got {prompt}, {gen}, {prefill})")
+    if gen < 1 or not 1 <= prompt <= prefill:            # the decode's context is the prefill's first `prompt` ids
+        raise ValueError(f"gen >= 1 and 1 <= prompt <= prefill (got prompt {prompt}, gen {gen}, prefill {prefill})")
     load = {"device": "cpu", "threads": threads, "progress": False, "gating": "none", **load}
-    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
-                         warmup=WARMUP_TOKENS)
+    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen)
 
 
 def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False,

@@ -1,5 +1,5 @@
 """The two llama.cpp comparisons (`bench/vs_llamacpp.py`, `bench/gguf_vs_llamacpp.py`) time moectl with one script
-(`bench/moectl_timed.py`) that warms up before the timed prefill, as llama-bench does; the GGUF bench's file set
+(`bench/moectl_timed.py`) that warms up with a whole prefill before the timed one, as llama-bench does; the GGUF bench's file set
 (importance matrix only where llama-quantize needs one, checkpoint and BF16 dropped when asked) and its table
 (80 columns, decode medians with [min-max], the AVX2 note). No llama.cpp run here: its tools are stood in for."""
 
@@ -21,6 +21,7 @@ import vs_llamacpp
 class _FakeEngine:
     """Records the token count of every forward; a one-entry cache stands in for the KV cache."""
     calls: list[int] = []
+    ids: list[list[int]] = []
 
     class config:
         vocab_size = 50
@@ -29,12 +30,13 @@ class _FakeEngine:
 
     @classmethod
     def load(cls, model, **kw):
-        cls.calls = []
+        cls.calls, cls.ids = [], []
         cls.loaded = (model, kw)
         return cls()
 
     def forward(self, ids, pkv, last_only=False):
         self.calls.append(ids.shape[-1])
+        self.ids.append(ids.reshape(-1).tolist())
         return torch.zeros(1, 1, 50), "cache"
 
 
@@ -48,8 +50,11 @@ def _run_script_here(monkeypatch, capsys, **kw) -> dict:
 def test_the_timed_prefill_comes_after_a_warm_up_and_the_load_is_timed_only_when_asked(monkeypatch, capsys):
     res = _run_script_here(monkeypatch, capsys, load={"model": "m.gguf"}, threads=2, prompt=4, gen=3, prefill=16,
                            time_load=True)
-    # load's first token, the warm-up, the timed prefill, the context, then one token per decode step
-    assert _FakeEngine.calls == [1, moectl_timed.WARMUP_TOKENS, 16, 4, 1, 1, 1]
+    # load's first token, the warm-up (llama-bench's: a whole prefill of other tokens), the timed prefill, the
+    # context (the prefill's first tokens), then one token per decode step
+    assert _FakeEngine.calls == [1, 16, 16, 4, 1, 1, 1]
+    warm, timed, context = _FakeEngine.ids[1:4]
+    assert warm != timed and context == timed[:4]
     assert _FakeEngine.loaded == ("m.gguf", {"device": "cpu", "threads": 2, "progress": False, "gating": "none"})
     assert set(res) == {"load_s", "prefill_tps", "decode_ms", "rss_gb", "note", "kernels"}
     assert res["note"] == "plan: none" and res["kernels"]["torch_threads"] == torch.get_num_threads()
@@ -61,9 +66,10 @@ def test_the_timed_prefill_comes_after_a_warm_up_and_the_load_is_timed_only_when
     assert _FakeEngine.loaded[1]["lowbit"] == "q4g64"
 
 
-def test_too_short_a_prefill_for_the_warm_up_is_refused():
-    with pytest.raises(ValueError, match="prefill >= 8"):
-        moectl_timed.script({"model": "m"}, 1, 4, 4, prefill=4)
+def test_a_decode_context_longer_than_the_prefill_is_refused():
+    with pytest.raises(ValueError, match="1 <= prompt <= prefill"):
+        moectl_timed.script({"model": "m"}, 1, 8, 4, prefill=4)
+    moectl_timed.script({"model": "m"}, 1, 4, 4, prefill=4)          # a short prefill is fine: the warm-up is as long
 
 
 def test_both_benches_time_moectl_with_the_shared_script(monkeypatch, tmp_path):
