@@ -225,6 +225,11 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
                 row[tool] = {k: summary([x[k] for x in rs]) for k in FIGURES}
             m, l = row["moectl"], row["llama.cpp"]
             row["ratio"] = {k: m[k]["median"] / l[k]["median"] for k in m}
+            # each round's two runs are seconds apart, rounds minutes: this host's speed drifts by 10-30 % between
+            # rounds (docs/gguf.md, stop 51: a Mixtral Q8_0 decode 118 then 85 ms/token), so the median of each
+            # round's own ratio is the steadier figure of the two
+            row["paired_ratio"] = {k: statistics.median(a[k] / b[k] for a, b in zip(runs["moectl"], runs["llama.cpp"]))
+                                   for k in FIGURES}
             rows.append(row)
     smallest = min(files.values(), key=lambda g: g.stat().st_size)
     return {"shape": shape, "layers": layers, "rows": rows, "load": os.getloadavg(),
@@ -244,14 +249,16 @@ def table(res: dict) -> list[str]:
 
     n = res["rows"][0]["moectl"]["decode_ms"]["n"]
     out = [f"{res['shape']} x {res['layers']} layers, the same GGUF in both tools: medians of {n} alternating",
-           f"runs [min-max]; load average {res['load'][0]:.1f} at the end"]
+           f"runs [min-max]; load average {res['load'][0]:.1f} at the end; ratio: of the medians, paired: the",
+           "median of each round's own ratio"]
     for label, path in res.get("files", {}).items():     # --gguf: the files' short names
         out += textwrap.wrap(f"{label} = {path}", 80, subsequent_indent="  ")
-    out += ["", f"{'type':9} {'thr':>3} {'decode ms/token: moectl':>25} {'llama.cpp':>22} {'ratio':>6}"]
+    out += ["", f"{'type':9} {'thr':>3} {'decode ms/token: moectl':>25} {'llama.cpp':>22} {'ratio':>6} {'paired':>6}"]
     for r in res["rows"]:
         m, l = r["moectl"], r["llama.cpp"]
+        paired = r.get("paired_ratio", r["ratio"])["decode_ms"]         # a JSON from before stop 53 has none
         out.append(f"{r['type']:9} {r['threads']:>3} {_spread(m['decode_ms'], 25)} {_spread(l['decode_ms'], 22)} "
-                   f"{r['ratio']['decode_ms']:6.2f}")
+                   f"{r['ratio']['decode_ms']:6.2f} {paired:6.2f}")
     out += ["", f"{'type':9} {'thr':>3} {'prefill tok/s: moectl':>21} {'llama':>6} {'ratio':>5} "
                 f"{'RSS GB':>6} {'llama':>5} {'load s':>6} {'llama':>5}"]
     for r in res["rows"]:

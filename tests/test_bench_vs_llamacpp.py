@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,7 @@ def _row(qt, threads, decode, spread):
     return {"type": qt, "threads": threads, "note": "plan: none", "moectl": figures(decode),
             "llama.cpp": figures(decode / 4), "ratio": {"decode_ms": 4.0, "prefill_tps": 1.0, "rss_gb": 1.0,
                                                         "load_s": 1.0},
+            "paired_ratio": {"decode_ms": 3.21, "prefill_tps": 1.0, "rss_gb": 1.0, "load_s": 1.0},
             "kernels": [{"ggml": True, "ggml_features": ["avx2", "fma"], "ggml_why_not": None,
                          "moectl_avx512": False, "moectl_avx512_why_not": "this CPU lacks avx512f"}],
             "llamacpp_cpu": [{"cpu_info": "AMD EPYC", "backends": "CPU", "repack": True}]}
@@ -194,6 +196,7 @@ def test_the_table_fits_80_columns_with_decode_spreads_and_says_it_is_the_avx2_f
     assert max(map(len, lines)) <= 80
     text = "\n".join(lines)
     assert "9876.5 [9753.1-9999.9]" in text and "2469.1 [2345.7-2592.5]" in text and "12.0 [11.5-12.5]" in text
+    assert "  4.00   3.21" in text                              # the ratio of the medians, then the paired one
     assert "these are the AVX2 figures" in text and "built with SSE3 AVX AVX2 REPACK" in text
     assert "AVX512" not in text.split("built with")[1].split("\n")[0]
     assert "experts by ggml (avx2 fma)" in text
@@ -211,3 +214,22 @@ def test_prepare_only_is_in_the_help_and_the_make_target_runs_the_issues_table()
     assert len(runs) == 3
     for shape, run in zip(("qwen3-moe", "mixtral", "gpt-oss-20b"), runs):
         assert f"--shape {shape}" in run and "--threads 1 2" in run and f"--json bench-gguf/{shape}.json" in run
+
+
+def test_the_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch, tmp_path):
+    """Rounds minutes apart drift together: the paired figure follows each round's own ratio, where the ratio of
+    the medians can mix a fast round of one tool with a slow round of the other."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x")
+    moectl = iter([10.0, 20.0, 30.0])                       # the host slows down round by round
+    llama = iter([11.0, 19.0, 33.0])
+    fig = lambda d: {"decode_ms": d, "prefill_tps": 100.0, "rss_gb": 1.0, "load_s": 1.0}  # noqa: E731
+    monkeypatch.setattr(gguf_vs_llamacpp, "moectl_run", lambda *a: {**fig(next(moectl)), "note": None,
+                                                                      "kernels": {}})
+    monkeypatch.setattr(gguf_vs_llamacpp, "llama_run", lambda *a: {**fig(next(llama)), "cpu": {}})
+    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "system_info", lambda gguf: "")
+    res = gguf_vs_llamacpp.compare("qwen3-moe", 2, tmp_path, [], [1], 3, 4, 2, 8, files={"f": path})
+    row = res["rows"][0]
+    assert row["ratio"]["decode_ms"] == pytest.approx(20.0 / 19.0)
+    assert row["paired_ratio"]["decode_ms"] == pytest.approx(statistics.median([10 / 11, 20 / 19, 30 / 33]))
+    assert row["paired_ratio"]["prefill_tps"] == 1.0
