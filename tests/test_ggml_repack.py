@@ -345,3 +345,43 @@ def test_a_mapped_files_copied_pages_leave_the_process(tmp_path):
     ggml.register_stable(anon)
     ggml.mul_mat(T.Q4_0, anon, (1024, 1024), x)
     assert np.array_equal(anon, raw)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_one_graph_repacks_an_expert_when_a_token_first_routes_to_it(q4_0_gguf, tmp_path, monkeypatch, threads):
+    """A whole forward's graph computes its routing inside: its stacks' copies are made whole (bytes allocated) but
+    an expert is repacked only when a token first routes to it, by an op the graph runs between the routing and
+    the experts (its threads share the work), never all of them before the first token (issue 42's load: llama.cpp
+    repacks every expert at load). After each forward, the repacked count is the dense matrices' plus 3 (gate, up,
+    down) for each expert any token so far routed to, layer by layer; the logits equal the plain layout's."""
+    from moectl.runtime.engine import Engine
+
+    import shutil
+
+    monkeypatch.setenv("MOECTL_GGML", "1")
+    repacked_here(T.Q4_0, (256, 256))
+    own = shutil.copy(q4_0_gguf, tmp_path / "own.gguf")       # its own map: no copy an earlier test made of the file
+    gc.collect()
+    before = ggml.repack_stats()
+    eng = Engine.load(str(own), progress=False, threads=threads, workdir=str(tmp_path / "on"))
+    graph = eng.graph
+    assert graph is not None, eng.plan_note
+    dense = 2 * 4 + 1                                       # q k v o per layer, lm_head: repacked at first use
+    routed = [set() for _ in range(graph.n_layer)]
+    kv, outs = None, []
+    for tokens in ([5], [7], [11, 13, 17, 19], [23]):
+        logits, kv = graph.forward(np.array(tokens), kv)
+        outs.append(logits)
+        for layer, ids in enumerate(graph.last_ids):                  # [L, T, U]
+            routed[layer] |= {int(a) for a in ids.reshape(-1) if a >= 0}
+        made = delta(before)
+        assert made["repacked"] == dense + 3 * sum(map(len, routed)), (made, routed)
+        if len(outs) == 1:                  # the first token: U of the E experts a layer, not the whole stacks
+            assert sum(map(len, routed)) == graph.n_layer * graph.U < graph.n_layer * graph.n_expert
+
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    off = Engine.load(str(own), progress=False, threads=threads, workdir=str(tmp_path / "off"))
+    kv = None
+    for tokens, got in zip(([5], [7], [11, 13, 17, 19], [23]), outs):
+        want, kv = off.graph.forward(np.array(tokens), kv)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

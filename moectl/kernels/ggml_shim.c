@@ -11,6 +11,7 @@
 
 #define _DEFAULT_SOURCE                  // madvise
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -107,8 +108,10 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
 // registered as stable (`mg_repack_register`: a mapped GGUF, whose addresses live until it is unregistered; never a
 // transient host buffer, whose addresses get reused) and that ggml accepts is swapped for a copy in a CPU_REPACK
 // buffer, made on first use and kept (one entry per (address, type, shape)). A stacked tensor of A experts
-// (MUL_MAT_ID) is allocated whole but repacked an expert at a time, those its ids name before the graph runs (all
-// of them when the ids are computed inside the graph); a 2-d matrix inside such a stack uses that stack's copy.
+// (MUL_MAT_ID) is allocated whole but repacked an expert at a time, those its ids name: before the graph runs when
+// the ids are known then, else (a whole forward's graph routes inside) by an op the graph runs between its routing
+// and its experts (rp_lazy), so no pass over every expert comes before the first token; a 2-d matrix inside such a
+// stack uses that stack's copy.
 // A strided stack (moectl's ggml copies: one expert a row of a layer's buffer, gate|up|down, so nb[2] is the row's
 // bytes) is taken too, each matrix's rows being contiguous: the copy is a contiguous [A, N, K], expert a repacked
 // from src + a * nb[2] of the original. Whatever ggml does not repack is left as it is. The copy takes the bytes of
@@ -126,13 +129,22 @@ typedef struct rp_entry {
     size_t src_nb2;                      // bytes from one expert's matrix to the next in the original (strided)
     struct ggml_context *ctx;            // its tensor headers: the whole and a slice header per expert
     struct ggml_tensor *t;               // [A, N, K] in the CPU_REPACK buffer
-    struct ggml_tensor **slice;          // [A] 2-d headers of expert e's matrix in that buffer (made when used)
+    struct ggml_tensor **slice;          // [A] 2-d headers of expert e's matrix in that buffer
     ggml_backend_buffer_t buf;
-    uint8_t *done;                       // [A] repacked yet
+    uint8_t *done;                       // [A] RP_TODO, RP_BUSY (a thread is repacking it) or RP_DONE; atomic
     struct rp_entry *next;               // hash chain
 } rp_entry;
 
 #define RP_BUCKETS 4096
+enum { RP_TODO = 0, RP_BUSY = 1, RP_DONE = 2 };
+
+// The experts a graph's in-graph routing picks are repacked by the graph itself, an op before their MUL_MAT_IDs
+// (rp_lazy): one group per layer's stacks, kept while its entries live.
+typedef struct rp_group {
+    int n;
+    struct rp_entry *e[3];               // the layer's gate, up, down copies (those ggml repacks)
+    struct rp_group *next;
+} rp_group;
 
 static pthread_mutex_t rp_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct { uintptr_t lo, hi; int drop_pages; } *rp_ranges;
@@ -140,6 +152,7 @@ static int rp_nranges;
 static rp_entry *rp_table[RP_BUCKETS];
 static rp_entry **rp_stacks;             // the entries with A > 1 (a 2-d matrix may lie inside one)
 static int rp_nstacks;
+static rp_group *rp_groups;
 static int64_t rp_stat[4];               // entries held, matrices repacked, bytes allocated, graphs that used one
 static ggml_backend_buffer_type_t rp_buft;
 static ggml_backend_buffer_t rp_probe;   // a tiny CPU_REPACK buffer: its init_tensor says what ggml would repack
@@ -253,6 +266,17 @@ void mg_repack_register(const void *lo, int64_t size, int drop_pages) {
 }
 
 static void rp_drop(rp_entry *e) {
+    for (rp_group **pg = &rp_groups; *pg;) {
+        rp_group *g = *pg;
+        int uses = 0;
+        for (int i = 0; i < g->n; i++) uses |= g->e[i] == e;
+        if (uses) {
+            *pg = g->next;
+            free(g);
+        } else {
+            pg = &g->next;
+        }
+    }
     for (int i = 0; i < rp_nstacks; i++)
         if (rp_stacks[i] == e) rp_stacks[i--] = rp_stacks[--rp_nstacks];
     rp_stat[0]--;
@@ -312,6 +336,12 @@ static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // u
     e->src_nb2 = w->nb[2];
     e->slice = calloc((size_t)A, sizeof(*e->slice));
     e->done = calloc((size_t)A, 1);
+    for (int64_t a = 0; a < A; a++) {    // every expert's header now: the graph's threads repack with them (rp_lazy)
+        struct ggml_tensor *sl = e->slice[a] = ggml_new_tensor_2d(e->ctx, e->type, e->ne0, e->ne1);
+        sl->buffer = e->buf;
+        sl->data = (uint8_t *)e->t->data + a * e->t->nb[2];
+        sl->extra = e->t->extra;                 // the same interleaving: it depends on the type and N only
+    }
     size_t k = rp_hash(e->src);
     e->next = rp_table[k];
     rp_table[k] = e;
@@ -324,27 +354,33 @@ static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // u
     return e;
 }
 
-// expert a's matrix of entry e: a 2-d header in e's buffer, repacked from the registered bytes on first use
-static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {   // under rp_lock
-    struct ggml_tensor *s = e->slice[a];
-    if (!s) {
-        s = e->slice[a] = ggml_new_tensor_2d(e->ctx, e->type, e->ne0, e->ne1);
-        s->buffer = e->buf;
-        s->data = (uint8_t *)e->t->data + a * e->t->nb[2];
-        s->extra = e->t->extra;                  // the same interleaving: it depends on the type and N only
-    }
-    if (!e->done[a]) {
+// expert a of entry e repacked from the registered bytes, once: whoever moves it from RP_TODO to RP_BUSY repacks
+// it (a graph's thread, rp_lazy_op, or a graph's build under rp_lock), whoever finds it RP_BUSY waits for RP_DONE.
+// Thread safe: experts are disjoint bytes of the copy, their headers made at rp_new.
+static void rp_repack(rp_entry *e, int64_t a) {
+    uint8_t state = __atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE), todo = RP_TODO;
+    if (state == RP_DONE) return;
+    if (state == RP_TODO && __atomic_compare_exchange_n(&e->done[a], &todo, RP_BUSY, 0, __ATOMIC_ACQ_REL,
+                                                        __ATOMIC_ACQUIRE)) {
+        struct ggml_tensor *sl = e->slice[a];
         const uint8_t *from = e->src + a * e->src_nb2;
-        ggml_backend_tensor_set(s, from, 0, ggml_nbytes(s));                         // CPU_REPACK's set: repacks
-        e->done[a] = 1;
-        rp_stat[1]++;
+        ggml_backend_tensor_set(sl, from, 0, ggml_nbytes(sl));                        // CPU_REPACK's set: repacks
         if (e->drop_pages) {             // the whole pages of the original: the page cache's again, not the process's
             uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = ((uintptr_t)from + page - 1) / page * page,
-                      hi = ((uintptr_t)from + ggml_nbytes(s)) / page * page;
+                      hi = ((uintptr_t)from + ggml_nbytes(sl)) / page * page;
             if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
         }
+        __atomic_fetch_add(&rp_stat[1], 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->done[a], RP_DONE, __ATOMIC_RELEASE);
+        return;
     }
-    return s;
+    while (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) sched_yield();   // another thread's, soon
+}
+
+// expert a's matrix of entry e: its 2-d header in e's buffer, repacked on first use
+static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {
+    rp_repack(e, a);
+    return e->slice[a];
 }
 
 // each matrix of w is contiguous rows, its matrices nb[2] >= their bytes apart (a contiguous stack, or a strided one)
@@ -353,17 +389,34 @@ static int rp_rows_contiguous(const struct ggml_tensor *w) {
            (w->ne[2] == 1 || w->nb[2] >= w->nb[1] * (size_t)w->ne[1]) && w->ne[3] == 1;
 }
 
-// the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
-static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids, const char *types) {
-    int reg;                                                                                       // under rp_lock
+// whether weight w can have a copy: a leaf of registered bytes, rows contiguous, a type asked for and ggml repacks
+// (returns 1 + the range's drop_pages, or 0)
+static int rp_eligible(const struct ggml_tensor *w, const char *types) {                           // under rp_lock
+    int reg;
     if (!rp_type_on(types, w->type) || w->buffer || w->view_src || w->op != GGML_OP_NONE || !w->data ||
         !rp_rows_contiguous(w) || !(reg = rp_registered(w->data, ggml_nbytes(w))) ||
         !rp_accepts(w->type, w->ne[0], w->ne[1]))
-        return NULL;
+        return 0;
+    return reg;
+}
+
+// w's entry (NULL: none yet)
+static rp_entry *rp_find(const struct ggml_tensor *w) {                                              // under rp_lock
     rp_entry *e = rp_table[rp_hash(w->data)];
     while (e && !(e->src == w->data && e->type == w->type && e->ne0 == w->ne[0] && e->ne1 == w->ne[1] &&
                   e->ne2 == w->ne[2] && (e->ne2 == 1 || e->src_nb2 == w->nb[2])))
         e = e->next;
+    return e;
+}
+
+#define RP_LAZY_NAME "moectl: repack the routed"
+
+// the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
+// (ids known now), or the op that repacks them as the graph runs (rp_lazy's), or else every expert
+static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids, const char *types) {
+    int reg;                                                                                       // under rp_lock
+    if (!(reg = rp_eligible(w, types))) return NULL;
+    rp_entry *e = rp_find(w);
     if (!e && w->ne[2] == 1) {                          // a matrix of a stack already copied: that stack's slice
         for (int i = 0; i < rp_nstacks; i++) {
             rp_entry *s = rp_stacks[i];
@@ -382,6 +435,8 @@ static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml
                 int32_t a = *(const int32_t *)((const char *)ids->data + j * ids->nb[1] + i * ids->nb[0]);
                 if (a >= 0 && a < e->ne2) rp_slice(e, a);
             }
+    } else if (ids && strcmp(ids->name, RP_LAZY_NAME) == 0) {
+        // repacked as the graph runs, by the op that computes these ids (rp_lazy_op)
     } else {
         for (int64_t a = 0; a < e->ne2; a++) rp_slice(e, a);
     }
@@ -410,6 +465,67 @@ static void rp_graph(struct ggml_cgraph *gf) {
     }
     rp_stat[3] += used;
     pthread_mutex_unlock(&rp_lock);
+}
+
+// The op rp_lazy puts between a layer's routing and its experts: ids [U, T] pass through unchanged (a view), and
+// the experts they name that are not yet repacked are, shared among the graph's threads. Every thread walks the
+// same (copy, expert) pairs in the same order, each first sighting of a pair a work item, item w thread w % nth's;
+// ggml's barrier after the op has them all done before the MUL_MAT_IDs read the copies.
+static void rp_lazy_op(struct ggml_tensor *dst, const struct ggml_tensor *ids, int ith, int nth, void *userdata) {
+    (void)dst;
+    const rp_group *g = userdata;
+    int64_t item = 0;
+    for (int k = 0; k < g->n; k++) {
+        rp_entry *e = g->e[k];
+        uint8_t seen_small[512], *seen = e->ne2 <= 512 ? seen_small : calloc((size_t)e->ne2, 1);
+        if (e->ne2 <= 512) memset(seen, 0, (size_t)e->ne2);
+        for (int64_t j = 0; j < ids->ne[1]; j++)
+            for (int64_t i = 0; i < ids->ne[0]; i++) {
+                int32_t a = *(const int32_t *)((const char *)ids->data + j * ids->nb[1] + i * ids->nb[0]);
+                if (a < 0 || a >= e->ne2 || seen[a]) continue;
+                seen[a] = 1;
+                if (item++ % nth == ith) rp_repack(e, a);
+            }
+        if (seen != seen_small) free(seen);
+    }
+}
+
+// ids computed inside the graph (its routing), about to pick experts of the stacks Wg, Wu, Wd: where ggml repacks
+// some of them, the ids pass through rp_lazy_op first, so an expert is repacked when a token first routes to it
+// (llama.cpp repacks all of them at load; the issue asks for no such pass before the first token), and the
+// stacks' copies are made here without a byte repacked yet. Else the ids as they are.
+static struct ggml_tensor *rp_lazy(struct ggml_context *ctx, struct ggml_tensor *ids, struct ggml_tensor *Wg,
+                                   struct ggml_tensor *Wu, struct ggml_tensor *Wd) {
+    if (!rp_enabled() || ids->op == GGML_OP_NONE) return ids;
+    const char *types = getenv("MOECTL_GGML_REPACK");
+    struct ggml_tensor *ws[3] = {Wg, Wu, Wd};
+    rp_entry *es[3];
+    int n = 0, reg;
+    pthread_mutex_lock(&rp_lock);
+    if (!rp_nranges) {
+        pthread_mutex_unlock(&rp_lock);
+        return ids;
+    }
+    for (int k = 0; k < 3; k++) {
+        if (ws[k]->ne[2] < 2 || !(reg = rp_eligible(ws[k], types))) continue;
+        rp_entry *e = rp_find(ws[k]);
+        if (e || (e = rp_new(ws[k], reg - 1))) es[n++] = e;
+    }
+    rp_group *g = rp_groups;
+    while (g && !(g->n == n && (n < 1 || g->e[0] == es[0]) && (n < 2 || g->e[1] == es[1]) &&
+                  (n < 3 || g->e[2] == es[2])))
+        g = g->next;
+    if (n && !g && (g = calloc(1, sizeof(*g)))) {
+        g->n = n;
+        memcpy(g->e, es, sizeof(es[0]) * (size_t)n);
+        g->next = rp_groups;
+        rp_groups = g;
+    }
+    pthread_mutex_unlock(&rp_lock);
+    if (!n || !g) return ids;
+    struct ggml_tensor *out = ggml_map_custom1_inplace(ctx, ids, rp_lazy_op, GGML_N_TASKS_MAX, g);
+    ggml_set_name(out, RP_LAZY_NAME);
+    return out;
 }
 
 // compute a built graph on the handle's threadpool, its work buffer grown as the plan asks
@@ -526,6 +642,7 @@ static struct ggml_tensor *experts_ffn(mg_handle *h, struct ggml_context *ctx, s
                                        struct ggml_tensor *Bu, struct ggml_tensor *Bd, mg_act act,
                                        struct ggml_tensor *X, struct ggml_tensor *ID, struct ggml_tensor *WT) {
     const int64_t H = Wd->ne[1], T = X->ne[2], U = ID->ne[0];
+    ID = rp_lazy(ctx, ID, Wg, Wu, Wd);                  // in-graph routing: its experts repacked on first use
     struct ggml_tensor *G = own(h, ggml_mul_mat_id(ctx, Wg, X, ID));                          // [I, U, T]
     struct ggml_tensor *Up = own(h, ggml_mul_mat_id(ctx, Wu, X, ID));
     if (Bg) G = own(h, ggml_add_id(ctx, G, Bg, ID));
