@@ -6,7 +6,8 @@ on this 2-core machine, against llama.cpp's 1.7 s for its whole load, prompt and
 the config is the dict a previous run saved in the workdir (`store/gguf/saved_config.py`), the tokenizer the one it
 saved (`store/gguf/tokenizer.py`), sampling is numpy's (`sampling.py`, the same draws as `Engine`'s), the counters a
 dict. It answers what `moectl generate` asks of an engine (`generate`, `lossy`, `resolved_options`, the notes), with
-the same figures as `Engine` on the same run (tests/test_graph_engine.py).
+the same figures as `Engine` on the same run (tests/test_graph_engine.py), and what `moectl serve` reads of its cache
+(`InPlaceCounters`: totals, no device cache; tests/test_serve_torch_free.py).
 
 Which runs take it (`GraphEngine.try_load`, else `Engine.load` as before, which saves the config and tokenizer for
 the next run): a GGUF of a lean-load family (`LEAN_FAMILIES`) on the CPU (--device cpu, or auto where no GPU
@@ -27,6 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ..core.cache_model import hit_rate
 from ..core.fingerprint import model_fingerprint
 from ..core.recipes import resolve_model
 from ..core.sizing import KV_RESERVE_TOKENS
@@ -122,7 +124,7 @@ class InPlaceCounters:
     def as_dict(self) -> dict:
         """`runtime/cache.py: CacheStats.as_dict`'s totals, in place: hits only, nothing loaded."""
         c = self.counts
-        return {"hits": c["hits"], "misses": c["misses"], "hit_rate": hit_rate(c["hits"], c["misses"]),
+        return {"hits": c["hits"], "misses": c["misses"], "hit_rate": hit_rate(c),
                 "demand_loads": 0, "cpu_misses": 0, "bytes_loaded": c["bytes_loaded"],
                 "load_wait_s": c["load_wait_s"], "prefetches": c["prefetches"], "prefetch_used": 0,
                 "fills": c["fills"]}
@@ -135,10 +137,6 @@ class InPlaceCounters:
         misses and hit rate None (not counted per layer)."""
         return [{"slots": self.n_expert, "resident": dict.fromkeys(range(self.n_expert), name),
                  "hits": None, "misses": None, "hit_rate": None} for name in self.layer_encodings]
-
-
-def hit_rate(hits: int, misses: int) -> float:
-    return hits / (hits + misses) if hits + misses else 0.0
 
 
 def layer_encodings(index: ExpertIndex) -> list[str]:
