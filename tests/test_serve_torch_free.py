@@ -190,7 +190,7 @@ def test_streaming_state_and_metrics_match_the_torch_engine(engines):
     assert quick[0]["usage"] == slow[0]["usage"]
     assert quick[1] == slow[1]                                           # the same pieces
     for key in ("hits", "misses", "bytes_loaded", "generated_tokens", "prompt_tokens", "requests", "experts",
-                "expert_bytes", "prefetches", "prefetch_used"):
+                "expert_bytes", "prefetches", "prefetch_used", "context", "step"):
         assert quick[2][key] == slow[2][key], key
     assert quick[2]["request"] == slow[2]["request"]                     # the last request's hits and bytes
     E, layers = fast.graph.n_expert, quick[2]["layers"]
