@@ -8,8 +8,7 @@ from typing import Optional
 import typer
 
 from ..setting.options import RuntimeOptions
-from ..status import print_device, print_plan_note
-from ._common import prepare_model, print_lossy, runtime_options
+from ._common import load_engine, runtime_options
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -30,7 +29,9 @@ def serve(
     opts: RuntimeOptions = None,
 ):
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with /health,
-    /metrics (Prometheus) and a live expert-cache page at /. Requests are served one at a time."""
+    /metrics (Prometheus) and a live expert-cache page at /. Requests are served one at a time. A GGUF that the
+    one ggml graph computes on the CPU is served by the torch-free engine once a first run saved its config and
+    tokenizer (as `generate`; MOECTL_TORCH_FREE=0 turns it off)."""
     from rich.console import Console
 
     from ..errors import MoectlError
@@ -47,21 +48,17 @@ def serve(
         err.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who can reach this machine "
                   f"can use the model", highlight=False)
     sock = bind(host, port)                                  # a port in use fails here, before the model loads
-    prepare_model(model, opts.workdir)                            # the built-in tiny model is built on first use
     try:
-        from ..runtime.engine import Engine
-
-        opts.progress = err.is_terminal
-        eng = Engine.load(model, options=opts)
-        print_device(eng)
-        print_plan_note(eng)
-        print_lossy(eng)
+        # a GGUF the one ggml graph serves: the torch-free engine (neither torch nor transformers imported), as
+        # `generate` and `chat`; else `Engine`
+        eng, _ = load_engine(model, opts, progress=err.is_terminal, torch_free=True)
         app = create_app(eng, served_name or eng.ref.name, api_key=api_key, max_queue=max_queue,
                          default_max_tokens=max_tokens)
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
-        Console().print(f"serving [cyan]{served_name or eng.ref.name}[/] on {url}  (OpenAI API: {url}/v1, cache "
-                        f"view: {url}/, metrics: {url}/metrics)", highlight=False, soft_wrap=True)   # stdout: the result
+        engine = "torch-free engine, " if eng.torch_free else ""
+        Console().print(f"serving [cyan]{served_name or eng.ref.name}[/] on {url}  ({engine}OpenAI API: {url}/v1, "
+                        f"cache view: {url}/, metrics: {url}/metrics)", highlight=False, soft_wrap=True)  # stdout
         server = uvicorn.Server(uvicorn.Config(app, log_level=os.environ.get("MOECTL_LOG_LEVEL", "warning"),
                                                timeout_graceful_shutdown=5))
         server.run(sockets=[sock])

@@ -41,6 +41,8 @@ from .speculative import Speculator, as_numpy, make_drafter
 
 
 class Engine:
+    torch_free = False                              # `graph_engine.py: GraphEngine`'s is True
+
     def __init__(self, model, config, adapter, ckpt: Checkpoint, store: ExpertStore,
                  cache: ExpertCache, runtime: Runtime, device: torch.device, dtype: torch.dtype, ref,
                  progress: bool = False):

@@ -6,7 +6,8 @@ on this 2-core machine, against llama.cpp's 1.7 s for its whole load, prompt and
 the config is the dict a previous run saved in the workdir (`store/gguf/saved_config.py`), the tokenizer the one it
 saved (`store/gguf/tokenizer.py`), sampling is numpy's (`sampling.py`, the same draws as `Engine`'s), the counters a
 dict. It answers what `moectl generate` asks of an engine (`generate`, `lossy`, `resolved_options`, the notes), with
-the same figures as `Engine` on the same run (tests/test_graph_engine.py).
+the same figures as `Engine` on the same run (tests/test_graph_engine.py), and what `moectl serve` reads of its cache
+(`InPlaceCounters`: totals, no device cache; tests/test_serve_torch_free.py).
 
 Which runs take it (`GraphEngine.try_load`, else `Engine.load` as before, which saves the config and tokenizer for
 the next run): a GGUF of a lean-load family (`LEAN_FAMILIES`) on the CPU (--device cpu, or auto where no GPU
@@ -27,6 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ..core.cache_model import hit_rate
 from ..core.fingerprint import model_fingerprint
 from ..core.recipes import resolve_model
 from ..core.sizing import KV_RESERVE_TOKENS
@@ -100,14 +102,59 @@ def mapped_count(names: frozenset, config, files: GgufFiles) -> int:
     return len(names) + tied
 
 
+class InPlaceCounters:
+    """The torch-free run's expert cache as `moectl serve` (worker, live page, /metrics) and `chat` read it: there is
+    none. Every expert of every layer is computed where it lies in the mapped file, so each routed expert is a hit
+    and nothing is copied, prefetched or waited for. The counters are the engine's own (`GraphEngine.counts`, read
+    live); they are totals only: the graph's forward counts no layer apart (`layer_rows` says None)."""
+
+    in_place = True                                 # declared as `runtime/cache.py: ExpertCache.in_place`
+    state = None                                    # no `CacheState`: no slots, no per-layer counters
+
+    def __init__(self, counts: dict, n_layer: int, n_expert: int, expert_nbytes: int, layer_encodings: list[str]):
+        self.counts, self.n_layer, self.n_expert = counts, n_layer, n_expert
+        self.slots_per_layer = [n_expert] * n_layer
+        self.layer_encodings = layer_encodings      # per MoE layer, `GgufExpertFormat`'s name: gguf-Q4_0, ...
+        self.store = SimpleNamespace(expert_nbytes=expert_nbytes, num_experts=n_expert)
+
+    @property
+    def stats(self):
+        return self                                 # `ExpertCache.stats.as_dict()`: the same totals
+
+    def as_dict(self) -> dict:
+        """`runtime/cache.py: CacheStats.as_dict`'s totals, in place: hits only, nothing loaded."""
+        c = self.counts
+        return {"hits": c["hits"], "misses": c["misses"], "hit_rate": hit_rate(c),
+                "demand_loads": 0, "cpu_misses": 0, "bytes_loaded": c["bytes_loaded"],
+                "load_wait_s": c["load_wait_s"], "prefetches": c["prefetches"], "prefetch_used": 0,
+                "fills": c["fills"]}
+
+    def snapshot(self) -> dict:
+        return self.as_dict()
+
+    def layer_rows(self) -> list[dict]:
+        """Per MoE layer (`runtime/live_view.py: layer_rows`'s rows): every expert held, in its file encoding; hits,
+        misses and hit rate None (not counted per layer)."""
+        return [{"slots": self.n_expert, "resident": dict.fromkeys(range(self.n_expert), name),
+                 "hits": None, "misses": None, "hit_rate": None} for name in self.layer_encodings]
+
+
+def layer_encodings(index: ExpertIndex) -> list[str]:
+    """Each MoE layer's expert encodings as `formats/gguf.py: GgufExpertFormat` names them (expert 0's parts)."""
+    return ["gguf-" + "+".join(dict.fromkeys(encoding_name(t.encoding) for _, t in index.parts(layer, 0)))
+            for layer in index.layers]
+
+
 class GraphEngine:
     """A GGUF's run through the one ggml graph alone (module docstring). `try_load` -> engine or (None, why not)."""
 
     speculator = None                               # no --draft here (`Engine` drafts)
     prefetch = None                                 # nor a prefetch policy
+    torch_free = True                               # `Engine.torch_free` is False: what `serve` says it runs
 
     def __init__(self, ref, config, files: GgufFiles, graph: GgmlModel, tokenizer, opts: RuntimeOptions, setting,
-                 threads: int, fingerprint: str, dense_nbytes: int, progress: bool):
+                 threads: int, fingerprint: str, dense_nbytes: int, progress: bool, expert_nbytes: int,
+                 encodings: list[str]):
         self.config, self.files, self.graph, self.tokenizer, self.ref = config, files, graph, tokenizer, ref
         self.options, self.setting, self.threads, self.fingerprint = opts, setting, threads, fingerprint
         self.plan, self.plan_note = opts.plan_data, opts.plan_note
@@ -117,6 +164,7 @@ class GraphEngine:
         self.counts["load_wait_s"] = 0.0
         self.expert_calls = 0
         self._progress = PrefillProgress(self.n_layer) if progress else None
+        self.cache = InPlaceCounters(self.counts, self.n_layer, int(graph.n_expert), expert_nbytes, encodings)
 
     # --- loading ------------------------------------------------------------------------
     @classmethod
@@ -184,7 +232,7 @@ class GraphEngine:
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
             "gguf: one ggml graph a forward, as llama.cpp's (torch-free run: neither torch nor transformers loaded)")]))
         eng = cls(ref, config, files, graph, tokenizer, opts, setting, n_threads, fingerprint,
-                  dense + rotary_tables_nbytes(config), opts.progress)
+                  dense + rotary_tables_nbytes(config), opts.progress, index.slot_nbytes(), layer_encodings(index))
         eng.sizes = sizes
         return eng
 
@@ -261,11 +309,6 @@ class GraphEngine:
     # --- what the commands print ----------------------------------------------------------
     def lossy(self) -> dict:
         return self.options.lossy(None) | {"precision": self.setting.precision.name}
-
-    @property
-    def cache(self):
-        """What a command reads of the in-place cache (`chat`'s session table): every expert of every layer held."""
-        return SimpleNamespace(slots_per_layer=[int(self.graph.n_expert)] * self.n_layer)
 
     def resolved_options(self) -> dict:
         """{option: [value, source]}, as `Engine.resolved_options` (in place: E slots a layer, nothing prefetched)."""

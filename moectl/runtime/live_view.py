@@ -4,10 +4,18 @@ Legend: L = MoE layers, E = experts, K = top-k.
 
 `layer_hits` reads the per-layer hit/miss counters of the cache state (`moectl/core/cache_model.py`), the same
 counters `DeviceCache.stats` sums.
-`residency` lists which experts each layer holds on the device and at what precision.
+`residency` lists which experts each layer holds on the device and at what precision; `layer_rows` both, per layer.
 """
 
 from __future__ import annotations
+
+
+def layer_rows(cache) -> list[dict]:
+    """Per MoE layer: `residency` and `layer_hits` in one row; a cache with no per-layer counters (`state` None: the
+    torch-free engine's `graph_engine.py: InPlaceCounters`) gives its own rows, every count None."""
+    if cache.state is None:
+        return cache.layer_rows()
+    return [r | h for r, h in zip(residency(cache), layer_hits(cache))]
 
 
 def layer_hits(cache) -> list[dict]:

@@ -7,7 +7,7 @@ scrape time from the worker's published state, so the numbers are the runtime's 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()            # no *_created series: a scraper needs only the values
@@ -19,6 +19,10 @@ class RuntimeCollector:
 
     def collect(self):
         s = self.worker.state
+        yield InfoMetricFamily("moectl_engine", "The engine serving (torch, or torch-free: the one ggml graph of a "
+                               "GGUF) and its expert cache (device: slots copied into; in place: every expert "
+                               "computed where it lies, each routed expert a hit)",
+                               {"engine": s["engine"], "cache": "in place" if s["in_place"] else "device"})
         yield CounterMetricFamily("moectl_prompt_tokens", "Prompt tokens of finished requests", s["prompt_tokens"])
         yield CounterMetricFamily("moectl_generated_tokens", "Tokens generated", s["generated_tokens"])
         yield CounterMetricFamily("moectl_requests_cancelled", "Generations stopped because the client left",
@@ -35,7 +39,8 @@ class RuntimeCollector:
                                   s["bytes_loaded"])
         layer = GaugeMetricFamily("moectl_layer_hit_rate", "Expert cache hit rate per MoE layer", labels=["layer"])
         for i, row in enumerate(s["layers"]):
-            layer.add_metric([str(i)], row["hit_rate"])
+            if row["hit_rate"] is not None:          # None: not counted per layer (the torch-free engine)
+                layer.add_metric([str(i)], row["hit_rate"])
         yield layer
 
 

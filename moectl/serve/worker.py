@@ -7,7 +7,9 @@ runtime is free again one token later; a cancelled job still in the queue is ski
 
 While generating (at most every 20 ms) and after each request the worker publishes a `state` dict
 (per-layer residency and hit rates, bytes per token, prefetch accuracy, ...) built from the runtime's own
-stats: the cache page and /metrics read only that, never the runtime itself from another thread.
+stats: the cache page and /metrics read only that, never the runtime itself from another thread. It names the
+engine ("torch", or "torch-free": `runtime/graph_engine.py`) and whether the experts are in place (no device cache:
+every routed expert a hit, nothing loaded); the torch-free engine counts no layer apart (a layer's counts None).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..runtime.live_view import layer_hits, residency
+from ..runtime.live_view import layer_rows
 from .protocol import StopMatcher
 
 SNAPSHOT_EVERY_S = 0.02      # live state at most this often while generating (residency of L x E experts)
+ENGINE_NAMES = {False: "torch", True: "torch-free"}      # engine.torch_free -> the state's "engine"
 
 
 @dataclass
@@ -155,8 +158,8 @@ class Worker:
         """The live state: built in the runtime thread, read (as a whole) by the event loop."""
         cache, t = self.engine.cache, self.totals
         s = cache.stats.as_dict()
-        layers = [r | h for r, h in zip(residency(cache), layer_hits(cache))]
-        return {"step": self.step, "busy": self.busy, "queue_depth": self.waiting,
+        return {"engine": ENGINE_NAMES[self.engine.torch_free], "in_place": cache.in_place,
+                "step": self.step, "busy": self.busy, "queue_depth": self.waiting,
                 "requests": t.requests, "cancelled": t.cancelled, "prompt_tokens": t.prompt_tokens,
                 "generated_tokens": t.generated_tokens, "tokens_per_s": t.last_tokens_per_s,
                 "hits": s["hits"], "misses": s["misses"], "hit_rate": s["hit_rate"],
@@ -166,4 +169,4 @@ class Worker:
                 "prefetch_accuracy": s["prefetch_used"] / s["prefetches"] if s["prefetches"] else None,
                 "request": (request or {}) | ({"bytes_per_token": request["bytes_loaded"] / request["tokens"]}
                                               if request else {}),
-                "layers": layers, "time": time.time()}
+                "layers": layer_rows(cache), "time": time.time()}
