@@ -106,13 +106,15 @@ class InPlaceCounters:
     """The torch-free run's expert cache as `moectl serve` (worker, live page, /metrics) and `chat` read it: there is
     none. Every expert of every layer is computed where it lies in the mapped file, so each routed expert is a hit
     and nothing is copied, prefetched or waited for. The counters are the engine's own (`GraphEngine.counts`, read
-    live); they are totals only: the graph's forward counts no layer apart (`layer_rows` says None)."""
+    live), per layer too (`GraphEngine.layer_hits`, the forward's distinct routed experts a layer)."""
 
     in_place = True                                 # declared as `runtime/cache.py: ExpertCache.in_place`
     state = None                                    # no `CacheState`: no slots, no per-layer counters
 
-    def __init__(self, counts: dict, n_layer: int, n_expert: int, expert_nbytes: int, layer_encodings: list[str]):
-        self.counts, self.n_layer, self.n_expert = counts, n_layer, n_expert
+    def __init__(self, counts: dict, layer_hits: np.ndarray, n_expert: int, expert_nbytes: int,
+                 layer_encodings: list[str]):
+        n_layer = len(layer_hits)
+        self.counts, self.layer_hits, self.n_layer, self.n_expert = counts, layer_hits, n_layer, n_expert
         self.slots_per_layer = [n_expert] * n_layer
         self.layer_encodings = layer_encodings      # per MoE layer, `GgufExpertFormat`'s name: gguf-Q4_0, ...
         self.store = SimpleNamespace(expert_nbytes=expert_nbytes, num_experts=n_expert)
@@ -133,10 +135,11 @@ class InPlaceCounters:
         return self.as_dict()
 
     def layer_rows(self) -> list[dict]:
-        """Per MoE layer (`runtime/live_view.py: layer_rows`'s rows): every expert held, in its file encoding; hits,
-        misses and hit rate None (not counted per layer)."""
+        """Per MoE layer (`runtime/live_view.py: layer_rows`'s rows): every expert held, in its file encoding; its
+        hits, no miss (`live_view.layer_hits`' hit rate: 0.0 before any)."""
         return [{"slots": self.n_expert, "resident": dict.fromkeys(range(self.n_expert), name),
-                 "hits": None, "misses": None, "hit_rate": None} for name in self.layer_encodings]
+                 "hits": int(h), "misses": 0, "hit_rate": 1.0 if h else 0.0}
+                for name, h in zip(self.layer_encodings, self.layer_hits)]
 
 
 def layer_encodings(index: ExpertIndex) -> list[str]:
@@ -164,7 +167,8 @@ class GraphEngine:
         self.counts["load_wait_s"] = 0.0
         self.expert_calls = 0
         self._progress = PrefillProgress(self.n_layer) if progress else None
-        self.cache = InPlaceCounters(self.counts, self.n_layer, int(graph.n_expert), expert_nbytes, encodings)
+        self.layer_hits = np.zeros(self.n_layer, dtype=np.int64)              # [L] routed experts counted a layer
+        self.cache = InPlaceCounters(self.counts, self.layer_hits, int(graph.n_expert), expert_nbytes, encodings)
 
     # --- loading ------------------------------------------------------------------------
     @classmethod
@@ -252,6 +256,7 @@ class GraphEngine:
             if bar is not None:
                 bar.close()
         distinct, calls = routed_counts(self.graph.last_ids, self.n_layer)
+        self.layer_hits += distinct
         self.counts["hits"] += int(distinct.sum())
         self.expert_calls += calls
         return logits, kv

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 
 def layer_rows(cache) -> list[dict]:
-    """Per MoE layer: `residency` and `layer_hits` in one row; a cache with no per-layer counters (`state` None: the
-    torch-free engine's `graph_engine.py: InPlaceCounters`) gives its own rows, every count None."""
+    """Per MoE layer: `residency` and `layer_hits` in one row; a cache with no `CacheState` (`state` None: the
+    torch-free engine's `graph_engine.py: InPlaceCounters`) gives its own rows."""
     if cache.state is None:
         return cache.layer_rows()
     return [r | h for r, h in zip(residency(cache), layer_hits(cache))]

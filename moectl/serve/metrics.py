@@ -39,8 +39,7 @@ class RuntimeCollector:
                                   s["bytes_loaded"])
         layer = GaugeMetricFamily("moectl_layer_hit_rate", "Expert cache hit rate per MoE layer", labels=["layer"])
         for i, row in enumerate(s["layers"]):
-            if row["hit_rate"] is not None:          # None: not counted per layer (the torch-free engine)
-                layer.add_metric([str(i)], row["hit_rate"])
+            layer.add_metric([str(i)], row["hit_rate"])
         yield layer
 
 
