@@ -27,7 +27,7 @@ from moectl.runtime.ggml_model import GraphKV
 from test_gguf_run import GGML_LOGITS_RTOL, PROMPT, STEPS, ggml_or_skip
 from test_runtime import LOSSLESS_ATOL, _engine_run
 
-FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
