@@ -148,12 +148,14 @@ def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
 
 
 def gguf_tensors_missing(files, n_layer: int, family: str | None = None) -> str | None:
-    """A required tensor of the graph the file lacks (per-expert or fused tensors), or None."""
+    """A required tensor of the graph the file lacks, or None. Where it is a routed expert's stack, the file likely
+    holds its experts one tensor each, or gate and up fused: said."""
     required = FAMILY_REQUIRED.get(family, set())
     for l in range(n_layer):
         for field, name in layer_tensors(family).items():
             if (field not in OPTIONAL or field in required) and f"blk.{l}.{name}" not in files:
-                return f"blk.{l}.{name} is not in the file (per-expert or fused tensors)"
+                why = " (per-expert or fused tensors)" if field in ("gate", "up", "down") else ""
+                return f"blk.{l}.{name} is not in the file{why}"
     return None
 
 
