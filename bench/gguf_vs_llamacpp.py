@@ -3,8 +3,8 @@
 the mapped file: moectl/kernels/ggml.py), same threads.
 
 1. A synthetic checkpoint of a recipe's shapes (`make-synthetic`: qwen3-moe = 128 small experts top-8, mixtral = 8
-   large experts top-2, gpt-oss-20b = 32 experts top-4 of GPT-OSS's shapes; make-synthetic writes these families
-   only), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16 (the checkpoint is then deleted: only the
+   large experts top-2, gpt-oss-20b = 32 experts top-4 of GPT-OSS's shapes, qwen1.5-moe = 60 experts top-4 and a
+   shared expert; make-synthetic writes these families only), `--layers` deep, converted by `convert_hf_to_gguf.py` to BF16 (the checkpoint is then deleted: only the
    conversion reads it) and quantized by `llama-quantize` to each `--types`. Default: issue 42's file set, Q4_K_M
    Q4_0 Q5_K_M Q6_K Q8_0 IQ4_XS BF16 and the "other" encodings IQ2_XXS IQ3_XXS Q2_K Q3_K_M; for gpt-oss-20b the
    MXFP4 file, MXFP4_MOE (experts MXFP4, the rest Q8_0: make-synthetic writes GPT-OSS's shapes as a Mixtral-family
@@ -295,7 +295,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-moe", help="a recipe make-synthetic writes: mixtral, qwen3-moe, "
-                    "gpt-oss-20b")
+                    "gpt-oss-20b, qwen1.5-moe")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
     ap.add_argument("--types", nargs="+", default=None, help="llama-quantize types (BF16: the converted file "
                     "itself; default: issue 42's file set, " + " ".join(FILE_SET) + "; gpt-oss-20b: " +

@@ -27,7 +27,7 @@ from moectl.runtime.ggml_model import GraphKV
 from test_gguf_run import GGML_LOGITS_RTOL, PROMPT, STEPS, ggml_or_skip
 from test_runtime import LOSSLESS_ATOL, _engine_run
 
-FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -206,6 +206,30 @@ def test_bad_token_id_is_one_error(family_files, tmp_path):
         eng.graph.forward(np.ones((2, 3), dtype=np.int64))
     with pytest.raises(MoectlError, match="integers, not float"):
         eng.graph.forward([1.0, 2.5])
+
+
+def test_qwen2_moe_shared_expert_is_required_and_counts(tmp_path):
+    """Qwen2-MoE's graph reads its shared expert (ffn_{gate,up,down}_shexp and the gate ffn_gate_inp_shexp, which
+    llama.cpp's qwen2moe requires): a file without one of them is named for the load's note (other families go
+    without). The shared expert moves the tiny model's logits far more than test_f32_graph_equals_the_original's
+    tolerance, so that test checks it: the graph without it is ~1e-1 away, where it must be within 1e-4."""
+    names = {f"blk.0.{t}" for t in ggml_model.layer_tensors("qwen2_moe").values()}
+    assert ggml_model.gguf_tensors_missing(names, 1, "qwen2_moe") is None
+    for gone in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
+        missing = ggml_model.gguf_tensors_missing(names - {f"blk.0.{gone}.weight"}, 1, "qwen2_moe")
+        assert missing is not None and f"blk.0.{gone}.weight" in missing
+    assert ggml_model.gguf_tensors_missing(names - {"blk.0.attn_q.bias"}, 1, "qwen2_moe") is None   # optional
+    plain = {f"blk.0.{t}" for f, t in ggml_model.LAYER_TENSORS.items() if f not in ggml_model.OPTIONAL}
+    assert ggml_model.gguf_tensors_missing(plain, 1, "qwen3_moe") is None        # no shared expert there
+    ggml_or_skip()
+    ckpt = _checkpoint("qwen2_moe", tmp_path)
+    g = _load(write_gguf(ckpt, tmp_path / "F32.gguf"), tmp_path / "g").graph
+    ids = np.array([[5, 17, 42, 9, 100, 7]])
+    with_shared, _ = g.forward(ids)
+    for layer in g.layers:
+        layer.shexp_gate = ggml_model.MgW()                 # NULL data: the graph builds no shared expert
+    without, _ = g.forward(ids)
+    assert float(np.abs(with_shared - without).max()) > 100 * LOSSLESS_ATOL * 10
 
 
 TORCH_FREE_CHILD = r"""

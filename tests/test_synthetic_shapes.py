@@ -1,4 +1,5 @@
-"""`make-synthetic`: Qwen3-MoE and GPT-OSS-like shapes next to Mixtral's, each with a usable tokenizer."""
+"""`make-synthetic`: Qwen3-MoE, Qwen2-MoE and GPT-OSS-like shapes next to Mixtral's, each with a usable
+tokenizer."""
 
 import json
 
@@ -15,9 +16,11 @@ SMALL = {"num_layers": 4, "moe_layers": 4, "hidden_size": 64, "intermediate_size
          "dtype": "float32", "name": "small"}
 
 
-@pytest.mark.parametrize("family,arch", [("qwen3_moe", "Qwen3MoeForCausalLM"), ("gpt_oss", "MixtralForCausalLM")])
+@pytest.mark.parametrize("family,arch", [("qwen3_moe", "Qwen3MoeForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                         ("gpt_oss", "MixtralForCausalLM")])
 def test_family_checkpoint_runs_as_transformers_does(tmp_path, family, arch):
-    info = write_synthetic(SMALL, tmp_path / "ck", layers=2, family=family, progress=False)
+    info = write_synthetic(SMALL | {"shared_expert_intermediate_size": 48}, tmp_path / "ck", layers=2, family=family,
+                           progress=False)
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["num_hidden_layers"] == 2 and info["shards"] == 3
     assert cfg.get("num_experts", cfg.get("num_local_experts")) == 16 and cfg["num_experts_per_tok"] == 4
@@ -39,6 +42,11 @@ def test_synthetic_tokenizer_round_trips_and_generate_runs(tmp_path, capsys):
                               "--device", "cpu", "--json"], capsys)
     assert code == 0, err
     assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) == 4
+
+
+def test_qwen2_moe_without_a_shared_expert_width_is_a_clear_error(tmp_path):
+    with pytest.raises(MoectlError, match="no shared_expert_intermediate_size"):
+        write_synthetic(SMALL, tmp_path / "ck", layers=1, family="qwen2_moe", progress=False)
 
 
 def test_vocab_too_small_for_bytes_is_a_clear_error(tmp_path):

@@ -745,18 +745,19 @@ int mg_vec_dot_type(int type) { return ggml_get_type_traits_cpu(type)->vec_dot_t
 
 // --- a whole model's forward in one graph (moectl/runtime/ggml_model.py) -----------------------------------------
 //
-// llama.cpp's own graph for its llama (Mixtral), qwen3moe, olmoe and gpt-oss (openai-moe) architectures
+// llama.cpp's own graph for its llama (Mixtral), qwen2moe, qwen3moe, olmoe and gpt-oss (openai-moe) architectures
 // (src/models/*.cpp): embedding rows, then per layer RMS norm, Q/K/V (+ biases, + Qwen3's per-head / OLMoE's
 // full-width q/k norms), RoPE (YaRN where ext_factor says), the KV cache written at `pos`, attention over positions
 // [0, pos + T) (causal within the T new tokens; a sliding-window layer's last n_swa only; GPT-OSS's sinks), the
 // output projection, RMS norm, the router (+ bias) with softmax or softmax_weight gating, top-k (renormalised where
-// the family does), the experts' mul_mat_id (+ biases, SiLU or swiglu_oai), and the final norm and lm_head. One
-// call per forward: the weights stay where they lie (the mapped file), the intermediates get ggml-alloc's reused
-// memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a layer in Python and torch between ggml
-// calls (docs/gguf.md), which llama.cpp does not.
+// the family does), the experts' mul_mat_id (+ biases, SiLU or swiglu_oai; + Qwen2-MoE's gated shared expert), and
+// the final norm and lm_head. One call per forward: the weights stay where they lie (the mapped file), the
+// intermediates get ggml-alloc's reused memory, the threadpool wakes once. Why: the per-module path spends ~3 ms a
+// layer in Python and torch between ggml calls (docs/gguf.md), which llama.cpp does not.
 //
 // Legend (ggml order, ne0 first): H = hidden, D = head dim, NH / NKV = query / KV heads, T = new tokens,
-// P = positions attended (pos + T), E = experts, U = experts used, I = expert width, V = vocabulary.
+// P = positions attended (pos + T), E = experts, U = experts used, I = expert width, S = shared expert width,
+// V = vocabulary.
 
 typedef struct {
     int64_t ne[3];         // ggml order: ne[0] = row length
@@ -772,6 +773,11 @@ typedef struct {
     mg_w router_b;                 // F32 [E]: added to the router's logits (GPT-OSS's ffn_gate_inp.bias)
     mg_w gate_b, up_b, down_b;     // F32 [I, E], [I, E], [H, E]: the experts' biases (GPT-OSS's ffn_*_exps.bias)
     mg_w sinks;                    // F32 [NH]: per-head attention sink logits (GPT-OSS's attn_sinks)
+    // Qwen2-MoE's shared expert (NULL data: none): a SiLU-gated FFN of width S over every token, its output scaled
+    // by sigmoid(shexp_gate_inp . x), one scalar a token, and added to the routed experts'
+    mg_w shexp_gate_inp;           // [H] (ffn_gate_inp_shexp)
+    mg_w shexp_gate, shexp_up;     // [H, S] each (ffn_gate_shexp, ffn_up_shexp)
+    mg_w shexp_down;               // [S, H] (ffn_down_shexp)
 } mg_layer_w;
 
 typedef struct {
@@ -793,7 +799,11 @@ typedef struct {
 // and _SOFTMAX_WEIGHT (top-k of the logits, then softmax over the selected: GPT-OSS)
 enum { MG_GATING_SOFTMAX = 0, MG_GATING_SOFTMAX_WEIGHT = 1 };
 
-int mg_model_abi(void) { return (int)sizeof(mg_model_desc) * 1000 + (int)sizeof(mg_w); }
+// the descriptors' layout as moectl/runtime/ggml_model.py checks it: the layer's size too (the model descriptor
+// holds only a pointer to the layers, so a field added there leaves sizeof(mg_model_desc) as it was)
+int mg_model_abi(void) {
+    return ((int)sizeof(mg_model_desc) * 10000 + (int)sizeof(mg_layer_w)) * 100 + (int)sizeof(mg_w);
+}
 
 static struct ggml_tensor *weight(struct ggml_context *ctx, const mg_w *w) {
     return w->data ? stack(ctx, w->type, w->ne[0], w->ne[1], w->ne[2], w->data, w->nb2) : NULL;
@@ -859,13 +869,26 @@ static struct ggml_tensor *attention(struct ggml_context *ctx, const mg_model_de
     return ggml_reshape_2d(ctx, att, D * NH, T);                                        // [NH*D, T]
 }
 
+// Qwen2-MoE's shared expert, as llama.cpp's qwen2moe graph: build_ffn(x, up, gate, down, LLM_FFN_SILU, LLM_FFN_PAR)
+// = down(silu(gate x) * up x), times sigmoid(gate_inp . x) a token. x [H, Tn] -> [H, Tn] (S = the shared width).
+// llama.cpp writes the sigmoid as silu(g) / g; ggml_sigmoid is the same function without its 0 / 0 at g = 0.
+static struct ggml_tensor *shared_expert(struct ggml_context *ctx, const mg_layer_w *L, struct ggml_tensor *x) {
+    struct ggml_tensor *up = ggml_mul_mat(ctx, weight(ctx, &L->shexp_up), x);                // [S, Tn]
+    struct ggml_tensor *gate = ggml_mul_mat(ctx, weight(ctx, &L->shexp_gate), x);            // [S, Tn]
+    struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, &L->shexp_down), ggml_swiglu_split(ctx, gate, up));
+    struct ggml_tensor *g = ggml_sigmoid(ctx, ggml_mul_mat(ctx, weight(ctx, &L->shexp_gate_inp), x));   // [1, Tn]
+    return ggml_mul(ctx, y, g);                                                              // [H, Tn]
+}
+
 // tokens [T] int32 at positions pos.. -> logits [T or 1, V] (last_only: the last token's); ids_out (or NULL):
 // each layer's selected experts [n_layer, T, U] int32. Returns 0, or -1 when pos + T > n_ctx.
 int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64_t T, int64_t pos,
                   int32_t last_only, float *logits, int32_t *ids_out) {
     mg_handle *h = hp;
     if (pos + T > m->n_ctx || T < 1 || (m->kv_type != GGML_TYPE_F16 && m->kv_type != GGML_TYPE_F32)) return -1;
-    size_t n_tensors = (size_t)m->n_layer * 96 + 256;
+    // tensor headers: 96 a layer (attention, routing, experts, Qwen2-MoE's shared expert's ~10, with room to
+    // spare) and 2 more a used expert (experts_ffn's sum over them: a view and an add each; Qwen2-57B uses 8)
+    size_t n_tensors = (size_t)m->n_layer * (96 + 2 * (size_t)m->n_used) + 256;
     size_t need = ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 4096;
     if (need > h->model_meta_size) {
         free(h->model_meta);
@@ -969,6 +992,7 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
                                               weight(ctx, &L->down), weight(ctx, &L->gate_b),
                                               weight(ctx, &L->up_b), weight(ctx, &L->down_b), act,
                                               ggml_reshape_3d(ctx, cur, H, 1, Tn), sel, wts);   // [H, Tn]
+        if (L->shexp_gate.data) moe = ggml_add(ctx, moe, shared_expert(ctx, L, cur));        // [H, Tn]
         inpL = ggml_add(ctx, moe, ffn_inp);                                                 // [H, Tn]
     }
     struct ggml_tensor *cur = rms(ctx, inpL, &m->out_norm, m->eps);

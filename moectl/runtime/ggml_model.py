@@ -9,12 +9,12 @@ or one decode token) is one call: embedding rows, flash attention over an f16 KV
 default), routing, the experts' mul_mat_id and the lm_head, in the file's own blocks.
 
 Which runs take it (`why_not`, runtime/load.py: `one_graph`): the families whose graph is written (Mixtral as
-llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts, no shared experts; GPT-OSS as its
-`gpt-oss`: attention sinks, sliding-window layers, YaRN, biases, softmax_weight routing, swiglu_oai), in place on the
-CPU with ggml, from a GGUF (`from_gguf`) or from a checkpoint with moectl's ggml copies (`from_modules`; not
-GPT-OSS), and nothing that needs the module path: no gating or prefetch policy, no draft, no replay, no
-observers (profile, predictors). Every other run keeps the module path, unchanged. `MOECTL_GGML_GRAPH=0` switches
-it off.
+llama.cpp's `llama`, Qwen3-MoE, OLMoE: softmax routing, stacked experts; Qwen2-MoE as its `qwen2moe`: q/k/v biases
+and a shared expert scaled by a sigmoid gate a token; GPT-OSS as its `gpt-oss`: attention sinks, sliding-window
+layers, YaRN, biases, softmax_weight routing, swiglu_oai), in place on the CPU with ggml, from a GGUF (`from_gguf`)
+or from a checkpoint with moectl's ggml copies (`from_modules`; not GPT-OSS), and nothing that needs the module
+path: no gating or prefetch policy, no draft, no replay, no observers (profile, predictors). Every other run keeps
+the module path, unchanged. `MOECTL_GGML_GRAPH=0` switches it off.
 
 Legend: T = tokens, U = experts used a token, V = vocabulary, L = layers, C = KV capacity (positions), KV = KV
 heads x head dim.
@@ -44,6 +44,8 @@ GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT = 0, 1    # the shim's MG_GATING_*: llama.
 FAMILIES = {"mixtral": dict(rope_mode=ROPE_NORM, norm_topk=True, qk_norm_full=False),   # on the converter's Q/K rows
             "qwen3_moe": dict(rope_mode=ROPE_NEOX, norm_topk=True, qk_norm_full=False),  # per-head q/k norm
             "olmoe": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=True),      # q/k norm over all heads
+            # llama.cpp's qwen2moe: q/k/v biases, a shared expert gated by a sigmoid a token
+            "qwen2_moe": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=False),
             # llama.cpp's openai-moe: YaRN, sinks, sliding-window layers, biases, softmax_weight, swiglu_oai
             "gpt_oss": dict(rope_mode=ROPE_NEOX, norm_topk=False, qk_norm_full=False)}
 # GPT-OSS's swiglu_oai: alpha as llama.cpp's LLM_FFN_SWIGLU_OAI_MOE and transformers' GptOssExperts fix it; the
@@ -51,7 +53,8 @@ FAMILIES = {"mixtral": dict(rope_mode=ROPE_NORM, norm_topk=True, qk_norm_full=Fa
 OAI_ALPHA = 1.702
 
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "ffn_norm",
-                "router", "gate", "up", "down", "router_b", "gate_b", "up_b", "down_b", "sinks")
+                "router", "gate", "up", "down", "router_b", "gate_b", "up_b", "down_b", "sinks",
+                "shexp_gate_inp", "shexp_gate", "shexp_up", "shexp_down")
 # the GGUF tensor of each field (blk.N.<name>); those in OPTIONAL may be absent
 LAYER_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
                  "wv": "attn_v.weight", "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias",
@@ -59,12 +62,17 @@ LAYER_TENSORS = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "
                  "k_norm": "attn_k_norm.weight", "ffn_norm": "ffn_norm.weight", "router": "ffn_gate_inp.weight",
                  "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight",
                  "router_b": "ffn_gate_inp.bias", "gate_b": "ffn_gate_exps.bias", "up_b": "ffn_up_exps.bias",
-                 "down_b": "ffn_down_exps.bias", "sinks": "attn_sinks.weight"}
-OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm", "router_b", "gate_b", "up_b", "down_b", "sinks"}
+                 "down_b": "ffn_down_exps.bias", "sinks": "attn_sinks.weight",
+                 "shexp_gate_inp": "ffn_gate_inp_shexp.weight", "shexp_gate": "ffn_gate_shexp.weight",
+                 "shexp_up": "ffn_up_shexp.weight", "shexp_down": "ffn_down_shexp.weight"}
+SHARED_EXPERT = {"shexp_gate_inp", "shexp_gate", "shexp_up", "shexp_down"}
+OPTIONAL = {"bq", "bk", "bv", "bo", "q_norm", "k_norm", "router_b", "gate_b", "up_b", "down_b", "sinks"} | SHARED_EXPERT
 # GPT-OSS: the norm before the MoE is `post_attention_norm` (llama.cpp's attn_post_norm), and every field it reads
 # is required (a file without its sinks or biases is not GPT-OSS's graph)
 FAMILY_TENSORS = {"gpt_oss": {"ffn_norm": "post_attention_norm.weight"}}
-FAMILY_REQUIRED = {"gpt_oss": {"bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b", "sinks"}}
+# Qwen2-MoE: its shared expert (llama.cpp's qwen2moe requires it; its q/k/v biases are optional there, as here)
+FAMILY_REQUIRED = {"gpt_oss": {"bq", "bk", "bv", "bo", "router_b", "gate_b", "up_b", "down_b", "sinks"},
+                   "qwen2_moe": SHARED_EXPERT}
 F32 = 0                                                     # GGML_TYPE_F32
 CHUNK = 512                                                 # tokens a graph takes at most (llama.cpp's ubatch)
 
@@ -100,7 +108,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.mg_model_eval.argtypes = [ptr, ctypes.POINTER(MgModel), ptr, i64, i64, i32, ptr, ptr]
         lib.mg_model_eval.restype = ctypes.c_int
         lib.mg_model_abi.restype = ctypes.c_int
-    want = ctypes.sizeof(MgModel) * 1000 + ctypes.sizeof(MgW)
+    want = (ctypes.sizeof(MgModel) * 10000 + ctypes.sizeof(MgLayer)) * 100 + ctypes.sizeof(MgW)   # as the shim's
     if lib.mg_model_abi() != want:
         raise MoectlError(f"ggml shim's model layout {lib.mg_model_abi()} is not moectl's {want}: rebuild it")
     return lib
@@ -140,12 +148,14 @@ def why_not(config, options=None, gating=None, prefetch=None) -> str | None:
 
 
 def gguf_tensors_missing(files, n_layer: int, family: str | None = None) -> str | None:
-    """A required tensor of the graph the file lacks (per-expert or fused tensors), or None."""
+    """A required tensor of the graph the file lacks, or None. Where it is a routed expert's stack, the file likely
+    holds its experts one tensor each, or gate and up fused: said."""
     required = FAMILY_REQUIRED.get(family, set())
     for l in range(n_layer):
         for field, name in layer_tensors(family).items():
             if (field not in OPTIONAL or field in required) and f"blk.{l}.{name}" not in files:
-                return f"blk.{l}.{name} is not in the file (per-expert or fused tensors)"
+                why = " (per-expert or fused tensors)" if field in ("gate", "up", "down") else ""
+                return f"blk.{l}.{name} is not in the file{why}"
     return None
 
 
@@ -261,7 +271,8 @@ def _hyper(config, rope_mode: int, vocab: int, experts: int) -> MgModel:
         m.act_alpha, m.act_limit = OAI_ALPHA, float(getattr(config, "swiglu_limit", 7.0))
     if swa_layers(config) is not None:
         m.n_swa = int(config.sliding_window)
-    # Mixtral always renormalises its top-k; Qwen3-MoE and OLMoE as their config says
+    # Mixtral always renormalises its top-k; Qwen3-MoE, OLMoE and Qwen2-MoE as their config says (llama.cpp's
+    # qwen2moe never does, as Qwen1.5-MoE-A2.7B's config says: false, transformers' default too)
     m.norm_topk = 1 if config.model_type == "mixtral" else int(bool(getattr(config, "norm_topk_prob",
                                                                              fam["norm_topk"])))
     m.qk_norm_full = int(fam["qk_norm_full"])
@@ -423,6 +434,14 @@ class GgmlModel:
             if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
                 return f"layer {l}: no router weight"
             dst.router = f32(router.weight)
+            shared = getattr(block, "shared_expert", None)          # Qwen2-MoE's, with its sigmoid gate
+            if shared is not None:
+                for field, mod in (("shexp_gate", shared.gate_proj), ("shexp_up", shared.up_proj),
+                                   ("shexp_down", shared.down_proj), ("shexp_gate_inp", block.shared_expert_gate)):
+                    got = _linear(mod, keep)
+                    if isinstance(got, str):
+                        return f"layer {l} shared expert: {got}"
+                    setattr(dst, field, got)
             got = _experts(cache, l)
             if isinstance(got, str):
                 return f"layer {l} experts: {got}"

@@ -69,7 +69,7 @@ from .sampling import Sampling
 
 # the one-graph families whose header figures (`lean_dense_nbytes`, `dense_in_place_names`) tests/test_lean_load.py
 # checks against the full load's (the lean load, runtime/load.py, and this engine)
-LEAN_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+LEAN_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 # --dtype's names (`store/facts.py: parse_dtype`'s) -> (the dtype's name, bytes a value)
 DTYPES = {"float32": ("float32", 4), "fp32": ("float32", 4), "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
           "float16": ("float16", 2), "fp16": ("float16", 2)}

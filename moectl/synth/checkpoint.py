@@ -10,8 +10,8 @@ after its header, so the most it holds in RAM is one tensor (Mixtral's w1: 4096 
 a shard or the model. (safetensors' own writer takes a whole dict at once; the file format is one JSON header
 and the raw bytes, written here in the same layout.) With `--replay-trace`, real routing runs on it.
 
-Families: `mixtral` (MixtralForCausalLM) and `qwen3_moe` (Qwen3MoeForCausalLM: q/k norms, `mlp.experts.E.*_proj`)
-are written as themselves; `gpt_oss` shapes are written as a Mixtral-family checkpoint with GPT-OSS-20B's
+Families: `mixtral` (MixtralForCausalLM), `qwen3_moe` (Qwen3MoeForCausalLM: q/k norms, `mlp.experts.E.*_proj`) and
+`qwen2_moe` (Qwen2MoeForCausalLM: q/k/v biases, the shared expert and its gate) are written as themselves; `gpt_oss` shapes are written as a Mixtral-family checkpoint with GPT-OSS-20B's
 expert shapes, count and top-k ("GPT-OSS-like": SwiGLU experts without biases, MXFP4 or attention sinks), since
 the comparison and the cache only see the experts' shapes. Every checkpoint carries a usable tokenizer: a
 byte-level BPE (GPT-2's split, `moectl.synth.tiny.train_tokenizer`) trained on the built-in corpus, 1024 tokens or
@@ -32,13 +32,14 @@ from ..errors import MoectlError
 from ..progress import ProgressBar
 
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
 TOKENIZER_VOCAB = 1024
 
 
 def layer_tensors(shape: dict, layer: int, family: str) -> list[tuple[str, tuple[int, ...]]]:
     """(key, shape) of decoder layer `layer` in the family's released names: Mixtral's (`block_sparse_moe`,
-    w1/w3/w2) or Qwen3-MoE's (`mlp`, gate/up/down_proj, plus per-head q/k norms)."""
+    w1/w3/w2), Qwen3-MoE's (`mlp`, gate/up/down_proj, plus per-head q/k norms) or Qwen2-MoE's (`mlp`, q/k/v
+    biases, `mlp.shared_expert.*_proj` of the shape's shared_expert_intermediate_size and `mlp.shared_expert_gate`)."""
     H, I, E = shape["hidden_size"], shape["intermediate_size"], shape["num_experts"]
     heads, kv = shape["num_attention_heads"], shape.get("num_key_value_heads", shape["num_attention_heads"])
     hd = shape.get("head_dim") or H // heads
@@ -48,6 +49,13 @@ def layer_tensors(shape: dict, layer: int, family: str) -> list[tuple[str, tuple
            (f"{p}.self_attn.v_proj.weight", (kv * hd, H)), (f"{p}.self_attn.o_proj.weight", (H, heads * hd))]
     if family == "qwen3_moe":
         out += [(f"{p}.self_attn.q_norm.weight", (hd,)), (f"{p}.self_attn.k_norm.weight", (hd,))]
+        moe, names = f"{p}.mlp", ("gate_proj", "up_proj", "down_proj")
+    elif family == "qwen2_moe":
+        S = shape["shared_expert_intermediate_size"]
+        out += [(f"{p}.self_attn.q_proj.bias", (heads * hd,)), (f"{p}.self_attn.k_proj.bias", (kv * hd,)),
+                (f"{p}.self_attn.v_proj.bias", (kv * hd,)),
+                (f"{p}.mlp.shared_expert.gate_proj.weight", (S, H)), (f"{p}.mlp.shared_expert.up_proj.weight", (S, H)),
+                (f"{p}.mlp.shared_expert.down_proj.weight", (H, S)), (f"{p}.mlp.shared_expert_gate.weight", (1, H))]
         moe, names = f"{p}.mlp", ("gate_proj", "up_proj", "down_proj")
     else:
         moe, names = f"{p}.block_sparse_moe", ("w1", "w3", "w2")
@@ -60,7 +68,8 @@ def layer_tensors(shape: dict, layer: int, family: str) -> list[tuple[str, tuple
 
 
 def hf_config(shape: dict, family: str, layers: int, dt: torch.dtype, bos: int, eos: int) -> dict:
-    """config.json of the checkpoint (Mixtral's for mixtral and gpt_oss shapes, Qwen3-MoE's for qwen3_moe)."""
+    """config.json of the checkpoint (Mixtral's for mixtral and gpt_oss shapes, Qwen3-MoE's / Qwen2-MoE's for
+    qwen3_moe / qwen2_moe)."""
     H, heads = shape["hidden_size"], shape["num_attention_heads"]
     common = {"hidden_size": H, "num_hidden_layers": layers, "num_attention_heads": heads,
               "num_key_value_heads": shape.get("num_key_value_heads", heads),
@@ -74,6 +83,12 @@ def hf_config(shape: dict, family: str, layers: int, dt: torch.dtype, bos: int, 
                 "moe_intermediate_size": shape["intermediate_size"], "intermediate_size": shape["intermediate_size"],
                 "num_experts": shape["num_experts"], "norm_topk_prob": True, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "attention_bias": False, "sliding_window": None, "use_sliding_window": False}
+    if family == "qwen2_moe":                   # Qwen1.5-MoE's settings: top-k weights not renormalised, q/k/v biases
+        return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **common,
+                "moe_intermediate_size": shape["intermediate_size"], "intermediate_size": shape["intermediate_size"],
+                "shared_expert_intermediate_size": shape["shared_expert_intermediate_size"],
+                "num_experts": shape["num_experts"], "norm_topk_prob": False, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "qkv_bias": True, "sliding_window": None, "use_sliding_window": False}
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
             "intermediate_size": shape["intermediate_size"], "num_local_experts": shape["num_experts"],
             "sliding_window": None}
@@ -119,6 +134,8 @@ def write_synthetic(shape: dict, out: str | Path, layers: int | None = None, fam
     if family not in FAMILIES:
         raise MoectlError(f"make-synthetic writes {', '.join(FAMILIES)}-family checkpoints; shape "
                           f"{shape.get('name')!r} is {family}")
+    if family == "qwen2_moe" and not shape.get("shared_expert_intermediate_size"):
+        raise MoectlError(f"shape {shape.get('name')!r} is qwen2_moe but gives no shared_expert_intermediate_size")
     L = shape["num_layers"] if layers is None else int(layers)
     if not 1 <= L <= shape["num_layers"]:
         raise MoectlError(f"--layers must be between 1 and {shape['num_layers']}, not {layers}")

@@ -154,7 +154,8 @@ def ggml_experts_note(encodings, threads: int) -> str:
 def dense_in_place_names(files: GgufFiles) -> frozenset:
     """The GGUF names `dense.py: dense_in_place` maps, from the header alone (no model to ask), for the families whose converter
     only reorders a dense matrix's rows (the one-graph families, runtime/ggml_model.py: Mixtral as `llama`,
-    Qwen3-MoE, OLMoE): every 2-D non-expert tensor but the routers. For the lean load (runtime/load.py), which
+    Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS): every 2-D non-expert tensor but the routers (Qwen2-MoE's shared
+    expert's gate, ffn_gate_inp_shexp, is one). For the lean load (runtime/load.py), which
     builds no model; tests/test_lean_load.py checks it equals `dense_in_place`'s names on each family."""
     return frozenset(n for n, t in files.tensors.items()
                      if len(t.shape) == 2 and not _is_expert(n) and "ffn_gate_inp" not in n)
