@@ -17,8 +17,6 @@ greedy or temperature + top-p sampling.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..errors import MoectlError
@@ -28,13 +26,22 @@ from ..setting.options import RuntimeOptions
 from ..store.checkpoint import Checkpoint
 from ..store.expert_store import ExpertStore
 from ..store.facts import dense_nbytes, kv_nbytes
-from ..store.memory import host_alloc, rss_bytes
+from ..store.memory import host_alloc
 from .cache import ExpertCache
 from .ggml_model import GraphKV
 from .graph_engine import routed_counts
 from .load import load
 from .offloaded import Runtime
-from .generation import GenerationResult, PrefillProgress, TokenSink, chat_ids, check_text, eos_ids, run_stats, step_delta
+from .generation import (
+    GenerationResult,
+    PrefillProgress,
+    TokenSink,
+    chat_ids,
+    check_text,
+    decode_tokens,
+    eos_ids,
+    generation_stats,
+)
 from .sampling import Sampling
 from .speculative import Speculator, as_numpy, make_drafter
 
@@ -248,39 +255,27 @@ class Engine:
         calls0, cpu0 = self.runtime.expert_calls, self.runtime.cpu_experts
         self._requests += 1
         self.begin_request(f"generate-{self._requests}")
-        t0 = time.perf_counter()
-        mark = self.cache.stats.as_dict()
-        logits, pkv = self.forward(torch.tensor([ids], dtype=torch.long), last_only=True)   # the prompt's prefill
-        t_prefill = time.perf_counter() - t0
-        per_token = [step_delta(mark, self.cache.stats.as_dict())]
-        out.emit(sampling.pick(as_numpy(logits[0, -1]))[0])
-        ttft = time.perf_counter() - t0
-        per_token[0]["ms"] = ttft * 1000
         spec = self.speculator if self.speculator is not None and self.speculator.enabled else None
-        t1, run = time.perf_counter(), None
-        if spec is not None and not out.done:
-            pkv, run = spec.decode(self, pkv, ids + out.tokens, out, sampling)
-        else:
-            pkv = self._decode(pkv, out, sampling, per_token)
-        decode_s, elapsed = time.perf_counter() - t1, time.perf_counter() - t0
+        speculative = None if spec is None else (lambda pkv: spec.decode(self, pkv, ids + out.tokens, out, sampling))
+        run = decode_tokens(ids, out, self._forward_ids, lambda row: sampling.pick(as_numpy(row))[0],
+                            self.cache.stats.as_dict, speculative)
         new = out.tokens
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
-        computed = (len(ids) + len(new) - 1) * len(self.moe_layer_ids)           # tokens x layers run
-        stats = run_stats(before, self.cache.snapshot(), len(new), elapsed) | {
-            "prefill_ms": t_prefill * 1000, "ttft_ms": ttft * 1000,
-            "decode_ms_per_token": 1000 * decode_s / (len(new) - 1) if len(new) > 1 else 0.0,
-            "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
-            "experts_per_token": (self.runtime.expert_calls - calls0) / max(computed, 1),
-            "cpu_experts": self.runtime.cpu_experts - cpu0, "threads": self.threads,
-            "prefill_tokens_per_s": len(ids) / t_prefill if t_prefill else 0.0,
-            **self.device_memory(pkv)}
+        stats = generation_stats(run, before, self.cache.snapshot(), len(self.moe_layer_ids),
+                                 self.runtime.expert_calls - calls0, self.runtime.cpu_experts - cpu0, self.threads,
+                                 self.device_memory(run.kv))
         if self.runtime.gating is not None:
             g = self.runtime.gating
             stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
-        if run is not None:
-            stats["draft"] = spec.stats(run)
-            per_token += run["per_pass"]
+        per_token = run.per_token
+        if run.decoded is not None:                 # the speculative decode's figures
+            stats["draft"] = spec.stats(run.decoded)
+            per_token += run.decoded["per_pass"]
         return GenerationResult(text, new, ids, stats, per_token)
+
+    def _forward_ids(self, ids: list[int], pkv, last_only: bool = False):
+        """`forward` of token ids (a list), as `generation.py: decode_tokens` calls it."""
+        return self.forward(torch.tensor([ids], dtype=torch.long), pkv, last_only=last_only)
 
     def _prompt_ids(self, prompt, input_ids, chat: bool) -> list[int]:
         if input_ids is None:
@@ -291,17 +286,6 @@ class Engine:
         if not ids:
             raise MoectlError("the prompt encodes to no tokens")
         return ids
-
-    def _decode(self, pkv, out: "TokenSink", sampling: Sampling, per_token: list):
-        """Plain decoding: one forward per token until `out` says stop."""
-        while not out.done:
-            mark, t = self.cache.stats.as_dict(), time.perf_counter()
-            logits, pkv = self.forward(torch.tensor([[out.tokens[-1]]], dtype=torch.long), pkv)
-            per_token.append(step_delta(mark, self.cache.stats.as_dict()))
-            nxt = sampling.pick(as_numpy(logits[0, -1]))[0]
-            per_token[-1]["ms"] = (time.perf_counter() - t) * 1000
-            out.emit(nxt)
-        return pkv
 
     def lossy(self) -> dict:
         """The settings in force that change outputs (precision, gating, low-bit copies), from the loaded policies."""

@@ -1,13 +1,18 @@
 """A generation's torch-free parts, shared by the two engines (`engine.py: Engine`, `graph_engine.py: GraphEngine`):
-the result, the sink the tokens stream into (EOS, stop, a budget), the run's figures from the cache's counters, the
-prompt's checks and the chat template's ids."""
+the result, the sink the tokens stream into (EOS, stop, a budget), the loop (`decode_tokens`: prefill, first pick,
+one forward a token) and the run's figures from the cache's counters (`generation_stats`), the prompt's checks and
+the chat template's ids.
+
+Legend: T = tokens, V = vocabulary."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from ..errors import MoectlError
+from ..store.memory import rss_bytes
 
 PREFILL_PROGRESS_AFTER_S = 1.0   # a multi-token forward shows a progress bar once it has run this long
 
@@ -93,6 +98,66 @@ def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
             "load_wait_s": after["load_wait_s"] - before["load_wait_s"],   # every wait for a copy or read
             "prefetches": after["prefetches"] - before["prefetches"],
             **{k: after[k] - before[k] for k in ("low_misses", "full_misses", "skips", "fills") if k in after}}
+
+
+@dataclass
+class DecodeRun:
+    """What `decode_tokens` hands back: the KV cache, each forward's counters and ms, and the run's times."""
+    kv: Any
+    per_token: list[dict]
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    ttft_s: float
+    decode_s: float                 # after the first token
+    elapsed_s: float
+    decoded: Any = None             # what a decoder of its own returned beside the KV cache (Engine's draft run)
+
+
+def decode_tokens(ids: list[int], out: TokenSink, forward: Callable, pick: Callable, counters: Callable[[], dict],
+                  decoder: Callable | None = None) -> DecodeRun:
+    """Prefill `ids`, pick the first token, then one forward a token until `out` says stop; each forward's counters
+    (`step_delta` of `counters()`) and ms in `per_token`. `forward(ids, kv, last_only=...)` -> (logits [1, T, V],
+    kv); `pick(logits [V])` -> the next id. `decoder(kv)` -> (kv, its own figures): a decode of its own after the
+    first token (Engine's speculative one), in place of one forward a token."""
+    t0 = time.perf_counter()
+    mark = counters()
+    logits, kv = forward(ids, None, last_only=True)                        # the prompt's prefill
+    t_prefill = time.perf_counter() - t0
+    per_token = [step_delta(mark, counters())]
+    out.emit(pick(logits[0, -1]))
+    ttft = time.perf_counter() - t0
+    per_token[0]["ms"] = ttft * 1000
+    t1, decoded = time.perf_counter(), None
+    if decoder is not None and not out.done:
+        kv, decoded = decoder(kv)
+    while not out.done:
+        mark, t = counters(), time.perf_counter()
+        logits, kv = forward([out.tokens[-1]], kv)
+        per_token.append(step_delta(mark, counters()))
+        nxt = pick(logits[0, -1])
+        per_token[-1]["ms"] = (time.perf_counter() - t) * 1000               # the pick's time included
+        out.emit(nxt)
+    decode_s, elapsed = time.perf_counter() - t1, time.perf_counter() - t0
+    return DecodeRun(kv, per_token, len(ids), len(out.tokens), t_prefill, ttft, decode_s, elapsed, decoded)
+
+
+def generation_stats(run: DecodeRun, before: dict, after: dict, layers: int, expert_calls: int, cpu_experts: int,
+                     threads: int, memory: dict) -> dict:
+    """A generation's figures (`--json`'s "stats"): `run_stats` of the counters `before` and `after` it, its times,
+    host memory, experts a token and layer (`expert_calls` over the `layers` MoE layers each token ran), the CPU's
+    experts, threads and `memory` (the engine's device accounting)."""
+    new = run.new_tokens
+    computed = (run.prompt_tokens + new - 1) * layers                       # tokens x layers run
+    rss, peak = rss_bytes()
+    return run_stats(before, after, new, run.elapsed_s) | {
+        "prefill_ms": run.prefill_s * 1000, "ttft_ms": run.ttft_s * 1000,
+        "decode_ms_per_token": 1000 * run.decode_s / (new - 1) if new > 1 else 0.0,
+        "host_rss_gb": rss / 1e9, "host_peak_rss_gb": peak / 1e9,
+        "experts_per_token": expert_calls / max(computed, 1),
+        "cpu_experts": cpu_experts, "threads": threads,
+        "prefill_tokens_per_s": run.prompt_tokens / run.prefill_s if run.prefill_s else 0.0,
+        **memory}
 
 
 def eos_ids(config, tokenizer) -> set[int]:

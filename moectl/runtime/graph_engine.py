@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import glob
 import os
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,7 +49,6 @@ from ..store.memory import (
     host_options,
     kv_cache_nbytes,
     rotary_tables_nbytes,
-    rss_bytes,
 )
 from ..tables import plural
 from .generation import (
@@ -59,9 +57,9 @@ from .generation import (
     TokenSink,
     chat_ids,
     check_text,
+    decode_tokens,
     eos_ids,
-    run_stats,
-    step_delta,
+    generation_stats,
 )
 from .ggml_model import GgmlModel, gguf_tensors_missing
 from .ggml_model import why_not as graph_why_not
@@ -270,34 +268,11 @@ class GraphEngine:
         out = TokenSink(self.tokenizer, max_new_tokens, eos_ids(self.config, self.tokenizer) if stop_at_eos
                         else set(), on_token, should_stop)
         before, calls0 = dict(self.counts), self.expert_calls
-        t0 = time.perf_counter()
-        logits, kv = self.forward(ids, None, last_only=True)                   # the prompt's prefill
-        t_prefill = time.perf_counter() - t0
-        per_token = [step_delta(before, self.counts)]
-        out.emit(sampling.pick(logits[0, -1])[0])
-        ttft = time.perf_counter() - t0
-        per_token[0]["ms"] = ttft * 1000
-        t1 = time.perf_counter()
-        while not out.done:
-            mark, t = dict(self.counts), time.perf_counter()
-            logits, kv = self.forward([out.tokens[-1]], kv)
-            per_token.append(step_delta(mark, self.counts))
-            nxt = sampling.pick(logits[0, -1])[0]
-            per_token[-1]["ms"] = (time.perf_counter() - t) * 1000
-            out.emit(nxt)
-        decode_s, elapsed = time.perf_counter() - t1, time.perf_counter() - t0
+        run = decode_tokens(ids, out, self.forward, lambda row: sampling.pick(row)[0], lambda: dict(self.counts))
         new = out.tokens
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        computed = (len(ids) + len(new) - 1) * self.n_layer                     # tokens x layers run
-        stats = run_stats(before, self.counts, len(new), elapsed) | {
-            "prefill_ms": t_prefill * 1000, "ttft_ms": ttft * 1000,
-            "decode_ms_per_token": 1000 * decode_s / (len(new) - 1) if len(new) > 1 else 0.0,
-            "host_rss_gb": rss_bytes()[0] / 1e9, "host_peak_rss_gb": rss_bytes()[1] / 1e9,
-            "experts_per_token": (self.expert_calls - calls0) / max(computed, 1),
-            "cpu_experts": 0, "threads": self.threads,
-            "prefill_tokens_per_s": len(ids) / t_prefill if t_prefill else 0.0,
-            "device_held_bytes": self._dense_bytes + kv.nbytes()}
-        return GenerationResult(text, new, ids, stats, per_token)
+        stats = generation_stats(run, before, self.counts, self.n_layer, self.expert_calls - calls0, 0, self.threads,
+                                 {"device_held_bytes": self._dense_bytes + run.kv.nbytes()})
+        return GenerationResult(self.tokenizer.decode(new, skip_special_tokens=True), new, ids, stats, run.per_token)
 
     def _prompt_ids(self, prompt, input_ids, chat: bool) -> list[int]:
         if input_ids is None:
