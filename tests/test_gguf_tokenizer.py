@@ -20,6 +20,7 @@ import pytest
 
 from gguf_build import k256_mixtral, write_gguf
 from moectl.store.gguf.model import GgufModel
+from moectl.store.gguf.saved_config import cache_key
 from moectl.store.gguf.tokenizer import SavedTokenizer, clean_up_tokenization, saved_tokenizer, tokenizer_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,7 +335,7 @@ def test_saved_variants_read_as_transformers_reads_them(ggufs, tmp_path, kind, v
 def test_saved_tokenizer_only_for_this_file_and_these_versions(ggufs, tmp_path):
     """None (the caller builds it with transformers) without a cache, for a rewritten file, a cache another
     transformers wrote, or a directory holding what SavedTokenizer does not model; the key is GgufModel's, with the
-    installed versions read without importing transformers."""
+    installed versions read without importing transformers; the saved config's key names the file the same way."""
     import tokenizers
     import transformers
 
@@ -347,6 +348,10 @@ def test_saved_tokenizer_only_for_this_file_and_these_versions(ggufs, tmp_path):
     assert tokenizer_key([f]) == g._tokenizer_key() == json.loads((cache / "source.json").read_text())
     assert tokenizer_key([f])["transformers"] == transformers.__version__
     assert tokenizer_key([f])["tokenizers"] == tokenizers.__version__
+    # the saved config's key (saved_config.py) names the same file as it is now, and the same transformers
+    config_key = cache_key([f])
+    assert config_key["files"] == tokenizer_key([f])["files"] == [[str(f), f.stat().st_size, f.stat().st_mtime_ns]]
+    assert config_key["transformers"] == transformers.__version__
     assert g.saved_tokenizer(cache).encode("hi") == g.tokenizer(cache).encode("hi")
     source = json.loads((cache / "source.json").read_text())
     (cache / "source.json").write_text(json.dumps(source | {"transformers": "0.0-other"}))

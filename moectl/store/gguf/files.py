@@ -24,6 +24,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -266,6 +267,22 @@ def split_parts(path: Path) -> list[Path]:
         raise MoectlError(f"{path.name} is part of a model split in {count} files; missing next to it in "
                           f"{path.parent}: {', '.join(missing)}")
     return parts
+
+
+def source_key(paths, packages: dict[str, str | None]) -> dict:
+    """What a thing saved in the workdir for a GGUF (its config, its tokenizer) is valid for: each of its files
+    (`paths`: the file or split parts) as it is now ([path, size, mtime_ns]: a rewritten or moved file is another)
+    and the versions of `packages` ({name: version}; None: the installed distribution's, read by importlib.metadata
+    without importing the package; a package not installed: None)."""
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    stats = [(Path(p), Path(p).stat()) for p in paths]
+    return {"files": [[str(p), st.st_size, st.st_mtime_ns] for p, st in stats],
+            **{name: given or installed(name) for name, given in packages.items()}}
 
 
 class GgufFiles:

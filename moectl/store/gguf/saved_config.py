@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ...core.fingerprint import model_fingerprint
+from .files import source_key
 
 FILE = "gguf-config.json"
 FORMAT = "moectl-gguf-config-v1"
@@ -39,15 +39,11 @@ class ConfigView:
 
 
 def cache_key(paths: list[Path]) -> dict:
-    """What the saved config is valid for: these files as they are, this transformers, this code."""
-    try:
-        transformers = version("transformers")
-    except PackageNotFoundError:
-        transformers = None
+    """What the saved config is valid for: these files as they are, this transformers (`files.py: source_key`),
+    this code."""
     here = Path(__file__).parent
     code = hashlib.sha256(b"".join((here / n).read_bytes() for n in ("config.py", "model.py"))).hexdigest()[:16]
-    return {"format": FORMAT, "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
-            "transformers": transformers, "code": code}
+    return {"format": FORMAT, **source_key(paths, {"transformers": None}), "code": code}
 
 
 def save_config(workdir: Path, paths: list[Path], config) -> None:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from .files import source_key
 
 # transformers' named special tokens, in its order (SPECIAL_TOKENS_ATTRIBUTES)
 NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -49,19 +50,10 @@ class Unsupported(ValueError):
 
 
 def tokenizer_key(paths, transformers_version: str | None = None, tokenizers_version: str | None = None) -> dict:
-    """`source.json`'s content: the GGUF file(s) (path, size, mtime) and the transformers and tokenizers versions
-    that saved the tokenizer. The versions default to the installed distributions' (importlib.metadata: no
+    """`source.json`'s content: the GGUF file(s) (`files.py: source_key`) and the transformers and tokenizers
+    versions that saved the tokenizer. The versions default to the installed distributions' (importlib.metadata: no
     import of transformers); GgufModel passes the imported modules' `__version__`, the same strings."""
-    def installed(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    stats = [(Path(p), Path(p).stat()) for p in paths]
-    return {"files": [[str(p), st.st_size, st.st_mtime_ns] for p, st in stats],
-            "transformers": transformers_version or installed("transformers"),
-            "tokenizers": tokenizers_version or installed("tokenizers")}
+    return source_key(paths, {"transformers": transformers_version, "tokenizers": tokenizers_version})
 
 
 def saved_tokenizer(cache: Path, paths) -> SavedTokenizer | None:
