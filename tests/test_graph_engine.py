@@ -88,7 +88,8 @@ def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch)
     fast, why = ge.GraphEngine.try_load(str(q_file), RuntimeOptions(threads=1, workdir=str(tmp_path), device="cpu"))
     assert why is None and fast is not None
     view = saved_config(tmp_path, eng.adapter.gguf.files.paths)
-    assert view_fingerprint(view, eng.adapter.family) == config_fingerprint(eng.config) == fast.fingerprint
+    assert view.model_type == eng.adapter.family             # view_fingerprint's family: its model_type
+    assert view_fingerprint(view) == config_fingerprint(eng.config) == fast.fingerprint
     dt = eng.dtype
     want = checkpoint_sizes(eng.config, eng.adapter, dt, lean_dense_nbytes(eng.config, eng.adapter, dt),
                             len(eng.moe_layer_ids), path=q_file)

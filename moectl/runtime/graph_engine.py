@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..core.cache_model import hit_rate
-from ..core.fingerprint import model_fingerprint
 from ..core.recipes import resolve_model
 from ..core.sizing import KV_RESERVE_TOKENS
 from ..errors import MoectlError
@@ -40,7 +39,7 @@ from ..setting.threads import thread_count
 from ..formats.gguf_encodings import encoding_name
 from ..store.gguf.experts import ExpertIndex, dense_in_place_names, ggml_experts_note
 from ..store.gguf.files import GgufFiles
-from ..store.gguf.saved_config import saved_config
+from ..store.gguf.saved_config import saved_config, view_fingerprint
 from ..store.gguf.tokenizer import saved_tokenizer
 from ..store.memory import (
     check_host_memory,
@@ -208,7 +207,7 @@ class GraphEngine:
         dtype, itemsize = DTYPES[name]
         index = ExpertIndex(files)
         L, E, K = int(config.num_hidden_layers), index.num_experts, int(config.num_experts_per_tok)
-        fingerprint = model_fingerprint(config.to_dict(), config.model_type)
+        fingerprint = view_fingerprint(config)
         n_threads = thread_count(opts.threads, config.hidden_size, index_intermediate(config))
         ggml.set_threads(n_threads)
         # the sizes `store/facts.py: checkpoint_sizes` gives the lean load (its dense part before anything is mapped)

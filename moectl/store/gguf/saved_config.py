@@ -74,6 +74,7 @@ def saved_config(workdir: Path, paths: list[Path]) -> ConfigView | None:
         return None
 
 
-def view_fingerprint(config: ConfigView, family: str) -> str:
-    """`models.config_fingerprint` of the config this view was saved from (the same dict, the same hash)."""
-    return model_fingerprint(config.to_dict(), family)
+def view_fingerprint(config: ConfigView) -> str:
+    """`models.config_fingerprint` of the config this view was saved from (the same dict, the same hash): the family
+    is its `model_type`, as it is for every family the torch-free engine runs (`graph_engine.py: LEAN_FAMILIES`)."""
+    return model_fingerprint(config.to_dict(), config.model_type)
