@@ -37,7 +37,7 @@ from ..setting.options import DEFAULT, RuntimeOptions
 from ..setting.resolve import note_in_place_sizes, resolve
 from ..setting.threads import thread_count
 from ..formats.gguf_encodings import encoding_name
-from ..store.gguf.experts import ExpertIndex, dense_in_place_names, ggml_experts_note
+from ..store.gguf.experts import ExpertIndex, dense_in_place_names, ggml_experts_note, held_dense_bytes
 from ..store.gguf.files import GgufFiles
 from ..store.gguf.saved_config import saved_config, view_fingerprint
 from ..store.gguf.tokenizer import saved_tokenizer
@@ -210,20 +210,23 @@ class GraphEngine:
         fingerprint = view_fingerprint(config)
         n_threads = thread_count(opts.threads, config.hidden_size, index_intermediate(config))
         ggml.set_threads(n_threads)
+        # the header's figures, each asked once: any expert's buffer, the dense tensors computed where they lie
+        slot_nbytes, mapped = index.slot_nbytes(), dense_in_place_names(files)
+        header = index.sizes(mapped)
+        rotary = rotary_tables_nbytes(config)
         # the sizes `store/facts.py: checkpoint_sizes` gives the lean load (its dense part before anything is mapped)
         sizes = config_sizes(config.to_dict(), fingerprint, dtype, L, E, K,
-                             index.held_dense_bytes(itemsize) + rotary_tables_nbytes(config),
-                             kv_cache_nbytes(config, itemsize, 1), index.slot_nbytes(), f"checkpoint {ref.path}")
+                             held_dense_bytes(header, itemsize, in_place=False) + rotary,
+                             kv_cache_nbytes(config, itemsize, 1), slot_nbytes, f"checkpoint {ref.path}")
         setting = resolve(opts, sizes, ref.workdir, in_place=True)
         if graph_why_not(config, opts, setting.gating, setting.prefetch) or setting.replacement == "belady":
             return None                             # a plan's or the workdir's policies: the modules' (Engine)
         note_in_place_sizes(opts)
         # `load.py: check_host` of this run: the experts mapped (their bytes in the file), the dense part, the KV
-        mapped = dense_in_place_names(files)
-        dense, kv = index.held_dense_bytes(itemsize, mapped), kv_cache_nbytes(config, itemsize, KV_RESERVE_TOKENS)
-        check_host_memory(host_need("ram", True, True, 0, index.slot_nbytes(), L * E, dense, kv),
+        dense, kv = held_dense_bytes(header, itemsize), kv_cache_nbytes(config, itemsize, KV_RESERVE_TOKENS)
+        check_host_memory(host_need("ram", True, True, 0, slot_nbytes, L * E, dense, kv),
                           "--offload ram on cpu (experts in place)",
-                          lambda free: host_options(free, "ram", True, True, 0, index.slot_nbytes(), L, E, dense, kv))
+                          lambda free: host_options(free, "ram", True, True, 0, slot_nbytes, L, E, dense, kv))
         encodings = sorted({encoding_name(t.encoding) for layer in index.layers for _, t in index.parts(layer, 0)})
         opts.plan_note = "; ".join(filter(None, [opts.plan_note,
                                                  mapped_dense_note(mapped_count(mapped, config, files)),
@@ -232,8 +235,8 @@ class GraphEngine:
         graph = GgmlModel.from_gguf(GgufHeader(files), config)
         opts.plan_note = "; ".join(filter(None, [opts.plan_note, (
             "gguf: one ggml graph a forward, as llama.cpp's (torch-free run: neither torch nor transformers loaded)")]))
-        eng = cls(ref, config, files, graph, tokenizer, opts, setting, n_threads, fingerprint,
-                  dense + rotary_tables_nbytes(config), opts.progress, index.slot_nbytes(), layer_encodings(index))
+        eng = cls(ref, config, files, graph, tokenizer, opts, setting, n_threads, fingerprint, dense + rotary,
+                  opts.progress, slot_nbytes, layer_encodings(index))
         eng.sizes = sizes
         return eng
 

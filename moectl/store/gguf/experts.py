@@ -107,12 +107,6 @@ class ExpertIndex:
                 most[name] = max(most.get(name, 0), t.nbytes)
         return sum(most.values())
 
-    def held_dense_bytes(self, itemsize: int, mapped: frozenset = frozenset()) -> int:
-        """Bytes of the dense tensors as a run holds them: dequantised at `itemsize` bytes a weight, but the `mapped`
-        ones (GGUF names) at their bytes in the file."""
-        s = self.sizes(mapped)
-        return (s["dense_weights"] - s["dense_mapped_weights"]) * itemsize + s["dense_mapped_bytes"]
-
     def sizes(self, mapped: frozenset = frozenset()) -> dict:
         """What `inspect` shows, from the header alone: bits per weight over all expert matrices, bytes per expert
         (the largest layer's: a slot must hold any), all experts' bytes, and the encodings' share of them.
@@ -149,6 +143,15 @@ def ggml_experts_note(encodings, threads: int) -> str:
     """The load's note where ggml computes a GGUF's experts in place (`cpu.py: map_for_ggml`, and the torch-free run)."""
     return (f"gguf: experts computed by ggml's CPU backend where they lie in the mapped file ({', '.join(encodings)}; "
             f"x quantized per block as llama.cpp does, {plural(threads, 'thread')})")
+
+
+def held_dense_bytes(sizes: dict, itemsize: int, in_place: bool = True) -> int:
+    """Bytes of the dense tensors as a run holds them, from `ExpertIndex.sizes(mapped)`: dequantised at `itemsize`
+    bytes a weight, but the mapped ones at their bytes in the file (`in_place` False: every one dequantised, as
+    the sizing counts them before anything is mapped)."""
+    if not in_place:
+        return sizes["dense_weights"] * itemsize
+    return (sizes["dense_weights"] - sizes["dense_mapped_weights"]) * itemsize + sizes["dense_mapped_bytes"]
 
 
 def dense_in_place_names(files: GgufFiles) -> frozenset:

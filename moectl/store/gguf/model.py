@@ -24,7 +24,7 @@ from ...formats.gguf import GgufExpertFormat, layer_formats
 from ...formats.gguf_encodings import encoding_name
 from .config import family_of, gguf_config, gguf_tokenizer
 from .dense import dense_in_place, dense_state_dict, dense_tensors
-from .experts import ExpertIndex
+from .experts import ExpertIndex, held_dense_bytes
 from .files import GgufFiles
 from .tokenizer import SavedTokenizer, saved_tokenizer, tokenizer_key
 
@@ -109,7 +109,7 @@ class GgufModel:
         RAM: the packed experts and the dense tensors dequantised once (`dense_bytes_per_weight`: 2 for bf16), but
         the `mapped` ones (GGUF names, `dense_in_place`) at their bytes in the file."""
         s = self.index.sizes(frozenset(mapped))
-        dense = self.index.held_dense_bytes(dense_bytes_per_weight, frozenset(mapped))
+        dense = held_dense_bytes(s, dense_bytes_per_weight)
         return s | {"family": self.family, "architecture": self.files.arch, "files": [str(p) for p in self.files.paths],
                     "file_bytes": sum(p.stat().st_size for p in self.files.paths), "dense_bytes": dense,
                     "host_bytes_ram_tier": s["expert_bytes"] + dense}
