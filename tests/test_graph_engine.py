@@ -175,3 +175,35 @@ def test_the_bench_child_times_the_torch_free_engine(q_file, request):
     assert res["kernels"]["torch_free"] and not res["kernels"]["torch_imported"] and res["decode_ms"] > 0 and res["prefill_tps"] > 0 and res["load_s"] > 0
     assert TORCH_FREE_NOTE in res["note"] and res["rss_gb"] > 0
     assert {"ggml", "ggml_features", "ggml_why_not", "moectl_avx512", "moectl_avx512_why_not"} <= set(res["kernels"])
+
+
+def test_prompt_ids_is_one_rule_for_both_engines():
+    """`generation.prompt_ids`, both engines' prompt: ids as a list, an array or a tensor (any shape) flattened to
+    ints without asking for the tokenizer; text encoded by it (the chat template when asked); one clear error for
+    no prompt, text that is not UTF-8 (before the tokenizer is loaded) or a prompt of no tokens."""
+    import numpy as np
+    import torch
+
+    from moectl.errors import MoectlError
+    from moectl.runtime.generation import prompt_ids
+
+    def no_tokenizer():
+        raise AssertionError("the tokenizer was asked for")
+
+    for given in ([5, 6, 7], np.array([[5, 6, 7]]), torch.tensor([[5, 6, 7]])):
+        assert prompt_ids(None, given, False, no_tokenizer) == [5, 6, 7]
+
+    class Tok:                                   # what the engines ask of a tokenizer here
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [len(w) for w in text.split()]}
+
+    assert prompt_ids("ab cde", None, False, Tok) == [2, 3]
+    assert prompt_ids("ab", None, True, Tok) == [5, 2, 10]       # "User: ab\nAssistant:": no template, the fallback
+    with pytest.raises(MoectlError, match="^generate needs a prompt or input_ids$"):
+        prompt_ids(None, None, False, Tok)
+    with pytest.raises(MoectlError, match="^the prompt encodes to no tokens$"):
+        prompt_ids("", None, False, Tok)
+    with pytest.raises(MoectlError, match="^the prompt is not UTF-8 text: byte 0xff at character 2"):
+        prompt_ids("a\udcff", None, False, no_tokenizer)

@@ -32,16 +32,8 @@ from .ggml_model import GraphKV
 from .graph_engine import routed_counts
 from .load import load
 from .offloaded import Runtime
-from .generation import (
-    GenerationResult,
-    PrefillProgress,
-    TokenSink,
-    chat_ids,
-    check_text,
-    decode_tokens,
-    eos_ids,
-    generation_stats,
-)
+from .generation import GenerationResult, PrefillProgress, TokenSink, decode_tokens, eos_ids, generation_stats
+from .generation import prompt_ids
 from .sampling import Sampling
 from .speculative import Speculator, as_numpy, make_drafter
 
@@ -232,13 +224,6 @@ class Engine:
         self.cache.end_token()
         return torch.from_numpy(logits), kv                     # the graph's numpy logits as a tensor, no copy
 
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        check_text(prompt, "the prompt")
-        tok = self.tokenizer
-        if chat:
-            return chat_ids(tok, [{"role": "user", "content": prompt}])
-        return tok(prompt, add_special_tokens=True)["input_ids"]
-
     @torch.inference_mode()
     def generate(self, prompt: str | None = None, input_ids=None, max_new_tokens: int = 64, greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, on_token=None,
@@ -247,7 +232,7 @@ class Engine:
         a cancelled request, a stop string. The runtime is left clean for the next call either way. With a draft
         (`--draft`), decoding is speculative (`speculative.py`): the same tokens greedily, the same distribution
         sampled; stats["draft"] holds its figures."""
-        ids = self._prompt_ids(prompt, input_ids, chat)
+        ids = prompt_ids(prompt, input_ids, chat, lambda: self.tokenizer)
         sampling = Sampling(greedy, temperature, top_p, seed)           # numpy: the torch-free engine's picks too
         out = TokenSink(self._tokenizer, max_new_tokens, eos_ids(self.config, self._tokenizer) if stop_at_eos
                         else set(), on_token, should_stop)
@@ -276,16 +261,6 @@ class Engine:
     def _forward_ids(self, ids: list[int], pkv, last_only: bool = False):
         """`forward` of token ids (a list), as `generation.py: decode_tokens` calls it."""
         return self.forward(torch.tensor([ids], dtype=torch.long), pkv, last_only=last_only)
-
-    def _prompt_ids(self, prompt, input_ids, chat: bool) -> list[int]:
-        if input_ids is None:
-            if prompt is None:
-                raise MoectlError("generate needs a prompt or input_ids")
-            input_ids = self.encode_prompt(prompt, chat=chat)
-        ids = [int(i) for i in (input_ids.reshape(-1).tolist() if torch.is_tensor(input_ids) else input_ids)]
-        if not ids:
-            raise MoectlError("the prompt encodes to no tokens")
-        return ids
 
     def lossy(self) -> dict:
         """The settings in force that change outputs (precision, gating, low-bit copies), from the loaded policies."""

@@ -1,7 +1,7 @@
 """A generation's torch-free parts, shared by the two engines (`engine.py: Engine`, `graph_engine.py: GraphEngine`):
 the result, the sink the tokens stream into (EOS, stop, a budget), the loop (`decode_tokens`: prefill, first pick,
 one forward a token) and the run's figures from the cache's counters (`generation_stats`), the prompt's checks and
-the chat template's ids.
+the chat template's ids (`prompt_ids`: a prompt as `generate` takes it).
 
 Legend: T = tokens, V = vocabulary."""
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from ..errors import MoectlError
 from ..store.memory import rss_bytes
@@ -189,3 +191,21 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
         return [int(i) for i in out]
     text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
     return tokenizer(text)["input_ids"]
+
+
+def prompt_ids(prompt: str | None, input_ids, chat: bool, tokenizer: Callable[[], Any]) -> list[int]:
+    """`generate`'s prompt as token ids: `input_ids` (a list, an array or a tensor, any shape) as given, else
+    `prompt` encoded (with the chat template when `chat`), `tokenizer()` asked for only then (Engine loads it on
+    first need). One clear error for no prompt, a prompt that is not UTF-8 text, or one that encodes to no tokens."""
+    if input_ids is None:
+        if prompt is None:
+            raise MoectlError("generate needs a prompt or input_ids")
+        check_text(prompt, "the prompt")
+        tok = tokenizer()
+        input_ids = (chat_ids(tok, [{"role": "user", "content": prompt}]) if chat
+                     else tok(prompt, add_special_tokens=True)["input_ids"])
+    flat = input_ids if hasattr(input_ids, "reshape") else np.asarray(input_ids)   # a tensor as it is (any device)
+    ids = [int(i) for i in flat.reshape(-1).tolist()]
+    if not ids:
+        raise MoectlError("the prompt encodes to no tokens")
+    return ids

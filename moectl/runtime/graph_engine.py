@@ -50,16 +50,8 @@ from ..store.memory import (
     rotary_tables_nbytes,
 )
 from ..tables import plural
-from .generation import (
-    GenerationResult,
-    PrefillProgress,
-    TokenSink,
-    chat_ids,
-    check_text,
-    decode_tokens,
-    eos_ids,
-    generation_stats,
-)
+from .generation import GenerationResult, PrefillProgress, TokenSink, decode_tokens, eos_ids, generation_stats
+from .generation import prompt_ids
 from .ggml_model import GgmlModel, gguf_tensors_missing
 from .ggml_model import why_not as graph_why_not
 from .sampling import Sampling
@@ -265,7 +257,7 @@ class GraphEngine:
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, on_token=None,
                  stop_at_eos: bool = True, chat: bool = False, should_stop=None) -> GenerationResult:
         """`Engine.generate` (its arguments, its result and figures) through the one graph."""
-        ids = self._prompt_ids(prompt, input_ids, chat)
+        ids = prompt_ids(prompt, input_ids, chat, lambda: self.tokenizer)
         sampling = Sampling(greedy, temperature, top_p, seed)
         out = TokenSink(self.tokenizer, max_new_tokens, eos_ids(self.config, self.tokenizer) if stop_at_eos
                         else set(), on_token, should_stop)
@@ -275,18 +267,6 @@ class GraphEngine:
         stats = generation_stats(run, before, self.counts, self.n_layer, self.expert_calls - calls0, 0, self.threads,
                                  {"device_held_bytes": self._dense_bytes + run.kv.nbytes()})
         return GenerationResult(self.tokenizer.decode(new, skip_special_tokens=True), new, ids, stats, run.per_token)
-
-    def _prompt_ids(self, prompt, input_ids, chat: bool) -> list[int]:
-        if input_ids is None:
-            if prompt is None:
-                raise MoectlError("generate needs a prompt or input_ids")
-            check_text(prompt, "the prompt")
-            input_ids = (chat_ids(self.tokenizer, [{"role": "user", "content": prompt}]) if chat
-                         else self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        ids = [int(i) for i in np.asarray(input_ids).reshape(-1).tolist()]
-        if not ids:
-            raise MoectlError("the prompt encodes to no tokens")
-        return ids
 
     # --- what the commands print ----------------------------------------------------------
     def lossy(self) -> dict:
