@@ -32,7 +32,7 @@ from .ggml_model import GraphKV
 from .graph_engine import routed_counts
 from .load import load
 from .offloaded import Runtime
-from .generation import GenerationResult, PrefillProgress, TokenSink, decode_tokens, eos_ids, generation_stats
+from .generation import GenerationResult, PrefillProgress, TokenSink, eos_ids, generate_tokens, generation_stats
 from .generation import prompt_ids
 from .sampling import Sampling
 from .speculative import Speculator, as_numpy, make_drafter
@@ -242,8 +242,8 @@ class Engine:
         self.begin_request(f"generate-{self._requests}")
         spec = self.speculator if self.speculator is not None and self.speculator.enabled else None
         speculative = None if spec is None else (lambda pkv: spec.decode(self, pkv, ids + out.tokens, out, sampling))
-        run = decode_tokens(ids, out, self._forward_ids, lambda row: sampling.pick(as_numpy(row))[0],
-                            self.cache.stats.as_dict, speculative)
+        run = generate_tokens(ids, out, self._forward_ids, lambda row: sampling.pick(as_numpy(row))[0],
+                              self.cache.stats.as_dict, speculative)
         new = out.tokens
         text = self._tokenizer.decode(new, skip_special_tokens=True) if self._tokenizer is not None else ""
         stats = generation_stats(run, before, self.cache.snapshot(), len(self.moe_layer_ids),
@@ -253,13 +253,13 @@ class Engine:
             g = self.runtime.gating
             stats["gating"] = g.describe() + (f" (from {g.source})" if g.source else "")
         per_token = run.per_token
-        if run.decoded is not None:                 # the speculative decode's figures
-            stats["draft"] = spec.stats(run.decoded)
-            per_token += run.decoded["per_pass"]
+        if run.decoder_figures is not None:         # the speculative decode's figures
+            stats["draft"] = spec.stats(run.decoder_figures)
+            per_token += run.decoder_figures["per_pass"]
         return GenerationResult(text, new, ids, stats, per_token)
 
     def _forward_ids(self, ids: list[int], pkv, last_only: bool = False):
-        """`forward` of token ids (a list), as `generation.py: decode_tokens` calls it."""
+        """`forward` of token ids (a list), as `generation.py: generate_tokens` calls it."""
         return self.forward(torch.tensor([ids], dtype=torch.long), pkv, last_only=last_only)
 
     def lossy(self) -> dict:

@@ -1,5 +1,5 @@
 """A generation's torch-free parts, shared by the two engines (`engine.py: Engine`, `graph_engine.py: GraphEngine`):
-the result, the sink the tokens stream into (EOS, stop, a budget), the loop (`decode_tokens`: prefill, first pick,
+the result, the sink the tokens stream into (EOS, stop, a budget), the loop (`generate_tokens`: prefill, first pick,
 one forward a token) and the run's figures from the cache's counters (`generation_stats`), the prompt's checks and
 the chat template's ids (`prompt_ids`: a prompt as `generate` takes it).
 
@@ -103,8 +103,8 @@ def run_stats(before: dict, after: dict, tokens: int, elapsed: float) -> dict:
 
 
 @dataclass
-class DecodeRun:
-    """What `decode_tokens` hands back: the KV cache, each forward's counters and ms, and the run's times."""
+class GenerationRun:
+    """What `generate_tokens` hands back: the KV cache, each forward's counters and ms, and the run's times."""
     kv: Any
     per_token: list[dict]
     prompt_tokens: int
@@ -113,11 +113,11 @@ class DecodeRun:
     ttft_s: float
     decode_s: float                 # after the first token
     elapsed_s: float
-    decoded: Any = None             # what a decoder of its own returned beside the KV cache (Engine's draft run)
+    decoder_figures: Any = None     # what a decoder of its own returned beside the KV cache (Engine's draft run)
 
 
-def decode_tokens(ids: list[int], out: TokenSink, forward: Callable, pick: Callable, counters: Callable[[], dict],
-                  decoder: Callable | None = None) -> DecodeRun:
+def generate_tokens(ids: list[int], out: TokenSink, forward: Callable, pick: Callable,
+                    counters: Callable[[], dict], decoder: Callable | None = None) -> GenerationRun:
     """Prefill `ids`, pick the first token, then one forward a token until `out` says stop; each forward's counters
     (`step_delta` of `counters()`) and ms in `per_token`. `forward(ids, kv, last_only=...)` -> (logits [1, T, V],
     kv); `pick(logits [V])` -> the next id. `decoder(kv)` -> (kv, its own figures): a decode of its own after the
@@ -130,9 +130,9 @@ def decode_tokens(ids: list[int], out: TokenSink, forward: Callable, pick: Calla
     out.emit(pick(logits[0, -1]))
     ttft = time.perf_counter() - t0
     per_token[0]["ms"] = ttft * 1000
-    t1, decoded = time.perf_counter(), None
+    t1, decoder_figures = time.perf_counter(), None
     if decoder is not None and not out.done:
-        kv, decoded = decoder(kv)
+        kv, decoder_figures = decoder(kv)
     while not out.done:
         mark, t = counters(), time.perf_counter()
         logits, kv = forward([out.tokens[-1]], kv)
@@ -141,11 +141,12 @@ def decode_tokens(ids: list[int], out: TokenSink, forward: Callable, pick: Calla
         per_token[-1]["ms"] = (time.perf_counter() - t) * 1000               # the pick's time included
         out.emit(nxt)
     decode_s, elapsed = time.perf_counter() - t1, time.perf_counter() - t0
-    return DecodeRun(kv, per_token, len(ids), len(out.tokens), t_prefill, ttft, decode_s, elapsed, decoded)
+    return GenerationRun(kv, per_token, len(ids), len(out.tokens), t_prefill, ttft, decode_s, elapsed,
+                         decoder_figures)
 
 
-def generation_stats(run: DecodeRun, before: dict, after: dict, layers: int, expert_calls: int, cpu_experts: int,
-                     threads: int, memory: dict) -> dict:
+def generation_stats(run: GenerationRun, before: dict, after: dict, layers: int, expert_calls: int,
+                     cpu_experts: int, threads: int, memory: dict) -> dict:
     """A generation's figures (`--json`'s "stats"): `run_stats` of the counters `before` and `after` it, its times,
     host memory, experts a token and layer (`expert_calls` over the `layers` MoE layers each token ran), the CPU's
     experts, threads and `memory` (the engine's device accounting)."""

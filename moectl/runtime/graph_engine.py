@@ -50,7 +50,7 @@ from ..store.memory import (
     rotary_tables_nbytes,
 )
 from ..tables import plural
-from .generation import GenerationResult, PrefillProgress, TokenSink, decode_tokens, eos_ids, generation_stats
+from .generation import GenerationResult, PrefillProgress, TokenSink, eos_ids, generate_tokens, generation_stats
 from .generation import prompt_ids
 from .ggml_model import GgmlModel, gguf_tensors_missing
 from .ggml_model import why_not as graph_why_not
@@ -262,7 +262,7 @@ class GraphEngine:
         out = TokenSink(self.tokenizer, max_new_tokens, eos_ids(self.config, self.tokenizer) if stop_at_eos
                         else set(), on_token, should_stop)
         before, calls0 = dict(self.counts), self.expert_calls
-        run = decode_tokens(ids, out, self.forward, lambda row: sampling.pick(row)[0], lambda: dict(self.counts))
+        run = generate_tokens(ids, out, self.forward, lambda row: sampling.pick(row)[0], lambda: dict(self.counts))
         new = out.tokens
         stats = generation_stats(run, before, self.counts, self.n_layer, self.expert_calls - calls0, 0, self.threads,
                                  {"device_held_bytes": self._dense_bytes + run.kv.nbytes()})
