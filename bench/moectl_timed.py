@@ -6,9 +6,13 @@ What it times, as llama-bench does on its side:
   moectl is imported (llama.cpp's side: the wall time of `llama-bench -n 1` less its token);
 - a warm-up forward of `prefill` other tokens, untimed: llama-bench's own warm-up (`llama-bench.cpp`: a whole
   `test_prompt(n_prompt)` before a prompt test's timed runs). A shorter one (8 tokens until stop 53) left the timed
-  prefill paying first-use work llama.cpp's did not: the repack of every expert the warm-up had not routed (llama.cpp
-  repacks all of them at load) and the page faults of the mapped file (Qwen3 Q4_K_M, 128 experts, top-8: 233-267
-  against 295-302 tokens/s, the same process's later prefills);
+  prefill paying first-use work llama.cpp's did not (page faults of the mapped file; Qwen3 Q4_K_M, 128 experts,
+  top-8: 233-267 against 295-302 tokens/s, the same process's later prefills);
+- then the first-use repack finished, untimed (`first_use_repack`: matrices and seconds): ggml repacks an expert when
+  a token first routes to it (the one graph's `rp_lazy`), llama.cpp every expert inside its load. A warm-up routes
+  few of them: the last layer of a forward keeps one row (a 1-layer GPT-OSS file routed 4 of its 32 experts in a
+  64-token forward), so without it the timed decode repacked Mixtral's 100 MB experts as tokens reached them (stop
+  53's first run: Q4_0 1.21 / 1.40x llama.cpp's; the 1-layer GPT-OSS file 1.9x);
 - prefill: one forward of `prefill` tokens, tokens/s;
 - decode: a `prompt`-token context, then `gen` drawn tokens fed one at a time, no logits read (llama-bench's
   generation test feeds `std::rand() % n_vocab` and reads none: an argmax of a bf16 [1, 151936] took 0.55 ms
@@ -52,6 +56,15 @@ def kernels_used():
             "torch_threads": torch.get_num_threads()}}
 
 
+def first_use_repack():
+    # the experts no warm-up token routed to, repacked now, untimed: ggml repacks an expert on first use, llama.cpp
+    # every expert inside its load (outside its timed runs)
+    if not (ggml._load.cache_info().currsize > 0 and ggml.library() is not None):
+        return {{}}
+    t1 = time.perf_counter()
+    return {{"first_use_repack": {{"matrices": ggml.finish_repack(), "s": time.perf_counter() - t1}}}}
+
+
 load = {load!r}
 eng = Engine.load(load.pop("model"), **load)
 res = {{}}
@@ -65,6 +78,7 @@ with torch.inference_mode():
     warm = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
     ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
     eng.forward(warm, None, last_only=True)                              # warm-up, untimed
+    res.update(first_use_repack())
     t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
     out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
     feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
@@ -104,6 +118,8 @@ V = eng.graph.V
 warm = rng.integers(0, min(V, 1024), {prefill})
 ids = rng.integers(0, min(V, 1024), {prefill})
 eng.forward(warm, None, last_only=True)                                  # warm-up, untimed
+t1 = time.perf_counter()
+res["first_use_repack"] = {{"matrices": ggml.finish_repack(), "s": time.perf_counter() - t1}}
 t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
 out, kv = eng.forward(ids[:{prompt}], None, last_only=True)
 feed = rng.integers(0, min(V, 1024), {gen})

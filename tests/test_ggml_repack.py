@@ -385,3 +385,35 @@ def test_the_one_graph_repacks_an_expert_when_a_token_first_routes_to_it(q4_0_gg
     for tokens, got in zip(([5], [7], [11, 13, 17, 19], [23]), outs):
         want, kv = off.graph.forward(np.array(tokens), kv)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_finishing_the_first_use_repack_repacks_every_expert_left(q4_0_gguf, tmp_path, monkeypatch):
+    """`ggml.finish_repack()` (a benchmark's steady state, llama.cpp's state after its load): after one token routed
+    U of each layer's E experts, it repacks the rest of every stack held (3 matrices an expert) and nothing more on
+    a second call; later forwards repack nothing and give the plain layout's logits."""
+    import shutil
+
+    from moectl.runtime.engine import Engine
+
+    monkeypatch.setenv("MOECTL_GGML", "1")
+    repacked_here(T.Q4_0, (256, 256))
+    own = shutil.copy(q4_0_gguf, tmp_path / "own.gguf")
+    eng = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "on"))
+    graph = eng.graph
+    gc.collect()
+    ggml.finish_repack()                # what earlier tests' copies still held have left (this file's: none yet)
+    _, kv = graph.forward(np.array([5]), None)
+    routed = sum(len({int(a) for a in ids.reshape(-1)}) for ids in graph.last_ids)
+    before = ggml.repack_stats()
+    assert ggml.finish_repack() == 3 * (graph.n_layer * graph.n_expert - routed)
+    assert delta(before)["repacked"] == 3 * (graph.n_layer * graph.n_expert - routed)
+    assert ggml.finish_repack() == 0
+    before = ggml.repack_stats()
+    got, _ = graph.forward(np.array([7, 11]), kv)
+    assert delta(before)["repacked"] == 0
+
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    off = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "off"))
+    _, kv = off.graph.forward(np.array([5]), None)
+    want, _ = off.graph.forward(np.array([7, 11]), kv)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -193,6 +193,7 @@ def _load() -> ctypes.CDLL | None:
     lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64, i32], None
     lib.mg_repack_unregister.argtypes, lib.mg_repack_unregister.restype = [ptr, i64], None
     lib.mg_repack_stats.argtypes, lib.mg_repack_stats.restype = [ptr], None
+    lib.mg_repack_finish.argtypes, lib.mg_repack_finish.restype = [], i64
     return lib
 
 
@@ -496,6 +497,12 @@ def repack_stats() -> dict[str, int]:
     out = (ctypes.c_int64 * 4)()
     require().mg_repack_stats(out)
     return dict(zip(("copies", "repacked", "bytes", "graphs"), out))
+
+
+def finish_repack() -> int:
+    """Repack now every expert of the copies held that no token has routed to yet (the shim repacks an expert on
+    first use; llama.cpp's loader repacks all at load): matrices repacked. For a benchmark's steady state."""
+    return int(require().mg_repack_finish())
 
 
 _registered: dict[int, object] = {}        # id of a registered root array -> its weakref.finalize
