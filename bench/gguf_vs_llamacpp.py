@@ -220,6 +220,8 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
                    "note": runs["moectl"][0].get("note"),
                    # per run: moectl's kernels (ggml and its CPU features, or why not), llama-bench's CPU/backend
                    "kernels": [x["kernels"] for x in runs["moectl"]],
+                   # per run: the first-use repack the warm-up left, finished untimed (matrices, seconds)
+                   "first_use_repack": [x.get("first_use_repack") for x in runs["moectl"]],
                    "llamacpp_cpu": [x["cpu"] for x in runs["llama.cpp"]]}
             for tool, rs in runs.items():
                 row[tool] = {k: summary([x[k] for x in rs]) for k in FIGURES}

@@ -225,7 +225,8 @@ def test_the_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch, tm
     llama = iter([11.0, 19.0, 33.0])
     fig = lambda d: {"decode_ms": d, "prefill_tps": 100.0, "rss_gb": 1.0, "load_s": 1.0}  # noqa: E731
     monkeypatch.setattr(gguf_vs_llamacpp, "moectl_run", lambda *a: {**fig(next(moectl)), "note": None,
-                                                                      "kernels": {}})
+                                                                      "kernels": {},
+                                                                      "first_use_repack": {"matrices": 3, "s": 0.5}})
     monkeypatch.setattr(gguf_vs_llamacpp, "llama_run", lambda *a: {**fig(next(llama)), "cpu": {}})
     monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "system_info", lambda gguf: "")
     res = gguf_vs_llamacpp.compare("qwen3-moe", 2, tmp_path, [], [1], 3, 4, 2, 8, files={"f": path})
@@ -233,3 +234,4 @@ def test_the_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch, tm
     assert row["ratio"]["decode_ms"] == pytest.approx(20.0 / 19.0)
     assert row["paired_ratio"]["decode_ms"] == pytest.approx(statistics.median([10 / 11, 20 / 19, 30 / 33]))
     assert row["paired_ratio"]["prefill_tps"] == 1.0
+    assert row["first_use_repack"] == [{"matrices": 3, "s": 0.5}] * 3     # each run's, kept in the JSON
