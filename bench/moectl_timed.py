@@ -42,10 +42,15 @@ from moectl import kernels
 from moectl.kernels import ggml
 
 
+def ggml_loaded():
+    # whether the run loaded ggml (asking here would build it: ggml's build takes minutes)
+    return ggml._load.cache_info().currsize > 0 and ggml.library() is not None
+
+
 def kernels_used():
-    # what served this run: a kernel library counts when the run loaded it (asking here would build it: ggml's
-    # build takes minutes), with ggml's CPU features (its own dispatch) or why it did not load
-    g = ggml._load.cache_info().currsize > 0 and ggml.library() is not None
+    # what served this run: a kernel library counts when the run loaded it, with ggml's CPU features (its own
+    # dispatch) or why it did not load
+    g = ggml_loaded()
     k = kernels.library.cache_info().currsize > 0 and kernels.library() is not None
     feats = ggml.library().mg_features() if g else 0
     names = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")
@@ -59,7 +64,7 @@ def kernels_used():
 def first_use_repack():
     # the experts no warm-up token routed to, repacked now, untimed: ggml repacks an expert on first use, llama.cpp
     # every expert inside its load (outside its timed runs)
-    if not (ggml._load.cache_info().currsize > 0 and ggml.library() is not None):
+    if not ggml_loaded():
         return {{}}
     t1 = time.perf_counter()
     return {{"first_use_repack": {{"matrices": ggml.finish_repack(), "s": time.perf_counter() - t1}}}}

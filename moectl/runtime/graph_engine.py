@@ -98,7 +98,7 @@ class InPlaceCounters:
     live), per layer too (`GraphEngine.layer_hits`, the forward's distinct routed experts a layer)."""
 
     in_place = True                                 # declared as `runtime/cache.py: ExpertCache.in_place`
-    state = None                                    # no `CacheState`: no slots, no per-layer counters
+    state = None                                    # no `CacheState`: no slots; `layer_rows` gives the rows
 
     def __init__(self, counts: dict, layer_hits: np.ndarray, n_expert: int, expert_nbytes: int,
                  layer_encodings: list[str]):

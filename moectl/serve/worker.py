@@ -9,7 +9,7 @@ While generating (at most every 20 ms) and after each request the worker publish
 (per-layer residency and hit rates, bytes per token, prefetch accuracy, ...) built from the runtime's own
 stats: the cache page and /metrics read only that, never the runtime itself from another thread. It names the
 engine ("torch", or "torch-free": `runtime/graph_engine.py`) and whether the experts are in place (no device cache:
-every routed expert a hit, nothing loaded); the torch-free engine counts no layer apart (a layer's counts None).
+every routed expert a hit, nothing loaded); both engines count each layer's hits.
 """
 
 from __future__ import annotations
