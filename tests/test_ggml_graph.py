@@ -424,3 +424,60 @@ def test_a_run_in_place_asks_for_the_file_in_the_background(family_files, tmp_pa
     monkeypatch.setattr(GgufFiles, "will_need", lambda self: asked.append(self.paths[0]) or real(self))
     _load(q, tmp_path)
     assert asked == [q]
+
+
+def decode_kept_and_rebuilt(g, prompt: np.ndarray, steps: int, monkeypatch, kv_capacity: int = 2):
+    """`steps` greedy decode steps after `prompt` twice: with the shim keeping a decode step's graph (the default)
+    and with a graph built every step (MOECTL_GGML_NO_GRAPH_REUSE). -> for each: (logits [steps, V], routed ids
+    [steps, L, U], graphs built). The cache starts at `kv_capacity` positions, so it grows (new buffers) on the way."""
+    runs = []
+    for rebuild in (False, True):
+        if rebuild:
+            monkeypatch.setenv("MOECTL_GGML_NO_GRAPH_REUSE", "1")
+        else:
+            monkeypatch.delenv("MOECTL_GGML_NO_GRAPH_REUSE", raising=False)
+        built = ggml_model.graphs_built()
+        logits, kv = g.forward(prompt, g.new_kv(kv_capacity), last_only=True)
+        rows, ids = [], []
+        for _ in range(steps):
+            tok = int(np.argmax(logits[0, -1]))
+            logits, kv = g.forward([tok], kv)
+            rows.append(logits[0, 0].copy())
+            ids.append(g.last_ids[:, 0].copy())
+        runs.append((np.stack(rows), np.stack(ids), ggml_model.graphs_built() - built))
+    monkeypatch.delenv("MOECTL_GGML_NO_GRAPH_REUSE", raising=False)
+    return runs
+
+
+def test_a_decode_step_keeps_its_graph_and_gives_the_rebuilt_ones_logits(family_files, tmp_path, monkeypatch):
+    """A decode step reuses the graph the last step built (llama.cpp's graph reuse) while the model, its cache
+    buffers and the 256-position bucket its attention views are unchanged; the step's token, position, cache row and
+    mask are data. 300 steps cross a bucket and the cache's growths: the logits and routed experts equal, bit for
+    bit, those of a graph built each step, and far fewer graphs are built."""
+    ggml_or_skip()
+    _, _, _, q = family_files
+    g = _load(q, tmp_path).graph
+    (kept, kept_ids, kept_built), (rebuilt, rebuilt_ids, rebuilt_built) = decode_kept_and_rebuilt(
+        g, np.array([5, 17, 42, 9]), 300, monkeypatch)
+    assert np.array_equal(kept, rebuilt) and np.array_equal(kept_ids, rebuilt_ids)
+    assert np.isfinite(kept).all() and (kept_ids >= 0).all()
+    assert rebuilt_built == 1 + 300
+    # the prefill, then one graph per cache buffer (capacities 4, 8, ..., 512) and per bucket within one (256, 512)
+    assert 1 + 1 <= kept_built <= 1 + 9
+
+
+def test_a_kept_decode_graph_is_not_taken_for_another_models(family_files, tmp_path, monkeypatch):
+    """Two models (the F32 and the quantized file) decoding in turn on one thread: each step rebuilds for the other
+    model (the descriptor differs) and gives that model's own logits."""
+    ggml_or_skip()
+    _, _, f32, q = family_files
+    a, b = _load(f32, tmp_path / "a").graph, _load(q, tmp_path / "b").graph
+    want = {}
+    for name, g in (("a", a), ("b", b)):
+        logits, kv = g.forward([5, 17, 42], None, last_only=True)
+        want[name] = [g.forward([t], kv)[0][0, 0].copy() for t in (7, 3, 64)]
+    kvs = {name: g.forward([5, 17, 42], None, last_only=True)[1] for name, g in (("a", a), ("b", b))}
+    for i, t in enumerate((7, 3, 64)):
+        for name, g in (("a", a), ("b", b)):
+            got, kvs[name] = g.forward([t], kvs[name])
+            assert np.array_equal(got[0, 0], want[name][i]), (name, i)

@@ -257,3 +257,18 @@ def test_gpt_oss_graph_runs_without_torch(oss_files, tmp_path):
 
     ggml_or_skip()
     check_torch_free_forward(oss_files["MXFP4"], tmp_path, swa=[1, 0, 1, 0])
+
+
+def test_a_kept_decode_graph_masks_the_sliding_window(oss_files, tmp_path, monkeypatch):
+    """The sliding-window layers (window 4) in a kept decode graph: its view starts at a 256-position bucket and its
+    mask hides what the window does not see. 300 steps (past the first bucket, so the view moves): the logits and
+    routed experts equal, bit for bit, those of a graph built every step (whose view starts at the window)."""
+    ggml_or_skip()
+    from test_ggml_graph import decode_kept_and_rebuilt
+
+    g = _load(oss_files["MXFP4"], tmp_path).graph
+    (kept, kept_ids, kept_built), (rebuilt, rebuilt_ids, rebuilt_built) = decode_kept_and_rebuilt(
+        g, PROMPT[0].numpy(), 300, monkeypatch, kv_capacity=512)
+    assert np.array_equal(kept, rebuilt) and np.array_equal(kept_ids, rebuilt_ids)
+    # positions 10..309: views [0, 256), then [0, 512) at 256, then the window's from 256 on at 259
+    assert rebuilt_built == 1 + 300 and kept_built == 1 + 3

@@ -207,3 +207,20 @@ def test_prompt_ids_is_one_rule_for_both_engines():
         prompt_ids("", None, False, Tok)
     with pytest.raises(MoectlError, match="^the prompt is not UTF-8 text: byte 0xff at character 2"):
         prompt_ids("a\udcff", None, False, no_tokenizer)
+
+
+def test_routed_counts_of_a_decode_step_are_the_sorted_counts():
+    """routed_counts' decode-step shortcut (one row: its top-k are distinct experts, no sort) gives what counting
+    distinct sorted ids gives; a prefill's rows (repeats across rows, unrouted -1 rows) still sort."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    L, U, E = 5, 4, 16
+    step = np.stack([rng.permutation(E)[:U] for _ in range(L)])[:, None, :].astype(np.int32)     # [L, 1, U]
+    distinct, calls = ge.routed_counts(step, L)
+    assert distinct.tolist() == [U] * L and calls == L * U
+    prefill = np.stack([[rng.permutation(E)[:U] for _ in range(3)] for _ in range(L)]).astype(np.int32)  # [L, 3, U]
+    prefill[-1, :2] = -1                                     # the last layer keeps one row
+    distinct, calls = ge.routed_counts(prefill, L)
+    assert distinct.tolist() == [len(set(prefill[l][prefill[l] >= 0].tolist())) for l in range(L)]
+    assert calls == int((prefill >= 0).sum())

@@ -42,6 +42,22 @@ typedef struct {
     uint8_t *model_meta; // mg_model_eval's graph: tensor and graph headers (sized to the model), and ggml-alloc's
     size_t model_meta_size;
     ggml_gallocr_t galloc;  // intermediates, memory reused along the graph          // an arena too small: the call is redone with a larger one
+    // mg_model_eval's decode-step graph (T = 1), kept between steps (decode_step): its own headers and ggml-alloc,
+    // since a prefill's graph reuses model_meta and galloc meanwhile
+    uint8_t *dec_meta;
+    size_t dec_meta_size;
+    ggml_gallocr_t dec_galloc;
+    struct ggml_context *dec_ctx;
+    struct ggml_cgraph *dec_gf;        // NULL: none kept
+    struct ggml_tensor *dec_y;         // its logits (data: the caller's buffer, set each step)
+    void *dec_key;                     // the mg_model_desc it was built for (a copy)
+    int64_t dec_P, dec_s0;             // positions its attention views; first of a sliding-window layer's view
+    int dec_has_ids, dec_used;         // built with the routed ids copied out; read a repacked copy (rp_graph)
+    char dec_repack[64];               // MOECTL_GGML_REPACK when built
+    int32_t dec_tok, dec_pos;          // the step's data the graph reads: token, position, cache row, masks
+    int64_t dec_row;
+    uint16_t *dec_mask, *dec_mask_swa; // ggml_fp16_t [P], [P - s0]
+    int32_t *dec_ids;                  // [n_layer, 1, U]
 } mg_handle;
 
 int mg_abi(void) { return 3; }
@@ -64,6 +80,13 @@ void mg_free(void *hp) {
     if (!h) return;
     ggml_threadpool_free(h->pool);
     if (h->galloc) ggml_gallocr_free(h->galloc);
+    if (h->dec_ctx) ggml_free(h->dec_ctx);
+    if (h->dec_galloc) ggml_gallocr_free(h->dec_galloc);
+    free(h->dec_meta);
+    free(h->dec_key);
+    free(h->dec_mask);
+    free(h->dec_mask_swa);
+    free(h->dec_ids);
     free(h->model_meta);
     free(h->meta);
     free(h->arena);
@@ -462,8 +485,8 @@ static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml
 }
 
 // every MUL_MAT / MUL_MAT_ID of the graph whose weight has (or gets) a repacked copy reads that copy
-static void rp_graph(struct ggml_cgraph *gf) {
-    if (!rp_enabled()) return;
+static int rp_graph(struct ggml_cgraph *gf) {
+    if (!rp_enabled()) return 0;
     const char *types = getenv("MOECTL_GGML_REPACK");
     int used = 0;
     pthread_mutex_lock(&rp_lock);
@@ -483,6 +506,7 @@ static void rp_graph(struct ggml_cgraph *gf) {
     }
     rp_stat[3] += used;
     pthread_mutex_unlock(&rp_lock);
+    return used;
 }
 
 // The op rp_lazy puts between a layer's routing and its experts: ids [U, T] pass through unchanged (a view), and
@@ -811,6 +835,8 @@ typedef struct {
     const mg_layer_w *layers;
     const uint8_t *is_swa;         // [n_layer]: 1 where the layer attends a sliding window; NULL: none
     char *k_cache, *v_cache;      // [n_layer, n_ctx, NKV * D] each, of kv_type (F16: llama.cpp's default cache type)
+    int64_t serial;                // one number a model descriptor (ggml_model.py): a kept decode graph is this
+                                   // model's, not an earlier one's at the same addresses
 } mg_model_desc;
 
 // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (softmax over all experts, then top-k of the probabilities)
@@ -862,18 +888,18 @@ static ggml_fp16_t *swa_mask(const mg_model_desc *m, int64_t pos, int64_t T) {
     return mask;
 }
 
-// One layer's attention of the T new queries Q [D, NH, T] over this layer's cache positions [s0, pos + T) (kc, vc:
+// One layer's attention of the T new queries Q [D, NH, T] over this layer's cache positions [s0, s0 + P) (kc, vc:
 // [n_ctx, NKV * D] of kv_type): flash attention, as llama.cpp's default on the CPU (build_attn_mha), K and V read
 // where they lie in the cache, V not transposed (the non-FA form's transposed copy of V cost ~1.5 ms a token at a
 // few hundred positions: ggml copies it element by element); GQA by ggml's broadcast over the head axis (query
-// head h reads KV head h / (NH / NKV), transformers' repeat_kv). `mask` [pos + T - s0, T] F16 (-INF: not seen) or
-// NULL (a decode step sees every position from s0); s0 > 0: a sliding-window layer's first visible position.
+// head h reads KV head h / (NH / NKV), transformers' repeat_kv). `mask` [P, T] F16 (-INF: not seen; ggml's flash
+// attention skips those positions) or NULL (every position seen); s0 > 0: a sliding-window layer's view.
 // `sinks` (F32 [NH] or NULL): each head's sink logit joins its softmax (ggml_flash_attn_ext_add_sinks), taking its
 // share of the weight and adding no value. -> [NH * D, T]
 static struct ggml_tensor *attention(struct ggml_context *ctx, const mg_model_desc *m, struct ggml_tensor *Q,
-                                     char *kc, char *vc, int64_t s0, int64_t pos, int64_t T,
+                                     char *kc, char *vc, int64_t s0, int64_t P, int64_t T,
                                      struct ggml_tensor *mask, struct ggml_tensor *sinks) {
-    const int64_t D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, KV = NKV * D, P = pos + T - s0;
+    const int64_t D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv, KV = NKV * D;
     const enum ggml_type kvt = (enum ggml_type)m->kv_type;
     const size_t es = ggml_type_size(kvt);
     struct ggml_tensor *kall = ext(ctx, kvt, KV * P, 1, 1, kc + s0 * KV * es);
@@ -898,59 +924,26 @@ static struct ggml_tensor *shared_expert(struct ggml_context *ctx, const mg_laye
     return ggml_mul(ctx, y, g);                                                              // [H, Tn]
 }
 
-// tokens [T] int32 at positions pos.. -> logits [T or 1, V] (last_only: the last token's); ids_out (or NULL):
-// each layer's selected experts [n_layer, T, U] int32. Returns 0, or -1 when pos + T > n_ctx.
-int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64_t T, int64_t pos,
-                  int32_t last_only, float *logits, int32_t *ids_out) {
-    mg_handle *h = hp;
-    if (pos + T > m->n_ctx || T < 1 || (m->kv_type != GGML_TYPE_F16 && m->kv_type != GGML_TYPE_F32)) return -1;
-    // tensor headers: 96 a layer (attention, routing, experts, Qwen2-MoE's shared expert's ~10, with room to
-    // spare) and 2 more a used expert (experts_ffn's sum over them: a view and an add each; Qwen2-57B uses 8)
-    size_t n_tensors = (size_t)m->n_layer * (96 + 2 * (size_t)m->n_used) + 256;
-    size_t need = ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 4096;
-    if (need > h->model_meta_size) {
-        free(h->model_meta);
-        h->model_meta = malloc(need);
-        h->model_meta_size = need;
-    }
-    if (!h->galloc) h->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
-    struct ggml_init_params ip = {h->model_meta_size, h->model_meta, true};
-    struct ggml_context *ctx = ggml_init(ip);
-    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_tensors, false);
+// What a model graph reads besides the weights: data the caller fills, so one built graph can serve another step
+typedef struct {
+    struct ggml_tensor *tok, *pos, *last;    // I32: tokens [T], their positions [T], the row kept [1] (last_only)
+    struct ggml_tensor *rows;                // I64 [T]: the cache rows the new K and V go to
+    struct ggml_tensor *mask, *mask_swa;     // F16 [P, T], [P - s0_swa, T] (-INF: not seen), or NULL
+    int64_t P, s0_swa;                       // the attention views cache positions [0, P), a sliding-window layer's
+                                             // [s0_swa, P)
+    int32_t *ids;                            // each layer's selected experts [n_layer, T, U] go here, or NULL
+} mg_inputs;
 
+// The forward's graph into gf: T tokens -> logits [V, T or 1] (last_only: the last token's), their data `logits`.
+static struct ggml_tensor *model_graph(struct ggml_context *ctx, struct ggml_cgraph *gf, const mg_model_desc *m,
+                                       int64_t T, int32_t last_only, const mg_inputs *in, float *logits) {
     const int64_t H = m->n_embd, D = m->head_dim, NH = m->n_head, NKV = m->n_head_kv;
     const int64_t KV = NKV * D, U = m->n_used, E = m->n_expert;
     const enum ggml_type kvt = (enum ggml_type)m->kv_type;
     const size_t es = ggml_type_size(kvt);                      // bytes an element of the cache
     const mg_act act = {m->act_alpha, m->act_limit};            // SiLU(gate) * up, or GPT-OSS's swiglu_oai
 
-    int32_t *posv = malloc(sizeof(int32_t) * T);
-    for (int64_t t = 0; t < T; t++) posv[t] = (int32_t)(pos + t);
-    struct ggml_tensor *inp_pos = ext(ctx, GGML_TYPE_I32, T, 1, 1, posv);
-    struct ggml_tensor *inp_tok = ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens);
-    int32_t last = (int32_t)(T - 1);
-    struct ggml_tensor *inp_last = ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last);
-    // causal mask of the new tokens [P, T] F16 (flash attention's type): token t sees positions <= pos + t;
-    // a decode step (T = 1) sees every position, no mask
-    ggml_fp16_t *maskv = NULL;
-    struct ggml_tensor *kq_mask = NULL;
-    if (T > 1) {
-        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-        maskv = malloc(sizeof(ggml_fp16_t) * (size_t)(pos + T) * (size_t)T);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t p = 0; p < pos + T; p++) maskv[t * (pos + T) + p] = p <= pos + t ? zero : ninf;
-        kq_mask = ext(ctx, GGML_TYPE_F16, pos + T, T, 1, maskv);
-    }
-
-    // the sliding-window layers' mask over [swa_start, pos + T), if a layer is one (a decode step: none, the
-    // window is the cache view's start)
-    ggml_fp16_t *swa_maskv = NULL;
-    for (int64_t il = 0; T > 1 && m->is_swa && il < m->n_layer && !swa_maskv; il++)
-        if (m->is_swa[il]) swa_maskv = swa_mask(m, pos, T);
-    struct ggml_tensor *kq_mask_swa = swa_maskv ? ext(ctx, GGML_TYPE_F16, pos + T - swa_start(m, pos), T, 1,
-                                                      swa_maskv) : NULL;
-
-    struct ggml_tensor *inpL = ggml_get_rows(ctx, weight(ctx, &m->tok_embd), inp_tok);      // [H, T]
+    struct ggml_tensor *inpL = ggml_get_rows(ctx, weight(ctx, &m->tok_embd), in->tok);      // [H, T]
     int64_t Tn = T;                                                                          // rows still carried
     for (int64_t il = 0; il < m->n_layer; il++) {
         const mg_layer_w *L = &m->layers[il];
@@ -970,21 +963,23 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
         }
         const int swa = m->is_swa && m->is_swa[il];
         const float freq_base = swa ? m->freq_base_swa : m->freq_base;
-        Q = rope(ctx, m, Q, inp_pos, freq_base);                                            // [D, NH, T]
-        K = rope(ctx, m, K, inp_pos, freq_base);                                            // [D, NKV, T]
-        // the new tokens' K and V into the cache, converted to f16 (run before the attention reads it: graph order)
+        Q = rope(ctx, m, Q, in->pos, freq_base);                                            // [D, NH, T]
+        K = rope(ctx, m, K, in->pos, freq_base);                                            // [D, NKV, T]
+        // the new tokens' K and V into the cache rows in->rows, converted to the cache's type (run before the
+        // attention reads them: graph order); rows as data, so a kept decode graph writes each step's own row
         char *kc = m->k_cache + il * m->n_ctx * KV * es, *vc = m->v_cache + il * m->n_ctx * KV * es;
-        struct ggml_tensor *kdst = ext(ctx, kvt, KV * T, 1, 1, kc + pos * KV * es);
-        struct ggml_tensor *vdst = ext(ctx, kvt, KV * T, 1, 1, vc + pos * KV * es);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, K, kdst));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, V, vdst));
-        cur = swa ? attention(ctx, m, Q, kc, vc, swa_start(m, pos), pos, T, kq_mask_swa, weight(ctx, &L->sinks))
-                  : attention(ctx, m, Q, kc, vc, 0, pos, T, kq_mask, weight(ctx, &L->sinks));  // [NH*D, T]
+        struct ggml_tensor *kdst = ext(ctx, kvt, KV, m->n_ctx, 1, kc);                      // [KV, n_ctx]
+        struct ggml_tensor *vdst = ext(ctx, kvt, KV, m->n_ctx, 1, vc);                      // [KV, n_ctx]
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, kdst, ggml_reshape_2d(ctx, K, KV, T), in->rows));
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, vdst, V, in->rows));
+        cur = swa ? attention(ctx, m, Q, kc, vc, in->s0_swa, in->P - in->s0_swa, T, in->mask_swa,
+                              weight(ctx, &L->sinks))
+                  : attention(ctx, m, Q, kc, vc, 0, in->P, T, in->mask, weight(ctx, &L->sinks));  // [NH*D, T]
         cur = linear(ctx, &L->wo, &L->bo, cur);                                              // [H, T]
         struct ggml_tensor *res = inpL;
         if (il == m->n_layer - 1 && last_only && T > 1) {          // the last layer's FFN: only the row kept
-            cur = ggml_get_rows(ctx, cur, inp_last);
-            res = ggml_get_rows(ctx, res, inp_last);
+            cur = ggml_get_rows(ctx, cur, in->last);
+            res = ggml_get_rows(ctx, res, in->last);
             Tn = 1;
         }
         struct ggml_tensor *ffn_inp = ggml_add(ctx, cur, res);
@@ -1002,8 +997,8 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
             w2 = ggml_div(ctx, w2, ggml_sum_rows(ctx, w2));
             wts = ggml_reshape_3d(ctx, w2, 1, U, Tn);
         }
-        if (ids_out) {                           // the rows routed (the last layer's last row only, see above)
-            struct ggml_tensor *dst = ext(ctx, GGML_TYPE_I32, U, Tn, 1, ids_out + (il * T + T - Tn) * U);
+        if (in->ids) {                           // the rows routed (the last layer's last row only, see above)
+            struct ggml_tensor *dst = ext(ctx, GGML_TYPE_I32, U, Tn, 1, in->ids + (il * T + T - Tn) * U);
             ggml_build_forward_expand(gf, ggml_cpy(ctx, sel, dst));
         }
         struct ggml_tensor *moe = experts_ffn(NULL, ctx, weight(ctx, &L->gate), weight(ctx, &L->up),
@@ -1014,16 +1009,162 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
         inpL = ggml_add(ctx, moe, ffn_inp);                                                 // [H, Tn]
     }
     struct ggml_tensor *cur = rms(ctx, inpL, &m->out_norm, m->eps);
-    if (last_only && Tn > 1) cur = ggml_get_rows(ctx, cur, inp_last);
+    if (last_only && Tn > 1) cur = ggml_get_rows(ctx, cur, in->last);
     const mg_w *out = m->output.data ? &m->output : &m->tok_embd;                         // tied: the embedding
     struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, out), cur);                       // [V, T or 1]
     y->data = logits;
     ggml_build_forward_expand(gf, y);
+    return y;
+}
+
+// headers for a model's graph: 96 a layer (attention, routing, experts, Qwen2-MoE's shared expert's ~10, with room
+// to spare) and 2 more a used expert (experts_ffn's sum over them: a view and an add each; Qwen2-57B uses 8)
+static size_t graph_tensors(const mg_model_desc *m) {
+    return (size_t)m->n_layer * (96 + 2 * (size_t)m->n_used) + 256;
+}
+
+static size_t graph_meta_size(size_t n_tensors) {
+    return ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false) + 4096;
+}
+
+static int any_swa(const mg_model_desc *m) {
+    for (int64_t il = 0; m->is_swa && il < m->n_layer; il++)
+        if (m->is_swa[il]) return 1;
+    return 0;
+}
+
+// A decode step's graph is kept and reused while what it holds is unchanged: the descriptor (weights, cache buffers
+// and their size, KV type, serial), the positions its attention views, the repack setting, whether ids go out. The
+// views are rounded up to DEC_BUCKET positions, as llama.cpp pads its n_kv, so one graph serves DEC_BUCKET steps;
+// its mask hides the positions not written yet. Per step only data changes: the token, its position and cache row,
+// the masks. llama.cpp reuses its graph the same way (llama-context.cpp: can_reuse). Why: building ~30 nodes a layer
+// and placing them (ggml-alloc, ggml's printf-formatted view names) was ~5-10 % of a step on a 48-layer model
+// (perf), llama.cpp's graph reuse pays none of it.
+#define DEC_BUCKET 256
+
+static int64_t model_graphs_built;                  // mg_model_eval's graphs built so far (tests: a step reuses)
+
+int64_t mg_model_graphs_built(void) { return __atomic_load_n(&model_graphs_built, __ATOMIC_RELAXED); }
+
+static int decode_step(mg_handle *h, const mg_model_desc *m, int32_t token, int64_t pos, float *logits,
+                       int32_t *ids_out) {
+    int64_t P = (pos + 1 + DEC_BUCKET - 1) / DEC_BUCKET * DEC_BUCKET;
+    if (P > m->n_ctx) P = m->n_ctx;
+    const int swa = any_swa(m);
+    const int64_t s0 = swa ? swa_start(m, pos) / DEC_BUCKET * DEC_BUCKET : 0;
+    const char *rv = getenv("MOECTL_GGML_REPACK");
+    char repack[64];
+    snprintf(repack, sizeof(repack), "%s", rv ? rv : "(unset)");
+    const int has_ids = ids_out != NULL;
+    if (!(h->dec_gf && !memcmp(h->dec_key, m, sizeof(*m)) && h->dec_P == P && h->dec_s0 == s0 &&
+          h->dec_has_ids == has_ids && !strcmp(h->dec_repack, repack))) {
+        if (h->dec_ctx) ggml_free(h->dec_ctx);
+        h->dec_ctx = NULL;
+        h->dec_gf = NULL;
+        const size_t n_tensors = graph_tensors(m), need = graph_meta_size(n_tensors);
+        if (need > h->dec_meta_size) {
+            free(h->dec_meta);
+            h->dec_meta_size = 0;
+            if (!(h->dec_meta = malloc(need))) return -3;
+            h->dec_meta_size = need;
+        }
+        if (!h->dec_key && !(h->dec_key = malloc(sizeof(*m)))) return -3;
+        if (!h->dec_galloc) h->dec_galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+        free(h->dec_mask);
+        free(h->dec_mask_swa);
+        free(h->dec_ids);
+        h->dec_mask = malloc(sizeof(ggml_fp16_t) * (size_t)P);
+        h->dec_mask_swa = malloc(sizeof(ggml_fp16_t) * (size_t)(P - s0));
+        h->dec_ids = malloc(sizeof(int32_t) * (size_t)(m->n_layer * m->n_used));
+        if (!h->dec_mask || !h->dec_mask_swa || !h->dec_ids) return -3;
+        struct ggml_init_params ip = {h->dec_meta_size, h->dec_meta, true};
+        struct ggml_context *ctx = ggml_init(ip);
+        struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_tensors, false);
+        const mg_inputs in = {ext(ctx, GGML_TYPE_I32, 1, 1, 1, &h->dec_tok), ext(ctx, GGML_TYPE_I32, 1, 1, 1, &h->dec_pos),
+                              NULL, ext(ctx, GGML_TYPE_I64, 1, 1, 1, &h->dec_row),
+                              ext(ctx, GGML_TYPE_F16, P, 1, 1, h->dec_mask),
+                              swa ? ext(ctx, GGML_TYPE_F16, P - s0, 1, 1, h->dec_mask_swa) : NULL,
+                              P, s0, has_ids ? h->dec_ids : NULL};
+        struct ggml_tensor *y = model_graph(ctx, gf, m, 1, 0, &in, logits);
+        const int used = rp_graph(gf);                   // weights with a CPU_REPACK copy read it (counted once)
+        __atomic_add_fetch(&model_graphs_built, 1, __ATOMIC_RELAXED);
+        if (!ggml_gallocr_alloc_graph(h->dec_galloc, gf)) {
+            ggml_free(ctx);
+            return -2;
+        }
+        h->dec_ctx = ctx;
+        h->dec_gf = gf;
+        h->dec_y = y;
+        memcpy(h->dec_key, m, sizeof(*m));
+        h->dec_P = P;
+        h->dec_s0 = s0;
+        h->dec_has_ids = has_ids;
+        h->dec_used = used;
+        memcpy(h->dec_repack, repack, sizeof(repack));
+    } else if (h->dec_used) {
+        pthread_mutex_lock(&rp_lock);
+        rp_stat[3] += 1;                                 // a graph that used a copy, as a rebuilt one counts
+        pthread_mutex_unlock(&rp_lock);
+    }
+    // the step's data: position pos sees cache positions [0, pos] (a sliding-window layer's: the last n_swa)
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    h->dec_tok = token;
+    h->dec_pos = (int32_t)pos;
+    h->dec_row = pos;
+    for (int64_t j = 0; j < P; j++) h->dec_mask[j] = j <= pos ? zero : ninf;
+    for (int64_t j = 0; swa && j < P - s0; j++) {
+        const int64_t p0 = s0 + j;
+        h->dec_mask_swa[j] = p0 > pos || pos - p0 >= m->n_swa ? ninf : zero;
+    }
+    h->dec_y->data = logits;
+    compute(h, h->dec_gf);
+    if (ids_out) memcpy(ids_out, h->dec_ids, sizeof(int32_t) * (size_t)(m->n_layer * m->n_used));
+    return 0;
+}
+
+// tokens [T] int32 at positions pos.. -> logits [T or 1, V] (last_only: the last token's); ids_out (or NULL):
+// each layer's selected experts [n_layer, T, U] int32. Returns 0, or -1 when pos + T > n_ctx. A decode step
+// (T = 1) reuses its graph (decode_step); a longer forward builds its own.
+int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64_t T, int64_t pos,
+                  int32_t last_only, float *logits, int32_t *ids_out) {
+    mg_handle *h = hp;
+    if (pos + T > m->n_ctx || T < 1 || (m->kv_type != GGML_TYPE_F16 && m->kv_type != GGML_TYPE_F32)) return -1;
+    if (T == 1 && !getenv("MOECTL_GGML_NO_GRAPH_REUSE")) return decode_step(h, m, tokens[0], pos, logits, ids_out);
+    const size_t n_tensors = graph_tensors(m), need = graph_meta_size(n_tensors);
+    if (need > h->model_meta_size) {
+        free(h->model_meta);
+        h->model_meta = malloc(need);
+        h->model_meta_size = need;
+    }
+    if (!h->galloc) h->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+    struct ggml_init_params ip = {h->model_meta_size, h->model_meta, true};
+    struct ggml_context *ctx = ggml_init(ip);
+    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_tensors, false);
+
+    int32_t *posv = malloc(sizeof(int32_t) * T);
+    int64_t *rowv = malloc(sizeof(int64_t) * T);
+    for (int64_t t = 0; t < T; t++) posv[t] = (int32_t)(pos + t), rowv[t] = pos + t;
+    int32_t last = (int32_t)(T - 1);
+    // causal mask of the new tokens [P, T] F16 (flash attention's type): token t sees positions <= pos + t
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    ggml_fp16_t *maskv = malloc(sizeof(ggml_fp16_t) * (size_t)(pos + T) * (size_t)T);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t p = 0; p < pos + T; p++) maskv[t * (pos + T) + p] = p <= pos + t ? zero : ninf;
+    // the sliding-window layers' mask over [swa_start, pos + T), if a layer is one
+    ggml_fp16_t *swa_maskv = any_swa(m) ? swa_mask(m, pos, T) : NULL;
+    const mg_inputs in = {ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens), ext(ctx, GGML_TYPE_I32, T, 1, 1, posv),
+                          ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last), ext(ctx, GGML_TYPE_I64, T, 1, 1, rowv),
+                          ext(ctx, GGML_TYPE_F16, pos + T, T, 1, maskv),
+                          swa_maskv ? ext(ctx, GGML_TYPE_F16, pos + T - swa_start(m, pos), T, 1, swa_maskv) : NULL,
+                          pos + T, swa_start(m, pos), ids_out};
+    model_graph(ctx, gf, m, T, last_only, &in, logits);
     rp_graph(gf);                                    // weights with a CPU_REPACK copy read it
+    __atomic_add_fetch(&model_graphs_built, 1, __ATOMIC_RELAXED);
     int rc = ggml_gallocr_alloc_graph(h->galloc, gf) ? 0 : -2;
     if (rc == 0) compute(h, gf);
     ggml_free(ctx);
     free(posv);
+    free(rowv);
     free(maskv);
     free(swa_maskv);
     return rc;

@@ -27,6 +27,7 @@ checkpoint's modules, torch's tensors) imports it.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import os
 from typing import TYPE_CHECKING
@@ -82,6 +83,9 @@ def layer_tensors(family: str | None) -> dict[str, str]:
     return LAYER_TENSORS | FAMILY_TENSORS.get(family, {})
 
 
+_DESC_SERIAL = itertools.count(1)
+
+
 class MgW(ctypes.Structure):
     _fields_ = [("ne", ctypes.c_int64 * 3), ("nb2", ctypes.c_int64), ("data", ctypes.c_void_p),
                 ("type", ctypes.c_int32), ("pad", ctypes.c_int32)]
@@ -99,7 +103,14 @@ class MgModel(ctypes.Structure):
                 + [(n, ctypes.c_int32) for n in ("rope_mode", "n_rot", "n_ctx_orig", "norm_topk", "qk_norm_full",
                                                  "kv_type", "gating", "n_swa")]
                 + [("tok_embd", MgW), ("out_norm", MgW), ("output", MgW), ("layers", ctypes.POINTER(MgLayer)),
-                   ("is_swa", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)])
+                   ("is_swa", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                   ("serial", ctypes.c_int64)])
+
+
+def graphs_built() -> int:
+    """The graphs `mg_model_eval` has built in this process: a decode step keeps its graph while the model, its
+    cache buffers and the positions' bucket are unchanged (the shim's decode_step), a prefill builds its own."""
+    return _declare(ggml.require()).mg_model_graphs_built()
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -108,6 +119,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.mg_model_eval.argtypes = [ptr, ctypes.POINTER(MgModel), ptr, i64, i64, i32, ptr, ptr]
         lib.mg_model_eval.restype = ctypes.c_int
         lib.mg_model_abi.restype = ctypes.c_int
+        lib.mg_model_graphs_built.restype = ctypes.c_int64
     want = (ctypes.sizeof(MgModel) * 10000 + ctypes.sizeof(MgLayer)) * 100 + ctypes.sizeof(MgW)   # as the shim's
     if lib.mg_model_abi() != want:
         raise MoectlError(f"ggml shim's model layout {lib.mg_model_abi()} is not moectl's {want}: rebuild it")
@@ -335,6 +347,9 @@ class GgmlModel:
         if swa is not None:
             keep.append(swa)
             desc.is_swa = swa.ctypes.data
+        # the shim keeps a decode step's graph while the descriptor is unchanged: a new model's own number, so one
+        # made where a freed one lay (same addresses) is not taken for it
+        desc.serial = next(_DESC_SERIAL)
         self.desc, self.layers, self._keep = desc, layers, keep     # keep: what the descriptors point at
         self.kv_dtype = kv_dtype
         self.n_layer, self.V, self.U, self.n_expert = desc.n_layer, desc.n_vocab, desc.n_used, desc.n_expert

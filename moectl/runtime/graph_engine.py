@@ -286,7 +286,11 @@ def index_intermediate(config) -> int | None:
 def routed_counts(last_ids: np.ndarray, n_layer: int) -> tuple[np.ndarray, int]:
     """(distinct experts each layer routed in the last forward [L], expert calls) from its routed ids [L, T, U]
     (-1: a row not routed): a step acquires each expert it routes once per layer (the module path's count)."""
-    ids = np.sort(np.asarray(last_ids).reshape(n_layer, -1), axis=1)                    # [L, T*U]
+    ids = np.asarray(last_ids).reshape(n_layer, -1)                                     # [L, T*U]
+    if np.asarray(last_ids).shape[1] == 1:     # a decode step: a row's top-k are distinct experts, no sort (~0.1 ms)
+        distinct = (ids >= 0).sum(1)                                                    # [L]
+        return distinct, int(distinct.sum())
+    ids = np.sort(ids, axis=1)
     distinct = (ids[:, 0] >= 0) + ((ids[:, 1:] != ids[:, :-1]) & (ids[:, 1:] >= 0)).sum(1)    # [L]
     return distinct, int((ids >= 0).sum())
 
