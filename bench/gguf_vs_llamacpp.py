@@ -232,6 +232,17 @@ def read_probe(threads: int) -> dict | None:
     return ggml.read_bandwidth(PROBE["bytes"], threads, PROBE["passes"])
 
 
+def probe_lines(threads: list[int]) -> list[str]:
+    """`--probe-only`'s report: the probe's GB/s at each thread count, median [min-max] of its passes."""
+    out = [f"streaming read of {PROBE['bytes'] / 2**30:g} GiB, {PROBE['passes']} passes (GB/s, median [min-max]):"]
+    for t in threads:
+        p = read_probe(t)
+        if p is None:
+            sys.exit("error: the read probe needs ggml's shim, which does not load here (MOECTL_GGML=0, or no build)")
+        out.append(f"  {t:>3} thr {_spread({'median': p['gbps'], 'min': p['min'], 'max': p['max']}, 20)}")
+    return out
+
+
 def roofline(read: dict, probes: list[dict | None], decode_ms: dict[str, float]) -> dict:
     """A row's roofline fields: the probes' passes pooled (median [min-max]); per tool the GB/s its median decode
     achieved (bytes a token / ms a token) and that as a % of the probes' median; the floor, ms/token at that median.
@@ -416,10 +427,15 @@ def main() -> None:
                     "(default %(default)g: far past the caches; the roofline table's read GB/s)")
     ap.add_argument("--probe-passes", type=int, default=PROBE["passes"], help="timed passes over it per probe, two "
                     "probes a row (default %(default)s)")
+    ap.add_argument("--probe-only", action="store_true", help="run the read probe at --threads and print its GB/s; "
+                    "make and time nothing")
     a = ap.parse_args()
     if a.probe_gb <= 0 or a.probe_passes < 1:
         sys.exit("error: --probe-gb must be > 0 and --probe-passes >= 1")
     PROBE.update(bytes=int(a.probe_gb * 2**30), passes=a.probe_passes)
+    if a.probe_only:
+        print("\n".join(probe_lines(a.threads)))
+        return
     TORCH_FREE[0] = a.engine == "auto"
     if a.gguf:
         from moectl.store.gguf.files import GgufFiles

@@ -307,3 +307,12 @@ def test_the_help_explains_the_roofline():
     out = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--help"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout
     assert "--probe-gb" in out and "memory roofline" in out and "roofline_pct" in out
+
+
+def test_probe_only_prints_each_thread_counts_figure_and_refuses_a_bad_buffer(monkeypatch):
+    monkeypatch.setattr(gguf_vs_llamacpp, "read_probe", lambda t: {"gbps": 10.0 * t, "min": 9.0 * t, "max": 11.0 * t})
+    lines = gguf_vs_llamacpp.probe_lines([1, 2])
+    assert [ln.split() for ln in lines[1:]] == [["1", "thr", "10.0", "[9.0-11.0]"], ["2", "thr", "20.0", "[18.0-22.0]"]]
+    r = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--probe-only", "--probe-gb", "0"],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode != 0 and r.stderr.strip() == "error: --probe-gb must be > 0 and --probe-passes >= 1"
