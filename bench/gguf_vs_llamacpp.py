@@ -21,6 +21,14 @@ the mapped file: moectl/kernels/ggml.py), same threads.
    llama-bench warms up), peak RSS per process, and load to first token (moectl: `Engine.load` + one token;
    llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token). moectl's side is
    bench/moectl_timed.py, the same script bench/vs_llamacpp.py times moectl with.
+3. The memory roofline beside the decode (stop 54): a decode token reads each weight it uses once, so when decode is
+   memory-bound neither tool can beat bytes read / the bandwidth the cores stream at, whatever its kernels. Per file,
+   the bytes a token reads from the header alone (`decode_read_bytes`, moectl/store/gguf/experts.py: the dense
+   tensors, the lm_head, one embedding row, top-k of each layer's experts, at the file's encodings); per row, a
+   streaming-read probe at the row's threads just before and just after its rounds (`ggml.read_bandwidth`: pthreads
+   reading a `--probe-gb` buffer with AVX2 loads, first touch untimed, `--probe-passes` passes each). The roofline
+   table: MB/token, the probe's GB/s (median [min-max] of both probes' passes), each tool's achieved GB/s (bytes a
+   token / its median ms a token) and that as a % of the probe's median, and the floor (ms/token at the probe's GB/s).
 Medians, decode with [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as
 fast). The JSON has every run's kernels (moectl: ggml and the CPU features it dispatches on, or why not; its
 AVX-512 kernels or why not) and llama-bench's CPU and backend, and llama.cpp's system_info line (the ISA its CPU
@@ -202,6 +210,53 @@ def warm_page_cache(path: Path) -> None:
             pass
 
 
+# the read probe (`--probe-gb`, `--probe-passes`): bytes of its buffer (far past the caches) and passes a probe
+PROBE = {"bytes": 1 << 30, "passes": 7}
+
+
+def token_read_bytes(path: Path) -> dict:
+    """What a decode token of the file reads, from its header (moectl/store/gguf/experts.py `decode_read_bytes`)."""
+    from moectl.store.gguf.experts import decode_read_bytes
+    from moectl.store.gguf.files import GgufFiles
+
+    return decode_read_bytes(GgufFiles(path))
+
+
+def read_probe(threads: int) -> dict | None:
+    """The streaming-read bandwidth at `threads` (moectl/kernels/ggml.py `read_bandwidth`), or None where ggml's shim
+    does not load here (`MOECTL_GGML=0` switches it off for the probe too)."""
+    from moectl.kernels import ggml
+
+    if ggml.library() is None:
+        return None
+    return ggml.read_bandwidth(PROBE["bytes"], threads, PROBE["passes"])
+
+
+def probe_lines(threads: list[int]) -> list[str]:
+    """`--probe-only`'s report: the probe's GB/s at each thread count, median [min-max] of its passes."""
+    out = [f"streaming read of {PROBE['bytes'] / 2**30:g} GiB, {PROBE['passes']} passes (GB/s, median [min-max]):"]
+    for t in threads:
+        p = read_probe(t)
+        if p is None:
+            sys.exit("error: the read probe needs ggml's shim, which does not load here (MOECTL_GGML=0, or no build)")
+        out.append(f"  {t:>3} thr {_spread({'median': p['gbps'], 'min': p['min'], 'max': p['max']}, 20)}")
+    return out
+
+
+def roofline(read: dict, probes: list[dict | None], decode_ms: dict[str, float]) -> dict:
+    """A row's roofline fields: the probes' passes pooled (median [min-max]); per tool the GB/s its median decode
+    achieved (bytes a token / ms a token) and that as a % of the probes' median; the floor, ms/token at that median.
+    Where no probe ran: the achieved GB/s alone."""
+    achieved = {tool: read["total"] / (ms / 1e3) / 1e9 for tool, ms in decode_ms.items()}
+    out = {"decode_read_bytes": read, "read_probe": probes, "achieved_gbps": achieved}
+    passes = [x for p in probes if p for x in p["passes"]]
+    if passes:
+        bw = summary(passes)
+        out.update(read_gbps=bw, roofline_pct={tool: 100 * g / bw["median"] for tool, g in achieved.items()},
+                   roofline_ms=read["total"] / (bw["median"] * 1e9) * 1e3)
+    return out
+
+
 def compare(shape: str, layers: int, work: Path, types: list[str], threads: list[int], repeat: int, gen: int,
             prompt: int, prefill: int, drop_bf16: bool = False, files: dict[str, Path] | None = None) -> dict:
     """`files` ({label: GGUF}): time these instead of making the shape's (`--gguf`)."""
@@ -209,7 +264,9 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
     rows = []
     for qt, path in files.items():
         warm_page_cache(path)
+        read = token_read_bytes(path)
         for t in threads:
+            before = read_probe(t)              # this row's bandwidth, just before and just after its rounds
             runs = {"moectl": [], "llama.cpp": []}
             for r in range(repeat):
                 for tool in (("moectl", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "moectl")):
@@ -232,11 +289,15 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
             # round's own ratio is the steadier figure of the two
             row["paired_ratio"] = {k: statistics.median(a[k] / b[k] for a, b in zip(runs["moectl"], runs["llama.cpp"]))
                                    for k in FIGURES}
+            row.update(roofline(read, [before, read_probe(t)], {tool: row[tool]["decode_ms"]["median"]
+                                                                 for tool in runs}))
             rows.append(row)
     smallest = min(files.values(), key=lambda g: g.stat().st_size)
     return {"shape": shape, "layers": layers, "rows": rows, "load": os.getloadavg(),
             "llamacpp_version": llamacpp.VERSION, "host_isa": host_isa(),
-            "llamacpp_system_info": llamacpp.system_info(smallest)}
+            "llamacpp_system_info": llamacpp.system_info(smallest),
+            "read_probe_setup": {**PROBE, "why_not": None if any(r.get("read_gbps") for r in rows) else
+                                 "ggml's shim did not load here: no probe"}}
 
 
 def _spread(s: dict, width: int, prec: int = 1) -> str:
@@ -261,6 +322,7 @@ def table(res: dict) -> list[str]:
         paired = r.get("paired_ratio", r["ratio"])["decode_ms"]         # a JSON from before stop 53 has none
         out.append(f"{r['type']:9} {r['threads']:>3} {_spread(m['decode_ms'], 25)} {_spread(l['decode_ms'], 22)} "
                    f"{r['ratio']['decode_ms']:6.2f} {paired:6.2f}")
+    out += roofline_table(res["rows"])
     out += ["", f"{'type':9} {'thr':>3} {'prefill tok/s: moectl':>21} {'llama':>6} {'ratio':>5} "
                 f"{'RSS GB':>6} {'llama':>5} {'load s':>6} {'llama':>5}"]
     for r in res["rows"]:
@@ -289,13 +351,53 @@ def table(res: dict) -> list[str]:
     return out
 
 
+def roofline_table(rows: list[dict]) -> list[str]:
+    """Decode against the memory roofline, one line a row (none for a JSON from before stop 54): MB a token reads,
+    the read probe's GB/s at the row's threads, each tool's achieved GB/s and its % of the probe, the floor."""
+    if not any("decode_read_bytes" in r for r in rows):
+        return []
+    import textwrap
+
+    n = next((r["read_gbps"]["n"] for r in rows if r.get("read_gbps")), 0)
+    out = [""] + textwrap.wrap(
+        "Decode against the memory roofline: MB/tok = what a token reads (header: dense + lm_head + 1 embedding row "
+        f"+ top-k experts); read GB/s = the streaming-read probe at the row's threads ({n} passes, before and after "
+        "the row's rounds); moectl, llama = GB/s (MB/tok / median ms/token); % = of the probe's median; floor = "
+        "ms/token at the probe's median", 80)
+    out.append(f"{'type':9} {'thr':>3} {'MB/tok':>7} {'read GB/s [min-max]':>19} {'moectl':>6} {'%':>4} "
+               f"{'llama':>6} {'%':>4} {'floor ms':>8}")
+
+    def cell(x: float | None, width: int, fmt: str) -> str:         # "-" where no probe ran
+        return f"{x:{width}{fmt}}" if x is not None else "-".rjust(width)
+
+    for r in rows:
+        if "decode_read_bytes" not in r:
+            continue
+        got, bw, pct = r["achieved_gbps"], r.get("read_gbps"), r.get("roofline_pct", {})
+        probe = _spread(bw, 19) if bw else "-".rjust(19)
+        out.append(f"{r['type']:9} {r['threads']:>3} {r['decode_read_bytes']['total'] / 1e6:7.1f} {probe} "
+                   f"{got['moectl']:6.1f} {cell(pct.get('moectl'), 4, '.0f')} {got['llama.cpp']:6.1f} "
+                   f"{cell(pct.get('llama.cpp'), 4, '.0f')} {cell(r.get('roofline_ms'), 8, '.2f')}")
+    return out
+
+
 def print_table(res: dict) -> None:
     print("\n" + "\n".join(table(res)))
 
 
+ROOFLINE_HELP = """\
+Beside the decode ratios, the memory roofline (stop 54): a decode token reads every weight it uses
+once, so a memory-bound decode takes at least bytes read / streaming bandwidth, whatever the
+kernels. Per file, the bytes a token reads come from the GGUF header (dense tensors, lm_head, one
+embedding row, top-k of each layer's experts, at the file's encodings); per row, a read probe
+(pthreads streaming a --probe-gb buffer, the row's threads) runs just before and after its rounds.
+The second table and the JSON rows' decode_read_bytes, read_probe, read_gbps, achieved_gbps,
+roofline_pct and roofline_ms: each tool's GB/s and its % of the probe (near 100: memory-bound)."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ROOFLINE_HELP)
     ap.add_argument("--shape", default="qwen3-moe", help="a recipe make-synthetic writes: mixtral, qwen3-moe, "
                     "gpt-oss-20b, qwen1.5-moe")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
@@ -321,7 +423,19 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, nargs="+", help="time these GGUF files instead of making the shape's (e.g. "
                     "bench/gguf_gpt_oss.py --write-only's real GPT-OSS file: --shape gpt-oss-20b is a "
                     "Mixtral-architecture file of GPT-OSS's shapes)")
+    ap.add_argument("--probe-gb", type=float, default=PROBE["bytes"] / 2**30, help="the read probe's buffer, GiB "
+                    "(default %(default)g: far past the caches; the roofline table's read GB/s)")
+    ap.add_argument("--probe-passes", type=int, default=PROBE["passes"], help="timed passes over it per probe, two "
+                    "probes a row (default %(default)s)")
+    ap.add_argument("--probe-only", action="store_true", help="run the read probe at --threads and print its GB/s; "
+                    "make and time nothing")
     a = ap.parse_args()
+    if a.probe_gb <= 0 or a.probe_passes < 1:
+        sys.exit("error: --probe-gb must be > 0 and --probe-passes >= 1")
+    PROBE.update(bytes=int(a.probe_gb * 2**30), passes=a.probe_passes)
+    if a.probe_only:
+        print("\n".join(probe_lines(a.threads)))
+        return
     TORCH_FREE[0] = a.engine == "auto"
     if a.gguf:
         from moectl.store.gguf.files import GgufFiles

@@ -219,19 +219,100 @@ def test_prepare_only_is_in_the_help_and_the_make_target_runs_the_issues_table()
 def test_the_paired_ratio_is_the_median_of_each_rounds_own_ratio(monkeypatch, tmp_path):
     """Rounds minutes apart drift together: the paired figure follows each round's own ratio, where the ratio of
     the medians can mix a fast round of one tool with a slow round of the other."""
-    path = tmp_path / "m.gguf"
-    path.write_bytes(b"x")
-    moectl = iter([10.0, 20.0, 30.0])                       # the host slows down round by round
-    llama = iter([11.0, 19.0, 33.0])
-    fig = lambda d: {"decode_ms": d, "prefill_tps": 100.0, "rss_gb": 1.0, "load_s": 1.0}  # noqa: E731
-    monkeypatch.setattr(gguf_vs_llamacpp, "moectl_run", lambda *a: {**fig(next(moectl)), "note": None,
-                                                                      "kernels": {},
-                                                                      "first_use_repack": {"matrices": 3, "s": 0.5}})
-    monkeypatch.setattr(gguf_vs_llamacpp, "llama_run", lambda *a: {**fig(next(llama)), "cpu": {}})
-    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "system_info", lambda gguf: "")
-    res = gguf_vs_llamacpp.compare("qwen3-moe", 2, tmp_path, [], [1], 3, 4, 2, 8, files={"f": path})
+    res = _fake_compare(monkeypatch, tmp_path, moectl=[10.0, 20.0, 30.0], llama=[11.0, 19.0, 33.0])
     row = res["rows"][0]
     assert row["ratio"]["decode_ms"] == pytest.approx(20.0 / 19.0)
     assert row["paired_ratio"]["decode_ms"] == pytest.approx(statistics.median([10 / 11, 20 / 19, 30 / 33]))
     assert row["paired_ratio"]["prefill_tps"] == 1.0
     assert row["first_use_repack"] == [{"matrices": 3, "s": 0.5}] * 3     # each run's, kept in the JSON
+
+
+READ = {"total": 2_000_000, "experts": 1_500_000, "lm_head": 400_000, "embedding_row": 1000, "dense": 99_000,
+        "top_k": 8, "experts_per_layer": 128}
+
+
+def _fake_compare(monkeypatch, tmp_path, moectl, llama, threads=(1,), probe=True, seen=None):
+    """`compare` on one stand-in file: each tool's decode ms/token round by round (`moectl`, `llama`), a token that
+    reads READ's bytes, and a read probe that answers 10 and 12 GB/s per pass times the threads (None: `probe`
+    False, as where ggml does not load); `seen` gets (threads, runs done so far) at every probe."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x")
+    repeat = len(moectl) // len(threads)
+    moectl, llama, runs = iter(moectl), iter(llama), []
+    fig = lambda d: {"decode_ms": d, "prefill_tps": 100.0, "rss_gb": 1.0, "load_s": 1.0}  # noqa: E731
+    monkeypatch.setattr(gguf_vs_llamacpp, "moectl_run", lambda *a: runs.append(1) or {
+        **fig(next(moectl)), "note": None, "kernels": {}, "first_use_repack": {"matrices": 3, "s": 0.5}})
+    monkeypatch.setattr(gguf_vs_llamacpp, "llama_run", lambda *a: runs.append(1) or {**fig(next(llama)), "cpu": {}})
+    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "system_info", lambda gguf: "")
+    monkeypatch.setattr(gguf_vs_llamacpp, "token_read_bytes", lambda p: READ if p == path else None)
+
+    def read_probe(t):
+        if seen is not None:
+            seen.append((t, len(runs)))
+        return {"passes": [10.0 * t, 12.0 * t, 11.0 * t], "threads": t} if probe else None
+
+    monkeypatch.setattr(gguf_vs_llamacpp, "read_probe", read_probe)
+    return gguf_vs_llamacpp.compare("qwen3-moe", 2, tmp_path, [], list(threads), repeat, 4, 2, 8, files={"f": path})
+
+
+def test_each_row_carries_the_bytes_a_token_reads_the_probe_and_each_tools_share_of_it(monkeypatch, tmp_path):
+    """The roofline fields (new beside the old ones): each tool's GB/s is the bytes a token reads over its median
+    ms/token, its % is of the median of the row's probe passes, taken at the row's threads just before and just
+    after its rounds; the floor is the bytes at that median."""
+    seen = []
+    res = _fake_compare(monkeypatch, tmp_path, moectl=[10.0, 20.0, 30.0, 5.0, 4.0, 6.0],
+                        llama=[8.0, 16.0, 24.0, 4.0, 5.0, 6.0], threads=(1, 2), seen=seen)
+    assert seen == [(1, 0), (1, 6), (2, 6), (2, 12)]              # before and after each row's 2 x 3 runs
+    one, two = res["rows"]
+    assert one["decode_read_bytes"] == READ and one["ratio"]["decode_ms"] == pytest.approx(20 / 16)   # kept
+    assert one["read_gbps"] == {"median": 11.0, "min": 10.0, "max": 12.0, "n": 6}    # both probes' passes
+    assert [p["threads"] for p in one["read_probe"]] == [1, 1]
+    # 2 MB a token: moectl's median 20 ms/token is 0.1 GB/s, llama.cpp's 16 ms 0.125; of 11 GB/s
+    assert one["achieved_gbps"] == pytest.approx({"moectl": 0.1, "llama.cpp": 0.125})
+    assert one["roofline_pct"] == pytest.approx({"moectl": 100 * 0.1 / 11, "llama.cpp": 100 * 0.125 / 11})
+    assert one["roofline_ms"] == pytest.approx(2e6 / 11e9 * 1e3)
+    assert two["read_gbps"]["median"] == 22.0 and two["achieved_gbps"]["moectl"] == pytest.approx(0.4)
+    assert res["read_probe_setup"] == {"bytes": 1 << 30, "passes": 7, "why_not": None}
+    json.dumps(res)                                                 # the JSON holds every field
+
+    for r in res["rows"]:                                           # what ran them, as a real run's rows say
+        r.update(kernels=_row("x", 1, 1, 0)["kernels"], llamacpp_cpu=_row("x", 1, 1, 0)["llamacpp_cpu"])
+    lines = gguf_vs_llamacpp.table({**res, "load": (1.0, 1, 1), "host_isa": "AVX2", "llamacpp_system_info": ""})
+    text = "\n".join(lines)
+    assert max(map(len, lines)) <= 80
+    roof = lines[lines.index(next(ln for ln in lines if ln.startswith("Decode against the memory roofline"))):]
+    head = next(i for i, ln in enumerate(roof) if ln.startswith("type"))
+    assert roof[head].split() == ["type", "thr", "MB/tok", "read", "GB/s", "[min-max]", "moectl", "%", "llama", "%",
+                                  "floor", "ms"]
+    assert roof[head + 1].split() == ["f", "1", "2.0", "11.0", "[10.0-12.0]", "0.1", "1", "0.1", "1", "0.18"]
+    assert roof[head + 2].split() == ["f", "2", "2.0", "22.0", "[20.0-24.0]", "0.4", "2", "0.4", "2", "0.09"]
+    assert "before and after" in text
+
+
+def test_without_a_probe_the_rows_keep_the_achieved_figure_and_the_table_says_dash(monkeypatch, tmp_path):
+    res = _fake_compare(monkeypatch, tmp_path, moectl=[10.0], llama=[8.0], probe=False)
+    row = res["rows"][0]
+    assert row["achieved_gbps"] == pytest.approx({"moectl": 0.2, "llama.cpp": 0.25})
+    assert "read_gbps" not in row and "roofline_pct" not in row and row["read_probe"] == [None, None]
+    assert "ggml's shim did not load" in res["read_probe_setup"]["why_not"]
+    lines = gguf_vs_llamacpp.roofline_table(res["rows"])
+    assert lines[-1].split() == ["f", "1", "2.0", "-", "0.2", "-", "0.2", "-", "-"]
+
+
+def test_a_json_from_before_the_roofline_prints_no_roofline_table():
+    assert gguf_vs_llamacpp.roofline_table([_row("Q8_0", 1, 10.0, 1.0)]) == []
+
+
+def test_the_help_explains_the_roofline():
+    out = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--help"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert "--probe-gb" in out and "memory roofline" in out and "roofline_pct" in out
+
+
+def test_probe_only_prints_each_thread_counts_figure_and_refuses_a_bad_buffer(monkeypatch):
+    monkeypatch.setattr(gguf_vs_llamacpp, "read_probe", lambda t: {"gbps": 10.0 * t, "min": 9.0 * t, "max": 11.0 * t})
+    lines = gguf_vs_llamacpp.probe_lines([1, 2])
+    assert [ln.split() for ln in lines[1:]] == [["1", "thr", "10.0", "[9.0-11.0]"], ["2", "thr", "20.0", "[18.0-22.0]"]]
+    r = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--probe-only", "--probe-gb", "0"],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode != 0 and r.stderr.strip() == "error: --probe-gb must be > 0 and --probe-passes >= 1"

@@ -614,3 +614,31 @@ def experts_routed(x: torch.Tensor, experts: dict[int, dict], ids: torch.Tensor,
         (cd, _), = d0.bias_stacked
         return moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts, biases=(cg, cu, cd), swiglu_oai=swiglu_oai).to(x.dtype)
     return moe(encs, bg, bu, bd, A, H, I, xs, ids32, wts, expert_stride=stride).to(x.dtype)
+
+
+# --- the memory roofline: what the cores can stream from DRAM (bench/gguf_vs_llamacpp.py, stop 54) ----------------
+
+READ_PROBE_BYTES = 1 << 30        # far past any cache this code runs on (a 256 MB L3 would still be a quarter)
+
+
+def read_bandwidth(nbytes: int = READ_PROBE_BYTES, threads: int = 1, passes: int = 7) -> dict:
+    """Streaming-read bandwidth, GB/s (1e9 bytes a second): `threads` pthreads each read their own slice of one
+    `nbytes` buffer, `passes` times, with the vector loads ggml's kernels use (the shim's `mg_read_bandwidth`; first
+    touch untimed). A decode token reads each weight it uses once, so bytes read / this is the fastest a token can
+    be on this machine. {"gbps": median, "min", "max", "passes": [GB/s of each], "bytes": read a pass, "threads"}.
+    The median: a pass the machine's other work slowed is one figure of `passes`, not the figure."""
+    lib = require()
+    fn = lib.mg_read_bandwidth
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p], ctypes.c_int
+    out = (ctypes.c_double * passes)()
+    rc = fn(int(nbytes), int(threads), int(passes), ctypes.addressof(out))
+    if rc:
+        why = {-1: f"cannot allocate {nbytes / 1e9:.2f} GB", -2: f"cannot start {threads} threads",
+               -3: f"needs threads >= 1, passes >= 1 and at least 4 KiB a thread (got {nbytes} bytes, "
+                   f"{threads} threads, {passes} passes)"}
+        raise MoectlError(f"the read-bandwidth probe failed: {why.get(rc, f'code {rc}')}")
+    gbps = [x / 1e9 for x in out]
+    per_thread = nbytes // threads // 4096 * 4096
+    return {"gbps": float(np.median(gbps)), "min": min(gbps), "max": max(gbps), "passes": gbps,
+            "bytes": per_thread * threads, "threads": int(threads)}

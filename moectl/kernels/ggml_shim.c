@@ -1169,3 +1169,144 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     free(swa_maskv);
     return rc;
 }
+
+// --- a streaming-read bandwidth probe: the memory roofline beside the decode ratios (stop 54) ----------------------
+//
+// A decode token reads every weight it uses once (the dense matrices, the lm_head, top-k of each layer's experts) and
+// reuses none of it, so its ms/token is at best bytes read / the bandwidth the cores can stream from DRAM. This
+// measures that figure on the machine the benchmark runs on (bench/gguf_vs_llamacpp.py), with the loads ggml's
+// kernels use here: each of N pthreads reads its own contiguous slice of one buffer far larger than the caches
+// (>= 1 GB), 256-bit loads where the CPU has AVX2 (128-bit SSE2 / the compiler's otherwise), four independent sums
+// so the loop is bound by memory, not by an add chain, and the sums kept so nothing is elided. No pinning, as ggml's
+// threadpool does not pin by default. Why not a ggml op: ggml_sum / sum_rows reduce on one thread only, and a matvec
+// measures its dot products too (what the probe is to be compared with).
+//
+// The buffer is written first, each slice by the thread that reads it (the page faults and first touch, untimed);
+// then `passes` timed passes, each from a barrier every reader leaves together to one every reader reaches, timed
+// by a thread that reads nothing.
+
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+__attribute__((target("avx2"))) static uint64_t bw_read_avx2(const uint8_t *p, size_t n) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+    for (size_t i = 0; i + 128 <= n; i += 128) {
+        s0 = _mm256_add_epi64(s0, _mm256_load_si256((const __m256i *)(p + i)));
+        s1 = _mm256_add_epi64(s1, _mm256_load_si256((const __m256i *)(p + i + 32)));
+        s2 = _mm256_add_epi64(s2, _mm256_load_si256((const __m256i *)(p + i + 64)));
+        s3 = _mm256_add_epi64(s3, _mm256_load_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i s = _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3));
+    return (uint64_t)_mm256_extract_epi64(s, 0) + (uint64_t)_mm256_extract_epi64(s, 1) +
+           (uint64_t)_mm256_extract_epi64(s, 2) + (uint64_t)_mm256_extract_epi64(s, 3);
+}
+#endif
+
+static uint64_t bw_read_plain(const uint8_t *p, size_t n) {
+    const uint64_t *q = (const uint64_t *)p;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i + 4 <= n / 8; i += 4) {
+        s0 += q[i];
+        s1 += q[i + 1];
+        s2 += q[i + 2];
+        s3 += q[i + 3];
+    }
+    return s0 + s1 + s2 + s3;
+}
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    int state;             // 0: readers wait for every reader to have started; 1: go; -1: one could not, stop
+} bw_gate;
+
+typedef struct {
+    uint8_t *slice;
+    size_t n;
+    int passes, avx2;
+    bw_gate *gate;
+    pthread_barrier_t *bar;
+    uint64_t sum;          // read back by the caller: the loads cannot be elided
+} bw_reader;
+
+static volatile uint64_t bw_sink;
+
+static void *bw_read_slice(void *ap) {
+    bw_reader *r = ap;
+    pthread_mutex_lock(&r->gate->lock);
+    while (r->gate->state == 0) pthread_cond_wait(&r->gate->changed, &r->gate->lock);
+    int go = r->gate->state > 0;
+    pthread_mutex_unlock(&r->gate->lock);
+    if (!go) return NULL;
+    memset(r->slice, 1, r->n);                           // first touch, by the thread that reads the slice
+    pthread_barrier_wait(r->bar);                        // every slice written
+    for (int p = 0; p < r->passes; p++) {
+        pthread_barrier_wait(r->bar);                    // start
+#if defined(__x86_64__) || defined(__i386__)
+        r->sum += r->avx2 ? bw_read_avx2(r->slice, r->n) : bw_read_plain(r->slice, r->n);
+#else
+        r->sum += bw_read_plain(r->slice, r->n);
+#endif
+        pthread_barrier_wait(r->bar);                    // every slice read
+    }
+    return NULL;
+}
+
+static double bw_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// Reads `bytes` (rounded down to whole 4 KiB pages per thread) with `n_threads` readers `passes` times; bytes/s of
+// each pass into out[passes]. Returns 0, -1 when the buffer cannot be had, -2 when a reader cannot start, -3 on
+// arguments out of range.
+int mg_read_bandwidth(int64_t bytes, int n_threads, int passes, double *out) {
+    if (n_threads < 1 || n_threads > 1024 || passes < 1 || bytes < 4096 * (int64_t)n_threads) return -3;
+    size_t slice = (size_t)bytes / n_threads / 4096 * 4096, total = slice * n_threads;
+    uint8_t *buf = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    bw_reader *rs = calloc(n_threads, sizeof(bw_reader));
+    pthread_t *ts = calloc(n_threads, sizeof(pthread_t));
+    if (buf == MAP_FAILED || !rs || !ts) {
+        if (buf != MAP_FAILED) munmap(buf, total);
+        free(rs);
+        free(ts);
+        return -1;
+    }
+    bw_gate gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)n_threads + 1);
+    int avx2 = 0, started = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    avx2 = __builtin_cpu_supports("avx2");
+#endif
+    for (; started < n_threads; started++) {
+        rs[started] = (bw_reader){buf + slice * started, slice, passes, avx2, &gate, &bar, 0};
+        if (pthread_create(&ts[started], NULL, bw_read_slice, &rs[started])) break;
+    }
+    pthread_mutex_lock(&gate.lock);
+    gate.state = started == n_threads ? 1 : -1;
+    pthread_cond_broadcast(&gate.changed);
+    pthread_mutex_unlock(&gate.lock);
+    if (gate.state > 0) {
+        pthread_barrier_wait(&bar);                      // every slice written (untimed)
+        for (int p = 0; p < passes; p++) {
+            double t0 = bw_now();
+            pthread_barrier_wait(&bar);
+            pthread_barrier_wait(&bar);
+            out[p] = (double)total / (bw_now() - t0);
+        }
+    }
+    uint64_t sum = 0;
+    for (int i = 0; i < started; i++) {
+        pthread_join(ts[i], NULL);
+        sum += rs[i].sum;
+    }
+    bw_sink = sum;
+    pthread_barrier_destroy(&bar);
+    munmap(buf, total);
+    free(rs);
+    free(ts);
+    return started == n_threads ? 0 : -2;
+}

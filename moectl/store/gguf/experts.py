@@ -174,3 +174,24 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def decode_read_bytes(files: GgufFiles) -> dict:
+    """Bytes one decode token reads of the weights, from the header alone, at the file's own encodings (gguf's
+    block sizes: `TensorEntry.nbytes`): every dense tensor whole (attention, routers, norms, biases, a shared expert,
+    a dense layer's FFN), the lm_head whole (`output.weight`, or the embedding matrix where the file ties them),
+    one row of the embedding (a token looks up one row, not the matrix), and per MoE layer the top-k experts'
+    matrices (and biases), k from `{arch}.expert_used_count`. Not counted: the KV cache (it grows with the context;
+    a few hundred KB at the benchmark's 16-48 positions) and activations. A token of a memory-bound decode can take
+    no less than these bytes / the bandwidth the cores stream at (bench/gguf_vs_llamacpp.py, docs/gguf.md stop 54).
+    {"total", "experts", "lm_head", "embedding_row", "dense" (the rest), "top_k", "experts_per_layer"}."""
+    index = ExpertIndex(files)
+    top_k = int(files.get("{arch}.expert_used_count", required=True))
+    embd = files.entry("token_embd.weight")                 # [V, H], torch order: one row per token
+    lm_head = files.tensors.get("output.weight", embd)
+    row = embd.nbytes // embd.shape[0]
+    dense = sum(t.nbytes for n, t in files.tensors.items()
+                if not _is_expert(n) and n not in ("token_embd.weight", "output.weight"))
+    experts = sum(top_k * index.expert_nbytes(layer) for layer in index.layers)
+    return {"total": dense + lm_head.nbytes + row + experts, "experts": experts, "lm_head": lm_head.nbytes,
+            "embedding_row": row, "dense": dense, "top_k": top_k, "experts_per_layer": index.num_experts}
