@@ -169,13 +169,15 @@ def moectl_run(gguf: Path, threads: int, gen: int, prompt: int, prefill: int) ->
     return moectl_timed.moectl_run({"model": str(gguf)}, threads, prompt, gen, prefill, time_load=True)
 
 
-def llama_run(gguf: Path, threads: int, gen: int, prefill: int) -> dict:
-    """llama-bench's loop: load + one token (wall time less the token), a decode of `gen`, a prefill of `prefill`;
-    the largest peak RSS of the three, and what llama-bench reports of the CPU and backend it ran on."""
+def llama_run(gguf: Path, threads: int, gen: int, prefill: int, depth: int = 0) -> dict:
+    """llama-bench's loop: load + one token (wall time less the token), a decode of `gen` after `depth` tokens of
+    context (`-d`: filled untimed, as moectl's side decodes after its `prompt`; both then attend the same
+    positions), a prefill of `prefill`; the largest peak RSS of the three, and what llama-bench reports of the CPU
+    and backend it ran on."""
     t0 = time.perf_counter()
     one = llamacpp.bench(gguf, threads, prompt=0, gen=1, reps=1)
     load_s = time.perf_counter() - t0 - 1 / one["tokens_per_s"]
-    dec_rows, dec_rss = llamacpp.bench_rows(gguf, ["-t", threads, "-p", 0, "-n", gen, "-r", 1])
+    dec_rows, dec_rss = llamacpp.bench_rows(gguf, ["-t", threads, "-p", 0, "-n", gen, "-d", depth, "-r", 1])
     pre = llamacpp.bench(gguf, threads, prompt=prefill, gen=0, reps=1)
     d = dec_rows[0]
     return {"prefill_tps": pre["tokens_per_s"], "decode_ms": 1000 / d["avg_ts"], "load_s": load_s,
@@ -272,7 +274,7 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
                 for tool in (("moectl", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "moectl")):
                     _log(f"{qt} t={t} round {r + 1}/{repeat}: {tool}")
                     runs[tool].append(moectl_run(path, t, gen, prompt, prefill) if tool == "moectl"
-                                      else llama_run(path, t, gen, prefill))
+                                      else llama_run(path, t, gen, prefill, prompt))
             row = {"type": qt, "threads": t, "file_gb": path.stat().st_size / 1e9,
                    "note": runs["moectl"][0].get("note"),
                    # per run: moectl's kernels (ggml and its CPU features, or why not), llama-bench's CPU/backend

@@ -73,8 +73,11 @@ def moectl_quantize(ckpt: str, workdir: str, lowbit: str) -> float:
 
 
 # ------------------------------------------------------------------------------------------- llama.cpp's side
-def llama_run(gguf: Path, threads: int, gen: int, prefill: int) -> dict:
-    dec = llamacpp.bench(gguf, threads, prompt=0, gen=gen, reps=1)
+def llama_run(gguf: Path, threads: int, gen: int, prefill: int, depth: int = 0) -> dict:
+    """llama-bench: a decode of `gen` after `depth` tokens of context (`-d`, untimed: moectl's side decodes after
+    its prompt), a prefill of `prefill`."""
+    rows, rss = llamacpp.bench_rows(gguf, ["-t", threads, "-p", 0, "-n", gen, "-d", depth, "-r", 1])
+    dec = {"tokens_per_s": rows[0]["avg_ts"], "rss_gb": rss}
     pre = llamacpp.bench(gguf, threads, prompt=prefill, gen=0, reps=1)
     return {"prefill_tps": pre["tokens_per_s"], "decode_ms": 1000 / dec["tokens_per_s"],
             "rss_gb": max(dec["rss_gb"], pre["rss_gb"])}
@@ -197,7 +200,7 @@ def compare(shape: str, layers: int, work: Path, threads: list[int], precisions:
                         res = moectl_run(str(prep["checkpoint"]), str(work), MOECTL_LOWBIT[p], t, prompt, gen,
                                          prefill, dense_lowbit if "+dense" in name else None)
                     else:
-                        res = llama_run(prep["ggufs"][name], t, gen, prefill)
+                        res = llama_run(prep["ggufs"][name], t, gen, prefill, prompt)
                     runs[(tool, name)].append(res)
             for (tool, name), rs in runs.items():
                 nbytes = moectl_bytes_per_token(prep["checkpoint"], work, MOECTL_LOWBIT[p],

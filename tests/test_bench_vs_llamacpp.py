@@ -316,3 +316,23 @@ def test_probe_only_prints_each_thread_counts_figure_and_refuses_a_bad_buffer(mo
     r = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--probe-only", "--probe-gb", "0"],
                        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode != 0 and r.stderr.strip() == "error: --probe-gb must be > 0 and --probe-passes >= 1"
+
+
+def test_llama_bench_decodes_after_the_same_context_as_moectl(monkeypatch):
+    """Both benches' llama.cpp side decodes after `prompt` tokens of context (`-d`, filled untimed), as moectl's
+    side decodes after its prompt: each tool's attention reads the same positions."""
+    calls = []
+    row = {"avg_ts": 50.0, "stddev_ts": 0.0}
+
+    def bench_rows(gguf, args, root=None):
+        calls.append([str(a) for a in args])
+        return [row], 1.0
+
+    monkeypatch.setattr(gguf_vs_llamacpp.llamacpp, "bench_rows", bench_rows)
+    monkeypatch.setattr(vs_llamacpp.llamacpp, "bench_rows", bench_rows)
+    for llama_run in (gguf_vs_llamacpp.llama_run, vs_llamacpp.llama_run):
+        calls.clear()
+        res = llama_run(Path("m.gguf"), 2, 32, 64, 16)
+        dec = [c for c in calls if c[c.index("-n") + 1] == "32"]
+        assert len(dec) == 1 and dec[0][dec[0].index("-d") + 1] == "16" and dec[0][dec[0].index("-p") + 1] == "0"
+        assert res["decode_ms"] == 1000 / 50.0
