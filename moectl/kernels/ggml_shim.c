@@ -338,24 +338,6 @@ void mg_repack_stats(int64_t *out) {
     pthread_mutex_unlock(&rp_lock);
 }
 
-static void rp_repack(rp_entry *e, int64_t a);
-
-// every expert of every copy held that is not repacked yet, repacked now (the first-use work left: what llama.cpp's
-// loader does for every expert at load); returns how many were
-int64_t mg_repack_finish(void) {
-    int64_t done = 0;
-    pthread_mutex_lock(&rp_lock);
-    for (int k = 0; k < RP_BUCKETS; k++)
-        for (rp_entry *e = rp_table[k]; e; e = e->next)
-            for (int64_t a = 0; a < e->ne2; a++)
-                if (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) {
-                    rp_repack(e, a);
-                    done++;
-                }
-    pthread_mutex_unlock(&rp_lock);
-    return done;
-}
-
 static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // under rp_lock
     int64_t A = w->ne[2];
     rp_entry *e = calloc(1, sizeof(rp_entry));
@@ -416,6 +398,22 @@ static void rp_repack(rp_entry *e, int64_t a) {
         return;
     }
     while (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) sched_yield();   // another thread's, soon
+}
+
+// every expert of every copy held that is not repacked yet, repacked now (the first-use work left: what llama.cpp's
+// loader does for every expert at load); returns how many were
+int64_t mg_repack_finish(void) {
+    int64_t done = 0;
+    pthread_mutex_lock(&rp_lock);
+    for (int k = 0; k < RP_BUCKETS; k++)
+        for (rp_entry *e = rp_table[k]; e; e = e->next)
+            for (int64_t a = 0; a < e->ne2; a++)
+                if (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) {
+                    rp_repack(e, a);
+                    done++;
+                }
+    pthread_mutex_unlock(&rp_lock);
+    return done;
 }
 
 // expert a's matrix of entry e: its 2-d header in e's buffer, repacked on first use
