@@ -155,6 +155,7 @@ typedef struct rp_entry {
     struct ggml_tensor **slice;          // [A] 2-d headers of expert e's matrix in that buffer
     ggml_backend_buffer_t buf;
     uint8_t *done;                       // [A] RP_TODO, RP_BUSY (a thread is repacking it) or RP_DONE; atomic
+    struct rp_group *group;              // the rp_lazy group whose first copy this is (NULL: none yet)
     struct rp_entry *next;               // hash chain
 } rp_entry;
 
@@ -162,7 +163,8 @@ typedef struct rp_entry {
 enum { RP_TODO = 0, RP_BUSY = 1, RP_DONE = 2 };
 
 // The experts a graph's in-graph routing picks are repacked by the graph itself, an op before their MUL_MAT_IDs
-// (rp_lazy): one group per layer's stacks, kept while its entries live.
+// (rp_lazy): one group per layer's stacks, kept while its entries live, found from its first copy (rp_entry.group),
+// so a graph's build finds each layer's in O(1), not by a walk over every layer's.
 typedef struct rp_group {
     int n;
     struct rp_entry *e[3];               // the layer's gate, up, down copies (those ggml repacks)
@@ -294,6 +296,8 @@ static void rp_drop(rp_entry *e) {
         int uses = 0;
         for (int i = 0; i < g->n; i++) uses |= g->e[i] == e;
         if (uses) {
+            for (int i = 0; i < g->n; i++)
+                if (g->e[i]->group == g) g->e[i]->group = NULL;         // a copy that stays finds no freed group
             *pg = g->next;
             free(g);
         } else {
@@ -530,6 +534,14 @@ static void rp_lazy_op(struct ggml_tensor *dst, const struct ggml_tensor *ids, i
     }
 }
 
+// whether group g holds exactly the n copies es, in that order
+static int rp_group_is(const rp_group *g, rp_entry *const *es, int n) {
+    if (!g || g->n != n) return 0;
+    for (int i = 0; i < n; i++)
+        if (g->e[i] != es[i]) return 0;
+    return 1;
+}
+
 // ids computed inside the graph (its routing), about to pick experts of the stacks Wg, Wu, Wd: where ggml repacks
 // some of them, the ids pass through rp_lazy_op first, so an expert is repacked when a token first routes to it
 // (llama.cpp repacks all of them at load; the issue asks for no such pass before the first token), and the
@@ -551,15 +563,16 @@ static struct ggml_tensor *rp_lazy(struct ggml_context *ctx, struct ggml_tensor 
         rp_entry *e = rp_find(ws[k]);
         if (e || (e = rp_new(ws[k], reg - 1))) es[n++] = e;
     }
-    rp_group *g = rp_groups;
-    while (g && !(g->n == n && (n < 1 || g->e[0] == es[0]) && (n < 2 || g->e[1] == es[1]) &&
-                  (n < 3 || g->e[2] == es[2])))
-        g = g->next;
-    if (n && !g && (g = calloc(1, sizeof(*g)))) {
-        g->n = n;
-        memcpy(g->e, es, sizeof(es[0]) * (size_t)n);
-        g->next = rp_groups;
-        rp_groups = g;
+    rp_group *g = n ? es[0]->group : NULL;
+    if (n && !rp_group_is(g, es, n)) {       // first build of this layer (or its first copy in another group)
+        for (g = rp_groups; g && !rp_group_is(g, es, n); g = g->next) {}
+        if (!g && (g = calloc(1, sizeof(*g)))) {
+            g->n = n;
+            memcpy(g->e, es, sizeof(es[0]) * (size_t)n);
+            g->next = rp_groups;
+            rp_groups = g;
+        }
+        es[0]->group = g;
     }
     pthread_mutex_unlock(&rp_lock);
     if (!n || !g) return ids;
