@@ -417,3 +417,30 @@ def test_finishing_the_first_use_repack_repacks_every_expert_left(q4_0_gguf, tmp
     _, kv = off.graph.forward(np.array([5]), None)
     want, _ = off.graph.forward(np.array([7, 11]), kv)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_forward_whose_only_copies_are_its_experts_counts_as_a_graph_that_used_one(q4_0_gguf, tmp_path,
+                                                                                     monkeypatch):
+    """The whole forward's graph hands its stacks' copies to its MUL_MAT_IDs as it is built (rp_lazy), never by a
+    second look-up at the graph's end: with only the experts repacked (MOECTL_GGML_REPACK=q4_0 on a file whose dense
+    matrices are Q8_0, which AVX2's ggml never repacks), each forward still counts as a graph that read a copy, and
+    its routed experts are repacked and nothing else."""
+    from gguf_build import k256_mixtral, write_gguf
+    from moectl.runtime.engine import Engine
+
+    monkeypatch.setenv("MOECTL_GGML", "1")
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "q4_0")
+    repacked_here(T.Q4_0, (256, 256))
+    if ggml.repacks(T.Q8_0, (256, 256)):
+        pytest.skip("this CPU's ggml repacks Q8_0 too (NEON): the dense matrices would have copies")
+    path = write_gguf(k256_mixtral(tmp_path), tmp_path / "q8-dense.gguf", dense_encoding=T.Q8_0,
+                      expert_encoding=T.Q4_0)
+    eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path / "on"))
+    graph = eng.graph
+    assert graph is not None, eng.plan_note
+    gc.collect()
+    before = ggml.repack_stats()
+    graph.forward(np.array([5, 7]), None)
+    routed = sum(len({int(a) for a in ids.reshape(-1)}) for ids in graph.last_ids)      # [L, T, U] -> experts
+    assert delta(before) == {"copies": graph.n_layer * 3, "repacked": 3 * routed,
+                             "bytes": graph.n_layer * 3 * graph.n_expert * (256 * 256 // 32 * 18), "graphs": 1}
