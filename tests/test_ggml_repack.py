@@ -444,3 +444,36 @@ def test_a_forward_whose_only_copies_are_its_experts_counts_as_a_graph_that_used
     routed = sum(len({int(a) for a in ids.reshape(-1)}) for ids in graph.last_ids)      # [L, T, U] -> experts
     assert delta(before) == {"copies": graph.n_layer * 3, "repacked": 3 * routed,
                              "bytes": graph.n_layer * 3 * graph.n_expert * (256 * 256 // 32 * 18), "graphs": 1}
+
+
+def test_the_first_use_repack_finishes_in_bounded_pieces(q4_0_gguf, tmp_path, monkeypatch):
+    """`ggml.finish_repack(max_bytes)` (an idle server's piece): at least one matrix, and stops once `max_bytes` of
+    copies are written -- 1 byte: one matrix; 2 matrices' bytes + 1: three -- and `repack_progress()` says the
+    matrices repacked out of those held as it goes, all of them once the pieces run out."""
+    import shutil
+
+    from moectl.runtime.engine import Engine
+
+    monkeypatch.setenv("MOECTL_GGML", "1")
+    repacked_here(T.Q4_0, (256, 256))
+    own = shutil.copy(q4_0_gguf, tmp_path / "own.gguf")
+    eng = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "on"))
+    graph = eng.graph
+    gc.collect()
+    ggml.finish_repack()                # what earlier tests' copies still held have left
+    done0, held0 = ggml.repack_progress()
+    assert done0 == held0
+    graph.forward(np.array([5]), None)
+    routed = sum(len({int(a) for a in ids.reshape(-1)}) for ids in graph.last_ids)
+    dense, experts = 2 * 4 + 1, 3 * graph.n_layer * graph.n_expert      # q k v o a layer, lm_head; gate up down
+    done, held = ggml.repack_progress()
+    assert (done - done0, held - held0) == (dense + 3 * routed, dense + experts)
+    matrix = 256 * 256 // 32 * 18                                        # a Q4_0 [256, 256] expert matrix's bytes
+    assert ggml.finish_repack(1) == 1
+    assert ggml.finish_repack(2 * matrix + 1) == 3
+    assert ggml.repack_progress() == (done + 4, held)
+    pieces = 0
+    while ggml.finish_repack(matrix):
+        pieces += 1
+    assert pieces == experts - 3 * routed - 4
+    assert ggml.repack_progress() == (held, held)

@@ -404,20 +404,35 @@ static void rp_repack(rp_entry *e, int64_t a) {
     while (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) sched_yield();   // another thread's, soon
 }
 
-// every expert of every copy held that is not repacked yet, repacked now (the first-use work left: what llama.cpp's
-// loader does for every expert at load); returns how many were
-int64_t mg_repack_finish(void) {
-    int64_t done = 0;
+// experts of the copies held that are not repacked yet, repacked now (the first-use work left: what llama.cpp's
+// loader does for every expert at load): all of them when max_bytes <= 0, else until at least max_bytes of copies
+// are written (one matrix at least; an idle server's bounded piece, so a request arriving waits for one piece, not
+// the whole remainder); returns how many matrices were
+int64_t mg_repack_finish(int64_t max_bytes) {
+    int64_t done = 0, bytes = 0;
     pthread_mutex_lock(&rp_lock);
-    for (int k = 0; k < RP_BUCKETS; k++)
-        for (rp_entry *e = rp_table[k]; e; e = e->next)
-            for (int64_t a = 0; a < e->ne2; a++)
+    for (int k = 0; k < RP_BUCKETS && (max_bytes <= 0 || bytes < max_bytes); k++)
+        for (rp_entry *e = rp_table[k]; e && (max_bytes <= 0 || bytes < max_bytes); e = e->next)
+            for (int64_t a = 0; a < e->ne2 && (max_bytes <= 0 || bytes < max_bytes); a++)
                 if (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) {
                     rp_repack(e, a);
                     done++;
+                    bytes += (int64_t)ggml_nbytes(e->slice[a]);
                 }
     pthread_mutex_unlock(&rp_lock);
     return done;
+}
+
+// out[2]: of the matrices in the copies held (an expert of a stack counts one), how many are repacked, and all
+void mg_repack_progress(int64_t *out) {
+    out[0] = out[1] = 0;
+    pthread_mutex_lock(&rp_lock);
+    for (int k = 0; k < RP_BUCKETS; k++)
+        for (rp_entry *e = rp_table[k]; e; e = e->next) {
+            for (int64_t a = 0; a < e->ne2; a++) out[0] += __atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) == RP_DONE;
+            out[1] += e->ne2;
+        }
+    pthread_mutex_unlock(&rp_lock);
 }
 
 // expert a's matrix of entry e: its 2-d header in e's buffer, repacked on first use
