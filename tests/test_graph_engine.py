@@ -76,7 +76,8 @@ def test_torch_free_run_gives_the_engines_answer(q_file, tmp_path, capsys, monke
 
 def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch):
     """The saved config's fingerprint, the sizes the resolver splits, the host-memory check's need and the dense
-    bytes a run holds: the torch-free engine's equal the Engine's (lean load) on the same file."""
+    bytes a run holds: the torch-free engine's equal the Engine's (lean load) on the same file; its load names the
+    dense tensors computed in place once."""
     ggml_or_skip()
     needs = []
     for mod in (ge, __import__("moectl.runtime.load", fromlist=["x"])):
@@ -85,8 +86,12 @@ def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch)
                             lambda need, what, fits, real=real: (needs.append((need, what)), real(need, what, fits))[1])
     eng = Engine.load(str(q_file), progress=False, threads=1, workdir=str(tmp_path), device="cpu")
     eng.tokenizer                                           # saved in the workdir, as generate does
+    asked = []                                              # the header's dense names: one pass over it a load
+    names = ge.dense_in_place_names
+    monkeypatch.setattr(ge, "dense_in_place_names", lambda files: (asked.append(files), names(files))[1])
     fast, why = ge.GraphEngine.try_load(str(q_file), RuntimeOptions(threads=1, workdir=str(tmp_path), device="cpu"))
     assert why is None and fast is not None
+    assert len(asked) == 1
     view = saved_config(tmp_path, eng.adapter.gguf.files.paths)
     assert view.model_type == eng.adapter.family             # view_fingerprint's family: its model_type
     assert view_fingerprint(view) == config_fingerprint(eng.config) == fast.fingerprint

@@ -176,17 +176,19 @@ class GraphEngine:
         config = saved_config(ref.workdir, files.paths)
         if config is None:
             return None, "no config saved by an earlier run (this run saves it)"
-        why = _graph_why_not(config, files, opts)
+        mapped = dense_in_place_names(files)        # the dense tensors computed where they lie: asked once
+        why = _graph_why_not(config, files, mapped, opts)
         if why:
             return None, why
         tokenizer = saved_tokenizer(ref.workdir / "gguf-tokenizer", files.paths)
         if tokenizer is None:
             return None, "no tokenizer saved by an earlier run (this run saves it)"
-        eng = cls._load(ref, files, config, tokenizer, copy.deepcopy(opts))
+        eng = cls._load(ref, files, config, tokenizer, copy.deepcopy(opts), mapped)
         return (eng, None) if eng is not None else (None, "the resolved gating or prefetch needs the modules")
 
     @classmethod
-    def _load(cls, ref, files: GgufFiles, config, tokenizer, opts: RuntimeOptions) -> "GraphEngine | None":
+    def _load(cls, ref, files: GgufFiles, config, tokenizer, opts: RuntimeOptions,
+              mapped: frozenset) -> "GraphEngine | None":
         opts.check()
         device_note = "device: cpu (--device cpu)" if opts.device == "cpu" else \
             "device: cpu (--device auto; no GPU device on this machine)"
@@ -202,8 +204,7 @@ class GraphEngine:
         fingerprint = view_fingerprint(config)
         n_threads = thread_count(opts.threads, config.hidden_size, index_intermediate(config))
         ggml.set_threads(n_threads)
-        # the header's figures, each asked once: any expert's buffer, the dense tensors computed where they lie
-        slot_nbytes, mapped = index.slot_nbytes(), dense_in_place_names(files)
+        slot_nbytes = index.slot_nbytes()          # any expert's buffer, asked once
         header = index.sizes(mapped)
         rotary = rotary_tables_nbytes(config)
         # the sizes `store/facts.py: checkpoint_sizes` gives the lean load (its dense part before anything is mapped)
@@ -313,14 +314,14 @@ def _options_why_not(opts: RuntimeOptions) -> str | None:
     return None
 
 
-def _graph_why_not(config, files: GgufFiles, opts: RuntimeOptions) -> str | None:
+def _graph_why_not(config, files: GgufFiles, mapped: frozenset, opts: RuntimeOptions) -> str | None:
     """Why the one graph cannot serve this file's every forward (`load.py: lean_why_not`'s questions, asked of the
-    header and the saved config)."""
+    header and the saved config; `mapped`: its `dense_in_place_names`)."""
     if config.model_type not in LEAN_FAMILIES:
         return f"no torch-free run for the {config.model_type} family yet"
     why = graph_why_not(config, opts)               # MOECTL_GGML_GRAPH, the rope and layers, ggml's library
     if why is None and not ggml.planned():
         why = "ggml is not planned"
-    if why is None and not dense_in_place_names(files):
+    if why is None and not mapped:
         why = "no dense matrix computed where it lies"
     return why or gguf_tensors_missing(files, config.num_hidden_layers, config.model_type)
