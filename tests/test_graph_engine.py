@@ -229,3 +229,17 @@ def test_routed_counts_of_a_decode_step_are_the_sorted_counts():
     distinct, calls = ge.routed_counts(prefill, L)
     assert distinct.tolist() == [len(set(prefill[l][prefill[l] >= 0].tolist())) for l in range(L)]
     assert calls == int((prefill >= 0).sum())
+
+
+def test_token_sink_is_one_rule_for_both_engines():
+    """`TokenSink.for_generate`, both engines' sink: done at the config's and the tokenizer's EOS ids (an int or a
+    list), at none with stop_at_eos False, else at max_new tokens."""
+    from types import SimpleNamespace
+
+    from moectl.runtime.generation import TokenSink
+
+    config, tokenizer = SimpleNamespace(eos_token_id=[2, 7]), SimpleNamespace(eos_token_id=9)
+    sink = TokenSink.for_generate(config, tokenizer, 5, True)
+    assert sink.eos == {2, 7, 9} and sink.emit(9) and sink.tokens == [9]
+    sink = TokenSink.for_generate(config, tokenizer, 2, False)
+    assert sink.eos == set() and not sink.emit(9) and sink.emit(2) and sink.tokens == [9, 2]

@@ -50,7 +50,7 @@ from ..store.memory import (
     rotary_tables_nbytes,
 )
 from ..tables import plural
-from .generation import GenerationResult, PrefillProgress, TokenSink, eos_ids, generate_tokens, generation_stats
+from .generation import GenerationResult, PrefillProgress, TokenSink, generate_tokens, generation_stats
 from .generation import prompt_ids
 from .ggml_model import GgmlModel, gguf_tensors_missing
 from .ggml_model import why_not as graph_why_not
@@ -260,8 +260,7 @@ class GraphEngine:
         """`Engine.generate` (its arguments, its result and figures) through the one graph."""
         ids = prompt_ids(prompt, input_ids, chat, lambda: self.tokenizer)
         sampling = Sampling(greedy, temperature, top_p, seed)
-        out = TokenSink(self.tokenizer, max_new_tokens, eos_ids(self.config, self.tokenizer) if stop_at_eos
-                        else set(), on_token, should_stop)
+        out = TokenSink.for_generate(self.config, self.tokenizer, max_new_tokens, stop_at_eos, on_token, should_stop)
         before, calls0 = dict(self.counts), self.expert_calls
         run = generate_tokens(ids, out, self.forward, lambda row: sampling.pick(row)[0], lambda: dict(self.counts))
         new = out.tokens
