@@ -105,6 +105,8 @@ def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch)
     assert a.token_ids == b.token_ids and a.stats["device_held_bytes"] == b.stats["device_held_bytes"]
     assert fast.threads == eng.threads
     assert fast.plan_note == eng.plan_note.replace(LEAN_NOTE, TORCH_FREE_NOTE_TAIL)
+    shared = "(attention, shared expert, lm_head, embedding)" in fast.plan_note     # Qwen2-MoE's shared expert
+    assert shared == (eng.config.model_type == "qwen2_moe")
 
 
 def test_a_fresh_process_imports_neither_torch_nor_transformers(q_file, tmp_path, capsys, monkeypatch):
@@ -243,3 +245,19 @@ def test_token_sink_is_one_rule_for_both_engines():
     assert sink.eos == {2, 7, 9} and sink.emit(9) and sink.tokens == [9]
     sink = TokenSink.for_generate(config, tokenizer, 2, False)
     assert sink.eos == set() and not sink.emit(9) and sink.emit(2) and sink.tokens == [9, 2]
+
+
+def test_the_mapped_dense_note_names_what_is_mapped():
+    """The note on the dense matrices computed in place names the kinds the file's GGUF names are: Mixtral's
+    attention, lm_head and embedding; Qwen2-MoE's shared expert too; a tied lm_head (one matrix more than names,
+    no output.weight) still named; DeepSeek's dense layers' FFN."""
+    layer = {f"blk.0.attn_{p}.weight" for p in ("q", "k", "v", "output")}
+    mixtral = frozenset(layer | {"output.weight", "token_embd.weight"})
+    assert "(attention, lm_head, embedding)" in ge.mapped_dense_note(mixtral, 6)
+    qwen2 = mixtral | {f"blk.0.ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}
+    assert "9 dense matrices (attention, shared expert, lm_head, embedding)" in ge.mapped_dense_note(qwen2, 9)
+    tied = mixtral - {"output.weight"}
+    assert "6 dense matrices (attention, lm_head, embedding)" in ge.mapped_dense_note(tied, 6)
+    assert "(attention, embedding)" in ge.mapped_dense_note(tied, 5)
+    deepseek = mixtral | {"blk.0.ffn_gate.weight"}
+    assert "(attention, dense FFN, lm_head, embedding)" in ge.mapped_dense_note(deepseek, 7)

@@ -78,9 +78,22 @@ class GgufHeader:
         self.files = files
 
 
-def mapped_dense_note(count: int) -> str:
-    return (f"gguf: {plural(count, 'dense matrix', 'dense matrices')} (attention, lm_head, embedding) computed by "
-            "ggml where they lie in the mapped file")
+# what a dense matrix computed in place is, by its GGUF name, in the note's order (the first that matches)
+DENSE_KINDS = (("attention", lambda n: ".attn_" in n), ("shared expert", lambda n: "_shexp." in n),
+               ("dense FFN", lambda n: ".ffn_" in n), ("lm_head", lambda n: n.startswith("output.")),
+               ("embedding", lambda n: n.startswith("token_embd.")), ("other", lambda n: True))
+
+
+def mapped_dense_note(names: frozenset, count: int) -> str:
+    """The load's note on the `count` dense matrices computed where they lie, `names` their GGUF names (one fewer
+    than `count` where a tied lm_head reads the embedding's bytes: `mapped_count`), each kind the file has named:
+    attention and embedding always, Qwen2-MoE's shared expert, DeepSeek's dense layers' FFN."""
+    kinds = {next(kind for kind, match in DENSE_KINDS if match(n)) for n in names}
+    if count > len(names):
+        kinds.add("lm_head")
+    listed = ", ".join(kind for kind, _ in DENSE_KINDS if kind in kinds)
+    return (f"gguf: {plural(count, 'dense matrix', 'dense matrices')} ({listed}) computed by ggml where they lie in "
+            "the mapped file")
 
 
 def mapped_count(names: frozenset, config, files: GgufFiles) -> int:
@@ -222,7 +235,7 @@ class GraphEngine:
                           lambda free: host_options(free, "ram", True, True, 0, slot_nbytes, L, E, dense, kv))
         encodings = sorted({encoding_name(t.encoding) for layer in index.layers for _, t in index.parts(layer, 0)})
         opts.plan_note = "; ".join(filter(None, [opts.plan_note,
-                                                 mapped_dense_note(mapped_count(mapped, config, files)),
+                                                 mapped_dense_note(mapped, mapped_count(mapped, config, files)),
                                                  ggml_experts_note(encodings, n_threads)]))
         files.will_need()                           # the file into the page cache in the background
         graph = GgmlModel.from_gguf(GgufHeader(files), config)
