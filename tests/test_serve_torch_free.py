@@ -231,6 +231,35 @@ def test_serve_help_says_when_it_runs_torch_free(capsys, monkeypatch):
     assert code == 0 and "torch-free" in out and "MOECTL_TORCH_FREE=0" in out
 
 
+def fresh_engines(path: Path, workdir: Path) -> tuple:
+    """(the torch engine, the torch-free engine) of a file no run has saved a config for: the torch engine's load
+    saves it, its tokenizer (built) saves that, then the torch-free engine loads."""
+    from moectl.runtime.engine import Engine
+    from moectl.runtime.graph_engine import GraphEngine
+    from moectl.setting.options import RuntimeOptions
+
+    torch_engine = Engine.load(str(path), progress=False, threads=1, workdir=str(workdir), device="cpu")
+    assert torch_engine.tokenizer is not None
+    fast, why = GraphEngine.try_load(str(path), RuntimeOptions(threads=1, workdir=str(workdir), device="cpu"))
+    assert why is None, why
+    return torch_engine, fast
+
+
+def test_each_layer_shows_its_own_encoding_on_both_engines(tmp_path):
+    """A file whose layers differ in encoding (a Q4_K_M-like mix: even layers Q8_0, odd ones Q4_0 with their down
+    projection Q8_0): both engines' /api/state name each layer's experts by that layer's own encodings."""
+    ggml_or_skip()
+    path = write_gguf(_checkpoint("mixtral", tmp_path), tmp_path / "mixed.gguf", dense_encoding=T.Q8_0,
+                      expert_encoding=lambda layer, proj: T.Q8_0 if layer % 2 == 0 or proj == "down" else T.Q4_0)
+    torch_engine, fast = fresh_engines(path, tmp_path / "wd")
+    # gate, up, down's encodings in order, duplicates dropped
+    want = ["gguf-Q8_0" if layer % 2 == 0 else "gguf-Q4_0+Q8_0" for layer in range(fast.n_layer)]
+    for engine in (torch_engine, fast):
+        layers = serve_requests(engine)[2]["layers"]
+        E = engine.cache.store.num_experts
+        assert [row["resident"] for row in layers] == [{str(e): name for e in range(E)} for name in want]
+
+
 @pytest.mark.parametrize("which", ["torch", "torch-free"])
 def test_an_idle_server_finishes_the_first_use_repack(gguf_file, which, tmp_path, monkeypatch):
     """ggml repacks an expert when a token first routes to it; an idle server repacks the rest (in pieces, the queue
@@ -242,17 +271,8 @@ def test_an_idle_server_finishes_the_first_use_repack(gguf_file, which, tmp_path
     from moectl.serve import worker as serve_worker
     from moectl.serve.app import create_app
 
-    from moectl.runtime.engine import Engine
-    from moectl.runtime.graph_engine import GraphEngine
-    from moectl.setting.options import RuntimeOptions
-
     own = shutil.copy(gguf_file, tmp_path / "own.gguf")   # its own map: copies no earlier server finished
-    workdir = str(tmp_path / "wd")
-    engine = Engine.load(str(own), progress=False, threads=1, workdir=workdir, device="cpu")
-    if which == "torch-free":           # the torch engine's load saved the config, its tokenizer (built) saves that
-        assert engine.tokenizer is not None
-        engine, why = GraphEngine.try_load(str(own), RuntimeOptions(threads=1, workdir=workdir, device="cpu"))
-        assert why is None, why         # the torch engine's map (and any copy of it) goes at the collect below
+    engine = fresh_engines(own, tmp_path / "wd")[which == "torch-free"]    # the other's map goes at the collect
     if not ggml.repacks(T.Q4_0, (engine.config.intermediate_size, engine.config.hidden_size)):
         pytest.skip("this CPU's ggml does not repack Q4_0")
     monkeypatch.setattr(serve_worker, "REPACK_PIECE_BYTES", 1)           # a piece is one matrix: many pieces
