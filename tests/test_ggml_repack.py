@@ -417,3 +417,63 @@ def test_finishing_the_first_use_repack_repacks_every_expert_left(q4_0_gguf, tmp
     _, kv = off.graph.forward(np.array([5]), None)
     want, _ = off.graph.forward(np.array([7, 11]), kv)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_forward_whose_only_copies_are_its_experts_counts_as_a_graph_that_used_one(q4_0_gguf, tmp_path,
+                                                                                     monkeypatch):
+    """The whole forward's graph hands its stacks' copies to its MUL_MAT_IDs as it is built (rp_lazy), never by a
+    second look-up at the graph's end: with only the experts repacked (MOECTL_GGML_REPACK=q4_0 on a file whose dense
+    matrices are Q8_0, which AVX2's ggml never repacks), each forward still counts as a graph that read a copy, and
+    its routed experts are repacked and nothing else."""
+    from gguf_build import k256_mixtral, write_gguf
+    from moectl.runtime.engine import Engine
+
+    monkeypatch.setenv("MOECTL_GGML", "1")
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "q4_0")
+    repacked_here(T.Q4_0, (256, 256))
+    if ggml.repacks(T.Q8_0, (256, 256)):
+        pytest.skip("this CPU's ggml repacks Q8_0 too (NEON): the dense matrices would have copies")
+    path = write_gguf(k256_mixtral(tmp_path), tmp_path / "q8-dense.gguf", dense_encoding=T.Q8_0,
+                      expert_encoding=T.Q4_0)
+    eng = Engine.load(str(path), progress=False, threads=1, workdir=str(tmp_path / "on"))
+    graph = eng.graph
+    assert graph is not None, eng.plan_note
+    gc.collect()
+    before = ggml.repack_stats()
+    graph.forward(np.array([5, 7]), None)
+    routed = sum(len({int(a) for a in ids.reshape(-1)}) for ids in graph.last_ids)      # [L, T, U] -> experts
+    assert delta(before) == {"copies": graph.n_layer * 3, "repacked": 3 * routed,
+                             "bytes": graph.n_layer * 3 * graph.n_expert * (256 * 256 // 32 * 18), "graphs": 1}
+
+
+def test_the_first_use_repack_finishes_in_bounded_pieces(q4_0_gguf, tmp_path, monkeypatch):
+    """`ggml.finish_repack(max_bytes)` (an idle server's piece): at least one matrix, and stops once `max_bytes` of
+    copies are written -- 1 byte: one matrix; 2 matrices' bytes + 1: three -- and `repack_progress()` says the
+    matrices repacked out of those held as it goes, all of them once the pieces run out."""
+    import shutil
+
+    from moectl.runtime.engine import Engine
+
+    monkeypatch.setenv("MOECTL_GGML", "1")
+    repacked_here(T.Q4_0, (256, 256))
+    own = shutil.copy(q4_0_gguf, tmp_path / "own.gguf")
+    eng = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "on"))
+    graph = eng.graph
+    gc.collect()
+    ggml.finish_repack()                # what earlier tests' copies still held have left
+    done0, held0 = ggml.repack_progress()
+    assert done0 == held0
+    graph.forward(np.array([5]), None)
+    routed = sum(len({int(a) for a in ids.reshape(-1)}) for ids in graph.last_ids)
+    dense, experts = 2 * 4 + 1, 3 * graph.n_layer * graph.n_expert      # q k v o a layer, lm_head; gate up down
+    done, held = ggml.repack_progress()
+    assert (done - done0, held - held0) == (dense + 3 * routed, dense + experts)
+    matrix = 256 * 256 // 32 * 18                                        # a Q4_0 [256, 256] expert matrix's bytes
+    assert ggml.finish_repack(1) == 1
+    assert ggml.finish_repack(2 * matrix + 1) == 3
+    assert ggml.repack_progress() == (done + 4, held)
+    pieces = 0
+    while ggml.finish_repack(matrix):
+        pieces += 1
+    assert pieces == experts - 3 * routed - 4
+    assert ggml.repack_progress() == (held, held)

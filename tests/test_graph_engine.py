@@ -76,7 +76,8 @@ def test_torch_free_run_gives_the_engines_answer(q_file, tmp_path, capsys, monke
 
 def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch):
     """The saved config's fingerprint, the sizes the resolver splits, the host-memory check's need and the dense
-    bytes a run holds: the torch-free engine's equal the Engine's (lean load) on the same file."""
+    bytes a run holds: the torch-free engine's equal the Engine's (lean load) on the same file; its load names the
+    dense tensors computed in place once."""
     ggml_or_skip()
     needs = []
     for mod in (ge, __import__("moectl.runtime.load", fromlist=["x"])):
@@ -85,8 +86,12 @@ def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch)
                             lambda need, what, fits, real=real: (needs.append((need, what)), real(need, what, fits))[1])
     eng = Engine.load(str(q_file), progress=False, threads=1, workdir=str(tmp_path), device="cpu")
     eng.tokenizer                                           # saved in the workdir, as generate does
+    asked = []                                              # the header's dense names: one pass over it a load
+    names = ge.dense_in_place_names
+    monkeypatch.setattr(ge, "dense_in_place_names", lambda files: (asked.append(files), names(files))[1])
     fast, why = ge.GraphEngine.try_load(str(q_file), RuntimeOptions(threads=1, workdir=str(tmp_path), device="cpu"))
     assert why is None and fast is not None
+    assert len(asked) == 1
     view = saved_config(tmp_path, eng.adapter.gguf.files.paths)
     assert view.model_type == eng.adapter.family             # view_fingerprint's family: its model_type
     assert view_fingerprint(view) == config_fingerprint(eng.config) == fast.fingerprint
@@ -100,6 +105,8 @@ def test_header_figures_equal_the_engines(q_file, tmp_path, capsys, monkeypatch)
     assert a.token_ids == b.token_ids and a.stats["device_held_bytes"] == b.stats["device_held_bytes"]
     assert fast.threads == eng.threads
     assert fast.plan_note == eng.plan_note.replace(LEAN_NOTE, TORCH_FREE_NOTE_TAIL)
+    shared = "(attention, shared expert, lm_head, embedding)" in fast.plan_note     # Qwen2-MoE's shared expert
+    assert shared == (eng.config.model_type == "qwen2_moe")
 
 
 def test_a_fresh_process_imports_neither_torch_nor_transformers(q_file, tmp_path, capsys, monkeypatch):
@@ -224,3 +231,33 @@ def test_routed_counts_of_a_decode_step_are_the_sorted_counts():
     distinct, calls = ge.routed_counts(prefill, L)
     assert distinct.tolist() == [len(set(prefill[l][prefill[l] >= 0].tolist())) for l in range(L)]
     assert calls == int((prefill >= 0).sum())
+
+
+def test_token_sink_is_one_rule_for_both_engines():
+    """`TokenSink.for_generate`, both engines' sink: done at the config's and the tokenizer's EOS ids (an int or a
+    list), at none with stop_at_eos False, else at max_new tokens."""
+    from types import SimpleNamespace
+
+    from moectl.runtime.generation import TokenSink
+
+    config, tokenizer = SimpleNamespace(eos_token_id=[2, 7]), SimpleNamespace(eos_token_id=9)
+    sink = TokenSink.for_generate(config, tokenizer, 5, True)
+    assert sink.eos == {2, 7, 9} and sink.emit(9) and sink.tokens == [9]
+    sink = TokenSink.for_generate(config, tokenizer, 2, False)
+    assert sink.eos == set() and not sink.emit(9) and sink.emit(2) and sink.tokens == [9, 2]
+
+
+def test_the_mapped_dense_note_names_what_is_mapped():
+    """The note on the dense matrices computed in place names the kinds the file's GGUF names are: Mixtral's
+    attention, lm_head and embedding; Qwen2-MoE's shared expert too; a tied lm_head (one matrix more than names,
+    no output.weight) still named; DeepSeek's dense layers' FFN."""
+    layer = {f"blk.0.attn_{p}.weight" for p in ("q", "k", "v", "output")}
+    mixtral = frozenset(layer | {"output.weight", "token_embd.weight"})
+    assert "(attention, lm_head, embedding)" in ge.mapped_dense_note(mixtral, 6)
+    qwen2 = mixtral | {f"blk.0.ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}
+    assert "9 dense matrices (attention, shared expert, lm_head, embedding)" in ge.mapped_dense_note(qwen2, 9)
+    tied = mixtral - {"output.weight"}
+    assert "6 dense matrices (attention, lm_head, embedding)" in ge.mapped_dense_note(tied, 6)
+    assert "(attention, embedding)" in ge.mapped_dense_note(tied, 5)
+    deepseek = mixtral | {"blk.0.ffn_gate.weight"}
+    assert "(attention, dense FFN, lm_head, embedding)" in ge.mapped_dense_note(deepseek, 7)

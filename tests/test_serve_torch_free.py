@@ -6,10 +6,13 @@ loaded; its per-layer counts are the torch engine's); the first run of a file (n
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -226,3 +229,70 @@ def test_the_first_run_and_the_switch_take_the_torch_engine(gguf_file, primed, t
 def test_serve_help_says_when_it_runs_torch_free(capsys, monkeypatch):
     code, out, _ = run_cli(["serve", "--help"], capsys, monkeypatch)
     assert code == 0 and "torch-free" in out and "MOECTL_TORCH_FREE=0" in out
+
+
+def fresh_engines(path: Path, workdir: Path) -> tuple:
+    """(the torch engine, the torch-free engine) of a file no run has saved a config for: the torch engine's load
+    saves it, its tokenizer (built) saves that, then the torch-free engine loads."""
+    from moectl.runtime.engine import Engine
+    from moectl.runtime.graph_engine import GraphEngine
+    from moectl.setting.options import RuntimeOptions
+
+    torch_engine = Engine.load(str(path), progress=False, threads=1, workdir=str(workdir), device="cpu")
+    assert torch_engine.tokenizer is not None
+    fast, why = GraphEngine.try_load(str(path), RuntimeOptions(threads=1, workdir=str(workdir), device="cpu"))
+    assert why is None, why
+    return torch_engine, fast
+
+
+def test_each_layer_shows_its_own_encoding_on_both_engines(tmp_path):
+    """A file whose layers differ in encoding (a Q4_K_M-like mix: even layers Q8_0, odd ones Q4_0 with their down
+    projection Q8_0): both engines' /api/state name each layer's experts by that layer's own encodings."""
+    ggml_or_skip()
+    path = write_gguf(_checkpoint("mixtral", tmp_path), tmp_path / "mixed.gguf", dense_encoding=T.Q8_0,
+                      expert_encoding=lambda layer, proj: T.Q8_0 if layer % 2 == 0 or proj == "down" else T.Q4_0)
+    torch_engine, fast = fresh_engines(path, tmp_path / "wd")
+    # gate, up, down's encodings in order, duplicates dropped
+    want = ["gguf-Q8_0" if layer % 2 == 0 else "gguf-Q4_0+Q8_0" for layer in range(fast.n_layer)]
+    for engine in (torch_engine, fast):
+        layers = serve_requests(engine)[2]["layers"]
+        E = engine.cache.store.num_experts
+        assert [row["resident"] for row in layers] == [{str(e): name for e in range(E)} for name in want]
+
+
+@pytest.mark.parametrize("which", ["torch", "torch-free"])
+def test_an_idle_server_finishes_the_first_use_repack(gguf_file, which, tmp_path, monkeypatch):
+    """ggml repacks an expert when a token first routes to it; an idle server repacks the rest (in pieces, the queue
+    looked at between them): after a request and an idle moment, every matrix of the copies held is repacked, the
+    state says so, and the same greedy request gets the same answer from the finished copies."""
+    from fastapi.testclient import TestClient
+
+    from moectl.kernels import ggml
+    from moectl.serve import worker as serve_worker
+    from moectl.serve.app import create_app
+
+    own = shutil.copy(gguf_file, tmp_path / "own.gguf")   # its own map: copies no earlier server finished
+    engine = fresh_engines(own, tmp_path / "wd")[which == "torch-free"]    # the other's map goes at the collect
+    if not ggml.repacks(T.Q4_0, (engine.config.intermediate_size, engine.config.hidden_size)):
+        pytest.skip("this CPU's ggml does not repack Q4_0")
+    monkeypatch.setattr(serve_worker, "REPACK_PIECE_BYTES", 1)           # a piece is one matrix: many pieces
+    pieces = []                                                          # matrices each idle piece repacked
+    finish = ggml.finish_repack
+    monkeypatch.setattr(ggml, "finish_repack", lambda max_bytes=0: pieces.append(finish(max_bytes)) or pieces[-1])
+    gc.collect()
+    finish()                                # what copies earlier tests left are done: only this server's are left
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6,
+            "temperature": 0}
+    with TestClient(create_app(engine, MODEL)) as client:
+        first = client.post("/v1/chat/completions", json=chat)
+        assert first.status_code == 200, first.text
+        deadline = time.time() + 60                                      # a wait, not a measurement
+        while (state := client.get("/api/state").json())["repack"]["done"] < state["repack"]["matrices"]:
+            assert time.time() < deadline, state["repack"]
+            time.sleep(0.05)
+        done, held = ggml.repack_progress()
+        assert done == held > 0 and state["repack"]["matrices"] > 0
+        assert pieces and set(pieces) == {1}                             # the idle worker's pieces, one matrix each
+        again = client.post("/v1/chat/completions", json=chat)
+        assert ggml.repack_progress() == (held, held)                    # nothing left for the request to repack
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]

@@ -68,6 +68,13 @@ class ExpertFormat:
         self.spans: dict[str, tuple[int, int]] = spans                     # name -> (start, end) byte offsets
         self.nbytes = -(-pos // 8) * 8 if len({p.dtype for p in self.parts}) > 1 else pos
 
+    @property
+    def precision_name(self) -> str:
+        """What a live view calls a copy in this format (`runtime/live_view.py: residency`): its name; a format that
+        only says where a GGUF's blocks are computed (`gguf_ggml.py`: ggml, on the mapped file) names the file's
+        encodings."""
+        return self.name
+
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views {part name: tensor} of the uint8 buffer `buf` [N] (on any device; no copy)."""
         out = {}

@@ -31,6 +31,10 @@ class GgufMappedFormat(ExpertFormat):
         super().__init__(f"{src.name}-ggml", [Part("expert", (1,), torch.int64)])
         self._cache: dict[int, dict] = {}
 
+    @property
+    def precision_name(self) -> str:
+        return self.src.name                # the file's encodings: ggml computes them as they lie
+
     @staticmethod
     def indices(num_experts: int) -> torch.Tensor:
         """A layer's 'RAM tier': uint8 [E, 8], row e holding e."""

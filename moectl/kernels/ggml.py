@@ -193,7 +193,8 @@ def _load() -> ctypes.CDLL | None:
     lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64, i32], None
     lib.mg_repack_unregister.argtypes, lib.mg_repack_unregister.restype = [ptr, i64], None
     lib.mg_repack_stats.argtypes, lib.mg_repack_stats.restype = [ptr], None
-    lib.mg_repack_finish.argtypes, lib.mg_repack_finish.restype = [], i64
+    lib.mg_repack_finish.argtypes, lib.mg_repack_finish.restype = [i64], i64
+    lib.mg_repack_progress.argtypes, lib.mg_repack_progress.restype = [ptr], None
     return lib
 
 
@@ -499,10 +500,22 @@ def repack_stats() -> dict[str, int]:
     return dict(zip(("copies", "repacked", "bytes", "graphs"), out))
 
 
-def finish_repack() -> int:
-    """Repack now every expert of the copies held that no token has routed to yet (the shim repacks an expert on
-    first use; llama.cpp's loader repacks all at load): matrices repacked. For a benchmark's steady state."""
-    return int(require().mg_repack_finish())
+def finish_repack(max_bytes: int = 0) -> int:
+    """Repack now the experts of the copies held that no token has routed to yet (the shim repacks an expert on
+    first use; llama.cpp's loader repacks all at load): every one (`max_bytes` 0: a benchmark's steady state), or
+    a piece of at least one matrix and about `max_bytes` of copies written (an idle server's, `serve/worker.py`).
+    Returns the matrices repacked."""
+    return int(require().mg_repack_finish(int(max_bytes)))
+
+
+def repack_progress() -> tuple[int, int] | None:
+    """(matrices repacked, matrices in the copies held: an expert of a stack counts one), or None where the shim is
+    not loaded (nothing is built or loaded here: a server's state asks)."""
+    if not _load.cache_info().currsize or library() is None:
+        return None
+    out = (ctypes.c_int64 * 2)()
+    library().mg_repack_progress(out)
+    return int(out[0]), int(out[1])
 
 
 _registered: dict[int, object] = {}        # id of a registered root array -> its weakref.finalize

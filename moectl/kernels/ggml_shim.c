@@ -155,6 +155,7 @@ typedef struct rp_entry {
     struct ggml_tensor **slice;          // [A] 2-d headers of expert e's matrix in that buffer
     ggml_backend_buffer_t buf;
     uint8_t *done;                       // [A] RP_TODO, RP_BUSY (a thread is repacking it) or RP_DONE; atomic
+    struct rp_group *group;              // the rp_lazy group whose first copy this is (NULL: none yet)
     struct rp_entry *next;               // hash chain
 } rp_entry;
 
@@ -162,7 +163,8 @@ typedef struct rp_entry {
 enum { RP_TODO = 0, RP_BUSY = 1, RP_DONE = 2 };
 
 // The experts a graph's in-graph routing picks are repacked by the graph itself, an op before their MUL_MAT_IDs
-// (rp_lazy): one group per layer's stacks, kept while its entries live.
+// (rp_lazy): one group per layer's stacks, kept while its entries live, found from its first copy (rp_entry.group),
+// so a graph's build finds each layer's in O(1), not by a walk over every layer's.
 typedef struct rp_group {
     int n;
     struct rp_entry *e[3];               // the layer's gate, up, down copies (those ggml repacks)
@@ -294,6 +296,8 @@ static void rp_drop(rp_entry *e) {
         int uses = 0;
         for (int i = 0; i < g->n; i++) uses |= g->e[i] == e;
         if (uses) {
+            for (int i = 0; i < g->n; i++)
+                if (g->e[i]->group == g) g->e[i]->group = NULL;         // a copy that stays finds no freed group
             *pg = g->next;
             free(g);
         } else {
@@ -336,24 +340,6 @@ void mg_repack_stats(int64_t *out) {
     pthread_mutex_lock(&rp_lock);
     memcpy(out, rp_stat, sizeof(rp_stat));
     pthread_mutex_unlock(&rp_lock);
-}
-
-static void rp_repack(rp_entry *e, int64_t a);
-
-// every expert of every copy held that is not repacked yet, repacked now (the first-use work left: what llama.cpp's
-// loader does for every expert at load); returns how many were
-int64_t mg_repack_finish(void) {
-    int64_t done = 0;
-    pthread_mutex_lock(&rp_lock);
-    for (int k = 0; k < RP_BUCKETS; k++)
-        for (rp_entry *e = rp_table[k]; e; e = e->next)
-            for (int64_t a = 0; a < e->ne2; a++)
-                if (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) {
-                    rp_repack(e, a);
-                    done++;
-                }
-    pthread_mutex_unlock(&rp_lock);
-    return done;
 }
 
 static rp_entry *rp_new(const struct ggml_tensor *w, int drop_pages) {      // under rp_lock
@@ -418,6 +404,37 @@ static void rp_repack(rp_entry *e, int64_t a) {
     while (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) sched_yield();   // another thread's, soon
 }
 
+// experts of the copies held that are not repacked yet, repacked now (the first-use work left: what llama.cpp's
+// loader does for every expert at load): all of them when max_bytes <= 0, else until at least max_bytes of copies
+// are written (one matrix at least; an idle server's bounded piece, so a request arriving waits for one piece, not
+// the whole remainder); returns how many matrices were
+int64_t mg_repack_finish(int64_t max_bytes) {
+    int64_t done = 0, bytes = 0;
+    pthread_mutex_lock(&rp_lock);
+    for (int k = 0; k < RP_BUCKETS && (max_bytes <= 0 || bytes < max_bytes); k++)
+        for (rp_entry *e = rp_table[k]; e && (max_bytes <= 0 || bytes < max_bytes); e = e->next)
+            for (int64_t a = 0; a < e->ne2 && (max_bytes <= 0 || bytes < max_bytes); a++)
+                if (__atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) != RP_DONE) {
+                    rp_repack(e, a);
+                    done++;
+                    bytes += (int64_t)ggml_nbytes(e->slice[a]);
+                }
+    pthread_mutex_unlock(&rp_lock);
+    return done;
+}
+
+// out[2]: of the matrices in the copies held (an expert of a stack counts one), how many are repacked, and all
+void mg_repack_progress(int64_t *out) {
+    out[0] = out[1] = 0;
+    pthread_mutex_lock(&rp_lock);
+    for (int k = 0; k < RP_BUCKETS; k++)
+        for (rp_entry *e = rp_table[k]; e; e = e->next) {
+            for (int64_t a = 0; a < e->ne2; a++) out[0] += __atomic_load_n(&e->done[a], __ATOMIC_ACQUIRE) == RP_DONE;
+            out[1] += e->ne2;
+        }
+    pthread_mutex_unlock(&rp_lock);
+}
+
 // expert a's matrix of entry e: its 2-d header in e's buffer, repacked on first use
 static struct ggml_tensor *rp_slice(rp_entry *e, int64_t a) {
     rp_repack(e, a);
@@ -450,10 +467,8 @@ static rp_entry *rp_find(const struct ggml_tensor *w) {                         
     return e;
 }
 
-#define RP_LAZY_NAME "moectl: repack the routed"
-
 // the copy to use for weight w (NULL: w as it is); `ids` (MUL_MAT_ID): the experts to have repacked before the graph
-// (ids known now), or the op that repacks them as the graph runs (rp_lazy's), or else every expert
+// (ids known now), or else (ids computed in the graph, by a routing rp_lazy did not wrap) every expert
 static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml_tensor *ids, const char *types) {
     int reg;                                                                                       // under rp_lock
     if (!(reg = rp_eligible(w, types))) return NULL;
@@ -476,15 +491,19 @@ static struct ggml_tensor *rp_get(const struct ggml_tensor *w, const struct ggml
                 int32_t a = *(const int32_t *)((const char *)ids->data + j * ids->nb[1] + i * ids->nb[0]);
                 if (a >= 0 && a < e->ne2) rp_slice(e, a);
             }
-    } else if (ids && strcmp(ids->name, RP_LAZY_NAME) == 0) {
-        // repacked as the graph runs, by the op that computes these ids (rp_lazy_op)
     } else {
         for (int64_t a = 0; a < e->ne2; a++) rp_slice(e, a);
     }
     return e->t;
 }
 
-// every MUL_MAT / MUL_MAT_ID of the graph whose weight has (or gets) a repacked copy reads that copy
+// whether t is a repacked copy (or an expert's slice of one): rp_lazy put it in the graph already
+static int rp_is_copy(const struct ggml_tensor *t) {
+    return t->buffer && rp_buft && ggml_backend_buffer_get_type(t->buffer) == rp_buft;
+}
+
+// every MUL_MAT / MUL_MAT_ID of the graph whose weight has (or gets) a repacked copy reads that copy; returns whether
+// any does (the graph counted as one that used a copy), rp_lazy's included
 static int rp_graph(struct ggml_cgraph *gf) {
     if (!rp_enabled()) return 0;
     const char *types = getenv("MOECTL_GGML_REPACK");
@@ -494,9 +513,12 @@ static int rp_graph(struct ggml_cgraph *gf) {
         for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
             struct ggml_tensor *n = ggml_graph_node(gf, i);
             int id = n->op == GGML_OP_MUL_MAT_ID;
-            if ((n->op != GGML_OP_MUL_MAT && !id) || n->src[1]->type != GGML_TYPE_F32 ||
-                (!id && n->src[0]->ne[2] != 1))
+            if (n->op != GGML_OP_MUL_MAT && !id) continue;
+            if (rp_is_copy(n->src[0])) {
+                used = 1;
                 continue;
+            }
+            if (n->src[1]->type != GGML_TYPE_F32 || (!id && n->src[0]->ne[2] != 1)) continue;
             struct ggml_tensor *r = rp_get(n->src[0], id ? n->src[2] : NULL, types);
             if (r) {
                 n->src[0] = r;
@@ -532,16 +554,24 @@ static void rp_lazy_op(struct ggml_tensor *dst, const struct ggml_tensor *ids, i
     }
 }
 
-// ids computed inside the graph (its routing), about to pick experts of the stacks Wg, Wu, Wd: where ggml repacks
-// some of them, the ids pass through rp_lazy_op first, so an expert is repacked when a token first routes to it
-// (llama.cpp repacks all of them at load; the issue asks for no such pass before the first token), and the
-// stacks' copies are made here without a byte repacked yet. Else the ids as they are.
-static struct ggml_tensor *rp_lazy(struct ggml_context *ctx, struct ggml_tensor *ids, struct ggml_tensor *Wg,
-                                   struct ggml_tensor *Wu, struct ggml_tensor *Wd) {
+// whether group g holds exactly the n copies es, in that order
+static int rp_group_is(const rp_group *g, rp_entry *const *es, int n) {
+    if (!g || g->n != n) return 0;
+    for (int i = 0; i < n; i++)
+        if (g->e[i] != es[i]) return 0;
+    return 1;
+}
+
+// ids computed inside the graph (its routing), about to pick experts of the stacks ws = {Wg, Wu, Wd}: where ggml
+// repacks some of them, the ids pass through rp_lazy_op first, so an expert is repacked when a token first routes to
+// it (llama.cpp repacks all of them at load; the issue asks for no such pass before the first token), and the
+// stacks' copies are made here without a byte repacked yet and put in ws in place of their stacks (the MUL_MAT_IDs
+// read them as built; rp_graph leaves them). Else the ids as they are, ws unchanged.
+static struct ggml_tensor *rp_lazy(struct ggml_context *ctx, struct ggml_tensor *ids, struct ggml_tensor *ws[3]) {
     if (!rp_enabled() || ids->op == GGML_OP_NONE) return ids;
     const char *types = getenv("MOECTL_GGML_REPACK");
-    struct ggml_tensor *ws[3] = {Wg, Wu, Wd};
     rp_entry *es[3];
+    int at[3];                                   // es[i] is the copy of ws[at[i]]
     int n = 0, reg;
     pthread_mutex_lock(&rp_lock);
     if (!rp_nranges) {
@@ -551,23 +581,23 @@ static struct ggml_tensor *rp_lazy(struct ggml_context *ctx, struct ggml_tensor 
     for (int k = 0; k < 3; k++) {
         if (ws[k]->ne[2] < 2 || !(reg = rp_eligible(ws[k], types))) continue;
         rp_entry *e = rp_find(ws[k]);
-        if (e || (e = rp_new(ws[k], reg - 1))) es[n++] = e;
+        if (e || (e = rp_new(ws[k], reg - 1))) at[n] = k, es[n++] = e;
     }
-    rp_group *g = rp_groups;
-    while (g && !(g->n == n && (n < 1 || g->e[0] == es[0]) && (n < 2 || g->e[1] == es[1]) &&
-                  (n < 3 || g->e[2] == es[2])))
-        g = g->next;
-    if (n && !g && (g = calloc(1, sizeof(*g)))) {
-        g->n = n;
-        memcpy(g->e, es, sizeof(es[0]) * (size_t)n);
-        g->next = rp_groups;
-        rp_groups = g;
+    rp_group *g = n ? es[0]->group : NULL;
+    if (n && !rp_group_is(g, es, n)) {       // first build of this layer (or its first copy in another group)
+        for (g = rp_groups; g && !rp_group_is(g, es, n); g = g->next) {}
+        if (!g && (g = calloc(1, sizeof(*g)))) {
+            g->n = n;
+            memcpy(g->e, es, sizeof(es[0]) * (size_t)n);
+            g->next = rp_groups;
+            rp_groups = g;
+        }
+        es[0]->group = g;
     }
     pthread_mutex_unlock(&rp_lock);
-    if (!n || !g) return ids;
-    struct ggml_tensor *out = ggml_map_custom1_inplace(ctx, ids, rp_lazy_op, GGML_N_TASKS_MAX, g);
-    ggml_set_name(out, RP_LAZY_NAME);
-    return out;
+    if (!n || !g) return ids;                    // rp_graph then repacks every expert of a stack it copies
+    for (int i = 0; i < n; i++) ws[at[i]] = es[i]->t;
+    return ggml_map_custom1_inplace(ctx, ids, rp_lazy_op, GGML_N_TASKS_MAX, g);
 }
 
 // compute a built graph on the handle's threadpool, its work buffer grown as the plan asks
@@ -684,7 +714,9 @@ static struct ggml_tensor *experts_ffn(mg_handle *h, struct ggml_context *ctx, s
                                        struct ggml_tensor *Bu, struct ggml_tensor *Bd, mg_act act,
                                        struct ggml_tensor *X, struct ggml_tensor *ID, struct ggml_tensor *WT) {
     const int64_t H = Wd->ne[1], T = X->ne[2], U = ID->ne[0];
-    ID = rp_lazy(ctx, ID, Wg, Wu, Wd);                  // in-graph routing: its experts repacked on first use
+    struct ggml_tensor *ws[3] = {Wg, Wu, Wd};
+    ID = rp_lazy(ctx, ID, ws);                   // in-graph routing: its experts repacked on first use, ws the copies
+    Wg = ws[0], Wu = ws[1], Wd = ws[2];
     struct ggml_tensor *G = own(h, ggml_mul_mat_id(ctx, Wg, X, ID));                          // [I, U, T]
     struct ggml_tensor *Up = own(h, ggml_mul_mat_id(ctx, Wu, X, ID));
     if (Bg) G = own(h, ggml_add_id(ctx, G, Bg, ID));

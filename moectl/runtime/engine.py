@@ -32,7 +32,7 @@ from .ggml_model import GraphKV
 from .graph_engine import routed_counts
 from .load import load
 from .offloaded import Runtime
-from .generation import GenerationResult, PrefillProgress, TokenSink, eos_ids, generate_tokens, generation_stats
+from .generation import GenerationResult, PrefillProgress, TokenSink, generate_tokens, generation_stats
 from .generation import prompt_ids
 from .sampling import Sampling
 from .speculative import Speculator, as_numpy, make_drafter
@@ -234,8 +234,7 @@ class Engine:
         sampled; stats["draft"] holds its figures."""
         ids = prompt_ids(prompt, input_ids, chat, lambda: self.tokenizer)
         sampling = Sampling(greedy, temperature, top_p, seed)           # numpy: the torch-free engine's picks too
-        out = TokenSink(self._tokenizer, max_new_tokens, eos_ids(self.config, self._tokenizer) if stop_at_eos
-                        else set(), on_token, should_stop)
+        out = TokenSink.for_generate(self.config, self._tokenizer, max_new_tokens, stop_at_eos, on_token, should_stop)
         before = self.cache.snapshot()
         calls0, cpu0 = self.runtime.expert_calls, self.runtime.cpu_experts
         self._requests += 1

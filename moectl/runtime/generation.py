@@ -69,6 +69,13 @@ class TokenSink:
         self.text = ""
         self.done = False
 
+    @classmethod
+    def for_generate(cls, config, tokenizer, max_new: int, stop_at_eos: bool, on_token=None,
+                     should_stop=None) -> "TokenSink":
+        """One `generate` call's sink, both engines': done at the config's and the tokenizer's EOS ids (none when
+        not `stop_at_eos`)."""
+        return cls(tokenizer, max_new, eos_ids(config, tokenizer) if stop_at_eos else set(), on_token, should_stop)
+
     @property
     def room(self) -> int:
         return self.max_new - len(self.tokens)

@@ -50,7 +50,7 @@ from ..store.memory import (
     rotary_tables_nbytes,
 )
 from ..tables import plural
-from .generation import GenerationResult, PrefillProgress, TokenSink, eos_ids, generate_tokens, generation_stats
+from .generation import GenerationResult, PrefillProgress, TokenSink, generate_tokens, generation_stats
 from .generation import prompt_ids
 from .ggml_model import GgmlModel, gguf_tensors_missing
 from .ggml_model import why_not as graph_why_not
@@ -78,9 +78,22 @@ class GgufHeader:
         self.files = files
 
 
-def mapped_dense_note(count: int) -> str:
-    return (f"gguf: {plural(count, 'dense matrix', 'dense matrices')} (attention, lm_head, embedding) computed by "
-            "ggml where they lie in the mapped file")
+# what a dense matrix computed in place is, by its GGUF name, in the note's order (the first that matches)
+DENSE_KINDS = (("attention", lambda n: ".attn_" in n), ("shared expert", lambda n: "_shexp." in n),
+               ("dense FFN", lambda n: ".ffn_" in n), ("lm_head", lambda n: n.startswith("output.")),
+               ("embedding", lambda n: n.startswith("token_embd.")), ("other", lambda n: True))
+
+
+def mapped_dense_note(names: frozenset, count: int) -> str:
+    """The load's note on the `count` dense matrices computed where they lie, `names` their GGUF names (one fewer
+    than `count` where a tied lm_head reads the embedding's bytes: `mapped_count`), each kind the file has named:
+    attention and embedding always, Qwen2-MoE's shared expert, DeepSeek's dense layers' FFN."""
+    kinds = {next(kind for kind, match in DENSE_KINDS if match(n)) for n in names}
+    if count > len(names):
+        kinds.add("lm_head")
+    listed = ", ".join(kind for kind, _ in DENSE_KINDS if kind in kinds)
+    return (f"gguf: {plural(count, 'dense matrix', 'dense matrices')} ({listed}) computed by ggml where they lie in "
+            "the mapped file")
 
 
 def mapped_count(names: frozenset, config, files: GgufFiles) -> int:
@@ -176,17 +189,19 @@ class GraphEngine:
         config = saved_config(ref.workdir, files.paths)
         if config is None:
             return None, "no config saved by an earlier run (this run saves it)"
-        why = _graph_why_not(config, files, opts)
+        mapped = dense_in_place_names(files)        # the dense tensors computed where they lie: asked once
+        why = _graph_why_not(config, files, mapped, opts)
         if why:
             return None, why
         tokenizer = saved_tokenizer(ref.workdir / "gguf-tokenizer", files.paths)
         if tokenizer is None:
             return None, "no tokenizer saved by an earlier run (this run saves it)"
-        eng = cls._load(ref, files, config, tokenizer, copy.deepcopy(opts))
+        eng = cls._load(ref, files, config, tokenizer, copy.deepcopy(opts), mapped)
         return (eng, None) if eng is not None else (None, "the resolved gating or prefetch needs the modules")
 
     @classmethod
-    def _load(cls, ref, files: GgufFiles, config, tokenizer, opts: RuntimeOptions) -> "GraphEngine | None":
+    def _load(cls, ref, files: GgufFiles, config, tokenizer, opts: RuntimeOptions,
+              mapped: frozenset) -> "GraphEngine | None":
         opts.check()
         device_note = "device: cpu (--device cpu)" if opts.device == "cpu" else \
             "device: cpu (--device auto; no GPU device on this machine)"
@@ -202,8 +217,7 @@ class GraphEngine:
         fingerprint = view_fingerprint(config)
         n_threads = thread_count(opts.threads, config.hidden_size, index_intermediate(config))
         ggml.set_threads(n_threads)
-        # the header's figures, each asked once: any expert's buffer, the dense tensors computed where they lie
-        slot_nbytes, mapped = index.slot_nbytes(), dense_in_place_names(files)
+        slot_nbytes = index.slot_nbytes()          # any expert's buffer, asked once
         header = index.sizes(mapped)
         rotary = rotary_tables_nbytes(config)
         # the sizes `store/facts.py: checkpoint_sizes` gives the lean load (its dense part before anything is mapped)
@@ -221,7 +235,7 @@ class GraphEngine:
                           lambda free: host_options(free, "ram", True, True, 0, slot_nbytes, L, E, dense, kv))
         encodings = sorted({encoding_name(t.encoding) for layer in index.layers for _, t in index.parts(layer, 0)})
         opts.plan_note = "; ".join(filter(None, [opts.plan_note,
-                                                 mapped_dense_note(mapped_count(mapped, config, files)),
+                                                 mapped_dense_note(mapped, mapped_count(mapped, config, files)),
                                                  ggml_experts_note(encodings, n_threads)]))
         files.will_need()                           # the file into the page cache in the background
         graph = GgmlModel.from_gguf(GgufHeader(files), config)
@@ -259,8 +273,7 @@ class GraphEngine:
         """`Engine.generate` (its arguments, its result and figures) through the one graph."""
         ids = prompt_ids(prompt, input_ids, chat, lambda: self.tokenizer)
         sampling = Sampling(greedy, temperature, top_p, seed)
-        out = TokenSink(self.tokenizer, max_new_tokens, eos_ids(self.config, self.tokenizer) if stop_at_eos
-                        else set(), on_token, should_stop)
+        out = TokenSink.for_generate(self.config, self.tokenizer, max_new_tokens, stop_at_eos, on_token, should_stop)
         before, calls0 = dict(self.counts), self.expert_calls
         run = generate_tokens(ids, out, self.forward, lambda row: sampling.pick(row)[0], lambda: dict(self.counts))
         new = out.tokens
@@ -313,14 +326,14 @@ def _options_why_not(opts: RuntimeOptions) -> str | None:
     return None
 
 
-def _graph_why_not(config, files: GgufFiles, opts: RuntimeOptions) -> str | None:
+def _graph_why_not(config, files: GgufFiles, mapped: frozenset, opts: RuntimeOptions) -> str | None:
     """Why the one graph cannot serve this file's every forward (`load.py: lean_why_not`'s questions, asked of the
-    header and the saved config)."""
+    header and the saved config; `mapped`: its `dense_in_place_names`)."""
     if config.model_type not in LEAN_FAMILIES:
         return f"no torch-free run for the {config.model_type} family yet"
     why = graph_why_not(config, opts)               # MOECTL_GGML_GRAPH, the rope and layers, ggml's library
     if why is None and not ggml.planned():
         why = "ggml is not planned"
-    if why is None and not dense_in_place_names(files):
+    if why is None and not mapped:
         why = "no dense matrix computed where it lies"
     return why or gguf_tensors_missing(files, config.num_hidden_layers, config.model_type)

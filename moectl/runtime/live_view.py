@@ -33,13 +33,17 @@ def layer_hits(cache) -> list[dict]:
 
 def residency(cache) -> list[dict]:
     """Per MoE layer: slot count (all pools) and the resident experts with the precision of their copy (the full copy's format
-    name: bf16, fp32, mxfp4 or fp8 as released; or the low-bit copy set's name, e.g. q4g64); an expert resident in
-    both pools reports the full copy."""
-    names = {"full": cache.store.format.name}
+    name, that layer's own: bf16, fp32, mxfp4 or fp8 as released, a GGUF's encodings, gguf-Q4_K or on a Q4_K_M
+    file's layers gguf-Q4_K+Q6_K; or the low-bit copy set's name, e.g. q4g64); an expert resident in both pools
+    reports the full copy."""
+    from ..core.cache_model import FULL
+
+    names = {}
     if getattr(cache.store, "lowbit", None) is not None:
         names["low"] = cache.store.lowbit.name
     out = []
     for layer in range(cache.state.num_layers):
+        names[FULL] = cache.store.format_of(FULL, layer).precision_name
         slots = sum(cache.state.capacity(layer, p) for p in cache.precisions)    # every pool (lowbit-only: low-bit)
         resident = {}
         for p in reversed(cache.precisions):

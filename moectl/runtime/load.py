@@ -47,6 +47,7 @@ from ..store.facts import (
     kv_reserve_nbytes,
     lean_dense_nbytes,
     load_config,
+    mapped_names,
     open_checkpoint,
     parse_dtype,
     pick_device,
@@ -155,7 +156,8 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
         fill_model(hf, config, adapter, ckpt, dev, dt, ref.path, opts, mapped_dense)
     if mapped_dense:
         count = mapped_count(mapped_dense, config, adapter.gguf.files) if lean else len(mapped_dense)
-        opts.plan_note = "; ".join(filter(None, [opts.plan_note, mapped_dense_note(count)]))
+        note = mapped_dense_note(mapped_names(mapped_dense), count)
+        opts.plan_note = "; ".join(filter(None, [opts.plan_note, note]))
     if opts.predictor is not None and not Path(opts.predictor).expanduser().exists():
         raise MoectlError(f"--predictor {opts.predictor} does not exist (a directory with predictors.json from "
                           "`moectl train-predictor`)")

@@ -10,6 +10,11 @@ While generating (at most every 20 ms) and after each request the worker publish
 stats: the cache page and /metrics read only that, never the runtime itself from another thread. It names the
 engine ("torch", or "torch-free": `runtime/graph_engine.py`) and whether the experts are in place (no device cache:
 every routed expert a hit, nothing loaded); both engines count each layer's hits.
+
+A GGUF run with ggml repacks an expert for llama.cpp's CPU kernels when a token first routes to it (llama.cpp's
+loader repacks all at load). While no job waits, the worker repacks the rest a piece at a time
+(`REPACK_PIECE_BYTES`), looking at the queue between pieces: a request arriving meanwhile waits for one piece, not
+the whole remainder. The state's `repack` says how far it is (None: no ggml loaded).
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..kernels import ggml
 from ..runtime.live_view import layer_rows
 from .protocol import StopMatcher
 
 SNAPSHOT_EVERY_S = 0.02      # live state at most this often while generating (residency of L x E experts)
 ENGINE_NAMES = {False: "torch", True: "torch-free"}      # engine.torch_free -> the state's "engine"
+# an idle server's piece of the first-use repack: about 25 ms at the rate docs/gguf.md measured (1.19 GB in 0.93 s),
+# what a request arriving during it waits at most (one Mixtral Q4_0 expert matrix is 33 MB: a piece is one of them)
+REPACK_PIECE_BYTES = 32 << 20
 
 
 @dataclass
@@ -93,8 +102,20 @@ class Worker:
         self.thread.join(timeout=10)
 
     # --- the runtime thread -------------------------------------------------------------
+    def _next_job(self) -> Job | None:
+        """The next job (None: stop). While none waits and ggml's first-use repack has matrices left, a piece of
+        them is repacked and the queue looked at again; then it waits for a job."""
+        while (progress := ggml.repack_progress()) is not None and progress[0] < progress[1]:
+            try:
+                return self.jobs.get_nowait()
+            except queue.Empty:
+                if not ggml.finish_repack(REPACK_PIECE_BYTES):
+                    break                                # nothing left after all (a copy went meanwhile)
+                self.state = self._snapshot(self.request_stats)
+        return self.jobs.get()
+
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (job := self._next_job()) is not None:
             with self.lock:
                 self.waiting -= 1
                 self.busy = True
@@ -158,6 +179,7 @@ class Worker:
         """The live state: built in the runtime thread, read (as a whole) by the event loop."""
         cache, t = self.engine.cache, self.totals
         s = cache.stats.as_dict()
+        repack = ggml.repack_progress()
         return {"engine": ENGINE_NAMES[self.engine.torch_free], "in_place": cache.in_place,
                 "step": self.step, "busy": self.busy, "queue_depth": self.waiting,
                 "requests": t.requests, "cancelled": t.cancelled, "prompt_tokens": t.prompt_tokens,
@@ -169,4 +191,5 @@ class Worker:
                 "prefetch_accuracy": s["prefetch_used"] / s["prefetches"] if s["prefetches"] else None,
                 "request": (request or {}) | ({"bytes_per_token": request["bytes_loaded"] / request["tokens"]}
                                               if request else {}),
+                "repack": {"done": repack[0], "matrices": repack[1]} if repack else None,
                 "layers": layer_rows(cache), "time": time.time()}

@@ -58,7 +58,7 @@ def family_of(files: GgufFiles) -> str:
     if arch not in ARCH_FAMILY or (arch == "llama" and not files.get("llama.expert_count")):
         raise MoectlError(f"{files.paths[0]}: GGUF architecture {arch!r}"
                           + (" without experts (a dense Llama)" if arch == "llama" else "")
-                          + f" is not a Mixture-of-Experts family moectl runs; supported: "
+                          + " is not a Mixture-of-Experts family moectl runs; supported: "
                           + ", ".join(f"{a} ({f})" for a, f in ARCH_FAMILY.items()))
     family = ARCH_FAMILY[arch]
     if family == "deepseek_v2" and (files.get("deepseek2.expert_gating_func") == 2
