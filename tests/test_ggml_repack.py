@@ -387,10 +387,9 @@ def test_the_one_graph_repacks_an_expert_when_a_token_first_routes_to_it(q4_0_gg
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_finishing_the_first_use_repack_repacks_every_expert_left(q4_0_gguf, tmp_path, monkeypatch):
-    """`ggml.finish_repack()` (a benchmark's steady state, llama.cpp's state after its load): after one token routed
-    U of each layer's E experts, it repacks the rest of every stack held (3 matrices an expert) and nothing more on
-    a second call; later forwards repack nothing and give the plain layout's logits."""
+def own_copy_graph(q4_0_gguf, tmp_path, monkeypatch):
+    """(the one graph of a private copy of the Q4_0 file: its own mapping, no copies held from earlier tests; the
+    copy's path), with what earlier tests' copies still held left repacked first."""
     import shutil
 
     from moectl.runtime.engine import Engine
@@ -398,10 +397,17 @@ def test_finishing_the_first_use_repack_repacks_every_expert_left(q4_0_gguf, tmp
     monkeypatch.setenv("MOECTL_GGML", "1")
     repacked_here(T.Q4_0, (256, 256))
     own = shutil.copy(q4_0_gguf, tmp_path / "own.gguf")
-    eng = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "on"))
-    graph = eng.graph
+    graph = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "on")).graph
     gc.collect()
-    ggml.finish_repack()                # what earlier tests' copies still held have left (this file's: none yet)
+    ggml.finish_repack()
+    return graph, own
+
+
+def test_finishing_the_first_use_repack_repacks_every_expert_left(q4_0_gguf, tmp_path, monkeypatch):
+    """`ggml.finish_repack()` (a benchmark's steady state, llama.cpp's state after its load): after one token routed
+    U of each layer's E experts, it repacks the rest of every stack held (3 matrices an expert) and nothing more on
+    a second call; later forwards repack nothing and give the plain layout's logits."""
+    graph, own = own_copy_graph(q4_0_gguf, tmp_path, monkeypatch)
     _, kv = graph.forward(np.array([5]), None)
     routed = sum(len({int(a) for a in ids.reshape(-1)}) for ids in graph.last_ids)
     before = ggml.repack_stats()
@@ -411,6 +417,8 @@ def test_finishing_the_first_use_repack_repacks_every_expert_left(q4_0_gguf, tmp
     before = ggml.repack_stats()
     got, _ = graph.forward(np.array([7, 11]), kv)
     assert delta(before)["repacked"] == 0
+
+    from moectl.runtime.engine import Engine
 
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     off = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "off"))
@@ -450,17 +458,7 @@ def test_the_first_use_repack_finishes_in_bounded_pieces(q4_0_gguf, tmp_path, mo
     """`ggml.finish_repack(max_bytes)` (an idle server's piece): at least one matrix, and stops once `max_bytes` of
     copies are written -- 1 byte: one matrix; 2 matrices' bytes + 1: three -- and `repack_progress()` says the
     matrices repacked out of those held as it goes, all of them once the pieces run out."""
-    import shutil
-
-    from moectl.runtime.engine import Engine
-
-    monkeypatch.setenv("MOECTL_GGML", "1")
-    repacked_here(T.Q4_0, (256, 256))
-    own = shutil.copy(q4_0_gguf, tmp_path / "own.gguf")
-    eng = Engine.load(str(own), progress=False, threads=1, workdir=str(tmp_path / "on"))
-    graph = eng.graph
-    gc.collect()
-    ggml.finish_repack()                # what earlier tests' copies still held have left
+    graph, _ = own_copy_graph(q4_0_gguf, tmp_path, monkeypatch)
     done0, held0 = ggml.repack_progress()
     assert done0 == held0
     graph.forward(np.array([5]), None)
