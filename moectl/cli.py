@@ -38,15 +38,81 @@ APP_SETTINGS = dict(
 err_console = Console(stderr=True)
 
 
+class PlainValues:
+    """typer's conversion of one option's value (typer 0.29's `RuntimeParam`, `_TyperParameter._runtime_param`),
+    for values that need no parsing, without pydantic.
+
+    Why: typer >= 0.29 converts every option's value, even an unset option's None, through a pydantic TypeAdapter
+    built on first use; the first one imports pydantic: ~0.1 s of CPU on the shared 2-core machine, of a torch-free
+    `moectl generate -n 1`'s ~0.9 s (docs/gguf.md, "stop 54"). The values here are the ones
+    whose conversion is the value itself: None (typer's own `coerce` returns it before converting), a str for a str
+    option, a bool for a bool option, an int or float default of its own type, and a command line's plain digits
+    for an int ("12") or a float ("0.5") option, each within the option's min / max. Any other value (a sign, an
+    exponent, a path, a list, a choice, out of range: its error message) is typer's own conversion, built then,
+    so what a command receives and every error it prints are typer's (tests/test_cli_start.py compares the two on
+    every option of every command)."""
+
+    PLAIN = (str, bool, int, float)
+
+    def __init__(self, param):
+        self.descriptor = param.type_descriptor
+        self._typers = None
+
+    @classmethod
+    def install(cls, params) -> None:
+        """Give each of `params` that typer would convert through pydantic this conversion (a param already
+        converted, or of a typer without `_runtime_param`, is left as it is)."""
+        for p in params:
+            if getattr(p, "_runtime_param", False) is None and hasattr(p, "type_descriptor"):
+                p._runtime_param = cls(p)
+
+    def coerce(self, value, param, ctx):
+        if not (param.multiple or param.nargs == -1):
+            if value is None:
+                return None
+            plain = self.plain(value, self.descriptor)
+            if plain is not None:
+                return plain
+        if self._typers is None:
+            from typer._coercion import build_runtime_param
+
+            self._typers = build_runtime_param(self.descriptor)
+        return self._typers.coerce(value, param=param, ctx=ctx)
+
+    @staticmethod
+    def plain(value, descriptor):
+        """`value` as the option receives it where no parsing is needed, else None (typer's conversion decides)."""
+        kind, info = descriptor.annotation, descriptor.parameter_info
+        if (kind not in PlainValues.PLAIN or info.parser is not None or info.clamp or descriptor.is_file
+                or descriptor.is_path or descriptor.is_choice):
+            return None
+        if kind in (str, bool):
+            return value if type(value) is kind else None
+        if type(value) is str:                      # a command line's or an environment variable's text
+            whole, dot, frac = value.partition(".")
+            if not (value.isascii() and whole.isdigit() and len(value) <= 20):
+                return None
+            if dot and (kind is int or not frac.isdigit()):
+                return None
+            value = kind(value)
+        if type(value) is not kind:
+            return None
+        if (info.min is not None and value < info.min) or (info.max is not None and value > info.max):
+            return None                             # typer's conversion: its out-of-range message
+        return value
+
+
 class _Command(typer.core.TyperCommand):
     """A moectl command: its help shows a boolean flag as the flag alone (typer labels it `<bool>`, a value the
     flag does not take), and the runtime's "Device and cache" panel right after the command's own options (typer
-    orders panels by their first option: the command's sampling and output ones would come first)."""
+    orders panels by their first option: the command's sampling and output ones would come first). Its options'
+    plain values are converted without pydantic (`PlainValues`)."""
 
     def get_params(self, ctx):
         from .commands._common import DEVICE_PANEL
 
         params = super().get_params(ctx)
+        PlainValues.install(params)
         for p in params:
             if getattr(p, "is_bool_flag", False) and p.metavar is None:
                 p.metavar = ""
@@ -122,6 +188,11 @@ class _Commands(typer.core.TyperGroup):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.commands = LazyCommands(self.commands)
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        PlainValues.install(params)                 # its --help flag's unset value: no pydantic either
+        return params
 
     def list_commands(self, ctx) -> list[str]:
         """Every command, built (--help lists them with their help): the plain commands first, then the groups

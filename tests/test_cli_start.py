@@ -1,0 +1,167 @@
+"""What `moectl` does before a command runs (moectl/cli.py, docs/gguf.md "stop 54"): a command's module is imported
+and its click command built only when that command is asked for (`LazyCommands`), and the options' plain values
+are converted without pydantic (`PlainValues`). Neither changes what a command receives or prints: each command
+built lazily is the command built with every module registered up front (its help text, its options), `moectl
+--help` lists the commands in the same order, every option converts every sample value as typer's own conversion
+does (the value and its type, or the same error); and a fresh torch-free `moectl generate` imports neither pydantic
+nor another command's module, with the same tokens as the run in this process."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+import typer.main
+
+from moectl import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def eager_app() -> typer.Typer:
+    """moectl's app as cli.py built it before stop 54: every command module imported, every command registered."""
+    app = typer.Typer(**cli.APP_SETTINGS)
+    for name, module_name in cli.command_modules().items():
+        module = importlib.import_module(f"moectl.commands.{module_name}")
+        if isinstance(getattr(module, "app", None), typer.Typer):
+            for info in module.app.registered_commands:
+                if info.cls in (None, typer.core.TyperCommand):
+                    info.cls = cli._Command
+            app.add_typer(module.app, name=name)
+        else:
+            fn = getattr(module, module_name, None) or getattr(module, module_name + "_")
+            app.command(name, cls=cli._Command)(fn)
+    return app
+
+
+def leaves(group, ctx) -> dict:
+    """{"trace import": command, "generate": command, ...}: every command under `group`, groups opened."""
+    out = {}
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        if isinstance(cmd, typer.core.TyperGroup):
+            out |= {f"{name} {k}": v for k, v in leaves(cmd, cmd.context_class(cmd, info_name=name)).items()}
+        else:
+            out[name] = cmd
+    return out
+
+
+def test_lazy_commands_are_the_eager_ones():
+    lazy, eager = typer.main.get_command(cli.app), typer.main.get_command(eager_app())
+    lazy_ctx, eager_ctx = (g.context_class(g, info_name="moectl") for g in (lazy, eager))
+    assert lazy.list_commands(lazy_ctx) == eager.list_commands(eager_ctx)     # --help's order: trace (a group) last
+    a, b = leaves(lazy, lazy_ctx), leaves(eager, eager_ctx)
+    assert list(a) == list(b) and len(a) >= 19
+    for name in a:
+        ca, cb = a[name], b[name]
+        assert ca.help == cb.help and type(ca) is type(cb), name
+        assert [(p.name, p.opts, p.default, p.required) for p in ca.params] == \
+               [(p.name, p.opts, p.default, p.required) for p in cb.params], name
+        assert ca.get_help(ca.context_class(ca, info_name=name)) == cb.get_help(cb.context_class(cb, info_name=name))
+
+
+def test_a_command_is_built_when_asked_for():
+    group = typer.main.get_command(cli.app)
+    commands = group.commands
+    assert "generate" in commands and "bench" in commands and "nosuch" not in commands
+    assert commands._built == {}                            # asking for a name builds nothing
+    commands["generate"]
+    assert list(commands._built) == ["generate"]
+    with pytest.raises(KeyError):
+        commands["nosuch"]
+
+
+# text a command line or an environment variable gives, and the Python defaults typer passes
+SAMPLES = [None, "0", "1", "12", "007", "0.5", "2.25", "1.", ".5", "-1", "+1", "1e3", " 1", "1_0", "abc", "", "\u0663",
+           "9" * 25, "0.0000000000000000001", "3.4028236692093846346e38", "inf", "nan", "true", "False", True, False,
+           0, 1, 64, -3, 0.5, 0.8, 1.0, 2, 2.5]
+
+
+def converted(runtime, value, param, ctx):
+    try:
+        v = runtime.coerce(value, param=param, ctx=ctx)
+        return "value", type(v), v
+    except Exception as e:                                  # typer's BadParameter: its message
+        return "error", type(e), str(e)
+
+
+def test_plain_values_convert_as_typer_does():
+    """Every option of every command, every sample value and its own default: `PlainValues` gives typer's answer
+    (pydantic's TypeAdapter) exactly, and answers most of them itself (the test is not vacuous)."""
+    from typer._coercion import build_runtime_param
+
+    group = typer.main.get_command(cli.app)
+    ctx0 = group.context_class(group, info_name="moectl")
+    answered = checked = 0
+    for name, cmd in leaves(group, ctx0).items():
+        ctx = cmd.context_class(cmd, info_name=name, parent=ctx0)
+        for param in cmd.get_params(ctx):
+            if not hasattr(param, "type_descriptor"):
+                continue
+            ours, typers = cli.PlainValues(param), build_runtime_param(param.type_descriptor)
+            for value in [*SAMPLES, param.default]:
+                if isinstance(value, str) and param.multiple:
+                    continue                                # typer: "Value must be an iterable." both ways
+                want = converted(typers, value, param, ctx)
+                got = converted(ours, value, param, ctx)
+                if want[0] == "value" and isinstance(want[2], float) and want[2] != want[2]:
+                    assert got[0] == "value" and got[2] != got[2], (name, param.name, value)      # nan
+                else:
+                    assert got == want, (name, param.name, value, got, want)
+                checked += 1
+                answered += ours._typers is None and (value is not None)
+    assert checked > 5000 and answered > 1000, (checked, answered)
+
+
+def test_the_help_flag_and_unset_options_need_no_pydantic():
+    """`PlainValues` answers the group's unset --help and a command's None / default values without building
+    typer's conversion (which imports pydantic)."""
+    code = ("import sys, typer.main\nfrom moectl import cli\ng = typer.main.get_command(cli.app)\n"
+            "ctx = g.make_context('moectl', ['generate', '-m', 'x', '-p', 'Hi', '-n', '3', '--threads', '2', "
+            "'--temperature', '0.5', '--greedy'])\n"
+            "cmd = g.get_command(ctx, 'generate')\n"
+            "sub = cmd.make_context('generate', ctx.args or ['-m', 'x', '-p', 'Hi', '-n', '3', '--threads', '2', "
+            "'--temperature', '0.5', '--greedy'], parent=ctx)\n"
+            "p = sub.params\nprint(p['max_new_tokens'], p['threads'], p['temperature'], p['greedy'], p['top_p'], "
+            "p['budget'], 'pydantic' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", "2", "0.5", "True", "0.95", "None", "False"]
+
+
+def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsys, monkeypatch):
+    """The torch-free `moectl generate` in a fresh process: the tokens of the run in this process, and none of the
+    modules stop 54 cut (pydantic, typer's pydantic adapters, the other commands' modules), nor torch."""
+    from gguf import GGMLQuantizationType as T
+
+    from gguf_build import write_gguf
+    from test_bad_input import run_cli
+    from test_ggml_graph import _checkpoint
+    from test_gguf_run import ggml_or_skip
+
+    ggml_or_skip()
+    path = write_gguf(_checkpoint("mixtral", tmp_path), tmp_path / "Q.gguf", dense_encoding=T.Q8_0,
+                      expert_encoding=T.Q4_0)
+    args = ["generate", "--model", str(path), "--prompt", "The capital of France is", "-n", "4", "--threads", "1",
+            "--device", "cpu", "--workdir", str(tmp_path / "wd"), "--json", "--greedy"]
+    code, out, err = run_cli(args, capsys, monkeypatch)     # the first run (torch) saves config and tokenizer
+    assert code == 0, err
+    first = json.loads(out)
+    watched = ["pydantic", "typer._adapters", "torch", "transformers"] + [
+        f"moectl.commands.{m}" for m in cli.command_modules().values() if m != "generate"]
+    code = ("import sys, json\nfrom moectl import cli\nsys.argv = %r\ntry:\n    cli.main()\nexcept SystemExit:\n"
+            "    pass\nprint(json.dumps([m for m in %r if m in sys.modules]), file=sys.stderr)\n"
+            % (["moectl", *args], watched))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "torch-free run" in r.stderr
+    assert json.loads(r.stderr.strip().splitlines()[-1]) == []
+    assert json.loads(r.stdout)["token_ids"] == first["token_ids"]
