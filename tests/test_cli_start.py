@@ -138,7 +138,8 @@ def test_the_help_flag_and_unset_options_need_no_pydantic():
 
 def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsys, monkeypatch):
     """The torch-free `moectl generate` in a fresh process: the tokens of the run in this process, and none of the
-    modules stop 54 cut (pydantic, typer's pydantic adapters, the other commands' modules), nor torch."""
+    modules stop 54 cut (pydantic, typer's pydantic adapters, the other commands' modules, numpy.random: greedy
+    draws nothing), nor torch."""
     from gguf import GGMLQuantizationType as T
 
     from gguf_build import write_gguf
@@ -154,7 +155,7 @@ def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsy
     code, out, err = run_cli(args, capsys, monkeypatch)     # the first run (torch) saves config and tokenizer
     assert code == 0, err
     first = json.loads(out)
-    watched = ["pydantic", "typer._adapters", "torch", "transformers"] + [
+    watched = ["pydantic", "typer._adapters", "numpy.random", "torch", "transformers"] + [
         f"moectl.commands.{m}" for m in cli.command_modules().values() if m != "generate"]
     code = ("import sys, json\nfrom moectl import cli\nsys.argv = %r\ntry:\n    cli.main()\nexcept SystemExit:\n"
             "    pass\nprint(json.dumps([m for m in %r if m in sys.modules]), file=sys.stderr)\n"
