@@ -215,6 +215,9 @@ def _group() -> None:
 def run() -> None:
     """The `moectl` script and `python -m moectl`: `main()`, then the process ends at once (`exit_now`). Tests call
     `main()` inside their own process, which must go on; only these two entry points end it."""
+    from .commands import _common
+
+    _common.kept_until_exit = []                # the engine lives until the process ends (`_common.kept_until_exit`)
     try:
         main()
         code = 0

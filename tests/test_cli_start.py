@@ -4,7 +4,8 @@ are converted without pydantic (`PlainValues`). Neither changes what a command r
 built lazily is the command built with every module registered up front (its help text, its options), `moectl
 --help` lists the commands in the same order, every option converts every sample value as typer's own conversion
 does (the value and its type, or the same error); and a fresh torch-free `moectl generate` imports neither pydantic
-nor another command's module, with the same tokens as the run in this process."""
+nor another command's module, nor numpy.random, answers with the same tokens as the run in this process, and holds
+its engine until the process ends (freeing it is teardown the script skips)."""
 
 from __future__ import annotations
 
@@ -137,12 +138,14 @@ def test_the_help_flag_and_unset_options_need_no_pydantic():
 
 
 def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsys, monkeypatch):
-    """The torch-free `moectl generate` in a fresh process: the tokens of the run in this process, and none of the
-    modules stop 54 cut (pydantic, typer's pydantic adapters, the other commands' modules, numpy.random: greedy
-    draws nothing), nor torch."""
+    """The torch-free `moectl generate` as the script runs it (`cli.run`), in a fresh process: the tokens of the run
+    in this process; none of the modules stop 54 cut imported (pydantic, typer's pydantic adapters, the other
+    commands' modules, numpy.random: greedy draws nothing), nor torch; and its engine still held when the process
+    ends (`_common.kept_until_exit`: not freed before `exit_now`), where the in-process run keeps nothing."""
     from gguf import GGMLQuantizationType as T
 
     from gguf_build import write_gguf
+    from moectl.commands import _common
     from test_bad_input import run_cli
     from test_ggml_graph import _checkpoint
     from test_gguf_run import ggml_or_skip
@@ -154,15 +157,20 @@ def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsy
             "--device", "cpu", "--workdir", str(tmp_path / "wd"), "--json", "--greedy"]
     code, out, err = run_cli(args, capsys, monkeypatch)     # the first run (torch) saves config and tokenizer
     assert code == 0, err
+    assert _common.kept_until_exit is None                  # main() in a process that goes on: nothing kept
     first = json.loads(out)
     watched = ["pydantic", "typer._adapters", "numpy.random", "torch", "transformers"] + [
         f"moectl.commands.{m}" for m in cli.command_modules().values() if m != "generate"]
-    code = ("import sys, json\nfrom moectl import cli\nsys.argv = %r\ntry:\n    cli.main()\nexcept SystemExit:\n"
-            "    pass\nprint(json.dumps([m for m in %r if m in sys.modules]), file=sys.stderr)\n"
-            % (["moectl", *args], watched))
+    code = ("import atexit, json, sys\n"
+            "def report():\n"
+            "    from moectl.commands import _common\n"
+            "    print(json.dumps({'imported': [m for m in %r if m in sys.modules],\n"
+            "                      'kept': [type(e).__name__ for e in _common.kept_until_exit]}), file=sys.stderr)\n"
+            "atexit.register(report)\n"
+            "from moectl import cli\nsys.argv = %r\ncli.run()\n" % (watched, ["moectl", *args]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "torch-free run" in r.stderr
-    assert json.loads(r.stderr.strip().splitlines()[-1]) == []
+    assert json.loads(r.stderr.strip().splitlines()[-1]) == {"imported": [], "kept": ["GraphEngine"]}, r.stderr
     assert json.loads(r.stdout)["token_ids"] == first["token_ids"]
