@@ -215,6 +215,7 @@ def _group() -> None:
 def run() -> None:
     """The `moectl` script and `python -m moectl`: `main()`, then the process ends at once (`exit_now`). Tests call
     `main()` inside their own process, which must go on; only these two entry points end it."""
+    numpy_with_one_blas_thread()
     from .commands import _common
 
     _common.kept_until_exit = []                # the engine lives until the process ends (`_common.kept_until_exit`)
@@ -224,6 +225,28 @@ def run() -> None:
     except SystemExit as e:
         code = e.code
     exit_now(code)
+
+
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")     # OpenBLAS's order
+
+
+def numpy_with_one_blas_thread() -> None:
+    """Import numpy with its OpenBLAS pool at one thread, then put the environment back (OpenBLAS reads
+    OPENBLAS_NUM_THREADS once, when numpy loads it; nothing else sees the setting: not torch's BLAS, not a child
+    process). Why: numpy's BLAS computes nothing large in moectl (the policies' and predictors' small products; the
+    model is torch's or ggml's, their threads set by --threads), and starting a pool of one thread a core took
+    ~0.045 s of a ~0.55 s torch-free `generate -n 1` on the 2-core machine (docs/gguf.md, "stop 54"), a pool
+    that then spins beside ggml's and torch's threads. A user's own setting (OPENBLAS_NUM_THREADS, or the
+    GOTO_NUM_THREADS / OMP_NUM_THREADS that OpenBLAS reads after it) is left as it is."""
+    if "numpy" in sys.modules or any(v in os.environ for v in BLAS_THREAD_VARIABLES):
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    except ImportError:                             # a broken install: the command says so where it needs numpy
+        pass
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
 
 
 # moectl's own worker pools (expert reads, CPU experts): they only read and compute, so ending the process under

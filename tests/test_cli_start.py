@@ -174,3 +174,24 @@ def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsy
     assert "torch-free run" in r.stderr
     assert json.loads(r.stderr.strip().splitlines()[-1]) == {"imported": [], "kept": ["GraphEngine"]}, r.stderr
     assert json.loads(r.stdout)["token_ids"] == first["token_ids"]
+
+
+def _threads_after(code: str, **env) -> tuple[int, bool]:
+    """(the OS threads of a fresh process after `code`, whether OPENBLAS_NUM_THREADS is in its environment then)."""
+    env = {k: v for k, v in os.environ.items() if k not in cli.BLAS_THREAD_VARIABLES} | env
+    r = subprocess.run([sys.executable, "-c", code + "\nimport os\nprint(len(os.listdir('/proc/self/task')), "
+                        "'OPENBLAS_NUM_THREADS' in os.environ)"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env=env | {"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    n, set_ = r.stdout.split()
+    return int(n), set_ == "True"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_the_script_starts_numpy_with_one_blas_thread_and_puts_the_environment_back():
+    """`cli.run` imports numpy with OpenBLAS at one thread (the threads of a process given OPENBLAS_NUM_THREADS=1),
+    the variable gone again afterwards; a user's own setting is kept (the threads that setting gives)."""
+    ours = "from moectl.cli import numpy_with_one_blas_thread as f\nf()\nimport numpy"
+    assert _threads_after(ours) == (_threads_after("import numpy", OPENBLAS_NUM_THREADS="1")[0], False)
+    for user in ({"OPENBLAS_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2"}):
+        assert _threads_after(ours, **user) == _threads_after("import numpy", **user)
