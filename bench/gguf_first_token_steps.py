@@ -1,11 +1,13 @@
 """Where a torch-free `moectl generate -n 1` spends its time, step by step, source trees alternating (docs/gguf.md,
 "Load to first token on files nothing repacks (stop 54)").
 
-Each run is a fresh process that runs the command line's `main()` on `generate -m FILE -p Hi -n 1 --greedy
+Each run is a fresh process that runs the command line (`moectl.cli.run`, as the script does) on `generate -m FILE -p Hi -n 1 --greedy
 --device cpu --threads 1` (the file's config and tokenizer saved by an earlier run: the torch-free engine,
 runtime/graph_engine.py) and times, with time.perf_counter and time.process_time:
   import moectl.cli            the command line's module (before stop 54 also every command's module, and numpy)
-  generate's module            moectl/commands/generate.py and what it imports (the runtime options, numpy)
+  numpy (cli.run)              numpy imported with OpenBLAS at one thread, as `cli.run` does first (stop 54 on)
+  generate's module            moectl/commands/generate.py and what it imports (the runtime options; numpy
+                               where nothing imported it before)
   import the engine            runtime/graph_engine.py and what it imports (gguf, tokenizers, moectl's store)
   options (typer)              main() until generate's load_engine: the group, the parse, each option's value
   load: header                 GgufFiles (the GGUF header parsed, the file mapped)
@@ -15,7 +17,8 @@ runtime/graph_engine.py) and times, with time.perf_counter and time.process_time
   first token                  GraphEngine.generate: the prompt's forward (ggml), the pick, the decode
   output                       the rest of main(): the status lines, the text, the stats line
 and the parent times the whole process ("process": interpreter start and exit included; "interpreter and exit"
-is what the steps above do not cover; the child ends as the command line does, `cli.exit_now`). The CPU figures
+is what the steps above do not cover; the child ends as the command line does, `cli.exit_now`, its figures
+printed by an atexit handler). The CPU figures
 are the process's (every thread: numpy's OpenBLAS pool, which spins a while after its start, too). Medians over `--repeat` runs, wall and CPU seconds (user + sys: a busy
 machine inflates it least). The step rows are measured in-process; the "process" row is the command as a user
 runs it, timed from outside.
@@ -58,6 +61,9 @@ def timed(owner, name, row):
     setattr(owner, name, run)
 from moectl import cli
 mark("import moectl.cli")
+if hasattr(cli, "numpy_with_one_blas_thread"):  # what cli.run does first (stop 54 on); before, numpy came later
+    cli.numpy_with_one_blas_thread()
+mark("numpy (cli.run)")
 import moectl.commands.generate as G
 mark("generate's module")
 import moectl.runtime.graph_engine as GE
@@ -73,28 +79,26 @@ def load_engine_marked(*a, **k):
     return out
 G.load_engine = load_engine_marked
 timed(GE.GraphEngine, "generate", "first token")
+def report():                           # at exit (`cli.exit_now` runs the atexit handlers): main() is done
+    mark("main done")
+    rows = {name: [w - pw, c - pc] for (_, pw, pc), (name, w, c) in zip(marks, marks[1:])}
+    load = rows.pop("load")
+    parts = [steps.get(k, [0.0, 0.0]) for k in ("load: header", "load: saved config", "load: tokenizer")]
+    rows |= {k: steps.get(k, [0.0, 0.0]) for k in ("load: header", "load: saved config", "load: tokenizer")}
+    rows["load: the rest"] = [load[i] - sum(p[i] for p in parts) for i in (0, 1)]
+    rows["first token"] = steps["first token"]
+    done = rows.pop("main done")
+    rows["output"] = [done[i] - steps["first token"][i] for i in (0, 1)]
+    rows["torch-free"] = "torch" not in sys.modules
+    print("RESULT " + json.dumps(rows), file=sys.stderr)
+import atexit
+atexit.register(report)
 sys.argv = ["moectl", "generate", "-m", sys.argv[1], "-p", "Hi", "-n", "1", "--greedy", "--device", "cpu",
             "--threads", "1"]
-try:
-    cli.main()
-except SystemExit as e:
-    if e.code:
-        raise
-mark("main done")
-rows = {name: [w - pw, c - pc] for (_, pw, pc), (name, w, c) in zip(marks, marks[1:])}
-load = rows.pop("load")
-parts = [steps.get(k, [0.0, 0.0]) for k in ("load: header", "load: saved config", "load: tokenizer")]
-rows |= {k: steps.get(k, [0.0, 0.0]) for k in ("load: header", "load: saved config", "load: tokenizer")}
-rows["load: the rest"] = [load[i] - sum(p[i] for p in parts) for i in (0, 1)]
-rows["first token"] = steps["first token"]
-done = rows.pop("main done")
-rows["output"] = [done[i] - steps["first token"][i] for i in (0, 1)]
-rows["torch-free"] = "torch" not in sys.modules
-print("RESULT " + json.dumps(rows), file=sys.stderr)
-cli.exit_now(0)                         # the way the command line ends (no interpreter teardown)
+cli.run()                               # as the script runs it: main(), then the process ends at once
 """
 
-ORDER = ("import moectl.cli", "generate's module", "import the engine", "options (typer)", "load: header",
+ORDER = ("import moectl.cli", "numpy (cli.run)", "generate's module", "import the engine", "options (typer)", "load: header",
          "load: saved config", "load: tokenizer", "load: the rest", "first token", "output")
 
 
