@@ -1,9 +1,10 @@
 """Where a torch-free `moectl generate -n 1` spends its time, step by step, source trees alternating (docs/gguf.md,
 "Load to first token on files nothing repacks (stop 54)").
 
-Each run is a fresh process that runs the command line (`moectl.cli.run`, as the script does) on `generate -m FILE -p Hi -n 1 --greedy
---device cpu --threads 1` (the file's config and tokenizer saved by an earlier run: the torch-free engine,
-runtime/graph_engine.py) and times, with time.perf_counter and time.process_time:
+Each run is a fresh process that runs the command line (`moectl.cli.run`, as the script does) on
+`generate -m FILE -p Hi -n 1 --greedy --device cpu --threads 1` (the file's config and tokenizer saved by an
+earlier run: the torch-free engine, runtime/graph_engine.py) and times, with time.perf_counter and
+time.process_time:
   import moectl.cli            the command line's module (before stop 54 also every command's module, and numpy)
   numpy (cli.run)              numpy imported with OpenBLAS at one thread, as `cli.run` does first (stop 54 on)
   generate's module            moectl/commands/generate.py and what it imports (the runtime options; numpy
@@ -18,10 +19,9 @@ runtime/graph_engine.py) and times, with time.perf_counter and time.process_time
   output                       the rest of main(): the status lines, the text, the stats line
 and the parent times the whole process ("process": interpreter start and exit included; "interpreter and exit"
 is what the steps above do not cover; the child ends as the command line does, `cli.exit_now`, its figures
-printed by an atexit handler). The CPU figures
-are the process's (every thread: numpy's OpenBLAS pool, which spins a while after its start, too). Medians over `--repeat` runs, wall and CPU seconds (user + sys: a busy
-machine inflates it least). The step rows are measured in-process; the "process" row is the command as a user
-runs it, timed from outside.
+printed by an atexit handler). Medians over `--repeat` runs, wall and CPU seconds (user + sys: a busy machine
+inflates it least; the process's, every thread's: an OpenBLAS pool that spins after its start too). The step rows
+are measured in-process; the "process" row is the command as a user runs it, timed from outside.
 
 Usage (a quiet machine; ~1 s a run):
     python bench/gguf_first_token_steps.py --model FILE.gguf [--repeat 7] [--tree /path/a --tree /path/b]
@@ -98,8 +98,8 @@ sys.argv = ["moectl", "generate", "-m", sys.argv[1], "-p", "Hi", "-n", "1", "--g
 cli.run()                               # as the script runs it: main(), then the process ends at once
 """
 
-ORDER = ("import moectl.cli", "numpy (cli.run)", "generate's module", "import the engine", "options (typer)", "load: header",
-         "load: saved config", "load: tokenizer", "load: the rest", "first token", "output")
+ORDER = ("import moectl.cli", "numpy (cli.run)", "generate's module", "import the engine", "options (typer)",
+         "load: header", "load: saved config", "load: tokenizer", "load: the rest", "first token", "output")
 
 
 def child_cpu() -> float:
