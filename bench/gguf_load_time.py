@@ -21,8 +21,12 @@ change) and their runs alternate, so both see the same machine. The table prints
 `--repeat` runs, in seconds: wall and CPU (user + sys: the figure a busy machine inflates least; the child
 runs one thread). "process" is the child's whole life, interpreter exit included.
 
-Usage (a quiet machine; ~1 min per run on a 2-core host):
-    python bench/gguf_load_time.py [--model FILE.gguf] [--repeat 5] [--tree /path/a --tree /path/b] [--json]
+`--cli-only` times that command alone (and llama.cpp's): a few seconds a run, for before / after figures of the
+command line's own start-up (docs/gguf.md, "stop 54").
+
+Usage (a quiet machine; ~1 min per run on a 2-core host, ~3 s with --cli-only):
+    python bench/gguf_load_time.py [--model FILE.gguf] [--repeat 5] [--tree /path/a --tree /path/b] [--cli-only]
+                                   [--json]
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ def main() -> None:
     ap.add_argument("--tree", action="append", type=Path,
                     help="a moectl source tree to run (repeatable; default: this one); runs alternate")
     ap.add_argument("--json", action="store_true", help="every run's figures as JSON")
+    ap.add_argument("--cli-only", action="store_true",
+                    help="only the whole `moectl generate -n 1` process (row \"cli generate -n 1\") and llama.cpp's: "
+                         "not the torch Engine's step rows (~1 min a run); the CLI's torch-free run alone")
     a = ap.parse_args()
     model = str(Path(a.model).expanduser())
     if not Path(model).is_file():
@@ -158,7 +165,7 @@ def main() -> None:
     runs["llama.cpp"] = []
     for _ in range(a.repeat):
         for t in trees:
-            r = moectl_run(t, model)
+            r = {"steps": {}, "modules": {}} if a.cli_only else moectl_run(t, model)
             r["steps"]["cli generate -n 1"] = cli_run(t, model)
             runs[str(t)].append(r)
         runs["llama.cpp"].append(llamacpp_run(model))
@@ -178,7 +185,7 @@ def main() -> None:
 
     names = ["step (s, median)"] + [f"{i + 1} {what}" for i in range(len(trees)) for what in ("wall", "CPU")]
     rows = [[s] + [median(t, s, i) for t in trees for i in (0, 1)] for s in steps]
-    for m in ("hqq", "torch._dynamo", "torch._inductor.compile_fx"):
+    for m in () if a.cli_only else ("hqq", "torch._dynamo", "torch._inductor.compile_fx"):
         rows.append([f"imports {m}"] + [str(runs[str(t)][0]["modules"][m]).lower() for t in trees for _ in (0, 1)])
     ll = [x for x in runs["llama.cpp"] if x is not None]
     caption = "trees: " + "; ".join(f"{i + 1} = {t}" for i, t in enumerate(trees))

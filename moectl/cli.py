@@ -3,8 +3,12 @@
 Each `moectl/commands/<name>.py` defines the command as a plain top-level function named like the
 module (`generate`, `train_predictor` -> `moectl train-predictor`), or a `typer.Typer` called `app` for a
 command group (`trace import|export`); this file discovers them, so adding a command never touches this
-file. `MoectlError`, and click's usage errors (a bad option value, an unknown option), become one red `error:`
-line and exit code 2.
+file, and imports a command's module only when that command is asked for (`LazyCommands`). `MoectlError`, and
+click's usage errors (a bad option value, an unknown option), become one red `error:` line and exit code 2.
+
+A torch-free `moectl generate -n 1` is about half a second, so the start-up is kept to what it needs
+(docs/gguf.md, "stop 54"): one command built, the options' plain values converted without pydantic
+(`PlainValues`), numpy's OpenBLAS started at one thread and the engine kept until the process ends (`run`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import pkgutil
 import sys
 import threading
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import typer
@@ -26,7 +31,8 @@ from .errors import MoectlError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # nothing is ever fetched from a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-app = typer.Typer(
+# the Typer settings of moectl's command group, also those of the one-command Typer a command is built in
+APP_SETTINGS = dict(
     name="moectl",
     help="Run Mixture-of-Experts LLMs larger than your GPU: offloading runtime, calibration pipeline, simulator.",
     no_args_is_help=True,
@@ -36,15 +42,81 @@ app = typer.Typer(
 err_console = Console(stderr=True)
 
 
+class PlainValues:
+    """typer's conversion of one option's value (typer 0.29's `RuntimeParam`, `_TyperParameter._runtime_param`),
+    for values that need no parsing, without pydantic.
+
+    Why: typer >= 0.29 converts every option's value, even an unset option's None, through a pydantic TypeAdapter
+    built on first use; the first one imports pydantic: ~0.1 s of CPU on the shared 2-core machine, of a torch-free
+    `moectl generate -n 1`'s ~0.9 s (docs/gguf.md, "stop 54"). The values here are the ones
+    whose conversion is the value itself: None (typer's own `coerce` returns it before converting), a str for a str
+    option, a bool for a bool option, an int or float default of its own type, and a command line's plain digits
+    for an int ("12") or a float ("0.5") option, each within the option's min / max. Any other value (a sign, an
+    exponent, a path, a list, a choice, out of range: its error message) is typer's own conversion, built then,
+    so what a command receives and every error it prints are typer's (tests/test_cli_start.py compares the two on
+    every option of every command)."""
+
+    PLAIN = (str, bool, int, float)
+
+    def __init__(self, param):
+        self.descriptor = param.type_descriptor
+        self._typers = None
+
+    @classmethod
+    def install(cls, params) -> None:
+        """Give each of `params` that typer would convert through pydantic this conversion (a param already
+        converted, or of a typer without `_runtime_param`, is left as it is)."""
+        for p in params:
+            if getattr(p, "_runtime_param", False) is None and hasattr(p, "type_descriptor"):
+                p._runtime_param = cls(p)
+
+    def coerce(self, value, param, ctx):
+        if not (param.multiple or param.nargs == -1):
+            if value is None:
+                return None
+            plain = self.plain(value, self.descriptor)
+            if plain is not None:
+                return plain
+        if self._typers is None:
+            from typer._coercion import build_runtime_param
+
+            self._typers = build_runtime_param(self.descriptor)
+        return self._typers.coerce(value, param=param, ctx=ctx)
+
+    @staticmethod
+    def plain(value, descriptor):
+        """`value` as the option receives it where no parsing is needed, else None (typer's conversion decides)."""
+        kind, info = descriptor.annotation, descriptor.parameter_info
+        if (kind not in PlainValues.PLAIN or info.parser is not None or info.clamp or descriptor.is_file
+                or descriptor.is_path or descriptor.is_choice):
+            return None
+        if kind in (str, bool):
+            return value if type(value) is kind else None
+        if type(value) is str:                      # a command line's or an environment variable's text
+            whole, dot, frac = value.partition(".")
+            if not (value.isascii() and whole.isdigit() and len(value) <= 20):
+                return None
+            if dot and (kind is int or not frac.isdigit()):
+                return None
+            value = kind(value)
+        if type(value) is not kind:
+            return None
+        if (info.min is not None and value < info.min) or (info.max is not None and value > info.max):
+            return None                             # typer's conversion: its out-of-range message
+        return value
+
+
 class _Command(typer.core.TyperCommand):
     """A moectl command: its help shows a boolean flag as the flag alone (typer labels it `<bool>`, a value the
     flag does not take), and the runtime's "Device and cache" panel right after the command's own options (typer
-    orders panels by their first option: the command's sampling and output ones would come first)."""
+    orders panels by their first option: the command's sampling and output ones would come first). Its options'
+    plain values are converted without pydantic (`PlainValues`)."""
 
     def get_params(self, ctx):
         from .commands._common import DEVICE_PANEL
 
         params = super().get_params(ctx)
+        PlainValues.install(params)
         for p in params:
             if getattr(p, "is_bool_flag", False) and p.metavar is None:
                 p.metavar = ""
@@ -52,35 +124,134 @@ class _Command(typer.core.TyperCommand):
         return sorted(params, key=lambda p: rank.get(getattr(p, "rich_help_panel", None), 2))
 
 
-def _register_commands() -> None:
+def command_modules() -> dict[str, str]:
+    """{command name: its module under moectl/commands/}, in the order --help lists them (the modules' names
+    sorted; `_common` and other `_` modules are not commands). A directory listing: nothing is imported."""
     from . import commands
 
-    for mod in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        if mod.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{commands.__name__}.{mod.name}")
-        name = mod.name.replace("_", "-")
-        if isinstance(getattr(module, "app", None), typer.Typer):
-            for info in module.app.registered_commands:
-                if info.cls in (None, typer.core.TyperCommand):
-                    info.cls = _Command
-            app.add_typer(module.app, name=name)
-        else:
-            app.command(name, cls=_Command)(getattr(module, mod.name, None) or getattr(module, mod.name + "_"))  # eval_
+    return {m.name.replace("_", "-"): m.name
+            for m in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name)
+            if not m.name.startswith("_")}
 
 
-_register_commands()
+def build_command(name: str, module_name: str):
+    """The click command (or group: `trace`) of one moectl command, its module imported now. Built by typer in a
+    Typer of moectl's settings that holds this command alone, so it is the command the whole group had when
+    every module was imported at start-up."""
+    module = importlib.import_module(f"{__package__}.commands.{module_name}")
+    one = typer.Typer(**APP_SETTINGS)
+    if isinstance(getattr(module, "app", None), typer.Typer):
+        for info in module.app.registered_commands:
+            if info.cls in (None, typer.core.TyperCommand):
+                info.cls = _Command
+        one.add_typer(module.app, name=name)
+    else:
+        command = getattr(module, module_name, None) or getattr(module, module_name + "_")     # eval.py: eval_
+        one.command(name, cls=_Command)(command)
+    return typer.main.get_group(one).commands[name]
+
+
+class LazyCommands(MutableMapping):
+    """The group's commands ({name: click command}, what click's and typer's group code reads as
+    `group.commands`): every name is listed, but a command's module is imported and its command built only when
+    that command is looked up. `moectl generate` imports generate.py and what it needs, not the other 16 command
+    modules (bench's, serve's, ...), and typer builds one command, not 17 (~0.1 s of a torch-free generate's
+    ~0.8 s before, docs/gguf.md "stop 54");
+    `moectl --help`, which lists them all, builds them all, as before."""
+
+    def __init__(self, built: dict):
+        self._modules = command_modules()
+        self._built = dict(built)
+
+    def __getitem__(self, name: str):
+        if name not in self._built:
+            if name not in self._modules:
+                raise KeyError(name)
+            self._built[name] = build_command(name, self._modules[name])
+        return self._built[name]
+
+    def __contains__(self, name) -> bool:                   # a name's question: nothing built
+        return name in self._modules or name in self._built
+
+    def __setitem__(self, name: str, command) -> None:      # click's `add_command`
+        self._built[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        self._modules.pop(name, None)
+        self._built.pop(name, None)
+
+    def __iter__(self):
+        return iter(dict.fromkeys([*self._modules, *self._built]))
+
+    def __len__(self) -> int:
+        return len(set(self._modules) | set(self._built))
+
+
+class _Commands(typer.core.TyperGroup):
+    """moectl's command group, its commands built when asked for (`LazyCommands`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.commands = LazyCommands(self.commands)
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        PlainValues.install(params)                 # its --help flag's unset value: no pydantic either
+        return params
+
+    def list_commands(self, ctx) -> list[str]:
+        """Every command, built (--help lists them with their help): the plain commands first, then the groups
+        (`trace`), the order typer gives a group whose commands and sub-apps were all registered up front."""
+        built = [(name, self.commands[name]) for name in self.commands]
+        return ([n for n, c in built if not isinstance(c, typer.core.TyperGroup)]
+                + [n for n, c in built if isinstance(c, typer.core.TyperGroup)])
+
+
+app = typer.Typer(cls=_Commands, **APP_SETTINGS)
+
+
+@app.callback()
+def _group() -> None:
+    # no options of its own; registered so that typer makes `app` a group of commands although none is registered
+    # with it (typer turns an app with one command and no callback into that command)
+    pass
 
 
 def run() -> None:
     """The `moectl` script and `python -m moectl`: `main()`, then the process ends at once (`exit_now`). Tests call
     `main()` inside their own process, which must go on; only these two entry points end it."""
+    numpy_with_one_blas_thread()
+    from .commands import _common
+
+    _common.kept_until_exit = []                # the engine lives until the process ends (`_common.kept_until_exit`)
     try:
         main()
         code = 0
     except SystemExit as e:
         code = e.code
     exit_now(code)
+
+
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")     # OpenBLAS's order
+
+
+def numpy_with_one_blas_thread() -> None:
+    """Import numpy with its OpenBLAS pool at one thread, then put the environment back (OpenBLAS reads
+    OPENBLAS_NUM_THREADS once, when numpy loads it; nothing else sees the setting: not torch's BLAS, not a child
+    process). Why: numpy's BLAS computes nothing large in moectl (the policies' and predictors' small products; the
+    model is torch's or ggml's, their threads set by --threads), and starting a pool of one thread a core took
+    ~0.045 s of a ~0.55 s torch-free `generate -n 1` on the 2-core machine (docs/gguf.md, "stop 54"), a pool
+    that then spins beside ggml's and torch's threads. A user's own setting (OPENBLAS_NUM_THREADS, or the
+    GOTO_NUM_THREADS / OMP_NUM_THREADS that OpenBLAS reads after it) is left as it is."""
+    if "numpy" in sys.modules or any(v in os.environ for v in BLAS_THREAD_VARIABLES):
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    except Exception:                               # a broken install: the command meets it where it needs numpy,
+        pass                                        # inside main()'s error handling, as before
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
 
 
 # moectl's own worker pools (expert reads, CPU experts): they only read and compute, so ending the process under

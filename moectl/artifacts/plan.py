@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from .. import __version__
 from ..core.cache_model import FULL, LOW
 from ..errors import MoectlError
@@ -96,6 +94,8 @@ def _yaml_item_lines(path, key: str) -> list[int]:
     """1-based line of each item of the top-level list `key` of a YAML file ([] if unknown)."""
     if path is None:
         return []
+    import yaml                                     # here: only a plan's error message needs it
+
     try:
         node = yaml.compose(Path(path).read_text())
     except (OSError, yaml.YAMLError):

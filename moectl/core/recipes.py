@@ -13,8 +13,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from ..errors import MoectlError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +34,8 @@ def load_recipe(name: str) -> dict:
     f = recipes_dir() / f"{name}.yaml"
     if not f.exists():
         raise MoectlError(f"no recipe {name!r}; recipes: {', '.join(list_recipes())}")
+    import yaml                                     # here: a GGUF's or a checkpoint's run reads no recipe
+
     try:
         recipe = yaml.safe_load(f.read_text()) or {}
     except yaml.YAMLError as e:

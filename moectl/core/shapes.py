@@ -15,8 +15,6 @@ import math
 import re
 from pathlib import Path
 
-import yaml
-
 from ..errors import MoectlError
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -36,6 +34,8 @@ def _recipe_files() -> list[Path]:
 def load_shape(name: str) -> dict:
     """The `shape:` block of recipe `name` (a recipe name or a yaml path), with `name` added; or the shape
     of a Hugging Face checkpoint directory (its config.json)."""
+    import yaml                                     # here: a run that reads no recipe imports no yaml
+
     p = Path(name).expanduser()
     if p.suffix.lower() == ".gguf" and p.is_file():
         raise MoectlError(f"{p} is a GGUF file: its shape is read from its header (store/gguf/shape.py: gguf_shape)")
@@ -54,6 +54,8 @@ def load_shape(name: str) -> dict:
 
 def shape_for_trace_model(model: str) -> dict | None:
     """The recipe shape whose `trace_names` lists `model` (a moe-routing-v1 header's model)."""
+    import yaml
+
     for f in _recipe_files():
         d = yaml.safe_load(f.read_text()) or {}
         if model in (d.get("trace_names") or []) and "shape" in d:

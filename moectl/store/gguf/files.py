@@ -28,11 +28,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFValueType
-from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
-from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 from ...errors import MoectlError
+from ...formats.gguf_constants import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC,
+                                      READER_SUPPORTED_VERSIONS, GGUFValueType)
 from ...formats.gguf_encodings import check_supported, packed_nbytes
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -55,6 +54,7 @@ SCALAR = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT1
           GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f",
           GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d", GGUFValueType.BOOL: "?"}
 NUMPY = {t: np.dtype("<" + c) for t, c in SCALAR.items()}
+U64 = struct.Struct("<Q")                   # a string's length (its bytes follow)
 
 
 class _Bad(ValueError):
@@ -115,11 +115,17 @@ def _read_array(buf: memoryview, pos: int, item: GGUFValueType, count: int, read
             raise _Bad("an array runs past the end")
         return (np.frombuffer(buf[pos:end], NUMPY[item]).tolist() if read else None), end
     if item == GGUFValueType.STRING:
-        out = [] if read else None
+        if not read:                             # skipped (a vocabulary at open): lengths only, one call each
+            length = U64.unpack_from
+            for _ in range(count):
+                pos += 8 + length(buf, pos)[0]
+            if pos > len(buf):
+                raise _Bad("an array runs past the end")
+            return None, pos
+        out = []
         for _ in range(count):                   # variable lengths: walked one by one
             (n,) = struct.unpack_from("<Q", buf, pos)
-            if read:
-                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
+            out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
             pos += 8 + n
         if pos > len(buf):
             raise _Bad("an array runs past the end")
