@@ -140,8 +140,7 @@ def test_the_help_flag_and_unset_options_need_no_pydantic():
 def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsys, monkeypatch):
     """The torch-free `moectl generate` as the script runs it (`cli.run`), in a fresh process: the tokens of the run
     in this process; none of the modules stop 54 cut imported (pydantic, typer's pydantic adapters, the other
-    commands' modules, numpy.random: greedy draws nothing, the gguf package beyond its constants, yaml, sentencepiece),
-    nor torch; and its engine still held when the process
+    commands' modules, numpy.random: greedy draws nothing), nor torch; and its engine still held when the process
     ends (`_common.kept_until_exit`: not freed before `exit_now`), where the in-process run keeps nothing."""
     from gguf import GGMLQuantizationType as T
 
@@ -160,8 +159,7 @@ def test_a_fresh_generate_imports_no_pydantic_nor_other_commands(tmp_path, capsy
     assert code == 0, err
     assert _common.kept_until_exit is None                  # main() in a process that goes on: nothing kept
     first = json.loads(out)
-    watched = ["pydantic", "typer._adapters", "numpy.random", "gguf", "yaml", "sentencepiece", "torch",
-               "transformers"] + [
+    watched = ["pydantic", "typer._adapters", "numpy.random", "torch", "transformers"] + [
         f"moectl.commands.{m}" for m in cli.command_modules().values() if m != "generate"]
     code = ("import atexit, json, sys\n"
             "def report():\n"
@@ -197,24 +195,3 @@ def test_the_script_starts_numpy_with_one_blas_thread_and_puts_the_environment_b
     assert _threads_after(ours) == (_threads_after("import numpy", OPENBLAS_NUM_THREADS="1")[0], False)
     for user in ({"OPENBLAS_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2"}):
         assert _threads_after(ours, **user) == _threads_after("import numpy", **user)
-
-
-@pytest.mark.parametrize("first", ["moectl", "gguf"])
-def test_gguf_constants_are_gguf_own_objects_whichever_is_imported_first(first):
-    """`formats/gguf_constants.py` runs gguf's constants.py without the package: its classes and tables are the
-    package's very objects when gguf is imported after it (or before), and the reader's supported versions are
-    gguf's; the package itself is not imported by it."""
-    code = ("import sys\n"
-            + ("import gguf\n" if first == "gguf" else "")
-            + "from moectl.formats import gguf_constants as c\n"
-            "alone = 'gguf' not in sys.modules\n"
-            "import gguf, gguf.gguf_reader as r\n"
-            "from gguf.constants import GGMLQuantizationType\n"
-            "print(alone, c.GGMLQuantizationType is gguf.GGMLQuantizationType is GGMLQuantizationType,\n"
-            "      c.GGUFValueType is gguf.GGUFValueType, c.GGML_QUANT_SIZES is gguf.GGML_QUANT_SIZES,\n"
-            "      c.READER_SUPPORTED_VERSIONS == r.READER_SUPPORTED_VERSIONS, c.GGUF_MAGIC == gguf.GGUF_MAGIC,\n"
-            "      c.GGUF_DEFAULT_ALIGNMENT == gguf.GGUF_DEFAULT_ALIGNMENT)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env=os.environ | {"PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [str(first == "moectl")] + ["True"] * 6

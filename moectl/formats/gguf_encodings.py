@@ -9,8 +9,9 @@ A GGUF tensor is rows of blocks along its last (input) axis: Q weights packed in
 
 from __future__ import annotations
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from ..errors import MoectlError
-from .gguf_constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 # The encodings llama.cpp users' MoE files hold (Q4_K_M = Q4_K + Q6_K, Q5_K_M = Q5_K + Q6_K, GPT-OSS = MXFP4).

@@ -28,10 +28,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFValueType
+from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 from ...errors import MoectlError
-from ...formats.gguf_constants import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC,
-                                      READER_SUPPORTED_VERSIONS, GGUFValueType)
 from ...formats.gguf_encodings import check_supported, packed_nbytes
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
