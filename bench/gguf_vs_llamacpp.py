@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llamacpp  # noqa: E402
 import moectl_timed  # noqa: E402
+import vs_llamacpp  # noqa: E402
 
 # The file set issue 42 asks for, per shape: the encodings people download, then the "other" ones (<= 1.5x there)
 FILE_SET = ["Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "BF16", "IQ2_XXS", "IQ3_XXS", "Q2_K", "Q3_K_M"]
@@ -74,7 +75,7 @@ IMATRIX_CTX, IMATRIX_CHUNKS = 128, 8
 
 
 def default_types(shape: str) -> list[str]:
-    return GPT_OSS_SET if shape.startswith("gpt-oss") else FILE_SET
+    return GPT_OSS_SET if vs_llamacpp.shape_label(shape).startswith("gpt-oss") else FILE_SET
 
 
 def _log(msg: str) -> None:
@@ -401,7 +402,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ROOFLINE_HELP)
     ap.add_argument("--shape", default="qwen3-moe", help="a recipe make-synthetic writes: mixtral, qwen3-moe, "
-                    "gpt-oss-20b, qwen1.5-moe")
+                    "gpt-oss-20b, qwen1.5-moe; or a yaml file of one (bench/shapes/qwen3-moe-thin48.yaml: Qwen3's "
+                    "experts and vocabulary at hidden 512, for 48 layers)")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic model")
     ap.add_argument("--types", nargs="+", default=None, help="llama-quantize types (BF16: the converted file "
                     "itself; default: issue 42's file set, " + " ".join(FILE_SET) + "; gpt-oss-20b: " +
@@ -458,7 +460,7 @@ def main() -> None:
         return
     from moectl.core.recipes import moectl_home
 
-    work = a.work or moectl_home() / "gguf_vs_llamacpp" / f"{a.shape}-{a.layers}"
+    work = a.work or moectl_home() / "gguf_vs_llamacpp" / f"{vs_llamacpp.shape_label(a.shape)}-{a.layers}"
     work.mkdir(parents=True, exist_ok=True)
     llamacpp.build(echo=_log)
     types = a.types or default_types(a.shape)

@@ -83,10 +83,27 @@ def llama_run(gguf: Path, threads: int, gen: int, prefill: int, depth: int = 0) 
             "rss_gb": max(dec["rss_gb"], pre["rss_gb"])}
 
 
+def shape_recipe(shape: str) -> dict:
+    """The recipe `shape` names: a recipe's name, or a yaml file of one (as `make-synthetic --shape` takes: e.g.
+    bench/shapes/qwen3-moe-thin48.yaml)."""
+    from moectl.core.recipes import load_recipe
+
+    p = Path(shape).expanduser()
+    if p.suffix.lower() in (".yaml", ".yml") and p.is_file():
+        import yaml
+
+        return yaml.safe_load(p.read_text()) or {}
+    return load_recipe(shape)
+
+
+def shape_label(shape: str) -> str:
+    """A shape's name in a work directory's name: a recipe's name, or a yaml file's stem."""
+    return Path(shape).stem if Path(shape).suffix.lower() in (".yaml", ".yml") else shape
+
+
 def converted_bf16(shape: str, layers: int, work: Path, made: dict) -> tuple[Path, Path]:
     """(checkpoint, its BF16 GGUF): the synthetic checkpoint of `shape` at `layers` layers and llama.cpp's own
     conversion of it, each made once under `work` (the conversion's seconds into `made`)."""
-    from moectl.core.recipes import load_recipe
     from moectl.core.shapes import load_shape
     from moectl.synth.checkpoint import write_synthetic
 
@@ -95,7 +112,7 @@ def converted_bf16(shape: str, layers: int, work: Path, made: dict) -> tuple[Pat
         if ckpt.exists():                   # an interrupted write (config.json is written last): start again
             shutil.rmtree(ckpt)
         _log(f"make-synthetic {shape} --layers {layers}")
-        family = load_recipe(shape).get("family", "mixtral")
+        family = shape_recipe(shape).get("family", "mixtral")
         write_synthetic(load_shape(shape), ckpt, layers, family=family, dtype=None, progress=False)
     bf16 = work / "model-BF16.gguf"
     if not bf16.exists():
@@ -328,7 +345,7 @@ def main() -> None:
             for k, v in res[tool].items():
                 print(f"{tool:10} {k:10} ppl {v['ppl']:8.4f}  delta {v['delta_pct']:+.3f} %")
     else:
-        work = Path(a.work or home / f"{a.shape}-{a.layers}")
+        work = Path(a.work or home / f"{shape_label(a.shape)}-{a.layers}")
         work.mkdir(parents=True, exist_ok=True)
         if a.prepare_only:
             print(json.dumps(prepare(a.shape, a.layers, work, a.precisions)["made"]))

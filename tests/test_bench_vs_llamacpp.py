@@ -336,3 +336,16 @@ def test_llama_bench_decodes_after_the_same_context_as_moectl(monkeypatch):
         dec = [c for c in calls if c[c.index("-n") + 1] == "32"]
         assert len(dec) == 1 and dec[0][dec[0].index("-d") + 1] == "16" and dec[0][dec[0].index("-p") + 1] == "0"
         assert res["decode_ms"] == 1000 / 50.0
+
+
+def test_a_shape_can_be_a_yaml_file_as_make_synthetic_takes():
+    """`--shape bench/shapes/qwen3-moe-thin48.yaml`: its family and shape are read from the file (the checkpoint is
+    written from them), and the work directory is named by the file's stem; a recipe's name works as before."""
+    from moectl.core.shapes import load_shape
+
+    thin = str(Path(__file__).resolve().parents[1] / "bench" / "shapes" / "qwen3-moe-thin48.yaml")
+    assert vs_llamacpp.shape_recipe(thin)["family"] == "qwen3_moe"
+    assert load_shape(thin)["num_layers"] == 48 and load_shape(thin)["num_experts"] == 128
+    assert vs_llamacpp.shape_label(thin) == "qwen3-moe-thin48" and vs_llamacpp.shape_label("mixtral") == "mixtral"
+    assert vs_llamacpp.shape_recipe("mixtral")["family"] == "mixtral"
+    assert gguf_vs_llamacpp.default_types(thin) == gguf_vs_llamacpp.FILE_SET
