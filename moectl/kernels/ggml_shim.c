@@ -906,18 +906,17 @@ static int64_t swa_start(const mg_model_desc *m, int64_t pos) {
     return pos - m->n_swa + 1 > 0 ? pos - m->n_swa + 1 : 0;
 }
 
-// The sliding-window layers' mask [P - s0, T] F16 (s0 = swa_start): 0 where query pos + t sees key s0 + j, -INF
-// where the key is in its future or n_swa or more positions back (as llama.cpp's kv cache fills kq_mask_swa).
-static ggml_fp16_t *swa_mask(const mg_model_desc *m, int64_t pos, int64_t T) {
-    const int64_t s0 = swa_start(m, pos), n = pos + T - s0;
+// An attention mask [n, T] F16 into dst: 0 where query pos + t sees cache position s0 + j, -INF where that key is in
+// its future or `window` or more positions back (a sliding-window layer's n_swa, as llama.cpp's kv cache fills
+// kq_mask_swa; INT64_MAX: none). The causal mask of a prefill, a sliding-window layer's, and a kept decode graph's
+// (its view padded past pos: the positions not written yet hidden) are all this.
+static void fill_mask(ggml_fp16_t *dst, int64_t s0, int64_t n, int64_t pos, int64_t T, int64_t window) {
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-    ggml_fp16_t *mask = malloc(sizeof(ggml_fp16_t) * (size_t)n * (size_t)T);
     for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < n; j++) {
             const int64_t p0 = s0 + j, p1 = pos + t;
-            mask[t * n + j] = p0 > p1 || p1 - p0 >= m->n_swa ? ninf : zero;
+            dst[t * n + j] = p0 > p1 || p1 - p0 >= window ? ninf : zero;
         }
-    return mask;
 }
 
 // One layer's attention of the T new queries Q [D, NH, T] over this layer's cache positions [s0, s0 + P) (kc, vc:
@@ -1106,9 +1105,9 @@ static int decode_step(mg_handle *h, const mg_model_desc *m, int32_t token, int6
         free(h->dec_mask_swa);
         free(h->dec_ids);
         h->dec_mask = malloc(sizeof(ggml_fp16_t) * (size_t)P);
-        h->dec_mask_swa = malloc(sizeof(ggml_fp16_t) * (size_t)(P - s0));
+        h->dec_mask_swa = swa ? malloc(sizeof(ggml_fp16_t) * (size_t)(P - s0)) : NULL;
         h->dec_ids = malloc(sizeof(int32_t) * (size_t)(m->n_layer * m->n_used));
-        if (!h->dec_mask || !h->dec_mask_swa || !h->dec_ids) return -3;
+        if (!h->dec_mask || (swa && !h->dec_mask_swa) || !h->dec_ids) return -3;
         struct ggml_init_params ip = {h->dec_meta_size, h->dec_meta, true};
         struct ggml_context *ctx = ggml_init(ip);
         struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_tensors, false);
@@ -1139,15 +1138,11 @@ static int decode_step(mg_handle *h, const mg_model_desc *m, int32_t token, int6
         pthread_mutex_unlock(&rp_lock);
     }
     // the step's data: position pos sees cache positions [0, pos] (a sliding-window layer's: the last n_swa)
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
     h->dec_tok = token;
     h->dec_pos = (int32_t)pos;
     h->dec_row = pos;
-    for (int64_t j = 0; j < P; j++) h->dec_mask[j] = j <= pos ? zero : ninf;
-    for (int64_t j = 0; swa && j < P - s0; j++) {
-        const int64_t p0 = s0 + j;
-        h->dec_mask_swa[j] = p0 > pos || pos - p0 >= m->n_swa ? ninf : zero;
-    }
+    fill_mask(h->dec_mask, 0, P, pos, 1, INT64_MAX);
+    if (swa) fill_mask(h->dec_mask_swa, s0, P - s0, pos, 1, m->n_swa);
     h->dec_y->data = logits;
     compute(h, h->dec_gf);
     if (ids_out) memcpy(ids_out, h->dec_ids, sizeof(int32_t) * (size_t)(m->n_layer * m->n_used));
@@ -1177,18 +1172,18 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
     int64_t *rowv = malloc(sizeof(int64_t) * T);
     for (int64_t t = 0; t < T; t++) posv[t] = (int32_t)(pos + t), rowv[t] = pos + t;
     int32_t last = (int32_t)(T - 1);
-    // causal mask of the new tokens [P, T] F16 (flash attention's type): token t sees positions <= pos + t
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    // causal mask of the new tokens [P, T] F16 (flash attention's type): token t sees positions <= pos + t; the
+    // sliding-window layers' over [s0, pos + T), if a layer is one
+    const int64_t s0 = swa_start(m, pos);
     ggml_fp16_t *maskv = malloc(sizeof(ggml_fp16_t) * (size_t)(pos + T) * (size_t)T);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t p = 0; p < pos + T; p++) maskv[t * (pos + T) + p] = p <= pos + t ? zero : ninf;
-    // the sliding-window layers' mask over [swa_start, pos + T), if a layer is one
-    ggml_fp16_t *swa_maskv = any_swa(m) ? swa_mask(m, pos, T) : NULL;
+    fill_mask(maskv, 0, pos + T, pos, T, INT64_MAX);
+    ggml_fp16_t *swa_maskv = any_swa(m) ? malloc(sizeof(ggml_fp16_t) * (size_t)(pos + T - s0) * (size_t)T) : NULL;
+    if (swa_maskv) fill_mask(swa_maskv, s0, pos + T - s0, pos, T, m->n_swa);
     const mg_inputs in = {ext(ctx, GGML_TYPE_I32, T, 1, 1, tokens), ext(ctx, GGML_TYPE_I32, T, 1, 1, posv),
                           ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last), ext(ctx, GGML_TYPE_I64, T, 1, 1, rowv),
                           ext(ctx, GGML_TYPE_F16, pos + T, T, 1, maskv),
-                          swa_maskv ? ext(ctx, GGML_TYPE_F16, pos + T - swa_start(m, pos), T, 1, swa_maskv) : NULL,
-                          pos + T, swa_start(m, pos), ids_out};
+                          swa_maskv ? ext(ctx, GGML_TYPE_F16, pos + T - s0, T, 1, swa_maskv) : NULL,
+                          pos + T, s0, ids_out};
     model_graph(ctx, gf, m, T, last_only, &in, logits);
     rp_graph(gf);                                    // weights with a CPU_REPACK copy read it
     __atomic_add_fetch(&model_graphs_built, 1, __ATOMIC_RELAXED);
