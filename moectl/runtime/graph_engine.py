@@ -299,8 +299,9 @@ def index_intermediate(config) -> int | None:
 def routed_counts(last_ids: np.ndarray, n_layer: int) -> tuple[np.ndarray, int]:
     """(distinct experts each layer routed in the last forward [L], expert calls) from its routed ids [L, T, U]
     (-1: a row not routed): a step acquires each expert it routes once per layer (the module path's count)."""
-    ids = np.asarray(last_ids).reshape(n_layer, -1)                                     # [L, T*U]
-    if np.asarray(last_ids).shape[1] == 1:     # a decode step: a row's top-k are distinct experts, no sort (~0.1 ms)
+    last = np.asarray(last_ids)
+    ids = last.reshape(n_layer, -1)                                                      # [L, T*U]
+    if last.shape[1] == 1:                     # a decode step: a row's top-k are distinct experts, no sort (~0.1 ms)
         distinct = (ids >= 0).sum(1)                                                    # [L]
         return distinct, int(distinct.sum())
     ids = np.sort(ids, axis=1)

@@ -116,18 +116,16 @@ def _read_array(buf: memoryview, pos: int, item: GGUFValueType, count: int, read
             raise _Bad("an array runs past the end")
         return (np.frombuffer(buf[pos:end], NUMPY[item]).tolist() if read else None), end
     if item == GGUFValueType.STRING:
-        if not read:                             # skipped (a vocabulary at open): lengths only, one call each
-            length = U64.unpack_from
+        length = U64.unpack_from                 # variable lengths: walked one by one
+        out = [] if read else None
+        if read:
+            for _ in range(count):
+                n = length(buf, pos)[0]
+                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
+                pos += 8 + n
+        else:                                    # skipped (a vocabulary at open): lengths only, one call each
             for _ in range(count):
                 pos += 8 + length(buf, pos)[0]
-            if pos > len(buf):
-                raise _Bad("an array runs past the end")
-            return None, pos
-        out = []
-        for _ in range(count):                   # variable lengths: walked one by one
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
-            pos += 8 + n
         if pos > len(buf):
             raise _Bad("an array runs past the end")
         return out, pos
