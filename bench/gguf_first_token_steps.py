@@ -38,13 +38,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gguf_load_time import ROOT, TIMER, add_tree_options, children_cpu, model_and_trees  # noqa: E402
+
 DEFAULT_MODEL = "~/.cache/moectl/gguf_vs_llamacpp/mixtral-2/model-Q5_K_M.gguf"
 
-CHILD = r"""
-import json, sys, time
-def now():
-    return time.perf_counter(), time.process_time()
+CHILD = TIMER + r"""
 steps, marks = {}, [("start", *now())]
 def mark(name):
     marks.append((name, *now()))
@@ -102,18 +102,11 @@ ORDER = ("import moectl.cli", "numpy (cli.run)", "generate's module", "import th
          "load: header", "load: saved config", "load: tokenizer", "load: the rest", "first token", "output")
 
 
-def child_cpu() -> float:
-    import resource
-
-    u = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return u.ru_utime + u.ru_stime
-
-
 def run(tree: Path, model: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    t, cpu = time.perf_counter(), child_cpu()
+    t, cpu = time.perf_counter(), children_cpu()
     p = subprocess.run([sys.executable, "-c", CHILD, model], env=env, cwd=tree, capture_output=True, text=True)
-    wall, cpu = time.perf_counter() - t, child_cpu() - cpu
+    wall, cpu = time.perf_counter() - t, children_cpu() - cpu
     if p.returncode:
         sys.exit(f"error: moectl from {tree} failed:\n{p.stderr[-2000:]}")
     rows = json.loads([ln for ln in p.stderr.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
@@ -127,15 +120,10 @@ def run(tree: Path, model: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="the GGUF file (default: the mixtral 2-layer Q5_K_M)")
-    ap.add_argument("--repeat", type=int, default=7, help="runs per tree; medians are shown")
-    ap.add_argument("--tree", action="append", type=Path,
-                    help="a moectl source tree to run (repeatable; default: this one); runs alternate")
+    add_tree_options(ap, DEFAULT_MODEL, "the GGUF file (default: the mixtral 2-layer Q5_K_M)", 7,
+                     "runs per tree; medians are shown")
     a = ap.parse_args()
-    model = str(Path(a.model).expanduser())
-    if not Path(model).is_file():
-        sys.exit(f"error: --model {model} does not exist (bench/gguf_vs_llamacpp.py prepares it)")
-    trees = [t.resolve() for t in (a.tree or [ROOT])]
+    model, trees = model_and_trees(a)
     for t in trees:
         run(t, model)                               # a warm-up each: the page cache, the bytecode
     runs: dict[Path, list] = {t: [] for t in trees}

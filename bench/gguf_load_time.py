@@ -102,10 +102,10 @@ print("RESULT " + json.dumps({"steps": steps, "modules": mods, "token": out.toke
 
 def moectl_run(tree: Path, model: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    t, cpu = time.perf_counter(), _children_cpu()
+    t, cpu = time.perf_counter(), children_cpu()
     # run in the tree (`python -c` puts the working directory first on the path)
     p = subprocess.run([sys.executable, "-c", CHILD, model, PROMPT], env=env, cwd=tree, capture_output=True, text=True)
-    wall, cpu = time.perf_counter() - t, _children_cpu() - cpu
+    wall, cpu = time.perf_counter() - t, children_cpu() - cpu
     if p.returncode:
         sys.exit(f"error: moectl from {tree} failed:\n{p.stderr[-2000:]}")
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
@@ -117,15 +117,15 @@ def moectl_run(tree: Path, model: str) -> dict:
 def cli_run(tree: Path, model: str) -> list:
     """[wall, CPU] seconds of `moectl generate -n 1` run from `tree`, its whole process."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    t, cpu = time.perf_counter(), _children_cpu()
+    t, cpu = time.perf_counter(), children_cpu()
     p = subprocess.run([sys.executable, "-m", "moectl", "generate", "-m", model, "-p", PROMPT, "-n", "1", "--greedy",
                         "--device", "cpu", "--threads", "1"], env=env, cwd=tree, capture_output=True, text=True)
     if p.returncode:
         sys.exit(f"error: moectl generate from {tree} failed:\n{p.stderr[-2000:]}")
-    return [time.perf_counter() - t, _children_cpu() - cpu]
+    return [time.perf_counter() - t, children_cpu() - cpu]
 
 
-def _children_cpu() -> float:
+def children_cpu() -> float:
     """CPU seconds (user + sys) of this process's finished children."""
     import resource
 
@@ -140,27 +140,39 @@ def llamacpp_run(model: str) -> list | None:
 
     if not llamacpp.built():
         return None
-    t, cpu = time.perf_counter(), _children_cpu()
+    t, cpu = time.perf_counter(), children_cpu()
     llamacpp.run_tool("llama-completion", ["-m", model, "-p", PROMPT, "-n", 1, "-t", 1, "-no-cnv", "--no-warmup",
                                            "--temp", 0, "-c", 512])
-    return [time.perf_counter() - t, _children_cpu() - cpu]
+    return [time.perf_counter() - t, children_cpu() - cpu]
+
+
+def add_tree_options(ap: argparse.ArgumentParser, default_model: str, model_help: str, repeat: int,
+                     repeat_help: str) -> None:
+    """--model, --repeat and --tree, as this script and bench/gguf_first_token_steps.py take them."""
+    ap.add_argument("--model", default=default_model, help=model_help)
+    ap.add_argument("--repeat", type=int, default=repeat, help=repeat_help)
+    ap.add_argument("--tree", action="append", type=Path,
+                    help="a moectl source tree to run (repeatable; default: this one); runs alternate")
+
+
+def model_and_trees(a: argparse.Namespace) -> tuple[str, list[Path]]:
+    """The --model file (one `error:` line where it does not exist) and the --tree sources (default: this one)."""
+    model = str(Path(a.model).expanduser())
+    if not Path(model).is_file():
+        sys.exit(f"error: --model {model} does not exist (bench/gguf_vs_llamacpp.py prepares it)")
+    return model, [t.resolve() for t in (a.tree or [ROOT])]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="the GGUF file (default: the qwen3-moe 2-layer Q4_K_M)")
-    ap.add_argument("--repeat", type=int, default=5, help="runs per tree (and of llama.cpp); medians are shown")
-    ap.add_argument("--tree", action="append", type=Path,
-                    help="a moectl source tree to run (repeatable; default: this one); runs alternate")
+    add_tree_options(ap, DEFAULT_MODEL, "the GGUF file (default: the qwen3-moe 2-layer Q4_K_M)", 5,
+                     "runs per tree (and of llama.cpp); medians are shown")
     ap.add_argument("--json", action="store_true", help="every run's figures as JSON")
     ap.add_argument("--cli-only", action="store_true",
                     help="only the whole `moectl generate -n 1` process (row \"cli generate -n 1\") and llama.cpp's: "
                          "not the torch Engine's step rows (~1 min a run); the CLI's torch-free run alone")
     a = ap.parse_args()
-    model = str(Path(a.model).expanduser())
-    if not Path(model).is_file():
-        sys.exit(f"error: --model {model} does not exist (bench/gguf_vs_llamacpp.py prepares it)")
-    trees = [t.resolve() for t in (a.tree or [ROOT])]
+    model, trees = model_and_trees(a)
     runs: dict[str, list] = {str(t): [] for t in trees}
     runs["llama.cpp"] = []
     for _ in range(a.repeat):
