@@ -77,6 +77,17 @@ def test_a_workdir_without_a_record_is_adopted_by_the_first_model(home, tmp_path
     assert resolve_model(str(b)).workdir == legacy and recorded_source(legacy) == str(b.resolve())
 
 
+def test_a_workdir_whose_model_is_gone_is_adopted(home, tmp_path):
+    """A deleted or moved model's workdir goes to the next model of its name (no `-<hex>` workdirs piling up, as the
+    test suite's temporary files would make them)."""
+    a = _file(tmp_path / "a" / "moe.gguf")
+    b = _file(tmp_path / "b" / "moe.gguf")
+    assert resolve_model(str(a)).workdir == home / "moe"
+    a.unlink()
+    assert resolve_model(str(b)).workdir == home / "moe" and recorded_source(home / "moe") == str(b.resolve())
+    assert sorted(p.name for p in home.iterdir()) == ["moe"]
+
+
 def test_an_explicit_workdir_is_used_as_given_and_not_recorded(home, tmp_path):
     a = _file(tmp_path / "a" / "model.gguf")
     b = _file(tmp_path / "b" / "model.gguf")

@@ -6,8 +6,9 @@ one workdir, each run would replace the other's saved config and tokenizer (`sto
 slow load every time. So the workdir records its source, the resolved path (a symlink and its target are one source),
 in `model-source.json`; a model that finds `<name>/` recording another source takes `<name>-<8 hex>/`, the hex a
 sha256 of its resolved path's string (stable across runs; never of the file's bytes: the torch-free run reads no more
-than a header). A `<name>/` without the record (made by a moectl that kept none) is adopted by the first model that
-uses it. The record is written when the workdir is resolved, so every command on a file lands in the same workdir
+than a header). A `<name>/` without the record (made by a moectl that kept none), or recording a path that no longer
+exists (a deleted or moved model; the test suite's temporary files), is adopted by the first model that uses it, so
+`-<8 hex>` workdirs do not pile up. The record is written when the workdir is resolved, so every command on a file lands in the same workdir
 whichever of them ran first; a MOECTL_HOME that cannot be written is left as it is (the command that writes there
 says so, `core/paths.py: writable_dir`). An explicit `--workdir` is never renamed or recorded.
 """
@@ -33,6 +34,13 @@ def recorded_source(workdir: Path) -> str | None:
         return None
 
 
+def live_source(workdir: Path) -> str | None:
+    """`recorded_source`, or None where the recorded path is gone: a workdir whose model was deleted or moved is
+    free to adopt."""
+    source = recorded_source(workdir)
+    return source if source is not None and os.path.exists(source) else None
+
+
 def record_source(workdir: Path, source: str) -> None:
     """Write `workdir`'s record (creating the directory), atomically; a place that cannot be written is left as is."""
     try:
@@ -54,10 +62,10 @@ def path_workdir(home: Path, name: str, path: Path) -> Path:
     a directory), then `home/name-<suffix>`. Claims the one it returns (writes its record when it has none)."""
     source = str(Path(path).resolve())
     wd = home / name
-    recorded = recorded_source(wd)
+    recorded = live_source(wd)
     if (wd.exists() and not wd.is_dir()) or recorded not in (None, source):
         wd = home / f"{name}-{source_suffix(source)}"
-        recorded = recorded_source(wd)
+        recorded = live_source(wd)
     if recorded != source:
         record_source(wd, source)
     return wd
