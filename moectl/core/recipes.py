@@ -3,7 +3,8 @@
 `--model` takes a recipe name (`mixtral`, `olmoe`, `tiny`, ...) or a checkpoint directory. A recipe
 names the family, where the checkpoint lives (`path`, overridden by the `path_env` variable), a
 `shape:` block the simulator uses when no checkpoint is present, and defaults. Artifacts of a model
-live in `$MOECTL_HOME/<name>/` (MOECTL_HOME defaults to ~/.cache/moectl) unless `--workdir` says.
+live in `$MOECTL_HOME/<name>/` (MOECTL_HOME defaults to ~/.cache/moectl) unless `--workdir` says; a path model's
+is `<name>-<8 hex>/` where `<name>/` is another model's of the same name (`model_workdir.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MoectlError
+from .model_workdir import path_workdir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +88,9 @@ def _looks_like_path(spec: str) -> bool:
 def resolve_model(spec: str, workdir: str | Path | None = None) -> ModelRef:
     """A recipe name, checkpoint directory or GGUF file -> where the checkpoint and the artifacts are. Builds nothing:
     the built-in tiny model's checkpoint is `<workdir>/checkpoint`, made by the commands that need it
-    (`moectl/commands/_common.py: prepare_model`) or `moectl build-tiny`."""
+    (`moectl/commands/_common.py: prepare_model`) or `moectl build-tiny`. What it writes: a path model's default
+    workdir's record of its source (`model_workdir.py`: the claim that keeps two models of one name apart), here so
+    that every command on a file, whichever runs first, lands in the same workdir."""
     if not spec:
         raise MoectlError("--model is required (a recipe name, a checkpoint directory or a .gguf file)")
     p = Path(spec).expanduser()
@@ -94,7 +98,7 @@ def resolve_model(spec: str, workdir: str | Path | None = None) -> ModelRef:
         if not p.exists():
             raise MoectlError(f"model path {p} does not exist")
         name = model_name(p)
-        wd = Path(workdir).expanduser() if workdir else moectl_home() / name
+        wd = Path(workdir).expanduser() if workdir else path_workdir(moectl_home(), name, p)
         return ModelRef(name, p, None, wd, None)
     if not (recipes_dir() / f"{spec}.yaml").exists():
         raise MoectlError(f"--model {spec!r} is neither a checkpoint directory nor a recipe name (nor a .gguf file); "
