@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 CONSTRAINTS := constraints.txt
 
 .PHONY: install test demo test-latest constraints clean gpu-check gpu-bundle install-llamacpp test-llamacpp bench-llamacpp bench-gguf \
-	bench-fidelity
+	bench-gguf-avx2 bench-fidelity
 
 $(BIN)/moectl: pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,14 @@ bench-gguf: install-llamacpp
 	$(GGUF_BENCH) --shape qwen3-moe --json $(GGUF_OUT)/qwen3-moe.json
 	$(GGUF_BENCH) --shape mixtral --drop-bf16 --json $(GGUF_OUT)/mixtral.json
 	$(GGUF_BENCH) --shape gpt-oss-20b --drop-bf16 --json $(GGUF_OUT)/gpt-oss-20b.json
+
+# Issue 42's AVX2 table: the same files (made by bench-gguf, or here), both tools restricted to AVX2 on an AVX-512 host:
+# llama.cpp's tools built GGML_NATIVE=OFF GGML_AVX2=ON into bin-avx2/, moectl's ggml likewise into ggml-avx2/
+# (MOECTL_GGML_ISA=avx2, its AVX-512 kernels off); refused where either side reports AVX-512 (docs/gguf.md).
+bench-gguf-avx2: install-llamacpp
+	mkdir -p $(GGUF_OUT)
+	$(GGUF_BENCH) --isa avx2 --shape qwen3-moe --types Q4_K_M Q8_0 --json $(GGUF_OUT)/qwen3-moe-avx2.json
+	$(GGUF_BENCH) --isa avx2 --shape mixtral --drop-bf16 --types Q4_K_M Q8_0 --json $(GGUF_OUT)/mixtral-avx2.json
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/moectl demo

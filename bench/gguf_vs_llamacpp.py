@@ -32,9 +32,13 @@ the mapped file: moectl/kernels/ggml.py), same threads.
 Medians, decode with [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as
 fast). The JSON has every run's kernels (moectl: ggml and the CPU features it dispatches on, or why not; its
 AVX-512 kernels or why not) and llama-bench's CPU and backend, and llama.cpp's system_info line (the ISA its CPU
-backend was built with). On an AVX2-only host the table says its figures are the AVX2 ones.
+backend was built with). On an AVX2-only host the table says its figures are the AVX2 ones. `--isa avx2` restricts
+both tools to AVX2 on an AVX-512 host (issue 42's AVX2 table): llama.cpp's tools from bin-avx2/ (GGML_NATIVE=OFF
+GGML_AVX2=ON, no AVX-512), moectl's children with MOECTL_GGML_ISA=avx2 (ggml built likewise, its AVX-512 kernels off);
+the JSON's `isa` and the table's title say so, and nothing is timed where either side's library reports AVX-512.
 
     make bench-gguf                          # the issue's table: all three shapes, 1 and 2 threads, JSON in bench-gguf/
+    make bench-gguf-avx2                     # its AVX2 table: Q4_K_M and Q8_0, both tools restricted to AVX2
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape qwen3-moe --layers 2 --prepare-only
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --gguf FILE.gguf --threads 1 2 --repeat 2   # files made elsewhere
     PYTHONPATH=. python bench/gguf_vs_llamacpp.py --shape mixtral --layers 2 --drop-bf16 --types Q4_K_M Q8_0
@@ -61,6 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp  # noqa: E402
 import moectl_timed  # noqa: E402
 import vs_llamacpp  # noqa: E402
+from moectl.errors import MoectlError  # noqa: E402
+from moectl.kernels import isa as isas  # noqa: E402
 
 # The file set issue 42 asks for, per shape: the encodings people download, then the "other" ones (<= 1.5x there)
 FILE_SET = ["Q4_K_M", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS", "BF16", "IQ2_XXS", "IQ3_XXS", "Q2_K", "Q3_K_M"]
@@ -196,6 +202,57 @@ def host_isa() -> str:
     return "AVX-512" if "avx512f" in words else "AVX2" if "avx2" in words else "older than AVX2"
 
 
+def use_isa(name: str) -> str:
+    """Restrict both tools to `name` (moectl/kernels/isa.py: native or avx2) for this process and the ones it starts:
+    MOECTL_GGML_ISA for moectl's children (its ggml build, its AVX-512 kernels off) and for llama.cpp's tools
+    (bench/llamacpp.py: bin-avx2/); with avx2 also torch's and oneDNN's CPU dispatch (read at their import), so a
+    child that runs the torch Engine is no wider either."""
+    os.environ[isas.ENV] = isas.check(name)
+    if name == "avx2":
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    return name
+
+
+# what a restricted run must not report: llama.cpp's system_info names (`X = 1`), ggml's features (the shim's names)
+WIDER_INFO = re.compile(r"\b((?:AVX512|AMX)\w*|AVX_VNNI) = 1\b")
+WIDER_FEATURES = ("avx512", "avx512_vnni", "avx_vnni")
+
+
+def wider_than_isa(isa: str, llama_info: str | None, ggml_features: list[str] | None, kernels: list[dict]) -> list[str]:
+    """Why a comparison at `isa` is not what it says (empty: it is; always empty for native): llama.cpp's system_info
+    line names an AVX-512 / AMX / AVX-VNNI feature in use (or there is none to read), moectl's ggml reports one
+    (`ggml_features`: this process's library; `kernels`: each moectl run's own report), or a run used moectl's
+    AVX-512 kernels."""
+    if isa == "native":
+        return []
+    out = []
+    if not llama_info:
+        out.append("llama.cpp printed no system_info line to check")
+    elif WIDER_INFO.search(llama_info):
+        out.append(f"llama.cpp's system_info has {', '.join(m.group(0) for m in WIDER_INFO.finditer(llama_info))}")
+    feats = set(ggml_features or []) | {f for k in kernels for f in k.get("ggml_features", [])}
+    if feats & set(WIDER_FEATURES):
+        out.append(f"moectl's ggml reports {', '.join(sorted(feats & set(WIDER_FEATURES)))}")
+    if any(k.get("moectl_avx512") for k in kernels):
+        out.append("a moectl run used its AVX-512 kernels")
+    return out
+
+
+def refuse_wider(isa: str, llama_info: str | None, ggml_features: list[str] | None, kernels: list[dict]) -> None:
+    reasons = wider_than_isa(isa, llama_info, ggml_features, kernels)
+    if reasons:
+        sys.exit(f"error: not restricted to {isa.upper()}, so not compared: {'; '.join(reasons)}")
+
+
+def ggml_features_here() -> list[str] | None:
+    """The CPU features of the ggml this process loads (the build moectl's children load too: same
+    MOECTL_GGML_ISA), or None where it does not load."""
+    from moectl.kernels import ggml
+
+    return ggml.features() if ggml.library() is not None else None
+
+
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -261,9 +318,15 @@ def roofline(read: dict, probes: list[dict | None], decode_ms: dict[str, float])
 
 
 def compare(shape: str, layers: int, work: Path, types: list[str], threads: list[int], repeat: int, gen: int,
-            prompt: int, prefill: int, drop_bf16: bool = False, files: dict[str, Path] | None = None) -> dict:
-    """`files` ({label: GGUF}): time these instead of making the shape's (`--gguf`)."""
+            prompt: int, prefill: int, drop_bf16: bool = False, files: dict[str, Path] | None = None,
+            isa: str = "native") -> dict:
+    """`files` ({label: GGUF}): time these instead of making the shape's (`--gguf`). `isa` (`use_isa` set it): with
+    avx2, nothing is timed unless both tools' libraries report no AVX-512 (`refuse_wider`), checked before the runs
+    and again on what each moectl run reports."""
     files = files or prepare(shape, layers, work, types, drop_bf16=drop_bf16)
+    smallest = min(files.values(), key=lambda g: g.stat().st_size)
+    info = llamacpp.system_info(smallest)
+    refuse_wider(isa, info, ggml_features_here() if isa != "native" else None, [])
     rows = []
     for qt, path in files.items():
         warm_page_cache(path)
@@ -294,11 +357,11 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
                                    for k in FIGURES}
             row.update(roofline(read, [before, read_probe(t)], {tool: row[tool]["decode_ms"]["median"]
                                                                  for tool in runs}))
+            refuse_wider(isa, info, None, row["kernels"])
             rows.append(row)
-    smallest = min(files.values(), key=lambda g: g.stat().st_size)
     return {"shape": shape, "layers": layers, "rows": rows, "load": os.getloadavg(),
-            "llamacpp_version": llamacpp.VERSION, "host_isa": host_isa(),
-            "llamacpp_system_info": llamacpp.system_info(smallest),
+            "llamacpp_version": llamacpp.VERSION, "host_isa": host_isa(), "isa": isa,
+            "llamacpp_system_info": info,
             "read_probe_setup": {**PROBE, "why_not": None if any(r.get("read_gbps") for r in rows) else
                                  "ggml's shim did not load here: no probe"}}
 
@@ -314,7 +377,10 @@ def table(res: dict) -> list[str]:
     import textwrap
 
     n = res["rows"][0]["moectl"]["decode_ms"]["n"]
-    out = [f"{res['shape']} x {res['layers']} layers, the same GGUF in both tools: medians of {n} alternating",
+    restricted = res.get("isa", "native") != "native"
+    out = textwrap.wrap(f"{res['shape']} x {res['layers']} layers, both tools restricted to {res['isa'].upper()} "
+                        "(no AVX-512)", 80) if restricted else []
+    out += [f"{res['shape']} x {res['layers']} layers, the same GGUF in both tools: medians of {n} alternating",
            f"runs [min-max]; load average {res['load'][0]:.1f} at the end; ratio: of the medians, paired: the",
            "median of each round's own ratio"]
     for label, path in res.get("files", {}).items():     # --gguf: the files' short names
@@ -334,7 +400,12 @@ def table(res: dict) -> list[str]:
                    f"{l['prefill_tps']['median']:6.1f} {q['prefill_tps']:5.2f} {m['rss_gb']['median']:6.2f} "
                    f"{l['rss_gb']['median']:5.2f} {m['load_s']['median']:6.1f} {l['load_s']['median']:5.1f}")
     isa = res.get("host_isa")
-    if isa == "AVX2":
+    if restricted:
+        out += [""] + textwrap.wrap(
+            f"Both tools restricted to {res['isa'].upper()} on this {isa} host: llama.cpp built with GGML_NATIVE=OFF "
+            f"GGML_{res['isa'].upper()}=ON and no AVX-512/AMX/AVX-VNNI (bin-{res['isa']}/), moectl's ggml the "
+            f"same ({isas.ENV}={res['isa']}), its AVX-512 kernels off.", 80)
+    elif isa == "AVX2":
         out += ["", "This host has AVX2 and no AVX-512: these are the AVX2 figures (llama.cpp built",
                 "natively for it; moectl's AVX-512 kernels cannot run)."]
     cpu = res["rows"][0]["llamacpp_cpu"][0]
@@ -433,7 +504,15 @@ def main() -> None:
                     "probes a row (default %(default)s)")
     ap.add_argument("--probe-only", action="store_true", help="run the read probe at --threads and print its GB/s; "
                     "make and time nothing")
+    ap.add_argument("--isa", choices=isas.ISAS, default=None, help="both tools' instruction set: native (each built "
+                    "for this CPU) or avx2 (llama.cpp's tools from bin-avx2/, moectl's ggml built for AVX2, its "
+                    "AVX-512 kernels off; refused if either side reports AVX-512). Default: $MOECTL_GGML_ISA, else "
+                    "native")
     a = ap.parse_args()
+    try:
+        isa = use_isa(a.isa or isas.current())
+    except MoectlError as e:
+        sys.exit(f"error: {e}")
     if a.probe_gb <= 0 or a.probe_passes < 1:
         sys.exit("error: --probe-gb must be > 0 and --probe-passes >= 1")
     PROBE.update(bytes=int(a.probe_gb * 2**30), passes=a.probe_passes)
@@ -452,7 +531,7 @@ def main() -> None:
         # the table's type column is 9 wide: a longer file name is file1, file2, ... there, named above it
         labels = {(g.stem if len(g.stem) <= 9 else f"file{i + 1}"): g for i, g in enumerate(a.gguf)}
         res = compare(head.arch, int(head.get("{arch}.block_count")), a.gguf[0].parent, [], a.threads, a.repeat,
-                      a.gen, a.prompt, a.prefill, files=labels)
+                      a.gen, a.prompt, a.prefill, files=labels, isa=isa)
         res["files"] = {k: str(g) for k, g in labels.items()}
         print_table(res)
         if a.json:
@@ -468,7 +547,8 @@ def main() -> None:
         print(file_list(prepare(a.shape, a.layers, work, types, drop_bf16=a.drop_bf16,
                                 keep_checkpoint=a.keep_checkpoint), work))
         return
-    res = compare(a.shape, a.layers, work, types, a.threads, a.repeat, a.gen, a.prompt, a.prefill, a.drop_bf16)
+    res = compare(a.shape, a.layers, work, types, a.threads, a.repeat, a.gen, a.prompt, a.prefill, a.drop_bf16,
+                  isa=isa)
     if a.json:                                          # first: a table that fails to print loses nothing
         a.json.write_text(json.dumps(res, indent=1, default=str))
     print_table(res)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from moectl.errors import MoectlError
 from moectl.core.recipes import moectl_home
+from moectl.kernels import isa as isas
 
 VERSION = "0.3.36"      # llama-cpp-python's sdist; vendors llama.cpp (moectl/kernels/ggml.py builds ggml from the same)
 # llama-imatrix: the importance matrix llama-quantize needs for IQ2_XXS / IQ2_XS / IQ1_S (added later: an existing
@@ -52,8 +53,14 @@ def source_dir(root: Path | None = None) -> Path:
     return (root or home()) / "src" / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
 
 
-def tool(name: str, root: Path | None = None) -> Path:
-    return (root or home()) / "bin" / name
+def bin_dir(root: Path | None = None, isa: str | None = None) -> Path:
+    """The tools of the build for `isa` (default: `MOECTL_GGML_ISA`, moectl/kernels/isa.py): `bin/` native,
+    `bin-avx2/` restricted to AVX2; the two builds share the source, never their objects or binaries."""
+    return (root or home()) / isas.build_dir(isa or isas.current(), "bin")
+
+
+def tool(name: str, root: Path | None = None, isa: str | None = None) -> Path:
+    return bin_dir(root, isa) / name
 
 
 def cuda_home() -> Path:
@@ -67,9 +74,9 @@ def nvcc() -> str | None:
     return found if Path(found).exists() else None
 
 
-def built(root: Path | None = None, tools=TOOLS) -> bool:
-    root = root or home()
-    return (root / "BUILT").exists() and all(tool(t, root).exists() for t in tools)
+def built(root: Path | None = None, tools=TOOLS, isa: str | None = None) -> bool:
+    root, isa = root or home(), isa or isas.current()
+    return (root / isas.build_dir(isa, "BUILT")).exists() and all(tool(t, root, isa).exists() for t in tools)
 
 
 def check_toolchain() -> None:
@@ -89,20 +96,22 @@ def _run(cmd: list, log: Path, **kw) -> None:
         raise MoectlError(f"{Path(str(cmd[0])).name} failed (exit {r.returncode}); see {log}")
 
 
-def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = False) -> Path:
+def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = False, isa: str | None = None) -> Path:
     """Fetch, unpack and build llama.cpp's tools once; returns the build root (bin/, src/, build.log). `cuda`: the
     CUDA backend for this machine's GPU architecture, and only CUDA_TOOLS (from a carried source pack when the
-    sdist is not there and cannot be fetched: see `pack_source`)."""
+    sdist is not there and cannot be fetched: see `pack_source`). `isa` (CPU build; default `MOECTL_GGML_ISA`):
+    native, or avx2 into bin-avx2/ (build-avx2/, BUILT-avx2, build-seconds-avx2 beside the native ones)."""
     root = root or (cuda_home() if cuda else home())
     tools = CUDA_TOOLS if cuda else TOOLS
-    if built(root, tools):
+    isa = "native" if cuda else isas.check(isa or isas.current())
+    if built(root, tools, isa):
         return root
     check_toolchain()
     if cuda and nvcc() is None:
         raise MoectlError("building llama.cpp with CUDA needs nvcc (the CUDA toolkit): none on PATH or in "
                           "/usr/local/cuda/bin")
     root.mkdir(parents=True, exist_ok=True)
-    log = root / "build.log"
+    log = root / f"{isas.build_dir(isa, 'build')}.log"           # build.log; build-avx2.log
     sdist = root / f"llama_cpp_python-{VERSION}.tar.gz"
     if not sdist.exists():
         echo(f"fetching llama-cpp-python {VERSION} (source) ...")
@@ -112,32 +121,34 @@ def build(jobs: int = 2, root: Path | None = None, echo=print, cuda: bool = Fals
     if not (src / "CMakeLists.txt").exists():
         with tarfile.open(sdist) as tf:
             tf.extractall(root / "src", filter="data")
-    bld = root / "build"
+    bld, bins = root / isas.build_dir(isa, "build"), bin_dir(root, isa)
     deps = cuda_link_deps(root, log) if cuda else None
-    echo(f"building {', '.join(tools)} into {root / 'bin'} (minutes{', an hour or more on 2 cores' if cuda else ''}; "
+    echo(f"building {', '.join(tools)} ({isa}) into {bins} (minutes{', an hour or more on 2 cores' if cuda else ''}; "
          f"log: {log}) ...")
     t0 = time.time()
-    _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda, deps)], log)
+    _run(["cmake", "-S", src, "-B", bld, *cmake_flags(cuda, deps, isa)], log)
     # niced: minutes (the CUDA build: hours) of every core, often on a shared machine
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     _run([*nice, "cmake", "--build", bld, "-j", jobs, "--target", *(cuda_targets() if cuda else tools)], log)
-    (root / "bin").mkdir(exist_ok=True)
+    bins.mkdir(exist_ok=True)
     for t in tools:
-        shutil.copy2(bld / "bin" / t, tool(t, root))
+        shutil.copy2(bld / "bin" / t, tool(t, root, isa))
     if cuda:                                    # the shared libraries beside the tools (their RPATH is $ORIGIN)
         for lib in (bld / "bin").glob("lib*.so*"):
-            shutil.copy2(lib, root / "bin" / lib.name, follow_symlinks=True)
-    if not (root / "build-seconds").exists():     # the first build's wall time (a rebuild reuses its objects),
+            shutil.copy2(lib, bins / lib.name, follow_symlinks=True)
+    seconds = root / isas.build_dir(isa, "build-seconds")
+    if not seconds.exists():     # the first build's wall time (a rebuild reuses its objects),
         # with the time of an earlier, interrupted run of it that left its objects (build-seconds.partial)
-        partial = root / "build-seconds.partial"
+        partial = seconds.with_name(seconds.name + ".partial")
         before = float(partial.read_text()) if partial.exists() else 0.0
-        (root / "build-seconds").write_text(f"{before + time.time() - t0:.0f}\n")
-    (root / "BUILT").write_text(VERSION + "\n")
+        seconds.write_text(f"{before + time.time() - t0:.0f}\n")
+    (root / isas.build_dir(isa, "BUILT")).write_text(VERSION + "\n")
     return root
 
 
-def cmake_flags(cuda: bool = False, deps: dict | None = None) -> list[str]:
-    """The configuration: no server, no curl, no tests. CPU: static tools with this machine's native flags. CUDA:
+def cmake_flags(cuda: bool = False, deps: dict | None = None, isa: str = "native") -> list[str]:
+    """The configuration: no server, no curl, no tests. CPU: static tools with `isa`'s flags (moectl/kernels/isa.py:
+    native = this machine's, avx2 = AVX2 and nothing wider), the same moectl's ggml takes. CUDA:
     built here for the lent machines, not this one: CUDA_ARCHS only, FlashAttention for an f16 KV cache only
     (llama-bench's default; GGML_CUDA_FA_QUANTS would add an instance set per pair), no NCCL; shared libraries
     with every CPU variant of CPU_VARIANTS loaded by what the CPU it runs on has (GGML_BACKEND_DL). `deps`
@@ -145,7 +156,8 @@ def cmake_flags(cuda: bool = False, deps: dict | None = None) -> list[str]:
     common = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF"]
     if not cuda:
-        return common + ["-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_EXAMPLES=ON"]
+        return common + [*isas.cmake_flags(isa), "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF",
+                         "-DLLAMA_BUILD_EXAMPLES=ON"]
     flags = common + ["-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=ON",
                       "-DGGML_CPU_ALL_VARIANTS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
                       "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={CUDA_ARCHS}", "-DGGML_CUDA_FA_QUANTS=f16-f16",

@@ -52,9 +52,7 @@ def kernels_used():
     # dispatch) or why it did not load
     g = ggml_loaded()
     k = kernels.library.cache_info().currsize > 0 and kernels.library() is not None
-    feats = ggml.library().mg_features() if g else 0
-    names = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")
-    return {{"ggml": g, "ggml_features": [n for i, n in enumerate(names) if feats >> i & 1],
+    return {{"ggml": g, "ggml_features": ggml.features() if g else [],
             "ggml_why_not": None if g else (ggml._why[-1] if ggml._why else "not called by this run"),
             "moectl_avx512": k,
             "moectl_avx512_why_not": None if k else (kernels._why[-1] if kernels._why else "not called by this run"),
@@ -132,11 +130,9 @@ t0 = time.perf_counter()
 for t in range({gen}):
     out, kv = eng.forward(feed[t:t + 1], kv)
 t_dec = time.perf_counter() - t0
-feats = ggml.library().mg_features()
-names = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")
 res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
            rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, note=eng.plan_note,
-           kernels={{"ggml": True, "ggml_features": [n for i, n in enumerate(names) if feats >> i & 1],
+           kernels={{"ggml": True, "ggml_features": ggml.features(),
                     "ggml_why_not": None, "moectl_avx512": False,
                     "moectl_avx512_why_not": "the torch-free engine: the one ggml graph computes everything",
                     "torch_threads": None, "torch_free": True, "torch_imported": "torch" in sys.modules}})

@@ -38,7 +38,7 @@ def inspect(
     from rich.console import Console
     from rich.table import Table
 
-    from ..core.recipes import format_bytes
+    from ..core.recipes import format_bytes, is_gguf_path
     from ..errors import MoectlError
     from ..store.facts import inspect_model, pick_device
 
@@ -55,6 +55,10 @@ def inspect(
         raise MoectlError(f"--precision is full, hobbit or lowbit-only, not {precision!r}")
     prepare_model(model, workdir)
     info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction, precision)
+    if is_gguf_path(info["path"]):                   # ggml computes a GGUF: which build, read from its library
+        from ..kernels import ggml
+
+        info["ggml"] = ggml.describe()
     if note:
         say(f"{note}; the memory figures are for it")
     if as_json:
@@ -70,6 +74,10 @@ def inspect(
     t.add_row("host RAM (--offload ram)", format_bytes(info["host_ram_bytes"]))
     t.add_row("device, 1 slot/layer", format_bytes(info["device_min_bytes"]))
     t.add_row("device, all experts", format_bytes(info["device_all_bytes"]))
+    if "ggml" in info:
+        g = info["ggml"]
+        t.add_row("ggml (CPU kernels)", f"{g['isa']} build: {g['built_for']} ({' '.join(g['features'])})"
+                  if g["features"] is not None else f"{g['isa']} build: not loaded ({g['why_not']})")
     Console().print(t)
     Console().print(memory_table(info["memory"]))
 

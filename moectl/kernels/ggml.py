@@ -44,6 +44,7 @@ import numpy as np
 
 from ..core.recipes import moectl_home
 from ..errors import MoectlError
+from . import isa as isas
 
 if TYPE_CHECKING:                   # annotations only: the functions that take or make tensors import torch
     import torch
@@ -52,8 +53,9 @@ LLAMACPP_VERSION = "0.3.36"                      # llama-cpp-python's sdist: ven
 SHIM = Path(__file__).with_name("ggml_shim.c")
 BUILD_NOTE = "minutes (11 measured on 2 busy cores)"   # docs/gguf.md
 # CPU backend only: no GPU backends, tools or tests; ggml's threadpool instead of OpenMP (torch's libgomp is in the
-# process, and two OpenMP runtimes oversubscribe); GGML_NATIVE: this machine's ISA (-march=native).
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=OFF",
+# process, and two OpenMP runtimes oversubscribe). The ISA flags come from kernels/isa.py (`cmake_flags`: native,
+# -march=native, by default; `MOECTL_GGML_ISA=avx2`: AVX2 and nothing wider, built into ggml-avx2/).
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_OPENMP=OFF",
                "-DGGML_BACKEND_DL=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
                "-DGGML_LLAMAFILE=ON",
                # configured through llama.cpp's top level (the sdist's ggml/ lacks the files a standalone ggml needs),
@@ -116,14 +118,27 @@ def _shim_key() -> str:
     return hashlib.sha256(SHIM.read_bytes()).hexdigest()[:12]
 
 
-def build(root: Path | None = None, jobs: int | None = None, echo=None) -> Path:
-    """ggml's shared libraries and the shim, built once into `<root>/ggml/` (root: `llamacpp_home()`); returns the
-    shim's path. Parallel processes wait on one lock; a finished build is reused."""
+def ggml_home(root: Path | None = None, isa: str | None = None) -> Path:
+    """Where ggml's build for `isa` (default: this process's, `MOECTL_GGML_ISA`) lives: `<root>/ggml/` for native,
+    `<root>/ggml-avx2/` for avx2 (root: `llamacpp_home()`), never mixed."""
+    return (root or llamacpp_home()) / isas.build_dir(isa or isas.current(), "ggml")
+
+
+def shim_path(root: Path | None = None, isa: str | None = None) -> Path:
+    """The shim's library in `ggml_home(root, isa)`."""
+    return ggml_home(root, isa) / "lib" / f"libmoectl_ggml-{_shim_key()}.so"
+
+
+def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str | None = None) -> Path:
+    """ggml's shared libraries and the shim for `isa` (default: `MOECTL_GGML_ISA`, kernels/isa.py), built once into
+    `ggml_home(root, isa)`; returns the shim's path. Parallel processes wait on one lock; a finished build is
+    reused."""
     echo = echo or (lambda s: print(s, file=sys.stderr, flush=True))
+    isa = isas.check(isa or isas.current())
     root = root or llamacpp_home()
-    home = root / "ggml"
+    home = ggml_home(root, isa)
     lib = home / "lib"
-    shim = lib / f"libmoectl_ggml-{_shim_key()}.so"
+    shim = shim_path(root, isa)
     if shim.exists():
         return shim
     cmake, cc = _tools()
@@ -136,10 +151,10 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None) -> Path:
         if not (home / "BUILT").exists():
             t0 = time.monotonic()
             src = fetch_source(root, log, echo)
-            echo(f"building ggml's CPU backend (llama.cpp from llama-cpp-python {LLAMACPP_VERSION}) into {home}: "
-                 f"first use only, {BUILD_NOTE}; log: {log}")
+            echo(f"building ggml's CPU backend ({isa}; llama.cpp from llama-cpp-python {LLAMACPP_VERSION}) into "
+                 f"{home}: first use only, {BUILD_NOTE}; log: {log}")
             bld = home / "build"
-            _run([cmake, "-S", src, "-B", bld, *CMAKE_FLAGS], log)
+            _run([cmake, "-S", src, "-B", bld, *CMAKE_FLAGS, *isas.cmake_flags(isa)], log)
             _run([cmake, "--build", bld, "-j", jobs or max(1, min(os.cpu_count() or 1, 8)), "--target", "ggml-cpu"],
                  log)
             lib.mkdir(exist_ok=True)
@@ -148,30 +163,39 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None) -> Path:
             inc = home / "include"
             shutil.rmtree(inc, ignore_errors=True)
             shutil.copytree(src / "ggml" / "include", inc)
-            (home / "BUILT").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n")
+            (home / "BUILT").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n{isa}\n")
         tmp = shim.with_suffix(".tmp")
-        _run([cc, "-O2", "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM, f"-L{lib}", "-lggml-cpu",
-              "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
+        _run([cc, "-O2", *isas.shim_flags(isa), "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM,
+              f"-L{lib}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
         os.replace(tmp, shim)
     return shim
 
 
 def library() -> ctypes.CDLL | None:
     """The shim over ggml's CPU backend (built on first use), or None (then `why_not()` says why). `MOECTL_GGML=0`
-    is read on every call (a run or a test may switch it)."""
+    is read on every call (a run or a test may switch it); `MOECTL_GGML_ISA` too: a bad value is a MoectlError, and
+    one process holds one build (its libraries share their names), so another ISA than the loaded one is too."""
     if os.environ.get("MOECTL_GGML", "1") == "0":
         _why.append("MOECTL_GGML=0")
         return None
+    want = isas.current()
+    if _loaded_isa and _loaded_isa[0] != want:
+        raise MoectlError(f"this process loaded ggml's {_loaded_isa[0]} build; {isas.ENV}={want} takes a new process")
     return _load()
+
+
+_loaded_isa: list[str] = []       # the ISA of the build `_load` loaded
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
+    isa = isas.current()
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(isa=isa)))
     except (OSError, RuntimeError) as e:
         _why.append(f"ggml could not be built: {e}")
         return None
+    _loaded_isa[:] = [isa]
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.mg_new.argtypes, lib.mg_new.restype = [i32, i32], ptr
     lib.mg_free.argtypes, lib.mg_free.restype = [ptr], None
@@ -198,9 +222,42 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+FEATURES = ("avx2", "avx512", "avx512_vnni", "avx_vnni", "fma", "f16c")     # the shim's mg_features bits, in order
+
+
+def features(lib: ctypes.CDLL | None = None) -> list[str]:
+    """The CPU features the loaded ggml was built for and runs with (ggml's own `ggml_cpu_has_*`, through the shim's
+    `mg_features`): read from the library, not assumed from MOECTL_GGML_ISA."""
+    bits = (lib or require()).mg_features()
+    return [n for i, n in enumerate(FEATURES) if bits >> i & 1]
+
+
+def built_for(feats: list[str]) -> str:
+    """The widest x86 ISA in `features()`' list: "AVX-512", "AVX2" or "older than AVX2"."""
+    return "AVX-512" if "avx512" in feats else "AVX2" if "avx2" in feats else "older than AVX2"
+
+
+def describe() -> dict:
+    """What ggml this process would run, without building anything (`inspect`): {"isa": the MOECTL_GGML_ISA setting,
+    "built": whether its build is here, "features" and "built_for": read from the loaded library (`features()`,
+    `built_for()`; None where it is not built or switched off), "why_not": None, or why not}."""
+    setting = isas.current()
+    out = {"isa": setting, "built": built(), "features": None, "built_for": None, "why_not": None}
+    if os.environ.get("MOECTL_GGML", "1") == "0":
+        out["why_not"] = "MOECTL_GGML=0"
+    elif not (out["built"] or _load.cache_info().currsize):
+        out["why_not"] = f"its {setting} build is not made yet (first use builds it: {BUILD_NOTE})"
+    elif library() is None:
+        out["why_not"] = _why[-1]
+    else:
+        out["features"] = features()
+        out["built_for"] = built_for(out["features"])
+    return out
+
+
 def built() -> bool:
     """Whether the shim of this source is built (nothing is started)."""
-    return (llamacpp_home() / "ggml" / "lib" / f"libmoectl_ggml-{_shim_key()}.so").exists()
+    return shim_path().exists()
 
 
 def planned() -> bool:
