@@ -14,7 +14,9 @@ Legend: N = output rows of a matrix, K = its input columns.
    round-to-nearest (`formats/vnni.quantize_rtn`, what `moectl quantize --method rtn` makes of experts) through the
    int8-activation kernel (`VnniDenseLinear`). Elsewhere (AVX2-only CPUs, most desktop Intel ones) they become
    ggml's Q8_0 blocks (`GgmlDenseLinear`: ggml's own quantizer, as llama-quantize without an imatrix, and its
-   `mul_mat`, llama.cpp's kernel for this CPU), or, where ggml cannot be built either, int8 symmetric per output
+   `mul_mat`, llama.cpp's kernel for this CPU; also where moectl's kernels run but the experts are ggml blocks, a
+   GGUF's or `quantize --format ggml-q4_0` copies, so that one ggml graph computes the forward), or, where ggml
+   cannot be built either, int8 symmetric per output
    row (`quant/int8_cpu.requantize`: every weight within half a step) for torch's int8 kernel
    (`Int8DenseLinear`). Lossy: the engine's `lossy()` names it. CPU and bf16 only.
 3. `--dense-lowbit q4`: the mix of llama.cpp's Q4_0 files (attention Q4_0, output tensor Q6_K): through moectl's
@@ -131,12 +133,13 @@ def check_dense_lowbit(kind: str | None, device: torch.device, dtype: torch.dtyp
                           "kernel)")
 
 
-def _lowbit_linear(kind: str, name: str, lin: nn.Linear) -> nn.Module | None:
-    """The low-bit module replacing `lin` under `--dense-lowbit kind`, or None where it stays (GEMV)."""
+def _lowbit_linear(kind: str, name: str, lin: nn.Linear, ggml_first: bool = False) -> nn.Module | None:
+    """The low-bit module replacing `lin` under `--dense-lowbit kind`, or None where it stays (GEMV). `ggml_first`:
+    ggml's blocks even where moectl's kernels run (the experts are ggml's, see `cpu_linears`)."""
     attention, head = ".self_attn." in f".{name}", name.split(".")[-1] == "lm_head"
     if not (attention or head):
         return None
-    if kernels.library() is not None and lin.in_features % 64 == 0:
+    if not (ggml_first and ggml.library() is not None) and kernels.library() is not None and lin.in_features % 64 == 0:
         return VnniDenseLinear(lin, 8 if kind == "q8" else 4 if attention else 6)
     encoding = ggml_encoding(kind, head, lin.in_features)
     if encoding is not None and ggml.library() is not None:
@@ -144,10 +147,13 @@ def _lowbit_linear(kind: str, name: str, lin: nn.Linear) -> nn.Module | None:
     return Int8DenseLinear(lin) if lin.in_features % 16 == 0 else None
 
 
-def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
+def cpu_linears(model: nn.Module, dense_lowbit: str | None = None, ggml_first: bool = False) -> dict:
     """Swap the model's Linears in place (see the module's docstring); {"gemv", "int8", "q8", "q6", "q4", "Q8_0",
     "Q6_K", "Q4_0", "bytes_before", "bytes_after"}: how many of each (int8: torch's per-row kernel; q8 / q6 / q4:
-    moectl's; Q8_0 / Q6_K / Q4_0: ggml's), and the low-bit matrices' weight bytes before and after."""
+    moectl's; Q8_0 / Q6_K / Q4_0: ggml's), and the low-bit matrices' weight bytes before and after.
+    `ggml_first`: the experts are ggml blocks (a GGUF's, or `quantize --format ggml-q4_0` copies), so the low-bit
+    dense matrices are ggml's too, where moectl's VNNI kernels run as well: one graph then computes the whole forward
+    (runtime/ggml_model.py reads no VnniDenseLinear), one kernel family for the CPU."""
     out = {"gemv": 0, "int8": 0, "q8": 0, "q6": 0, "q4": 0, "Q8_0": 0, "Q6_K": 0, "Q4_0": 0, "bytes_before": 0,
            "bytes_after": 0}
     # by name, one module at a time: a replaced Linear's bf16 weight (unless tied to the embedding) is freed before
@@ -158,7 +164,7 @@ def cpu_linears(model: nn.Module, dense_lowbit: str | None = None) -> dict:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         lin = getattr(owner, leaf)
-        q = _lowbit_linear(dense_lowbit, name, lin) if dense_lowbit else None
+        q = _lowbit_linear(dense_lowbit, name, lin, ggml_first) if dense_lowbit else None
         if q is None:
             lin.__class__ = GemvLinear
             out["gemv"] += 1

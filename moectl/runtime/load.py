@@ -152,8 +152,9 @@ def _load(model: str, opts: RuntimeOptions) -> Loaded:
         mapped_dense = dense_mapped(adapter, hf) if (in_place and not opts.dense_lowbit
                                                      and ggml_library() is not None) else {}
     check_host(opts, config, adapter, ckpt, dev, dt, L, in_place, full, low, low_fmt, full_tier, mapped_dense)
-    if not lean:
-        fill_model(hf, config, adapter, ckpt, dev, dt, ref.path, opts, mapped_dense)
+    if not lean:   # experts in ggml's blocks (the file's, moectl's ggml copies): --dense-lowbit's are ggml's too
+        fill_model(hf, config, adapter, ckpt, dev, dt, ref.path, opts, mapped_dense,
+                   ggml_first=isinstance(low_fmt, GgmlCopyFormat) or (in_place and ggml_in_place(adapter)))
     if mapped_dense:
         count = mapped_count(mapped_dense, config, adapter.gguf.files) if lean else len(mapped_dense)
         note = mapped_dense_note(mapped_names(mapped_dense), count)
@@ -282,11 +283,13 @@ def model_skeleton(config, adapter, dt: torch.dtype, path, runtime: Runtime) -> 
     return hf, [i for i, _ in blocks]
 
 
-def fill_model(hf, config, adapter, ckpt: Checkpoint, dev, dt, path, opts: RuntimeOptions, mapped_dense) -> None:
-    """The skeleton's dense weights read (or mapped), then on a CPU its Linears and attention made moectl's."""
+def fill_model(hf, config, adapter, ckpt: Checkpoint, dev, dt, path, opts: RuntimeOptions, mapped_dense,
+               ggml_first: bool = False) -> None:
+    """The skeleton's dense weights read (or mapped), then on a CPU its Linears and attention made moectl's
+    (`ggml_first`: --dense-lowbit's in ggml's blocks, `models/dense_cpu.py: cpu_linears`)."""
     read_dense(hf, config, adapter, ckpt, dev, dt, path, opts.progress, mapped_dense)
     if dev.type == "cpu":          # the dense Linears: one-row GEMV, or low-bit: --dense-lowbit (models/dense_cpu.py)
-        if cpu_linears(hf, opts.dense_lowbit)["bytes_before"]:
+        if cpu_linears(hf, opts.dense_lowbit, ggml_first)["bytes_before"]:
             release_freed()        # the bf16 matrices the low-bit ones replaced leave the RSS
         cpu_attention(hf)          # a decode token's attention through moectl's kernel (models/attention_cpu.py)
 
