@@ -2,8 +2,9 @@
 // put in ggml's graph as a custom op (the shim's matvec(): ggml_custom_4d). Included by ggml_shim.c.
 //
 // Why (issue 42, docs/gguf.md "An own Q6_K matvec"): ggml computes Q6_K x q8_K with ggml_vec_dot_q6_K_q8_K, AVX2
-// only and one row at a time (no AVX-512 path, no x86 repack); at 1 thread it is bound by its ~85 instructions a
-// block, well under what the cores can stream. The lm_head of every K-quant file is Q6_K, read once a token.
+// only, one row at a time (no AVX-512 path, no x86 repack), leaving the rows' streaming from DRAM to the hardware
+// prefetcher: a core read ~6 GB/s of the matrix where these kernels, asking for the bytes ahead, read ~10 (and
+// compute 21 / 28 GB/s from L1 against its 20). The lm_head of every K-quant file is Q6_K, read once a token.
 //
 // Same numbers as ggml's, but for fp32 summation order: the activation row is quantized by ggml's own
 // quantize_row_q8_K (the Q8_K type traits' from_float), and each block's integer sum is ggml's:
@@ -13,10 +14,11 @@
 // Legend: K = input width (a multiple of 256), N = output rows, nb = K / 256 blocks a row; a block is 256 weights:
 // ql [128] low nibbles, qh [64] high two bits, scales [16] int8 (one a group of 16), d fp16.
 //
-// Kernels (`q6k_kernel`): AVX-512BW (+VNNI's vpdpwssd where the CPU has it) and AVX2, each compiled with its own
-// target attribute and picked at run time, so the shim builds with plain -O2 and runs on any x86 host; the
-// AVX-512 ones are not picked where MOECTL_GGML_ISA=avx2 (a build restricted to AVX2) or MOECTL_GGML_OWN_Q6K=avx2
-// (tests: the AVX2 path on an AVX-512 host). Elsewhere (no AVX2, not x86) the graph keeps ggml's mul_mat.
+// Kernels (`q6k_kernel`): AVX-512BW (+VNNI's vpdpwssd where the CPU has it) and AVX2, both prefetching, each
+// compiled with its own target attribute and picked at run time, so the shim builds with plain -O2 and runs on any
+// x86 host; the AVX-512 ones are not picked where MOECTL_GGML_ISA=avx2 (a build restricted to AVX2) or
+// MOECTL_GGML_OWN_Q6K=avx2 (tests: the AVX2 path on an AVX-512 host). Elsewhere (no AVX2, not x86) the graph keeps
+// ggml's mul_mat.
 
 typedef struct {
     uint8_t ql[128];
@@ -41,6 +43,19 @@ enum { Q6K_OFF = 0, Q6K_AUTO = 1, Q6K_AVX2 = 2 };     // MOECTL_GGML_OWN_Q6K: 0,
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+
+// The rows stream from DRAM once a token; the hardware prefetcher alone left a core at ~7 GB/s of the matrix here
+// where it computes 25 from L1: asking for the block Q6K_PREFETCH bytes ahead (its 4 lines) gave ~10 (a 255 MB
+// matrix, one thread, CPU time on a busy host; 1-16 KB ahead all within 10 %).
+#define Q6K_PREFETCH 4096
+#define Q6K_PREFETCH_BLOCK(p)                                                                                         \
+    do {                                                                                                              \
+        const char *pf_ = (const char *)(p) + Q6K_PREFETCH;                                                           \
+        _mm_prefetch(pf_, _MM_HINT_T0);                                                                               \
+        _mm_prefetch(pf_ + 64, _MM_HINT_T0);                                                                          \
+        _mm_prefetch(pf_ + 128, _MM_HINT_T0);                                                                         \
+        _mm_prefetch(pf_ + 192, _MM_HINT_T0);                                                                         \
+    } while (0)
 
 // --- AVX-512 -------------------------------------------------------------------------------------------------------
 // Half j of a block (128 weights) is one 64-byte ql load and one 32-byte qh load broadcast to both 256-bit halves:
@@ -85,6 +100,7 @@ __attribute__((target(TARGET))) static void NAME(const uint8_t *w, size_t row_by
                 s0 = DPW(s0, p0, _mm512_permutexvar_epi16(sidx[2 * j], sc));                                          \
                 s1 = DPW(s1, p1, _mm512_permutexvar_epi16(sidx[2 * j + 1], sc));                                      \
             }                                                                                                         \
+            Q6K_PREFETCH_BLOCK(x + i);                                                                                \
             const float d = q[i].d * _cvtsh_ss(x[i].d);                                                               \
             acc = _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);              \
         }                                                                                                             \
@@ -98,25 +114,27 @@ Q6K_AVX512_ROWS(q6k_rows_avx512vnni, "avx512f,avx512bw,avx512vl,avx512dq,avx512v
 Q6K_AVX512_ROWS(q6k_rows_avx512bw, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", Q6K_DPW_BW)
 
 // --- AVX2 ----------------------------------------------------------------------------------------------------------
-// ggml's unpacking (32 weights a register), two rows at a time: the activation's loads and the block's offset
-// terms' bsums are shared by the pair; the scales spread per 32 weights (two groups) by one byte shuffle of the 16
-// int16 scales held in both 128-bit lanes.
+// ggml's unpacking (32 weights a register) and its integer sums, one row at a time (two rows sharing the
+// activation's loads were slower here: 16.5 GB/s from L1 against 21), the scales spread per 32 weights (two
+// groups) by one byte shuffle of the 16 int16 scales held in both 128-bit lanes, and the prefetch above.
 
-__attribute__((target("avx2,fma,f16c"))) static inline __m256i q6k_avx2_block(const q6k_block *x,
-                                                                              const __m256i q8v[8], __m256i bs) {
+__attribute__((target("avx2,fma,f16c"))) static inline __m256i q6k_avx2_block(const q6k_block *x, const q8k_block *q) {
     const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    Q6K_PREFETCH_BLOCK(x);
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
     const __m256i lo2 = _mm256_permute2x128_si256(sc16, sc16, 0x00), hi2 = _mm256_permute2x128_si256(sc16, sc16, 0x11);
-    // int16 lanes 0-7: scale 2c' (within the 128-bit lane's 8), lanes 8-15: 2c' + 1
+    // chunk c of a half (32 weights, groups 2c and 2c + 1 of its 8): int16 lanes 0-7 take scale 2c, lanes 8-15 2c + 1
     const __m256i sh0 = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    const __m256i two = _mm256_set1_epi8(4);
+    const __m256i next = _mm256_set1_epi8(4);
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)q->bsums);
     __m256i s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
     __m256i t = _mm256_setzero_si256();
     for (int j = 0; j < 2; j++) {
         const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * j));
         const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * j + 32));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * j));
+        const int8_t *q8 = q->qs + 128 * j;
         const __m256i a0 = _mm256_or_si256(_mm256_and_si256(ql0, m15), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
         const __m256i a1 = _mm256_or_si256(_mm256_and_si256(ql1, m15),
                                            _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(12)), 2));
@@ -124,57 +142,35 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256i q6k_avx2_block(co
                                            _mm256_and_si256(qh, _mm256_set1_epi8(48)));
         const __m256i a3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m15),
                                            _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(-64)), 2));
-        // chunk c (32 weights) = groups 2c, 2c + 1 of the block; groups 0..7 sit in lo2, 8..15 in hi2
-        const __m256i src = j ? hi2 : lo2;
-        __m256i sh = sh0;
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, q8v[4 * j + 0]), _mm256_shuffle_epi8(src, sh));
-        sh = _mm256_add_epi8(sh, two);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, q8v[4 * j + 1]), _mm256_shuffle_epi8(src, sh));
-        sh = _mm256_add_epi8(sh, two);
-        const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, q8v[4 * j + 2]), _mm256_shuffle_epi8(src, sh));
-        sh = _mm256_add_epi8(sh, two);
-        const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(a3, q8v[4 * j + 3]), _mm256_shuffle_epi8(src, sh));
+        const __m256i src = j ? hi2 : lo2;                 // groups 0..7 of the block, or 8..15
+        const __m256i sh1 = _mm256_add_epi8(sh0, next), sh2 = _mm256_add_epi8(sh1, next);
+        const __m256i sh3 = _mm256_add_epi8(sh2, next);
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_loadu_si256((const __m256i *)q8)),
+                                             _mm256_shuffle_epi8(src, sh0));
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_loadu_si256((const __m256i *)(q8 + 32))),
+                                             _mm256_shuffle_epi8(src, sh1));
+        const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_loadu_si256((const __m256i *)(q8 + 64))),
+                                             _mm256_shuffle_epi8(src, sh2));
+        const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(a3, _mm256_loadu_si256((const __m256i *)(q8 + 96))),
+                                             _mm256_shuffle_epi8(src, sh3));
         s = _mm256_add_epi32(s, _mm256_add_epi32(p0, p1));
         t = _mm256_add_epi32(t, _mm256_add_epi32(p2, p3));
     }
     return _mm256_add_epi32(s, t);
 }
 
-__attribute__((target("avx2,fma,f16c"))) static float q6k_avx2_hsum(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 __attribute__((target("avx2,fma,f16c"))) static void q6k_rows_avx2(const uint8_t *w, size_t row_bytes, int64_t n,
                                                                    const q8k_block *q, int64_t nb, float *y) {
-    int64_t r = 0;
-    for (; r + 2 <= n; r += 2) {
-        const q6k_block *x0 = (const q6k_block *)(w + r * row_bytes);
-        const q6k_block *x1 = (const q6k_block *)(w + (r + 1) * row_bytes);
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t r = 0; r < n; r++) {
+        const q6k_block *x = (const q6k_block *)(w + r * row_bytes);
+        __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < nb; i++) {
-            __m256i q8v[8];
-            for (int k = 0; k < 8; k++) q8v[k] = _mm256_loadu_si256((const __m256i *)(q[i].qs + 32 * k));
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)q[i].bsums);
-            const __m256i s0 = q6k_avx2_block(&x0[i], q8v, bs), s1 = q6k_avx2_block(&x1[i], q8v, bs);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(q[i].d * _cvtsh_ss(x0[i].d)), _mm256_cvtepi32_ps(s0), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(q[i].d * _cvtsh_ss(x1[i].d)), _mm256_cvtepi32_ps(s1), acc1);
+            const __m256i s = q6k_avx2_block(&x[i], &q[i]);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(q[i].d * _cvtsh_ss(x[i].d)), _mm256_cvtepi32_ps(s), acc);
         }
-        y[r] = q6k_avx2_hsum(acc0);
-        y[r + 1] = q6k_avx2_hsum(acc1);
-    }
-    for (; r < n; r++) {
-        const q6k_block *x0 = (const q6k_block *)(w + r * row_bytes);
-        __m256 acc0 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nb; i++) {
-            __m256i q8v[8];
-            for (int k = 0; k < 8; k++) q8v[k] = _mm256_loadu_si256((const __m256i *)(q[i].qs + 32 * k));
-            const __m256i s0 = q6k_avx2_block(&x0[i], q8v, _mm256_loadu_si256((const __m256i *)q[i].bsums));
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(q[i].d * _cvtsh_ss(x0[i].d)), _mm256_cvtepi32_ps(s0), acc0);
-        }
-        y[r] = q6k_avx2_hsum(acc0);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
     }
 }
 #endif
@@ -216,38 +212,40 @@ static int q6k_mode_from_env(void) {
 
 static int64_t q6k_products;              // products this kernel computed (tests: a graph ran it, not ggml)
 
-#define Q6K_CHUNK 16                      // rows a thread's share is rounded to
-#define Q6K_STACK_BLOCKS 64               // activation blocks quantized on the stack (K <= 16384: 18.7 KB)
+// The activation's op (one task), before the product's: x [K, 1] F32 (src 0) -> dst I8 [Q6K_HEAD + K / 256 blocks
+// of q8_K]: x quantized once by ggml's quantize_row_q8_K (as ggml's mul_mat does into its work buffer), and the
+// product's chunk counter, ahead of the blocks on its own cache line, set to 0 (the graph's barrier after this op
+// orders it before every thread's first chunk).
+#define Q6K_HEAD 64
 
-// The custom op: dst [N, 1] F32 = W [K, N] Q6_K (src 0) . x [K, 1] F32 (src 1). Every thread quantizes x itself
-// (2-4 K floats: microseconds; a shared copy would need a barrier the op does not have), then computes its own
-// contiguous share of the rows, in chunks of Q6K_CHUNK rows.
-static void q6k_matvec_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    const q6k_rows_fn rows = (q6k_rows_fn)userdata;
-    const struct ggml_tensor *W = dst->src[0], *X = dst->src[1];
-    const int64_t K = W->ne[0], N = W->ne[1], nb = K / 256;
-    const int64_t chunks = (N + Q6K_CHUNK - 1) / Q6K_CHUNK;
-    const int64_t r0 = chunks * ith / nth * Q6K_CHUNK, r1 = chunks * (ith + 1) / nth * Q6K_CHUNK;
-    const int64_t end = r1 < N ? r1 : N;
-    if (ith == 0) __atomic_add_fetch(&q6k_products, 1, __ATOMIC_RELAXED);
-    if (r0 >= end) return;
-    q8k_block stack_q[Q6K_STACK_BLOCKS];
-    q8k_block *q = nb <= Q6K_STACK_BLOCKS ? stack_q : malloc(sizeof(q8k_block) * (size_t)nb);
-    if (!q) abort();
-    ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float((const float *)X->data, q, K);
-    rows((const uint8_t *)W->data + r0 * W->nb[1], W->nb[1], end - r0, q, nb, (float *)dst->data + r0);
-    if (q != stack_q) free(q);
+static size_t q6k_activation_bytes(int64_t K) { return Q6K_HEAD + sizeof(q8k_block) * (size_t)(K / 256); }
+
+static void q6k_quantize_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)nth, (void)userdata;
+    if (ith) return;
+    const struct ggml_tensor *X = dst->src[0];
+    __atomic_store_n((int64_t *)dst->data, 0, __ATOMIC_RELAXED);
+    ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float((const float *)X->data, (uint8_t *)dst->data + Q6K_HEAD,
+                                                         X->ne[0]);
 }
 
-// y [N, 1] = W x as ggml_mul_mat(W, x) computes it: through the op above where `rows` is a kernel and W is a 2-d
-// Q6_K matrix against one F32 column (a decode step's product, or a prefill's lm_head on its last row); else ggml's.
-static struct ggml_tensor *matvec(struct ggml_context *ctx, struct ggml_tensor *W, struct ggml_tensor *x,
-                                  q6k_rows_fn rows) {
-    if (!rows || W->type != GGML_TYPE_Q6_K || W->ne[2] != 1 || W->ne[3] != 1 || W->ne[0] % 256 ||
-        W->nb[1] != ggml_row_size(W->type, W->ne[0]) || x->type != GGML_TYPE_F32 || ggml_nelements(x) != W->ne[0] ||
-        !ggml_is_contiguous(x))
-        return ggml_mul_mat(ctx, W, x);
-    struct ggml_tensor *args[2] = {W, x};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], 1, 1, 1, args, 2, q6k_matvec_op, GGML_N_TASKS_MAX,
-                          (void *)rows);
+#define Q6K_CHUNK 64                      // rows a thread takes at a time (the counter's step)
+
+// The product's op: dst [N, 1] F32 = W [K, N] Q6_K (src 0) . the quantized activation (src 1, the op above). The
+// threads take chunks of Q6K_CHUNK rows from the counter until none is left, as ggml's mul_mat hands out its
+// chunks: a thread the machine slows takes fewer.
+static void q6k_matvec_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)nth;
+    const q6k_rows_fn rows = (q6k_rows_fn)userdata;
+    const struct ggml_tensor *W = dst->src[0];
+    uint8_t *act = (uint8_t *)dst->src[1]->data;
+    const q8k_block *q = (const q8k_block *)(act + Q6K_HEAD);
+    const int64_t N = W->ne[1], nb = W->ne[0] / 256;
+    if (ith == 0) __atomic_add_fetch(&q6k_products, 1, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t r0 = __atomic_fetch_add((int64_t *)act, 1, __ATOMIC_RELAXED) * Q6K_CHUNK;
+        if (r0 >= N) break;
+        const int64_t n = N - r0 < Q6K_CHUNK ? N - r0 : Q6K_CHUNK;
+        rows((const uint8_t *)W->data + r0 * W->nb[1], W->nb[1], n, q, nb, (float *)dst->data + r0);
+    }
 }

@@ -29,7 +29,7 @@
 #define MG_ALIGN 64
 #define MG_MAX_NODES 4096
 
-#include "ggml_q6k.c"                    // an own Q6_K matvec for one-token products (matvec(), q6k_kernel())
+#include "ggml_q6k.c"                    // an own Q6_K matvec for one-token products (its ops; matvec() below)
 
 typedef struct {
     struct ggml_threadpool *pool;
@@ -131,6 +131,23 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
     struct ggml_tensor *t = ggml_new_tensor_3d(ctx, type, ne0, ne1, ne2);
     t->data = (void *)data;
     return t;
+}
+
+// y [N, 1] = W x as ggml_mul_mat(W, x) computes it: through the own Q6_K matvec (ggml_q6k.c: two custom ops, x
+// quantized once, then the rows) where `rows` is a kernel and W a 2-d Q6_K matrix against one F32 column (a decode
+// step's product, or a prefill's lm_head on its last row); else ggml's. h: the arena the activation's buffer takes
+// (NULL: ggml-alloc places it, a model graph).
+static struct ggml_tensor *matvec(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *W, struct ggml_tensor *x,
+                                  q6k_rows_fn rows) {
+    if (!rows || W->type != GGML_TYPE_Q6_K || W->ne[2] != 1 || W->ne[3] != 1 || W->ne[0] % 256 ||
+        W->nb[1] != ggml_row_size(W->type, W->ne[0]) || x->type != GGML_TYPE_F32 || ggml_nelements(x) != W->ne[0] ||
+        !ggml_is_contiguous(x))
+        return ggml_mul_mat(ctx, W, x);
+    struct ggml_tensor *act = own(h, ggml_custom_4d(ctx, GGML_TYPE_I8, (int64_t)q6k_activation_bytes(W->ne[0]), 1, 1, 1,
+                                                    &x, 1, q6k_quantize_op, 1, NULL));
+    struct ggml_tensor *args[2] = {W, act};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], 1, 1, 1, args, 2, q6k_matvec_op, GGML_N_TASKS_MAX,
+                          (void *)rows);
 }
 
 // --- llama.cpp's CPU repack ------------------------------------------------------------------------------------------
@@ -648,7 +665,7 @@ static int mul_mat_once(mg_handle *h, int type, const void *w, int64_t N, int64_
     struct ggml_context *ctx = begin(h);
     struct ggml_tensor *W = ext(ctx, type, K, N, 1, w);
     struct ggml_tensor *X = ext(ctx, GGML_TYPE_F32, K, T, 1, x);
-    struct ggml_tensor *Y = T == 1 ? matvec(ctx, W, X, h->q6k) : ggml_mul_mat(ctx, W, X);   // [N, T] = y [T, N]
+    struct ggml_tensor *Y = T == 1 ? matvec(h, ctx, W, X, h->q6k) : ggml_mul_mat(ctx, W, X);   // [N, T] = y [T, N]
     Y->data = y;
     return run(h, ctx, Y);
 }
@@ -905,7 +922,7 @@ static const mg_w NO_W;                 // an absent weight (a bias not there)
 static struct ggml_tensor *linear(struct ggml_context *ctx, const mg_w *w, const mg_w *b, struct ggml_tensor *x,
                                   q6k_rows_fn q6k) {
     struct ggml_tensor *W = weight(ctx, w);
-    struct ggml_tensor *y = x->ne[1] == 1 ? matvec(ctx, W, x, q6k) : ggml_mul_mat(ctx, W, x);
+    struct ggml_tensor *y = x->ne[1] == 1 ? matvec(NULL, ctx, W, x, q6k) : ggml_mul_mat(ctx, W, x);
     return b->data ? ggml_add(ctx, y, weight(ctx, b)) : y;
 }
 
