@@ -1013,9 +1013,9 @@ static struct ggml_tensor *model_graph(struct ggml_context *ctx, struct ggml_cgr
     for (int64_t il = 0; il < m->n_layer; il++) {
         const mg_layer_w *L = &m->layers[il];
         struct ggml_tensor *cur = rms(ctx, inpL, &L->attn_norm, m->eps);
-        struct ggml_tensor *Q = linear(ctx, &L->wq, &L->bq, cur, in->q6k);       // [NH*D, T]
-        struct ggml_tensor *K = linear(ctx, &L->wk, &L->bk, cur, in->q6k);       // [KV, T]
-        struct ggml_tensor *V = linear(ctx, &L->wv, &L->bv, cur, in->q6k);       // [KV, T]
+        struct ggml_tensor *Q = linear(ctx, &L->wq, &L->bq, cur, in->q6k);                  // [NH*D, T]
+        struct ggml_tensor *K = linear(ctx, &L->wk, &L->bk, cur, in->q6k);                  // [KV, T]
+        struct ggml_tensor *V = linear(ctx, &L->wv, &L->bv, cur, in->q6k);                  // [KV, T]
         if (L->q_norm.data && m->qk_norm_full) {                    // OLMoE: over all heads at once
             Q = rms(ctx, Q, &L->q_norm, m->eps);
             K = rms(ctx, K, &L->k_norm, m->eps);
@@ -1051,7 +1051,7 @@ static struct ggml_tensor *model_graph(struct ggml_context *ctx, struct ggml_cgr
         cur = rms(ctx, ffn_inp, &L->ffn_norm, m->eps);                                      // [H, Tn]
         // routing (llama.cpp's build_moe_ffn): softmax gating picks the top-k probabilities; softmax_weight the
         // top-k logits, then a softmax over the k selected
-        struct ggml_tensor *probs = linear(ctx, &L->router, &L->router_b, cur, in->q6k);     // [E, Tn] logits
+        struct ggml_tensor *probs = linear(ctx, &L->router, &L->router_b, cur, in->q6k);    // [E, Tn] logits
         if (m->gating == MG_GATING_SOFTMAX) probs = ggml_soft_max(ctx, probs);
         struct ggml_tensor *sel = ggml_argsort_top_k(ctx, probs, (int)U);                   // [U, Tn] int32
         struct ggml_tensor *wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, Tn), sel);   // [1, U, Tn]
