@@ -120,3 +120,18 @@ def test_decode_gives_ggmls_tokens(q6k_dense, setting, tmp_path, monkeypatch):
     scale = max(float(b.abs().max()) for b in lb)
     assert max(float((a - b).abs().max()) for a, b in zip(la, lb)) <= 1e-4 * scale
     assert np.isfinite(scale) and scale > 0
+
+
+@pytest.mark.parametrize("isa, setting, want", [("avx2", "1", "avx2"), ("", "0", "ggml"), ("", "avx2", "avx2")])
+def test_the_kernel_is_chosen_when_a_handle_is_made(isa, setting, want, monkeypatch):
+    """A build restricted to AVX2 (`MOECTL_GGML_ISA=avx2`) never runs the AVX-512 kernel; `MOECTL_GGML_OWN_Q6K=0`
+    none. Read when the shim's handle is made (a fresh one here, not `ggml.handle()`'s)."""
+    own_or_skip(monkeypatch, "avx2")
+    lib = ggml.require()
+    monkeypatch.setenv("MOECTL_GGML_ISA", isa)
+    monkeypatch.setenv("MOECTL_GGML_OWN_Q6K", setting)
+    h = lib.mg_new(1, 0)
+    try:
+        assert lib.mg_q6k_kernel(h).decode() == want
+    finally:
+        lib.mg_free(h)
