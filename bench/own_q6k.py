@@ -14,7 +14,7 @@ saves the config and tokenizer), rounds of `--steps` decode steps alternating th
 own handle and kept graph), a fresh 16-token prompt before each round; each mode's median ms/token and their ratio.
 
     PYTHONPATH=. python bench/own_q6k.py [--threads 1 2] [--rounds 6] [--reps 4] [--shapes 151936x2048 32000x4096]
-    PYTHONPATH=. python bench/own_q6k.py --decode FILE.gguf [--threads 1] [--steps 32] [--rounds 6]
+    PYTHONPATH=. python bench/own_q6k.py --decode FILE.gguf [--threads 1] [--steps 32] [--rounds 6] [--own avx2]
 """
 
 from __future__ import annotations
@@ -122,9 +122,10 @@ def decode(a) -> dict:
                 for t in range(a.steps):
                     _, kv = eng.forward(feed[t:t + 1], kv)
                 return (time.perf_counter() - t0) / a.steps * 1000
-            ms[mode].append(with_setting("1" if mode == "own" else "0", run))
+            ms[mode].append(with_setting(a.own if mode == "own" else "0", run))
     o, g = statistics.median(ms["own"]), statistics.median(ms["ggml"])
-    return {"model": Path(a.decode).name, "threads": n, "own_ms": o, "ggml_ms": g, "ratio": o / g,
+    return {"model": Path(a.decode).name, "threads": n, "own": with_setting(a.own, lambda: ggml.own_q6k_kernel(n)),
+            "own_ms": o, "ggml_ms": g, "ratio": o / g,
             "rounds": list(zip(ms["own"], ms["ggml"])), "host_load": (load0, os.getloadavg()[0])}
 
 
@@ -136,6 +137,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["151936x2048", "32000x4096"], help="NxK (matrix)")
     ap.add_argument("--decode", metavar="FILE", help="A/B decode steps of this GGUF instead of the matrix")
     ap.add_argument("--steps", type=int, default=32, help="decode steps a round (--decode)")
+    ap.add_argument("--own", default="1", choices=["1", "avx2"],
+                    help="MOECTL_GGML_OWN_Q6K for the own side of --decode (avx2: that kernel on an AVX-512 host)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args()
     if ggml.library() is None:
@@ -147,7 +150,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(out, indent=1))
     elif a.decode:
-        print(f"{out['model']}, {out['threads']} thread(s): own {out['own_ms']:.2f} ms/token, ggml "
+        print(f"{out['model']}, {out['threads']} thread(s): own ({out['own']}) {out['own_ms']:.2f} ms/token, ggml "
               f"{out['ggml_ms']:.2f}, own / ggml {out['ratio']:.3f}; rounds: "
               + " ".join(f"{x / y:.3f}" for x, y in out["rounds"]) + f"; load {out['host_load'][0]:.1f}")
     else:
