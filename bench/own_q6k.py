@@ -141,6 +141,10 @@ def main() -> None:
                     help="MOECTL_GGML_OWN_Q6K for the own side of --decode (avx2: that kernel on an AVX-512 host)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args()
+    for shape in a.shapes:
+        parts = shape.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) % 256:
+            sys.exit(f"error: --shapes takes NxK with K a multiple of 256 (whole Q6_K blocks), not {shape!r}")
     if ggml.library() is None:
         sys.exit(f"error: ggml's CPU backend is not available: {ggml.why_not()}")
     try:
