@@ -51,6 +51,7 @@ if TYPE_CHECKING:                   # annotations only: the functions that take 
 
 LLAMACPP_VERSION = "0.3.36"                      # llama-cpp-python's sdist: vendors llama.cpp (bench/llamacpp.py too)
 SHIM = Path(__file__).with_name("ggml_shim.c")
+SHIM_SOURCES = (SHIM, SHIM.with_name("ggml_q6k.c"))     # the shim and what it includes (its build key hashes both)
 BUILD_NOTE = "minutes (11 measured on 2 busy cores)"   # docs/gguf.md
 # CPU backend only: no GPU backends, tools or tests; ggml's threadpool instead of OpenMP (torch's libgomp is in the
 # process, and two OpenMP runtimes oversubscribe). The ISA flags come from kernels/isa.py (`cmake_flags`: native,
@@ -115,7 +116,7 @@ def _tools() -> tuple[str, str]:
 
 
 def _shim_key() -> str:
-    return hashlib.sha256(SHIM.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SHIM_SOURCES)).hexdigest()[:12]
 
 
 def ggml_home(root: Path | None = None, isa: str | None = None) -> Path:
@@ -290,10 +291,12 @@ def require() -> ctypes.CDLL:
 
 
 class _Handle(threading.local):
-    """One shim handle (ggml threadpool, arena, work buffer) per calling thread and thread count."""
+    """One shim handle (ggml threadpool, arena, work buffer) per calling thread, thread count and
+    `MOECTL_GGML_OWN_Q6K` setting (the shim reads it once, at the handle's creation: a run that switches it, an A/B
+    or a test, gets a handle of each, each with its own kept decode graph)."""
 
     def __init__(self):
-        self.by_threads: dict[int, int] = {}
+        self.by_threads: dict[tuple[int, str], int] = {}
 
 
 _handles = _Handle()
@@ -319,11 +322,35 @@ def threads() -> int:
 
 def handle(n_threads: int | None = None) -> int:
     n = n_threads or threads()
-    h = _handles.by_threads.get(n)
+    key = (n, own_q6k_setting())
+    h = _handles.by_threads.get(key)
     if h is None:
         poll = int(os.environ.get("MOECTL_GGML_POLL", "0"))     # 0: ggml's workers sleep between calls
-        h = _handles.by_threads[n] = require().mg_new(n, poll)
+        h = _handles.by_threads[key] = require().mg_new(n, poll)
     return h
+
+
+def own_q6k_setting() -> str:
+    """`MOECTL_GGML_OWN_Q6K`: unset or 1, a one-token product over a Q6_K matrix (a decode step's lm_head and dense
+    Q6_K matrices) runs moectl's own matvec (ggml_q6k.c: AVX-512 where the CPU has it, else AVX2) instead of ggml's
+    mul_mat; 0, ggml's (the A/B, and an escape hatch); avx2, the AVX2 kernel even on an AVX-512 host (tests)."""
+    return os.environ.get("MOECTL_GGML_OWN_Q6K", "1")
+
+
+def own_q6k_kernel(n_threads: int | None = None) -> str:
+    """The kernel the current handle's one-token Q6_K products run: "avx512vnni", "avx512bw", "avx2", or "ggml"
+    (switched off, or no kernel for this CPU)."""
+    fn = require().mg_q6k_kernel
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_char_p
+    return fn(handle(n_threads)).decode()
+
+
+def own_q6k_products() -> int:
+    """Products the own Q6_K matvec has computed in this process, every handle's (tests: a graph ran it)."""
+    fn = require().mg_q6k_products
+    fn.restype = ctypes.c_int64
+    return int(fn())
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@
 #define MG_ALIGN 64
 #define MG_MAX_NODES 4096
 
+#include "ggml_q6k.c"                    // an own Q6_K matvec for one-token products (its ops; matvec() below)
+
 typedef struct {
     struct ggml_threadpool *pool;
     int n_threads;
@@ -39,6 +41,7 @@ typedef struct {
     uint8_t *work;       // ggml_graph_plan's work buffer (x quantized to the vec_dot type, ...)
     size_t work_size;
     int failed;
+    q6k_rows_fn q6k;     // the own Q6_K matvec's kernel (MOECTL_GGML_OWN_Q6K, read here once), or NULL: ggml's
     uint8_t *model_meta; // mg_model_eval's graph: tensor and graph headers (sized to the model), and ggml-alloc's
     size_t model_meta_size;
     ggml_gallocr_t galloc;  // intermediates, memory reused along the graph          // an arena too small: the call is redone with a larger one
@@ -70,10 +73,17 @@ void *mg_new(int n_threads, int poll) {
     p.poll = poll;                    // 0: workers sleep between graphs (torch's threads share the cores)
     h->pool = ggml_threadpool_new(&p);
     h->n_threads = n_threads;
+    h->q6k = q6k_kernel(q6k_mode_from_env());   // fixed for the handle: its kept decode graph holds the choice
     h->meta_size = ggml_tensor_overhead() * MG_MAX_NODES + ggml_graph_overhead_custom(MG_MAX_NODES, false) + 4096;
     h->meta = malloc(h->meta_size);
     return h;
 }
+
+// the kernel a handle's one-token Q6_K products run (ggml_q6k.c): "avx512vnni", "avx512bw", "avx2" or "ggml"
+const char *mg_q6k_kernel(void *hp) { return q6k_kernel_name(((mg_handle *)hp)->q6k); }
+
+// the products it has computed so far, every handle's (tests: a graph ran it)
+int64_t mg_q6k_products(void) { return __atomic_load_n(&q6k_products, __ATOMIC_RELAXED); }
 
 void mg_free(void *hp) {
     mg_handle *h = hp;
@@ -121,6 +131,23 @@ static struct ggml_tensor *ext(struct ggml_context *ctx, enum ggml_type type, in
     struct ggml_tensor *t = ggml_new_tensor_3d(ctx, type, ne0, ne1, ne2);
     t->data = (void *)data;
     return t;
+}
+
+// y [N, 1] = W x as ggml_mul_mat(W, x) computes it: through the own Q6_K matvec (ggml_q6k.c: two custom ops, x
+// quantized once, then the rows) where `rows` is a kernel and W a 2-d Q6_K matrix against one F32 column (a decode
+// step's product, or a prefill's lm_head on its last row); else ggml's. h: the arena the activation's buffer takes
+// (NULL: ggml-alloc places it, a model graph).
+static struct ggml_tensor *matvec(mg_handle *h, struct ggml_context *ctx, struct ggml_tensor *W, struct ggml_tensor *x,
+                                  q6k_rows_fn rows) {
+    if (!rows || W->type != GGML_TYPE_Q6_K || W->ne[2] != 1 || W->ne[3] != 1 || W->ne[0] % 256 ||
+        W->nb[1] != ggml_row_size(W->type, W->ne[0]) || x->type != GGML_TYPE_F32 || ggml_nelements(x) != W->ne[0] ||
+        !ggml_is_contiguous(x))
+        return ggml_mul_mat(ctx, W, x);
+    struct ggml_tensor *act = own(h, ggml_custom_4d(ctx, GGML_TYPE_I8, (int64_t)q6k_activation_bytes(W->ne[0]), 1, 1, 1,
+                                                    &x, 1, q6k_quantize_op, 1, NULL));
+    struct ggml_tensor *args[2] = {W, act};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, W->ne[1], 1, 1, 1, args, 2, q6k_matvec_op, GGML_N_TASKS_MAX,
+                          (void *)rows);
 }
 
 // --- llama.cpp's CPU repack ------------------------------------------------------------------------------------------
@@ -638,7 +665,7 @@ static int mul_mat_once(mg_handle *h, int type, const void *w, int64_t N, int64_
     struct ggml_context *ctx = begin(h);
     struct ggml_tensor *W = ext(ctx, type, K, N, 1, w);
     struct ggml_tensor *X = ext(ctx, GGML_TYPE_F32, K, T, 1, x);
-    struct ggml_tensor *Y = ggml_mul_mat(ctx, W, X);               // [N, T] in ggml's order = y [T, N]
+    struct ggml_tensor *Y = T == 1 ? matvec(h, ctx, W, X, h->q6k) : ggml_mul_mat(ctx, W, X);   // [N, T] = y [T, N]
     Y->data = y;
     return run(h, ctx, Y);
 }
@@ -889,8 +916,13 @@ static struct ggml_tensor *rms(struct ggml_context *ctx, struct ggml_tensor *x, 
     return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), weight(ctx, w));
 }
 
-static struct ggml_tensor *linear(struct ggml_context *ctx, const mg_w *w, const mg_w *b, struct ggml_tensor *x) {
-    struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, w), x);
+static const mg_w NO_W;                 // an absent weight (a bias not there)
+
+// x [K, T] -> W x [N, T] (+ b): one token's through matvec (the own Q6_K kernel `q6k` where it applies)
+static struct ggml_tensor *linear(struct ggml_context *ctx, const mg_w *w, const mg_w *b, struct ggml_tensor *x,
+                                  q6k_rows_fn q6k) {
+    struct ggml_tensor *W = weight(ctx, w);
+    struct ggml_tensor *y = x->ne[1] == 1 ? matvec(NULL, ctx, W, x, q6k) : ggml_mul_mat(ctx, W, x);
     return b->data ? ggml_add(ctx, y, weight(ctx, b)) : y;
 }
 
@@ -947,11 +979,12 @@ static struct ggml_tensor *attention(struct ggml_context *ctx, const mg_model_de
 // Qwen2-MoE's shared expert, as llama.cpp's qwen2moe graph: build_ffn(x, up, gate, down, LLM_FFN_SILU, LLM_FFN_PAR)
 // = down(silu(gate x) * up x), times sigmoid(gate_inp . x) a token. x [H, Tn] -> [H, Tn] (S = the shared width).
 // llama.cpp writes the sigmoid as silu(g) / g; ggml_sigmoid is the same function without its 0 / 0 at g = 0.
-static struct ggml_tensor *shared_expert(struct ggml_context *ctx, const mg_layer_w *L, struct ggml_tensor *x) {
-    struct ggml_tensor *up = ggml_mul_mat(ctx, weight(ctx, &L->shexp_up), x);                // [S, Tn]
-    struct ggml_tensor *gate = ggml_mul_mat(ctx, weight(ctx, &L->shexp_gate), x);            // [S, Tn]
-    struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, &L->shexp_down), ggml_swiglu_split(ctx, gate, up));
-    struct ggml_tensor *g = ggml_sigmoid(ctx, ggml_mul_mat(ctx, weight(ctx, &L->shexp_gate_inp), x));   // [1, Tn]
+static struct ggml_tensor *shared_expert(struct ggml_context *ctx, const mg_layer_w *L, struct ggml_tensor *x,
+                                         q6k_rows_fn q6k) {
+    struct ggml_tensor *up = linear(ctx, &L->shexp_up, &NO_W, x, q6k);                       // [S, Tn]
+    struct ggml_tensor *gate = linear(ctx, &L->shexp_gate, &NO_W, x, q6k);                   // [S, Tn]
+    struct ggml_tensor *y = linear(ctx, &L->shexp_down, &NO_W, ggml_swiglu_split(ctx, gate, up), q6k);
+    struct ggml_tensor *g = ggml_sigmoid(ctx, linear(ctx, &L->shexp_gate_inp, &NO_W, x, q6k));   // [1, Tn]
     return ggml_mul(ctx, y, g);                                                              // [H, Tn]
 }
 
@@ -963,6 +996,7 @@ typedef struct {
     int64_t P, s0_swa;                       // the attention views cache positions [0, P), a sliding-window layer's
                                              // [s0_swa, P)
     int32_t *ids;                            // each layer's selected experts [n_layer, T, U] go here, or NULL
+    q6k_rows_fn q6k;                         // the handle's own Q6_K matvec (one-token products), or NULL
 } mg_inputs;
 
 // The forward's graph into gf: T tokens -> logits [V, T or 1] (last_only: the last token's), their data `logits`.
@@ -979,9 +1013,9 @@ static struct ggml_tensor *model_graph(struct ggml_context *ctx, struct ggml_cgr
     for (int64_t il = 0; il < m->n_layer; il++) {
         const mg_layer_w *L = &m->layers[il];
         struct ggml_tensor *cur = rms(ctx, inpL, &L->attn_norm, m->eps);
-        struct ggml_tensor *Q = linear(ctx, &L->wq, &L->bq, cur);                           // [NH*D, T]
-        struct ggml_tensor *K = linear(ctx, &L->wk, &L->bk, cur);                           // [KV, T]
-        struct ggml_tensor *V = linear(ctx, &L->wv, &L->bv, cur);                           // [KV, T]
+        struct ggml_tensor *Q = linear(ctx, &L->wq, &L->bq, cur, in->q6k);                  // [NH*D, T]
+        struct ggml_tensor *K = linear(ctx, &L->wk, &L->bk, cur, in->q6k);                  // [KV, T]
+        struct ggml_tensor *V = linear(ctx, &L->wv, &L->bv, cur, in->q6k);                  // [KV, T]
         if (L->q_norm.data && m->qk_norm_full) {                    // OLMoE: over all heads at once
             Q = rms(ctx, Q, &L->q_norm, m->eps);
             K = rms(ctx, K, &L->k_norm, m->eps);
@@ -1006,7 +1040,7 @@ static struct ggml_tensor *model_graph(struct ggml_context *ctx, struct ggml_cgr
         cur = swa ? attention(ctx, m, Q, kc, vc, in->s0_swa, in->P - in->s0_swa, T, in->mask_swa,
                               weight(ctx, &L->sinks))
                   : attention(ctx, m, Q, kc, vc, 0, in->P, T, in->mask, weight(ctx, &L->sinks));  // [NH*D, T]
-        cur = linear(ctx, &L->wo, &L->bo, cur);                                              // [H, T]
+        cur = linear(ctx, &L->wo, &L->bo, cur, in->q6k);                                    // [H, T]
         struct ggml_tensor *res = inpL;
         if (il == m->n_layer - 1 && last_only && T > 1) {          // the last layer's FFN: only the row kept
             cur = ggml_get_rows(ctx, cur, in->last);
@@ -1017,7 +1051,7 @@ static struct ggml_tensor *model_graph(struct ggml_context *ctx, struct ggml_cgr
         cur = rms(ctx, ffn_inp, &L->ffn_norm, m->eps);                                      // [H, Tn]
         // routing (llama.cpp's build_moe_ffn): softmax gating picks the top-k probabilities; softmax_weight the
         // top-k logits, then a softmax over the k selected
-        struct ggml_tensor *probs = linear(ctx, &L->router, &L->router_b, cur);              // [E, Tn] logits
+        struct ggml_tensor *probs = linear(ctx, &L->router, &L->router_b, cur, in->q6k);    // [E, Tn] logits
         if (m->gating == MG_GATING_SOFTMAX) probs = ggml_soft_max(ctx, probs);
         struct ggml_tensor *sel = ggml_argsort_top_k(ctx, probs, (int)U);                   // [U, Tn] int32
         struct ggml_tensor *wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, Tn), sel);   // [1, U, Tn]
@@ -1036,13 +1070,13 @@ static struct ggml_tensor *model_graph(struct ggml_context *ctx, struct ggml_cgr
                                               weight(ctx, &L->down), weight(ctx, &L->gate_b),
                                               weight(ctx, &L->up_b), weight(ctx, &L->down_b), act,
                                               ggml_reshape_3d(ctx, cur, H, 1, Tn), sel, wts);   // [H, Tn]
-        if (L->shexp_gate.data) moe = ggml_add(ctx, moe, shared_expert(ctx, L, cur));        // [H, Tn]
+        if (L->shexp_gate.data) moe = ggml_add(ctx, moe, shared_expert(ctx, L, cur, in->q6k)); // [H, Tn]
         inpL = ggml_add(ctx, moe, ffn_inp);                                                 // [H, Tn]
     }
     struct ggml_tensor *cur = rms(ctx, inpL, &m->out_norm, m->eps);
     if (last_only && Tn > 1) cur = ggml_get_rows(ctx, cur, in->last);
     const mg_w *out = m->output.data ? &m->output : &m->tok_embd;                         // tied: the embedding
-    struct ggml_tensor *y = ggml_mul_mat(ctx, weight(ctx, out), cur);                       // [V, T or 1]
+    struct ggml_tensor *y = linear(ctx, out, &NO_W, cur, in->q6k);                          // [V, T or 1]
     y->data = logits;
     ggml_build_forward_expand(gf, y);
     return y;
@@ -1115,7 +1149,7 @@ static int decode_step(mg_handle *h, const mg_model_desc *m, int32_t token, int6
                               NULL, ext(ctx, GGML_TYPE_I64, 1, 1, 1, &h->dec_row),
                               ext(ctx, GGML_TYPE_F16, P, 1, 1, h->dec_mask),
                               swa ? ext(ctx, GGML_TYPE_F16, P - s0, 1, 1, h->dec_mask_swa) : NULL,
-                              P, s0, has_ids ? h->dec_ids : NULL};
+                              P, s0, has_ids ? h->dec_ids : NULL, h->q6k};
         struct ggml_tensor *y = model_graph(ctx, gf, m, 1, 0, &in, logits);
         const int used = rp_graph(gf);                   // weights with a CPU_REPACK copy read it (counted once)
         __atomic_add_fetch(&model_graphs_built, 1, __ATOMIC_RELAXED);
@@ -1183,7 +1217,7 @@ int mg_model_eval(void *hp, const mg_model_desc *m, const int32_t *tokens, int64
                           ext(ctx, GGML_TYPE_I32, 1, 1, 1, &last), ext(ctx, GGML_TYPE_I64, T, 1, 1, rowv),
                           ext(ctx, GGML_TYPE_F16, pos + T, T, 1, maskv),
                           swa_maskv ? ext(ctx, GGML_TYPE_F16, pos + T - s0, T, 1, swa_maskv) : NULL,
-                          pos + T, s0, ids_out};
+                          pos + T, s0, ids_out, h->q6k};
     model_graph(ctx, gf, m, T, last_only, &in, logits);
     rp_graph(gf);                                    // weights with a CPU_REPACK copy read it
     __atomic_add_fetch(&model_graphs_built, 1, __ATOMIC_RELAXED);
