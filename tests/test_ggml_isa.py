@@ -105,8 +105,9 @@ def test_the_bench_help_says_isa_and_use_isa_sets_both_sides(monkeypatch):
     out = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--help"], capture_output=True, text=True,
                          cwd=ROOT).stdout
     assert "--isa {native,avx2}" in out and "bin-avx2" in out
-    for k in (isas.ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        monkeypatch.delenv(k, raising=False)
+    for k in (isas.ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):   # set, then deleted: monkeypatch restores
+        monkeypatch.setenv(k, "")                                      # what use_isa writes (a plain delenv of an
+        monkeypatch.delenv(k)                                          # unset name records nothing to undo)
     assert gguf_vs_llamacpp.use_isa("avx2") == "avx2"
     assert os.environ[isas.ENV] == "avx2" and os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
     assert llamacpp.tool("llama-bench").parent.name == "bin-avx2"
