@@ -106,7 +106,8 @@ def test_the_bench_help_says_isa_and_use_isa_sets_both_sides(monkeypatch):
                          cwd=ROOT).stdout
     assert "--isa {native,avx2}" in out and "bin-avx2" in out
     for k in (isas.ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "")       # recorded, so the teardown undoes what use_isa writes (delenv of an unset
+        monkeypatch.delenv(k)           # name records nothing: avx2 then leaked into every later test's process)
     assert gguf_vs_llamacpp.use_isa("avx2") == "avx2"
     assert os.environ[isas.ENV] == "avx2" and os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
     assert llamacpp.tool("llama-bench").parent.name == "bin-avx2"
