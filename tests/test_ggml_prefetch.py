@@ -72,6 +72,7 @@ def test_the_knob_is_read_as_a_handle_is_made(monkeypatch):
     with pytest.raises(MoectlError, match="MOECTL_GGML_PREFETCH='-4k'"):
         ggml.prefetch_bytes()
     monkeypatch.setenv(ggml.PREFETCH_ENV, "8192")
+    assert ggml.describe()["prefetch_bytes"] == 8192                    # inspect --json, the bench's kernels
     seen = []
     monkeypatch.setattr(ggml, "set_prefetch", seen.append)
     monkeypatch.setattr(ggml._handles, "by_threads", {})

@@ -21,6 +21,10 @@ Where ggml cannot be built (no cmake or C compiler, no network for the source, a
 torch is imported by the functions that take or make its tensors, not by the module: a GGUF's one-graph run
 (runtime/ggml_model.py) loads, builds and calls the shim without it (`library`, `handle`, `threads`,
 `register_stable`; the build needs cmake and a compiler only), so its load does not pay torch's import.
+
+moectl's ggml carries one patch (kernels/ggml_patch.py): software prefetch in the one-token products, the distance
+`MOECTL_GGML_PREFETCH` (`prefetch_bytes`, `set_prefetch`). It is built from a patched copy of the vendored ggml/
+(`overlay`), so llama.cpp's own tools (bench/llamacpp.py) stay stock.
 """
 
 from __future__ import annotations
@@ -266,9 +270,11 @@ def built_for(feats: list[str]) -> str:
 def describe() -> dict:
     """What ggml this process would run, without building anything (`inspect`): {"isa": the MOECTL_GGML_ISA setting,
     "built": whether its build is here, "features" and "built_for": read from the loaded library (`features()`,
-    `built_for()`; None where it is not built or switched off), "why_not": None, or why not}."""
+    `built_for()`; None where it is not built or switched off), "why_not": None, or why not, "prefetch_bytes": the
+    patch's prefetch distance a handle gets (`prefetch_bytes()`, 0: off)}."""
     setting = isas.current()
-    out = {"isa": setting, "built": built(), "features": None, "built_for": None, "why_not": None}
+    out = {"isa": setting, "built": built(), "features": None, "built_for": None, "why_not": None,
+           "prefetch_bytes": prefetch_bytes()}
     if os.environ.get("MOECTL_GGML", "1") == "0":
         out["why_not"] = "MOECTL_GGML=0"
     elif not (out["built"] or _load.cache_info().currsize):
