@@ -1,11 +1,15 @@
-"""A decode step's kept ggml graph against one built every step (docs/gguf.md, "Quiet machine, stop 54").
+"""A decode step A/B in one process: the kept ggml graph against one built every step (docs/gguf.md, "Quiet
+machine, stop 54"), or (`--ab prefetch`) moectl's ggml prefetch patch on against off (kernels/ggml_patch.py).
 
 One process, one GGUF the torch-free engine serves (run `moectl generate -m FILE -n 1` once first: it saves the
-config and tokenizer), the first-use repack finished; then alternating rounds of `--steps` decode steps with the
-shim keeping the step's graph (the default) and with `MOECTL_GGML_NO_GRAPH_REUSE=1` (the shim reads it each call), a
-fresh 16-token prompt before each round. Prints each mode's median ms/token, their ratio, and every round's own.
+config and tokenizer), the first-use repack finished; then alternating rounds of `--steps` decode steps in each
+mode, a fresh 16-token prompt before each round. `graph-reuse`: the shim keeping the step's graph (the default) and
+`MOECTL_GGML_NO_GRAPH_REUSE=1` (the shim reads it each call). `prefetch`: the distance `--distance` bytes and 0 (off,
+stock ggml), set between rounds (`ggml.set_prefetch`). Prints each mode's median ms/token, their ratio, and every
+round's own.
 
     PYTHONPATH=. python bench/decode_graph_reuse.py FILE.gguf [--threads 1] [--steps 48] [--rounds 6]
+    PYTHONPATH=. python bench/decode_graph_reuse.py FILE.gguf --ab prefetch --distance 4096
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=48, help="decode steps a round")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of each mode, alternating")
+    ap.add_argument("--ab", choices=["graph-reuse", "prefetch"], default="graph-reuse", help="what the modes differ in")
+    ap.add_argument("--distance", type=int, default=4096, help="--ab prefetch: the distance on, bytes")
     a = ap.parse_args()
     try:
         eng, why = GraphEngine.try_load(a.model, RuntimeOptions(device="cpu", threads=a.threads))
@@ -44,23 +50,27 @@ def main() -> None:
     V = min(eng.graph.V, 1024)
     eng.forward(rng.integers(0, V, 64), None, last_only=True)
     ggml.finish_repack()                             # llama.cpp's state after its load: every expert repacked
-    ms = {"kept": [], "rebuilt": []}
+    if a.ab == "prefetch":
+        setters = {"on": lambda: ggml.set_prefetch(a.distance), "off": lambda: ggml.set_prefetch(0)}
+    else:
+        setters = {"kept": lambda: os.environ.pop("MOECTL_GGML_NO_GRAPH_REUSE", None),
+                   "rebuilt": lambda: os.environ.__setitem__("MOECTL_GGML_NO_GRAPH_REUSE", "1")}
+    first, second = setters
+    ms = {first: [], second: []}
     for r in range(a.rounds):
-        for mode in ("kept", "rebuilt") if r % 2 == 0 else ("rebuilt", "kept"):
-            if mode == "rebuilt":
-                os.environ["MOECTL_GGML_NO_GRAPH_REUSE"] = "1"
-            else:
-                os.environ.pop("MOECTL_GGML_NO_GRAPH_REUSE", None)
+        for mode in (first, second) if r % 2 == 0 else (second, first):
+            setters[mode]()
             _, kv = eng.forward(rng.integers(0, V, 16), None, last_only=True)
             feed = rng.integers(0, V, a.steps)
             t0 = time.perf_counter()
             for t in range(a.steps):
                 _, kv = eng.forward(feed[t:t + 1], kv)
             ms[mode].append((time.perf_counter() - t0) / a.steps * 1000)
-    os.environ.pop("MOECTL_GGML_NO_GRAPH_REUSE", None)
-    k, b = statistics.median(ms["kept"]), statistics.median(ms["rebuilt"])
-    print(f"{Path(a.model).name}, {a.threads} thread(s): kept {k:.2f} ms/token, rebuilt {b:.2f}, kept / rebuilt "
-          f"{k / b:.3f}; each round's: {' '.join(f'{x / y:.3f}' for x, y in zip(ms['kept'], ms['rebuilt']))}")
+    setters[first]()                                 # as it was: graph kept; prefetch on
+    k, b = statistics.median(ms[first]), statistics.median(ms[second])
+    print(f"{Path(a.model).name}, {a.threads} thread(s): {first} {k:.2f} ms/token, {second} {b:.2f}, {first} / "
+          f"{second} {k / b:.3f}; each round's: {' '.join(f'{x / y:.3f}' for x, y in zip(ms[first], ms[second]))}; "
+          f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

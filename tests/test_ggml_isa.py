@@ -19,7 +19,7 @@ import gguf_vs_llamacpp
 import llamacpp
 from moectl import kernels
 from moectl.errors import MoectlError
-from moectl.kernels import ggml
+from moectl.kernels import ggml, ggml_patch
 from moectl.kernels import isa as isas
 from test_bad_input import assert_one_error, run_cli
 
@@ -53,7 +53,7 @@ def test_the_avx2_flags_name_every_wider_option_of_the_vendored_source():
 def test_each_isa_builds_into_its_own_directories(tmp_path):
     assert ggml.ggml_home(tmp_path, "native") == tmp_path / "ggml"              # where the native build always was
     assert ggml.ggml_home(tmp_path, "avx2") == tmp_path / "ggml-avx2"
-    assert ggml.shim_path(tmp_path, "avx2").parent == tmp_path / "ggml-avx2" / "lib"
+    assert ggml.shim_path(tmp_path, "avx2").parent == tmp_path / "ggml-avx2" / f"lib-p{ggml_patch.KEY}"
     assert llamacpp.tool("llama-bench", tmp_path, "native") == tmp_path / "bin" / "llama-bench"
     assert llamacpp.tool("llama-bench", tmp_path, "avx2") == tmp_path / "bin-avx2" / "llama-bench"
     (tmp_path / "BUILT").write_text("x")                    # a native build here says nothing of the avx2 one

@@ -21,6 +21,10 @@ Where ggml cannot be built (no cmake or C compiler, no network for the source, a
 torch is imported by the functions that take or make its tensors, not by the module: a GGUF's one-graph run
 (runtime/ggml_model.py) loads, builds and calls the shim without it (`library`, `handle`, `threads`,
 `register_stable`; the build needs cmake and a compiler only), so its load does not pay torch's import.
+
+moectl's ggml carries one patch (kernels/ggml_patch.py): software prefetch in the one-token products, the distance
+`MOECTL_GGML_PREFETCH` (`prefetch_bytes`, `set_prefetch`). It is built from a patched copy of the vendored ggml/
+(`overlay`), so llama.cpp's own tools (bench/llamacpp.py) stay stock.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import numpy as np
 
 from ..core.recipes import moectl_home
 from ..errors import MoectlError
+from . import ggml_patch
 from . import isa as isas
 
 if TYPE_CHECKING:                   # annotations only: the functions that take or make tensors import torch
@@ -125,9 +130,30 @@ def ggml_home(root: Path | None = None, isa: str | None = None) -> Path:
     return (root or llamacpp_home()) / isas.build_dir(isa or isas.current(), "ggml")
 
 
+def lib_dir(root: Path | None = None, isa: str | None = None) -> Path:
+    """ggml's libraries and the shim for this patch (kernels/ggml_patch.py `KEY`) in `ggml_home(root, isa)`: a
+    changed patch builds into a new directory, never reusing (or overwriting under a running process) an old one."""
+    return ggml_home(root, isa) / f"lib-p{ggml_patch.KEY}"
+
+
 def shim_path(root: Path | None = None, isa: str | None = None) -> Path:
-    """The shim's library in `ggml_home(root, isa)`."""
-    return ggml_home(root, isa) / "lib" / f"libmoectl_ggml-{_shim_key()}.so"
+    """The shim's library in `lib_dir(root, isa)`."""
+    return lib_dir(root, isa) / f"libmoectl_ggml-{_shim_key()}.so"
+
+
+def overlay(src: Path, dst: Path) -> Path:
+    """A private llama.cpp tree at `dst` for moectl's ggml build: `src`'s ggml/ copied and patched
+    (kernels/ggml_patch.py), every other top-level entry a symlink into `src`, so llama.cpp's tools built from `src`
+    (bench/llamacpp.py) stay stock. Made anew each time (a half-made one from a killed build is not trusted)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for entry in src.iterdir():
+        if entry.name == "ggml":
+            shutil.copytree(entry, dst / "ggml", symlinks=True)
+        else:
+            (dst / entry.name).symlink_to(entry)
+    ggml_patch.apply(dst / "ggml")
+    return dst
 
 
 def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str | None = None) -> Path:
@@ -138,7 +164,8 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
     isa = isas.check(isa or isas.current())
     root = root or llamacpp_home()
     home = ggml_home(root, isa)
-    lib = home / "lib"
+    lib = lib_dir(root, isa)
+    key = f"p{ggml_patch.KEY}"                  # the patch's identity: its own source copy, build and libraries
     shim = shim_path(root, isa)
     if shim.exists():
         return shim
@@ -149,12 +176,13 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
         if shim.exists():
             return shim
         log = home / "build.log"
-        if not (home / "BUILT").exists():
+        if not (home / f"BUILT-{key}").exists():
             t0 = time.monotonic()
-            src = fetch_source(root, log, echo)
-            echo(f"building ggml's CPU backend ({isa}; llama.cpp from llama-cpp-python {LLAMACPP_VERSION}) into "
-                 f"{home}: first use only, {BUILD_NOTE}; log: {log}")
-            bld = home / "build"
+            stock = fetch_source(root, log, echo)
+            echo(f"building ggml's CPU backend ({isa}; llama.cpp from llama-cpp-python {LLAMACPP_VERSION}, moectl's "
+                 f"prefetch patch {key}) into {home}: first use only, {BUILD_NOTE}; log: {log}")
+            src = overlay(stock, home / f"src-{key}")   # an anchor not found: RuntimeError, said by why_not()
+            bld = home / f"build-{key}"
             _run([cmake, "-S", src, "-B", bld, *CMAKE_FLAGS, *isas.cmake_flags(isa)], log)
             _run([cmake, "--build", bld, "-j", jobs or max(1, min(os.cpu_count() or 1, 8)), "--target", "ggml-cpu"],
                  log)
@@ -163,8 +191,8 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
                 shutil.copy2(so, lib / so.name, follow_symlinks=True)
             inc = home / "include"
             shutil.rmtree(inc, ignore_errors=True)
-            shutil.copytree(src / "ggml" / "include", inc)
-            (home / "BUILT").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n{isa}\n")
+            shutil.copytree(stock / "ggml" / "include", inc)
+            (home / f"BUILT-{key}").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n{isa}\n{key}\n")
         tmp = shim.with_suffix(".tmp")
         _run([cc, "-O2", *isas.shim_flags(isa), "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM,
               f"-L{lib}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
@@ -213,6 +241,8 @@ def _load() -> ctypes.CDLL | None:
     lib.mg_requires_imatrix.argtypes, lib.mg_requires_imatrix.restype = [i32], i32
     lib.mg_row_size.argtypes, lib.mg_row_size.restype = [i32, i64], ctypes.c_size_t
     lib.mg_features.restype = i32
+    # moectl's ggml patch (kernels/ggml_patch.py), in libggml-cpu: found through the shim's handle (its dependency)
+    lib.ggml_moectl_set_prefetch_bytes.argtypes, lib.ggml_moectl_set_prefetch_bytes.restype = [i32], None
     lib.mg_vec_dot_type.argtypes, lib.mg_vec_dot_type.restype = [i32], i32
     lib.mg_repacks.argtypes, lib.mg_repacks.restype = [i32, i64, i64], i32
     lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64, i32], None
@@ -241,9 +271,11 @@ def built_for(feats: list[str]) -> str:
 def describe() -> dict:
     """What ggml this process would run, without building anything (`inspect`): {"isa": the MOECTL_GGML_ISA setting,
     "built": whether its build is here, "features" and "built_for": read from the loaded library (`features()`,
-    `built_for()`; None where it is not built or switched off), "why_not": None, or why not}."""
+    `built_for()`; None where it is not built or switched off), "why_not": None, or why not, "prefetch_bytes": the
+    patch's prefetch distance a handle gets (`prefetch_bytes()`, 0: off)}."""
     setting = isas.current()
-    out = {"isa": setting, "built": built(), "features": None, "built_for": None, "why_not": None}
+    out = {"isa": setting, "built": built(), "features": None, "built_for": None, "why_not": None,
+           "prefetch_bytes": prefetch_bytes()}
     if os.environ.get("MOECTL_GGML", "1") == "0":
         out["why_not"] = "MOECTL_GGML=0"
     elif not (out["built"] or _load.cache_info().currsize):
@@ -320,12 +352,34 @@ def threads() -> int:
     return max(1, torch.get_num_threads() if torch is not None else os.cpu_count() or 1)
 
 
+PREFETCH_ENV = "MOECTL_GGML_PREFETCH"
+PREFETCH_DEFAULT = 4096         # bytes; unset MOECTL_GGML_PREFETCH: the measured best (docs/gguf.md, "Prefetch")
+
+
+def prefetch_bytes() -> int:
+    """The prefetch distance of ggml's one-token products (kernels/ggml_patch.py), bytes: `MOECTL_GGML_PREFETCH`
+    (0: off, stock ggml), unset: `PREFETCH_DEFAULT`. A MoectlError for a value that is not a whole number >= 0."""
+    raw = os.environ.get(PREFETCH_ENV, "").strip()
+    if not raw:
+        return PREFETCH_DEFAULT
+    if not raw.isdigit():
+        raise MoectlError(f"{PREFETCH_ENV}={raw!r}: give a distance in bytes (a whole number, 0: off)")
+    return int(raw)
+
+
+def set_prefetch(nbytes: int) -> None:
+    """Set the prefetch distance (bytes, 0: off) of every later product in this process: one global in moectl's
+    patched ggml, read by each product's loop, so an A/B alternates in one process without a rebuild."""
+    require().ggml_moectl_set_prefetch_bytes(int(nbytes))
+
+
 def handle(n_threads: int | None = None) -> int:
     n = n_threads or threads()
     key = (n, own_q6k_setting())
     h = _handles.by_threads.get(key)
     if h is None:
         poll = int(os.environ.get("MOECTL_GGML_POLL", "0"))     # 0: ggml's workers sleep between calls
+        set_prefetch(prefetch_bytes())                          # MOECTL_GGML_PREFETCH, read as a handle is made
         h = _handles.by_threads[key] = require().mg_new(n, poll)
     return h
 

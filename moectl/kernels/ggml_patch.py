@@ -1,0 +1,130 @@
+"""moectl's one patch to ggml's CPU backend: software prefetch of the weight rows in the one-token products.
+
+Why (issue 42's decode gap): a one-token product streams its weight matrix from DRAM once, and ggml's loops
+(`ggml_compute_forward_mul_mat_one_chunk`'s vec_dot rows, `..._mul_mat_id_one_chunk`'s expert rows, repack.cpp's gemv
+over 8-row groups) issue no software prefetch: on an Intel Xeon the hardware prefetchers stop at each 4 KB page, so
+each page starts cold and one core reads ~7 GB/s where a kernel prefetching 4 KB ahead reads 11-13 (docs/gguf.md).
+The patch prefetches the bytes `ggml_moectl_prefetch_bytes` ahead of the rows about to be read; the distance is a
+global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's default) is stock
+behaviour. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on and off).
+
+Only moectl's ggml build is patched (kernels/ggml.py: `build()` configures a private copy of the vendored ggml/ tree,
+`overlay()`); llama.cpp's tools in the comparison (bench/llamacpp.py) build from the untouched source. The edits are
+exact-anchor text edits (no `patch` binary): an anchor not found exactly once fails the build with a message naming
+it. `KEY` (a hash of the edits) is part of the build's directory, so a changed patch builds anew.
+
+A prefetch past a matrix's end (its last rows, or a thread's chunk) reads nothing it is not allowed to: a prefetch
+never faults (x86 PREFETCHh, ARM PRFM), so the loops need no bound. Distances measured (docs/gguf.md, "Software
+prefetch"): 1-16 KB all won on a busy Xeon, 4 KB best or near it; `kernels/ggml.py: PREFETCH_DEFAULT`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+# ggml-cpu.c, before the vec_dot product's chunk: the distance, its setter (the shim's), the prefetch of a byte range.
+# Per-row bursts: a vec_dot computes one whole row, so the rows `distance` bytes ahead are asked for as a row starts.
+_DEFS_C = """\
+// moectl patch (moectl/kernels/ggml_patch.py): software prefetch of the weight rows `ggml_moectl_prefetch_bytes`
+// ahead in the one-token products (0: off, stock ggml). Prefetch is a hint: it changes no result.
+int ggml_moectl_prefetch_bytes = 0;
+__attribute__((visibility("default"))) void ggml_moectl_set_prefetch_bytes(int bytes) {
+    ggml_moectl_prefetch_bytes = bytes > 0 ? bytes : 0;
+}
+static inline void ggml_moectl_prefetch(const char * p, size_t n) {
+    for (size_t o = 0; o < n; o += 64) {
+        __builtin_prefetch(p + o, 0, 3);
+    }
+}
+
+"""
+
+# repack.cpp: the same distance and range prefetch; gemv over [start, start + nc) columns in groups of NB_COLS rows
+# (one interleaved group each; gemv computes each group on its own, so splitting changes no result), each group's
+# bytes `distance` ahead prefetched before it.
+_DEFS_CPP = """\
+
+// moectl patch (moectl/kernels/ggml_patch.py): see ggml-cpu.c's ggml_moectl_prefetch_bytes.
+extern "C" int ggml_moectl_prefetch_bytes;
+static inline void ggml_moectl_prefetch(const char * p, size_t n) {
+    for (size_t o = 0; o < n; o += 64) {
+        __builtin_prefetch(p + o, 0, 3);
+    }
+}
+"""
+
+_GEMV_SPLIT = """\
+            if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: group by group, prefetching ahead
+                for (int64_t c = 0; c < @NC@; c += NB_COLS) {
+                    ggml_moectl_prefetch(@X@ + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);
+                    gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, @S@ + c, ne01, @X@ + c * nb01, @Y@, 1,
+                                                                     (int) (@NC@ - c < NB_COLS ? @NC@ - c : NB_COLS));
+                }
+                continue;
+            }
+"""
+
+
+def _gemv_split(nc: str, x: str, s: str, y: str, indent: int = 0) -> str:
+    """`_GEMV_SPLIT` for one gemv call: `nc` columns, weights at `x`, output at `s`, activations at `y`, indented
+    `indent` more spaces; the original call after it is skipped (`continue`) when the patch's path ran."""
+    text = _GEMV_SPLIT.replace("@NC@", nc).replace("@X@", x).replace("@S@", s).replace("@Y@", y)
+    return "".join(" " * indent + line for line in text.splitlines(keepends=True))
+
+
+# (file under ggml/src/ggml-cpu/, anchor that must occur exactly once, text put before it, text put after it)
+EDITS: list[tuple[str, str, str, str]] = [
+    ("ggml-cpu.c", "static void ggml_compute_forward_mul_mat_one_chunk(\n", _DEFS_C, ""),
+    # the vec_dot rows: the first token of a column block asks for the rows ahead (later tokens reread them cached)
+    ("ggml-cpu.c",
+     "                for (int64_t ir0 = iir0; ir0 < iir0 + blck_0 && ir0 < ir0_end; ir0 += num_rows_per_vec_dot) {\n",
+     "", "                    if (ggml_moectl_prefetch_bytes > 0 && ir1 == iir1) {\n"
+         "                        ggml_moectl_prefetch(src0_row + ir0 * nb01 + ggml_moectl_prefetch_bytes,"
+         " num_rows_per_vec_dot * nb01);\n"
+         "                    }\n"),
+    # the experts' rows (mul_mat_id by vec_dot)
+    ("ggml-cpu.c",
+     "                    vec_dot(ne00, &tmp[ir0 - iir0], 0, src0_cur + ir0*nb01, 0, src1_col, 0, 1);\n",
+     "                    if (ggml_moectl_prefetch_bytes > 0 && ir1 == iir1) {\n"
+     "                        ggml_moectl_prefetch(src0_cur + ir0*nb01 + ggml_moectl_prefetch_bytes, nb01);\n"
+     "                    }\n", ""),
+    ("repack.cpp", '#include "arch-fallback.h"\n', "", _DEFS_CPP),
+    # the repacked one-token product (forward_mul_mat_one_chunk's gemv rows)
+    ("repack.cpp",
+     "        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {\n",
+     "", _gemv_split(nc="ncols", x="(src0_ptr + src0_start * nb01)",
+                     s="(float *) (dst_ptr + (iter * nb1)) + src0_start", y="src1_ptr + (src1_col_stride * iter)")),
+    # the repacked experts (forward_mul_mat_id's gemv per routed token)
+    ("repack.cpp",
+     "                const auto * src1_col = (const char *) wdata + (i11 * nbw1 + i12 * nbw2);\n",
+     "", _gemv_split(nc="(src0_cur_end - src0_cur_start)", x="(src0_cur + src0_cur_start * nb01)",
+                     s="(float *) ((char *) dst->data + (i1 * nb1 + i2 * nb2)) + src0_cur_start", y="src1_col", indent=4)),
+]
+
+
+
+def key(edits: list[tuple[str, str, str, str]] | None = None) -> str:
+    """The patch's identity: a hash of its edits (`EDITS`), part of the build's directory (kernels/ggml.py)."""
+    return hashlib.sha256(repr(EDITS if edits is None else edits).encode()).hexdigest()[:10]
+
+
+KEY = key()
+
+
+def apply(ggml_dir: Path) -> None:
+    """Apply `EDITS` in place to the ggml/ tree at `ggml_dir` (a private copy: see kernels/ggml.py `overlay()`).
+    RuntimeError naming the file and anchor where an anchor is not found exactly once (a new llama.cpp version:
+    re-anchor the edits)."""
+    files: dict[str, str] = {}
+    for name, anchor, before, after in EDITS:
+        path = ggml_dir / "src" / "ggml-cpu" / name
+        text = files.get(name) or path.read_text()
+        n = text.count(anchor)
+        if n != 1:
+            first = anchor.strip().splitlines()[0][:70]
+            raise RuntimeError(f"moectl's ggml patch (kernels/ggml_patch.py) does not apply: {name} has its anchor "
+                               f"{first!r} {n} times, not once")
+        files[name] = text.replace(anchor, before + anchor + after)
+    for name, text in files.items():
+        (ggml_dir / "src" / "ggml-cpu" / name).write_text(text)
