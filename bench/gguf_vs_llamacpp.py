@@ -26,7 +26,8 @@ the mapped file: moectl/kernels/ggml.py), same threads.
    the bytes a token reads from the header alone (`decode_read_bytes`, moectl/store/gguf/experts.py: the dense
    tensors, the lm_head, one embedding row, top-k of each layer's experts, at the file's encodings); per row, a
    streaming-read probe at the row's threads just before and just after its rounds (`ggml.read_bandwidth`: pthreads
-   reading a `--probe-gb` buffer with AVX2 loads, first touch untimed, `--probe-passes` passes each). The roofline
+   reading a `--probe-gb` buffer with AVX2 loads and a software prefetch 4 KB ahead (stop 55), first touch untimed,
+   `--probe-passes` passes each). The roofline
    table: MB/token, the probe's GB/s (median [min-max] of both probes' passes), each tool's achieved GB/s (bytes a
    token / its median ms a token) and that as a % of the probe's median, and the floor (ms/token at the probe's GB/s).
 Medians, decode with [min-max], the ratio moectl / llama.cpp of the medians (decode: <= 1.0 is moectl at least as

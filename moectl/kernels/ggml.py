@@ -774,8 +774,8 @@ READ_PROBE_BYTES = 1 << 30        # far past any cache this code runs on (a 256 
 
 def read_bandwidth(nbytes: int = READ_PROBE_BYTES, threads: int = 1, passes: int = 7) -> dict:
     """Streaming-read bandwidth, GB/s (1e9 bytes a second): `threads` pthreads each read their own slice of one
-    `nbytes` buffer, `passes` times, with the vector loads ggml's kernels use (the shim's `mg_read_bandwidth`; first
-    touch untimed). A decode token reads each weight it uses once, so bytes read / this is the fastest a token can
+    `nbytes` buffer, `passes` times, with the vector loads ggml's kernels use and their prefetch 4 KB ahead (the
+    shim's `mg_read_bandwidth`; first touch untimed). A decode token reads each weight it uses once, so bytes read / this is the fastest a token can
     be on this machine. {"gbps": median, "min", "max", "passes": [GB/s of each], "bytes": read a pass, "threads"}.
     The median: a pass the machine's other work slowed is one figure of `passes`, not the figure."""
     lib = require()
