@@ -150,6 +150,15 @@ def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_l
     return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen)
 
 
+def first_run(model: str) -> None:
+    """One untimed `moectl generate -n 1` on `model` in a fresh process: it saves the config and tokenizer the
+    torch-free engine reads (a GGUF file's first run)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
+    first = [sys.executable, "-m", "moectl", "generate", "-m", model, "-p", "Hello", "-n", "1",
+             "--greedy", "--device", "cpu", "--threads", "1", "--json"]
+    subprocess.run(first, capture_output=True, text=True, env=env, check=True)
+
+
 def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False,
                torch_free: bool = False) -> dict:
     """One fresh process: {"prefill_tps", "decode_ms", "rss_gb", "note", "kernels"} and, with `time_load`,
@@ -159,9 +168,7 @@ def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, ti
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if torch_free and r.stdout.startswith("NOTREADY "):
-        first = [sys.executable, "-m", "moectl", "generate", "-m", load["model"], "-p", "Hello", "-n", "1",
-                 "--greedy", "--device", "cpu", "--threads", "1", "--json"]
-        subprocess.run(first, capture_output=True, text=True, env=env, check=True)
+        first_run(load["model"])
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
         if r.stdout.startswith("NOTREADY "):
             raise SystemExit(f"the torch-free engine does not serve {load['model']}: {r.stdout[9:].strip()}")

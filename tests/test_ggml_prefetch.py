@@ -2,7 +2,8 @@
 llama.cpp source (every anchor found once), a missing anchor fails clearly, the build's identity follows the patch
 text, `MOECTL_GGML_PREFETCH` is read as a handle is made, and prefetch changes no arithmetic: every product with it
 on is bit-equal to the same product with it off (stock ggml), for the vec_dot path (Q8_0, Q5_K, Q6_K, IQ4_XS, BF16),
-the repacked one (Q4_0, Q4_K) and the experts' (mul_mat_id), at 1 and 2 threads.
+the repacked one (Q4_0, Q4_K, IQ4_NL, MXFP4: the patched gemv at T < 4, stock gemm at T >= 4) and the experts'
+(mul_mat_id: a repacked expert's gemv per routed token), at T = 1 to 64 and 1 and 2 threads.
 
 Legend: T = tokens, K = input width, N = output rows, A = stacked experts, U = experts used per token.
 """
@@ -22,7 +23,7 @@ from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built h
 torch.set_num_threads(1)
 
 VEC_DOT = (Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.BF16)
-REPACKED = (Q.Q4_0, Q.Q4_K)
+REPACKED = (Q.Q4_0, Q.Q4_K, Q.IQ4_NL, Q.MXFP4)
 N, K = 256, 1024                 # 256 rows of 1024: rows several KB ahead exist, so the prefetch runs over real rows
 DISTANCE = 4096
 
@@ -96,8 +97,9 @@ def _on_off(fn):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("enc", VEC_DOT + REPACKED, ids=lambda t: t.name)
 def test_prefetch_changes_no_product(enc, threads, monkeypatch):
-    """y = x W^T at T = 1 and 3 (the vec_dot rows; the repacked gemv) and the experts' product (mul_mat_id, A = 4,
-    U = 2): bit-equal with prefetch on and off."""
+    """y = x W^T at T = 1, 3 (the vec_dot rows; the repacked gemv) and 4, 16, 64 (the vec_dot path's 16-token blocks,
+    the first token of each prefetching; the repacked gemm plus gemv for T % 4) and the experts' product (mul_mat_id,
+    A = 4, U = 2) at T = 3 and 64: bit-equal with prefetch on and off."""
     monkeypatch.setenv("MOECTL_GGML_REPACK", "all")
     A = 4
     raw, _ = weights(enc, A * N, K)                                     # [A * N, row bytes]
@@ -105,12 +107,14 @@ def test_prefetch_changes_no_product(enc, threads, monkeypatch):
         if not ggml.repacks(enc, (N, K)):
             pytest.skip(f"this CPU's ggml does not repack {enc.name}")
         ggml.register_stable(raw)
-    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1))
-    ids = torch.tensor([[0, 2], [3, 0], [2, 1]], dtype=torch.int32)      # [T, U]
-    for tokens in (1, 3):
+    x = torch.randn(64, K, generator=torch.Generator().manual_seed(1))  # [T, K]
+    for tokens in (1, 3, 4, 16, 64):
         on, off = _on_off(lambda: ggml.mul_mat(enc, raw, (A * N, K), x[:tokens], threads))
         assert torch.equal(on, off), (enc.name, tokens)
-    on, off = _on_off(lambda: ggml.mul_mat_id(enc, raw, (A, N, K), x, ids, threads))
-    assert torch.equal(on, off), enc.name
+    ids3 = torch.tensor([[0, 2], [3, 0], [2, 1]], dtype=torch.int32)     # [T, U]
+    ids64 = torch.stack([torch.randperm(A, generator=torch.Generator().manual_seed(t))[:2] for t in range(64)])
+    for ids in (ids3, ids64.to(torch.int32)):
+        on, off = _on_off(lambda: ggml.mul_mat_id(enc, raw, (A, N, K), x[:len(ids)], ids, threads))
+        assert torch.equal(on, off), (enc.name, len(ids))
     if enc in REPACKED:
         assert ggml.repack_stats()["repacked"] > 0                      # the repacked path is what ran

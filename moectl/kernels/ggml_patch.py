@@ -13,6 +13,12 @@ Only moectl's ggml build is patched (kernels/ggml.py: `build()` configures a pri
 exact-anchor text edits (no `patch` binary): an anchor not found exactly once fails the build with a message naming
 it. `KEY` (a hash of the edits) is part of the build's directory, so a changed patch builds anew.
 
+A prefill (T > 1 tokens) runs the same patched loops where it takes them: the vec_dot path's 16-token blocks (the
+first token of each prefetches) and a repacked expert's gemv per routed token. Not patched: llamafile's sgemm (dense
+Q8_0, Q4_0, ... at T > 1) and repack.cpp's gemm (a repacked dense matrix at T >= 4): splitting that gemm into 16-row
+groups each prefetched ahead was measured and lost (0.76-0.91 at T = 4 and 16; the split alone 0.97-1.01: the
+product is compute-bound there; docs/gguf.md, "A prefill's products"), so it is not an edit.
+
 A prefetch past a matrix's end (its last rows, or a thread's chunk) reads nothing it is not allowed to: a prefetch
 never faults (x86 PREFETCHh, ARM PRFM), so the loops need no bound. Distances measured (docs/gguf.md, "Software
 prefetch"): 1-16 KB all won on a busy Xeon, 4 KB best or near it; `kernels/ggml.py: PREFETCH_DEFAULT`.

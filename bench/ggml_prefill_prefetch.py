@@ -1,0 +1,112 @@
+"""A GGUF file's prefill (one forward of T tokens through the torch-free engine's one ggml graph) with moectl's
+software-prefetch patch on and off (issue 42: kernels/ggml_patch.py), both sides in this one process: the distance is
+one global (`ggml.set_prefetch`), read by the products as they run.
+
+Legend: T = tokens of the prefill.
+
+Per file: the engine loaded, a warm-up forward of T tokens and the first-use repack finished (untimed, as
+bench/moectl_timed.py does), then `--rounds` rounds, each timing one forward of the same T tokens at every distance
+of `--distances` (0: off, stock ggml) in turn, so a busy machine's slow spell falls on all of them alike. Reported:
+the median tokens/s per distance, its ratio to off (> 1: prefetch faster) and the load average. The figures are only
+as quiet as the machine.
+
+    PYTHONPATH=. python bench/ggml_prefill_prefetch.py ~/.cache/moectl/gguf_vs_llamacpp/qwen3-moe-2/model-Q4_0.gguf
+    PYTHONPATH=. python bench/ggml_prefill_prefetch.py FILE.gguf --tokens 64 --threads 1 --rounds 8 --json
+
+A file needs one earlier `moectl generate` run (it saves the config and tokenizer the torch-free engine reads):
+made here where missing (bench/moectl_timed.py `first_run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import moectl_timed                     # bench/: the first `moectl generate` run a GGUF file's engine needs
+
+
+def case(path: Path, tokens: int, threads: int, distances: list[int], rounds: int) -> dict:
+    from moectl.kernels import ggml
+    from moectl.runtime.graph_engine import GraphEngine
+    from moectl.setting.options import RuntimeOptions
+
+    opts = RuntimeOptions(device="cpu", threads=threads, progress=False, gating="none")
+    eng, why = GraphEngine.try_load(str(path), opts)
+    if eng is None and why and why.startswith("no "):              # no config / tokenizer saved yet: save them
+        moectl_timed.first_run(str(path))
+        eng, why = GraphEngine.try_load(str(path), opts)
+    if eng is None:
+        return {"file": path.name, "threads": threads, "skipped": why}
+    rng = np.random.default_rng(0)
+    V = eng.graph.V
+    ids = rng.integers(0, min(V, 1024), tokens)                      # [T]
+    eng.forward(rng.integers(0, min(V, 1024), tokens), None, last_only=True)   # warm-up: pages, handle
+    ggml.finish_repack()
+    tps: dict[int, list[float]] = {d: [] for d in distances}
+    for _ in range(rounds):
+        for d in distances:
+            ggml.set_prefetch(d)
+            t0 = time.perf_counter()
+            eng.forward(ids, None, last_only=True)
+            tps[d].append(tokens / (time.perf_counter() - t0))
+    ggml.set_prefetch(ggml.prefetch_bytes())
+    med = {d: statistics.median(v) for d, v in tps.items()}
+    return {"file": path.name, "threads": threads, "tokens": tokens,
+            "tps": {str(d): round(med[d], 1) for d in distances},
+            "vs_off": {str(d): round(med[d] / med[0], 3) for d in distances},
+            "rounds": {str(d): [round(t, 1) for t in v] for d, v in tps.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path, help="GGUF files")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens T of the prefill (default 64)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--distances", type=int, nargs="+", default=[0, 4096],
+                    help="prefetch distances in bytes; 0 (off) is the baseline the ratios use")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    a = ap.parse_args(argv)
+    missing = [str(f) for f in a.files if not f.is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    if a.tokens < 1 or a.rounds < 1:
+        print("error: --tokens and --rounds must be >= 1", file=sys.stderr)
+        return 1
+    if 0 not in a.distances:
+        a.distances = [0, *a.distances]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from moectl.kernels import ggml
+    if not ggml.available():
+        print(f"error: ggml is not available: {ggml.why_not()}", file=sys.stderr)
+        return 1
+    out = {"load_before": os.getloadavg(), "cases": []}
+    for t in a.threads:
+        for f in a.files:
+            r = case(f, a.tokens, t, a.distances, a.rounds)
+            out["cases"].append(r)
+            if not a.json:
+                if "skipped" in r:
+                    print(f"{f.name:20} {t}t  skipped: {r['skipped']}")
+                else:
+                    cells = "  ".join(f"{d}:{r['tps'][str(d)]:6.1f} ({r['vs_off'][str(d)]:.3f})" for d in a.distances)
+                    print(f"{f.name:20} {t}t T={a.tokens}  tok/s {cells}", flush=True)
+    out["load_after"] = os.getloadavg()
+    if a.json:
+        print(json.dumps(out))
+    else:
+        print(f"load average {out['load_before'][0]:.2f} -> {out['load_after'][0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
