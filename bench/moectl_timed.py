@@ -53,6 +53,7 @@ def kernels_used():
     g = ggml_loaded()
     k = kernels.library.cache_info().currsize > 0 and kernels.library() is not None
     return {{"ggml": g, "ggml_features": ggml.features() if g else [], "ggml_prefetch": ggml.prefetch_bytes(),
+            "own_q6k": ggml.own_q6k_kernel() if g else None,
             "ggml_why_not": None if g else (ggml._why[-1] if ggml._why else "not called by this run"),
             "moectl_avx512": k,
             "moectl_avx512_why_not": None if k else (kernels._why[-1] if kernels._why else "not called by this run"),
@@ -133,6 +134,7 @@ t_dec = time.perf_counter() - t0
 res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
            rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, note=eng.plan_note,
            kernels={{"ggml": True, "ggml_features": ggml.features(), "ggml_prefetch": ggml.prefetch_bytes(),
+                    "own_q6k": ggml.own_q6k_kernel(),
                     "ggml_why_not": None, "moectl_avx512": False,
                     "moectl_avx512_why_not": "the torch-free engine: the one ggml graph computes everything",
                     "torch_threads": None, "torch_free": True, "torch_imported": "torch" in sys.modules}})
