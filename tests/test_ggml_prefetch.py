@@ -118,3 +118,24 @@ def test_prefetch_changes_no_product(enc, threads, monkeypatch):
         assert torch.equal(on, off), (enc.name, len(ids))
     if enc in REPACKED:
         assert ggml.repack_stats()["repacked"] > 0                      # the repacked path is what ran
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("enc", REPACKED, ids=lambda t: t.name)
+def test_the_experts_row_tiles_change_no_product(enc, threads, monkeypatch):
+    """The repacked experts' product with prefetch on runs row tiles of ~256 KB outer and the routed tokens inner
+    (ggml_patch.py `_EXPERT_TILES`): experts of 2048 rows give a thread several tiles and a last partial one; each
+    expert gets ~16-48 of 64 tokens (a prefill's) or one (a decode's). Bit-equal with prefetch off (stock ggml)."""
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "all")
+    A, rows = 4, 2048 + 8 * 3                                            # not a whole number of tiles
+    raw, _ = weights(enc, A * rows, K)                                  # [A * rows, row bytes]
+    if not ggml.repacks(enc, (rows, K)):
+        pytest.skip(f"this CPU's ggml does not repack {enc.name}")
+    ggml.register_stable(raw)
+    x = torch.randn(64, K, generator=torch.Generator().manual_seed(2))  # [T, K]
+    ids64 = torch.stack([torch.randperm(A, generator=torch.Generator().manual_seed(t))[:2] for t in range(64)])
+    ids1 = torch.tensor([[1, 3]], dtype=torch.int32)
+    for ids in (ids64.to(torch.int32), ids1):
+        on, off = _on_off(lambda: ggml.mul_mat_id(enc, raw, (A, rows, K), x[:len(ids)], ids, threads))
+        assert torch.equal(on, off), (enc.name, len(ids))
+    assert ggml.repack_stats()["repacked"] > 0

@@ -4,7 +4,9 @@ Why (issue 42's decode gap): a one-token product streams its weight matrix from 
 (`ggml_compute_forward_mul_mat_one_chunk`'s vec_dot rows, `..._mul_mat_id_one_chunk`'s expert rows, repack.cpp's gemv
 over 8-row groups) issue no software prefetch: on an Intel Xeon the hardware prefetchers stop at each 4 KB page, so
 each page starts cold and one core reads ~7 GB/s where a kernel prefetching 4 KB ahead reads 11-13 (docs/gguf.md).
-The patch prefetches the bytes `ggml_moectl_prefetch_bytes` ahead of the rows about to be read; the distance is a
+The patch prefetches the bytes `ggml_moectl_prefetch_bytes` ahead of the rows about to be read, and (same switch)
+runs the repacked experts' product in row tiles with the routed tokens inside (`_EXPERT_TILES`: a prefill no longer
+streams an expert once per token); the distance is a
 global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's default) is stock
 behaviour. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on and off).
 
@@ -72,6 +74,42 @@ _GEMV_SPLIT = """\
 """
 
 
+# repack.cpp's forward_mul_mat_id: stock ggml runs one gemv per routed token over the thread's whole row range of the
+# expert, so a prefill that routes n tokens to an expert streams its rows n times (Mixtral's 64-token prefill: ~16
+# tokens an expert, a thread's share of a 14336 x 4096 Q4_0 expert 16 MB, far past L2). Here the rows go in tiles of
+# ~256 KB (whole NB_COLS groups), each tile's groups prefetched ahead as the first token reaches them, and every routed
+# token's gemv runs on the tile while it is cached. gemv computes each NB_COLS group on its own, so every output is
+# the same gemv on the same bytes as stock: no result changes (tests/test_ggml_prefetch.py).
+_EXPERT_TILES = """\
+            if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: row tiles outer, routed tokens inner
+                int64_t tile = (int64_t) ((256 * 1024) / nb01) / NB_COLS * NB_COLS;
+                if (tile < NB_COLS) {
+                    tile = NB_COLS;
+                }
+                for (int64_t t0 = src0_cur_start; t0 < src0_cur_end; t0 += tile) {
+                    const int64_t t1 = t0 + tile < src0_cur_end ? t0 + tile : src0_cur_end;
+                    for (int ir1 = 0; ir1 < nr1; ir1++) {
+                        struct mmid_row_mapping row_mapping = MMID_MATRIX_ROW(cur_a, ir1);
+                        const int id = row_mapping.i1;
+                        const int64_t i11 = id % ne11;
+                        const int64_t i12 = row_mapping.i2;
+                        const auto * src1_col = (const char *) wdata + (i11 * nbw1 + i12 * nbw2);
+                        float * s_row = (float *) ((char *) dst->data + (id * nb1 + i12 * nb2));
+                        for (int64_t c = t0; c < t1; c += NB_COLS) {
+                            if (ir1 == 0) {
+                                ggml_moectl_prefetch(src0_cur + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);
+                            }
+                            gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, s_row + c, ne01, src0_cur + c * nb01,
+                                                                             src1_col, 1,
+                                                                             (int) (t1 - c < NB_COLS ? t1 - c : NB_COLS));
+                        }
+                    }
+                }
+                continue;
+            }
+"""
+
+
 def _gemv_split(nc: str, x: str, s: str, y: str, indent: int = 0) -> str:
     """`_GEMV_SPLIT` for one gemv call: `nc` columns, weights at `x`, output at `s`, activations at `y`, indented
     `indent` more spaces; the original call after it is skipped (`continue`) when the patch's path ran."""
@@ -101,11 +139,8 @@ EDITS: list[tuple[str, str, str, str]] = [
      "        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {\n",
      "", _gemv_split(nc="ncols", x="(src0_ptr + src0_start * nb01)",
                      s="(float *) (dst_ptr + (iter * nb1)) + src0_start", y="src1_ptr + (src1_col_stride * iter)")),
-    # the repacked experts (forward_mul_mat_id's gemv per routed token)
-    ("repack.cpp",
-     "                const auto * src1_col = (const char *) wdata + (i11 * nbw1 + i12 * nbw2);\n",
-     "", _gemv_split(nc="(src0_cur_end - src0_cur_start)", x="(src0_cur + src0_cur_start * nb01)",
-                     s="(float *) ((char *) dst->data + (i1 * nb1 + i2 * nb2)) + src0_cur_start", y="src1_col", indent=4)),
+    # the repacked experts (forward_mul_mat_id): row tiles outer, routed tokens inner (below)
+    ("repack.cpp", "            for (int ir1 = 0; ir1 < nr1; ir1++) {\n", _EXPERT_TILES, ""),
 ]
 
 
