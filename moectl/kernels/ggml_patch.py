@@ -110,11 +110,10 @@ _EXPERT_TILES = """\
 """
 
 
-def _gemv_split(nc: str, x: str, s: str, y: str, indent: int = 0) -> str:
-    """`_GEMV_SPLIT` for one gemv call: `nc` columns, weights at `x`, output at `s`, activations at `y`, indented
-    `indent` more spaces; the original call after it is skipped (`continue`) when the patch's path ran."""
-    text = _GEMV_SPLIT.replace("@NC@", nc).replace("@X@", x).replace("@S@", s).replace("@Y@", y)
-    return "".join(" " * indent + line for line in text.splitlines(keepends=True))
+def _gemv_split(nc: str, x: str, s: str, y: str) -> str:
+    """`_GEMV_SPLIT` for one gemv call: `nc` columns, weights at `x`, output at `s`, activations at `y`; the original
+    call after it is skipped (`continue`) when the patch's path ran."""
+    return _GEMV_SPLIT.replace("@NC@", nc).replace("@X@", x).replace("@S@", s).replace("@Y@", y)
 
 
 # (file under ggml/src/ggml-cpu/, anchor that must occur exactly once, text put before it, text put after it)
