@@ -139,10 +139,11 @@ def _lowbit_linear(kind: str, name: str, lin: nn.Linear, ggml_first: bool = Fals
     attention, head = ".self_attn." in f".{name}", name.split(".")[-1] == "lm_head"
     if not (attention or head):
         return None
-    if not (ggml_first and ggml.library() is not None) and kernels.library() is not None and lin.in_features % 64 == 0:
-        return VnniDenseLinear(lin, 8 if kind == "q8" else 4 if attention else 6)
     encoding = ggml_encoding(kind, head, lin.in_features)
-    if encoding is not None and ggml.library() is not None:
+    by_ggml = encoding is not None and ggml.library() is not None
+    if not (ggml_first and by_ggml) and kernels.library() is not None and lin.in_features % 64 == 0:
+        return VnniDenseLinear(lin, 8 if kind == "q8" else 4 if attention else 6)
+    if by_ggml:
         return GgmlDenseLinear(lin, encoding, name)
     return Int8DenseLinear(lin) if lin.in_features % 16 == 0 else None
 
