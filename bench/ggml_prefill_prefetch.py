@@ -1,17 +1,22 @@
 """A GGUF file's prefill (one forward of T tokens through the torch-free engine's one ggml graph) with moectl's
-software-prefetch patch on and off (issue 42: kernels/ggml_patch.py), both sides in this one process: the distance is
-one global (`ggml.set_prefetch`), read by the products as they run.
+software-prefetch patch on and off (issue 42: kernels/ggml_patch.py), or (`--ab gemm`) with the experts' row tiles
+running each expert's routed rows 4 at a time by gemm and by gemv only (`MOECTL_GGML_EXPERT_GEMM`), both sides in this
+one process: the distance and the gemm's switch are globals (`ggml.set_prefetch`, `ggml.set_expert_gemm`), read by the
+products as they run.
 
 Legend: T = tokens of the prefill.
 
 Per file: the engine loaded, a warm-up forward of T tokens and the first-use repack finished (untimed, as
 bench/moectl_timed.py does), then `--rounds` rounds, each timing one forward of the same T tokens at every distance
 of `--distances` (0: off, stock ggml) in turn, so a busy machine's slow spell falls on all of them alike. Reported:
-the median tokens/s per distance, its ratio to off (> 1: prefetch faster) and the load average. The figures are only
-as quiet as the machine.
+the median tokens/s per distance, its ratio to off (> 1: prefetch faster) and the load average. `--ab gemm`: the
+two sides are "gemv" (the row tiles, every routed row by gemv: stop 55's) and "gemm" (groups of 4 by gemm), both at
+the first non-zero distance of `--distances`; "vs_off" is gemm's ratio to gemv (> 1: gemm faster). The figures are
+only as quiet as the machine.
 
     PYTHONPATH=. python bench/ggml_prefill_prefetch.py ~/.cache/moectl/gguf_vs_llamacpp/qwen3-moe-2/model-Q4_0.gguf
     PYTHONPATH=. python bench/ggml_prefill_prefetch.py FILE.gguf --tokens 64 --threads 1 --rounds 8 --json
+    PYTHONPATH=. python bench/ggml_prefill_prefetch.py FILE.gguf --ab gemm --tokens 64 --threads 1 2
 
 A file needs one earlier `moectl generate` run (it saves the config and tokenizer the torch-free engine reads):
 made here where missing (bench/moectl_timed.py `first_run`).
@@ -32,7 +37,24 @@ import numpy as np
 import moectl_timed                     # bench/: the first `moectl generate` run a GGUF file's engine needs
 
 
-def case(path: Path, tokens: int, threads: int, distances: list[int], rounds: int) -> dict:
+def modes(ab: str, distances: list[int]) -> dict:
+    """{side's name: what sets it}, the baseline first: a distance each (`--ab prefetch`), or the experts' gemm off
+    and on at the first non-zero distance (`--ab gemm`)."""
+    from moectl.kernels import ggml
+
+    if ab == "prefetch":
+        return {str(d): (lambda d=d: ggml.set_prefetch(d)) for d in distances}
+    d = next(d for d in distances if d > 0)
+
+    def side(on: bool):
+        def set_it():
+            ggml.set_prefetch(d)
+            ggml.set_expert_gemm(on)
+        return set_it
+    return {"gemv": side(False), "gemm": side(True)}
+
+
+def case(path: Path, tokens: int, threads: int, sides: dict, rounds: int) -> dict:
     from moectl.kernels import ggml
     from moectl.runtime.graph_engine import GraphEngine
     from moectl.setting.options import RuntimeOptions
@@ -49,19 +71,21 @@ def case(path: Path, tokens: int, threads: int, distances: list[int], rounds: in
     ids = rng.integers(0, min(V, 1024), tokens)                      # [T]
     eng.forward(rng.integers(0, min(V, 1024), tokens), None, last_only=True)   # warm-up: pages, handle
     ggml.finish_repack()
-    tps: dict[int, list[float]] = {d: [] for d in distances}
+    tps: dict[str, list[float]] = {m: [] for m in sides}
     for _ in range(rounds):
-        for d in distances:
-            ggml.set_prefetch(d)
+        for m, set_side in sides.items():
+            set_side()
             t0 = time.perf_counter()
             eng.forward(ids, None, last_only=True)
-            tps[d].append(tokens / (time.perf_counter() - t0))
+            tps[m].append(tokens / (time.perf_counter() - t0))
     ggml.set_prefetch(ggml.prefetch_bytes())
-    med = {d: statistics.median(v) for d, v in tps.items()}
+    ggml.set_expert_gemm(ggml.expert_gemm())
+    med = {m: statistics.median(v) for m, v in tps.items()}
+    base = med[next(iter(sides))]
     return {"file": path.name, "threads": threads, "tokens": tokens,
-            "tps": {str(d): round(med[d], 1) for d in distances},
-            "vs_off": {str(d): round(med[d] / med[0], 3) for d in distances},
-            "rounds": {str(d): [round(t, 1) for t in v] for d, v in tps.items()}}
+            "tps": {m: round(med[m], 1) for m in sides},
+            "vs_off": {m: round(med[m] / base, 3) for m in sides},
+            "rounds": {m: [round(t, 1) for t in v] for m, v in tps.items()}}
 
 
 def main(argv=None) -> int:
@@ -72,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--distances", type=int, nargs="+", default=[0, 4096],
                     help="prefetch distances in bytes; 0 (off) is the baseline the ratios use")
+    ap.add_argument("--ab", choices=["prefetch", "gemm"], default="prefetch",
+                    help="what to compare: prefetch distances (default), or the experts' routed rows by gemm "
+                         "against by gemv only (MOECTL_GGML_EXPERT_GEMM), at the first non-zero distance")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
@@ -82,7 +109,10 @@ def main(argv=None) -> int:
     if a.tokens < 1 or a.rounds < 1:
         print("error: --tokens and --rounds must be >= 1", file=sys.stderr)
         return 1
-    if 0 not in a.distances:
+    if a.ab == "gemm" and not any(d > 0 for d in a.distances):
+        print("error: --ab gemm runs the experts' row tiles: give a non-zero distance in --distances", file=sys.stderr)
+        return 1
+    if a.ab == "prefetch" and 0 not in a.distances:
         a.distances = [0, *a.distances]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from moectl.kernels import ggml
@@ -92,13 +122,14 @@ def main(argv=None) -> int:
     out = {"load_before": os.getloadavg(), "cases": []}
     for t in a.threads:
         for f in a.files:
-            r = case(f, a.tokens, t, a.distances, a.rounds)
+            sides = modes(a.ab, a.distances)
+            r = case(f, a.tokens, t, sides, a.rounds)
             out["cases"].append(r)
             if not a.json:
                 if "skipped" in r:
                     print(f"{f.name:20} {t}t  skipped: {r['skipped']}")
                 else:
-                    cells = "  ".join(f"{d}:{r['tps'][str(d)]:6.1f} ({r['vs_off'][str(d)]:.3f})" for d in a.distances)
+                    cells = "  ".join(f"{m}:{r['tps'][m]:6.1f} ({r['vs_off'][m]:.3f})" for m in sides)
                     print(f"{f.name:20} {t}t T={a.tokens}  tok/s {cells}", flush=True)
     out["load_after"] = os.getloadavg()
     if a.json:

@@ -3,7 +3,8 @@ llama.cpp source (every anchor found once), a missing anchor fails clearly, the 
 text, `MOECTL_GGML_PREFETCH` is read as a handle is made, and prefetch changes no arithmetic: every product with it
 on is bit-equal to the same product with it off (stock ggml), for the vec_dot path (Q8_0, Q5_K, Q6_K, IQ4_XS, BF16),
 the repacked one (Q4_0, Q4_K, IQ4_NL, MXFP4: the patched gemv at T < 4, stock gemm at T >= 4) and the experts'
-(mul_mat_id: a repacked expert's gemv per routed token), at T = 1 to 64 and 1 and 2 threads.
+(mul_mat_id: a repacked expert's gemv per routed token, the row tiles' gemm of 4 rows switched off; that gemm sums
+in gemm's order and is checked in tests/test_ggml_expert_gemm.py), at T = 1 to 64 and 1 and 2 threads.
 
 Legend: T = tokens, K = input width, N = output rows, A = stacked experts, U = experts used per token.
 """
@@ -85,12 +86,15 @@ def test_the_knob_is_read_as_a_handle_is_made(monkeypatch):
 
 
 def _on_off(fn):
-    """(fn() with prefetch on, fn() with it off)."""
+    """(fn() with prefetch on, fn() with it off). The experts' row tiles run every routed row by gemv here (the
+    gemm of 4 rows, on by default, sums in gemm's order: tests/test_ggml_expert_gemm.py)."""
     try:
         ggml.set_prefetch(DISTANCE)
+        ggml.set_expert_gemm(False)
         on = fn()
     finally:
         ggml.set_prefetch(0)
+        ggml.set_expert_gemm(ggml.expert_gemm())
     return on, fn()
 
 
@@ -125,7 +129,8 @@ def test_prefetch_changes_no_product(enc, threads, monkeypatch):
 def test_the_experts_row_tiles_change_no_product(enc, threads, monkeypatch):
     """The repacked experts' product with prefetch on runs row tiles of ~256 KB outer and the routed tokens inner
     (ggml_patch.py `_EXPERT_TILES`): experts of 2048 rows give a thread several tiles and a last partial one; each
-    expert gets ~16-48 of 64 tokens (a prefill's) or one (a decode's). Bit-equal with prefetch off (stock ggml)."""
+    expert gets ~16-48 of 64 tokens (a prefill's) or one (a decode's). With the tiles' gemm off (every routed row by
+    gemv), bit-equal with prefetch off (stock ggml)."""
     monkeypatch.setenv("MOECTL_GGML_REPACK", "all")
     A, rows = 4, 2048 + 8 * 3                                            # not a whole number of tiles
     raw, _ = weights(enc, A * rows, K)                                  # [A * rows, row bytes]

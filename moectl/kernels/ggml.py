@@ -23,7 +23,8 @@ torch is imported by the functions that take or make its tensors, not by the mod
 `register_stable`; the build needs cmake and a compiler only), so its load does not pay torch's import.
 
 moectl's ggml carries one patch (kernels/ggml_patch.py): software prefetch in the one-token products, the distance
-`MOECTL_GGML_PREFETCH` (`prefetch_bytes`, `set_prefetch`). It is built from a patched copy of the vendored ggml/
+`MOECTL_GGML_PREFETCH` (`prefetch_bytes`, `set_prefetch`), and with it the repacked experts' row tiles, their routed
+rows 4 at a time by gemm unless `MOECTL_GGML_EXPERT_GEMM=0` (`expert_gemm`, `set_expert_gemm`). It is built from a patched copy of the vendored ggml/
 (`overlay`), so llama.cpp's own tools (bench/llamacpp.py) stay stock.
 """
 
@@ -243,6 +244,7 @@ def _load() -> ctypes.CDLL | None:
     lib.mg_features.restype = i32
     # moectl's ggml patch (kernels/ggml_patch.py), in libggml-cpu: found through the shim's handle (its dependency)
     lib.ggml_moectl_set_prefetch_bytes.argtypes, lib.ggml_moectl_set_prefetch_bytes.restype = [i32], None
+    lib.ggml_moectl_set_expert_gemm.argtypes, lib.ggml_moectl_set_expert_gemm.restype = [i32], None
     lib.mg_vec_dot_type.argtypes, lib.mg_vec_dot_type.restype = [i32], i32
     lib.mg_repacks.argtypes, lib.mg_repacks.restype = [i32, i64, i64], i32
     lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64, i32], None
@@ -272,10 +274,11 @@ def describe() -> dict:
     """What ggml this process would run, without building anything (`inspect`): {"isa": the MOECTL_GGML_ISA setting,
     "built": whether its build is here, "features" and "built_for": read from the loaded library (`features()`,
     `built_for()`; None where it is not built or switched off), "why_not": None, or why not, "prefetch_bytes": the
-    patch's prefetch distance a handle gets (`prefetch_bytes()`, 0: off)}."""
+    patch's prefetch distance a handle gets (`prefetch_bytes()`, 0: off), "expert_gemm": whether its experts' row
+    tiles run gemm (`expert_gemm()`)}."""
     setting = isas.current()
     out = {"isa": setting, "built": built(), "features": None, "built_for": None, "why_not": None,
-           "prefetch_bytes": prefetch_bytes()}
+           "prefetch_bytes": prefetch_bytes(), "expert_gemm": expert_gemm()}
     if os.environ.get("MOECTL_GGML", "1") == "0":
         out["why_not"] = "MOECTL_GGML=0"
     elif not (out["built"] or _load.cache_info().currsize):
@@ -373,6 +376,25 @@ def set_prefetch(nbytes: int) -> None:
     require().ggml_moectl_set_prefetch_bytes(int(nbytes))
 
 
+EXPERT_GEMM_ENV = "MOECTL_GGML_EXPERT_GEMM"
+
+
+def expert_gemm() -> bool:
+    """Whether the repacked experts' row tiles (on with the prefetch, kernels/ggml_patch.py) run each expert's routed
+    rows 4 at a time by gemm (the rest by gemv): `MOECTL_GGML_EXPERT_GEMM` unset or 1, yes; 0, every row by gemv (the
+    A/B). A MoectlError for another value."""
+    raw = os.environ.get(EXPERT_GEMM_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise MoectlError(f"{EXPERT_GEMM_ENV}={raw!r}: give 1 (the experts' routed rows 4 at a time by gemm) or 0")
+    return raw != "0"
+
+
+def set_expert_gemm(on: bool) -> None:
+    """Switch the experts' gemm (`expert_gemm`) for every later product in this process: one global in moectl's
+    patched ggml, like `set_prefetch`'s distance, so an A/B alternates in one process."""
+    require().ggml_moectl_set_expert_gemm(int(bool(on)))
+
+
 def handle(n_threads: int | None = None) -> int:
     n = n_threads or threads()
     key = (n, own_q6k_setting())
@@ -380,6 +402,7 @@ def handle(n_threads: int | None = None) -> int:
     if h is None:
         poll = int(os.environ.get("MOECTL_GGML_POLL", "0"))     # 0: ggml's workers sleep between calls
         set_prefetch(prefetch_bytes())                          # MOECTL_GGML_PREFETCH, read as a handle is made
+        set_expert_gemm(expert_gemm())                          # MOECTL_GGML_EXPERT_GEMM, the same
         h = _handles.by_threads[key] = require().mg_new(n, poll)
     return h
 

@@ -40,6 +40,11 @@ int ggml_moectl_prefetch_bytes = 0;
 __attribute__((visibility("default"))) void ggml_moectl_set_prefetch_bytes(int bytes) {
     ggml_moectl_prefetch_bytes = bytes > 0 ? bytes : 0;
 }
+// the repacked experts' routed rows in groups of 4 by gemm inside the row tiles (repack.cpp; 0: gemv per row)
+int ggml_moectl_expert_gemm = 1;
+__attribute__((visibility("default"))) void ggml_moectl_set_expert_gemm(int on) {
+    ggml_moectl_expert_gemm = on != 0;
+}
 static inline void ggml_moectl_prefetch(const char * p, size_t n) {
     for (size_t o = 0; o < n; o += 64) {
         __builtin_prefetch(p + o, 0, 3);
@@ -55,10 +60,35 @@ _DEFS_CPP = """\
 
 // moectl patch (moectl/kernels/ggml_patch.py): see ggml-cpu.c's ggml_moectl_prefetch_bytes.
 extern "C" int ggml_moectl_prefetch_bytes;
+extern "C" int ggml_moectl_expert_gemm;
 static inline void ggml_moectl_prefetch(const char * p, size_t n) {
     for (size_t o = 0; o < n; o += 64) {
         __builtin_prefetch(p + o, 0, 3);
     }
+}
+
+// The experts' row tile: whole groups of `nb_cols` rows, ~256 KB of an expert's `nb01`-byte rows (at least one group).
+static inline int64_t ggml_moectl_expert_tile(size_t nb01, int64_t nb_cols) {
+    const int64_t tile = (int64_t) ((256 * 1024) / nb01) / nb_cols * nb_cols;
+    return tile < nb_cols ? nb_cols : tile;
+}
+
+// The experts' gemm workspace, after stock mul_mat_id's (src1 quantized, the row mapping: `stock` bytes), offsets
+// 64-byte padded: the groups' quantized rows (at most every routed row: `n_routed` rows of `nbw1` bytes), then one
+// float scratch a thread: a group's [4, ne10] activations gathered, later a tile's [4, tile] gemm output.
+static inline size_t ggml_moectl_gemm_groups_offset(size_t stock) {
+    return GGML_PAD(stock, 64);
+}
+static inline size_t ggml_moectl_gemm_scratch_offset(size_t stock, int64_t n_routed, size_t nbw1) {
+    return ggml_moectl_gemm_groups_offset(stock) + GGML_PAD((size_t) n_routed * nbw1, 64);
+}
+static inline size_t ggml_moectl_gemm_scratch_floats(int64_t ne10, int64_t tile) {
+    return GGML_PAD(4 * (size_t) (ne10 > tile ? ne10 : tile), 16);
+}
+static inline size_t ggml_moectl_gemm_size(size_t stock, int64_t n_routed, size_t nbw1, int64_t ne10, int64_t tile,
+                                           int n_threads) {
+    return ggml_moectl_gemm_scratch_offset(stock, n_routed, nbw1) +
+           (size_t) n_threads * ggml_moectl_gemm_scratch_floats(ne10, tile) * sizeof(float);
 }
 """
 
@@ -77,18 +107,47 @@ _GEMV_SPLIT = """\
 # repack.cpp's forward_mul_mat_id: stock ggml runs one gemv per routed token over the thread's whole row range of the
 # expert, so a prefill that routes n tokens to an expert streams its rows n times (Mixtral's 64-token prefill: ~16
 # tokens an expert, a thread's share of a 14336 x 4096 Q4_0 expert 16 MB, far past L2). Here the rows go in tiles of
-# ~256 KB (whole NB_COLS groups), each tile's groups prefetched ahead as the first token reaches them, and every routed
-# token's gemv runs on the tile while it is cached. gemv computes each NB_COLS group on its own, so every output is
-# the same gemv on the same bytes as stock: no result changes (tests/test_ggml_prefetch.py).
+# ~256 KB (whole NB_COLS groups) and every routed token runs on the tile while it is cached: the expert's routed rows
+# in groups of 4 by gemm (as the dense forward_mul_mat runs 4 activation rows, quantized once above:
+# `_EXPERT_GEMM_ROWS`) into the thread's [4, tile] scratch, scattered to their dst rows, the remaining nr1 % 4 rows by
+# gemv; the first pass over a tile prefetches its groups ahead. gemv computes each NB_COLS group on its own, so with
+# the gemm off (`ggml_moectl_expert_gemm` 0) or fewer than 4 rows an expert every output is the same gemv on the same
+# bytes as stock (tests/test_ggml_prefetch.py: bit-equal); gemm's rows are ggml's gemm (tests/test_ggml_expert_gemm.py:
+# within gemm's own difference from gemv). The first gemm over a tile runs in 2 * NB_COLS column steps, each
+# prefetched ahead: gemm's widest column step (x86's AVX-512 pairs two groups), so its sums are a whole call's.
 _EXPERT_TILES = """\
             if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: row tiles outer, routed tokens inner
-                int64_t tile = (int64_t) ((256 * 1024) / nb01) / NB_COLS * NB_COLS;
-                if (tile < NB_COLS) {
-                    tile = NB_COLS;
+                const int64_t tile = ggml_moectl_expert_tile(nb01, NB_COLS);
+                // gemm's groups: this expert's first 4 * groups routed rows, quantized above from group g0 on
+                int64_t g0 = 0;
+                for (int a = 0; a < cur_a; a++) {
+                    g0 += matrix_row_counts[a] / 4;
                 }
+                const int64_t groups = moectl_groups != nullptr ? nr1 / 4 : 0;
                 for (int64_t t0 = src0_cur_start; t0 < src0_cur_end; t0 += tile) {
                     const int64_t t1 = t0 + tile < src0_cur_end ? t0 + tile : src0_cur_end;
-                    for (int ir1 = 0; ir1 < nr1; ir1++) {
+                    const int64_t w = t1 - t0;                  // whole NB_COLS groups: gemm's nc % NB_COLS == 0
+                    for (int64_t g = 0; g < groups; g++) {
+                        const char * group_q = moectl_groups + (g0 + g) * 4 * nbw1;     // [4 rows interleaved]
+                        if (g == 0) {
+                            for (int64_t c = 0; c < w; c += 2 * NB_COLS) {
+                                const int64_t nc = w - c < 2 * NB_COLS ? w - c : 2 * NB_COLS;
+                                ggml_moectl_prefetch(src0_cur + (t0 + c) * nb01 + ggml_moectl_prefetch_bytes, nc * nb01);
+                                gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, moectl_scratch + c, w,
+                                                                                 src0_cur + (t0 + c) * nb01, group_q,
+                                                                                 4, (int) nc);
+                            }
+                        } else {
+                            gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, moectl_scratch, w,
+                                                                             src0_cur + t0 * nb01, group_q, 4, (int) w);
+                        }
+                        for (int r = 0; r < 4; r++) {           // scratch [4, w] -> the 4 rows' dst
+                            struct mmid_row_mapping row_mapping = MMID_MATRIX_ROW(cur_a, 4 * g + r);
+                            float * s_row = (float *) ((char *) dst->data + (row_mapping.i1 * nb1 + row_mapping.i2 * nb2));
+                            memcpy(s_row + t0, moectl_scratch + r * w, w * sizeof(float));
+                        }
+                    }
+                    for (int ir1 = (int) (4 * groups); ir1 < nr1; ir1++) {
                         struct mmid_row_mapping row_mapping = MMID_MATRIX_ROW(cur_a, ir1);
                         const int id = row_mapping.i1;
                         const int64_t i11 = id % ne11;
@@ -107,6 +166,56 @@ _EXPERT_TILES = """\
                 }
                 continue;
             }
+"""
+
+# forward_mul_mat_id, after its row mapping (every thread past the barrier): with the row tiles and the gemm on, each
+# expert's routed rows in groups of 4 (its first 4 * (count / 4), in the mapping's order), over all experts group g
+# thread g % nth's: the 4 rows' float activations gathered into the thread's scratch and quantized once, 4-interleaved
+# (`ggml_quantize_mat_t`, as forward_mul_mat quantizes its rows for gemm), into the workspace `work_size` grew
+# (`_EXPERT_GEMM_SIZE`); a barrier, then the tiles read them. A workspace planned without that room (the switch
+# flipped between plan and compute) leaves `moectl_groups` null: every row by gemv, as with the gemm off.
+_EXPERT_GEMM_ROWS = """\
+        // moectl patch (moectl/kernels/ggml_patch.py): the routed rows' groups of 4 for the experts' gemm
+        char *  moectl_groups  = nullptr;       // [groups][4 rows interleaved, nbw1 bytes each]; null: no gemm
+        float * moectl_scratch = nullptr;       // this thread's [4, ne10] gather, later its [4, tile] gemm output
+        if (ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm) {
+            const size_t  stock    = GGML_PAD(nbw3, sizeof(int64_t)) + n_as * (ne12 + 1) * sizeof(mmid_row_mapping);
+            const int64_t n_routed = ids->ne[0] * ids->ne[1];
+            const int64_t tile     = ggml_moectl_expert_tile(nb01, NB_COLS);
+            if (ggml_moectl_gemm_size(stock, n_routed, nbw1, ne10, tile, nth) <= params->wsize) {
+                moectl_groups  = wdata + ggml_moectl_gemm_groups_offset(stock);
+                moectl_scratch = (float *) (wdata + ggml_moectl_gemm_scratch_offset(stock, n_routed, nbw1)) +
+                                 ith * ggml_moectl_gemm_scratch_floats(ne10, tile);
+                int64_t g = 0;
+                for (int a = 0; a < n_as; a++) {
+                    for (int64_t k = 0; k < matrix_row_counts[a] / 4; k++, g++) {
+                        if (g % nth != ith) {
+                            continue;
+                        }
+                        for (int r = 0; r < 4; r++) {
+                            const struct mmid_row_mapping m = MMID_MATRIX_ROW(a, 4 * k + r);
+                            memcpy(moectl_scratch + r * ne10,
+                                   (const char *) src1->data + (m.i1 % ne11) * nb11 + m.i2 * nb12, ne10 * sizeof(float));
+                        }
+                        ggml_quantize_mat_t<INTER_SIZE, PARAM_TYPE>(moectl_scratch, moectl_groups + g * 4 * nbw1, 4, ne10);
+                    }
+                }
+                ggml_barrier(params->threadpool);
+            }
+        }
+
+"""
+
+# repack tensor_traits' work_size for MUL_MAT_ID: the room `_EXPERT_GEMM_ROWS` uses, where the gemm is on.
+_EXPERT_GEMM_SIZE = """\
+                    // moectl patch (moectl/kernels/ggml_patch.py): the experts' gemm groups and threads' scratch
+                    if (ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm) {
+                        const int64_t ne10 = op->src[1]->ne[0];
+                        size = ggml_moectl_gemm_size(size, op->src[2]->ne[0] * op->src[2]->ne[1],
+                                                     ggml_row_size(PARAM_TYPE, ne10), ne10,
+                                                     ggml_moectl_expert_tile(op->src[0]->nb[1], NB_COLS),
+                                                     moectl_n_threads);
+                    }
 """
 
 
@@ -140,6 +249,11 @@ EDITS: list[tuple[str, str, str, str]] = [
                      s="(float *) (dst_ptr + (iter * nb1)) + src0_start", y="src1_ptr + (src1_col_stride * iter)")),
     # the repacked experts (forward_mul_mat_id): row tiles outer, routed tokens inner (below)
     ("repack.cpp", "            for (int ir1 = 0; ir1 < nr1; ir1++) {\n", _EXPERT_TILES, ""),
+    # the experts' gemm: the groups quantized once (forward_mul_mat_id), their room (work_size, which names its
+    # thread count for it: a name put into the parameter list, ahead of the anchor's comment)
+    ("repack.cpp", "        // compute each matrix multiplication in sequence\n", _EXPERT_GEMM_ROWS, ""),
+    ("repack.cpp", "                    size += sizeof_mmid_row_mapping*ne02*(ne12 + 1);\n", "", _EXPERT_GEMM_SIZE),
+    ("repack.cpp", "/* n_threads */, const struct ggml_tensor * op, size_t & size) override {\n", "moectl_n_threads ", ""),
 ]
 
 
