@@ -6,9 +6,12 @@ over 8-row groups) issue no software prefetch: on an Intel Xeon the hardware pre
 each page starts cold and one core reads ~7 GB/s where a kernel prefetching 4 KB ahead reads 11-13 (docs/gguf.md).
 The patch prefetches the bytes `ggml_moectl_prefetch_bytes` ahead of the rows about to be read, and (same switch)
 runs the repacked experts' product in row tiles with the routed tokens inside (`_EXPERT_TILES`: a prefill no longer
-streams an expert once per token); the distance is a
+streams an expert once per token), an expert's routed rows 4 at a time by gemm there (`_EXPERT_GEMM_ROWS`; the global
+`ggml_moectl_expert_gemm`, kernels/ggml.py `MOECTL_GGML_EXPERT_GEMM`, 0: every row by gemv); the distance is a
 global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's default) is stock
-behaviour. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on and off).
+behaviour. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on and off, the
+experts' gemm off); the experts' gemm sums in gemm's order, as ggml's dense product does for 4 rows
+(tests/test_ggml_expert_gemm.py).
 
 Only moectl's ggml build is patched (kernels/ggml.py: `build()` configures a private copy of the vendored ggml/ tree,
 `overlay()`); llama.cpp's tools in the comparison (bench/llamacpp.py) build from the untouched source. The edits are
@@ -16,7 +19,8 @@ exact-anchor text edits (no `patch` binary): an anchor not found exactly once fa
 it. `KEY` (a hash of the edits) is part of the build's directory, so a changed patch builds anew.
 
 A prefill (T > 1 tokens) runs the same patched loops where it takes them: the vec_dot path's 16-token blocks (the
-first token of each prefetches) and a repacked expert's gemv per routed token. Not patched: llamafile's sgemm (dense
+first token of each prefetches) and a repacked expert's row tiles (gemm for groups of 4 routed rows, gemv for the
+rest). Not patched: llamafile's sgemm (dense
 Q8_0, Q4_0, ... at T > 1) and repack.cpp's gemm (a repacked dense matrix at T >= 4): splitting that gemm into 16-row
 groups each prefetched ahead was measured and lost (0.76-0.91 at T = 4 and 16; the split alone 0.97-1.01: the
 product is compute-bound there; docs/gguf.md, "A prefill's products"), so it is not an edit.
