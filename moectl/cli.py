@@ -287,9 +287,6 @@ def exit_now(code=0) -> None:
 
 def main() -> None:
     try:
-        from .kernels.isa import current
-
-        current()                            # a bad MOECTL_GGML_ISA: one error line, whatever the command
         rc = app(standalone_mode=False)      # typer.Exit(n) and Ctrl-C come back as a return code here
         if isinstance(rc, int) and rc != 0:
             sys.exit(rc)

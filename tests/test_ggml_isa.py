@@ -87,14 +87,36 @@ def test_avx2_mode_turns_moectls_avx512_kernels_off(monkeypatch):
         kernels.library.cache_clear()
 
 
-def test_a_bad_isa_is_one_error_line_naming_the_valid_ones(monkeypatch, capsys):
+def test_a_bad_isa_is_one_error_line_where_ggml_is_used_and_nothing_elsewhere(monkeypatch, capsys, tmp_path):
+    """A bad MOECTL_GGML_ISA is one `error:` line where ggml is built, loaded or asked about (a GGUF's inspect, the
+    bench), never at start-up: `moectl --help` and `inspect` of a safetensors checkpoint run, and moectl's own
+    AVX-512 kernels are off (never wider than asked) rather than an error."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_build import write_gguf
+    from test_ggml_graph import _checkpoint
+
+    ckpt = _checkpoint("mixtral", tmp_path)
+    gguf = write_gguf(ckpt, tmp_path / "Q.gguf", dense_encoding=T.Q8_0, expert_encoding=T.Q4_0)
     monkeypatch.setenv(isas.ENV, "avx512")
     with pytest.raises(MoectlError, match="'avx512'.*native, avx2"):
         isas.current()
     with pytest.raises(MoectlError, match="native, avx2"):
         ggml.library()
-    code, out, err = run_cli(["inspect", "--model", "mixtral"], capsys, monkeypatch)
+    code, out, err = run_cli(["--help"], capsys, monkeypatch)
+    assert code == 0 and "inspect" in out and "error" not in err, err
+    code, out, err = run_cli(["inspect", "--model", str(ckpt), "--json", "--device", "cpu", "--workdir",
+                              str(tmp_path / "wd")], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)["family"] == "mixtral" and "ggml" not in json.loads(out), err
+    code, out, err = run_cli(["inspect", "--model", str(gguf), "--device", "cpu", "--workdir", str(tmp_path / "wd2")],
+                             capsys, monkeypatch)
     assert_one_error(code, err, "MOECTL_GGML_ISA='avx512'", "native, avx2")
+    monkeypatch.delenv("MOECTL_CPU_KERNELS", raising=False)
+    kernels.library.cache_clear()
+    try:
+        assert kernels.library() is None
+        assert "MOECTL_GGML_ISA='avx512'" in kernels.why_not() and "AVX-512 kernels off" in kernels.why_not()
+    finally:
+        kernels.library.cache_clear()
     r = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--probe-only"], capture_output=True,
                        text=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
