@@ -34,6 +34,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..core.recipes import moectl_home
+from ..core.recipes import format_bytes, moectl_home
 from ..errors import MoectlError
 from . import ggml_patch
 from . import isa as isas
@@ -197,7 +198,58 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
         _run([cc, "-O2", *isas.shim_flags(isa), "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM,
               f"-L{lib}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
         os.replace(tmp, shim)
+        remove_stale(home, ggml_patch.KEY, shim, echo)      # under the lock: no build of this ISA is half-way
     return shim
+
+
+STALE_KEYED = re.compile(r"(BUILT|build|lib|src)-p[0-9a-f]+")    # a patch key's entries (`build`)
+LEGACY = ("BUILT", "build", "lib")                  # the unpatched layout before ggml_patch (lib/ held the shim)
+STALE_SHIM = re.compile(r"libmoectl_ggml-[0-9a-f]+\.(so|tmp)")  # an earlier shim source's (or a killed build's)
+
+
+def stale_builds(home: Path, key: str, shim: Path) -> list[Path]:
+    """What in `home` (one ISA's `ggml_home`) is moectl's own ggml build for a patch key other than `key` (the
+    current `ggml_patch.KEY`) or the legacy unpatched layout, and the shims of other shim sources beside `shim` (the
+    current one): entries named as `build()` names them, nothing else. `home` holds moectl's ggml alone (llama.cpp's
+    tools build into `bin*/`, `build*/` and `BUILT*` of the root above it, bench/llamacpp.py; the other ISA's build
+    is its own `home`); the current key's entries, `include/`, `lock` and `build.log` are kept, and a name this code
+    never made is left."""
+    out = [e for e in home.iterdir()
+           if e.name in LEGACY or (STALE_KEYED.fullmatch(e.name) and e.name.split("-p", 1)[1] != key)]
+    out += [e for e in shim.parent.iterdir() if STALE_SHIM.fullmatch(e.name) and e.name != shim.name]
+    return sorted(out)
+
+
+def _bytes_under(path: Path) -> int:
+    """The bytes of the files under `path` (a symlink counted as itself: `src-p<key>/` links into the source)."""
+    if path.is_symlink() or not path.is_dir():
+        return path.lstat().st_size if os.path.lexists(path) else 0
+    return sum(_bytes_under(p) for p in path.iterdir())
+
+
+def remove_stale(home: Path, key: str, shim: Path, echo) -> int:
+    """Remove `stale_builds(home, key, shim)` after a build of the current key (the caller holds the build's lock),
+    and say in one line what went and the bytes freed (returned). Why: each patch key and shim source was a new build
+    beside the old ones (hundreds of MB each, never reused once the source moved on). A process still running an
+    old build keeps it: on Linux a deleted library a process has mapped stays readable to it until it exits (the
+    directory entry goes, the file's pages stay), so only a later start of that old moectl would rebuild. What
+    cannot be removed (permissions) is left and not counted."""
+    stale = stale_builds(home, key, shim)
+    freed = 0
+    for entry in stale:
+        size = _bytes_under(entry)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)        # rmtree removes a symlink inside, never its target
+        else:
+            try:
+                entry.unlink()
+            except OSError:
+                pass
+        freed += size - (_bytes_under(entry) if os.path.lexists(entry) else 0)
+    if stale:
+        echo(f"removed ggml's earlier builds in {home} ({', '.join(e.name for e in stale)}): "
+             f"{format_bytes(freed)} freed")
+    return freed
 
 
 def library() -> ctypes.CDLL | None:
