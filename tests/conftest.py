@@ -18,6 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from moectl.kernels.ggml import llamacpp_home  # noqa: E402
 
 os.environ.setdefault("MOECTL_GGML_ROOT", str(llamacpp_home()))
+# and never prunes it: checkouts whose patch or shim differ share that build folder, and a build by one would remove
+# the others' (ggml.remove_stale; tests/test_ggml_build_cache.py turns it on for its fake cache)
+os.environ.setdefault("MOECTL_GGML_PRUNE", "0")
 
 import torch  # noqa: E402
 

@@ -52,6 +52,7 @@ def cache(tmp_path, monkeypatch) -> Path:
     _put(home / "notes.txt", 10)                                               # not a name the build makes
     _put(root / "ggml-avx2" / f"lib-p{OLD}" / "libggml-cpu.so", 3000)          # the other ISA's: its own build's
 
+    monkeypatch.setenv("MOECTL_GGML_PRUNE", "1")               # the suite's default keeps builds (conftest.py)
     monkeypatch.setattr(ggml, "_tools", lambda: ("cmake", "cc"))
     monkeypatch.setattr(ggml, "fetch_source", lambda root, log, echo: src)
 
@@ -111,3 +112,11 @@ def test_the_avx2_build_prunes_its_own_folder_only(cache):
     assert not (cache / "ggml-avx2" / f"lib-p{OLD}").exists()
     assert (cache / "ggml" / f"lib-p{OLD}").exists() and (cache / "ggml" / "lib").exists()    # native's: untouched
     assert (cache / "build-avx2" / "llama-bench").exists() and (cache / "bin-avx2" / "llama-bench").exists()
+
+
+def test_prune_0_keeps_every_build(cache, monkeypatch):
+    monkeypatch.setenv("MOECTL_GGML_PRUNE", "0")
+    before = _tree(cache)
+    said = []
+    ggml.build(cache, isa="native", echo=said.append)
+    assert before <= _tree(cache) and not [s for s in said if s.startswith("removed")]

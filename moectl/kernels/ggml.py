@@ -198,7 +198,8 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
         _run([cc, "-O2", *isas.shim_flags(isa), "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM,
               f"-L{lib}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
         os.replace(tmp, shim)
-        remove_stale(home, ggml_patch.KEY, shim, echo)      # under the lock: no build of this ISA is half-way
+        if os.environ.get("MOECTL_GGML_PRUNE", "1") != "0":      # under the lock: no build of this ISA is half-way
+            remove_stale(home, ggml_patch.KEY, shim, echo)
     return shim
 
 
@@ -233,7 +234,8 @@ def remove_stale(home: Path, key: str, shim: Path, echo) -> int:
     beside the old ones (hundreds of MB each, never reused once the source moved on). A process still running an
     old build keeps it: on Linux a deleted library a process has mapped stays readable to it until it exits (the
     directory entry goes, the file's pages stay), so only a later start of that old moectl would rebuild. What
-    cannot be removed (permissions) is left and not counted."""
+    cannot be removed (permissions) is left and not counted. `MOECTL_GGML_PRUNE=0` keeps everything (checkouts of
+    moectl with different patches sharing one folder would otherwise rebuild in turn; the test suite sets it)."""
     stale = stale_builds(home, key, shim)
     freed = 0
     for entry in stale:
