@@ -133,7 +133,7 @@ def ggml_home(root: Path | None = None, isa: str | None = None) -> Path:
 def lib_dir(root: Path | None = None, isa: str | None = None) -> Path:
     """ggml's libraries and the shim for this patch (kernels/ggml_patch.py `KEY`) in `ggml_home(root, isa)`: a
     changed patch builds into a new directory, never reusing (or overwriting under a running process) an old one."""
-    return ggml_home(root, isa) / f"lib-p{ggml_patch.KEY}"
+    return ggml_home(root, isa) / f"lib-{ggml_patch.build_key()}"
 
 
 def shim_path(root: Path | None = None, isa: str | None = None) -> Path:
@@ -165,7 +165,7 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
     root = root or llamacpp_home()
     home = ggml_home(root, isa)
     lib = lib_dir(root, isa)
-    key = f"p{ggml_patch.KEY}"                  # the patch's identity: its own source copy, build and libraries
+    key = ggml_patch.build_key()                # the patch's identity: its own source copy, build and libraries
     shim = shim_path(root, isa)
     if shim.exists():
         return shim

@@ -179,6 +179,12 @@ def key(edits: list[tuple[str, str, str, str]] | None = None) -> str:
 KEY = key()
 
 
+def build_key() -> str:
+    """The patch's name in its build's directories and marker (kernels/ggml.py: `lib-`, `src-`, `build-`, `BUILT-`
+    this): `p` and `KEY`, read at each call."""
+    return f"p{KEY}"
+
+
 def apply(ggml_dir: Path) -> None:
     """Apply `EDITS` in place to the ggml/ tree at `ggml_dir` (a private copy: see kernels/ggml.py `overlay()`).
     RuntimeError naming the file and anchor where an anchor is not found exactly once (a new llama.cpp version:
