@@ -136,6 +136,17 @@ def lib_dir(root: Path | None = None, isa: str | None = None) -> Path:
     return ggml_home(root, isa) / f"lib-{ggml_patch.build_key()}"
 
 
+def _built_marker(root: Path | None = None, isa: str | None = None) -> Path:
+    """The file `build` writes in `ggml_home(root, isa)` once ggml's libraries for this patch are made."""
+    return ggml_home(root, isa) / f"BUILT-{ggml_patch.build_key()}"
+
+
+def libraries_built(root: Path | None = None, isa: str | None = None) -> bool:
+    """Whether ggml's libraries for this patch and `isa` are made (minutes); the shim over them is one C file that
+    `build` compiles in seconds where it is missing (a changed shim source)."""
+    return _built_marker(root, isa).exists()
+
+
 def shim_path(root: Path | None = None, isa: str | None = None) -> Path:
     """The shim's library in `lib_dir(root, isa)`."""
     return lib_dir(root, isa) / f"libmoectl_ggml-{_shim_key()}.so"
@@ -176,7 +187,7 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
         if shim.exists():
             return shim
         log = home / "build.log"
-        if not (home / f"BUILT-{key}").exists():
+        if not libraries_built(root, isa):
             t0 = time.monotonic()
             stock = fetch_source(root, log, echo)
             echo(f"building ggml's CPU backend ({isa}; llama.cpp from llama-cpp-python {LLAMACPP_VERSION}, moectl's "
@@ -192,7 +203,7 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
             inc = home / "include"
             shutil.rmtree(inc, ignore_errors=True)
             shutil.copytree(stock / "ggml" / "include", inc)
-            (home / f"BUILT-{key}").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n{isa}\n{key}\n")
+            _built_marker(root, isa).write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n{isa}\n{key}\n")
         tmp = shim.with_suffix(".tmp")
         _run([cc, "-O2", *isas.shim_flags(isa), "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM,
               f"-L{lib}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
