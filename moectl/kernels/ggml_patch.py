@@ -48,9 +48,7 @@ static inline void ggml_moectl_prefetch(const char * p, size_t n) {
 
 """
 
-# repack.cpp: the same distance and range prefetch; gemv over [start, start + nc) columns in groups of NB_COLS rows
-# (one interleaved group each; gemv computes each group on its own, so splitting changes no result), each group's
-# bytes `distance` ahead prefetched before it.
+# repack.cpp: the same distance and range prefetch.
 _DEFS_CPP = """\
 
 // moectl patch (moectl/kernels/ggml_patch.py): see ggml-cpu.c's ggml_moectl_prefetch_bytes.
@@ -62,25 +60,59 @@ static inline void ggml_moectl_prefetch(const char * p, size_t n) {
 }
 """
 
-_GEMV_SPLIT = """\
+_GEMV = "gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>("
+_WIDTH = 120                    # the edits' lines wrap as ggml's do; an argument too long for any line stays whole
+
+
+def _call(pad: int, head: str, args: list[str]) -> str:
+    """`head` (a call's name and its open parenthesis) then `args`, `pad` spaces deep, closed with `);`: the arguments
+    fill each line greedily up to _WIDTH columns, every further line aligned under the first argument."""
+    words = [a + "," for a in args[:-1]] + [args[-1] + ");"]
+    line, lines = " " * pad + head + words[0], []
+    for word in words[1:]:
+        if len(line) + 1 + len(word) <= _WIDTH:
+            line += " " + word
+        else:
+            lines.append(line)
+            line = " " * (pad + len(head)) + word
+    return "\n".join([*lines, line]) + "\n"
+
+
+def _group_loop(pad: int, start: str, end: str, x: str, s: str, y: str, prefetch_if: str = "") -> str:
+    """The loop both row edits run (`pad` spaces deep): rows [start, end) of the weights at `x` in groups of NB_COLS
+    (one interleaved group each; gemv computes each group on its own, so splitting changes no result), each group's
+    bytes `distance` ahead prefetched before it (only where `prefetch_if` holds, if given), then its gemv into the
+    output at `s` for the activations at `y`."""
+    ind = " " * pad
+    prefetch = f"ggml_moectl_prefetch({x} + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);\n"
+    if prefetch_if:
+        prefetch = f"if ({prefetch_if}) {{\n{ind}        {prefetch}{ind}    }}\n"
+    return (f"{ind}for (int64_t c = {start}; c < {end}; c += NB_COLS) {{\n"
+            f"{ind}    {prefetch}"
+            + _call(pad + 4, _GEMV, ["ne00", f"{s} + c", "ne01", f"{x} + c * nb01", y, "1",
+                                     f"(int) ({end} - c < NB_COLS ? {end} - c : NB_COLS)"])
+            + f"{ind}}}\n")
+
+
+# repack.cpp's one-token gemv: over [start, start + nc) columns group by group (`_group_loop`). Made with its
+# placeholders and filled in by `_gemv_split`: the lines wrap around the placeholders, as the text always has.
+_GEMV_SPLIT = ("""\
             if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: group by group, prefetching ahead
-                for (int64_t c = 0; c < @NC@; c += NB_COLS) {
-                    ggml_moectl_prefetch(@X@ + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);
-                    gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, @S@ + c, ne01, @X@ + c * nb01, @Y@, 1,
-                                                                     (int) (@NC@ - c < NB_COLS ? @NC@ - c : NB_COLS));
-                }
+"""
+               + _group_loop(16, "0", "@NC@", "@X@", "@S@", "@Y@")
+               + """\
                 continue;
             }
-"""
+""")
 
 
 # repack.cpp's forward_mul_mat_id: stock ggml runs one gemv per routed token over the thread's whole row range of the
 # expert, so a prefill that routes n tokens to an expert streams its rows n times (Mixtral's 64-token prefill: ~16
 # tokens an expert, a thread's share of a 14336 x 4096 Q4_0 expert 16 MB, far past L2). Here the rows go in tiles of
 # ~256 KB (whole NB_COLS groups), each tile's groups prefetched ahead as the first token reaches them, and every routed
-# token's gemv runs on the tile while it is cached. gemv computes each NB_COLS group on its own, so every output is
-# the same gemv on the same bytes as stock: no result changes (tests/test_ggml_prefetch.py).
-_EXPERT_TILES = """\
+# token's gemv runs on the tile while it is cached (`_group_loop`). gemv computes each NB_COLS group on its own, so
+# every output is the same gemv on the same bytes as stock: no result changes (tests/test_ggml_prefetch.py).
+_EXPERT_TILES = ("""\
             if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: row tiles outer, routed tokens inner
                 int64_t tile = (int64_t) ((256 * 1024) / nb01) / NB_COLS * NB_COLS;
                 if (tile < NB_COLS) {
@@ -95,19 +127,14 @@ _EXPERT_TILES = """\
                         const int64_t i12 = row_mapping.i2;
                         const auto * src1_col = (const char *) wdata + (i11 * nbw1 + i12 * nbw2);
                         float * s_row = (float *) ((char *) dst->data + (id * nb1 + i12 * nb2));
-                        for (int64_t c = t0; c < t1; c += NB_COLS) {
-                            if (ir1 == 0) {
-                                ggml_moectl_prefetch(src0_cur + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);
-                            }
-                            gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, s_row + c, ne01, src0_cur + c * nb01,
-                                                                             src1_col, 1,
-                                                                             (int) (t1 - c < NB_COLS ? t1 - c : NB_COLS));
-                        }
+"""
+                 + _group_loop(24, "t0", "t1", "src0_cur", "s_row", "src1_col", prefetch_if="ir1 == 0")
+                 + """\
                     }
                 }
                 continue;
             }
-"""
+""")
 
 
 def _gemv_split(nc: str, x: str, s: str, y: str) -> str:
@@ -150,6 +177,12 @@ def key(edits: list[tuple[str, str, str, str]] | None = None) -> str:
 
 
 KEY = key()
+
+
+def build_key() -> str:
+    """The patch's name in its build's directories and marker (kernels/ggml.py: `lib-`, `src-`, `build-`, `BUILT-`
+    this): `p` and `KEY`, read at each call."""
+    return f"p{KEY}"
 
 
 def apply(ggml_dir: Path) -> None:
