@@ -17,8 +17,8 @@ the mapped file: moectl/kernels/ggml.py), same threads.
 2. Per file (read once first, untimed: both tools start with it in the page cache) and thread count, `--repeat`
    alternating rounds, both tools in fresh processes: decode ms/token
    (llama-bench `-p 0 -n GEN`; moectl: a prompt, then GEN drawn tokens fed one at a time, no logits read),
-   prefill tokens/s (`-p PREFILL -n 0`; moectl: one forward of PREFILL tokens after a warm-up forward, as
-   llama-bench warms up), peak RSS per process, and load to first token (moectl: `Engine.load` + one token;
+   prefill tokens/s (`-p PREFILL -n 0 -r PREFILL_REPS`, its mean; moectl: the mean of PREFILL_REPS forwards of
+   PREFILL tokens after a warm-up forward, as llama-bench warms up), peak RSS per process, and load to first token (moectl: `Engine.load` + one token;
    llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token). moectl's side is
    bench/moectl_timed.py, the same script bench/vs_llamacpp.py times moectl with.
 3. The memory roofline beside the decode (stop 54): a decode token reads each weight it uses once, so when decode is
@@ -161,6 +161,7 @@ def file_list(files: dict[str, Path], work: Path) -> str:
 
 
 TORCH_FREE = [True]     # --engine torch: the torch Engine even where `moectl generate` takes the torch-free one
+PREFILL_REPS = [3]      # --prefill-reps: timed prefills a run, both tools (llama-bench -r; moectl: the mean of as many)
 
 
 def moectl_run(gguf: Path, threads: int, gen: int, prompt: int, prefill: int) -> dict:
@@ -170,11 +171,12 @@ def moectl_run(gguf: Path, threads: int, gen: int, prompt: int, prefill: int) ->
     if TORCH_FREE[0]:
         try:
             return moectl_timed.moectl_run({"model": str(gguf)}, threads, prompt, gen, prefill, time_load=True,
-                                           torch_free=True)
+                                           torch_free=True, prefill_reps=PREFILL_REPS[0])
         except SystemExit as e:
             if "does not serve" not in str(e):
                 raise
-    return moectl_timed.moectl_run({"model": str(gguf)}, threads, prompt, gen, prefill, time_load=True)
+    return moectl_timed.moectl_run({"model": str(gguf)}, threads, prompt, gen, prefill, time_load=True,
+                                   prefill_reps=PREFILL_REPS[0])
 
 
 def llama_run(gguf: Path, threads: int, gen: int, prefill: int, depth: int = 0) -> dict:
@@ -186,7 +188,7 @@ def llama_run(gguf: Path, threads: int, gen: int, prefill: int, depth: int = 0) 
     one = llamacpp.bench(gguf, threads, prompt=0, gen=1, reps=1)
     load_s = time.perf_counter() - t0 - 1 / one["tokens_per_s"]
     dec_rows, dec_rss = llamacpp.bench_rows(gguf, ["-t", threads, "-p", 0, "-n", gen, "-d", depth, "-r", 1])
-    pre = llamacpp.bench(gguf, threads, prompt=prefill, gen=0, reps=1)
+    pre = llamacpp.bench(gguf, threads, prompt=prefill, gen=0, reps=PREFILL_REPS[0])
     d = dec_rows[0]
     return {"prefill_tps": pre["tokens_per_s"], "decode_ms": 1000 / d["avg_ts"], "load_s": load_s,
             "rss_gb": max(dec_rss, pre["rss_gb"], one["rss_gb"]),
@@ -361,7 +363,7 @@ def compare(shape: str, layers: int, work: Path, types: list[str], threads: list
             refuse_wider(isa, info, None, row["kernels"])
             rows.append(row)
     return {"shape": shape, "layers": layers, "rows": rows, "load": os.getloadavg(),
-            "llamacpp_version": llamacpp.VERSION, "host_isa": host_isa(), "isa": isa,
+            "llamacpp_version": llamacpp.VERSION, "host_isa": host_isa(), "isa": isa, "prefill_reps": PREFILL_REPS[0],
             "llamacpp_system_info": info,
             "read_probe_setup": {**PROBE, "why_not": None if any(r.get("read_gbps") for r in rows) else
                                  "ggml's shim did not load here: no probe"}}
@@ -491,6 +493,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32, help="decode tokens timed")
     ap.add_argument("--prompt", type=int, default=16, help="context before the decode")
     ap.add_argument("--prefill", type=int, default=64, help="prefill tokens timed")
+    ap.add_argument("--prefill-reps", type=int, default=3, help="timed prefills a run, on both sides (llama-bench's "
+                    "-r; moectl: the mean tokens/s of as many forwards): one alone moved 0.8-1.3x between runs")
     ap.add_argument("--work", type=Path, default=None, help="where the files go (default "
                     "$MOECTL_HOME/gguf_vs_llamacpp/<shape>-<layers>/)")
     ap.add_argument("--json", type=Path, help="write the results here too")
@@ -521,6 +525,9 @@ def main() -> None:
         print("\n".join(probe_lines(a.threads)))
         return
     TORCH_FREE[0] = a.engine == "auto"
+    if a.prefill_reps < 1:
+        sys.exit(f"error: --prefill-reps must be at least 1 (got {a.prefill_reps})")
+    PREFILL_REPS[0] = a.prefill_reps
     if a.gguf:
         from moectl.store.gguf.files import GgufFiles
 

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from moectl.errors import MoectlError
-from moectl.core.recipes import moectl_home
 from moectl.kernels import isa as isas
+from moectl.kernels.ggml import LLAMACPP_VERSION as VERSION, llamacpp_home
 
-VERSION = "0.3.36"      # llama-cpp-python's sdist; vendors llama.cpp (moectl/kernels/ggml.py builds ggml from the same)
+# VERSION: llama-cpp-python's sdist; vendors llama.cpp, the source moectl's ggml (moectl/kernels/ggml.py) builds from
 # llama-imatrix: the importance matrix llama-quantize needs for IQ2_XXS / IQ2_XS / IQ1_S (added later: an existing
 # build compiles only it, the other targets are up to date)
 TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-completion", "llama-tokenize", "llama-imatrix")
@@ -46,7 +46,9 @@ PACK_SKIP = ("models", "docs", "media", "tests", "benches", "examples", "pocs", 
 
 
 def home() -> Path:
-    return moectl_home() / "llamacpp" / VERSION
+    """Where llama.cpp's source and tools live: moectl's ggml's home (`$MOECTL_GGML_ROOT`, else
+    `$MOECTL_HOME/llamacpp/<version>/`), so the test suite's private MOECTL_HOME finds the user's build."""
+    return llamacpp_home()
 
 
 def source_dir(root: Path | None = None) -> Path:

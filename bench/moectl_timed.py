@@ -13,7 +13,10 @@ What it times, as llama-bench does on its side:
   few of them: the last layer of a forward keeps one row (a 1-layer GPT-OSS file routed 4 of its 32 experts in a
   64-token forward), so without it the timed decode repacked Mixtral's 100 MB experts as tokens reached them (stop
   53's first run: Q4_0 1.21 / 1.40x llama.cpp's; the 1-layer GPT-OSS file 1.9x);
-- prefill: one forward of `prefill` tokens, tokens/s;
+- prefill: `prefill_reps` forwards of `prefill` tokens (the same ids, each from an empty cache), the mean of their
+  tokens/s and each rep's (`prefill_samples`): llama-bench's `avg_ts` over its `-r` reps. One forward (0.1-0.5 s)
+  alone moved by 0.8-1.3x between two runs of one file (stop 55's table: Qwen3 Q5_K_M at 1 thread 1.34x
+  llama.cpp's, Q6_K 0.91x, neither file repacked and both tools on the same ggml loop);
 - decode: a `prompt`-token context, then `gen` drawn tokens fed one at a time, no logits read (llama-bench's
   generation test feeds `std::rand() % n_vocab` and reads none: an argmax of a bf16 [1, 151936] took 0.55 ms
   here, 4 % of a 2-layer Qwen3-shape token llama-bench does not pay for), ms/token;
@@ -83,14 +86,16 @@ with torch.inference_mode():
     ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
     eng.forward(warm, None, last_only=True)                              # warm-up, untimed
     res.update(first_use_repack())
-    t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
+    pre = []
+    for r in range({reps}):
+        t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); pre.append({prefill} / (time.perf_counter() - t0))
     out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
     feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
     t0 = time.perf_counter()
     for t in range({gen}):
         out, pkv = eng.forward(feed[t], pkv)
     t_dec = time.perf_counter() - t0
-res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
+res.update(prefill_tps=sum(pre) / len(pre), prefill_samples=pre, decode_ms=t_dec / {gen} * 1000,
            rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
            note=getattr(eng, "plan_note", None) or None,
            kernels=kernels_used())
@@ -124,14 +129,16 @@ ids = rng.integers(0, min(V, 1024), {prefill})
 eng.forward(warm, None, last_only=True)                                  # warm-up, untimed
 t1 = time.perf_counter()
 res["first_use_repack"] = {{"matrices": ggml.finish_repack(), "s": time.perf_counter() - t1}}
-t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); t_pre = time.perf_counter() - t0
+pre = []
+for r in range({reps}):
+    t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); pre.append({prefill} / (time.perf_counter() - t0))
 out, kv = eng.forward(ids[:{prompt}], None, last_only=True)
 feed = rng.integers(0, min(V, 1024), {gen})
 t0 = time.perf_counter()
 for t in range({gen}):
     out, kv = eng.forward(feed[t:t + 1], kv)
 t_dec = time.perf_counter() - t0
-res.update(prefill_tps={prefill} / t_pre, decode_ms=t_dec / {gen} * 1000,
+res.update(prefill_tps=sum(pre) / len(pre), prefill_samples=pre, decode_ms=t_dec / {gen} * 1000,
            rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, note=eng.plan_note,
            kernels={{"ggml": True, "ggml_features": ggml.features(), "ggml_prefetch": ggml.prefetch_bytes(),
                     "own_q6k": ggml.own_q6k_kernel(),
@@ -143,13 +150,16 @@ print("RESULT " + json.dumps(res))
 
 
 def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False,
-           torch_free: bool = False) -> str:
+           torch_free: bool = False, prefill_reps: int = 1) -> str:
     """The child's Python source. `load` gets `threads`, `device="cpu"`, `progress=False` and `gating="none"` unless
     it says otherwise."""
     if gen < 1 or not 1 <= prompt <= prefill:            # the decode's context is the prefill's first `prompt` ids
         raise ValueError(f"gen >= 1 and 1 <= prompt <= prefill (got prompt {prompt}, gen {gen}, prefill {prefill})")
+    if prefill_reps < 1:
+        raise ValueError(f"prefill_reps >= 1 (got {prefill_reps})")
     load = {"device": "cpu", "threads": threads, "progress": False, "gating": "none", **load}
-    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen)
+    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
+                                                                reps=prefill_reps)
 
 
 def first_run(model: str) -> None:
@@ -162,11 +172,11 @@ def first_run(model: str) -> None:
 
 
 def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False,
-               torch_free: bool = False) -> dict:
+               torch_free: bool = False, prefill_reps: int = 1) -> dict:
     """One fresh process: {"prefill_tps", "decode_ms", "rss_gb", "note", "kernels"} and, with `time_load`,
     "load_s". Exits with the child's output tail when it fails. `torch_free`: the torch-free engine (a GGUF the
     one graph serves; its first `moectl generate` run, untimed, saves what it reads)."""
-    code = script(load, threads, prompt, gen, prefill, time_load, torch_free)
+    code = script(load, threads, prompt, gen, prefill, time_load, torch_free, prefill_reps)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if torch_free and r.stdout.startswith("NOTREADY "):

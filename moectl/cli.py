@@ -43,53 +43,88 @@ err_console = Console(stderr=True)
 
 
 class PlainValues:
-    """typer's conversion of one option's value (typer 0.29's `RuntimeParam`, `_TyperParameter._runtime_param`),
-    for values that need no parsing, without pydantic.
+    """An option's value that needs no parsing, taken as it is before typer would convert it through pydantic.
 
     Why: typer >= 0.29 converts every option's value, even an unset option's None, through a pydantic TypeAdapter
     built on first use; the first one imports pydantic: ~0.1 s of CPU on the shared 2-core machine, of a torch-free
-    `moectl generate -n 1`'s ~0.9 s (docs/gguf.md, "stop 54"). The values here are the ones
-    whose conversion is the value itself: None (typer's own `coerce` returns it before converting), a str for a str
-    option, a bool for a bool option, an int or float default of its own type, and a command line's plain digits
-    for an int ("12") or a float ("0.5") option, each within the option's min / max. Any other value (a sign, an
-    exponent, a path, a list, a choice, out of range: its error message) is typer's own conversion, built then,
-    so what a command receives and every error it prints are typer's (tests/test_cli_start.py compares the two on
-    every option of every command)."""
+    `moectl generate -n 1`'s ~0.9 s (docs/gguf.md, "stop 54"). The values here are the ones whose conversion is the
+    value itself: None (unset, not required), a str for a str option, a bool for a bool option, an int or float
+    default of its own type, and a command line's plain digits for an int ("12") or a float ("0.5") option, each
+    within the option's min / max. Any other value (a sign, an exponent, a path, a list, out of range: its error
+    message), and every value of any other option, is typer's own conversion, so what a command receives and every
+    error it prints are typer's (tests/test_cli_start.py compares the two on every option of every command).
+
+    No typer internals (typer 0.29's private `_runtime_param` and `typer._coercion` before stop 56): installed as the parameter's `process_value` (click's
+    documented step that converts a parameter's value and runs its callback; typer's own is kept as `typers` and
+    takes every value not plain), and an option's kind read from what moectl declares, the command function's
+    annotation (str, bool, int, float, or Optional of one) and its `typer.Option(...)` (`parser`, `min`, `max`,
+    `clamp`: typer.Option's own keywords). A declaration read otherwise (Annotated, another type, a parser) or one
+    that cannot be read at all leaves the option to typer: slower by pydantic's import, never different."""
 
     PLAIN = (str, bool, int, float)
 
-    def __init__(self, param):
-        self.descriptor = param.type_descriptor
-        self._typers = None
+    def __init__(self, param, kind: type, low=None, high=None):
+        self.param, self.kind, self.low, self.high = param, kind, low, high
+        self.typers = param.process_value           # typer's conversion (the bound method ours replaces)
 
     @classmethod
-    def install(cls, params) -> None:
-        """Give each of `params` that typer would convert through pydantic this conversion (a param already
-        converted, or of a typer without `_runtime_param`, is left as it is)."""
+    def install(cls, command, params) -> None:
+        """Give each of `params` (of `command`) whose value can be plain this conversion, once."""
+        try:
+            declared = cls.declared(command)
+        except Exception:                           # a function this cannot read: every option left to typer
+            declared = {}
         for p in params:
-            if getattr(p, "_runtime_param", False) is None and hasattr(p, "type_descriptor"):
-                p._runtime_param = cls(p)
+            if isinstance(vars(p).get("process_value"), cls) or p.multiple or p.nargs != 1:
+                continue
+            kind, low, high = declared.get(p.name) or (
+                (bool, None, None) if getattr(p, "is_bool_flag", False) else (None, None, None))   # --help
+            if kind is not None:
+                p.process_value = cls(p, kind, low, high)
 
-    def coerce(self, value, param, ctx):
-        if not (param.multiple or param.nargs == -1):
-            if value is None:
-                return None
-            plain = self.plain(value, self.descriptor)
-            if plain is not None:
-                return plain
-        if self._typers is None:
-            from typer._coercion import build_runtime_param
+    @classmethod
+    def declared(cls, command) -> dict:
+        """{parameter name: (kind, min, max)} of `command`'s function's options whose declared kind is plain."""
+        import inspect
+        import typing
 
-            self._typers = build_runtime_param(self.descriptor)
-        return self._typers.coerce(value, param=param, ctx=ctx)
+        fn = getattr(command, "callback", None)
+        if fn is None:
+            return {}
+        hints = typing.get_type_hints(fn)           # as typer reads them: a signature set by a decorator keeps text
+        out = {}
+        for name, p in inspect.signature(fn).parameters.items():
+            kind, info = cls.plain_kind(hints.get(name, p.annotation)), p.default
+            if (kind is None or not isinstance(info, typer.models.ParameterInfo) or info.parser is not None
+                    or getattr(info, "clamp", False)):
+                continue
+            out[name] = (kind, info.min, info.max)
+        return out
 
-    @staticmethod
-    def plain(value, descriptor):
+    @classmethod
+    def plain_kind(cls, annotation) -> type | None:
+        """str, bool, int or float where `annotation` is one of them or Optional of one, else None."""
+        import types
+        import typing
+
+        if annotation in cls.PLAIN:
+            return annotation
+        args = typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+            kind = next(a for a in args if a is not type(None))
+            return kind if kind in cls.PLAIN else None
+        return None
+
+    def __call__(self, ctx, value):
+        p = self.param
+        plain = None if value is None else self.plain(value)
+        if (value is None and p.required) or (value is not None and plain is None):
+            return self.typers(ctx, value)          # typer's value, or its error (a required option's "Missing")
+        return plain if p.callback is None else p.callback(ctx, p, plain)
+
+    def plain(self, value):
         """`value` as the option receives it where no parsing is needed, else None (typer's conversion decides)."""
-        kind, info = descriptor.annotation, descriptor.parameter_info
-        if (kind not in PlainValues.PLAIN or info.parser is not None or info.clamp or descriptor.is_file
-                or descriptor.is_path or descriptor.is_choice):
-            return None
+        kind = self.kind
         if kind in (str, bool):
             return value if type(value) is kind else None
         if type(value) is str:                      # a command line's or an environment variable's text
@@ -101,7 +136,7 @@ class PlainValues:
             value = kind(value)
         if type(value) is not kind:
             return None
-        if (info.min is not None and value < info.min) or (info.max is not None and value > info.max):
+        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
             return None                             # typer's conversion: its out-of-range message
         return value
 
@@ -116,7 +151,7 @@ class _Command(typer.core.TyperCommand):
         from .commands._common import DEVICE_PANEL
 
         params = super().get_params(ctx)
-        PlainValues.install(params)
+        PlainValues.install(self, params)
         for p in params:
             if getattr(p, "is_bool_flag", False) and p.metavar is None:
                 p.metavar = ""
@@ -196,7 +231,7 @@ class _Commands(typer.core.TyperGroup):
 
     def get_params(self, ctx):
         params = super().get_params(ctx)
-        PlainValues.install(params)                 # its --help flag's unset value: no pydantic either
+        PlainValues.install(self, params)           # its --help flag's unset value: no pydantic either
         return params
 
     def list_commands(self, ctx) -> list[str]:
@@ -287,9 +322,6 @@ def exit_now(code=0) -> None:
 
 def main() -> None:
     try:
-        from .kernels.isa import current
-
-        current()                            # a bad MOECTL_GGML_ISA: one error line, whatever the command
         rc = app(standalone_mode=False)      # typer.Exit(n) and Ctrl-C come back as a return code here
         if isinstance(rc, int) and rc != 0:
             sys.exit(rc)

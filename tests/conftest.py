@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from moectl.kernels.ggml import llamacpp_home  # noqa: E402
 
 os.environ.setdefault("MOECTL_GGML_ROOT", str(llamacpp_home()))
+# and never prunes it: checkouts whose patch or shim differ share that build folder, and a build by one would remove
+# the others' (ggml.remove_stale; tests/test_ggml_build_cache.py turns it on for its fake cache)
+os.environ.setdefault("MOECTL_GGML_PRUNE", "0")
+# Everything else a test writes under MOECTL_HOME (a path model's workdir, corpus caches) goes to a private home,
+# removed at exit: tests make models named "ck", "Q", ... in temporary directories, and each run left `ck-<hex>`
+# workdirs in the user's home (core/model_workdir.py: a name another source claims gets a suffix). The suite thus
+# runs as CI's does, from an empty home, with the ggml and llama.cpp builds found through MOECTL_GGML_ROOT.
+_TEST_HOME = tempfile.mkdtemp(prefix="moectl-test-home-")
+os.environ["MOECTL_HOME"] = _TEST_HOME
+atexit.register(shutil.rmtree, _TEST_HOME, True)
 
 import torch  # noqa: E402
 

@@ -57,7 +57,8 @@ def test_the_timed_prefill_comes_after_a_warm_up_and_the_load_is_timed_only_when
     warm, timed, context = _FakeEngine.ids[1:4]
     assert warm != timed and context == timed[:4]
     assert _FakeEngine.loaded == ("m.gguf", {"device": "cpu", "threads": 2, "progress": False, "gating": "none"})
-    assert set(res) - {"first_use_repack"} == {"load_s", "prefill_tps", "decode_ms", "rss_gb", "note", "kernels"}
+    assert set(res) - {"first_use_repack"} == {"load_s", "prefill_tps", "prefill_samples", "decode_ms", "rss_gb",
+                                                "note", "kernels"}
     assert res["note"] == "plan: none" and res["kernels"]["torch_threads"] == torch.get_num_threads()
     assert {"ggml", "ggml_features", "ggml_why_not", "moectl_avx512", "moectl_avx512_why_not"} <= set(res["kernels"])
 
@@ -65,6 +66,19 @@ def test_the_timed_prefill_comes_after_a_warm_up_and_the_load_is_timed_only_when
                            gen=1, prefill=8)
     assert _FakeEngine.calls == [8, 8, 2, 1] and "load_s" not in res
     assert _FakeEngine.loaded[1]["lowbit"] == "q4g64"
+
+
+def test_prefill_reps_times_as_many_prefills_of_the_same_ids_and_reports_their_mean(monkeypatch, capsys):
+    # llama-bench -r 3 reports the mean of its reps' tokens/s: moectl's side times as many prefills (stop 56: one
+    # forward alone moved by 0.8-1.3x between runs)
+    res = _run_script_here(monkeypatch, capsys, load={"model": "m"}, threads=1, prompt=2, gen=1, prefill=8,
+                           prefill_reps=3)
+    assert _FakeEngine.calls == [8, 8, 8, 8, 2, 1]
+    assert _FakeEngine.ids[1] == _FakeEngine.ids[2] == _FakeEngine.ids[3] != _FakeEngine.ids[0]
+    assert len(res["prefill_samples"]) == 3
+    assert res["prefill_tps"] == pytest.approx(sum(res["prefill_samples"]) / 3)
+    with pytest.raises(ValueError, match="prefill_reps"):
+        moectl_timed.script({"model": "m"}, 1, 2, 1, prefill=8, prefill_reps=0)
 
 
 def test_a_decode_context_longer_than_the_prefill_is_refused():
@@ -80,14 +94,16 @@ def test_both_benches_time_moectl_with_the_shared_script(monkeypatch, tmp_path):
     gguf_vs_llamacpp.moectl_run(tmp_path / "f.gguf", 1, 32, 16, 64)
     assert seen == [({"model": "ckpt", "workdir": "wd", "lowbit": "q8g64", "precision": "lowbit-only",
                       "dense_lowbit": "q8"}, (2, 32, 64, 512), {}),
-                    ({"model": str(tmp_path / "f.gguf")}, (1, 16, 32, 64), {"time_load": True, "torch_free": True})]
+                    ({"model": str(tmp_path / "f.gguf")}, (1, 16, 32, 64),
+                     {"time_load": True, "torch_free": True, "prefill_reps": 3})]
 
 
 def test_the_shared_script_runs_the_tiny_model_in_a_fresh_process(tiny_small):
     """The real thing, small: the child loads the tiny model, warms up and reports every field with a value."""
     res = moectl_timed.moectl_run({"model": str(tiny_small), "workdir": str(tiny_small.parent)}, threads=1,
                                   prompt=4, gen=2, prefill=8, time_load=True)
-    assert set(res) - {"first_use_repack"} == {"load_s", "prefill_tps", "decode_ms", "rss_gb", "note", "kernels"}
+    assert set(res) - {"first_use_repack"} == {"load_s", "prefill_tps", "prefill_samples", "decode_ms", "rss_gb",
+                                                "note", "kernels"}
     assert res["load_s"] > 0 and res["prefill_tps"] > 0 and res["decode_ms"] > 0 and 0.05 < res["rss_gb"] < 64
     assert res["kernels"]["torch_threads"] == 1
 

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated, Optional
 
 import pytest
 import typer
@@ -84,40 +85,83 @@ SAMPLES = [None, "0", "1", "12", "007", "0.5", "2.25", "1.", ".5", "-1", "+1", "
            0, 1, 64, -3, 0.5, 0.8, 1.0, 2, 2.5]
 
 
-def converted(runtime, value, param, ctx):
+def converted(process_value, value, ctx):
     try:
-        v = runtime.coerce(value, param=param, ctx=ctx)
+        v = process_value(ctx, value)
         return "value", type(v), v
-    except Exception as e:                                  # typer's BadParameter: its message
+    except Exception as e:                                  # typer's BadParameter, MissingParameter: its message
         return "error", type(e), str(e)
 
 
 def test_plain_values_convert_as_typer_does():
-    """Every option of every command, every sample value and its own default: `PlainValues` gives typer's answer
-    (pydantic's TypeAdapter) exactly, and answers most of them itself (the test is not vacuous)."""
-    from typer._coercion import build_runtime_param
-
+    """Every option of every command that takes `PlainValues`, every sample value and its own default: it gives
+    typer's answer (its own process_value: pydantic's TypeAdapter) exactly, and answers most of them itself (the test
+    is not vacuous); every str / bool / int / float option takes it, a Path or list option is typer's."""
     group = typer.main.get_command(cli.app)
     ctx0 = group.context_class(group, info_name="moectl")
     answered = checked = 0
+    kinds = set()
     for name, cmd in leaves(group, ctx0).items():
         ctx = cmd.context_class(cmd, info_name=name, parent=ctx0)
         for param in cmd.get_params(ctx):
-            if not hasattr(param, "type_descriptor"):
+            ours = vars(param).get("process_value")
+            if not isinstance(ours, cli.PlainValues):
+                assert param.multiple or param.name == "help" or "Path" in str(cmd.callback.__annotations__.get(
+                    param.name)), (name, param.name)
                 continue
-            ours, typers = cli.PlainValues(param), build_runtime_param(param.type_descriptor)
+            kinds.add(ours.kind)
             for value in [*SAMPLES, param.default]:
-                if isinstance(value, str) and param.multiple:
-                    continue                                # typer: "Value must be an iterable." both ways
-                want = converted(typers, value, param, ctx)
-                got = converted(ours, value, param, ctx)
+                want = converted(ours.typers, value, ctx)
+                got = converted(ours, value, ctx)
                 if want[0] == "value" and isinstance(want[2], float) and want[2] != want[2]:
                     assert got[0] == "value" and got[2] != got[2], (name, param.name, value)      # nan
                 else:
                     assert got == want, (name, param.name, value, got, want)
                 checked += 1
-                answered += ours._typers is None and (value is not None)
+                answered += value is None or ours.plain(value) is not None
+    assert kinds == {str, bool, int, float}
     assert checked > 5000 and answered > 1000, (checked, answered)
+
+
+def _declared_variously(a: Annotated[int, typer.Option()] = 1, b: int = typer.Option(2, parser=int),
+                        c: Path = typer.Option("."), d: Optional[int] = typer.Option(None, min=0),
+                        e: str = typer.Option("x")):
+    print(a, b, c, d, e)
+
+
+def test_a_declaration_plain_values_cannot_read_is_left_to_typer():
+    """The guard against a typer upgrade or an unusual declaration: an Annotated or parsed option, a Path: typer's
+    conversion; a function whose annotations cannot be read: every option typer's, no error; a bool flag without a
+    declaration (--help) takes PlainValues either way."""
+    import typer.testing
+
+    one = typer.Typer(add_completion=False)
+    one.command(cls=cli._Command)(_declared_variously)
+    cmd = typer.main.get_command(one)
+    assert set(cli.PlainValues.declared(cmd)) == {"d", "e"}
+    taken = {p.name for p in cmd.get_params(cmd.context_class(cmd, info_name="x"))
+             if isinstance(vars(p).get("process_value"), cli.PlainValues)}
+    assert taken == {"d", "e", "help"}
+    r = typer.testing.CliRunner().invoke(one, ["--a", "3", "--b", "4", "--d", "5"])
+    assert r.exit_code == 0 and r.stdout.split() == ["3", "4", ".", "5", "x"], r.output
+    r = typer.testing.CliRunner().invoke(one, ["--d", "-1"])
+    assert r.exit_code == 2 and "greater than or equal to 0" in r.output   # typer's own range message
+
+    def unreadable(x: "NoSuchName" = typer.Option(1)):                    # noqa: F821
+        pass
+
+    class Unreadable:
+        callback = unreadable
+
+    with pytest.raises(NameError):
+        cli.PlainValues.declared(Unreadable())
+    typers_own = typer.Typer(add_completion=False)
+    typers_own.command()(_declared_variously)                            # typer's command class: nothing installed
+    raw = typer.main.get_command(typers_own)
+    params = raw.get_params(raw.context_class(raw, info_name="x"))
+    assert not [p for p in params if isinstance(vars(p).get("process_value"), cli.PlainValues)]
+    cli.PlainValues.install(Unreadable(), params)                         # no error: typer's, the flag aside
+    assert [p.name for p in params if isinstance(vars(p).get("process_value"), cli.PlainValues)] == ["help"]
 
 
 def test_the_help_flag_and_unset_options_need_no_pydantic():

@@ -1,8 +1,10 @@
 """Both tools restricted to AVX2 on an AVX-512 host (issue 42's AVX2 table): `MOECTL_GGML_ISA` (moectl/kernels/isa.py)
 picks the cmake flags and the build directory of moectl's ggml and of llama.cpp's tools, turns moectl's AVX-512
 kernels off, and is one `error:` line when it is not an ISA moectl builds for; bench/gguf_vs_llamacpp.py's `--isa`
-sets it for both sides, records it and refuses a comparison where either side reports AVX-512. Nothing is built
-here: the last tests run only where both ggml builds are already made (as the other ggml tests skip)."""
+sets it for both sides, records it and refuses a comparison where either side reports AVX-512. No ggml library is
+built here: the last tests run only where both builds' libraries are already made (as the other ggml tests skip;
+a child compiles the shim over them, seconds, where its source changed). `builds_or_skip` and `in_child` serve the
+other test files that need a child on another build (tests/test_ggml_q6k.py)."""
 
 from __future__ import annotations
 
@@ -87,14 +89,36 @@ def test_avx2_mode_turns_moectls_avx512_kernels_off(monkeypatch):
         kernels.library.cache_clear()
 
 
-def test_a_bad_isa_is_one_error_line_naming_the_valid_ones(monkeypatch, capsys):
+def test_a_bad_isa_is_one_error_line_where_ggml_is_used_and_nothing_elsewhere(monkeypatch, capsys, tmp_path):
+    """A bad MOECTL_GGML_ISA is one `error:` line where ggml is built, loaded or asked about (a GGUF's inspect, the
+    bench), never at start-up: `moectl --help` and `inspect` of a safetensors checkpoint run, and moectl's own
+    AVX-512 kernels are off (never wider than asked) rather than an error."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_build import write_gguf
+    from test_ggml_graph import _checkpoint
+
+    ckpt = _checkpoint("mixtral", tmp_path)
+    gguf = write_gguf(ckpt, tmp_path / "Q.gguf", dense_encoding=T.Q8_0, expert_encoding=T.Q4_0)
     monkeypatch.setenv(isas.ENV, "avx512")
     with pytest.raises(MoectlError, match="'avx512'.*native, avx2"):
         isas.current()
     with pytest.raises(MoectlError, match="native, avx2"):
         ggml.library()
-    code, out, err = run_cli(["inspect", "--model", "mixtral"], capsys, monkeypatch)
+    code, out, err = run_cli(["--help"], capsys, monkeypatch)
+    assert code == 0 and "inspect" in out and "error" not in err, err
+    code, out, err = run_cli(["inspect", "--model", str(ckpt), "--json", "--device", "cpu", "--workdir",
+                              str(tmp_path / "wd")], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)["family"] == "mixtral" and "ggml" not in json.loads(out), err
+    code, out, err = run_cli(["inspect", "--model", str(gguf), "--device", "cpu", "--workdir", str(tmp_path / "wd2")],
+                             capsys, monkeypatch)
     assert_one_error(code, err, "MOECTL_GGML_ISA='avx512'", "native, avx2")
+    monkeypatch.delenv("MOECTL_CPU_KERNELS", raising=False)
+    kernels.library.cache_clear()
+    try:
+        assert kernels.library() is None
+        assert "MOECTL_GGML_ISA='avx512'" in kernels.why_not() and "AVX-512 kernels off" in kernels.why_not()
+    finally:
+        kernels.library.cache_clear()
     r = subprocess.run([sys.executable, "bench/gguf_vs_llamacpp.py", "--probe-only"], capture_output=True,
                        text=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
@@ -170,28 +194,32 @@ def test_the_avx2_target_runs_the_restricted_table():
     assert runs and all("--isa avx2" in r and "--types Q4_K_M Q8_0" in r for r in runs)
 
 
-# --- with both ggml builds made here (never built by a test: minutes each) -----------------------------------------
+# --- with both ggml builds made here (their libraries never built by a test: minutes each) -------------------------
 
-def _both_builds_or_skip():
-    missing = [name for name in isas.ISAS if not ggml.shim_path(isa=name).exists()]
+def builds_or_skip(*names: str) -> None:
+    """Skip unless ggml's libraries for each ISA in `names` (default: every one) are made here; a child's first load
+    compiles the shim over them where it is missing (one C file, seconds)."""
+    missing = [name for name in names or isas.ISAS if not ggml.libraries_built(isa=name)]
     if missing:
         pytest.skip(f"ggml's {' and '.join(missing)} build is not made here (the bench or a run makes it)")
 
 
-def _in_process(code: str, isa: str) -> str:
+def in_child(code: str, isa: str, env: dict[str, str] | None = None) -> str:
+    """The stdout of `code` run by a fresh Python on ggml's `isa` build (one process holds one build), `env` added
+    to its environment."""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       env=os.environ | {"PYTHONPATH": str(ROOT), isas.ENV: isa, "MOECTL_GGML": "1"})
+                       env=os.environ | {"PYTHONPATH": str(ROOT), isas.ENV: isa, "MOECTL_GGML": "1"} | (env or {}))
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
 
 def test_the_avx2_build_reports_no_avx512_and_the_native_one_what_the_cpu_has():
-    _both_builds_or_skip()
+    builds_or_skip()
     code = "from moectl.kernels import ggml\nimport json\nprint(json.dumps(ggml.describe()))"
-    avx2 = json.loads(_in_process(code, "avx2"))
+    avx2 = json.loads(in_child(code, "avx2"))
     assert avx2["isa"] == "avx2" and avx2["built_for"] == "AVX2"
     assert "avx2" in avx2["features"] and not set(avx2["features"]) & set(gguf_vs_llamacpp.WIDER_FEATURES)
-    native = json.loads(_in_process(code, "native"))
+    native = json.loads(in_child(code, "native"))
     assert native["built_for"] == ("AVX-512" if gguf_vs_llamacpp.host_isa() == "AVX-512" else "AVX2")
 
 
@@ -199,7 +227,7 @@ def test_a_gguf_decodes_to_the_same_tokens_through_either_build(tmp_path, monkey
     """The suite's tiny GGUF (Q8_0 dense, Q4_0 experts), in a fresh process per build: the AVX2 kernels compute the
     same quantized dot products in another order, so the graph's logits are close to the native build's and
     `moectl generate --greedy` gives the same tokens."""
-    _both_builds_or_skip()
+    builds_or_skip()
     from gguf import GGMLQuantizationType as T
     from gguf_build import write_gguf
     from test_ggml_graph import _checkpoint, torch_free_forward

@@ -122,16 +122,33 @@ def test_decode_gives_ggmls_tokens(q6k_dense, setting, tmp_path, monkeypatch):
     assert np.isfinite(scale) and scale > 0
 
 
-@pytest.mark.parametrize("isa, setting, want", [("avx2", "1", "avx2"), ("", "0", "ggml"), ("", "avx2", "avx2")])
-def test_the_kernel_is_chosen_when_a_handle_is_made(isa, setting, want, monkeypatch):
-    """A build restricted to AVX2 (`MOECTL_GGML_ISA=avx2`) never runs the AVX-512 kernel; `MOECTL_GGML_OWN_Q6K=0`
-    none. Read when the shim's handle is made (a fresh one here, not `ggml.handle()`'s)."""
-    own_or_skip(monkeypatch, "avx2")
+@pytest.mark.parametrize("setting", ["0", "avx2", "1"])
+def test_the_kernel_is_chosen_when_a_handle_is_made(setting, monkeypatch):
+    """`MOECTL_GGML_OWN_Q6K=0`: no own kernel; avx2: the AVX2 one; 1: the best one for this CPU and the loaded build.
+    Read when the shim's handle is made (a fresh one here, not `ggml.handle()`'s). `MOECTL_GGML_ISA` is not read
+    there: the loaded library says what it was built for (set to avx2 under this process's native build, the
+    AVX-512 kernel is still picked where the CPU has it; the avx2 build's own choice: the test below)."""
+    want = {"0": "ggml", "avx2": "avx2", "1": own_or_skip(monkeypatch, "1")}[setting]
     lib = ggml.require()
-    monkeypatch.setenv("MOECTL_GGML_ISA", isa)
     monkeypatch.setenv("MOECTL_GGML_OWN_Q6K", setting)
+    monkeypatch.setenv("MOECTL_GGML_ISA", "avx2")             # after require(): the loaded build stays native
     h = lib.mg_new(1, 0)
     try:
         assert lib.mg_q6k_kernel(h).decode() == want
     finally:
         lib.mg_free(h)
+
+
+def test_the_avx2_build_never_picks_an_avx512_kernel(monkeypatch):
+    """A process on ggml's build restricted to AVX2 (`MOECTL_GGML_ISA=avx2`, a child: one process holds one build)
+    runs the AVX2 kernel at the default setting, even on an AVX-512 host: the loaded library's
+    ggml_cpu_has_avx512() decides, not the environment."""
+    from test_ggml_isa import builds_or_skip, in_child
+
+    own_or_skip(monkeypatch, "avx2")
+    builds_or_skip("avx2")
+    code = ("from moectl.kernels import ggml\n"
+            "kind = ggml.own_q6k_kernel(1)\n"
+            "assert not kind.startswith('avx512') and 'avx512' not in ggml.features(), (kind, ggml.features())\n"
+            "print(kind)")
+    assert in_child(code, "avx2", {"MOECTL_GGML_OWN_Q6K": "1"}).split() == ["avx2"]

@@ -121,6 +121,59 @@ def test_recipes_keep_their_names(home):
     assert resolve_model("tiny").workdir == home / "tiny" and not (home / "tiny").exists()
 
 
+def test_a_path_model_named_like_a_recipe_or_a_tools_folder_takes_its_own(home, tmp_path):
+    """`tiny.gguf` is not the tiny recipe, `llamacpp.gguf` not ggml's build folder: each takes `<name>-<8 hex>/`,
+    even where `<name>/` is missing or holds no record (recipes and tools keep none), and without case."""
+    (home / "tiny" / "traces").mkdir(parents=True)                     # the recipe's workdir, no record
+    for stem in ("tiny", "llamacpp", "kernels", "corpus", "Mixtral", "tiny-small"):
+        f = _file(tmp_path / stem / f"{stem}.gguf")
+        wd = resolve_model(str(f)).workdir
+        assert wd == home / f"{stem}-{source_suffix(str(f.resolve()))}", stem
+        assert resolve_model(str(f)).workdir == wd                       # stable
+    d = _dir(tmp_path / "x" / "olmoe")                                     # a checkpoint directory too
+    assert resolve_model(str(d)).workdir.name == f"olmoe-{source_suffix(str(d.resolve()))}"
+    assert not (home / "tiny" / FILE).exists() and not (home / "llamacpp").exists()     # nothing written there
+    assert resolve_model("tiny").workdir == home / "tiny"
+
+
+def test_a_recipes_workdir_a_path_model_used_before_is_left_as_it_is(home, tmp_path):
+    """Before the rule a `tiny.gguf` claimed `tiny/` (the recipe's): now it takes its own, and nothing in `tiny/`
+    is moved or deleted (the recipe's artifacts may lie beside it)."""
+    f = _file(tmp_path / "m" / "tiny.gguf")
+    legacy = home / "tiny"
+    legacy.mkdir(parents=True)
+    (legacy / FILE).write_text(json.dumps({"format": "moectl-model-source-v1", "source": str(f.resolve())}))
+    (legacy / "gguf-config.json").write_text("{}")
+    assert resolve_model(str(f)).workdir == home / f"tiny-{source_suffix(str(f.resolve()))}"
+    assert sorted(p.name for p in legacy.iterdir()) == sorted([FILE, "gguf-config.json"])
+
+
+def test_every_folder_the_tools_keep_in_moectl_home_is_reserved():
+    """The names moectl's and the benches' sources join to MOECTL_HOME (or its default ~/.cache/moectl) are recipes'
+    or in TOOL_ENTRIES; every recipe's workdir name is its file's stem (what the claim compares); build-tiny's sizes'
+    workdirs too (moectl/commands/build_tiny.py: small builds into tiny-small)."""
+    import re
+
+    import yaml
+
+    from moectl.core.model_workdir import TOOL_ENTRIES, reserved
+    from moectl.core.recipes import list_recipes, recipes_dir
+    from moectl.synth.tiny_recipe import SIZES
+
+    joined = re.compile(r'(?:moectl_home\(\)|"moectl"\)*(?:\.expanduser\(\))?|\.cache/moectl"\)*'
+                        r'(?:\.expanduser\(\))?)\s*/\s*"([^"]+)"|\.cache/moectl/([A-Za-z0-9_.-]+)')
+    found = {m.group(1) or m.group(2) for d in ("moectl", "bench") for f in (ROOT / d).rglob("*.py")
+             for m in joined.finditer(f.read_text())}
+    recipes = list_recipes()
+    assert {"llamacpp", "kernels", "corpus", "machine.json", "tiny"} <= found           # the scan finds them
+    assert not [n for n in found if not reserved(n, recipes)]
+    assert set(TOOL_ENTRIES) - set(recipes) == set(TOOL_ENTRIES)
+    for name in recipes:
+        assert (yaml.safe_load((recipes_dir() / f"{name}.yaml").read_text()) or {}).get("name", name) == name
+    for size in SIZES:
+        assert reserved({"small": "tiny-small"}.get(size, size), recipes), size
+
+
 def test_each_process_lands_in_the_same_workdir(home, tmp_path):
     """Across processes (each command is one): the claim is on disk, and resolving imports no torch."""
     a = _file(tmp_path / "a" / "model.gguf")

@@ -11,6 +11,15 @@ exists (a deleted or moved model; the test suite's temporary files), is adopted 
 `-<8 hex>` workdirs do not pile up. The record is written when the workdir is resolved, so every command on a file lands in the same workdir
 whichever of them ran first; a MOECTL_HOME that cannot be written is left as it is (the command that writes there
 says so, `core/paths.py: writable_dir`). An explicit `--workdir` is never renamed or recorded.
+
+A name is claimed by others' besides a recorded path: a recipe's (`recipes/<name>.yaml` works in `<name>/`, and keeps
+no record) and the folders moectl's tools keep beside the models (`TOOL_ENTRIES`). A path model of such a name
+(`tiny.gguf`, `llamacpp.gguf`) always takes `<name>-<8 hex>/`, compared without case (a case-insensitive file system
+makes `Tiny/` and `tiny/` one). A `<name>/` that such a model used before this rule (its record is in the recipe's
+workdir) is left as it is: nothing is moved or deleted, since the recipe's own artifacts may lie beside the path
+model's and no file says which is whose; the path model starts afresh in its `-<8 hex>/` (its first run remakes the
+saved config and tokenizer), and an artifact of it left in `<name>/` is refused by the recipe's commands as another
+model's (each artifact records its model's fingerprint).
 """
 
 from __future__ import annotations
@@ -22,6 +31,12 @@ from pathlib import Path
 
 FILE = "model-source.json"
 FORMAT = "moectl-model-source-v1"
+# what moectl's tools keep in MOECTL_HOME beside the models' workdirs: ggml's and llama.cpp's builds
+# (kernels/ggml.py, bench/llamacpp.py), moectl's CPU kernels (kernels/__init__.py), the built-in corpora
+# (calib/builtin_corpus.py), the machine's measured figures (runtime/machine.py), `build-tiny --size`'s workdirs that
+# are no recipe's, and the benches' work folders; tests/test_model_workdir.py finds every such name in the sources
+TOOL_ENTRIES = ("llamacpp", "kernels", "corpus", "machine.json", "tiny-small", "reference-small",
+                "gguf_vs_llamacpp", "vs_llamacpp", "bench-gpt-oss")
 
 
 def recorded_source(workdir: Path) -> str | None:
@@ -57,13 +72,19 @@ def source_suffix(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8", "surrogateescape")).hexdigest()[:8]
 
 
-def path_workdir(home: Path, name: str, path: Path) -> Path:
-    """The workdir of the model at `path` named `name`: `home/name`, unless that records another source (or is not
-    a directory), then `home/name-<suffix>`. Claims the one it returns (writes its record when it has none)."""
+def reserved(name: str, recipes=()) -> bool:
+    """Whether `name` is a recipe's (of `recipes`) or a tool's folder in MOECTL_HOME, without case."""
+    return name.casefold() in {n.casefold() for n in (*recipes, *TOOL_ENTRIES)}
+
+
+def path_workdir(home: Path, name: str, path: Path, recipes=()) -> Path:
+    """The workdir of the model at `path` named `name`: `home/name`, unless that records another source, is not a
+    directory, or is `reserved` (a recipe of `recipes`, a tool's folder), then `home/name-<suffix>`. Claims the one
+    it returns (writes its record when it has none)."""
     source = str(Path(path).resolve())
     wd = home / name
     recorded = live_source(wd)
-    if (wd.exists() and not wd.is_dir()) or recorded not in (None, source):
+    if reserved(name, recipes) or (wd.exists() and not wd.is_dir()) or recorded not in (None, source):
         wd = home / f"{name}-{source_suffix(source)}"
         recorded = live_source(wd)
     if recorded != source:

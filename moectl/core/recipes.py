@@ -4,7 +4,8 @@
 names the family, where the checkpoint lives (`path`, overridden by the `path_env` variable), a
 `shape:` block the simulator uses when no checkpoint is present, and defaults. Artifacts of a model
 live in `$MOECTL_HOME/<name>/` (MOECTL_HOME defaults to ~/.cache/moectl) unless `--workdir` says; a path model's
-is `<name>-<8 hex>/` where `<name>/` is another model's of the same name (`model_workdir.py`).
+is `<name>-<8 hex>/` where `<name>/` is another model's of the same name, a recipe's or a tool's folder
+(`model_workdir.py`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def resolve_model(spec: str, workdir: str | Path | None = None) -> ModelRef:
         if not p.exists():
             raise MoectlError(f"model path {p} does not exist")
         name = model_name(p)
-        wd = Path(workdir).expanduser() if workdir else path_workdir(moectl_home(), name, p)
+        wd = Path(workdir).expanduser() if workdir else path_workdir(moectl_home(), name, p, list_recipes())
         return ModelRef(name, p, None, wd, None)
     if not (recipes_dir() / f"{spec}.yaml").exists():
         raise MoectlError(f"--model {spec!r} is neither a checkpoint directory nor a recipe name (nor a .gguf file); "

@@ -13,7 +13,7 @@ and 3.6 ms over 512 at one thread, the hand-written loop ~0.03 and ~0.2 (`models
 Built with the system C++ compiler against torch's headers (threads: torch's own pool via at::parallel_for) into
 `$MOECTL_HOME/kernels/<key>/`, keyed by the source, the flags and torch's version; a build takes ~2 s. Where the
 kernels cannot run (no AVX-512 VNNI/BF16, no compiler, `MOECTL_CPU_KERNELS=0`, `MOECTL_GGML_ISA=avx2`: the process
-restricted to AVX2, kernels/isa.py), `library()` is None and callers keep torch's kernels; `why_not()` says which.
+restricted to AVX2, kernels/isa.py; a bad value of it too), `library()` is None and callers keep torch's kernels; `why_not()` says which.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ..core.recipes import moectl_home
+from ..errors import MoectlError
 from .isa import ENV, current
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -88,8 +89,13 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("MOECTL_CPU_KERNELS", "1") == "0":
         _why.append("MOECTL_CPU_KERNELS=0")
         return None
-    if current() != "native":              # "moectl in its non-AVX-512 mode": the whole process, not ggml alone
-        _why.append(f"{ENV}={current()}: no AVX-512 in this process")
+    try:
+        isa = current()
+    except MoectlError as e:               # a bad value: never wider than asked (the variable exists to restrict),
+        _why.append(f"{e}; moectl's AVX-512 kernels off")      # and no error here: ggml's users raise it (isa.py)
+        return None
+    if isa != "native":                    # "moectl in its non-AVX-512 mode": the whole process, not ggml alone
+        _why.append(f"{ENV}={isa}: no AVX-512 in this process")
         return None
     reason = _cpu_ok()
     cxx = _compiler()

@@ -24,8 +24,8 @@ torch is imported by the functions that take or make its tensors, not by the mod
 
 moectl's ggml carries one patch (kernels/ggml_patch.py): software prefetch in the one-token products, the distance
 `MOECTL_GGML_PREFETCH` (`prefetch_bytes`, `set_prefetch`), and with it the repacked experts' row tiles, their routed
-rows 4 at a time by gemm unless `MOECTL_GGML_EXPERT_GEMM=0` (`expert_gemm`, `set_expert_gemm`). It is built from a patched copy of the vendored ggml/
-(`overlay`), so llama.cpp's own tools (bench/llamacpp.py) stay stock.
+rows 4 at a time by gemm unless `MOECTL_GGML_EXPERT_GEMM=0` (`expert_gemm`, `set_expert_gemm`). It is built from a
+patched copy of the vendored ggml/ (`overlay`), so llama.cpp's own tools (bench/llamacpp.py) stay stock.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..core.recipes import moectl_home
+from ..core.recipes import format_bytes, moectl_home
 from ..errors import MoectlError
 from . import ggml_patch
 from . import isa as isas
@@ -134,7 +135,18 @@ def ggml_home(root: Path | None = None, isa: str | None = None) -> Path:
 def lib_dir(root: Path | None = None, isa: str | None = None) -> Path:
     """ggml's libraries and the shim for this patch (kernels/ggml_patch.py `KEY`) in `ggml_home(root, isa)`: a
     changed patch builds into a new directory, never reusing (or overwriting under a running process) an old one."""
-    return ggml_home(root, isa) / f"lib-p{ggml_patch.KEY}"
+    return ggml_home(root, isa) / f"lib-{ggml_patch.build_key()}"
+
+
+def _built_marker(root: Path | None = None, isa: str | None = None) -> Path:
+    """The file `build` writes in `ggml_home(root, isa)` once ggml's libraries for this patch are made."""
+    return ggml_home(root, isa) / f"BUILT-{ggml_patch.build_key()}"
+
+
+def libraries_built(root: Path | None = None, isa: str | None = None) -> bool:
+    """Whether ggml's libraries for this patch and `isa` are made (minutes); the shim over them is one C file that
+    `build` compiles in seconds where it is missing (a changed shim source)."""
+    return _built_marker(root, isa).exists()
 
 
 def shim_path(root: Path | None = None, isa: str | None = None) -> Path:
@@ -166,7 +178,7 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
     root = root or llamacpp_home()
     home = ggml_home(root, isa)
     lib = lib_dir(root, isa)
-    key = f"p{ggml_patch.KEY}"                  # the patch's identity: its own source copy, build and libraries
+    key = ggml_patch.build_key()                # the patch's identity: its own source copy, build and libraries
     shim = shim_path(root, isa)
     if shim.exists():
         return shim
@@ -177,7 +189,7 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
         if shim.exists():
             return shim
         log = home / "build.log"
-        if not (home / f"BUILT-{key}").exists():
+        if not libraries_built(root, isa):
             t0 = time.monotonic()
             stock = fetch_source(root, log, echo)
             echo(f"building ggml's CPU backend ({isa}; llama.cpp from llama-cpp-python {LLAMACPP_VERSION}, moectl's "
@@ -193,12 +205,65 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
             inc = home / "include"
             shutil.rmtree(inc, ignore_errors=True)
             shutil.copytree(stock / "ggml" / "include", inc)
-            (home / f"BUILT-{key}").write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n{isa}\n{key}\n")
+            _built_marker(root, isa).write_text(f"{LLAMACPP_VERSION}\n{time.monotonic() - t0:.0f} s\n{isa}\n{key}\n")
         tmp = shim.with_suffix(".tmp")
         _run([cc, "-O2", *isas.shim_flags(isa), "-shared", "-fPIC", "-std=c11", f"-I{home / 'include'}", SHIM,
               f"-L{lib}", "-lggml-cpu", "-lggml-base", "-lm", f"-Wl,-rpath,{lib}", "-o", tmp], log)
         os.replace(tmp, shim)
+        if os.environ.get("MOECTL_GGML_PRUNE", "1") != "0":      # under the lock: no build of this ISA is half-way
+            remove_stale(home, key, shim, echo)
     return shim
+
+
+STALE_KEYED = re.compile(r"(BUILT|build|lib|src)-(p[0-9a-f]+)")  # a patch key's entries (`build`)
+LEGACY = ("BUILT", "build", "lib")                  # the unpatched layout before ggml_patch (lib/ held the shim)
+STALE_SHIM = re.compile(r"libmoectl_ggml-[0-9a-f]+\.(so|tmp)")  # an earlier shim source's (or a killed build's)
+
+
+def stale_builds(home: Path, key: str, shim: Path) -> list[Path]:
+    """What in `home` (one ISA's `ggml_home`) is moectl's own ggml build for a patch key other than `key` (the
+    current `ggml_patch.build_key()`) or the legacy unpatched layout, and the shims of other shim sources beside
+    `shim` (the current one): entries named as `build()` names them, nothing else. `home` holds moectl's ggml alone
+    (llama.cpp's tools build into `bin*/`, `build*/` and `BUILT*` of the root above it, bench/llamacpp.py; the other
+    ISA's build is its own `home`); the current key's entries, `include/`, `lock` and `build.log` are kept, and a
+    name this code never made is left."""
+    out = [e for e in home.iterdir()
+           if e.name in LEGACY or ((m := STALE_KEYED.fullmatch(e.name)) and m.group(2) != key)]
+    out += [e for e in shim.parent.iterdir() if STALE_SHIM.fullmatch(e.name) and e.name != shim.name]
+    return sorted(out)
+
+
+def _bytes_under(path: Path) -> int:
+    """The bytes of the files under `path` (a symlink counted as itself: `src-p<key>/` links into the source)."""
+    if path.is_symlink() or not path.is_dir():
+        return path.lstat().st_size if os.path.lexists(path) else 0
+    return sum(_bytes_under(p) for p in path.iterdir())
+
+
+def remove_stale(home: Path, key: str, shim: Path, echo) -> int:
+    """Remove `stale_builds(home, key, shim)` after a build of the current key (the caller holds the build's lock),
+    and say in one line what went and the bytes freed (returned). Why: each patch key and shim source was a new build
+    beside the old ones (hundreds of MB each, never reused once the source moved on). A process still running an
+    old build keeps it: on Linux a deleted library a process has mapped stays readable to it until it exits (the
+    directory entry goes, the file's pages stay), so only a later start of that old moectl would rebuild. What
+    cannot be removed (permissions) is left and not counted. `MOECTL_GGML_PRUNE=0` keeps everything (checkouts of
+    moectl with different patches sharing one folder would otherwise rebuild in turn; the test suite sets it)."""
+    stale = stale_builds(home, key, shim)
+    freed = 0
+    for entry in stale:
+        size = _bytes_under(entry)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)        # rmtree removes a symlink inside, never its target
+        else:
+            try:
+                entry.unlink()
+            except OSError:
+                pass
+        freed += size - (_bytes_under(entry) if os.path.lexists(entry) else 0)
+    if stale:
+        echo(f"removed ggml's earlier builds in {home} ({', '.join(e.name for e in stale)}): "
+             f"{format_bytes(freed)} freed")
+    return freed
 
 
 def library() -> ctypes.CDLL | None:
@@ -252,6 +317,14 @@ def _load() -> ctypes.CDLL | None:
     lib.mg_repack_stats.argtypes, lib.mg_repack_stats.restype = [ptr], None
     lib.mg_repack_finish.argtypes, lib.mg_repack_finish.restype = [i64], i64
     lib.mg_repack_progress.argtypes, lib.mg_repack_progress.restype = [ptr], None
+    lib.mg_q6k_kernel.argtypes, lib.mg_q6k_kernel.restype = [ptr], ctypes.c_char_p
+    lib.mg_q6k_products.argtypes, lib.mg_q6k_products.restype = [], i64
+    lib.mg_moe_oai.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float, i64,
+                               i64, i64, ptr, ptr, ptr, i64, i64, ptr]
+    lib.mg_moe_oai.restype = None
+    lib.mg_moe_strided.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr]
+    lib.mg_moe_strided.restype = None
+    lib.mg_read_bandwidth.argtypes, lib.mg_read_bandwidth.restype = [i64, i32, i32, ptr], i32
     return lib
 
 
@@ -417,17 +490,12 @@ def own_q6k_setting() -> str:
 def own_q6k_kernel(n_threads: int | None = None) -> str:
     """The kernel the current handle's one-token Q6_K products run: "avx512vnni", "avx512bw", "avx2", or "ggml"
     (switched off, or no kernel for this CPU)."""
-    fn = require().mg_q6k_kernel
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_char_p
-    return fn(handle(n_threads)).decode()
+    return require().mg_q6k_kernel(handle(n_threads)).decode()
 
 
 def own_q6k_products() -> int:
     """Products the own Q6_K matvec has computed in this process, every handle's (tests: a graph ran it)."""
-    fn = require().mg_q6k_products
-    fn.restype = ctypes.c_int64
-    return int(fn())
+    return int(require().mg_q6k_products())
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -492,18 +560,16 @@ def moe(encodings: tuple[int, int, int], gate, up, down, A: int, H: int, I: int,
     y = torch.empty(T, H, dtype=torch.float32)
     tg, tu, td = map(int, encodings)
     if swiglu_oai is None and expert_stride:
-        _declared(require()).mg_moe_strided(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down),
-                                            expert_stride, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U,
-                                            T, y.data_ptr())
+        require().mg_moe_strided(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), expert_stride, A,
+                                 H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U, T, y.data_ptr())
     elif swiglu_oai is None:
         require().mg_moe(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), A, H, I, x.data_ptr(),
                          ids.data_ptr(), wts.data_ptr(), U, T, y.data_ptr())
     else:
         assert not expert_stride, "GPT-OSS's experts are a GGUF's stacked tensors"
         bg, bu, bd = map(_ptr, biases)
-        _declared(require()).mg_moe_oai(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), bg, bu,
-                                        bd, *swiglu_oai, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U, T,
-                                        y.data_ptr())
+        require().mg_moe_oai(handle(n_threads), tg, _ptr(gate), tu, _ptr(up), td, _ptr(down), bg, bu, bd,
+                             *swiglu_oai, A, H, I, x.data_ptr(), ids.data_ptr(), wts.data_ptr(), U, T, y.data_ptr())
     return y
 
 
@@ -711,19 +777,6 @@ def register_stable(a: np.ndarray) -> None:
 
 # --- a layer's routed experts over several tokens (prefill); GPT-OSS's experts ------------------------------
 
-def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` with the signatures of the calls below declared (once per loaded library)."""
-    if lib.mg_moe_oai.argtypes is None:
-        i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        lib.mg_moe_oai.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, f32, f32, i64, i64, i64, ptr,
-                                   ptr, ptr, i64, i64, ptr]
-        lib.mg_moe_oai.restype = None
-        lib.mg_moe_strided.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64,
-                                       ptr]
-        lib.mg_moe_strided.restype = None
-    return lib
-
-
 class GgmlBiasedLinear(GgmlLinear):
     """A `GgmlLinear` plus a bias per output row (GPT-OSS's experts: `bias` [N] fp32, gate's then up's for the two
     matrices); `bias_stacked`: [(address of expert 0's bias, experts)] per matrix where the biases are rows of the
@@ -801,12 +854,8 @@ def read_bandwidth(nbytes: int = READ_PROBE_BYTES, threads: int = 1, passes: int
     shim's `mg_read_bandwidth`; first touch untimed). A decode token reads each weight it uses once, so bytes read / this is the fastest a token can
     be on this machine. {"gbps": median, "min", "max", "passes": [GB/s of each], "bytes": read a pass, "threads"}.
     The median: a pass the machine's other work slowed is one figure of `passes`, not the figure."""
-    lib = require()
-    fn = lib.mg_read_bandwidth
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p], ctypes.c_int
     out = (ctypes.c_double * passes)()
-    rc = fn(int(nbytes), int(threads), int(passes), ctypes.addressof(out))
+    rc = require().mg_read_bandwidth(int(nbytes), int(threads), int(passes), ctypes.addressof(out))
     if rc:
         why = {-1: f"cannot allocate {nbytes / 1e9:.2f} GB", -2: f"cannot start {threads} threads",
                -3: f"needs threads >= 1, passes >= 1 and at least 4 KiB a thread (got {nbytes} bytes, "

@@ -57,9 +57,7 @@ static inline void ggml_moectl_prefetch(const char * p, size_t n) {
 
 """
 
-# repack.cpp: the same distance and range prefetch; gemv over [start, start + nc) columns in groups of NB_COLS rows
-# (one interleaved group each; gemv computes each group on its own, so splitting changes no result), each group's
-# bytes `distance` ahead prefetched before it.
+# repack.cpp: the same distance and range prefetch.
 _DEFS_CPP = """\
 
 // moectl patch (moectl/kernels/ggml_patch.py): see ggml-cpu.c's ggml_moectl_prefetch_bytes.
@@ -96,16 +94,50 @@ static inline size_t ggml_moectl_gemm_size(size_t stock, int64_t n_routed, size_
 }
 """
 
-_GEMV_SPLIT = """\
+_GEMV = "gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>("
+_WIDTH = 120                    # the edits' lines wrap as ggml's do; an argument too long for any line stays whole
+
+
+def _call(pad: int, head: str, args: list[str]) -> str:
+    """`head` (a call's name and its open parenthesis) then `args`, `pad` spaces deep, closed with `);`: the arguments
+    fill each line greedily up to _WIDTH columns, every further line aligned under the first argument."""
+    words = [a + "," for a in args[:-1]] + [args[-1] + ");"]
+    line, lines = " " * pad + head + words[0], []
+    for word in words[1:]:
+        if len(line) + 1 + len(word) <= _WIDTH:
+            line += " " + word
+        else:
+            lines.append(line)
+            line = " " * (pad + len(head)) + word
+    return "\n".join([*lines, line]) + "\n"
+
+
+def _group_loop(pad: int, start: str, end: str, x: str, s: str, y: str, prefetch_if: str = "") -> str:
+    """The loop both row edits run (`pad` spaces deep): rows [start, end) of the weights at `x` in groups of NB_COLS
+    (one interleaved group each; gemv computes each group on its own, so splitting changes no result), each group's
+    bytes `distance` ahead prefetched before it (only where `prefetch_if` holds, if given), then its gemv into the
+    output at `s` for the activations at `y`."""
+    ind = " " * pad
+    prefetch = f"ggml_moectl_prefetch({x} + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);\n"
+    if prefetch_if:
+        prefetch = f"if ({prefetch_if}) {{\n{ind}        {prefetch}{ind}    }}\n"
+    return (f"{ind}for (int64_t c = {start}; c < {end}; c += NB_COLS) {{\n"
+            f"{ind}    {prefetch}"
+            + _call(pad + 4, _GEMV, ["ne00", f"{s} + c", "ne01", f"{x} + c * nb01", y, "1",
+                                     f"(int) ({end} - c < NB_COLS ? {end} - c : NB_COLS)"])
+            + f"{ind}}}\n")
+
+
+# repack.cpp's one-token gemv: over [start, start + nc) columns group by group (`_group_loop`). Made with its
+# placeholders and filled in by `_gemv_split`: the lines wrap around the placeholders, as the text always has.
+_GEMV_SPLIT = ("""\
             if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: group by group, prefetching ahead
-                for (int64_t c = 0; c < @NC@; c += NB_COLS) {
-                    ggml_moectl_prefetch(@X@ + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);
-                    gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, @S@ + c, ne01, @X@ + c * nb01, @Y@, 1,
-                                                                     (int) (@NC@ - c < NB_COLS ? @NC@ - c : NB_COLS));
-                }
+"""
+               + _group_loop(16, "0", "@NC@", "@X@", "@S@", "@Y@")
+               + """\
                 continue;
             }
-"""
+""")
 
 
 # repack.cpp's forward_mul_mat_id: stock ggml runs one gemv per routed token over the thread's whole row range of the
@@ -114,12 +146,14 @@ _GEMV_SPLIT = """\
 # ~256 KB (whole NB_COLS groups) and every routed token runs on the tile while it is cached: the expert's routed rows
 # in groups of 4 by gemm (as the dense forward_mul_mat runs 4 activation rows, quantized once above:
 # `_EXPERT_GEMM_ROWS`) into the thread's [4, tile] scratch, scattered to their dst rows, the remaining nr1 % 4 rows by
-# gemv; the first pass over a tile prefetches its groups ahead. gemv computes each NB_COLS group on its own, so with
-# the gemm off (`ggml_moectl_expert_gemm` 0) or fewer than 4 rows an expert every output is the same gemv on the same
-# bytes as stock (tests/test_ggml_prefetch.py: bit-equal); gemm's rows are ggml's gemm (tests/test_ggml_expert_gemm.py:
-# within gemm's own difference from gemv). The first gemm over a tile runs in 2 * NB_COLS column steps, each
-# prefetched ahead: gemm's widest column step (x86's AVX-512 pairs two groups), so its sums are a whole call's.
-_EXPERT_TILES = """\
+# gemv (`_group_loop`); the first pass over a tile prefetches its groups ahead. gemv computes each NB_COLS group on its
+# own, so with the gemm off (`ggml_moectl_expert_gemm` 0) or fewer than 4 rows an expert every output is the same gemv
+# on the same bytes as stock (tests/test_ggml_prefetch.py: bit-equal); gemm's rows are ggml's gemm
+# (tests/test_ggml_expert_gemm.py: within gemm's own difference from gemv). The first gemm over a tile runs in
+# 2 * NB_COLS column steps, each prefetched ahead: gemm's widest column step (x86's AVX-512 pairs two groups), so its
+# sums are a whole call's.
+_GEMM = "gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>("
+_EXPERT_TILES = ("""\
             if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: row tiles outer, routed tokens inner
                 const int64_t tile = ggml_moectl_expert_tile(nb01, NB_COLS);
                 // gemm's groups: this expert's first 4 * groups routed rows, quantized above from group g0 on
@@ -136,18 +170,22 @@ _EXPERT_TILES = """\
                         if (g == 0) {
                             for (int64_t c = 0; c < w; c += 2 * NB_COLS) {
                                 const int64_t nc = w - c < 2 * NB_COLS ? w - c : 2 * NB_COLS;
-                                ggml_moectl_prefetch(src0_cur + (t0 + c) * nb01 + ggml_moectl_prefetch_bytes, nc * nb01);
-                                gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, moectl_scratch + c, w,
-                                                                                 src0_cur + (t0 + c) * nb01, group_q,
-                                                                                 4, (int) nc);
+                                ggml_moectl_prefetch(src0_cur + (t0 + c) * nb01 + ggml_moectl_prefetch_bytes,
+                                                     nc * nb01);
+"""
+                 + _call(32, _GEMM, ["ne00", "moectl_scratch + c", "w", "src0_cur + (t0 + c) * nb01", "group_q", "4",
+                                     "(int) nc"])
+                 + """\
                             }
                         } else {
-                            gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, moectl_scratch, w,
-                                                                             src0_cur + t0 * nb01, group_q, 4, (int) w);
+"""
+                 + _call(28, _GEMM, ["ne00", "moectl_scratch", "w", "src0_cur + t0 * nb01", "group_q", "4", "(int) w"])
+                 + """\
                         }
                         for (int r = 0; r < 4; r++) {           // scratch [4, w] -> the 4 rows' dst
                             struct mmid_row_mapping row_mapping = MMID_MATRIX_ROW(cur_a, 4 * g + r);
-                            float * s_row = (float *) ((char *) dst->data + (row_mapping.i1 * nb1 + row_mapping.i2 * nb2));
+                            float * s_row = (float *) ((char *) dst->data +
+                                                       (row_mapping.i1 * nb1 + row_mapping.i2 * nb2));
                             memcpy(s_row + t0, moectl_scratch + r * w, w * sizeof(float));
                         }
                     }
@@ -158,19 +196,14 @@ _EXPERT_TILES = """\
                         const int64_t i12 = row_mapping.i2;
                         const auto * src1_col = (const char *) wdata + (i11 * nbw1 + i12 * nbw2);
                         float * s_row = (float *) ((char *) dst->data + (id * nb1 + i12 * nb2));
-                        for (int64_t c = t0; c < t1; c += NB_COLS) {
-                            if (ir1 == 0) {
-                                ggml_moectl_prefetch(src0_cur + c * nb01 + ggml_moectl_prefetch_bytes, NB_COLS * nb01);
-                            }
-                            gemv<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, s_row + c, ne01, src0_cur + c * nb01,
-                                                                             src1_col, 1,
-                                                                             (int) (t1 - c < NB_COLS ? t1 - c : NB_COLS));
-                        }
+"""
+                 + _group_loop(24, "t0", "t1", "src0_cur", "s_row", "src1_col", prefetch_if="ir1 == 0")
+                 + """\
                     }
                 }
                 continue;
             }
-"""
+""")
 
 # forward_mul_mat_id, after its row mapping (every thread past the barrier): with the row tiles and the gemm on, each
 # expert's routed rows in groups of 4 (its first 4 * (count / 4), in the mapping's order), over all experts group g
@@ -183,7 +216,8 @@ _EXPERT_GEMM_ROWS = """\
         char *  moectl_groups  = nullptr;       // [groups][4 rows interleaved, nbw1 bytes each]; null: no gemm
         float * moectl_scratch = nullptr;       // this thread's [4, ne10] gather, later its [4, tile] gemm output
         if (ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm) {
-            const size_t  stock    = GGML_PAD(nbw3, sizeof(int64_t)) + n_as * (ne12 + 1) * sizeof(mmid_row_mapping);
+            const size_t  stock    = GGML_PAD(nbw3, sizeof(int64_t)) +
+                                     n_as * (ne12 + 1) * sizeof(mmid_row_mapping);        // stock's workspace
             const int64_t n_routed = ids->ne[0] * ids->ne[1];
             const int64_t tile     = ggml_moectl_expert_tile(nb01, NB_COLS);
             if (ggml_moectl_gemm_size(stock, n_routed, nbw1, ne10, tile, nth) <= params->wsize) {
@@ -199,9 +233,11 @@ _EXPERT_GEMM_ROWS = """\
                         for (int r = 0; r < 4; r++) {
                             const struct mmid_row_mapping m = MMID_MATRIX_ROW(a, 4 * k + r);
                             memcpy(moectl_scratch + r * ne10,
-                                   (const char *) src1->data + (m.i1 % ne11) * nb11 + m.i2 * nb12, ne10 * sizeof(float));
+                                   (const char *) src1->data + (m.i1 % ne11) * nb11 + m.i2 * nb12,
+                                   ne10 * sizeof(float));
                         }
-                        ggml_quantize_mat_t<INTER_SIZE, PARAM_TYPE>(moectl_scratch, moectl_groups + g * 4 * nbw1, 4, ne10);
+                        ggml_quantize_mat_t<INTER_SIZE, PARAM_TYPE>(moectl_scratch, moectl_groups + g * 4 * nbw1,
+                                                                    4, ne10);
                     }
                 }
                 ggml_barrier(params->threadpool);
@@ -257,7 +293,8 @@ EDITS: list[tuple[str, str, str, str]] = [
     # thread count for it: a name put into the parameter list, ahead of the anchor's comment)
     ("repack.cpp", "        // compute each matrix multiplication in sequence\n", _EXPERT_GEMM_ROWS, ""),
     ("repack.cpp", "                    size += sizeof_mmid_row_mapping*ne02*(ne12 + 1);\n", "", _EXPERT_GEMM_SIZE),
-    ("repack.cpp", "/* n_threads */, const struct ggml_tensor * op, size_t & size) override {\n", "moectl_n_threads ", ""),
+    ("repack.cpp", "/* n_threads */, const struct ggml_tensor * op, size_t & size) override {\n",
+     "moectl_n_threads ", ""),
 ]
 
 
@@ -268,6 +305,12 @@ def key(edits: list[tuple[str, str, str, str]] | None = None) -> str:
 
 
 KEY = key()
+
+
+def build_key() -> str:
+    """The patch's name in its build's directories and marker (kernels/ggml.py: `lib-`, `src-`, `build-`, `BUILT-`
+    this): `p` and `KEY`, read at each call."""
+    return f"p{KEY}"
 
 
 def apply(ggml_dir: Path) -> None:

@@ -16,9 +16,9 @@
 //
 // Kernels (`q6k_kernel`): AVX-512BW (+VNNI's vpdpwssd where the CPU has it) and AVX2, both prefetching, each
 // compiled with its own target attribute and picked at run time, so the shim builds with plain -O2 and runs on any
-// x86 host; the AVX-512 ones are not picked where MOECTL_GGML_ISA=avx2 (a build restricted to AVX2) or
-// MOECTL_GGML_OWN_Q6K=avx2 (tests: the AVX2 path on an AVX-512 host). Elsewhere (no AVX2, not x86) the graph keeps
-// ggml's mul_mat.
+// x86 host; the AVX-512 ones are picked only where the loaded ggml was built with AVX-512 (ggml_cpu_has_avx512: not
+// in MOECTL_GGML_ISA=avx2's build) and not with MOECTL_GGML_OWN_Q6K=avx2 (tests: the AVX2 path on an AVX-512 host).
+// Elsewhere (no AVX2, not x86) the graph keeps ggml's mul_mat.
 
 typedef struct {
     uint8_t ql[128];
@@ -180,9 +180,8 @@ static q6k_rows_fn q6k_kernel(int mode) {
 #if defined(__x86_64__) || defined(__i386__)
     if (mode == Q6K_OFF) return NULL;
     __builtin_cpu_init();
-    // AVX-512 only where the loaded ggml was built with it (ggml_cpu_has_avx512: not in MOECTL_GGML_ISA=avx2's build)
-    const char *isa = getenv("MOECTL_GGML_ISA");
-    const int avx512_ok = mode == Q6K_AUTO && ggml_cpu_has_avx512() && !(isa && !strcasecmp(isa, "avx2"));
+    // AVX-512 only where the loaded ggml was built with it: the library says (MOECTL_GGML_ISA=avx2's build has none)
+    const int avx512_ok = mode == Q6K_AUTO && ggml_cpu_has_avx512();
     if (avx512_ok && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq"))
         return __builtin_cpu_supports("avx512vnni") ? q6k_rows_avx512vnni : q6k_rows_avx512bw;
