@@ -16,11 +16,12 @@ up: ne11 = 1) or one row per used expert (down: ne11 = U), an expert repeated wi
 
 The tolerance of on against off: gemm and gemv read the same weights and the same q8 activations (ggml's 4-row
 quantizers give each row's q8 bytes: the dequantize check above holds row by row at its 2e-5 summation slack), so
-they differ in fp32 summation order only. Measured (AVX-512 host, these shapes): Q4_0, IQ4_NL, MXFP4 bit-equal (their
-integer sums are exact, the fp32 steps in the same order); Q4_K up to 1e-7 of the mean |W| @ |x|, where ggml's dense
-product, which llama.cpp itself computes by gemm for 4 rows and gemv for one (forward_mul_mat), differs by 5e-8 for
-the same 4 rows. The bound, `GEMM_VS_GEMV` = 2e-5 of |W| @ |x| per output, is check_product's summation slack (the
-one ggml's dense products are held to in test_ggml_kernels): the order of fp32 sums, not a host's measurement.
+they differ in fp32 summation order only. Measured (AVX-512 host, its native and AVX2 builds alike, these shapes):
+Q4_0, IQ4_NL, MXFP4 bit-equal (their integer sums are exact, the fp32 steps in the same order); Q4_K up to 1e-7 of
+the mean |W| @ |x|, where ggml's dense product, which llama.cpp itself computes by gemm for 4 rows and gemv for one
+(forward_mul_mat), differs by 5e-8 for the same 4 rows. The bound, `GEMM_VS_GEMV` = 2e-5 of |W| @ |x| per output, is
+check_product's summation slack (the one ggml's dense products are held to in test_ggml_kernels): the order of fp32
+sums, not a host's measurement.
 
 Legend: T = tokens, K = input width, N = output rows, A = stacked experts, U = experts used per token.
 """
