@@ -3,12 +3,13 @@ kernels/ggml_patch.py; the distance is one global, `ggml.set_prefetch`, so both 
 
 Legend: T = tokens, N = output rows, K = input width.
 
-Per encoding (default Q8_0, Q5_K, Q6_K, and the repacked Q4_K, Q4_0) a matrix far past the last-level cache
-(`--mb` MB of weight bytes: a quantized block of 1024 rows tiled, so quantizing stays quick), read at each T of
-`--tokens` (default 1: decode's product; 4, 16, 64: a prefill's, the repacked types' gemm) by `--threads` threads. `--rounds` rounds; each round times every distance of `--distances` (0: off, stock ggml) in
-turn, `--iters` calls each, so a busy machine's slow spell falls on all of them alike. Reported: the median GB/s
-(weight bytes / time) per distance and its ratio to off (> 1: prefetch faster), the load average, and ggml's
-streaming-read probe (`ggml.read_bandwidth`) for scale. The figures are only as quiet as the machine.
+Per encoding (default Q8_0, Q5_K, Q6_K, and the repacked Q4_K, Q4_0) a matrix far past the last-level cache (`--mb`
+MB of weight bytes: a quantized block of 1024 rows tiled, so quantizing stays quick), read at each T of `--tokens`
+(default 1: decode's product; 4, 16, 64: a prefill's, the repacked types' gemm) by `--threads` threads. `--rounds`
+rounds; each round times every distance of `--distances` (0: off, stock ggml) in turn, `--iters` calls each, so a
+busy machine's slow spell falls on all of them alike. Reported: the median GB/s (weight bytes / time) per distance
+and its ratio to off (> 1: prefetch faster), the load average, and ggml's streaming-read probe
+(`ggml.read_bandwidth`) for scale. The figures are only as quiet as the machine.
 
     PYTHONPATH=. python bench/ggml_prefetch.py --threads 1 2
     PYTHONPATH=. python bench/ggml_prefetch.py --types Q6_K --distances 0 4096 --rounds 9 --json
@@ -31,7 +32,8 @@ from gguf import GGMLQuantizationType as Q
 from moectl.kernels import ggml
 
 TILE_ROWS = 1024                        # rows quantized once, then tiled to the asked size
-REPACKED = {"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"}  # read through llama.cpp's CPU repack (their copy made on the first call)
+# read through llama.cpp's CPU repack (their copy made on the first call)
+REPACKED = {"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"}
 
 
 def matrix(enc: Q, mb: int, k: int) -> tuple[np.ndarray, int]:

@@ -88,7 +88,8 @@ with torch.inference_mode():
     res.update(first_use_repack())
     pre = []
     for r in range({reps}):
-        t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); pre.append({prefill} / (time.perf_counter() - t0))
+        t0 = time.perf_counter(); eng.forward(ids, None, last_only=True)
+        pre.append({prefill} / (time.perf_counter() - t0))
     out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
     feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
     t0 = time.perf_counter()
@@ -158,8 +159,8 @@ def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_l
     if prefill_reps < 1:
         raise ValueError(f"prefill_reps >= 1 (got {prefill_reps})")
     load = {"device": "cpu", "threads": threads, "progress": False, "gating": "none", **load}
-    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
-                                                                reps=prefill_reps)
+    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill,
+                                                                prompt=prompt, gen=gen, reps=prefill_reps)
 
 
 def first_run(model: str) -> None:

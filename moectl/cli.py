@@ -54,12 +54,13 @@ class PlainValues:
     message), and every value of any other option, is typer's own conversion, so what a command receives and every
     error it prints are typer's (tests/test_cli_start.py compares the two on every option of every command).
 
-    No typer internals (typer 0.29's private `_runtime_param` and `typer._coercion` before stop 56): installed as the parameter's `process_value` (click's
-    documented step that converts a parameter's value and runs its callback; typer's own is kept as `typers` and
-    takes every value not plain), and an option's kind read from what moectl declares, the command function's
-    annotation (str, bool, int, float, or Optional of one) and its `typer.Option(...)` (`parser`, `min`, `max`,
-    `clamp`: typer.Option's own keywords). A declaration read otherwise (Annotated, another type, a parser) or one
-    that cannot be read at all leaves the option to typer: slower by pydantic's import, never different."""
+    No typer internals (typer 0.29's private `_runtime_param` and `typer._coercion` before stop 56): installed as the
+    parameter's `process_value` (click's documented step that converts a parameter's value and runs its callback;
+    typer's own is kept as `typers` and takes every value not plain), and an option's kind read from what moectl
+    declares, the command function's annotation (str, bool, int, float, or Optional of one) and its
+    `typer.Option(...)` (`parser`, `min`, `max`, `clamp`: typer.Option's own keywords). A declaration read otherwise
+    (Annotated, another type, a parser) or one that cannot be read at all leaves the option to typer: slower by
+    pydantic's import, never different."""
 
     PLAIN = (str, bool, int, float)
 

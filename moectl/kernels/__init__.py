@@ -13,7 +13,8 @@ and 3.6 ms over 512 at one thread, the hand-written loop ~0.03 and ~0.2 (`models
 Built with the system C++ compiler against torch's headers (threads: torch's own pool via at::parallel_for) into
 `$MOECTL_HOME/kernels/<key>/`, keyed by the source, the flags and torch's version; a build takes ~2 s. Where the
 kernels cannot run (no AVX-512 VNNI/BF16, no compiler, `MOECTL_CPU_KERNELS=0`, `MOECTL_GGML_ISA=avx2`: the process
-restricted to AVX2, kernels/isa.py; a bad value of it too), `library()` is None and callers keep torch's kernels; `why_not()` says which.
+restricted to AVX2, kernels/isa.py; a bad value of it too), `library()` is None and callers keep torch's kernels;
+`why_not()` says which.
 """
 
 from __future__ import annotations
