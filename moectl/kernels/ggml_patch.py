@@ -69,6 +69,12 @@ static inline void ggml_moectl_prefetch(const char * p, size_t n) {
     }
 }
 
+// Whether the repacked experts' product runs its row tiles (the prefetch on) with their routed rows by gemm: the
+// plan (work_size: the gemm's room) and the product (forward_mul_mat_id) ask the same question.
+static inline bool ggml_moectl_expert_gemm_on(void) {
+    return ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm;
+}
+
 // The experts' row tile: whole groups of `nb_cols` rows, ~256 KB of an expert's `nb01`-byte rows (at least one group).
 static inline int64_t ggml_moectl_expert_tile(size_t nb01, int64_t nb_cols) {
     const int64_t tile = (int64_t) ((256 * 1024) / nb01) / nb_cols * nb_cols;
@@ -126,18 +132,6 @@ def _group_loop(pad: int, start: str, end: str, x: str, s: str, y: str, prefetch
             + _call(pad + 4, _GEMV, ["ne00", f"{s} + c", "ne01", f"{x} + c * nb01", y, "1",
                                      f"(int) ({end} - c < NB_COLS ? {end} - c : NB_COLS)"])
             + f"{ind}}}\n")
-
-
-# repack.cpp's one-token gemv: over [start, start + nc) columns group by group (`_group_loop`). Made with its
-# placeholders and filled in by `_gemv_split`: the lines wrap around the placeholders, as the text always has.
-_GEMV_SPLIT = ("""\
-            if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: group by group, prefetching ahead
-"""
-               + _group_loop(16, "0", "@NC@", "@X@", "@S@", "@Y@")
-               + """\
-                continue;
-            }
-""")
 
 
 # repack.cpp's forward_mul_mat_id: stock ggml runs one gemv per routed token over the thread's whole row range of the
@@ -215,7 +209,7 @@ _EXPERT_GEMM_ROWS = """\
         // moectl patch (moectl/kernels/ggml_patch.py): the routed rows' groups of 4 for the experts' gemm
         char *  moectl_groups  = nullptr;       // [groups][4 rows interleaved, nbw1 bytes each]; null: no gemm
         float * moectl_scratch = nullptr;       // this thread's [4, ne10] gather, later its [4, tile] gemm output
-        if (ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm) {
+        if (ggml_moectl_expert_gemm_on()) {
             const size_t  stock    = GGML_PAD(nbw3, sizeof(int64_t)) +
                                      n_as * (ne12 + 1) * sizeof(mmid_row_mapping);        // stock's workspace
             const int64_t n_routed = ids->ne[0] * ids->ne[1];
@@ -249,7 +243,7 @@ _EXPERT_GEMM_ROWS = """\
 # repack tensor_traits' work_size for MUL_MAT_ID: the room `_EXPERT_GEMM_ROWS` uses, where the gemm is on.
 _EXPERT_GEMM_SIZE = """\
                     // moectl patch (moectl/kernels/ggml_patch.py): the experts' gemm groups and threads' scratch
-                    if (ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm) {
+                    if (ggml_moectl_expert_gemm_on()) {
                         const int64_t ne10 = op->src[1]->ne[0];
                         size = ggml_moectl_gemm_size(size, op->src[2]->ne[0] * op->src[2]->ne[1],
                                                      ggml_row_size(PARAM_TYPE, ne10), ne10,
@@ -260,9 +254,13 @@ _EXPERT_GEMM_SIZE = """\
 
 
 def _gemv_split(nc: str, x: str, s: str, y: str) -> str:
-    """`_GEMV_SPLIT` for one gemv call: `nc` columns, weights at `x`, output at `s`, activations at `y`; the original
-    call after it is skipped (`continue`) when the patch's path ran."""
-    return _GEMV_SPLIT.replace("@NC@", nc).replace("@X@", x).replace("@S@", s).replace("@Y@", y)
+    """repack.cpp's one-token gemv of `nc` columns (weights at `x`, output at `s`, activations at `y`) group by group
+    (`_group_loop`), prefetching ahead; the original call after it is skipped (`continue`) when the patch's path
+    ran."""
+    return ("            if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: group by group, prefetching ahead\n"
+            + _group_loop(16, "0", nc, x, s, y)
+            + "                continue;\n"
+            + "            }\n")
 
 
 # (file under ggml/src/ggml-cpu/, anchor that must occur exactly once, text put before it, text put after it)
