@@ -172,6 +172,7 @@ class Worker:
             reason = "stop"                              # a stop string or EOS
         else:
             reason = "length"
+        self.state = self._snapshot(self.request_stats)  # before the reply: a client's next look counts this request
         job.send("done", {"finish_reason": reason, "completion_tokens": len(res.token_ids),
                           "prompt_tokens": len(job.ids), "stats": res.stats})
 
