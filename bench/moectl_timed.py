@@ -36,9 +36,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The timed part both engines run, one place for the warm-up, the prefill reps and the decode. `draw(n)`: n token
+# ids from the run's seeded generator ([1, n] tensor, or [n] array for the torch-free engine; `[..., a:b]` slices
+# either); `first_use_repack()`: the untimed repack's fields. Fills `res` with the timed fields.
+TIMED = """
+import resource, time
+
+
+def timed(eng, draw, first_use_repack, res):
+    warm, ids = draw({prefill}), draw({prefill})
+    eng.forward(warm, None, last_only=True)                              # warm-up, untimed
+    res.update(first_use_repack())
+    pre = []
+    for r in range({reps}):
+        t0 = time.perf_counter(); eng.forward(ids, None, last_only=True)
+        pre.append({prefill} / (time.perf_counter() - t0))
+    out, cache = eng.forward(ids[..., :{prompt}], None, last_only=True)  # the decode's context
+    feed = draw({gen})
+    t0 = time.perf_counter()
+    for t in range({gen}):
+        out, cache = eng.forward(feed[..., t:t + 1], cache)
+    t_dec = time.perf_counter() - t0
+    res.update(prefill_tps=sum(pre) / len(pre), prefill_samples=pre, decode_ms=t_dec / {gen} * 1000,
+               rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+"""
+
 # {load}: Engine.load's keyword arguments (repr-able: str, int, None), "model" among them
 SCRIPT = """
-import json, resource, time, torch
+import json, time, torch
 t0 = time.perf_counter()
 from moectl.runtime.engine import Engine
 from moectl import kernels
@@ -82,36 +107,26 @@ if {time_load!r}:
 g = torch.Generator().manual_seed(0)
 V = eng.config.vocab_size
 with torch.inference_mode():
-    warm = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
-    ids = torch.randint(0, min(V, 1024), (1, {prefill}), generator=g)
-    eng.forward(warm, None, last_only=True)                              # warm-up, untimed
-    res.update(first_use_repack())
-    pre = []
-    for r in range({reps}):
-        t0 = time.perf_counter(); eng.forward(ids, None, last_only=True)
-        pre.append({prefill} / (time.perf_counter() - t0))
-    out, pkv = eng.forward(ids[:, :{prompt}], None, last_only=True)
-    feed = torch.randint(0, min(V, 1024), ({gen}, 1, 1), generator=g)
-    t0 = time.perf_counter()
-    for t in range({gen}):
-        out, pkv = eng.forward(feed[t], pkv)
-    t_dec = time.perf_counter() - t0
-res.update(prefill_tps=sum(pre) / len(pre), prefill_samples=pre, decode_ms=t_dec / {gen} * 1000,
-           rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-           note=getattr(eng, "plan_note", None) or None,
-           kernels=kernels_used())
+    timed(eng, lambda n: torch.randint(0, min(V, 1024), (1, n), generator=g), first_use_repack, res)
+res.update(note=getattr(eng, "plan_note", None) or None, kernels=kernels_used())
 print("RESULT " + json.dumps(res))
 """
 
 
 # the same run through the torch-free engine: numpy ids, no logits read
 SCRIPT_TORCH_FREE = """
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
 from moectl.kernels import ggml
 from moectl.runtime.graph_engine import GraphEngine
 from moectl.setting.options import RuntimeOptions
+
+
+def first_use_repack():
+    t1 = time.perf_counter()
+    return {{"first_use_repack": {{"matrices": ggml.finish_repack(), "s": time.perf_counter() - t1}}}}
+
 
 load = {load!r}
 model = load.pop("model")
@@ -125,22 +140,8 @@ if {time_load!r}:
     res["load_s"] = time.perf_counter() - t0
 rng = np.random.default_rng(0)
 V = eng.graph.V
-warm = rng.integers(0, min(V, 1024), {prefill})
-ids = rng.integers(0, min(V, 1024), {prefill})
-eng.forward(warm, None, last_only=True)                                  # warm-up, untimed
-t1 = time.perf_counter()
-res["first_use_repack"] = {{"matrices": ggml.finish_repack(), "s": time.perf_counter() - t1}}
-pre = []
-for r in range({reps}):
-    t0 = time.perf_counter(); eng.forward(ids, None, last_only=True); pre.append({prefill} / (time.perf_counter() - t0))
-out, kv = eng.forward(ids[:{prompt}], None, last_only=True)
-feed = rng.integers(0, min(V, 1024), {gen})
-t0 = time.perf_counter()
-for t in range({gen}):
-    out, kv = eng.forward(feed[t:t + 1], kv)
-t_dec = time.perf_counter() - t0
-res.update(prefill_tps=sum(pre) / len(pre), prefill_samples=pre, decode_ms=t_dec / {gen} * 1000,
-           rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, note=eng.plan_note,
+timed(eng, lambda n: rng.integers(0, min(V, 1024), n), first_use_repack, res)
+res.update(note=eng.plan_note,
            kernels={{"ggml": True, "ggml_features": ggml.features(), "ggml_prefetch": ggml.prefetch_bytes(),
                     "own_q6k": ggml.own_q6k_kernel(),
                     "ggml_why_not": None, "moectl_avx512": False,
@@ -159,8 +160,9 @@ def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_l
     if prefill_reps < 1:
         raise ValueError(f"prefill_reps >= 1 (got {prefill_reps})")
     load = {"device": "cpu", "threads": threads, "progress": False, "gating": "none", **load}
-    return (SCRIPT_TORCH_FREE if torch_free else SCRIPT).format(load=load, time_load=time_load, prefill=prefill,
-                                                                prompt=prompt, gen=gen, reps=prefill_reps)
+    body = SCRIPT_TORCH_FREE if torch_free else SCRIPT
+    return (TIMED + body).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
+                                 reps=prefill_reps)
 
 
 def first_run(model: str) -> None:
