@@ -120,3 +120,36 @@ def test_prune_0_keeps_every_build(cache, monkeypatch):
     said = []
     ggml.build(cache, isa="native", echo=said.append)
     assert before <= _tree(cache) and not [s for s in said if s.startswith("removed")]
+
+
+def test_the_build_and_the_pruning_name_a_keys_entries_from_one_list(cache):
+    """`KEYED` is the one list of a patch key's entries: every name `build` makes is `keyed`, and the pruning's
+    pattern matches exactly those names for another key."""
+    ggml.build(cache, isa="native", echo=lambda s: None)
+    home, key = cache / "ggml", ggml_patch.build_key()
+    made = {e.name for e in home.iterdir() if e.name.endswith(key)}
+    assert made == {ggml.keyed(home, prefix).name for prefix in ggml.KEYED}
+    for prefix in ggml.KEYED:
+        assert ggml.STALE_KEYED.fullmatch(ggml.keyed(home, prefix, f"p{OLD}").name)
+    assert not ggml.STALE_KEYED.fullmatch(f"bin-p{OLD}")
+    with pytest.raises(ValueError, match="bin"):
+        ggml.keyed(home, "bin")
+
+
+def test_describe_says_the_shim_alone_is_missing_and_costs_seconds(cache, monkeypatch):
+    """Libraries built, shim missing (a changed shim source): `describe` (what `inspect` prints) says the shim is
+    what first use compiles, in seconds, not the minutes of a whole build."""
+    import functools
+
+    monkeypatch.setenv("MOECTL_GGML_ROOT", str(cache))
+    monkeypatch.setenv("MOECTL_GGML", "1")
+    monkeypatch.delenv("MOECTL_GGML_ISA", raising=False)
+    monkeypatch.setattr(ggml, "_load", functools.lru_cache(maxsize=1)(lambda: None))   # nothing loaded here
+    why = ggml.describe()["why_not"]
+    assert "build is not made yet" in why and ggml.BUILD_NOTE in why
+    shim = ggml.build(echo=lambda s: None)
+    shim.unlink()                                                     # the shim's source changed: not built yet
+    g = ggml.describe()
+    assert not g["built"] and g["features"] is None
+    assert "shim is not compiled yet" in g["why_not"] and ggml.SHIM_NOTE in g["why_not"]
+    assert "minutes" not in g["why_not"]

@@ -60,6 +60,7 @@ LLAMACPP_VERSION = "0.3.36"                      # llama-cpp-python's sdist: ven
 SHIM = Path(__file__).with_name("ggml_shim.c")
 SHIM_SOURCES = (SHIM, SHIM.with_name("ggml_q6k.c"))     # the shim and what it includes (its build key hashes both)
 BUILD_NOTE = "minutes (11 measured on 2 busy cores)"   # docs/gguf.md
+SHIM_NOTE = "seconds"                                   # the shim alone: one C file against the built libraries
 # CPU backend only: no GPU backends, tools or tests; ggml's threadpool instead of OpenMP (torch's libgomp is in the
 # process, and two OpenMP runtimes oversubscribe). The ISA flags come from kernels/isa.py (`cmake_flags`: native,
 # -march=native, by default; `MOECTL_GGML_ISA=avx2`: AVX2 and nothing wider, built into ggml-avx2/).
@@ -132,15 +133,28 @@ def ggml_home(root: Path | None = None, isa: str | None = None) -> Path:
     return (root or llamacpp_home()) / isas.build_dir(isa or isas.current(), "ggml")
 
 
+# moectl's entries per patch key in a `ggml_home`, each `<prefix>-<key>` (`keyed`): the marker `build` writes once
+# the libraries are made, cmake's build tree, the libraries and the shim, the patched source (`overlay`). The one
+# list `build` names them by and `stale_builds` prunes other keys' by.
+KEYED = ("BUILT", "build", "lib", "src")
+
+
+def keyed(home: Path, prefix: str, key: str | None = None) -> Path:
+    """`home`'s entry `prefix` (one of `KEYED`) for patch `key` (default: the current `ggml_patch.build_key()`)."""
+    if prefix not in KEYED:
+        raise ValueError(f"{prefix!r} is not one of {KEYED}")
+    return home / f"{prefix}-{key or ggml_patch.build_key()}"
+
+
 def lib_dir(root: Path | None = None, isa: str | None = None) -> Path:
     """ggml's libraries and the shim for this patch (kernels/ggml_patch.py `KEY`) in `ggml_home(root, isa)`: a
     changed patch builds into a new directory, never reusing (or overwriting under a running process) an old one."""
-    return ggml_home(root, isa) / f"lib-{ggml_patch.build_key()}"
+    return keyed(ggml_home(root, isa), "lib")
 
 
 def _built_marker(root: Path | None = None, isa: str | None = None) -> Path:
     """The file `build` writes in `ggml_home(root, isa)` once ggml's libraries for this patch are made."""
-    return ggml_home(root, isa) / f"BUILT-{ggml_patch.build_key()}"
+    return keyed(ggml_home(root, isa), "BUILT")
 
 
 def libraries_built(root: Path | None = None, isa: str | None = None) -> bool:
@@ -194,8 +208,8 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
             stock = fetch_source(root, log, echo)
             echo(f"building ggml's CPU backend ({isa}; llama.cpp from llama-cpp-python {LLAMACPP_VERSION}, moectl's "
                  f"prefetch patch {key}) into {home}: first use only, {BUILD_NOTE}; log: {log}")
-            src = overlay(stock, home / f"src-{key}")   # an anchor not found: RuntimeError, said by why_not()
-            bld = home / f"build-{key}"
+            src = overlay(stock, keyed(home, "src", key))   # an anchor not found: RuntimeError, said by why_not()
+            bld = keyed(home, "build", key)
             _run([cmake, "-S", src, "-B", bld, *CMAKE_FLAGS, *isas.cmake_flags(isa)], log)
             _run([cmake, "--build", bld, "-j", jobs or max(1, min(os.cpu_count() or 1, 8)), "--target", "ggml-cpu"],
                  log)
@@ -215,7 +229,7 @@ def build(root: Path | None = None, jobs: int | None = None, echo=None, isa: str
     return shim
 
 
-STALE_KEYED = re.compile(r"(BUILT|build|lib|src)-(p[0-9a-f]+)")  # a patch key's entries (`build`)
+STALE_KEYED = re.compile(rf"({'|'.join(KEYED)})-(p[0-9a-f]+)")  # a patch key's entries (`keyed`)
 LEGACY = ("BUILT", "build", "lib")                  # the unpatched layout before ggml_patch (lib/ held the shim)
 STALE_SHIM = re.compile(r"libmoectl_ggml-[0-9a-f]+\.(so|tmp)")  # an earlier shim source's (or a killed build's)
 
@@ -354,8 +368,10 @@ def describe() -> dict:
            "prefetch_bytes": prefetch_bytes(), "expert_gemm": expert_gemm()}
     if os.environ.get("MOECTL_GGML", "1") == "0":
         out["why_not"] = "MOECTL_GGML=0"
-    elif not (out["built"] or _load.cache_info().currsize):
-        out["why_not"] = f"its {setting} build is not made yet (first use builds it: {BUILD_NOTE})"
+    elif not (out["built"] or _load.cache_info().currsize):       # what is missing, and what first use costs
+        out["why_not"] = (f"its {setting} shim is not compiled yet (ggml's libraries are built; first use compiles "
+                          f"the shim: {SHIM_NOTE})" if libraries_built() else
+                          f"its {setting} build is not made yet (first use builds it: {BUILD_NOTE})")
     elif library() is None:
         out["why_not"] = _why[-1]
     else:
