@@ -90,9 +90,10 @@ def test_avx2_mode_turns_moectls_avx512_kernels_off(monkeypatch):
 
 
 def test_a_bad_isa_is_one_error_line_where_ggml_is_used_and_nothing_elsewhere(monkeypatch, capsys, tmp_path):
-    """A bad MOECTL_GGML_ISA is one `error:` line where ggml is built, loaded or asked about (a GGUF's inspect, the
-    bench), never at start-up: `moectl --help` and `inspect` of a safetensors checkpoint run, and moectl's own
-    AVX-512 kernels are off (never wider than asked) rather than an error."""
+    """A bad MOECTL_GGML_ISA is one `error:` line where ggml is built or loaded (a GGUF's run, the bench), never at
+    start-up: `moectl --help` and `inspect` of a safetensors checkpoint run, `inspect` of a GGUF reports the file
+    without ggml and says why in one line, and moectl's own AVX-512 kernels are off (never wider than asked) rather
+    than an error."""
     from gguf import GGMLQuantizationType as T
     from gguf_build import write_gguf
     from test_ggml_graph import _checkpoint
@@ -109,9 +110,27 @@ def test_a_bad_isa_is_one_error_line_where_ggml_is_used_and_nothing_elsewhere(mo
     code, out, err = run_cli(["inspect", "--model", str(ckpt), "--json", "--device", "cpu", "--workdir",
                               str(tmp_path / "wd")], capsys, monkeypatch)
     assert code == 0 and json.loads(out)["family"] == "mixtral" and "ggml" not in json.loads(out), err
+    code, out, err = run_cli(["generate", "--model", str(gguf), "--device", "cpu", "--workdir", str(tmp_path / "wd2"),
+                              "-p", "hi", "-n", "1"], capsys, monkeypatch)
+    assert_one_error(code, err, "MOECTL_GGML_ISA='avx512'", "native, avx2")
+    # inspect reports what the file is, and in place of ggml's facts one line saying the setting turned it off
+    code, out, err = run_cli(["inspect", "--model", str(gguf), "--device", "cpu", "--json", "--workdir",
+                              str(tmp_path / "wd2")], capsys, monkeypatch)
+    info = json.loads(out)
+    assert code == 0 and info["family"] == "mixtral" and info["expert_format"] == "gguf-Q4_0", err
+    assert info["gguf"]["encodings"] and info["gguf"]["file_bytes"] > 0
+    why = "ggml is unavailable: MOECTL_GGML_ISA='avx512' is not an ISA moectl builds ggml for"
+    assert info["ggml"]["why_not"].startswith(why) and info["ggml"]["isa"] == "avx512"
+    assert info["ggml"]["features"] is None and not info["ggml"]["built"]
+    assert not info["gguf"]["cpu_in_place"]["mapped"] and info["gguf"]["cpu_in_place"]["ggml_repack"]["total"] == 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(why) and "Traceback" not in err, err
     code, out, err = run_cli(["inspect", "--model", str(gguf), "--device", "cpu", "--workdir", str(tmp_path / "wd2")],
                              capsys, monkeypatch)
-    assert_one_error(code, err, "MOECTL_GGML_ISA='avx512'", "native, avx2")
+    assert code == 0 and "unavailable: MOECTL_GGML_ISA='avx512'" in out and len(err.strip().splitlines()) == 1, err
+    assert max(map(len, out.splitlines())) <= 80
+    with pytest.raises(MoectlError, match="native, avx2"):        # the report's switch-off ended with it
+        ggml.library()
     monkeypatch.delenv("MOECTL_CPU_KERNELS", raising=False)
     kernels.library.cache_clear()
     try:

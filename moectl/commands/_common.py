@@ -180,11 +180,12 @@ class PrecisionOpts:
                                  "(default 0.25; lowbit-only gives them all: no full-precision slots).")
 
 
-def say(note: str) -> None:
-    """One dim status line on stderr (JSON on stdout stays clean)."""
+def say(note: str, one_line: bool = False) -> None:
+    """One dim status line on stderr (JSON on stdout stays clean); `one_line`: never wrapped at the terminal's width
+    (a line a script or a test reads whole, as the `error:` line)."""
     from rich.console import Console
 
-    Console(stderr=True).print(f"[dim]{note}[/]", highlight=False)
+    Console(stderr=True).print(f"[dim]{note}[/]", highlight=False, soft_wrap=one_line)
 
 
 def prepare_model(model: str, workdir=None) -> None:

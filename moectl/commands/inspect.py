@@ -33,6 +33,7 @@ def inspect(
     packed) and bytes per expert, dense and total bytes; the host RAM and device memory a configuration needs
     (dense weights, copies per tier, KV reserve, cache), before anything is loaded. Read from config.json and
     the shard headers only."""
+    import contextlib
     import re
 
     from rich.console import Console
@@ -40,6 +41,8 @@ def inspect(
 
     from ..core.recipes import format_bytes, is_gguf_path
     from ..errors import MoectlError
+    from ..kernels import ggml
+    from ..kernels import isa as isas
     from ..store.facts import inspect_model, pick_device
 
     if offload not in ("ram", "disk"):
@@ -53,12 +56,17 @@ def inspect(
         raise MoectlError(f"--device is auto, cpu, cuda or cuda:N, not {device!r}")
     if precision not in (None, "full", "hobbit", "lowbit-only"):
         raise MoectlError(f"--precision is full, hobbit or lowbit-only, not {precision!r}")
-    prepare_model(model, workdir)
-    info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction, precision)
-    if is_gguf_path(info["path"]):                   # ggml computes a GGUF: which build, read from its library
-        from ..kernels import ggml
-
-        info["ggml"] = ggml.describe()
+    # a bad MOECTL_GGML_ISA stops a run that would use ggml; a report goes on without ggml (its figures are a run's
+    # without it) and says why in one line
+    bad_isa = ggml.setting_error()
+    with ggml.unavailable(bad_isa) if bad_isa else contextlib.nullcontext():
+        prepare_model(model, workdir)
+        info = inspect_model(model, workdir, dtype, lowbit, offload, device, budget, lowbit_fraction, precision)
+        if is_gguf_path(info["path"]):               # ggml computes a GGUF: which build, read from its library
+            info["ggml"] = ggml.describe()
+    if bad_isa and "ggml" in info:
+        say(f"{info['ggml']['why_not']}; the figures are without ggml (its kernels, repack and mapped weights)",
+            one_line=True)
     if note:
         say(f"{note}; the memory figures are for it")
     if as_json:
@@ -77,7 +85,8 @@ def inspect(
     if "ggml" in info:
         g = info["ggml"]
         t.add_row("ggml (CPU kernels)", f"{g['isa']} build: {g['built_for']} ({' '.join(g['features'])})"
-                  if g["features"] is not None else f"{g['isa']} build: not loaded ({g['why_not']})")
+                  if g["features"] is not None else f"unavailable: {isas.ENV}={g['isa']!r} (see above)"
+                  if bad_isa else f"{g['isa']} build: not loaded ({g['why_not']})")
     Console().print(t)
     Console().print(memory_table(info["memory"]))
 

@@ -30,6 +30,7 @@ patched copy of the vendored ggml/ (`overlay`), so llama.cpp's own tools (bench/
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -74,6 +75,35 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_O
                "-DLLAMA_OPENSSL=OFF"]
 
 _why: list[str] = []
+_off: list[str] = []              # `unavailable`: why ggml is off for a report that goes on without it
+
+
+def setting_error() -> str | None:
+    """Why this process's ggml setting cannot be used (a bad `MOECTL_GGML_ISA`: kernels/isa.py's message), or None.
+    A run that would use ggml stops on it (`library`); a report (`inspect`) goes on without ggml and says this."""
+    try:
+        isas.current()
+    except MoectlError as e:
+        return str(e)
+    return None
+
+
+@contextlib.contextmanager
+def unavailable(why: str):
+    """ggml off in this process while inside, as with `MOECTL_GGML=0`, `why` said where its state is asked
+    (`library`, `why_not`, `planned`, `describe`): nothing reads `MOECTL_GGML_ISA`, so a bad one stops nothing."""
+    _off.append(why)
+    try:
+        yield
+    finally:
+        _off.pop()
+
+
+def _switched_off() -> str | None:
+    """Why ggml is off by setting (`MOECTL_GGML=0`, or inside `unavailable`), or None."""
+    if os.environ.get("MOECTL_GGML", "1") == "0":
+        return "MOECTL_GGML=0"
+    return f"ggml is unavailable: {_off[-1]}" if _off else None
 
 
 def llamacpp_home() -> Path:
@@ -283,9 +313,10 @@ def remove_stale(home: Path, key: str, shim: Path, echo) -> int:
 def library() -> ctypes.CDLL | None:
     """The shim over ggml's CPU backend (built on first use), or None (then `why_not()` says why). `MOECTL_GGML=0`
     is read on every call (a run or a test may switch it); `MOECTL_GGML_ISA` too: a bad value is a MoectlError, and
-    one process holds one build (its libraries share their names), so another ISA than the loaded one is too."""
-    if os.environ.get("MOECTL_GGML", "1") == "0":
-        _why.append("MOECTL_GGML=0")
+    one process holds one build (its libraries share their names), so another ISA than the loaded one is too.
+    Inside `unavailable` it is None and reads no setting."""
+    if off := _switched_off():
+        _why.append(off)
         return None
     want = isas.current()
     if _loaded_isa and _loaded_isa[0] != want:
@@ -363,11 +394,13 @@ def describe() -> dict:
     `built_for()`; None where it is not built or switched off), "why_not": None, or why not, "prefetch_bytes": the
     patch's prefetch distance a handle gets (`prefetch_bytes()`, 0: off), "expert_gemm": whether its experts' row
     tiles run gemm (`expert_gemm()`)}."""
-    setting = isas.current()
-    out = {"isa": setting, "built": built(), "features": None, "built_for": None, "why_not": None,
+    off = _switched_off()
+    bad = off and setting_error()           # switched off: a bad ISA setting is reported as given, not raised
+    setting = os.environ[isas.ENV] if bad else isas.current()
+    out = {"isa": setting, "built": not bad and built(), "features": None, "built_for": None, "why_not": None,
            "prefetch_bytes": prefetch_bytes(), "expert_gemm": expert_gemm()}
-    if os.environ.get("MOECTL_GGML", "1") == "0":
-        out["why_not"] = "MOECTL_GGML=0"
+    if off:
+        out["why_not"] = off
     elif not (out["built"] or _load.cache_info().currsize):       # what is missing, and what first use costs
         out["why_not"] = (f"its {setting} shim is not compiled yet (ggml's libraries are built; first use compiles "
                           f"the shim: {SHIM_NOTE})" if libraries_built() else
@@ -388,7 +421,7 @@ def built() -> bool:
 def planned() -> bool:
     """Whether `library()` is expected to load: not switched off, and built, or cmake and a compiler here to build
     it (for sizes said before a run: `inspect`, the host-memory check)."""
-    if os.environ.get("MOECTL_GGML", "1") == "0":
+    if _switched_off():
         return False
     if _load.cache_info().currsize:
         return _load() is not None
