@@ -114,6 +114,13 @@ def graphs_built() -> int:
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, the loaded shim, with the one graph's entry points declared (once) and the shim's model layout checked
+    against this file's structs (each model made). Not an import, so nothing the layering rule counts: a ctypes
+    declaration, here rather than in kernels/ggml.py's `_load` (which declares every other entry point) because
+    `mg_model_eval` takes `MgModel`, this file's descriptor, and the kernels layer does not import the runtime.
+    At first use, not at import: this module is imported by every load (runtime/load.py: `why_not`), and the
+    shim is loaded (built, the first time: minutes) only when a run asks for ggml; a run that never takes the graph
+    neither loads it nor checks its layout."""
     if lib.mg_model_eval.argtypes is None:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32
         lib.mg_model_eval.argtypes = [ptr, ctypes.POINTER(MgModel), ptr, i64, i64, i32, ptr, ptr]
