@@ -8,7 +8,8 @@ in `model-source.json`; a model that finds `<name>/` recording another source ta
 sha256 of its resolved path's string (stable across runs; never of the file's bytes: the torch-free run reads no more
 than a header). A `<name>/` without the record (made by a moectl that kept none), or recording a path that no longer
 exists (a deleted or moved model; the test suite's temporary files), is adopted by the first model that uses it, so
-`-<8 hex>` workdirs do not pile up. The record is written when the workdir is resolved, so every command on a file lands in the same workdir
+`-<8 hex>` workdirs do not pile up (`moectl clean`, core/home_entries.py, lists those of models gone and removes
+them). The record is written when the workdir is resolved, so every command on a file lands in the same workdir
 whichever of them ran first; a MOECTL_HOME that cannot be written is left as it is (the command that writes there
 says so, `core/paths.py: writable_dir`). An explicit `--workdir` is never renamed or recorded.
 

@@ -1,9 +1,10 @@
 """Where a command writes: checked before the work that would write there, so a read-only MOECTL_HOME or --workdir
 (or --out naming a file) is one clear error at once, never a traceback after minutes of work or after old files
-were deleted."""
+were deleted. And what a folder there holds (`bytes_under`: ggml's pruning, `moectl clean`)."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -24,6 +25,17 @@ def writable_dir(path, what: str) -> Path:
     except OSError as e:
         raise MoectlError(f"cannot write to {what} {p}: {e.strerror or e}" + _hint(what)) from None
     return p
+
+
+def bytes_under(path: Path) -> int:
+    """The bytes of the files under `path`, as `du --apparent-size` without following links: a symlink counted as
+    itself (ggml's `src-p<key>/` links into the source), a file or folder that cannot be read as 0."""
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return path.lstat().st_size if os.path.lexists(path) else 0
+        return sum(bytes_under(p) for p in path.iterdir())
+    except OSError:
+        return 0
 
 
 def _hint(what: str) -> str:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core.paths import bytes_under
 from ..core.recipes import format_bytes, moectl_home
 from ..errors import MoectlError
 from . import ggml_patch
@@ -277,13 +278,6 @@ def stale_builds(home: Path, key: str, shim: Path) -> list[Path]:
     return sorted(out)
 
 
-def _bytes_under(path: Path) -> int:
-    """The bytes of the files under `path` (a symlink counted as itself: `src-p<key>/` links into the source)."""
-    if path.is_symlink() or not path.is_dir():
-        return path.lstat().st_size if os.path.lexists(path) else 0
-    return sum(_bytes_under(p) for p in path.iterdir())
-
-
 def remove_stale(home: Path, key: str, shim: Path, echo) -> int:
     """Remove `stale_builds(home, key, shim)` after a build of the current key (the caller holds the build's lock),
     and say in one line what went and the bytes freed (returned). Why: each patch key and shim source was a new build
@@ -295,7 +289,7 @@ def remove_stale(home: Path, key: str, shim: Path, echo) -> int:
     stale = stale_builds(home, key, shim)
     freed = 0
     for entry in stale:
-        size = _bytes_under(entry)
+        size = bytes_under(entry)
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)        # rmtree removes a symlink inside, never its target
         else:
@@ -303,7 +297,7 @@ def remove_stale(home: Path, key: str, shim: Path, echo) -> int:
                 entry.unlink()
             except OSError:
                 pass
-        freed += size - (_bytes_under(entry) if os.path.lexists(entry) else 0)
+        freed += size - (bytes_under(entry) if os.path.lexists(entry) else 0)
     if stale:
         echo(f"removed ggml's earlier builds in {home} ({', '.join(e.name for e in stale)}): "
              f"{format_bytes(freed)} freed")
