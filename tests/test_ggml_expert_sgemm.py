@@ -10,6 +10,7 @@ of 256), x shared by a token's experts (gate, up: ne11 = 1) or one row per used 
     (test_ggml_kernels.check_product): tinyBLAS reads the same q8_0 rows vec_dot reads;
   - on against off within 2e-5 of |W| @ |x| (below);
   - bit-equal to off where no expert gets 2 rows (tinyBLAS does not run: its chunk count stays);
+  - the prefetch off (`MOECTL_GGML_PREFETCH=0`) is stock ggml with the switch on;
   - a tiny Q8_0 GGUF's greedy tokens on a 40-token prefill are the same with it on and off;
   - the path is decided once an op (thread 0, before the row mapping's barrier): the switch flipped from another
     thread while products run gives no hang and each product equal to the switch on or off, never a mix; the same
@@ -120,6 +121,26 @@ def test_repeated_experts_within_a_token(experts, monkeypatch):
     assert n_on == 2 * -(-ROWS // 32)                                   # experts 4 and 1
     check_rows(enc, raw, deq, x, ids, on)
     assert ((on - off).abs() <= gemm_bound(deq, x, ids)).all()
+
+
+def test_prefetch_off_is_stock(experts, monkeypatch):
+    """`MOECTL_GGML_PREFETCH=0` (`set_prefetch(0)`) with the gemm switch on: tinyBLAS does not run, the product is
+    stock ggml's vec_dot (bit-equal to the switch off)."""
+    enc, raw, deq = experts
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    ids, x = routed_case(COUNTS, K, 2, False)
+    run = lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2)     # noqa: E731
+    _, off = gemm_on_off(run)
+    try:
+        ggml.set_prefetch(0)
+        ggml.set_expert_gemm(True)
+        before = sgemm_chunks()
+        stock = run()
+        assert sgemm_chunks() == before
+    finally:
+        ggml.set_prefetch(ggml.prefetch_bytes())
+        ggml.set_expert_gemm(ggml.expert_gemm())
+    assert torch.equal(stock, off)
 
 
 def _flipping(products, flip) -> tuple[list, bool]:
