@@ -18,11 +18,10 @@ of 256), x shared by a token's experts (gate, up: ne11 = 1) or one row per used 
 
 The tolerance of on against off: both compute each block's integer dot exactly and scale it by the same fp16 scales;
 they differ in the order of the fp32 sums over blocks (vec_dot: 8 lanes, then a horizontal sum; tinyBLAS: its tile's
-lanes). Measured on this AVX-512 host at these shapes: Q8_0, Q4_0, Q5_0 bit-equal (the fp32 steps in the same order),
-IQ4_NL within 3.1e-8 of |W| @ |x|. The bound is check_product's summation slack, test_ggml_expert_gemm's
-`GEMM_VS_GEMV` = 2e-5 of |W| @ |x|
-per output (the one ggml's dense products, which llama.cpp computes by tinyBLAS, are held to in test_ggml_kernels): the
-order of fp32 sums, not a host's measurement.
+lanes). Measured on this AVX-512 host (native and AVX2 builds) at these shapes: Q8_0, Q4_0, Q5_0 bit-equal (the fp32
+steps in the same order), IQ4_NL within 3.1e-8 of |W| @ |x|. The bound is check_product's summation slack,
+test_ggml_expert_gemm's `GEMM_VS_GEMV` = 2e-5 of |W| @ |x| per output (the one ggml's dense products, which llama.cpp
+computes by tinyBLAS, are held to in test_ggml_kernels): the order of fp32 sums, not a host's measurement.
 
 Legend: T = tokens, K = input width, N = output rows, A = stacked experts, U = experts used per token.
 """
