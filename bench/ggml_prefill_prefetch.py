@@ -11,12 +11,15 @@ bench/moectl_timed.py does), then `--rounds` rounds, each timing one forward of 
 of `--distances` (0: off, stock ggml) in turn, so a busy machine's slow spell falls on all of them alike. Reported:
 the median tokens/s per distance, its ratio to off (> 1: prefetch faster) and the load average. `--ab gemm`: the
 two sides are "gemv" (the row tiles, every routed row by gemv: stop 55's) and "gemm" (groups of 4 by gemm), both at
-the first non-zero distance of `--distances`; "vs_off" is gemm's ratio to gemv (> 1: gemm faster). The figures are
-only as quiet as the machine.
+the first non-zero distance of `--distances`; "vs_off" is gemm's ratio to gemv (> 1: gemm faster). The same switch
+runs the experts ggml does not repack (a Q8_0 file's; Q4_0 / Q5_0 / IQ4_NL where not repacked) by llamafile's tinyBLAS
+on each expert's gathered rows: on a Q8_0 file "gemv" is stock's vec_dot and "gemm" tinyBLAS. The figures are only as
+quiet as the machine.
 
     PYTHONPATH=. python bench/ggml_prefill_prefetch.py ~/.cache/moectl/gguf_vs_llamacpp/qwen3-moe-2/model-Q4_0.gguf
     PYTHONPATH=. python bench/ggml_prefill_prefetch.py FILE.gguf --tokens 64 --threads 1 --rounds 8 --json
     PYTHONPATH=. python bench/ggml_prefill_prefetch.py FILE.gguf --ab gemm --tokens 64 --threads 1 2
+    PYTHONPATH=. python bench/ggml_prefill_prefetch.py ~/.cache/moectl/gguf_vs_llamacpp/*/model-Q8_0.gguf --ab gemm
 
 A file needs one earlier `moectl generate` run (it saves the config and tokenizer the torch-free engine reads):
 made here where missing (bench/moectl_timed.py `first_run`).
@@ -98,7 +101,8 @@ def main(argv=None) -> int:
                     help="prefetch distances in bytes; 0 (off) is the baseline the ratios use")
     ap.add_argument("--ab", choices=["prefetch", "gemm"], default="prefetch",
                     help="what to compare: prefetch distances (default), or the experts' routed rows by gemm "
-                         "against by gemv only (MOECTL_GGML_EXPERT_GEMM), at the first non-zero distance")
+                         "(tinyBLAS for experts not repacked, e.g. Q8_0) against by gemv / vec_dot only "
+                         "(MOECTL_GGML_EXPERT_GEMM), at the first non-zero distance")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
@@ -120,6 +124,9 @@ def main(argv=None) -> int:
         print(f"error: ggml is not available: {ggml.why_not()}", file=sys.stderr)
         return 1
     out = {"load_before": os.getloadavg(), "cases": []}
+    names = [f.name for f in a.files]
+    label = {f: f"{f.parent.name}/{f.name}" if names.count(f.name) > 1 else f.name for f in a.files}   # rows apart
+    width = max(20, *(len(v) for v in label.values()))
     for t in a.threads:
         for f in a.files:
             sides = modes(a.ab, a.distances)
@@ -127,15 +134,16 @@ def main(argv=None) -> int:
             out["cases"].append(r)
             if not a.json:
                 if "skipped" in r:
-                    print(f"{f.name:20} {t}t  skipped: {r['skipped']}")
+                    print(f"{label[f]:{width}} {t}t  skipped: {r['skipped']}")
                 else:
                     cells = "  ".join(f"{m}:{r['tps'][m]:6.1f} ({r['vs_off'][m]:.3f})" for m in sides)
-                    print(f"{f.name:20} {t}t T={a.tokens}  tok/s {cells}", flush=True)
+                    print(f"{label[f]:{width}} {t}t T={a.tokens}  {cells}", flush=True)
     out["load_after"] = os.getloadavg()
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"load average {out['load_before'][0]:.2f} -> {out['load_after'][0]:.2f}")
+        print(f"tokens/s (ratio to the first side); load average {out['load_before'][0]:.2f} -> "
+              f"{out['load_after'][0]:.2f}")
     return 0
 
 

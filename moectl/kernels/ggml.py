@@ -24,8 +24,9 @@ torch is imported by the functions that take or make its tensors, not by the mod
 
 moectl's ggml carries one patch (kernels/ggml_patch.py): software prefetch in the one-token products, the distance
 `MOECTL_GGML_PREFETCH` (`prefetch_bytes`, `set_prefetch`), and with it the repacked experts' row tiles, their routed
-rows 4 at a time by gemm unless `MOECTL_GGML_EXPERT_GEMM=0` (`expert_gemm`, `set_expert_gemm`). It is built from a
-patched copy of the vendored ggml/ (`overlay`), so llama.cpp's own tools (bench/llamacpp.py) stay stock.
+rows 4 at a time by gemm, and the experts not repacked (Q8_0, ...) by llamafile's tinyBLAS on their gathered rows,
+unless `MOECTL_GGML_EXPERT_GEMM=0` (`expert_gemm`, `set_expert_gemm`). It is built from a patched copy of the vendored
+ggml/ (`overlay`), so llama.cpp's own tools (bench/llamacpp.py) stay stock.
 """
 
 from __future__ import annotations
@@ -497,8 +498,9 @@ EXPERT_GEMM_ENV = "MOECTL_GGML_EXPERT_GEMM"
 
 def expert_gemm() -> bool:
     """Whether the repacked experts' row tiles (on with the prefetch, kernels/ggml_patch.py) run each expert's routed
-    rows 4 at a time by gemm (the rest by gemv): `MOECTL_GGML_EXPERT_GEMM` unset or 1, yes; 0, every row by gemv (the
-    A/B). A MoectlError for another value."""
+    rows 4 at a time by gemm (the rest by gemv), and the experts not repacked whose product takes q8_0 activations
+    (Q8_0; Q4_0, Q5_0, IQ4_NL not repacked) run llamafile's tinyBLAS on their gathered rows: `MOECTL_GGML_EXPERT_GEMM`
+    unset or 1, yes; 0, every row by gemv / vec_dot (the A/B). A MoectlError for another value."""
     raw = os.environ.get(EXPERT_GEMM_ENV, "").strip()
     if raw not in ("", "0", "1"):
         raise MoectlError(f"{EXPERT_GEMM_ENV}={raw!r}: give 1 (the experts' routed rows 4 at a time by gemm) or 0")
@@ -507,7 +509,8 @@ def expert_gemm() -> bool:
 
 def set_expert_gemm(on: bool) -> None:
     """Switch the experts' gemm (`expert_gemm`) for every later product in this process: one global in moectl's
-    patched ggml, like `set_prefetch`'s distance, so an A/B alternates in one process."""
+    patched ggml, like `set_prefetch`'s distance, so an A/B alternates in one process. Safe while a graph computes on
+    another thread: each op reads it once (thread 0, ahead of the op's barrier), so a product is all on or all off."""
     require().ggml_moectl_set_expert_gemm(int(bool(on)))
 
 

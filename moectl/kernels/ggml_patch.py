@@ -2,28 +2,33 @@
 
 Why (issue 42's decode gap): a one-token product streams its weight matrix from DRAM once, and ggml's loops
 (`ggml_compute_forward_mul_mat_one_chunk`'s vec_dot rows, `..._mul_mat_id_one_chunk`'s expert rows, repack.cpp's gemv
-over 8-row groups) issue no software prefetch: on an Intel Xeon the hardware prefetchers stop at each 4 KB page, so
-each page starts cold and one core reads ~7 GB/s where a kernel prefetching 4 KB ahead reads 11-13 (docs/gguf.md).
-The patch prefetches the bytes `ggml_moectl_prefetch_bytes` ahead of the rows about to be read, and (same switch)
-runs the repacked experts' product in row tiles with the routed tokens inside (`_EXPERT_TILES`: a prefill no longer
-streams an expert once per token), an expert's routed rows 4 at a time by gemm there (`_EXPERT_GEMM_ROWS`; the global
-`ggml_moectl_expert_gemm`, kernels/ggml.py `MOECTL_GGML_EXPERT_GEMM`, 0: every row by gemv); the distance is a
-global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's default) is stock
-behaviour. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on and off, the
-experts' gemm off); the experts' gemm sums in gemm's order, as ggml's dense product does for 4 rows
-(tests/test_ggml_expert_gemm.py).
+over 8-row groups) issue no software prefetch: on an Intel Xeon the hardware prefetchers stop at each 4 KB page, so each
+page starts cold and one core reads ~7 GB/s where a kernel prefetching 4 KB ahead reads 11-13 (docs/gguf.md). The patch
+prefetches the bytes `ggml_moectl_prefetch_bytes` ahead of the rows about to be read, and (same switch) runs the
+repacked experts' product in row tiles with the routed tokens inside (`_EXPERT_TILES`: a prefill no longer streams an
+expert once per token), an expert's routed rows 4 at a time by gemm there (`_EXPERT_GEMM_ROWS`; the global
+`ggml_moectl_expert_gemm`, kernels/ggml.py `MOECTL_GGML_EXPERT_GEMM`, 0: every row by gemv), and (same two switches) the
+experts ggml does not repack whose product takes q8_0 activations (Q8_0; Q4_0, Q5_0, IQ4_NL where not repacked) through
+llamafile's tinyBLAS on each expert's gathered routed rows (`_SGEMM_EXPERT`; stock: vec_dot one (row, token) pair at a
+time); the distance is a global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's
+default) is stock behaviour. The experts' path is decided once an op, by thread 0 into the workspace before the row
+mapping's barrier (`_EXPERT_MODE`, `_SGEMM_MODE`): a switch set from another thread while a graph computes cannot make
+the op's threads disagree. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on
+and off, the experts' gemm off); the experts' gemm sums in gemm's order, as ggml's dense product does for 4 rows
+(tests/test_ggml_expert_gemm.py), and tinyBLAS in its own (tests/test_ggml_expert_sgemm.py).
 
 Only moectl's ggml build is patched (kernels/ggml.py: `build()` configures a private copy of the vendored ggml/ tree,
 `overlay()`); llama.cpp's tools in the comparison (bench/llamacpp.py) build from the untouched source. The edits are
 exact-anchor text edits (no `patch` binary): an anchor not found exactly once fails the build with a message naming
 it. `KEY` (a hash of the edits) is part of the build's directory, so a changed patch builds anew.
 
-A prefill (T > 1 tokens) runs the same patched loops where it takes them: the vec_dot path's 16-token blocks (the
-first token of each prefetches) and a repacked expert's row tiles (gemm for groups of 4 routed rows, gemv for the
-rest). Not patched: llamafile's sgemm (dense
-Q8_0, Q4_0, ... at T > 1) and repack.cpp's gemm (a repacked dense matrix at T >= 4): splitting that gemm into 16-row
-groups each prefetched ahead was measured and lost (0.76-0.91 at T = 4 and 16; the split alone 0.97-1.01: the
-product is compute-bound there; docs/gguf.md, "A prefill's products"), so it is not an edit.
+A prefill (T > 1 tokens) runs the same patched loops where it takes them: the vec_dot path's 16-token blocks (the first
+token of each prefetches) and a repacked expert's row tiles (gemm for groups of 4 routed rows, gemv for the rest), and
+the tinyBLAS experts' chunks (32 weight rows, every routed token inside). Not patched: llamafile's sgemm itself (dense
+Q8_0, Q4_0, ... at T > 1; the experts' path above calls it unchanged) and repack.cpp's gemm (a repacked dense matrix at
+T >= 4): splitting that gemm into 16-row groups each prefetched ahead was measured and lost (0.76-0.91 at T = 4 and 16;
+the split alone 0.97-1.01: the product is compute-bound there; docs/gguf.md, "A prefill's products"), so it is not an
+edit.
 
 A prefetch past a matrix's end (its last rows, or a thread's chunk) reads nothing it is not allowed to: a prefetch
 never faults (x86 PREFETCHh, ARM PRFM), so the loops need no bound. Distances measured (docs/gguf.md, "Software
@@ -54,6 +59,25 @@ static inline void ggml_moectl_prefetch(const char * p, size_t n) {
         __builtin_prefetch(p + o, 0, 3);
     }
 }
+// The experts (not repacked) whose product takes q8_0 activations and llamafile's tinyBLAS computes: each expert's
+// routed rows gathered, then tinyBLAS on MOECTL_SGEMM_ROWS weight rows at a time (mul_mat_id; the switch of
+// repack.cpp's gemm: the prefetch on and ggml_moectl_expert_gemm).
+#define MOECTL_SGEMM_ROWS 32
+// the chunks tinyBLAS computed there (a count the tests read: the path ran), added once per expert and thread
+__attribute__((visibility("default"))) int64_t ggml_moectl_sgemm_chunks = 0;
+static inline bool ggml_moectl_expert_sgemm_on(void) {
+    return ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm;
+}
+static inline bool ggml_moectl_sgemm_type(enum ggml_type type) {
+    return type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_IQ4_NL;
+}
+// mul_mat_id's room after stock's workspace, each piece 64-byte aligned (64 bytes slack each): the op's decision slot
+// (always), then where the sgemm is on the gathered rows [n_routed, row_size bytes] and each thread's C scratch
+// [n_routed tokens][MOECTL_SGEMM_ROWS] floats.
+static inline size_t ggml_moectl_sgemm_room(bool on, int64_t n_routed, size_t row_size, int n_threads) {
+    return 64 + 64 + (on ? 64 + (size_t) n_routed * row_size +
+                           64 + (size_t) n_threads * MOECTL_SGEMM_ROWS * n_routed * sizeof(float) : 0);
+}
 
 """
 
@@ -81,11 +105,15 @@ static inline int64_t ggml_moectl_expert_tile(size_t nb01, int64_t nb_cols) {
     return tile < nb_cols ? nb_cols : tile;
 }
 
-// The experts' gemm workspace, after stock mul_mat_id's (src1 quantized, the row mapping: `stock` bytes), offsets
-// 64-byte padded: the groups' quantized rows (at most every routed row: `n_routed` rows of `nbw1` bytes), then one
-// float scratch a thread: a group's [4, ne10] activations gathered, later a tile's [4, tile] gemm output.
-static inline size_t ggml_moectl_gemm_groups_offset(size_t stock) {
+// The experts' workspace, after stock mul_mat_id's (src1 quantized, the row mapping: `stock` bytes), offsets 64-byte
+// padded: the op's decision slot (always: `ggml_moectl_expert_mode`), then where the gemm is on the groups' quantized
+// rows (at most every routed row: `n_routed` rows of `nbw1` bytes), then one float scratch a thread: a group's
+// [4, ne10] activations gathered, later a tile's [4, tile] gemm output.
+static inline size_t ggml_moectl_mode_offset(size_t stock) {
     return GGML_PAD(stock, 64);
+}
+static inline size_t ggml_moectl_gemm_groups_offset(size_t stock) {
+    return ggml_moectl_mode_offset(stock) + 64;
 }
 static inline size_t ggml_moectl_gemm_scratch_offset(size_t stock, int64_t n_routed, size_t nbw1) {
     return ggml_moectl_gemm_groups_offset(stock) + GGML_PAD((size_t) n_routed * nbw1, 64);
@@ -97,6 +125,19 @@ static inline size_t ggml_moectl_gemm_size(size_t stock, int64_t n_routed, size_
                                            int n_threads) {
     return ggml_moectl_gemm_scratch_offset(stock, n_routed, nbw1) +
            (size_t) n_threads * ggml_moectl_gemm_scratch_floats(ne10, tile) * sizeof(float);
+}
+
+// The experts' path, decided once an op by thread 0 (every thread reads it past the row mapping's barrier: a setter
+// called from another thread while a graph computes must not make threads disagree, one skipping the gemm's gather
+// barrier the others wait at, or splitting rows differently): 0 stock, 1 the row tiles by gemv, 2 the row tiles with
+// the gemm (its room in the workspace: `wsize`).
+static inline int ggml_moectl_expert_mode(size_t wsize, size_t stock, int64_t n_routed, size_t nbw1, int64_t ne10,
+                                          int64_t tile, int n_threads) {
+    if (ggml_moectl_prefetch_bytes <= 0) {
+        return 0;
+    }
+    return ggml_moectl_expert_gemm &&
+           ggml_moectl_gemm_size(stock, n_routed, nbw1, ne10, tile, n_threads) <= wsize ? 2 : 1;
 }
 """
 
@@ -148,7 +189,7 @@ def _group_loop(pad: int, start: str, end: str, x: str, s: str, y: str, prefetch
 # sums are a whole call's.
 _GEMM = "gemm<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>("
 _EXPERT_TILES = ("""\
-            if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: row tiles outer, routed tokens inner
+            if (moectl_mode > 0) {       // moectl patch: row tiles outer, routed tokens inner
                 const int64_t tile = ggml_moectl_expert_tile(nb01, NB_COLS);
                 // gemm's groups: this expert's first 4 * groups routed rows, quantized above from group g0 on
                 int64_t g0 = 0;
@@ -203,20 +244,21 @@ _EXPERT_TILES = ("""\
 # expert's routed rows in groups of 4 (its first 4 * (count / 4), in the mapping's order), over all experts group g
 # thread g % nth's: the 4 rows' float activations gathered into the thread's scratch and quantized once, 4-interleaved
 # (`ggml_quantize_mat_t`, as forward_mul_mat quantizes its rows for gemm), into the workspace `work_size` grew
-# (`_EXPERT_GEMM_SIZE`); a barrier, then the tiles read them. A workspace planned without that room (the switch
-# flipped between plan and compute) leaves `moectl_groups` null: every row by gemv, as with the gemm off.
+# (`_EXPERT_GEMM_SIZE`); a barrier, then the tiles read them. Whether it runs is thread 0's decision (`_EXPERT_MODE`,
+# read here past the row mapping's barrier); a workspace planned without that room (the switch flipped between plan
+# and compute) decides mode 1: `moectl_groups` null, every row by gemv, as with the gemm off.
 _EXPERT_GEMM_ROWS = """\
-        // moectl patch (moectl/kernels/ggml_patch.py): the routed rows' groups of 4 for the experts' gemm
+        // moectl patch (moectl/kernels/ggml_patch.py): the op's path (thread 0's, before the barrier above), then
+        // the routed rows' groups of 4 for the experts' gemm
+        const int moectl_mode = moectl_mode_slot != nullptr ? *moectl_mode_slot : 0;
         char *  moectl_groups  = nullptr;       // [groups][4 rows interleaved, nbw1 bytes each]; null: no gemm
         float * moectl_scratch = nullptr;       // this thread's [4, ne10] gather, later its [4, tile] gemm output
-        if (ggml_moectl_expert_gemm_on()) {
-            const size_t  stock    = GGML_PAD(nbw3, sizeof(int64_t)) +
-                                     n_as * (ne12 + 1) * sizeof(mmid_row_mapping);        // stock's workspace
+        {
             const int64_t n_routed = ids->ne[0] * ids->ne[1];
             const int64_t tile     = ggml_moectl_expert_tile(nb01, NB_COLS);
-            if (ggml_moectl_gemm_size(stock, n_routed, nbw1, ne10, tile, nth) <= params->wsize) {
-                moectl_groups  = wdata + ggml_moectl_gemm_groups_offset(stock);
-                moectl_scratch = (float *) (wdata + ggml_moectl_gemm_scratch_offset(stock, n_routed, nbw1)) +
+            if (moectl_mode == 2) {
+                moectl_groups  = wdata + ggml_moectl_gemm_groups_offset(moectl_stock);
+                moectl_scratch = (float *) (wdata + ggml_moectl_gemm_scratch_offset(moectl_stock, n_routed, nbw1)) +
                                  ith * ggml_moectl_gemm_scratch_floats(ne10, tile);
                 int64_t g = 0;
                 for (int a = 0; a < n_as; a++) {
@@ -240,16 +282,146 @@ _EXPERT_GEMM_ROWS = """\
 
 """
 
+# forward_mul_mat_id, ahead of thread 0's row mapping: the op's path decided once (`ggml_moectl_expert_mode`) into
+# the workspace's slot, which work_size always reserves (`_EXPERT_GEMM_SIZE`); a workspace without it: stock.
+_EXPERT_MODE = """\
+        // moectl patch (moectl/kernels/ggml_patch.py): the experts' path, thread 0's, read past the barrier
+        const size_t moectl_stock = GGML_PAD(nbw3, sizeof(int64_t)) +
+                                    n_as * (ne12 + 1) * sizeof(mmid_row_mapping);         // stock's workspace
+        int * moectl_mode_slot = params->wsize >= ggml_moectl_gemm_groups_offset(moectl_stock) ?
+                                 (int *) (wdata + ggml_moectl_mode_offset(moectl_stock)) : nullptr;
+        if (ith == 0 && moectl_mode_slot != nullptr) {
+            *moectl_mode_slot = ggml_moectl_expert_mode(params->wsize, moectl_stock, ids->ne[0] * ids->ne[1], nbw1,
+                                                        ne10, ggml_moectl_expert_tile(nb01, NB_COLS), nth);
+        }
+
+"""
+
 # repack tensor_traits' work_size for MUL_MAT_ID: the room `_EXPERT_GEMM_ROWS` uses, where the gemm is on.
 _EXPERT_GEMM_SIZE = """\
-                    // moectl patch (moectl/kernels/ggml_patch.py): the experts' gemm groups and threads' scratch
+                    // moectl patch (moectl/kernels/ggml_patch.py): the op's decision slot (always), the experts' gemm
+                    // groups and threads' scratch (where on)
                     if (ggml_moectl_expert_gemm_on()) {
                         const int64_t ne10 = op->src[1]->ne[0];
                         size = ggml_moectl_gemm_size(size, op->src[2]->ne[0] * op->src[2]->ne[1],
                                                      ggml_row_size(PARAM_TYPE, ne10), ne10,
                                                      ggml_moectl_expert_tile(op->src[0]->nb[1], NB_COLS),
                                                      moectl_n_threads);
+                    } else {
+                        size = ggml_moectl_gemm_groups_offset(size);
                     }
+"""
+
+
+# ggml-cpu.c's forward_mul_mat_id for the experts not repacked whose product takes q8_0 activations and tinyBLAS
+# computes (`ggml_moectl_sgemm_type`: Q8_0, and Q4_0 / Q5_0 / IQ4_NL where not repacked): stock ggml computes each
+# (weight row, routed token) pair by vec_dot, 16 x 16 at a time, where its dense product (forward_mul_mat) runs the same
+# types through llamafile's tinyBLAS (4 x 4 register tiles: a weight block loaded once for 4 tokens). Here each expert
+# with >= 2 routed rows gets tinyBLAS too: the routed rows' q8_0 activations gathered once an op, expert after expert
+# (all threads, a range each, then a barrier), then the expert's weight rows in chunks of MOECTL_SGEMM_ROWS (every
+# routed token inside: a chunk's weights read once), taken from stock's per-expert chunk counter (no barrier between
+# experts), tinyBLAS as one thread of one (the thread owns its chunk) into the thread's C scratch [tokens][rows], whose
+# columns go to their dst rows. tinyBLAS sums in its own order (tests/test_ggml_expert_sgemm.py). The path is decided
+# once an op by thread 0 into the workspace's slot (as repack.cpp's `_EXPERT_MODE`); a workspace without the room
+# (`ggml_moectl_sgemm_room`, planned with the switch off) or tinyBLAS refusing a chunk: stock's vec_dot.
+_SGEMM_ROOM = """\
+    // moectl patch (moectl/kernels/ggml_patch.py): the op's decision slot, then the experts' sgemm room
+    // (ggml_moectl_sgemm_room): the gathered rows, the threads' C scratch; a workspace without them decides stock
+    const int64_t moectl_n_routed = ids->ne[0]*ids->ne[1];
+    const size_t  moectl_row_size = ggml_row_size(vec_dot_type, ne10);
+    int * moectl_mode = incr_ptr_aligned(&wdata_cur, sizeof(int), 64);
+    const bool moectl_slot = params->wsize >= (size_t)((char *) wdata_cur - (char *) params->wdata);
+    char * moectl_rows = incr_ptr_aligned(&wdata_cur, moectl_n_routed*moectl_row_size, 64);  // [n_routed, row_size]
+    float * moectl_c = incr_ptr_aligned(&wdata_cur, nth*MOECTL_SGEMM_ROWS*moectl_n_routed*sizeof(float), 64);
+    const bool moectl_room = params->wsize >= (size_t)((char *) wdata_cur - (char *) params->wdata);
+"""
+
+_SGEMM_MODE = """\
+    // moectl patch: the experts' path decided once, by thread 0, read by every thread past the barrier below
+    if (ith == 0 && moectl_slot) {
+        *moectl_mode = moectl_room && ggml_moectl_expert_sgemm_on() && ggml_moectl_sgemm_type(type) &&
+                       src1->type != vec_dot_type && !params->use_ref;
+    }
+
+"""
+
+_SGEMM_GATHER = """\
+    // moectl patch: with the sgemm on, the routed rows of each expert with >= 2 of them gathered in the row mapping's
+    // order, expert after expert (expert a's from the sum of the counts before it), a range of rows a thread
+    const bool moectl_sgemm = moectl_slot && *moectl_mode;
+    if (moectl_sgemm) {
+        const int64_t r_start = (ith*moectl_n_routed)/nth;
+        const int64_t r_end   = ((ith + 1)*moectl_n_routed)/nth;
+        int64_t r = 0;
+        for (int a = 0; a < n_as && r < r_end; r += matrix_row_counts[a], a++) {
+            if (matrix_row_counts[a] < 2) {
+                continue;
+            }
+            for (int64_t k = MAX(r_start - r, 0); k < matrix_row_counts[a] && r + k < r_end; k++) {
+                const struct mmid_row_mapping rm = MMID_MATRIX_ROW(a, k);
+                memcpy(moectl_rows + (r + k)*moectl_row_size,
+                       (const char *) params->wdata + (rm.i1 % ne11 + rm.i2*ne11)*moectl_row_size, moectl_row_size);
+            }
+        }
+        ggml_barrier(params->threadpool);
+    }
+
+"""
+
+_SGEMM_EXPERT = """\
+#if GGML_USE_LLAMAFILE
+        if (moectl_sgemm && cne1 >= 2) {       // moectl patch: tinyBLAS on the expert's gathered rows
+            int64_t r0 = 0;                                     // the expert's first gathered row
+            for (int a = 0; a < cur_a; a++) {
+                r0 += matrix_row_counts[a];
+            }
+            const char * b = moectl_rows + r0*row_size;                           // [cne1, row_size bytes]
+            float * c = moectl_c + (size_t) ith*MOECTL_SGEMM_ROWS*moectl_n_routed;   // [cne1][chunk rows]
+            // the thread owns its chunk: tinyBLAS as thread 0 of 1 (the op's other threads are elsewhere)
+            struct ggml_compute_params one = *params;
+            one.ith = 0;
+            one.nth = 1;
+            const int64_t nchunk = (nr0 + MOECTL_SGEMM_ROWS - 1)/MOECTL_SGEMM_ROWS;
+            int current_chunk = ith;
+            atomic_int * current_chunk_ctr = (atomic_int *)(atomic_current_chunk + cur_a);
+            int64_t done = 0;
+            while (current_chunk < nchunk) {
+                const int64_t ir0_start = current_chunk*MOECTL_SGEMM_ROWS;
+                const int64_t ir0_end   = MIN(ir0_start + MOECTL_SGEMM_ROWS, nr0);
+                const int64_t m         = ir0_end - ir0_start;
+                if (llamafile_sgemm(&one, m, cne1, ne00/ggml_blck_size(type),
+                                    src0_cur + ir0_start*nb01, nb01/ggml_type_size(type),
+                                    b, row_size/ggml_type_size(vec_dot_type),
+                                    c, m, type, vec_dot_type, GGML_TYPE_F32)) {
+                    for (int64_t j = 0; j < cne1; j++) {                // C [cne1][m] -> each token's dst row
+                        const struct mmid_row_mapping rm = MMID_MATRIX_ROW(cur_a, j);
+                        memcpy((float *) ((char *) dst->data + rm.i1*nb1 + rm.i2*nb2) + ir0_start, c + j*m,
+                               m*sizeof(float));
+                    }
+                    done++;
+                } else {
+                    ggml_compute_forward_mul_mat_id_one_chunk(dst, src0, src1, ids, cur_a, ir0_start, ir0_end, 0, cne1,
+                                                              src0_cur, matrix_rows, row_size, src1_cont, wdata);
+                }
+                if (nth >= nchunk) {
+                    break;
+                }
+                current_chunk = atomic_fetch_add_explicit(current_chunk_ctr, 1, memory_order_relaxed);
+            }
+            __atomic_fetch_add(&ggml_moectl_sgemm_chunks, done, __ATOMIC_RELAXED);
+            continue;
+        }
+#endif
+
+"""
+
+# ggml_graph_plan's MUL_MAT_ID work size: the slot always, the sgemm's room where it is on for the op's type.
+_SGEMM_PLAN = """\
+                        // moectl patch (moectl/kernels/ggml_patch.py): the decision slot, the experts' sgemm room
+                        cur += ggml_moectl_sgemm_room(ggml_moectl_expert_sgemm_on() &&
+                                                      ggml_moectl_sgemm_type(src0->type) && src1->type != vec_dot_type,
+                                                      ids->ne[0]*ids->ne[1], ggml_row_size(vec_dot_type, src1->ne[0]),
+                                                      n_tasks);
 """
 
 
@@ -293,6 +465,15 @@ EDITS: list[tuple[str, str, str, str]] = [
     ("repack.cpp", "                    size += sizeof_mmid_row_mapping*ne02*(ne12 + 1);\n", "", _EXPERT_GEMM_SIZE),
     ("repack.cpp", "/* n_threads */, const struct ggml_tensor * op, size_t & size) override {\n",
      "moectl_n_threads ", ""),
+    # the experts' path decided once an op, by thread 0 before the row mapping's barrier
+    ("repack.cpp", "        if (ith == 0) {\n            // initialize matrix_row_counts\n", _EXPERT_MODE, ""),
+    # the experts not repacked by tinyBLAS (forward_mul_mat_id): room, decision, gather, chunks; the plan's room
+    ("ggml-cpu.c", "    GGML_ASSERT(params->wsize >= (size_t)((char *) wdata_cur - (char *) params->wdata));\n", "",
+     _SGEMM_ROOM),
+    ("ggml-cpu.c", "    // reset current_chunk\n", _SGEMM_MODE, ""),
+    ("ggml-cpu.c", "    for (int cur_a = 0; cur_a < n_as; ++cur_a) {\n", _SGEMM_GATHER, ""),
+    ("ggml-cpu.c", "        int chunk_size = 16;\n        if (nr0 == 1 || nr1 == 1) {\n", _SGEMM_EXPERT, ""),
+    ("ggml-cpu.c", "                    } break;\n                case GGML_OP_OUT_PROD:\n", _SGEMM_PLAN, ""),
 ]
 
 
