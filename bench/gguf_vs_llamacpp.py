@@ -18,7 +18,8 @@ the mapped file: moectl/kernels/ggml.py), same threads.
    alternating rounds, both tools in fresh processes: decode ms/token
    (llama-bench `-p 0 -n GEN`; moectl: a prompt, then GEN drawn tokens fed one at a time, no logits read),
    prefill tokens/s (`-p PREFILL -n 0 -r PREFILL_REPS`, its mean; moectl: the mean of PREFILL_REPS forwards of
-   PREFILL tokens after a warm-up forward, as llama-bench warms up), peak RSS per process, and load to first token
+   PREFILL tokens after a warm-up forward, as llama-bench warms up, each on the ids llama-bench feeds: both route
+   the same rows), peak RSS per process, and load to first token
    (moectl: `Engine.load` + one token; llama.cpp: the wall time of `llama-bench -p 0 -n 1 -r 1` less its one token).
    moectl's side is bench/moectl_timed.py, the same script bench/vs_llamacpp.py times moectl with.
 3. The memory roofline beside the decode (stop 54): a decode token reads each weight it uses once, so when decode is

@@ -406,6 +406,36 @@ def bench(gguf: str | Path, threads: int, prompt: int = 0, gen: int = 64, reps: 
             "rss_gb": rss}
 
 
+def glibc_rand(n: int, seed: int = 1) -> list[int]:
+    """The first `n` values of glibc's `rand()` after `srand(seed)` (1: never seeded), its default TYPE_3 generator:
+    31 words seeded by 16807 * x mod 2^31 - 1, the first 310 outputs dropped, then r[i] = r[i-31] + r[i-3] mod 2^32,
+    each output r >> 1. Exact (checked against libc's own in tests/test_bench_vs_llamacpp.py)."""
+    r = [seed]
+    for _ in range(30):
+        hi, lo = divmod(r[-1], 127773)                   # Schrage's 16807 * x mod (2^31 - 1), as glibc's srandom_r
+        w = 16807 * lo - 2836 * hi
+        r.append(w + 2147483647 if w < 0 else w)
+    r += r[:3]                                          # r[31..33] = r[0..2]
+    for i in range(34, n + 344):
+        r.append((r[i - 31] + r[i - 3]) & 0xFFFFFFFF)
+    return [x >> 1 for x in r[344:]]
+
+
+def bench_prompt_ids(n_vocab: int, n_prompt: int, prompts: int, bos: int | None = None) -> list[list[int]]:
+    """The token ids llama-bench's prompt test feeds, one list per prompt in its order: `-p N -n 0 -r R` runs its
+    warm-up prompt, then R timed ones (tools/llama-bench `test_prompt`: `std::rand() % n_vocab` each, the first
+    token BOS instead where the vocabulary adds one; nothing seeds rand, so every run feeds the same ids).
+
+    Why moectl's side feeds these (stop 57): which experts a prompt routes decides how its rows split between ggml's
+    tiled kernel (an expert with >= 8 routed rows) and stock vec_dot (fewer), and on the IQ types a row costs vec_dot
+    several times what it costs tiled. One fixed draw timed R times (moectl's until stop 57) routed 236-254 of a
+    Qwen3-shaped layer's 512 rows to experts below 8 against 163-282 over other draws (mean ~208): a bias of one
+    draw, not of moectl. With llama-bench's own ids both tools route the same rows."""
+    stream = iter(glibc_rand(prompts * n_prompt))
+    return [[bos if i == 0 and bos is not None else next(stream) % n_vocab for i in range(n_prompt)]
+            for _ in range(prompts)]
+
+
 def bench_rows(gguf: str | Path, args: list, root: Path | None = None) -> tuple[list[dict], float]:
     """`llama-bench -m gguf ARGS -o json`: its result rows (one per test it ran) and its peak RSS in GB."""
     import json

@@ -5,7 +5,7 @@ What it times, as llama-bench does on its side:
 - load to first token (only where asked: `time_load`): `Engine.load` and one forward of one token, from before
   moectl is imported (llama.cpp's side: the wall time of `llama-bench -n 1` less its token);
 - a warm-up forward of `prefill` other tokens, untimed: llama-bench's own warm-up (`llama-bench.cpp`: a whole
-  `test_prompt(n_prompt)` before a prompt test's timed runs). A shorter one (8 tokens until stop 53) left the timed
+  `test_prompt(n_prompt)` before a prompt test's timed runs), on the ids it feeds there (below). A shorter one (8 tokens until stop 53) left the timed
   prefill paying first-use work llama.cpp's did not (page faults of the mapped file; Qwen3 Q4_K_M, 128 experts,
   top-8: 233-267 against 295-302 tokens/s, the same process's later prefills);
 - then the first-use repack finished, untimed (`first_use_repack`: matrices and seconds): ggml repacks an expert when
@@ -13,8 +13,12 @@ What it times, as llama-bench does on its side:
   few of them: the last layer of a forward keeps one row (a 1-layer GPT-OSS file routed 4 of its 32 experts in a
   64-token forward), so without it the timed decode repacked Mixtral's 100 MB experts as tokens reached them (stop
   53's first run: Q4_0 1.21 / 1.40x llama.cpp's; the 1-layer GPT-OSS file 1.9x);
-- prefill: `prefill_reps` forwards of `prefill` tokens (the same ids, each from an empty cache), the mean of their
-  tokens/s and each rep's (`prefill_samples`): llama-bench's `avg_ts` over its `-r` reps. One forward (0.1-0.5 s)
+- prefill: `prefill_reps` forwards of `prefill` tokens (each from an empty cache), the mean of their tokens/s and
+  each rep's (`prefill_samples`): llama-bench's `avg_ts` over its `-r` reps. Each rep feeds the ids llama-bench feeds
+  that rep (bench/llamacpp.py `bench_prompt_ids`: glibc's unseeded `rand() % n_vocab`, BOS first where the file adds
+  one), so both tools route the same rows: until stop 57 every rep fed one fixed draw, which on the Qwen3 shape sent
+  13-22 % more of a layer's rows to experts below ggml's 8-row tiled threshold than llama-bench's draws (IQ files:
+  3-7 % of moectl's prefill, docs/gguf.md "IQ prefill (stop 57)"). The decode's context is the first rep's ids. One forward (0.1-0.5 s)
   alone moved by 0.8-1.3x between two runs of one file (stop 55's table: Qwen3 Q5_K_M at 1 thread 1.34x
   llama.cpp's, Q6_K 0.91x, neither file repacked and both tools on the same ggml loop);
 - decode: a `prompt`-token context, then `gen` drawn tokens fed one at a time, no logits read (llama-bench's
@@ -40,18 +44,20 @@ from pathlib import Path
 # ids from the run's seeded generator ([1, n] tensor, or [n] array for the torch-free engine; `[..., a:b]` slices
 # either); `first_use_repack()`: the untimed repack's fields. Fills `res` with the timed fields.
 TIMED = """
-import resource, time
+import resource, sys, time
+sys.path.insert(0, {bench!r})
+from llamacpp import bench_prompt_ids
 
 
-def timed(eng, draw, first_use_repack, res):
-    warm, ids = draw({prefill}), draw({prefill})
-    eng.forward(warm, None, last_only=True)                              # warm-up, untimed
+def timed(eng, draw, as_ids, V, first_use_repack, res):
+    prompts = [as_ids(x) for x in bench_prompt_ids(V, {prefill}, {reps} + 1, {bos!r})]   # llama-bench's own ids
+    eng.forward(prompts[0], None, last_only=True)                        # warm-up, untimed
     res.update(first_use_repack())
     pre = []
-    for r in range({reps}):
+    for ids in prompts[1:]:
         t0 = time.perf_counter(); eng.forward(ids, None, last_only=True)
         pre.append({prefill} / (time.perf_counter() - t0))
-    out, cache = eng.forward(ids[..., :{prompt}], None, last_only=True)  # the decode's context
+    out, cache = eng.forward(prompts[1][..., :{prompt}], None, last_only=True)   # the decode's context
     feed = draw({gen})
     t0 = time.perf_counter()
     for t in range({gen}):
@@ -107,7 +113,8 @@ if {time_load!r}:
 g = torch.Generator().manual_seed(0)
 V = eng.config.vocab_size
 with torch.inference_mode():
-    timed(eng, lambda n: torch.randint(0, min(V, 1024), (1, n), generator=g), first_use_repack, res)
+    timed(eng, lambda n: torch.randint(0, min(V, 1024), (1, n), generator=g), lambda x: torch.tensor([x]), V,
+          first_use_repack, res)
 res.update(note=getattr(eng, "plan_note", None) or None, kernels=kernels_used())
 print("RESULT " + json.dumps(res))
 """
@@ -140,7 +147,7 @@ if {time_load!r}:
     res["load_s"] = time.perf_counter() - t0
 rng = np.random.default_rng(0)
 V = eng.graph.V
-timed(eng, lambda n: rng.integers(0, min(V, 1024), n), first_use_repack, res)
+timed(eng, lambda n: rng.integers(0, min(V, 1024), n), np.array, V, first_use_repack, res)
 res.update(note=eng.plan_note,
            kernels={{"ggml": True, "ggml_features": ggml.features(), "ggml_prefetch": ggml.prefetch_bytes(),
                     "own_q6k": ggml.own_q6k_kernel(),
@@ -152,9 +159,10 @@ print("RESULT " + json.dumps(res))
 
 
 def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_load: bool = False,
-           torch_free: bool = False, prefill_reps: int = 1) -> str:
+           torch_free: bool = False, prefill_reps: int = 1, bos: int | None = None) -> str:
     """The child's Python source. `load` gets `threads`, `device="cpu"`, `progress=False` and `gating="none"` unless
-    it says otherwise."""
+    it says otherwise. The warm-up and the timed prefills feed llama-bench's own prompt ids (bench/llamacpp.py
+    `bench_prompt_ids`), `bos` first where llama.cpp adds one (`gguf_bos`)."""
     if gen < 1 or not 1 <= prompt <= prefill:            # the decode's context is the prefill's first `prompt` ids
         raise ValueError(f"gen >= 1 and 1 <= prompt <= prefill (got prompt {prompt}, gen {gen}, prefill {prefill})")
     if prefill_reps < 1:
@@ -162,7 +170,21 @@ def script(load: dict, threads: int, prompt: int, gen: int, prefill: int, time_l
     load = {"device": "cpu", "threads": threads, "progress": False, "gating": "none", **load}
     body = SCRIPT_TORCH_FREE if torch_free else SCRIPT
     return (TIMED + body).format(load=load, time_load=time_load, prefill=prefill, prompt=prompt, gen=gen,
-                                 reps=prefill_reps)
+                                 reps=prefill_reps, bos=bos, bench=str(Path(__file__).resolve().parent))
+
+
+def gguf_bos(model: str) -> int | None:
+    """The BOS id llama.cpp puts first in a prompt of the GGUF file `model` (`tokenizer.ggml.add_bos_token`; without
+    it, as llama.cpp's vocabulary: a sentencepiece one adds BOS), None where it adds none or `model` is no GGUF
+    file (a checkpoint: its llama.cpp comparison's GGUF is another file, not read here)."""
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    from moectl.store.gguf.files import GgufFiles
+
+    meta = GgufFiles(path).meta
+    add = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+    return meta.get("tokenizer.ggml.bos_token_id") if add else None
 
 
 def first_run(model: str) -> None:
@@ -179,7 +201,7 @@ def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, ti
     """One fresh process: {"prefill_tps", "decode_ms", "rss_gb", "note", "kernels"} and, with `time_load`,
     "load_s". Exits with the child's output tail when it fails. `torch_free`: the torch-free engine (a GGUF the
     one graph serves; its first `moectl generate` run, untimed, saves what it reads)."""
-    code = script(load, threads, prompt, gen, prefill, time_load, torch_free, prefill_reps)
+    code = script(load, threads, prompt, gen, prefill, time_load, torch_free, prefill_reps, gguf_bos(load["model"]))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if torch_free and r.stdout.startswith("NOTREADY "):

@@ -5,16 +5,21 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 import gguf_vs_llamacpp
+import llamacpp
 import moectl_timed
 import vs_llamacpp
 
@@ -68,17 +73,53 @@ def test_the_timed_prefill_comes_after_a_warm_up_and_the_load_is_timed_only_when
     assert _FakeEngine.loaded[1]["lowbit"] == "q4g64"
 
 
-def test_prefill_reps_times_as_many_prefills_of_the_same_ids_and_reports_their_mean(monkeypatch, capsys):
+def test_prefill_reps_time_llama_benchs_own_prompts_and_report_their_mean(monkeypatch, capsys):
     # llama-bench -r 3 reports the mean of its reps' tokens/s: moectl's side times as many prefills (stop 56: one
-    # forward alone moved by 0.8-1.3x between runs)
+    # forward alone moved by 0.8-1.3x between runs), each on the ids llama-bench feeds that rep, after its warm-up's
+    # (stop 57: one fixed draw routed 13-22 % more of a Qwen3 layer's rows below ggml's tiled threshold)
     res = _run_script_here(monkeypatch, capsys, load={"model": "m"}, threads=1, prompt=2, gen=1, prefill=8,
                            prefill_reps=3)
     assert _FakeEngine.calls == [8, 8, 8, 8, 2, 1]
-    assert _FakeEngine.ids[1] == _FakeEngine.ids[2] == _FakeEngine.ids[3] != _FakeEngine.ids[0]
+    assert _FakeEngine.ids[:4] == llamacpp.bench_prompt_ids(_FakeEngine.config.vocab_size, 8, 4)
+    assert _FakeEngine.ids[4] == _FakeEngine.ids[1][:2]                 # the decode's context: the first rep's
     assert len(res["prefill_samples"]) == 3
     assert res["prefill_tps"] == pytest.approx(sum(res["prefill_samples"]) / 3)
     with pytest.raises(ValueError, match="prefill_reps"):
         moectl_timed.script({"model": "m"}, 1, 2, 1, prefill=8, prefill_reps=0)
+
+
+def test_llama_benchs_prompt_ids_are_glibcs_rand_unseeded_with_bos_first_where_the_file_adds_one(tmp_path):
+    libc = ctypes.util.find_library("c")
+    if libc and "libc.so.6" in libc:                   # glibc's own, where this is glibc
+        c = ctypes.CDLL(libc)
+        c.srand(1)
+        assert [c.rand() for _ in range(2000)] == llamacpp.glibc_rand(2000)
+    first = llamacpp.glibc_rand(4)
+    assert first[0] == 1804289383                      # glibc's first rand(): what llama-bench's first token is made of
+    assert llamacpp.bench_prompt_ids(151936, 2, 2) == [[first[0] % 151936, first[1] % 151936],
+                                                      [first[2] % 151936, first[3] % 151936]]
+    # BOS takes the first place of each prompt and draws nothing (llama-bench's test_prompt)
+    assert llamacpp.bench_prompt_ids(1000, 3, 2, bos=7) == [[7, first[0] % 1000, first[1] % 1000],
+                                                           [7, first[2] % 1000, first[3] % 1000]]
+
+    def write(name, model="llama", add=None):
+        w = gguf.GGUFWriter(tmp_path / name, "llama")
+        w.add_tokenizer_model(model)
+        w.add_bos_token_id(5)
+        if add is not None:
+            w.add_add_bos_token(add)
+        w.add_tensor("x", np.zeros(4, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(tmp_path / name)
+
+    # a sentencepiece vocabulary adds BOS unless the file says not; a BPE one only where it says so
+    assert [moectl_timed.gguf_bos(write("a.gguf")), moectl_timed.gguf_bos(write("b.gguf", add=False)),
+            moectl_timed.gguf_bos(write("c.gguf", "gpt2")), moectl_timed.gguf_bos(write("d.gguf", "gpt2", True))] == \
+        [5, None, None, 5]
+    assert moectl_timed.gguf_bos(str(tmp_path / "checkpoint")) is None
 
 
 def test_a_decode_context_longer_than_the_prefill_is_refused():
