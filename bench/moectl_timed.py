@@ -5,9 +5,9 @@ What it times, as llama-bench does on its side:
 - load to first token (only where asked: `time_load`): `Engine.load` and one forward of one token, from before
   moectl is imported (llama.cpp's side: the wall time of `llama-bench -n 1` less its token);
 - a warm-up forward of `prefill` other tokens, untimed: llama-bench's own warm-up (`llama-bench.cpp`: a whole
-  `test_prompt(n_prompt)` before a prompt test's timed runs), on the ids it feeds there (below). A shorter one (8 tokens until stop 53) left the timed
-  prefill paying first-use work llama.cpp's did not (page faults of the mapped file; Qwen3 Q4_K_M, 128 experts,
-  top-8: 233-267 against 295-302 tokens/s, the same process's later prefills);
+  `test_prompt(n_prompt)` before a prompt test's timed runs), on the ids it feeds there (below). A shorter one (8
+  tokens until stop 53) left the timed prefill paying first-use work llama.cpp's did not (page faults of the mapped
+  file; Qwen3 Q4_K_M, 128 experts, top-8: 233-267 against 295-302 tokens/s, the same process's later prefills);
 - then the first-use repack finished, untimed (`first_use_repack`: matrices and seconds): ggml repacks an expert when
   a token first routes to it (the one graph's `rp_lazy`), llama.cpp every expert inside its load. A warm-up routes
   few of them: the last layer of a forward keeps one row (a 1-layer GPT-OSS file routed 4 of its 32 experts in a
@@ -18,9 +18,9 @@ What it times, as llama-bench does on its side:
   that rep (bench/llamacpp.py `bench_prompt_ids`: glibc's unseeded `rand() % n_vocab`, BOS first where the file adds
   one), so both tools route the same rows: until stop 57 every rep fed one fixed draw, which on the Qwen3 shape sent
   13-22 % more of a layer's rows to experts below ggml's 8-row tiled threshold than llama-bench's draws (IQ files:
-  3-7 % of moectl's prefill, docs/gguf.md "IQ prefill (stop 57)"). The decode's context is the first rep's ids. One forward (0.1-0.5 s)
-  alone moved by 0.8-1.3x between two runs of one file (stop 55's table: Qwen3 Q5_K_M at 1 thread 1.34x
-  llama.cpp's, Q6_K 0.91x, neither file repacked and both tools on the same ggml loop);
+  3-7 % of moectl's prefill, docs/gguf.md "IQ prefill (stop 57)"). The decode's context is the first rep's ids.
+  One forward (0.1-0.5 s) alone moved by 0.8-1.3x between two runs of one file (stop 55's table: Qwen3 Q5_K_M at 1
+  thread 1.34x llama.cpp's, Q6_K 0.91x, neither file repacked and both tools on the same ggml loop);
 - decode: a `prompt`-token context, then `gen` drawn tokens fed one at a time, no logits read (llama-bench's
   generation test feeds `std::rand() % n_vocab` and reads none: an argmax of a bf16 [1, 151936] took 0.55 ms
   here, 4 % of a 2-layer Qwen3-shape token llama-bench does not pay for), ms/token;

@@ -429,7 +429,8 @@ def _gemv_split(nc: str, x: str, s: str, y: str) -> str:
     """repack.cpp's one-token gemv of `nc` columns (weights at `x`, output at `s`, activations at `y`) group by group
     (`_group_loop`), prefetching ahead; the original call after it is skipped (`continue`) when the patch's path
     ran."""
-    return ("            if (ggml_moectl_prefetch_bytes > 0) {       // moectl patch: group by group, prefetching ahead\n"
+    return ("            if (ggml_moectl_prefetch_bytes > 0) {"
+            "       // moectl patch: group by group, prefetching ahead\n"
             + _group_loop(16, "0", nc, x, s, y)
             + "                continue;\n"
             + "            }\n")

@@ -14,9 +14,10 @@ SSE 4.2) on, every AVX-512, AMX and AVX-VNNI option of this llama.cpp version of
 Read where it decides something, never at start-up: ggml's build, load and `describe` (kernels/ggml.py) and
 llama.cpp's tools (bench/llamacpp.py) call `current()`, and a bad value there is a MoectlError naming the variable
 and the valid ones (the CLI's one `error:` line); `moectl --help` and every command that never touches ggml run as
-if it were unset, and `inspect` reports a GGUF without ggml, saying why (kernels/ggml.py: `unavailable`). moectl's own AVX-512 kernels (kernels/__init__.py) read it too, but take a bad value as "not
-native" (off, `why_not()` says why) rather than fail a run that uses no ggml: the variable exists to restrict, so a
-value that cannot be read never widens the process.
+if it were unset, and `inspect` reports a GGUF without ggml, saying why (kernels/ggml.py: `unavailable`). moectl's
+own AVX-512 kernels (kernels/__init__.py) read it too, but take a bad value as "not native" (off, `why_not()` says
+why) rather than fail a run that uses no ggml: the variable exists to restrict, so a value that cannot be read never
+widens the process.
 
 Torch-free: reads the environment and returns lists.
 """
