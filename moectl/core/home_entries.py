@@ -21,11 +21,12 @@ Other files and links at the top level are not moectl's workdirs and are not lis
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model_workdir import TOOL_ENTRIES, live_source, recorded_source
+from .model_workdir import TOOL_ENTRIES, recorded_source
 from .paths import bytes_under
 
 TOOL, RECIPE, HERE, GONE, NO_RECORD = "tool", "recipe", "model here", "model gone", "no record"
@@ -48,18 +49,20 @@ class HomeEntry:
                 "bytes": self.nbytes, "removable": self.removable}
 
 
-def kind_of(entry: Path, recipes=()) -> str | None:
-    """`entry`'s kind (module docstring), or None where it is not listed (a file or link that is no tool's)."""
+def kind_of(entry: Path, recipes=()) -> tuple[str | None, str | None]:
+    """(`entry`'s kind (module docstring), or None where it is not listed (a file or link that is no tool's); the
+    model path its record names, for a workdir of a model here or gone, else None). The record is read once."""
     folded = entry.name.casefold()
     if folded in {n.casefold() for n in TOOL_ENTRIES}:
-        return TOOL
+        return TOOL, None
     if entry.is_symlink() or not entry.is_dir():
-        return None
+        return None, None
     if folded in {n.casefold() for n in recipes}:
-        return RECIPE
-    if recorded_source(entry) is None:
-        return NO_RECORD
-    return HERE if live_source(entry) is not None else GONE
+        return RECIPE, None
+    source = recorded_source(entry)
+    if source is None:
+        return NO_RECORD, None
+    return HERE if os.path.exists(source) else GONE, source      # as `live_source`: the recorded path still there
 
 
 def home_entries(home: Path, recipes=()) -> list[HomeEntry]:
@@ -69,10 +72,9 @@ def home_entries(home: Path, recipes=()) -> list[HomeEntry]:
         return []
     out = []
     for entry in sorted(home.iterdir(), key=lambda e: e.name):
-        kind = kind_of(entry, recipes)
+        kind, source = kind_of(entry, recipes)
         if kind is not None:
-            out.append(HomeEntry(entry.name, entry, kind, recorded_source(entry) if kind in (HERE, GONE) else None,
-                                 bytes_under(entry)))
+            out.append(HomeEntry(entry.name, entry, kind, source, bytes_under(entry)))
     return out
 
 
@@ -82,7 +84,7 @@ def remove_gone(entries: list[HomeEntry], recipes=()) -> tuple[list[HomeEntry], 
     (permissions; what could go went)."""
     removed, left = [], []
     for e in entries:
-        if not e.removable or kind_of(e.path, recipes) != GONE:
+        if not e.removable or kind_of(e.path, recipes)[0] != GONE:
             continue
         shutil.rmtree(e.path, ignore_errors=True)          # a link inside goes, never its target
         (left if e.path.exists() else removed).append(e)
