@@ -1,7 +1,237 @@
-// Expert-rows kernels (rows.h) for the IQ types: IQ4_XS, IQ2_XXS, IQ3_XXS. (Not yet written.)
+// Expert-rows kernels (rows.h) for the IQ types: IQ4_XS, IQ3_XXS, IQ2_XXS (AVX-512BW; VNNI's vpdpwssd where built).
+//
+// How: the weights are signed (IQ4_XS: kvalues_iq4nl, -127..113; IQ3_XXS / IQ2_XXS: an unsigned grid, 4..62 / 8..43,
+// with a sign bit per value) and each 32-value sub-block has its own integer scale. Each weight block of a row is
+// unpacked ONCE into eight int16 vectors of w * scale (|w * scale| <= 127 * 32: no int16 overflow) and used for every
+// token of a group, against the tokens' q8_K rows widened once a call to int16 (a per-thread scratch); vpdpwssd (or
+// madd + add) sums w * scale * a exactly in int32 lanes (|pair| <= 2 * 4064 * 128), so a block's integer sum is
+// vec_dot's own sum_sub scale_sub * sum(w a) (vec_dot: maddubs of |w| with the signed q8, then madd by the scale).
+// Why int16 and not vpdpbusd on bytes: a u8 x s8 dot needs one side unsigned (biased activations plus a bsums
+// correction, or signs moved onto every token's activations), and the sub-block scale would then be an int32 lane
+// multiply per token; folding the scale into the unpacked weights makes the per-token work eight vpdpwssd a block.
+// Then, per block, the int32 lanes are scaled in fp32 by the block's d (fp16, times IQ3's 1/4 or IQ2's 1/8, exact
+// powers of two) and the token's q8_K d, into one fp32 accumulator per (token, row); out[j][r] is its lane sum.
+// Two weight rows run together so each activation vector loads once for both.
+//
+// Legend: K = input width (nb blocks of 256), m = weight rows of the chunk, n = tokens routed to the expert,
+// G = tokens of a group (GROUP), c = one of a block's eight 32-value vectors (sub-block c, in its natural order).
 #include "rows.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GGML_COMMON_IMPL_C          // the grids and sign tables as static const, as ggml-cpu's quants.c has them
+#include "ggml-common.h"
+
+enum { GROUP = 32 };                // tokens a weight block is unpacked for: scratch GROUP * K * 2 bytes (256 KB at 4096)
+
+// int16 activations of the group: [G][nb][QK_K], the q8_K values widened (once a call, shared by every row)
+static _Thread_local int16_t * scratch;
+static _Thread_local size_t    scratch_bytes;
+
+static int16_t * scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, bytes);
+        scratch_bytes = scratch != NULL ? bytes : 0;
+    }
+    return scratch;
+}
+
+// ---- unpacking one weight block into w[c] = value * scale (int16, 32 per vector) and its fp32 d ----
+
+// a 64-value chunk of signed bytes -> two int16 vectors times the two sub-blocks' scales
+static inline __attribute__((always_inline)) void widen_scaled(__m512i v8, int16_t s0, int16_t s1, __m512i * w) {
+    w[0] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v8)), _mm512_set1_epi16(s0));
+    w[1] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v8, 1)), _mm512_set1_epi16(s1));
+}
+
+// the sign bits of a block's 32 groups of 8 (IQ3_XXS / IQ2_XXS): `words` holds the 8 sub-blocks' uint32 (4 x 7 bits
+// a sub-block, the 8th bit of each group its parity: ksigns_iq2xs[i] = i | parity(i) << 7); mask[h] covers values
+// 64h..64h+63 (bit 8g + j: value j of group g), the layout _mm512_mask_sub_epi8 negates by
+static inline __attribute__((always_inline)) void sign_masks(__m256i words, __mmask64 * mask) {
+    const __m512i shifts = _mm512_set_epi32(21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0);
+    const __m512i lo = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i m7 = _mm512_set1_epi32(127);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i all = _mm512_castsi256_si512(words);
+    uint64_t bytes[4];
+    for (int half = 0; half < 2; ++half) {      // sub-blocks 4 half .. 4 half + 3: 16 groups, a group a lane
+        const __m512i idx = _mm512_add_epi32(lo, _mm512_set1_epi32(4 * half));
+        __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, all), shifts), m7);
+        __m512i p = _mm512_xor_si512(s, _mm512_srli_epi32(s, 4));
+        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 2));
+        p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 1));
+        s = _mm512_or_si512(s, _mm512_slli_epi32(_mm512_and_si512(p, one), 7));
+        _mm_storeu_si128((__m128i *) bytes + half, _mm512_cvtepi32_epi8(s));
+    }
+    for (int h = 0; h < 4; ++h) {
+        mask[h] = (__mmask64) bytes[h];
+    }
+}
+
+static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4_xs * x, __m512i * w) {
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) kvalues_iq4nl));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);     // [lo 0, hi 0, lo 1, hi 1] (128-bit lanes)
+    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);  // [lo 2, hi 2, lo 3, hi 3]
+    int16_t ls[8];
+    for (int k = 0; k < 8; ++k) {
+        ls[k] = (int16_t) ((((x->scales_l[k / 2] >> 4 * (k % 2)) & 0xf) | (((x->scales_h >> 2 * k) & 3) << 4)) - 32);
+    }
+    for (int h = 0; h < 2; ++h) {               // sub-blocks 4h..4h+3: 16 bytes each, value j low nibble, 16 + j high
+        const __m512i q = _mm512_loadu_si512(x->qs + 64 * h);
+        const __m512i lo = _mm512_shuffle_epi8(values, _mm512_and_si512(q, m4));
+        const __m512i hi = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+        widen_scaled(_mm512_permutex2var_epi64(lo, first, hi), ls[4 * h + 0], ls[4 * h + 1], w + 4 * h);
+        widen_scaled(_mm512_permutex2var_epi64(lo, second, hi), ls[4 * h + 2], ls[4 * h + 3], w + 4 * h + 2);
+    }
+    return _cvtsh_ss(x->d);
+}
+
+static inline __attribute__((always_inline)) float unpack_iq3_xxs(const block_iq3_xxs * x, __m512i * w) {
+    const uint8_t * gas = x->qs + QK_K / 4;     // a sub-block's uint32: 4 x 7 sign bits, scale in the top 4
+    uint32_t words[8];
+    memcpy(words, gas, sizeof(words));
+    __mmask64 neg[4];
+    sign_masks(_mm256_loadu_si256((const __m256i *) gas), neg);
+    for (int h = 0; h < 4; ++h) {               // 64 values: 16 grid entries of 4 bytes, index byte i -> values 4i..4i+3
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (x->qs + 16 * h)));
+        __m512i v = _mm512_i32gather_epi32(idx, (const void *) iq3xxs_grid, 4);
+        v = _mm512_mask_sub_epi8(v, neg[h], _mm512_setzero_si512(), v);
+        widen_scaled(v, (int16_t) (2 * (words[2 * h] >> 28) + 1), (int16_t) (2 * (words[2 * h + 1] >> 28) + 1),
+                     w + 2 * h);
+    }
+    return 0.25f * _cvtsh_ss(x->d);
+}
+
+static inline __attribute__((always_inline)) float unpack_iq2_xxs(const block_iq2_xxs * x, __m512i * w) {
+    uint32_t words[16];                         // per sub-block: 4 grid index bytes, then 4 x 7 sign bits + scale
+    memcpy(words, x->qs, sizeof(words));
+    const __m512i all = _mm512_loadu_si512(x->qs);
+    const __m512i odd = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 15, 13, 11, 9, 7, 5, 3, 1);
+    __mmask64 neg[4];
+    sign_masks(_mm512_castsi512_si256(_mm512_permutexvar_epi32(odd, all)), neg);
+    const __m128i pick = _mm_set_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 11, 10, 9, 8, 3, 2, 1, 0);
+    for (int h = 0; h < 4; ++h) {               // 64 values: 8 grid entries of 8 bytes, sub-blocks 2h and 2h + 1
+        const __m128i bytes = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *) (x->qs + 8 * h)), pick);
+        __m512i v = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(bytes), (const void *) iq2xxs_grid, 8);
+        v = _mm512_mask_sub_epi8(v, neg[h], _mm512_setzero_si512(), v);
+        widen_scaled(v, (int16_t) (2 * (words[4 * h + 1] >> 28) + 1), (int16_t) (2 * (words[4 * h + 3] >> 28) + 1),
+                     w + 2 * h);
+    }
+    return 0.125f * _cvtsh_ss(x->d);
+}
+
+// ---- the products ----
+
+static inline __attribute__((always_inline)) __m512i dot16(__m512i acc, __m512i w, __m512i a) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, a);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a));
+#endif
+}
+
+static inline __attribute__((always_inline)) float unpack(enum ggml_type type, const uint8_t * block, __m512i * w) {
+    switch (type) {
+        case GGML_TYPE_IQ4_XS:  return unpack_iq4_xs((const block_iq4_xs *) block, w);
+        case GGML_TYPE_IQ3_XXS: return unpack_iq3_xxs((const block_iq3_xxs *) block, w);
+        default:                return unpack_iq2_xxs((const block_iq2_xxs *) block, w);
+    }
+}
+
+// one group of G <= GROUP tokens: a16 [G][nb][QK_K] int16, acts / out the group's own
+static inline __attribute__((always_inline)) void rows_group(enum ggml_type type, size_t block_bytes,
+        const uint8_t * w, size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts, int64_t G,
+        const int16_t * a16, float * const * out) {
+    __m512 acc[GROUP][2];                       // fp32 per (token, row of the pair), over blocks
+    for (int64_t r = 0; r < m; r += 2) {
+        const int two = r + 1 < m;
+        const uint8_t * row0 = w + r * row_bytes;
+        const uint8_t * row1 = two ? row0 + row_bytes : row0;    // an odd last row: computed twice, stored once
+        for (int64_t t = 0; t < G; ++t) {
+            acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            __m512i w0[8], w1[8];
+            const float d0 = unpack(type, row0 + b * block_bytes, w0);
+            const float d1 = unpack(type, row1 + b * block_bytes, w1);
+            for (int64_t t = 0; t < G; ++t) {
+                const __m512i * a = (const __m512i *) (a16 + (t * nb + b) * QK_K);
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int c = 0; c < 8; ++c) {
+                    const __m512i ac = _mm512_load_si512(a + c);
+                    s0 = dot16(s0, w0[c], ac);
+                    s1 = dot16(s1, w1[c], ac);
+                }
+                const float da = acts[t][b].d;
+                acc[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(d0 * da), acc[t][0]);
+                acc[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(d1 * da), acc[t][1]);
+            }
+        }
+        for (int64_t t = 0; t < G; ++t) {
+            out[t][r] = _mm512_reduce_add_ps(acc[t][0]);
+            if (two) {
+                out[t][r + 1] = _mm512_reduce_add_ps(acc[t][1]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void rows(enum ggml_type type, size_t block_bytes, const void * w,
+        size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts, int64_t n, float * const * out) {
+    const int64_t groups = (n + GROUP - 1) / GROUP;
+    const int64_t per = (n + groups - 1) / groups;                  // balanced: 33 tokens are 17 + 16, not 32 + 1
+    int16_t * a16 = scratch_for((size_t) per * nb * QK_K * sizeof(int16_t));
+    GGML_ASSERT(a16 != NULL && "moectl rows: no memory for the int16 activations");   // as ggml's own allocations
+    for (int64_t j0 = 0; j0 < n; j0 += per) {
+        const int64_t G = n - j0 < per ? n - j0 : per;
+        for (int64_t t = 0; t < G; ++t) {
+            for (int64_t b = 0; b < nb; ++b) {
+                const int8_t * q = acts[j0 + t][b].qs;
+                __m512i * a = (__m512i *) (a16 + (t * nb + b) * QK_K);
+                for (int c = 0; c < 8; ++c) {
+                    _mm512_store_si512(a + c, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *) (q + 32 * c))));
+                }
+            }
+        }
+        rows_group(type, block_bytes, (const uint8_t *) w, row_bytes, m, nb, acts + j0, G, a16, out + j0);
+    }
+}
+
+static void rows_iq4_xs(const void * w, size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts,
+                        int64_t n, float * const * out) {
+    rows(GGML_TYPE_IQ4_XS, sizeof(block_iq4_xs), w, row_bytes, m, nb, acts, n, out);
+}
+
+static void rows_iq3_xxs(const void * w, size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts,
+                         int64_t n, float * const * out) {
+    rows(GGML_TYPE_IQ3_XXS, sizeof(block_iq3_xxs), w, row_bytes, m, nb, acts, n, out);
+}
+
+static void rows_iq2_xxs(const void * w, size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts,
+                         int64_t n, float * const * out) {
+    rows(GGML_TYPE_IQ2_XXS, sizeof(block_iq2_xxs), w, row_bytes, m, nb, acts, n, out);
+}
+
+ggml_moectl_rows_fn ggml_moectl_rows_iq(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_IQ4_XS:  return rows_iq4_xs;
+        case GGML_TYPE_IQ3_XXS: return rows_iq3_xxs;
+        case GGML_TYPE_IQ2_XXS: return rows_iq2_xxs;
+        default:                return NULL;
+    }
+}
+
+#else   // no AVX-512BW in this build: ggml's own path
 
 ggml_moectl_rows_fn ggml_moectl_rows_iq(enum ggml_type type) {
     (void) type;
     return NULL;
 }
+
+#endif

@@ -1,0 +1,348 @@
+"""The IQ expert-rows kernels (moectl/kernels/ggml_rows/rows_iq.c: IQ4_XS, IQ3_XXS, IQ2_XXS, rows.h's interface):
+out[j][r] = W[r] . act_j for m weight rows and n q8_K activation rows, each weight block unpacked once for the tokens.
+
+Checked, for each type, n = 1, 2, 3, 7, 8, 16, 33 tokens, m = 1, 5, 16, 40 rows, K = 256 and 4096 (ggml's quantizer,
+random weights), and the real files' shapes (qwen3-moe-2's and mixtral-2's IQ GGUFs where present: K = 2048, 768,
+1536 ...); rows `row_bytes` apart with garbage between them, tokens' q8_K rows and outputs scattered:
+  - against ggml's own vec_dot on the same q8_K rows: within 1e-5 of sum |w| |a| (both sum each block's integers
+    exactly and scale them in fp32; only the order of the fp32 sums over blocks differs);
+  - against `gguf.quants.dequantize(W)` @ the q8_K rows dequantized (d * qs), in float64: within fp32 rounding,
+    (nb + 8) 2^-23 sum |w| |a| (one rounding a block product, nb fp32 sums, the 16 lanes' tree, the dequantized w's);
+  - out[j][0..m-1] written and nothing around it (guard values stay).
+The library comes from one fixture, `rows_library()`: ggml's libggml-cpu where it exports `ggml_moectl_rows_kernel`
+(the patch's build), else the ggml_rows/*.c files compiled here with gcc -march=native against the pinned source;
+plus the same files compiled without AVX-512 VNNI (the madd + add variant of hosts without it).
+
+Micro-benchmark (indicative: the machine is shared): `python tests/test_ggml_rows_iq.py` prints ns per (row, token)
+of the kernel and of ggml's vec_dot one (row, token) pair at a time, m = 64, K = 2048 and 4096.
+
+Legend: K = input width (nb blocks of 256), m = weight rows, n = tokens, rb = row bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from moectl.kernels import ggml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_ggml_kernels import lib, weights  # noqa: E402,F401  (autouse: ggml built here, or skip / fail)
+
+torch.set_num_threads(1)
+
+TYPES = (T.IQ4_XS, T.IQ3_XXS, T.IQ2_XXS)
+Q8_K = 15
+QK_K = 256
+Q8K = np.dtype([("d", "<f4"), ("qs", "i1", QK_K), ("bsums", "<i2", QK_K // 16)])     # block_q8_K, 292 bytes
+VS_VEC_DOT = 1e-5               # of sum |w| |a|: the order of fp32 sums over blocks
+ROWS_DIR = Path(ggml.__file__).parent / "ggml_rows"
+FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p))
+VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                           ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+class TraitsCpu(ctypes.Structure):
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+def ggml_cpu() -> ctypes.CDLL:
+    """ggml's libggml-cpu of moectl's build (the reference vec_dot, quantize_row_q8_K)."""
+    cpu = ctypes.CDLL(str(ggml.lib_dir() / "libggml-cpu.so"))
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TraitsCpu)
+    cpu.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    cpu.ggml_cpu_init()                         # ggml's fp16 -> fp32 table, which vec_dot reads the scales by
+    return cpu
+
+
+def compiled(tmp: Path, flags: list[str]) -> ctypes.CDLL:
+    """ggml_rows/*.c compiled with gcc `flags` against the pinned ggml source into a .so under `tmp` (skip where gcc
+    or the source is absent)."""
+    cc = shutil.which("gcc")
+    src = ggml.keyed(ggml.ggml_home(), "src") / "ggml"
+    if cc is None:
+        pytest.skip("no gcc to compile ggml_rows/*.c")
+    if not (src / "src" / "ggml-common.h").exists():
+        pytest.skip(f"the pinned ggml source is absent ({src})")
+    so = tmp / f"rows{len(list(tmp.iterdir()))}.so"
+    lib_dir = ggml.lib_dir()
+    cmd = [cc, "-O2", *flags, "-shared", "-fPIC", "-std=gnu11", f"-I{src / 'include'}", f"-I{src / 'src'}",
+           f"-I{src / 'src' / 'ggml-cpu'}", *map(str, sorted(ROWS_DIR.glob("*.c"))), f"-L{lib_dir}", "-lggml-base",
+           f"-Wl,-rpath,{lib_dir}", "-o", str(so)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
+    return ctypes.CDLL(str(so))
+
+
+def kernel_of(library: ctypes.CDLL, enc: T):
+    """`ggml_moectl_rows_kernel(enc)` as a callable, or None (no kernel on this build)."""
+    library.ggml_moectl_rows_kernel.restype = ctypes.c_void_p
+    library.ggml_moectl_rows_kernel.argtypes = [ctypes.c_int]
+    address = library.ggml_moectl_rows_kernel(int(enc))
+    return FN(address) if address else None
+
+
+@pytest.fixture(scope="module", params=["native", "no-vnni"])
+def rows_library(request, tmp_path_factory):
+    """The library exporting `ggml_moectl_rows_kernel`: "native", ggml's libggml-cpu where it has the symbol (the
+    patch's build), else ggml_rows/*.c compiled here with -march=native; "no-vnni", compiled without AVX-512 VNNI
+    (skipped where the host lacks AVX-512BW: its getter returns NULL, as an AVX2 build's does)."""
+    if request.param == "native":
+        cpu = ggml_cpu()
+        if hasattr(cpu, "ggml_moectl_rows_kernel"):
+            return cpu
+        return compiled(tmp_path_factory.mktemp("rows"), ["-march=native"])
+    return compiled(tmp_path_factory.mktemp("rows"), ["-march=native", "-mno-avx512vnni"])
+
+
+def kernel(rows_library, enc: T):
+    f = kernel_of(rows_library, enc)
+    if f is None:
+        pytest.skip(f"no {enc.name} rows kernel on this build (no AVX-512BW)")
+    return f
+
+
+def q8_k(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_K of x [n, K] fp32 -> block_q8_K [n, nb]."""
+    n, K = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros((n, K // QK_K), dtype=Q8K)
+    cpu = ggml_cpu()
+    for j in range(n):
+        cpu.quantize_row_q8_K(x[j].ctypes.data, out[j].ctypes.data, K)
+    return out
+
+
+def q8_k_values(a: np.ndarray) -> np.ndarray:
+    """The q8_K rows [n, nb] as float64 [n, K]: d * qs."""
+    return (a["d"].astype(np.float64)[..., None] * a["qs"].astype(np.float64)).reshape(a.shape[0], -1)
+
+
+def vec_dot(enc: T, raw: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """ggml's vec_dot of every (row, token) pair, one at a time: [n, m] float32."""
+    traits = ggml_cpu().ggml_get_type_traits_cpu(int(enc)).contents
+    assert traits.vec_dot_type == Q8_K
+    dot = VEC_DOT(traits.vec_dot)
+    m, n, K = raw.shape[0], a.shape[0], a.shape[1] * QK_K
+    out = np.zeros((n, m), dtype=np.float32)
+    s = ctypes.c_float()
+    for j in range(n):
+        for r in range(m):
+            dot(K, ctypes.addressof(s), 0, raw[r].ctypes.data, 0, a[j].ctypes.data, 0, 1)
+            out[j, r] = s.value
+    return out
+
+
+def run(f, raw: np.ndarray, a: np.ndarray, pad: int = 40, guard: int = 3, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """f on `raw` [m, rb] laid out rb + pad bytes apart (garbage between rows) and the q8_K rows `a` [n, nb] scattered
+    in reverse order; out[j] points into a guarded buffer. Returns (out [n, m], the buffer, its expected guards)."""
+    rng = np.random.default_rng(seed)
+    m, rb = raw.shape
+    n, nb = a.shape
+    stride = rb + pad
+    wbuf = rng.integers(0, 256, size=(m, stride), dtype=np.uint8)
+    wbuf[:, :rb] = raw
+    abuf = np.zeros((n, nb + 1), dtype=Q8K)                        # one block of slack a token
+    abuf[::-1, :nb] = a                                            # token j lives in row n - 1 - j
+    acts = (ctypes.c_void_p * max(n, 1))(*[abuf[n - 1 - j].ctypes.data for j in range(n)])
+    row_out = m + 2 * guard + 5
+    obuf = np.full((n, row_out), -7.25, dtype=np.float32)
+    outs = (ctypes.c_void_p * max(n, 1))(*[obuf[j].ctypes.data + 4 * guard for j in range(n)])
+    f(wbuf.ctypes.data, stride, m, nb, acts, n, outs)
+    expect = np.full_like(obuf, -7.25)
+    return obuf[:, guard:guard + m].copy(), obuf, expect, guard
+
+
+def check(enc: T, f, raw: np.ndarray, deq: np.ndarray, a: np.ndarray, what: str) -> None:
+    """f's products on `raw` [m, rb] (dequantized `deq` [m, K]) and q8_K rows `a` [n, nb]: against vec_dot, against
+    float64 dequantize @ (d qs), and the outputs' guards."""
+    m, n, nb = raw.shape[0], a.shape[0], a.shape[1]
+    got, obuf, expect, guard = run(f, raw, a)
+    av = q8_k_values(a)                                             # [n, K]
+    scale = np.abs(av) @ np.abs(deq.astype(np.float64)).T          # [n, m] sum |w| |a|
+    ref = vec_dot(enc, raw, a)
+    err = np.abs(got - ref)
+    assert (err <= VS_VEC_DOT * scale).all(), f"{what}: vs vec_dot {(err / scale).max():.3g} of sum |w||a|"
+    exact = av @ deq.astype(np.float64).T
+    err = np.abs(got - exact)
+    bound = (nb + 8) * 2.0 ** -23 * scale
+    assert (err <= bound).all(), f"{what}: vs dequantize {(err / scale).max():.3g} of sum |w||a|"
+    obuf[:, guard:guard + m] = -7.25
+    assert np.array_equal(obuf, expect), f"{what}: written outside out[j][0..m-1]"
+
+
+_cache: dict = {}
+
+
+def random_case(enc: T, K: int, m: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(raw [m, rb] by ggml's quantizer, dequantized [m, K], q8_K rows [n, nb]) at (enc, K): 40 rows and 33
+    tokens made once, sliced."""
+    key = (enc, K)
+    if key not in _cache:
+        raw, deq = weights(enc, 40, K, seed=int(enc) + K)
+        x = torch.randn(33, K, generator=torch.Generator().manual_seed(K)).numpy()
+        x[::5] *= 40.0                                              # some tokens far larger than others
+        x[3, 7] = -90.0                                             # an outlier: q8_K's d set by one value
+        _cache[key] = (raw, deq.numpy(), q8_k(x))
+    raw, deq, a = _cache[key]
+    return raw[:m], deq[:m], a[:n]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 16, 33])
+@pytest.mark.parametrize("K", [256, 4096])
+@pytest.mark.parametrize("enc", TYPES, ids=lambda t: t.name)
+def test_rows_equal_vec_dot_and_dequantize(rows_library, enc, K, n):
+    """m = 1, 5, 16, 40 rows, n tokens: within fp32 summation order of vec_dot, within fp32 rounding of the float64
+    product, nothing written around out[j][0..m-1]."""
+    f = kernel(rows_library, enc)
+    for m in (1, 5, 16, 40):
+        raw, deq, a = random_case(enc, K, m, n)
+        check(enc, f, raw, deq, a, f"{enc.name} K={K} m={m} n={n}")
+
+
+def test_many_tokens_in_groups(rows_library):
+    """n = 100 tokens (more than a group of 32: groups of 25), K = 768: each token's products right."""
+    enc = T.IQ4_XS
+    f = kernel(rows_library, enc)
+    raw, deq = weights(enc, 9, 768, seed=5)
+    x = torch.randn(100, 768, generator=torch.Generator().manual_seed(9)).numpy()
+    check(enc, f, raw, deq.numpy(), q8_k(x), "IQ4_XS n=100")
+
+
+def test_random_valid_blocks(rows_library):
+    """Random bytes with sane fp16 scales (every grid index, sign pattern and scale, beyond what the quantizer
+    writes): IQ4_XS, IQ3_XXS, IQ2_XXS at K = 1536, m = 7, n = 5."""
+    K, m, n = 1536, 7, 5
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    a = q8_k(x)
+    for enc in TYPES:
+        f = kernel(rows_library, enc)
+        block_bytes = quants.GGML_QUANT_SIZES[enc][1]
+        raw = rng.integers(0, 256, size=(m, K // QK_K, block_bytes), dtype=np.uint8)
+        raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)    # d: each block's first 2 bytes
+        raw = raw.reshape(m, -1)
+        deq = np.asarray(quants.dequantize(raw, enc), dtype=np.float32).reshape(m, K)
+        check(enc, f, raw, deq, a, f"{enc.name} random blocks")
+
+
+def real_tensors() -> list[tuple[str, T, np.ndarray]]:
+    """(name, type, the first 40 rows of expert 0 [40, rb]) of each IQ expert tensor shape in the real GGUFs."""
+    from gguf import GGUFReader
+
+    root = Path.home() / ".cache" / "moectl" / "gguf_vs_llamacpp"
+    found, seen = [], set()
+    for path in sorted(root.glob("*/model-IQ*.gguf")):
+        for t in GGUFReader(path).tensors:
+            if "exps" not in t.name or T(t.tensor_type) not in TYPES:
+                continue
+            K = int(t.shape[0])
+            key = (T(t.tensor_type), K)
+            if key in seen:
+                continue
+            seen.add(key)
+            data = np.asarray(t.data)                              # [A, N, rb] uint8
+            found.append((f"{path.parent.name}/{path.name}:{t.name}", T(t.tensor_type),
+                          np.ascontiguousarray(data.reshape(-1, data.shape[-1])[:40])))
+    return found
+
+
+def test_real_files(rows_library):
+    """The real IQ GGUFs' expert tensors (every (type, K) present: K = 2048, 768, 1536 ...), 40 rows, 16 tokens."""
+    cases = real_tensors()
+    if not cases:
+        pytest.skip("no IQ GGUF under ~/.cache/moectl/gguf_vs_llamacpp (bench/gguf_vs_llamacpp.py makes them)")
+    for name, enc, raw in cases:
+        f = kernel(rows_library, enc)
+        K = raw.shape[1] // quants.GGML_QUANT_SIZES[enc][1] * quants.GGML_QUANT_SIZES[enc][0]
+        deq = np.asarray(quants.dequantize(raw, enc), dtype=np.float32).reshape(raw.shape[0], K)
+        x = np.random.default_rng(K).standard_normal((16, K)).astype(np.float32)
+        check(enc, f, raw, deq, q8_k(x), f"{name} K={K}")
+
+
+def bench(reps: int = 5) -> None:
+    """ns per (row, token): the kernel (m = 64 rows a call) against ggml's vec_dot one pair at a time, best of
+    `reps` (indicative only)."""
+    torch.set_num_threads(1)
+    assert ggml.library() is not None, ggml.why_not()
+    cpu = ggml_cpu()
+    library = cpu if hasattr(cpu, "ggml_moectl_rows_kernel") else compiled(Path(tempfile.mkdtemp()), ["-march=native"])
+    m = 64
+    print(f"{'type':8} {'K':>5} {'n':>3} {'kernel':>8} {'vec_dot':>8} {'x':>6}   (ns per (row, token), best of {reps})")
+    for enc in TYPES:
+        f = kernel_of(library, enc)
+        dot = VEC_DOT(cpu.ggml_get_type_traits_cpu(int(enc)).contents.vec_dot)
+        dot.argtypes = None
+        for K in (2048, 4096):
+            raw, _ = weights(enc, m, K, seed=1)
+            for n in (1, 2, 4, 8, 16, 32):
+                a = q8_k(np.random.default_rng(n).standard_normal((n, K)).astype(np.float32))
+                acts = (ctypes.c_void_p * n)(*[a[j].ctypes.data for j in range(n)])
+                o = np.zeros((n, m), dtype=np.float32)
+                outs = (ctypes.c_void_p * n)(*[o[j].ctypes.data for j in range(n)])
+                inner = max(1, 2000 // n)
+                best = best_ref = float("inf")
+                for _ in range(reps):
+                    t0 = time.perf_counter_ns()
+                    for _ in range(inner):
+                        f(raw.ctypes.data, raw.shape[1], m, K // QK_K, acts, n, outs)
+                    best = min(best, (time.perf_counter_ns() - t0) / (inner * m * n))
+                # vec_dot in C, not through ctypes a pair: ggml's own loop over rows with nrc = 1 is a C loop too;
+                # here each call covers one pair, so the ctypes overhead (~100 ns) is subtracted by timing a no-op
+                best_ref = vec_dot_ns(cpu, enc, raw, a, reps)
+                print(f"{enc.name:8} {K:5} {n:3} {best:8.1f} {best_ref:8.1f} {best_ref / best:6.2f}")
+
+
+def vec_dot_ns(cpu, enc: T, raw: np.ndarray, a: np.ndarray, reps: int) -> float:
+    """ns per (row, token) of ggml's vec_dot, the pairs looped in C: ggml's mul_mat with nrc = 1 does this; here
+    through the compiled helper `pairs_loop` (a few lines of C compiled once)."""
+    loop = pairs_loop()
+    traits = cpu.ggml_get_type_traits_cpu(int(enc)).contents
+    m, n, K = raw.shape[0], a.shape[0], a.shape[1] * QK_K
+    o = np.zeros((n, m), dtype=np.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        loop(traits.vec_dot, raw.ctypes.data, raw.shape[1], m, a.ctypes.data, a.strides[0], n, K, o.ctypes.data)
+        best = min(best, (time.perf_counter_ns() - t0) / (m * n))
+    return best
+
+
+_loop: list = []
+
+
+def pairs_loop():
+    if not _loop:
+        tmp = Path(tempfile.mkdtemp())
+        (tmp / "loop.c").write_text(
+            "#include <stddef.h>\n#include <stdint.h>\n"
+            "typedef void (*dot_t)(int, float *, size_t, const void *, size_t, const void *, size_t, int);\n"
+            "void pairs(dot_t dot, const char *w, size_t rb, int64_t m, const char *a, size_t ab, int64_t n, int K,"
+            " float *o) {\n  for (int rep = 0; rep < 20; ++rep)\n  for (int64_t r = 0; r < m; ++r)\n"
+            "    for (int64_t j = 0; j < n; ++j) dot(K, o + j * m + r, 0, w + r * rb, 0, a + j * ab, 0, 1);\n}\n")
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp / "loop.c"), "-o", str(tmp / "loop.so")], check=True)
+        f = ctypes.CDLL(str(tmp / "loop.so")).pairs
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_size_t, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        _loop.append(lambda *args: f(*args))
+    inner = _loop[0]
+    return lambda *args: (inner(*args), None)[1] or None
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MOECTL_GGML_PRUNE", "0")
+    bench()
