@@ -240,6 +240,13 @@ def test_random_valid_blocks(rows_library):
         check(enc, f, raw, deq, a, f"{enc.name} random blocks")
 
 
+def test_an_avx2_build_has_no_kernel(tmp_path):
+    """Compiled for AVX2 only (as MOECTL_GGML_ISA=avx2 builds libggml-cpu): the getter returns NULL for every IQ type,
+    so ggml's own path runs."""
+    library = compiled(tmp_path, ["-march=haswell"])
+    assert all(kernel_of(library, enc) is None for enc in TYPES)
+
+
 def real_tensors() -> list[tuple[str, T, np.ndarray]]:
     """(name, type, the first 40 rows of expert 0 [40, rb]) of each IQ expert tensor shape in the real GGUFs."""
     from gguf import GGUFReader
@@ -274,19 +281,35 @@ def test_real_files(rows_library):
         check(enc, f, raw, deq, q8_k(x), f"{name} K={K}")
 
 
+PAIRS_C = """#include <stddef.h>
+#include <stdint.h>
+typedef void (*dot_t)(int, float *, size_t, const void *, size_t, const void *, size_t, int);
+void pairs(dot_t dot, const char *w, size_t rb, int64_t m, const char *a, size_t ab, int64_t n, int K, float *o,
+           int reps) {
+    for (int rep = 0; rep < reps; ++rep)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t j = 0; j < n; ++j) dot(K, o + j * m + r, 0, w + r * rb, 0, a + j * ab, 0, 1);
+}
+"""
+
+
 def bench(reps: int = 5) -> None:
-    """ns per (row, token): the kernel (m = 64 rows a call) against ggml's vec_dot one pair at a time, best of
-    `reps` (indicative only)."""
-    torch.set_num_threads(1)
+    """ns per (row, token): the kernel (m = 64 rows a call) against ggml's vec_dot one (row, token) pair at a time
+    (stock mul_mat_id's loop, in C), K = 2048 and 4096, best of `reps` (indicative only: a busy machine)."""
     assert ggml.library() is not None, ggml.why_not()
     cpu = ggml_cpu()
-    library = cpu if hasattr(cpu, "ggml_moectl_rows_kernel") else compiled(Path(tempfile.mkdtemp()), ["-march=native"])
+    tmp = Path(tempfile.mkdtemp())
+    library = cpu if hasattr(cpu, "ggml_moectl_rows_kernel") else compiled(tmp, ["-march=native"])
+    (tmp / "pairs.c").write_text(PAIRS_C)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp / "pairs.c"), "-o", str(tmp / "pairs.so")], check=True)
+    pairs = ctypes.CDLL(str(tmp / "pairs.so")).pairs
+    pairs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_size_t, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     m = 64
-    print(f"{'type':8} {'K':>5} {'n':>3} {'kernel':>8} {'vec_dot':>8} {'x':>6}   (ns per (row, token), best of {reps})")
+    print(f"{'type':8} {'K':>5} {'n':>3} {'kernel':>8} {'vec_dot':>8} {'x':>6}   ns per (row, token), best of {reps}")
     for enc in TYPES:
         f = kernel_of(library, enc)
-        dot = VEC_DOT(cpu.ggml_get_type_traits_cpu(int(enc)).contents.vec_dot)
-        dot.argtypes = None
+        dot = cpu.ggml_get_type_traits_cpu(int(enc)).contents.vec_dot
         for K in (2048, 4096):
             raw, _ = weights(enc, m, K, seed=1)
             for n in (1, 2, 4, 8, 16, 32):
@@ -294,55 +317,21 @@ def bench(reps: int = 5) -> None:
                 acts = (ctypes.c_void_p * n)(*[a[j].ctypes.data for j in range(n)])
                 o = np.zeros((n, m), dtype=np.float32)
                 outs = (ctypes.c_void_p * n)(*[o[j].ctypes.data for j in range(n)])
-                inner = max(1, 2000 // n)
-                best = best_ref = float("inf")
+                inner = max(1, 256 // n)
+                ours = ref = float("inf")
                 for _ in range(reps):
                     t0 = time.perf_counter_ns()
                     for _ in range(inner):
                         f(raw.ctypes.data, raw.shape[1], m, K // QK_K, acts, n, outs)
-                    best = min(best, (time.perf_counter_ns() - t0) / (inner * m * n))
-                # vec_dot in C, not through ctypes a pair: ggml's own loop over rows with nrc = 1 is a C loop too;
-                # here each call covers one pair, so the ctypes overhead (~100 ns) is subtracted by timing a no-op
-                best_ref = vec_dot_ns(cpu, enc, raw, a, reps)
-                print(f"{enc.name:8} {K:5} {n:3} {best:8.1f} {best_ref:8.1f} {best_ref / best:6.2f}")
-
-
-def vec_dot_ns(cpu, enc: T, raw: np.ndarray, a: np.ndarray, reps: int) -> float:
-    """ns per (row, token) of ggml's vec_dot, the pairs looped in C: ggml's mul_mat with nrc = 1 does this; here
-    through the compiled helper `pairs_loop` (a few lines of C compiled once)."""
-    loop = pairs_loop()
-    traits = cpu.ggml_get_type_traits_cpu(int(enc)).contents
-    m, n, K = raw.shape[0], a.shape[0], a.shape[1] * QK_K
-    o = np.zeros((n, m), dtype=np.float32)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        loop(traits.vec_dot, raw.ctypes.data, raw.shape[1], m, a.ctypes.data, a.strides[0], n, K, o.ctypes.data)
-        best = min(best, (time.perf_counter_ns() - t0) / (m * n))
-    return best
-
-
-_loop: list = []
-
-
-def pairs_loop():
-    if not _loop:
-        tmp = Path(tempfile.mkdtemp())
-        (tmp / "loop.c").write_text(
-            "#include <stddef.h>\n#include <stdint.h>\n"
-            "typedef void (*dot_t)(int, float *, size_t, const void *, size_t, const void *, size_t, int);\n"
-            "void pairs(dot_t dot, const char *w, size_t rb, int64_t m, const char *a, size_t ab, int64_t n, int K,"
-            " float *o) {\n  for (int rep = 0; rep < 20; ++rep)\n  for (int64_t r = 0; r < m; ++r)\n"
-            "    for (int64_t j = 0; j < n; ++j) dot(K, o + j * m + r, 0, w + r * rb, 0, a + j * ab, 0, 1);\n}\n")
-        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp / "loop.c"), "-o", str(tmp / "loop.so")], check=True)
-        f = ctypes.CDLL(str(tmp / "loop.so")).pairs
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_size_t, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-        _loop.append(lambda *args: f(*args))
-    inner = _loop[0]
-    return lambda *args: (inner(*args), None)[1] or None
+                    ours = min(ours, (time.perf_counter_ns() - t0) / (inner * m * n))
+                    t0 = time.perf_counter_ns()
+                    pairs(dot, raw.ctypes.data, raw.shape[1], m, a.ctypes.data, a.strides[0], n, K, o.ctypes.data,
+                          inner)
+                    ref = min(ref, (time.perf_counter_ns() - t0) / (inner * m * n))
+                print(f"{enc.name:8} {K:5} {n:3} {ours:8.1f} {ref:8.1f} {ref / ours:6.2f}")
 
 
 if __name__ == "__main__":
     os.environ.setdefault("MOECTL_GGML_PRUNE", "0")
+    torch.set_num_threads(1)
     bench()

@@ -51,14 +51,18 @@ static inline __attribute__((always_inline)) void widen_scaled(__m512i v8, int16
 
 // the sign bits of a block's 32 groups of 8 (IQ3_XXS / IQ2_XXS): `words` holds the 8 sub-blocks' uint32 (4 x 7 bits
 // a sub-block, the 8th bit of each group its parity: ksigns_iq2xs[i] = i | parity(i) << 7); mask[h] covers values
-// 64h..64h+63 (bit 8g + j: value j of group g), the layout _mm512_mask_sub_epi8 negates by
-static inline __attribute__((always_inline)) void sign_masks(__m256i words, __mmask64 * mask) {
+// 64h..64h+63 (bit 8g + j: value j of group g), the layout _mm512_mask_sub_epi8 negates by; ls[k] = 2 (word k >> 28)
+// + 1, the sub-blocks' scales
+static inline __attribute__((always_inline)) void sign_masks(__m256i words, __mmask64 * mask, int16_t * ls) {
+    const __m256i scale = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
+    _mm_storeu_si128((__m128i *) ls, _mm256_cvtepi32_epi16(scale));
     const __m512i shifts = _mm512_set_epi32(21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0, 21, 14, 7, 0);
     const __m512i lo = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i m7 = _mm512_set1_epi32(127);
     const __m512i one = _mm512_set1_epi32(1);
     const __m512i all = _mm512_castsi256_si512(words);
     uint64_t bytes[4];
+#pragma GCC unroll 8
     for (int half = 0; half < 2; ++half) {      // sub-blocks 4 half .. 4 half + 3: 16 groups, a group a lane
         const __m512i idx = _mm512_add_epi32(lo, _mm512_set1_epi32(4 * half));
         __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, all), shifts), m7);
@@ -68,6 +72,7 @@ static inline __attribute__((always_inline)) void sign_masks(__m256i words, __mm
         s = _mm512_or_si512(s, _mm512_slli_epi32(_mm512_and_si512(p, one), 7));
         _mm_storeu_si128((__m128i *) bytes + half, _mm512_cvtepi32_epi8(s));
     }
+#pragma GCC unroll 8
     for (int h = 0; h < 4; ++h) {
         mask[h] = (__mmask64) bytes[h];
     }
@@ -78,10 +83,21 @@ static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);     // [lo 0, hi 0, lo 1, hi 1] (128-bit lanes)
     const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);  // [lo 2, hi 2, lo 3, hi 3]
-    int16_t ls[8];
+    // the 8 sub-blocks' 6-bit scales: low 4 bits nibble k of scales_l, high 2 bits bits 2k, 2k + 1 of scales_h
+    uint32_t low;
+    memcpy(&low, x->scales_l, sizeof(low));
+#if defined(__BMI2__)
+    const uint64_t bytes = _pdep_u64(low, 0x0f0f0f0f0f0f0f0full) | _pdep_u64(x->scales_h, 0x3030303030303030ull);
+#else
+    uint64_t bytes = 0;
     for (int k = 0; k < 8; ++k) {
-        ls[k] = (int16_t) ((((x->scales_l[k / 2] >> 4 * (k % 2)) & 0xf) | (((x->scales_h >> 2 * k) & 3) << 4)) - 32);
+        bytes |= (uint64_t) (((low >> 4 * k) & 0xf) | (((x->scales_h >> 2 * k) & 3) << 4)) << 8 * k;
     }
+#endif
+    int16_t ls[8];
+    _mm_storeu_si128((__m128i *) ls, _mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long) bytes)),
+                                                   _mm_set1_epi16(32)));
+#pragma GCC unroll 8
     for (int h = 0; h < 2; ++h) {               // sub-blocks 4h..4h+3: 16 bytes each, value j low nibble, 16 + j high
         const __m512i q = _mm512_loadu_si512(x->qs + 64 * h);
         const __m512i lo = _mm512_shuffle_epi8(values, _mm512_and_si512(q, m4));
@@ -94,34 +110,33 @@ static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4
 
 static inline __attribute__((always_inline)) float unpack_iq3_xxs(const block_iq3_xxs * x, __m512i * w) {
     const uint8_t * gas = x->qs + QK_K / 4;     // a sub-block's uint32: 4 x 7 sign bits, scale in the top 4
-    uint32_t words[8];
-    memcpy(words, gas, sizeof(words));
     __mmask64 neg[4];
-    sign_masks(_mm256_loadu_si256((const __m256i *) gas), neg);
+    int16_t ls[8];
+    sign_masks(_mm256_loadu_si256((const __m256i *) gas), neg, ls);
+#pragma GCC unroll 8
     for (int h = 0; h < 4; ++h) {               // 64 values: 16 grid entries of 4 bytes, index byte i -> values 4i..4i+3
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (x->qs + 16 * h)));
         __m512i v = _mm512_i32gather_epi32(idx, (const void *) iq3xxs_grid, 4);
         v = _mm512_mask_sub_epi8(v, neg[h], _mm512_setzero_si512(), v);
-        widen_scaled(v, (int16_t) (2 * (words[2 * h] >> 28) + 1), (int16_t) (2 * (words[2 * h + 1] >> 28) + 1),
-                     w + 2 * h);
+        widen_scaled(v, ls[2 * h], ls[2 * h + 1], w + 2 * h);
     }
     return 0.25f * _cvtsh_ss(x->d);
 }
 
 static inline __attribute__((always_inline)) float unpack_iq2_xxs(const block_iq2_xxs * x, __m512i * w) {
-    uint32_t words[16];                         // per sub-block: 4 grid index bytes, then 4 x 7 sign bits + scale
-    memcpy(words, x->qs, sizeof(words));
+    // per sub-block: 4 grid index bytes, then a uint32 of 4 x 7 sign bits + scale
     const __m512i all = _mm512_loadu_si512(x->qs);
     const __m512i odd = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 15, 13, 11, 9, 7, 5, 3, 1);
     __mmask64 neg[4];
-    sign_masks(_mm512_castsi512_si256(_mm512_permutexvar_epi32(odd, all)), neg);
+    int16_t ls[8];
+    sign_masks(_mm512_castsi512_si256(_mm512_permutexvar_epi32(odd, all)), neg, ls);
     const __m128i pick = _mm_set_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 11, 10, 9, 8, 3, 2, 1, 0);
+#pragma GCC unroll 8
     for (int h = 0; h < 4; ++h) {               // 64 values: 8 grid entries of 8 bytes, sub-blocks 2h and 2h + 1
         const __m128i bytes = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *) (x->qs + 8 * h)), pick);
         __m512i v = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(bytes), (const void *) iq2xxs_grid, 8);
         v = _mm512_mask_sub_epi8(v, neg[h], _mm512_setzero_si512(), v);
-        widen_scaled(v, (int16_t) (2 * (words[4 * h + 1] >> 28) + 1), (int16_t) (2 * (words[4 * h + 3] >> 28) + 1),
-                     w + 2 * h);
+        widen_scaled(v, ls[2 * h], ls[2 * h + 1], w + 2 * h);
     }
     return 0.125f * _cvtsh_ss(x->d);
 }
@@ -163,6 +178,7 @@ static inline __attribute__((always_inline)) void rows_group(enum ggml_type type
             for (int64_t t = 0; t < G; ++t) {
                 const __m512i * a = (const __m512i *) (a16 + (t * nb + b) * QK_K);
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
                 for (int c = 0; c < 8; ++c) {
                     const __m512i ac = _mm512_load_si512(a + c);
                     s0 = dot16(s0, w0[c], ac);
@@ -194,6 +210,7 @@ static inline __attribute__((always_inline)) void rows(enum ggml_type type, size
             for (int64_t b = 0; b < nb; ++b) {
                 const int8_t * q = acts[j0 + t][b].qs;
                 __m512i * a = (__m512i *) (a16 + (t * nb + b) * QK_K);
+#pragma GCC unroll 8
                 for (int c = 0; c < 8; ++c) {
                     _mm512_store_si512(a + c, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *) (q + 32 * c))));
                 }
