@@ -78,11 +78,24 @@ static inline __attribute__((always_inline)) void sign_masks(__m256i words, __mm
     }
 }
 
+// IQ4_XS: a 64-byte half h of qs is sub-blocks 4h..4h+3 (16 bytes each: byte j's low nibble value j, its high nibble
+// value 16 + j). Read as 32 words (word u = bytes 2u, 2u + 1 of sub-block s = u / 8, i = u % 8), its four nibbles are
+// values 2i, 2i + 1 (low nibbles) and 16 + 2i, 17 + 2i (high) of sub-block s: four int16 vectors, each looked up in one
+// vpermt2w from the four sub-blocks' tables kvalues * scale (64 int16 entries: nibble + 16 s). So the scale costs a
+// multiply a table, not a vector, and no byte is widened; the activations are put in the same order once a call
+// (`widen_iq4_xs`): w[4h + k], k = 0..3, lane 8s + i <-> value 32 (4h + s) + (2i, 2i + 1, 16 + 2i, 17 + 2i)[k].
+static const int16_t iq4_xs_kvalues2[32] __attribute__((aligned(64))) = {
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+};
+
 static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4_xs * x, __m512i * w) {
-    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) kvalues_iq4nl));
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);     // [lo 0, hi 0, lo 1, hi 1] (128-bit lanes)
-    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);  // [lo 2, hi 2, lo 3, hi 3]
+    const __m512i kv2 = _mm512_load_si512(iq4_xs_kvalues2);                     // kvalues_iq4nl twice, int16
+    const __m512i m4 = _mm512_set1_epi16(0x0f);
+    const __m512i sub = _mm512_set_epi64(0x0030003000300030ll, 0x0030003000300030ll, 0x0020002000200020ll,
+                                         0x0020002000200020ll, 0x0010001000100010ll, 0x0010001000100010ll, 0, 0);
+    const __m512i pair = _mm512_set_epi64(0x0001000100010001ll, 0x0001000100010001ll, 0x0001000100010001ll,
+                                          0x0001000100010001ll, 0, 0, 0, 0);       // [0 x 16, 1 x 16]
     // the 8 sub-blocks' 6-bit scales: low 4 bits nibble k of scales_l, high 2 bits bits 2k, 2k + 1 of scales_h
     uint32_t low;
     memcpy(&low, x->scales_l, sizeof(low));
@@ -94,51 +107,106 @@ static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4
         bytes |= (uint64_t) (((low >> 4 * k) & 0xf) | (((x->scales_h >> 2 * k) & 3) << 4)) << 8 * k;
     }
 #endif
-    int16_t ls[8];
-    _mm_storeu_si128((__m128i *) ls, _mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long) bytes)),
-                                                   _mm_set1_epi16(32)));
-#pragma GCC unroll 8
-    for (int h = 0; h < 2; ++h) {               // sub-blocks 4h..4h+3: 16 bytes each, value j low nibble, 16 + j high
+    const __m512i ls = _mm512_castsi128_si512(_mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long) bytes)),
+                                                            _mm_set1_epi16(32)));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+        // tables of sub-blocks (4h, 4h + 1) and (4h + 2, 4h + 3): kvalues * scale, |.| <= 127 * 32
+        const __m512i t01 = _mm512_mullo_epi16(kv2, _mm512_permutexvar_epi16(
+            _mm512_add_epi16(pair, _mm512_set1_epi16((short) (4 * h))), ls));
+        const __m512i t23 = _mm512_mullo_epi16(kv2, _mm512_permutexvar_epi16(
+            _mm512_add_epi16(pair, _mm512_set1_epi16((short) (4 * h + 2))), ls));
         const __m512i q = _mm512_loadu_si512(x->qs + 64 * h);
-        const __m512i lo = _mm512_shuffle_epi8(values, _mm512_and_si512(q, m4));
-        const __m512i hi = _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
-        widen_scaled(_mm512_permutex2var_epi64(lo, first, hi), ls[4 * h + 0], ls[4 * h + 1], w + 4 * h);
-        widen_scaled(_mm512_permutex2var_epi64(lo, second, hi), ls[4 * h + 2], ls[4 * h + 3], w + 4 * h + 2);
+        // (q & 15) | 16 s: ternary logic (a & b) | c
+        w[4 * h + 0] = _mm512_permutex2var_epi16(t01, _mm512_ternarylogic_epi32(q, m4, sub, 0xea), t23);
+        w[4 * h + 1] = _mm512_permutex2var_epi16(t01, _mm512_ternarylogic_epi32(_mm512_srli_epi16(q, 8), m4, sub, 0xea),
+                                                 t23);
+        w[4 * h + 2] = _mm512_permutex2var_epi16(t01, _mm512_ternarylogic_epi32(_mm512_srli_epi16(q, 4), m4, sub, 0xea),
+                                                 t23);
+        w[4 * h + 3] = _mm512_permutex2var_epi16(t01, _mm512_or_si512(_mm512_srli_epi16(q, 12), sub), t23);
     }
     return _cvtsh_ss(x->d);
 }
 
-static inline __attribute__((always_inline)) float unpack_iq3_xxs(const block_iq3_xxs * x, __m512i * w) {
+// a q8_K block's 256 values as int16 in `unpack_iq4_xs`'s order: from the natural sub-block vectors n_t, per pair
+// (n_4h, n_4h+1) P = [even of 0..15 of each, odd of 0..15 of each] and Q the same of 16..31, then halves of the two
+// pairs' P and Q side by side
+static const int16_t iq4_xs_lo_idx[32] __attribute__((aligned(64))) = {
+    0, 2, 4, 6, 8, 10, 12, 14, 32, 34, 36, 38, 40, 42, 44, 46, 1, 3, 5, 7, 9, 11, 13, 15, 33, 35, 37, 39, 41, 43, 45, 47,
+};
+
+static inline __attribute__((always_inline)) void widen_iq4_xs(const int8_t * q, __m512i * a) {
+    const __m512i lo = _mm512_load_si512(iq4_xs_lo_idx);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    __m512i n[8], p[4], r[4];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+        n[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *) (q + 32 * t)));
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {               // pair k: sub-blocks 2k, 2k + 1
+        p[k] = _mm512_permutex2var_epi16(n[2 * k], lo, n[2 * k + 1]);
+        r[k] = _mm512_permutex2var_epi16(n[2 * k], hi, n[2 * k + 1]);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+        a[4 * h + 0] = _mm512_shuffle_i64x2(p[2 * h], p[2 * h + 1], 0x44);
+        a[4 * h + 1] = _mm512_shuffle_i64x2(p[2 * h], p[2 * h + 1], 0xee);
+        a[4 * h + 2] = _mm512_shuffle_i64x2(r[2 * h], r[2 * h + 1], 0x44);
+        a[4 * h + 3] = _mm512_shuffle_i64x2(r[2 * h], r[2 * h + 1], 0xee);
+    }
+}
+
+// IQ3_XXS / IQ2_XXS decoded: v[h] = values 64h..64h+63 as signed bytes (grid entries, signs applied), ls[k] = 2 s + 1
+static inline __attribute__((always_inline)) float decode_iq3_xxs(const block_iq3_xxs * x, __m512i * v, int16_t * ls) {
     const uint8_t * gas = x->qs + QK_K / 4;     // a sub-block's uint32: 4 x 7 sign bits, scale in the top 4
     __mmask64 neg[4];
-    int16_t ls[8];
     sign_masks(_mm256_loadu_si256((const __m256i *) gas), neg, ls);
 #pragma GCC unroll 8
     for (int h = 0; h < 4; ++h) {               // 64 values: 16 grid entries of 4 bytes, index byte i -> values 4i..4i+3
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (x->qs + 16 * h)));
-        __m512i v = _mm512_i32gather_epi32(idx, (const void *) iq3xxs_grid, 4);
-        v = _mm512_mask_sub_epi8(v, neg[h], _mm512_setzero_si512(), v);
-        widen_scaled(v, ls[2 * h], ls[2 * h + 1], w + 2 * h);
+        const __m512i g = _mm512_i32gather_epi32(idx, (const void *) iq3xxs_grid, 4);
+        v[h] = _mm512_mask_sub_epi8(g, neg[h], _mm512_setzero_si512(), g);
     }
     return 0.25f * _cvtsh_ss(x->d);
 }
 
-static inline __attribute__((always_inline)) float unpack_iq2_xxs(const block_iq2_xxs * x, __m512i * w) {
+static inline __attribute__((always_inline)) float decode_iq2_xxs(const block_iq2_xxs * x, __m512i * v, int16_t * ls) {
     // per sub-block: 4 grid index bytes, then a uint32 of 4 x 7 sign bits + scale
     const __m512i all = _mm512_loadu_si512(x->qs);
     const __m512i odd = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 15, 13, 11, 9, 7, 5, 3, 1);
     __mmask64 neg[4];
-    int16_t ls[8];
     sign_masks(_mm512_castsi512_si256(_mm512_permutexvar_epi32(odd, all)), neg, ls);
     const __m128i pick = _mm_set_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 11, 10, 9, 8, 3, 2, 1, 0);
 #pragma GCC unroll 8
     for (int h = 0; h < 4; ++h) {               // 64 values: 8 grid entries of 8 bytes, sub-blocks 2h and 2h + 1
         const __m128i bytes = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *) (x->qs + 8 * h)), pick);
-        __m512i v = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(bytes), (const void *) iq2xxs_grid, 8);
-        v = _mm512_mask_sub_epi8(v, neg[h], _mm512_setzero_si512(), v);
-        widen_scaled(v, ls[2 * h], ls[2 * h + 1], w + 2 * h);
+        const __m512i g = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(bytes), (const void *) iq2xxs_grid, 8);
+        v[h] = _mm512_mask_sub_epi8(g, neg[h], _mm512_setzero_si512(), g);
     }
     return 0.125f * _cvtsh_ss(x->d);
+}
+
+static inline __attribute__((always_inline)) float unpack_iq3_xxs(const block_iq3_xxs * x, __m512i * w) {
+    __m512i v[4];
+    int16_t ls[8];
+    const float d = decode_iq3_xxs(x, v, ls);
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h) {
+        widen_scaled(v[h], ls[2 * h], ls[2 * h + 1], w + 2 * h);
+    }
+    return d;
+}
+
+static inline __attribute__((always_inline)) float unpack_iq2_xxs(const block_iq2_xxs * x, __m512i * w) {
+    __m512i v[4];
+    int16_t ls[8];
+    const float d = decode_iq2_xxs(x, v, ls);
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h) {
+        widen_scaled(v[h], ls[2 * h], ls[2 * h + 1], w + 2 * h);
+    }
+    return d;
 }
 
 // ---- the products ----
@@ -210,9 +278,13 @@ static inline __attribute__((always_inline)) void rows(enum ggml_type type, size
             for (int64_t b = 0; b < nb; ++b) {
                 const int8_t * q = acts[j0 + t][b].qs;
                 __m512i * a = (__m512i *) (a16 + (t * nb + b) * QK_K);
+                if (type == GGML_TYPE_IQ4_XS) {
+                    widen_iq4_xs(q, a);
+                } else {
 #pragma GCC unroll 8
-                for (int c = 0; c < 8; ++c) {
-                    _mm512_store_si512(a + c, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *) (q + 32 * c))));
+                    for (int c = 0; c < 8; ++c) {
+                        a[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *) (q + 32 * c)));
+                    }
                 }
             }
         }
