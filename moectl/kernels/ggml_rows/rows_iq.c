@@ -28,18 +28,22 @@
 
 enum { GROUP = 32 };                // tokens a weight block is unpacked for: scratch GROUP * K * 2 bytes (256 KB at 4096)
 
-// int16 activations of the group: [G][nb][QK_K], the q8_K values widened (once a call, shared by every row)
-static _Thread_local int16_t * scratch;
-static _Thread_local size_t    scratch_bytes;
+// a thread's scratch, grown on demand and kept (a compute thread's calls reuse it): the activations in a kernel's
+// layout, made once a call and shared by every row
+typedef struct { void * p; size_t bytes; } scratch;
 
-static int16_t * scratch_for(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        free(scratch);
-        scratch = aligned_alloc(64, bytes);
-        scratch_bytes = scratch != NULL ? bytes : 0;
+static void * scratch_for(scratch * s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->p);
+        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        s->bytes = s->p != NULL ? bytes : 0;
     }
-    return scratch;
+    GGML_ASSERT(s->p != NULL && "moectl rows: no memory for the activations' scratch");   // as ggml's allocations
+    return s->p;
 }
+
+static _Thread_local scratch vectors_scratch;      // rows_vectors: int16 [G][nb][QK_K]
+static _Thread_local scratch lanes_scratch;        // rows_lanes: lanes_block [groups][nb]
 
 // ---- unpacking one weight block into w[c] = value * scale (int16, 32 per vector) and its fp32 d ----
 
@@ -78,6 +82,22 @@ static inline __attribute__((always_inline)) void sign_masks(__m256i words, __mm
     }
 }
 
+// the 8 sub-blocks' scales, 6 bits - 32: low 4 bits nibble k of scales_l, high 2 bits bits 2k, 2k + 1 of scales_h
+static inline __attribute__((always_inline)) void iq4_xs_scales(const block_iq4_xs * x, int16_t * ls) {
+    uint32_t low;
+    memcpy(&low, x->scales_l, sizeof(low));
+#if defined(__BMI2__)
+    const uint64_t bytes = _pdep_u64(low, 0x0f0f0f0f0f0f0f0full) | _pdep_u64(x->scales_h, 0x3030303030303030ull);
+#else
+    uint64_t bytes = 0;
+    for (int k = 0; k < 8; ++k) {
+        bytes |= (uint64_t) (((low >> 4 * k) & 0xf) | (((x->scales_h >> 2 * k) & 3) << 4)) << 8 * k;
+    }
+#endif
+    _mm_storeu_si128((__m128i *) ls, _mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long) bytes)),
+                                                   _mm_set1_epi16(32)));
+}
+
 // IQ4_XS: a 64-byte half h of qs is sub-blocks 4h..4h+3 (16 bytes each: byte j's low nibble value j, its high nibble
 // value 16 + j). Read as 32 words (word u = bytes 2u, 2u + 1 of sub-block s = u / 8, i = u % 8), its four nibbles are
 // values 2i, 2i + 1 (low nibbles) and 16 + 2i, 17 + 2i (high) of sub-block s: four int16 vectors, each looked up in one
@@ -96,19 +116,9 @@ static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4
                                          0x0020002000200020ll, 0x0010001000100010ll, 0x0010001000100010ll, 0, 0);
     const __m512i pair = _mm512_set_epi64(0x0001000100010001ll, 0x0001000100010001ll, 0x0001000100010001ll,
                                           0x0001000100010001ll, 0, 0, 0, 0);       // [0 x 16, 1 x 16]
-    // the 8 sub-blocks' 6-bit scales: low 4 bits nibble k of scales_l, high 2 bits bits 2k, 2k + 1 of scales_h
-    uint32_t low;
-    memcpy(&low, x->scales_l, sizeof(low));
-#if defined(__BMI2__)
-    const uint64_t bytes = _pdep_u64(low, 0x0f0f0f0f0f0f0f0full) | _pdep_u64(x->scales_h, 0x3030303030303030ull);
-#else
-    uint64_t bytes = 0;
-    for (int k = 0; k < 8; ++k) {
-        bytes |= (uint64_t) (((low >> 4 * k) & 0xf) | (((x->scales_h >> 2 * k) & 3) << 4)) << 8 * k;
-    }
-#endif
-    const __m512i ls = _mm512_castsi128_si512(_mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long) bytes)),
-                                                            _mm_set1_epi16(32)));
+    int16_t scales[8];
+    iq4_xs_scales(x, scales);
+    const __m512i ls = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *) scales));
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
         // tables of sub-blocks (4h, 4h + 1) and (4h + 2, 4h + 3): kvalues * scale, |.| <= 127 * 32
@@ -266,12 +276,12 @@ static inline __attribute__((always_inline)) void rows_group(enum ggml_type type
     }
 }
 
-static inline __attribute__((always_inline)) void rows(enum ggml_type type, size_t block_bytes, const void * w,
+// tokens a vector: each token's activations in int16 vectors, a row pair's unpacked weights in registers
+static inline __attribute__((always_inline)) void rows_vectors(enum ggml_type type, size_t block_bytes, const void * w,
         size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts, int64_t n, float * const * out) {
     const int64_t groups = (n + GROUP - 1) / GROUP;
     const int64_t per = (n + groups - 1) / groups;                  // balanced: 33 tokens are 17 + 16, not 32 + 1
-    int16_t * a16 = scratch_for((size_t) per * nb * QK_K * sizeof(int16_t));
-    GGML_ASSERT(a16 != NULL && "moectl rows: no memory for the int16 activations");   // as ggml's own allocations
+    int16_t * a16 = scratch_for(&vectors_scratch, (size_t) per * nb * QK_K * sizeof(int16_t));
     for (int64_t j0 = 0; j0 < n; j0 += per) {
         const int64_t G = n - j0 < per ? n - j0 : per;
         for (int64_t t = 0; t < G; ++t) {
@@ -289,6 +299,212 @@ static inline __attribute__((always_inline)) void rows(enum ggml_type type, size
             }
         }
         rows_group(type, block_bytes, (const uint8_t *) w, row_bytes, m, nb, acts + j0, G, a16, out + j0);
+    }
+}
+
+#if defined(__AVX512VNNI__)
+// ---- tokens in lanes (VNNI): 16 tokens a vector, a weight's 4 bytes broadcast ----
+//
+// From 16 tokens on, the tokens go in the lanes (as ggml's tiled micro-kernel has them): one vpdpbusd multiplies 4
+// weight bytes (broadcast, biased to u8: w + BIAS) by 4 activation bytes of each of 16 tokens, 64 products, twice
+// vpdpwssd's 32, and a sub-block's scale is one int32 multiply for 16 tokens. The activations are packed once a call
+// into lanes_block: q[kg][t] = token t's 4 bytes kg (in the weights' decoded order), bias[s][t] = BIAS * the
+// token's sum over sub-block s (q8_K bsums: what w + BIAS adds, taken off before the scale), d[t] = its q8_K d.
+// Legend here: kg = a group of 4 values (64 a block), s = sub-block (8 a block), t = a token's lane.
+enum { LANES = 16, LANE_ROWS = 4, LANE_GROUPS = 4, LANES_FROM = 8 };
+
+typedef struct {
+    uint32_t q[QK_K / 4][LANES];
+    int32_t  bias[QK_K / 32][LANES];
+    float    d[LANES];
+} lanes_block;
+
+static inline __attribute__((always_inline)) int lanes_bias(enum ggml_type type) {
+    return type == GGML_TYPE_IQ4_XS ? 128 : 64;     // |kvalues| <= 127; |IQ3 grid| <= 62, |IQ2 grid| <= 43
+}
+
+// the k-th (of 8) group of 4 of sub-block s in the decoded order: IQ4_XS's half h = s / 4 holds the low nibbles of
+// its 4 sub-blocks (16 values each), then their high nibbles; IQ3 / IQ2 decode in the natural order
+static inline __attribute__((always_inline)) int lanes_kg(enum ggml_type type, int s, int k) {
+    return type == GGML_TYPE_IQ4_XS ? 32 * (s / 4) + 16 * (k / 4) + 4 * (s % 4) + k % 4 : 8 * s + k;
+}
+
+// a row's block decoded as u8 w + BIAS into wb[kg] (4 bytes each), its scales ls[s] and d
+static inline __attribute__((always_inline)) float lanes_unpack(enum ggml_type type, const uint8_t * block,
+                                                                 uint32_t * wb, int16_t * ls) {
+    if (type == GGML_TYPE_IQ4_XS) {
+        const block_iq4_xs * x = (const block_iq4_xs *) block;
+        const __m512i values = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) kvalues_iq4nl)),
+                                               _mm512_set1_epi8((char) 0x80));
+        const __m512i m4 = _mm512_set1_epi8(0x0f);
+        iq4_xs_scales(x, ls);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+            const __m512i q = _mm512_loadu_si512(x->qs + 64 * h);
+            _mm512_store_si512(wb + 32 * h, _mm512_shuffle_epi8(values, _mm512_and_si512(q, m4)));
+            _mm512_store_si512(wb + 32 * h + 16, _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4)));
+        }
+        return _cvtsh_ss(x->d);
+    }
+    __m512i v[4];
+    const float d = type == GGML_TYPE_IQ3_XXS ? decode_iq3_xxs((const block_iq3_xxs *) block, v, ls)
+                                              : decode_iq2_xxs((const block_iq2_xxs *) block, v, ls);
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h) {
+        _mm512_store_si512(wb + 16 * h, _mm512_add_epi8(v[h], _mm512_set1_epi8(64)));
+    }
+    return d;
+}
+
+// tokens acts[0..g-1] (g <= LANES; lanes from g on: zeros) packed into p[0..nb-1]
+static void lanes_pack(enum ggml_type type, const block_q8_K * const * acts, int64_t g, int64_t nb, lanes_block * p) {
+    int8_t tmp[LANES][QK_K] __attribute__((aligned(64)));     // the tokens' block in the decoded order
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(QK_K / 4));
+    const __m512i lo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);       // 16-byte pieces 0, 2 of each source
+    const __m512i hi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);     // pieces 1, 3
+    const int bias = lanes_bias(type);
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int t = 0; t < LANES; ++t) {
+            if (t >= g) {
+                memset(tmp[t], 0, QK_K);
+                for (int s = 0; s < QK_K / 32; ++s) {
+                    p[b].bias[s][t] = 0;
+                }
+                p[b].d[t] = 0.0f;
+                continue;
+            }
+            const block_q8_K * y = &acts[t][b];
+            if (type == GGML_TYPE_IQ4_XS) {     // half h: [low 16 of sub-blocks 4h..4h+3, high 16 of them]
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i n0 = _mm512_loadu_si512(y->qs + 128 * h);
+                    const __m512i n1 = _mm512_loadu_si512(y->qs + 128 * h + 64);
+                    _mm512_store_si512(tmp[t] + 128 * h, _mm512_permutex2var_epi64(n0, lo, n1));
+                    _mm512_store_si512(tmp[t] + 128 * h + 64, _mm512_permutex2var_epi64(n0, hi, n1));
+                }
+            } else {
+                memcpy(tmp[t], y->qs, QK_K);
+            }
+            for (int s = 0; s < QK_K / 32; ++s) {
+                p[b].bias[s][t] = bias * (y->bsums[2 * s] + y->bsums[2 * s + 1]);
+            }
+            p[b].d[t] = y->d;
+        }
+        for (int kg = 0; kg < QK_K / 4; ++kg) {
+            _mm512_store_si512(p[b].q[kg], _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(kg)),
+                                                                   (const void *) tmp, 4));
+        }
+    }
+}
+
+// G <= LANE_GROUPS groups of 16 tokens (p: [G][nb]; the last holds g_last tokens), every row; LANE_ROWS rows at a time
+static inline __attribute__((always_inline)) void rows_lanes_groups(enum ggml_type type, size_t block_bytes,
+        const uint8_t * w, size_t row_bytes, int64_t m, int64_t nb, const lanes_block * p, int G, int64_t g_last,
+        float * const * out) {
+    for (int64_t r = 0; r < m; r += LANE_ROWS) {
+        const int here = m - r < LANE_ROWS ? (int) (m - r) : LANE_ROWS;
+        const uint8_t * row[LANE_ROWS];
+        for (int i = 0; i < LANE_ROWS; ++i) {
+            row[i] = w + (r + (i < here ? i : here - 1)) * row_bytes;     // past the last row: computed again, not stored
+        }
+        __m512 acc[LANE_GROUPS][LANE_ROWS];
+        for (int g = 0; g < G; ++g) {
+            for (int i = 0; i < LANE_ROWS; ++i) {
+                acc[g][i] = _mm512_setzero_ps();
+            }
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            uint32_t wb[LANE_ROWS][QK_K / 4] __attribute__((aligned(64)));
+            int16_t ls[LANE_ROWS][8];
+            float dw[LANE_ROWS];
+#pragma GCC unroll 4
+            for (int i = 0; i < LANE_ROWS; ++i) {
+                dw[i] = lanes_unpack(type, row[i] + b * block_bytes, wb[i], ls[i]);
+            }
+            for (int g = 0; g < G; ++g) {
+                const lanes_block * pb = p + g * nb + b;
+                __m512i tot[LANE_ROWS];
+#pragma GCC unroll 4
+                for (int i = 0; i < LANE_ROWS; ++i) {
+                    tot[i] = _mm512_setzero_si512();
+                }
+#pragma GCC unroll 1
+                for (int s = 0; s < QK_K / 32; ++s) {
+                    __m512i raw[LANE_ROWS];
+#pragma GCC unroll 4
+                    for (int i = 0; i < LANE_ROWS; ++i) {
+                        raw[i] = _mm512_setzero_si512();
+                    }
+#pragma GCC unroll 8
+                    for (int k = 0; k < 8; ++k) {
+                        const int kg = lanes_kg(type, s, k);
+                        const __m512i a = _mm512_load_si512(pb->q[kg]);
+#pragma GCC unroll 4
+                        for (int i = 0; i < LANE_ROWS; ++i) {
+                            raw[i] = _mm512_dpbusd_epi32(raw[i], _mm512_set1_epi32((int) wb[i][kg]), a);
+                        }
+                    }
+                    const __m512i bias = _mm512_load_si512(pb->bias[s]);
+#pragma GCC unroll 4
+                    for (int i = 0; i < LANE_ROWS; ++i) {
+                        tot[i] = _mm512_add_epi32(tot[i], _mm512_mullo_epi32(_mm512_sub_epi32(raw[i], bias),
+                                                                             _mm512_set1_epi32(ls[i][s])));
+                    }
+                }
+                const __m512 da = _mm512_load_ps(pb->d);
+#pragma GCC unroll 4
+                for (int i = 0; i < LANE_ROWS; ++i) {
+                    acc[g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[i]), _mm512_mul_ps(da, _mm512_set1_ps(dw[i])),
+                                                acc[g][i]);
+                }
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            const int64_t tokens = g == G - 1 ? g_last : LANES;
+            for (int i = 0; i < here; ++i) {
+                float y[LANES] __attribute__((aligned(64)));
+                _mm512_store_ps(y, acc[g][i]);
+                for (int64_t t = 0; t < tokens; ++t) {
+                    out[g * LANES + t][r + i] = y[t];
+                }
+            }
+        }
+    }
+}
+
+// the tokens from 0 in groups of 16, LANE_GROUPS groups at a time (weights unpacked once for them); returns how many
+// it took: every full group, and a last part of LANES_FROM tokens or more (fewer: the vectors' kernel is cheaper)
+static inline __attribute__((always_inline)) int64_t rows_lanes(enum ggml_type type, size_t block_bytes,
+        const void * w, size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts, int64_t n,
+        float * const * out) {
+    const int64_t taken = n % LANES >= LANES_FROM ? n : n / LANES * LANES;
+    if (taken == 0) {
+        return 0;
+    }
+    lanes_block * p = scratch_for(&lanes_scratch, (size_t) LANE_GROUPS * nb * sizeof(lanes_block));
+    for (int64_t j0 = 0; j0 < taken; j0 += LANE_GROUPS * LANES) {
+        const int64_t tokens = taken - j0 < LANE_GROUPS * LANES ? taken - j0 : LANE_GROUPS * LANES;
+        const int G = (int) ((tokens + LANES - 1) / LANES);
+        for (int g = 0; g < G; ++g) {
+            const int64_t count = tokens - g * LANES < LANES ? tokens - g * LANES : LANES;
+            lanes_pack(type, acts + j0 + g * LANES, count, nb, p + g * nb);
+        }
+        rows_lanes_groups(type, block_bytes, (const uint8_t *) w, row_bytes, m, nb, p, G, tokens - (G - 1) * LANES,
+                          out + j0);
+    }
+    return taken;
+}
+#endif
+
+static inline __attribute__((always_inline)) void rows(enum ggml_type type, size_t block_bytes, const void * w,
+        size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts, int64_t n, float * const * out) {
+#if defined(__AVX512VNNI__)
+    const int64_t done = rows_lanes(type, block_bytes, w, row_bytes, m, nb, acts, n, out);
+#else
+    const int64_t done = 0;
+#endif
+    if (done < n) {
+        rows_vectors(type, block_bytes, w, row_bytes, m, nb, acts + done, n - done, out + done);
     }
 }
 
