@@ -1,5 +1,7 @@
 """The IQ expert-rows kernels (moectl/kernels/ggml_rows/rows_iq.c: IQ4_XS, IQ3_XXS, IQ2_XXS, rows.h's interface):
 out[j][r] = W[r] . act_j for m weight rows and n q8_K activation rows, each weight block unpacked once for the tokens.
+Two kernels inside: tokens in lanes (VNNI builds; groups of 16, a last group of 6 or more) and tokens in vectors (the
+rest, and builds without VNNI): n = 1, 2, 3 take the vectors, 7, 8, 16 the lanes, 33 and 100 both.
 
 Checked, for each type, n = 1, 2, 3, 7, 8, 16, 33 tokens, m = 1, 5, 16, 40 rows, K = 256 and 4096 (ggml's quantizer,
 random weights), and the real files' shapes (qwen3-moe-2's and mixtral-2's IQ GGUFs where present: K = 2048, 768,
@@ -8,7 +10,8 @@ random weights), and the real files' shapes (qwen3-moe-2's and mixtral-2's IQ GG
     exactly and scale them in fp32; only the order of the fp32 sums over blocks differs);
   - against `gguf.quants.dequantize(W)` @ the q8_K rows dequantized (d * qs), in float64: within fp32 rounding,
     (nb + 8) 2^-23 sum |w| |a| (one rounding a block product, nb fp32 sums, the 16 lanes' tree, the dequantized w's);
-  - out[j][0..m-1] written and nothing around it (guard values stay).
+  - out[j][0..m-1] written and nothing around it (guard values stay);
+  - 100 tokens (more than the 64 a pass of the lanes kernel takes), 4 threads at once (a scratch each).
 The library comes from one fixture, `rows_library()`: ggml's libggml-cpu where it exports `ggml_moectl_rows_kernel`
 (the patch's build), else the ggml_rows/*.c files compiled here with gcc -march=native against the pinned source;
 plus the same files compiled without AVX-512 VNNI (the madd + add variant of hosts without it).
@@ -27,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -238,6 +242,29 @@ def test_random_valid_blocks(rows_library):
         raw = raw.reshape(m, -1)
         deq = np.asarray(quants.dequantize(raw, enc), dtype=np.float32).reshape(m, K)
         check(enc, f, raw, deq, a, f"{enc.name} random blocks")
+
+
+def test_threads_each_their_own_scratch(rows_library):
+    """The activations' scratch is per thread (kept for its later calls, freed when it exits): 4 threads, each with
+    its own tokens (5: tokens in vectors; 21: lanes and vectors), 20 calls each, every product equal to one thread's
+    alone."""
+    enc, K = T.IQ3_XXS, 1024
+    f = kernel(rows_library, enc)
+    raw, _ = weights(enc, 12, K, seed=8)
+    cases = [q8_k(np.random.default_rng(i).standard_normal((n, K)).astype(np.float32)) for i, n in enumerate((5, 21) * 2)]
+    alone = [run(f, raw, a)[0] for a in cases]
+    got: dict = {}
+
+    def worker(i):
+        got[i] = [run(f, raw, cases[i])[0] for _ in range(20)]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, a in enumerate(alone):
+        assert len(got[i]) == 20 and all(np.array_equal(y, a) for y in got[i]), f"thread {i}"
 
 
 def test_an_avx2_build_has_no_kernel(tmp_path):

@@ -1,25 +1,30 @@
-// Expert-rows kernels (rows.h) for the IQ types: IQ4_XS, IQ3_XXS, IQ2_XXS (AVX-512BW; VNNI's vpdpwssd where built).
+// Expert-rows kernels (rows.h) for the IQ types: IQ4_XS, IQ3_XXS, IQ2_XXS (AVX-512BW; VNNI where built).
 //
-// How: the weights are signed (IQ4_XS: kvalues_iq4nl, -127..113; IQ3_XXS / IQ2_XXS: an unsigned grid, 4..62 / 8..43,
-// with a sign bit per value) and each 32-value sub-block has its own integer scale. Each weight block of a row is
-// unpacked ONCE into eight int16 vectors of w * scale (|w * scale| <= 127 * 32: no int16 overflow) and used for every
-// token of a group, against the tokens' q8_K rows widened once a call to int16 (a per-thread scratch); vpdpwssd (or
-// madd + add) sums w * scale * a exactly in int32 lanes (|pair| <= 2 * 4064 * 128), so a block's integer sum is
-// vec_dot's own sum_sub scale_sub * sum(w a) (vec_dot: maddubs of |w| with the signed q8, then madd by the scale).
-// Why int16 and not vpdpbusd on bytes: a u8 x s8 dot needs one side unsigned (biased activations plus a bsums
-// correction, or signs moved onto every token's activations), and the sub-block scale would then be an int32 lane
-// multiply per token; folding the scale into the unpacked weights makes the per-token work eight vpdpwssd a block.
-// Then, per block, the int32 lanes are scaled in fp32 by the block's d (fp16, times IQ3's 1/4 or IQ2's 1/8, exact
-// powers of two) and the token's q8_K d, into one fp32 accumulator per (token, row); out[j][r] is its lane sum.
-// Two weight rows run together so each activation vector loads once for both.
+// The weights are signed (IQ4_XS: kvalues_iq4nl, -127..113; IQ3_XXS / IQ2_XXS: an unsigned grid, 4..62 / 8..43, with a
+// sign bit per value) and each 32-value sub-block has its own integer scale. Each weight block of a row is decoded
+// ONCE for many tokens, and a block's integer sum is vec_dot's own, sum_sub scale_sub * sum(w a), exact in int32; it
+// is scaled in fp32 by the block's d (fp16, times IQ3's 1/4 or IQ2's 1/8: exact powers of two) and the token's q8_K d.
+// Two kernels, by how many tokens a call has (the activations are put in the kernel's layout once a call, in a
+// per-thread scratch, and shared by every row):
+//   tokens in lanes (VNNI, groups of 16 tokens; `rows_lanes`): a vector holds 4 activation bytes of each of 16 tokens;
+//     one vpdpbusd multiplies them by 4 weight bytes broadcast (u8: w + bias, the bias taken off through the q8_K
+//     bsums), 64 products; a sub-block's scale is one int32 multiply for 16 tokens. ggml's tiled micro-kernel has
+//     this layout too; here the weights go from the GGUF block to registers with no tile repacked in memory.
+//   tokens in vectors (`rows_vectors`: fewer than 6 tokens left over, and builds without VNNI): a row's block is
+//     unpacked into eight int16 vectors of w * scale (|w * scale| <= 127 * 32), two rows at a time, and each token's
+//     activations (int16) meet them by vpdpwssd (or madd + add), 32 products an instruction: no token lane idles.
+// Why the scale is folded as it is: a u8 x s8 dot needs one side unsigned and the sub-block's scale must reach each
+// sub-block's sum; in lanes the sum of a sub-block is one vector for 16 tokens (one multiply), in vectors it is spread
+// over lanes of a token's vector (so the scale goes into the weights, in int16).
 //
 // Legend: K = input width (nb blocks of 256), m = weight rows of the chunk, n = tokens routed to the expert,
-// G = tokens of a group (GROUP), c = one of a block's eight 32-value vectors (sub-block c, in its natural order).
+// G = tokens of a group, c = one of a block's eight 32-value vectors.
 #include "rows.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
 #include <immintrin.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,9 +33,37 @@
 
 enum { GROUP = 32 };                // tokens a weight block is unpacked for: scratch GROUP * K * 2 bytes (256 KB at 4096)
 
-// a thread's scratch, grown on demand and kept (a compute thread's calls reuse it): the activations in a kernel's
-// layout, made once a call and shared by every row
+// a thread's scratch, grown on demand and kept for the thread's later calls: the activations in a kernel's layout,
+// made once a call and shared by every row. Freed when the thread exits (a pthread key's destructor): ggml built
+// without OpenMP runs a graph on a threadpool made for it when the caller gives none, whose threads end with it.
 typedef struct { void * p; size_t bytes; } scratch;
+
+enum { VECTORS_SCRATCH, LANES_SCRATCH, SCRATCHES };    // rows_vectors: int16 [G][nb][QK_K]; rows_lanes: lanes_block
+
+static pthread_key_t  scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void * arg) {
+    scratch * s = arg;
+    for (int i = 0; i < SCRATCHES; ++i) {
+        free(s[i].p);
+    }
+    free(s);
+}
+
+static void scratch_key_make(void) {
+    GGML_ASSERT(pthread_key_create(&scratch_key, scratch_free) == 0);
+}
+
+static scratch * thread_scratch(int which) {
+    pthread_once(&scratch_once, scratch_key_make);
+    scratch * s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = calloc(SCRATCHES, sizeof(scratch));
+        GGML_ASSERT(s != NULL && pthread_setspecific(scratch_key, s) == 0);
+    }
+    return s + which;
+}
 
 static void * scratch_for(scratch * s, size_t bytes) {
     if (bytes > s->bytes) {
@@ -42,8 +75,6 @@ static void * scratch_for(scratch * s, size_t bytes) {
     return s->p;
 }
 
-static _Thread_local scratch vectors_scratch;      // rows_vectors: int16 [G][nb][QK_K]
-static _Thread_local scratch lanes_scratch;        // rows_lanes: lanes_block [groups][nb]
 
 // ---- unpacking one weight block into w[c] = value * scale (int16, 32 per vector) and its fp32 d ----
 
@@ -281,7 +312,7 @@ static inline __attribute__((always_inline)) void rows_vectors(enum ggml_type ty
         size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts, int64_t n, float * const * out) {
     const int64_t groups = (n + GROUP - 1) / GROUP;
     const int64_t per = (n + groups - 1) / groups;                  // balanced: 33 tokens are 17 + 16, not 32 + 1
-    int16_t * a16 = scratch_for(&vectors_scratch, (size_t) per * nb * QK_K * sizeof(int16_t));
+    int16_t * a16 = scratch_for(thread_scratch(VECTORS_SCRATCH), (size_t) per * nb * QK_K * sizeof(int16_t));
     for (int64_t j0 = 0; j0 < n; j0 += per) {
         const int64_t G = n - j0 < per ? n - j0 : per;
         for (int64_t t = 0; t < G; ++t) {
@@ -311,7 +342,7 @@ static inline __attribute__((always_inline)) void rows_vectors(enum ggml_type ty
 // into lanes_block: q[kg][t] = token t's 4 bytes kg (in the weights' decoded order), bias[s][t] = BIAS * the
 // token's sum over sub-block s (q8_K bsums: what w + BIAS adds, taken off before the scale), d[t] = its q8_K d.
 // Legend here: kg = a group of 4 values (64 a block), s = sub-block (8 a block), t = a token's lane.
-enum { LANES = 16, LANE_ROWS = 4, LANE_GROUPS = 4, LANES_FROM = 8 };
+enum { LANES = 16, LANE_ROWS = 4, LANE_GROUPS = 4, LANES_FROM = 6 };
 
 typedef struct {
     uint32_t q[QK_K / 4][LANES];
@@ -481,7 +512,7 @@ static inline __attribute__((always_inline)) int64_t rows_lanes(enum ggml_type t
     if (taken == 0) {
         return 0;
     }
-    lanes_block * p = scratch_for(&lanes_scratch, (size_t) LANE_GROUPS * nb * sizeof(lanes_block));
+    lanes_block * p = scratch_for(thread_scratch(LANES_SCRATCH), (size_t) LANE_GROUPS * nb * sizeof(lanes_block));
     for (int64_t j0 = 0; j0 < taken; j0 += LANE_GROUPS * LANES) {
         const int64_t tokens = taken - j0 < LANE_GROUPS * LANES ? taken - j0 : LANE_GROUPS * LANES;
         const int G = (int) ((tokens + LANES - 1) / LANES);
