@@ -340,7 +340,7 @@ static inline __attribute__((always_inline)) void rows_vectors(enum ggml_type ty
 // weight bytes (broadcast, biased to u8: w + BIAS) by 4 activation bytes of each of 16 tokens, 64 products, twice
 // vpdpwssd's 32, and a sub-block's scale is one int32 multiply for 16 tokens. The activations are packed once a call
 // into lanes_block: q[kg][t] = token t's 4 bytes kg (in the weights' decoded order), bias[s][t] = BIAS * the
-// token's sum over sub-block s (q8_K bsums: what w + BIAS adds, taken off before the scale), d[t] = its q8_K d.
+// token's sum over sub-block s (what w + BIAS adds, taken off before the scale), d[t] = its q8_K d.
 // Legend here: kg = a group of 4 values (64 a block), s = sub-block (8 a block), t = a token's lane.
 enum { LANES = 16, LANE_ROWS = 4, LANE_GROUPS = 4, LANES_FROM = 6 };
 
@@ -351,7 +351,7 @@ typedef struct {
 } lanes_block;
 
 static inline __attribute__((always_inline)) int lanes_bias(enum ggml_type type) {
-    return type == GGML_TYPE_IQ4_XS ? 128 : 64;     // |kvalues| <= 127; |IQ3 grid| <= 62, |IQ2 grid| <= 43
+    return type == GGML_TYPE_IQ4_XS ? 128 : 64;     // |kvalues| <= 127; |IQ3 grid| <= 62, |IQ2 grid| <= 43 (powers of 2)
 }
 
 // the k-th (of 8) group of 4 of sub-block s in the decoded order: IQ4_XS's half h = s / 4 holds the low nibbles of
@@ -387,43 +387,75 @@ static inline __attribute__((always_inline)) float lanes_unpack(enum ggml_type t
     return d;
 }
 
-// tokens acts[0..g-1] (g <= LANES; lanes from g on: zeros) packed into p[0..nb-1]
+// a 16 x 16 matrix of dwords transposed in registers: r[i] = row i in, column i out
+static inline __attribute__((always_inline)) void transpose16(__m512i * r) {
+    __m512i t[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {               // a 128-bit lane L: [r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1]] (+2)
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {               // r[4i + k] lane L: column 4L + k of rows 4i..4i+3
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {               // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+        const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);          // lanes 0, 2 | 0, 2
+        const __m512i b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);          // lanes 1, 3 | 1, 3
+        const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+        const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+        t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+        t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xdd);
+        t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+        t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+        r[i] = t[i];
+    }
+}
+
+// tokens acts[0..g-1] (g <= LANES; lanes from g on: zeros) packed into p[0..nb-1]: a block's 64 dwords of each token
+// (in the decoded order) as four 16 x 16 tiles [token][kg], transposed to [kg][token]
 static void lanes_pack(enum ggml_type type, const block_q8_K * const * acts, int64_t g, int64_t nb, lanes_block * p) {
-    int8_t tmp[LANES][QK_K] __attribute__((aligned(64)));     // the tokens' block in the decoded order
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(QK_K / 4));
     const __m512i lo = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);       // 16-byte pieces 0, 2 of each source
     const __m512i hi = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);     // pieces 1, 3
     const int bias = lanes_bias(type);
     for (int64_t b = 0; b < nb; ++b) {
-        for (int t = 0; t < LANES; ++t) {
-            if (t >= g) {
-                memset(tmp[t], 0, QK_K);
-                for (int s = 0; s < QK_K / 32; ++s) {
-                    p[b].bias[s][t] = 0;
+        for (int tile = 0; tile < 4; ++tile) {  // kg 16 tile .. 16 tile + 15: bytes 64 tile.. of the decoded order
+            __m512i r[LANES];
+            for (int t = 0; t < LANES; ++t) {
+                if (t >= g) {
+                    r[t] = _mm512_setzero_si512();
+                } else if (type == GGML_TYPE_IQ4_XS) {  // half h: [low 16 of sub-blocks 4h..4h+3, high 16 of them]
+                    const int8_t * q = acts[t][b].qs + 128 * (tile / 2);
+                    r[t] = _mm512_permutex2var_epi64(_mm512_loadu_si512(q), tile % 2 ? hi : lo, _mm512_loadu_si512(q + 64));
+                } else {
+                    r[t] = _mm512_loadu_si512(acts[t][b].qs + 64 * tile);
                 }
-                p[b].d[t] = 0.0f;
-                continue;
             }
-            const block_q8_K * y = &acts[t][b];
-            if (type == GGML_TYPE_IQ4_XS) {     // half h: [low 16 of sub-blocks 4h..4h+3, high 16 of them]
-                for (int h = 0; h < 2; ++h) {
-                    const __m512i n0 = _mm512_loadu_si512(y->qs + 128 * h);
-                    const __m512i n1 = _mm512_loadu_si512(y->qs + 128 * h + 64);
-                    _mm512_store_si512(tmp[t] + 128 * h, _mm512_permutex2var_epi64(n0, lo, n1));
-                    _mm512_store_si512(tmp[t] + 128 * h + 64, _mm512_permutex2var_epi64(n0, hi, n1));
-                }
-            } else {
-                memcpy(tmp[t], y->qs, QK_K);
+            transpose16(r);
+            for (int k = 0; k < 16; ++k) {
+                _mm512_store_si512(p[b].q[16 * tile + k], r[k]);
             }
-            for (int s = 0; s < QK_K / 32; ++s) {
-                p[b].bias[s][t] = bias * (y->bsums[2 * s] + y->bsums[2 * s + 1]);
-            }
-            p[b].d[t] = y->d;
         }
-        for (int kg = 0; kg < QK_K / 4; ++kg) {
-            _mm512_store_si512(p[b].q[kg], _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(kg)),
-                                                                   (const void *) tmp, 4));
+        // bias * each token's sum over sub-block s: the packed bytes summed by vpdpbusd (the same sums as q8_K's
+        // bsums, here already in the lanes), times bias = 2^6 or 2^7
+        const int shift = bias == 128 ? 7 : 6;
+        for (int s = 0; s < QK_K / 32; ++s) {
+            __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) {
+                sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_load_si512(p[b].q[lanes_kg(type, s, k)]));
+            }
+            _mm512_store_si512(p[b].bias[s], _mm512_slli_epi32(sum, shift));
+        }
+        for (int t = 0; t < LANES; ++t) {
+            p[b].d[t] = t < g ? acts[t][b].d : 0.0f;
         }
     }
 }
