@@ -251,7 +251,8 @@ def test_threads_each_their_own_scratch(rows_library):
     enc, K = T.IQ3_XXS, 1024
     f = kernel(rows_library, enc)
     raw, _ = weights(enc, 12, K, seed=8)
-    cases = [q8_k(np.random.default_rng(i).standard_normal((n, K)).astype(np.float32)) for i, n in enumerate((5, 21) * 2)]
+    rng = [np.random.default_rng(i) for i in range(4)]
+    cases = [q8_k(r.standard_normal((n, K)).astype(np.float32)) for r, n in zip(rng, (5, 21, 5, 21))]
     alone = [run(f, raw, a)[0] for a in cases]
     got: dict = {}
 

@@ -31,7 +31,7 @@
 #define GGML_COMMON_IMPL_C          // the grids and sign tables as static const, as ggml-cpu's quants.c has them
 #include "ggml-common.h"
 
-enum { GROUP = 32 };                // tokens a weight block is unpacked for: scratch GROUP * K * 2 bytes (256 KB at 4096)
+enum { GROUP = 32 };    // tokens a weight block is unpacked for (vectors): scratch GROUP * K * 2 bytes, 256 KB at 4096
 
 // a thread's scratch, grown on demand and kept for the thread's later calls: the activations in a kernel's layout,
 // made once a call and shared by every row. Freed when the thread exits (a pthread key's destructor): ggml built
@@ -173,7 +173,8 @@ static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4
 // (n_4h, n_4h+1) P = [even of 0..15 of each, odd of 0..15 of each] and Q the same of 16..31, then halves of the two
 // pairs' P and Q side by side
 static const int16_t iq4_xs_lo_idx[32] __attribute__((aligned(64))) = {
-    0, 2, 4, 6, 8, 10, 12, 14, 32, 34, 36, 38, 40, 42, 44, 46, 1, 3, 5, 7, 9, 11, 13, 15, 33, 35, 37, 39, 41, 43, 45, 47,
+    0, 2, 4, 6, 8, 10, 12, 14, 32, 34, 36, 38, 40, 42, 44, 46,
+    1, 3, 5, 7, 9, 11, 13, 15, 33, 35, 37, 39, 41, 43, 45, 47,
 };
 
 static inline __attribute__((always_inline)) void widen_iq4_xs(const int8_t * q, __m512i * a) {
@@ -204,7 +205,7 @@ static inline __attribute__((always_inline)) float decode_iq3_xxs(const block_iq
     __mmask64 neg[4];
     sign_masks(_mm256_loadu_si256((const __m256i *) gas), neg, ls);
 #pragma GCC unroll 8
-    for (int h = 0; h < 4; ++h) {               // 64 values: 16 grid entries of 4 bytes, index byte i -> values 4i..4i+3
+    for (int h = 0; h < 4; ++h) {               // 64 values: 16 grid entries of 4 bytes, index i -> values 4i..4i+3
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (x->qs + 16 * h)));
         const __m512i g = _mm512_i32gather_epi32(idx, (const void *) iq3xxs_grid, 4);
         v[h] = _mm512_mask_sub_epi8(g, neg[h], _mm512_setzero_si512(), g);
@@ -351,7 +352,7 @@ typedef struct {
 } lanes_block;
 
 static inline __attribute__((always_inline)) int lanes_bias(enum ggml_type type) {
-    return type == GGML_TYPE_IQ4_XS ? 128 : 64;     // |kvalues| <= 127; |IQ3 grid| <= 62, |IQ2 grid| <= 43 (powers of 2)
+    return type == GGML_TYPE_IQ4_XS ? 128 : 64;     // |kvalues| <= 127; |IQ3 grid| <= 62, |IQ2 grid| <= 43; 2^k
 }
 
 // the k-th (of 8) group of 4 of sub-block s in the decoded order: IQ4_XS's half h = s / 4 holds the low nibbles of
@@ -373,7 +374,8 @@ static inline __attribute__((always_inline)) float lanes_unpack(enum ggml_type t
         for (int h = 0; h < 2; ++h) {
             const __m512i q = _mm512_loadu_si512(x->qs + 64 * h);
             _mm512_store_si512(wb + 32 * h, _mm512_shuffle_epi8(values, _mm512_and_si512(q, m4)));
-            _mm512_store_si512(wb + 32 * h + 16, _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4)));
+            _mm512_store_si512(wb + 32 * h + 16,
+                               _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4)));
         }
         return _cvtsh_ss(x->d);
     }
@@ -433,7 +435,8 @@ static void lanes_pack(enum ggml_type type, const block_q8_K * const * acts, int
                     r[t] = _mm512_setzero_si512();
                 } else if (type == GGML_TYPE_IQ4_XS) {  // half h: [low 16 of sub-blocks 4h..4h+3, high 16 of them]
                     const int8_t * q = acts[t][b].qs + 128 * (tile / 2);
-                    r[t] = _mm512_permutex2var_epi64(_mm512_loadu_si512(q), tile % 2 ? hi : lo, _mm512_loadu_si512(q + 64));
+                    r[t] = _mm512_permutex2var_epi64(_mm512_loadu_si512(q), tile % 2 ? hi : lo,
+                                                     _mm512_loadu_si512(q + 64));
                 } else {
                     r[t] = _mm512_loadu_si512(acts[t][b].qs + 64 * tile);
                 }
@@ -468,7 +471,7 @@ static inline __attribute__((always_inline)) void rows_lanes_groups(enum ggml_ty
         const int here = m - r < LANE_ROWS ? (int) (m - r) : LANE_ROWS;
         const uint8_t * row[LANE_ROWS];
         for (int i = 0; i < LANE_ROWS; ++i) {
-            row[i] = w + (r + (i < here ? i : here - 1)) * row_bytes;     // past the last row: computed again, not stored
+            row[i] = w + (r + (i < here ? i : here - 1)) * row_bytes;     // past the last: the last again, not stored
         }
         __m512 acc[LANE_GROUPS][LANE_ROWS];
         for (int g = 0; g < G; ++g) {
