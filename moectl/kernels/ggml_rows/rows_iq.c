@@ -229,21 +229,18 @@ static inline __attribute__((always_inline)) float decode_iq2_xxs(const block_iq
     return 0.125f * _cvtsh_ss(x->d);
 }
 
-static inline __attribute__((always_inline)) float unpack_iq3_xxs(const block_iq3_xxs * x, __m512i * w) {
-    __m512i v[4];
-    int16_t ls[8];
-    const float d = decode_iq3_xxs(x, v, ls);
-#pragma GCC unroll 4
-    for (int h = 0; h < 4; ++h) {
-        widen_scaled(v[h], ls[2 * h], ls[2 * h + 1], w + 2 * h);
-    }
-    return d;
+// the grid types' block decoded (as decode_iq3_xxs / decode_iq2_xxs)
+static inline __attribute__((always_inline)) float decode_grid(enum ggml_type type, const uint8_t * block, __m512i * v,
+                                                                int16_t * ls) {
+    return type == GGML_TYPE_IQ3_XXS ? decode_iq3_xxs((const block_iq3_xxs *) block, v, ls)
+                                     : decode_iq2_xxs((const block_iq2_xxs *) block, v, ls);
 }
 
-static inline __attribute__((always_inline)) float unpack_iq2_xxs(const block_iq2_xxs * x, __m512i * w) {
+// IQ3_XXS / IQ2_XXS for the vectors' kernel: each 64-value chunk widened to int16 and multiplied by its scales
+static inline __attribute__((always_inline)) float unpack_grid(enum ggml_type type, const uint8_t * block, __m512i * w) {
     __m512i v[4];
     int16_t ls[8];
-    const float d = decode_iq2_xxs(x, v, ls);
+    const float d = decode_grid(type, block, v, ls);
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
         widen_scaled(v[h], ls[2 * h], ls[2 * h + 1], w + 2 * h);
@@ -264,8 +261,7 @@ static inline __attribute__((always_inline)) __m512i dot16(__m512i acc, __m512i 
 static inline __attribute__((always_inline)) float unpack(enum ggml_type type, const uint8_t * block, __m512i * w) {
     switch (type) {
         case GGML_TYPE_IQ4_XS:  return unpack_iq4_xs((const block_iq4_xs *) block, w);
-        case GGML_TYPE_IQ3_XXS: return unpack_iq3_xxs((const block_iq3_xxs *) block, w);
-        default:                return unpack_iq2_xxs((const block_iq2_xxs *) block, w);
+        default:                return unpack_grid(type, block, w);
     }
 }
 
@@ -380,8 +376,7 @@ static inline __attribute__((always_inline)) float lanes_unpack(enum ggml_type t
         return _cvtsh_ss(x->d);
     }
     __m512i v[4];
-    const float d = type == GGML_TYPE_IQ3_XXS ? decode_iq3_xxs((const block_iq3_xxs *) block, v, ls)
-                                              : decode_iq2_xxs((const block_iq2_xxs *) block, v, ls);
+    const float d = decode_grid(type, block, v, ls);
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
         _mm512_store_si512(wb + 16 * h, _mm512_add_epi8(v[h], _mm512_set1_epi8(64)));
