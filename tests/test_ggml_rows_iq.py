@@ -244,6 +244,20 @@ def test_random_valid_blocks(rows_library):
         check(enc, f, raw, deq, a, f"{enc.name} random blocks")
 
 
+def test_empty_calls_write_nothing(rows_library):
+    """n = 0 tokens, m = 0 rows: nothing written; K = 0 (nb = 0): each product is 0 (an empty sum)."""
+    for enc in TYPES:
+        f = kernel(rows_library, enc)
+        raw, deq = weights(enc, 3, 256, seed=2)
+        a = q8_k(np.ones((4, 256), dtype=np.float32))
+        _, obuf, expect, _ = run(f, raw, a[:0])
+        assert obuf.size == 0
+        got, obuf, expect, guard = run(f, raw[:0], a)
+        assert np.array_equal(obuf, expect)
+        got, obuf, expect, guard = run(f, raw[:, :0], a[:, :0])
+        assert np.array_equal(got, np.zeros((4, 3), dtype=np.float32))
+
+
 def test_threads_each_their_own_scratch(rows_library):
     """The activations' scratch is per thread (kept for its later calls, freed when it exits): 4 threads, each with
     its own tokens (5: tokens in vectors; 21: lanes and vectors), 20 calls each, every product equal to one thread's

@@ -66,9 +66,9 @@ static scratch * thread_scratch(int which) {
 }
 
 static void * scratch_for(scratch * s, size_t bytes) {
-    if (bytes > s->bytes) {
+    if (bytes > s->bytes || s->p == NULL) {     // 0 bytes (K = 0) too: a valid pointer
         free(s->p);
-        s->p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        s->p = aligned_alloc(64, (bytes + 64) / 64 * 64);
         s->bytes = s->p != NULL ? bytes : 0;
     }
     GGML_ASSERT(s->p != NULL && "moectl rows: no memory for the activations' scratch");   // as ggml's allocations
@@ -559,6 +559,9 @@ static inline __attribute__((always_inline)) int64_t rows_lanes(enum ggml_type t
 
 static inline __attribute__((always_inline)) void rows(enum ggml_type type, size_t block_bytes, const void * w,
         size_t row_bytes, int64_t m, int64_t nb, const block_q8_K * const * acts, int64_t n, float * const * out) {
+    if (m <= 0 || n <= 0) {
+        return;
+    }
 #if defined(__AVX512VNNI__)
     const int64_t done = rows_lanes(type, block_bytes, w, row_bytes, m, nb, acts, n, out);
 #else
