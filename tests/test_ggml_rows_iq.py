@@ -332,6 +332,11 @@ void pairs(dot_t dot, const char *w, size_t rb, int64_t m, const char *a, size_t
         for (int64_t r = 0; r < m; ++r)
             for (int64_t j = 0; j < n; ++j) dot(K, o + j * m + r, 0, w + r * rb, 0, a + j * ab, 0, 1);
 }
+typedef void (*rows_t)(const void *, size_t, int64_t, int64_t, const void *const *, int64_t, float *const *);
+void calls(rows_t f, const void *w, size_t rb, int64_t m, int64_t nb, const void *const *acts, int64_t n,
+           float *const *out, int reps) {
+    for (int rep = 0; rep < reps; ++rep) f(w, rb, m, nb, acts, n, out);
+}
 """
 
 
@@ -344,13 +349,17 @@ def bench(reps: int = 5) -> None:
     library = cpu if hasattr(cpu, "ggml_moectl_rows_kernel") else compiled(tmp, ["-march=native"])
     (tmp / "pairs.c").write_text(PAIRS_C)
     subprocess.run(["gcc", "-O2", "-shared", "-fPIC", str(tmp / "pairs.c"), "-o", str(tmp / "pairs.so")], check=True)
-    pairs = ctypes.CDLL(str(tmp / "pairs.so")).pairs
+    loops = ctypes.CDLL(str(tmp / "pairs.so"))         # both timed in C loops: no ctypes call a product
+    pairs, calls = loops.pairs, loops.calls
     pairs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p,
                       ctypes.c_size_t, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    calls.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     m = 64
     print(f"{'type':8} {'K':>5} {'n':>3} {'kernel':>8} {'vec_dot':>8} {'x':>6}   ns per (row, token), best of {reps}")
     for enc in TYPES:
-        f = kernel_of(library, enc)
+        library.ggml_moectl_rows_kernel.restype = ctypes.c_void_p
+        f = library.ggml_moectl_rows_kernel(int(enc))
         dot = cpu.ggml_get_type_traits_cpu(int(enc)).contents.vec_dot
         for K in (2048, 4096):
             raw, _ = weights(enc, m, K, seed=1)
@@ -363,8 +372,7 @@ def bench(reps: int = 5) -> None:
                 ours = ref = float("inf")
                 for _ in range(reps):
                     t0 = time.perf_counter_ns()
-                    for _ in range(inner):
-                        f(raw.ctypes.data, raw.shape[1], m, K // QK_K, acts, n, outs)
+                    calls(f, raw.ctypes.data, raw.shape[1], m, K // QK_K, acts, n, outs, inner)
                     ours = min(ours, (time.perf_counter_ns() - t0) / (inner * m * n))
                     t0 = time.perf_counter_ns()
                     pairs(dot, raw.ctypes.data, raw.shape[1], m, a.ctypes.data, a.strides[0], n, K, o.ctypes.data,
