@@ -21,7 +21,7 @@
 // G = tokens of a group, c = one of a block's eight 32-value vectors.
 #include "rows.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)   // every AVX-512BW CPU has VL
 
 #include <immintrin.h>
 #include <pthread.h>
@@ -75,6 +75,15 @@ static void * scratch_for(scratch * s, size_t bytes) {
     return s->p;
 }
 
+
+// a block's fp16 d (F16C where built, as ggml's own conversion)
+static inline __attribute__((always_inline)) float fp16_to_fp32(ggml_fp16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return ggml_fp16_to_fp32(h);
+#endif
+}
 
 // ---- unpacking one weight block into w[c] = value * scale (int16, 32 per vector) and its fp32 d ----
 
@@ -166,7 +175,7 @@ static inline __attribute__((always_inline)) float unpack_iq4_xs(const block_iq4
                                                  t23);
         w[4 * h + 3] = _mm512_permutex2var_epi16(t01, _mm512_or_si512(_mm512_srli_epi16(q, 12), sub), t23);
     }
-    return _cvtsh_ss(x->d);
+    return fp16_to_fp32(x->d);
 }
 
 // a q8_K block's 256 values as int16 in `unpack_iq4_xs`'s order: from the natural sub-block vectors n_t, per pair
@@ -210,7 +219,7 @@ static inline __attribute__((always_inline)) float decode_iq3_xxs(const block_iq
         const __m512i g = _mm512_i32gather_epi32(idx, (const void *) iq3xxs_grid, 4);
         v[h] = _mm512_mask_sub_epi8(g, neg[h], _mm512_setzero_si512(), g);
     }
-    return 0.25f * _cvtsh_ss(x->d);
+    return 0.25f * fp16_to_fp32(x->d);
 }
 
 static inline __attribute__((always_inline)) float decode_iq2_xxs(const block_iq2_xxs * x, __m512i * v, int16_t * ls) {
@@ -226,7 +235,7 @@ static inline __attribute__((always_inline)) float decode_iq2_xxs(const block_iq
         const __m512i g = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(bytes), (const void *) iq2xxs_grid, 8);
         v[h] = _mm512_mask_sub_epi8(g, neg[h], _mm512_setzero_si512(), g);
     }
-    return 0.125f * _cvtsh_ss(x->d);
+    return 0.125f * fp16_to_fp32(x->d);
 }
 
 // the grid types' block decoded (as decode_iq3_xxs / decode_iq2_xxs)
@@ -373,7 +382,7 @@ static inline __attribute__((always_inline)) float lanes_unpack(enum ggml_type t
             _mm512_store_si512(wb + 32 * h + 16,
                                _mm512_shuffle_epi8(values, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4)));
         }
-        return _cvtsh_ss(x->d);
+        return fp16_to_fp32(x->d);
     }
     __m512i v[4];
     const float d = decode_grid(type, block, v, ls);
@@ -596,7 +605,7 @@ ggml_moectl_rows_fn ggml_moectl_rows_iq(enum ggml_type type) {
     }
 }
 
-#else   // no AVX-512BW in this build: ggml's own path
+#else   // no AVX-512BW (and VL) in this build: ggml's own path
 
 ggml_moectl_rows_fn ggml_moectl_rows_iq(enum ggml_type type) {
     (void) type;
