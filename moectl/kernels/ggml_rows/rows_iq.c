@@ -7,9 +7,10 @@
 // Two kernels, by how many tokens a call has (the activations are put in the kernel's layout once a call, in a
 // per-thread scratch, and shared by every row):
 //   tokens in lanes (VNNI, groups of 16 tokens; `rows_lanes`): a vector holds 4 activation bytes of each of 16 tokens;
-//     one vpdpbusd multiplies them by 4 weight bytes broadcast (u8: w + bias, the bias taken off through the q8_K
-//     bsums), 64 products; a sub-block's scale is one int32 multiply for 16 tokens. ggml's tiled micro-kernel has
-//     this layout too; here the weights go from the GGUF block to registers with no tile repacked in memory.
+//     one vpdpbusd multiplies them by 4 weight bytes broadcast (u8: w + bias, the bias taken off through the
+//     tokens' sums over each sub-block), 64 products; a sub-block's scale is one int32 multiply for 16 tokens. ggml's
+//     tiled micro-kernel has this layout too; here the weights go from the GGUF block to the broadcast with no tile
+//     repacked in memory.
 //   tokens in vectors (`rows_vectors`: fewer than 6 tokens left over, and builds without VNNI): a row's block is
 //     unpacked into eight int16 vectors of w * scale (|w * scale| <= 127 * 32), two rows at a time, and each token's
 //     activations (int16) meet them by vpdpwssd (or madd + add), 32 products an instruction: no token lane idles.
@@ -74,7 +75,6 @@ static void * scratch_for(scratch * s, size_t bytes) {
     GGML_ASSERT(s->p != NULL && "moectl rows: no memory for the activations' scratch");   // as ggml's allocations
     return s->p;
 }
-
 
 // a block's fp16 d (F16C where built, as ggml's own conversion)
 static inline __attribute__((always_inline)) float fp16_to_fp32(ggml_fp16_t h) {
