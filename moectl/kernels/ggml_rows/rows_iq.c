@@ -52,8 +52,19 @@ static void scratch_free(void * arg) {
     free(s);
 }
 
+static int scratch_key_made;
+
 static void scratch_key_make(void) {
     GGML_ASSERT(pthread_key_create(&scratch_key, scratch_free) == 0);
+    scratch_key_made = 1;
+}
+
+// the library unloaded (dlclose) while threads that called it live: their destructor would point into unmapped code,
+// so the key goes first (their scratches are then left, not freed)
+static void __attribute__((destructor)) scratch_key_delete(void) {
+    if (scratch_key_made) {
+        pthread_key_delete(scratch_key);
+    }
 }
 
 static scratch * thread_scratch(int which) {
