@@ -27,8 +27,8 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import functools
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,9 +41,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from moectl.kernels import ggml
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_ggml_kernels import lib, weights  # noqa: E402,F401  (autouse: ggml built here, or skip / fail)
+from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
 
 torch.set_num_threads(1)
 
@@ -64,6 +62,7 @@ class TraitsCpu(ctypes.Structure):
                 ("nrows", ctypes.c_int64)]
 
 
+@functools.lru_cache(maxsize=1)
 def ggml_cpu() -> ctypes.CDLL:
     """ggml's libggml-cpu of moectl's build (the reference vec_dot, quantize_row_q8_K)."""
     cpu = ctypes.CDLL(str(ggml.lib_dir() / "libggml-cpu.so"))
