@@ -10,12 +10,15 @@ expert once per token), an expert's routed rows 4 at a time by gemm there (`_EXP
 `ggml_moectl_expert_gemm`, kernels/ggml.py `MOECTL_GGML_EXPERT_GEMM`, 0: every row by gemv), and (same two switches) the
 experts ggml does not repack whose product takes q8_0 activations (Q8_0; Q4_0, Q5_0, IQ4_NL where not repacked) through
 llamafile's tinyBLAS on each expert's gathered routed rows (`_SGEMM_EXPERT`; stock: vec_dot one (row, token) pair at a
-time); the distance is a global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's
+time), and (same two switches, and `ggml_moectl_rows_max`: kernels/ggml.py `MOECTL_GGML_EXPERT_ROWS`) the experts whose
+type has one of moectl's own expert-rows kernels (kernels/ggml_rows/: Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS on
+AVX-512; `_ROWS_EXPERT`; stock: vec_dot below 8 routed rows, ggml's tiled kernel from 8); the distance is a global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's
 default) is stock behaviour. The experts' path is decided once an op, by thread 0 into the workspace before the row
 mapping's barrier (`_EXPERT_MODE`, `_SGEMM_MODE`): a switch set from another thread while a graph computes cannot make
 the op's threads disagree. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on
 and off, the experts' gemm off); the experts' gemm sums in gemm's order, as ggml's dense product does for 4 rows
-(tests/test_ggml_expert_gemm.py), and tinyBLAS in its own (tests/test_ggml_expert_sgemm.py).
+(tests/test_ggml_expert_gemm.py), tinyBLAS in its own (tests/test_ggml_expert_sgemm.py), the rows kernels each block's
+exact integer sums in their own fp32 order (tests/test_ggml_expert_rows.py).
 
 Only moectl's ggml build is patched (kernels/ggml.py: `build()` configures a private copy of the vendored ggml/ tree,
 `overlay()`); llama.cpp's tools in the comparison (bench/llamacpp.py) build from the untouched source. The edits are
