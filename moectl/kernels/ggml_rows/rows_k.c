@@ -19,7 +19,6 @@
 // G = tokens of a group (ROWS_G), z = the 4 zmm of a block (64 weights each, z in 0..3), p = an int16 lane (0..31).
 #include "rows.h"
 
-#include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -62,6 +61,26 @@ static const int16_t ROWS_GROUP32[4][32] = {
 
 // Lane g (< 16) -> 8 + g / 2: Q5_K's min of subblock g / 2 against bsums[g] (the mins are lanes 8-15 of its scales)
 static const int16_t ROWS_MINS[32] = { 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15 };
+
+// The 6-bit scales from their 12 bytes, lane i < 16 = ((v[LO_i] >> LO_SHIFT_i) & low mask) | (high two bits at 4-5
+// from v[HI_i]), v the bytes as int16 lanes. Q3_K: scale i's low nibble is byte i & 7's (high nibble from i = 8),
+// its high bits byte 8 + i % 4's bits 2 (i / 4) .. + 1 (read from v << 4, shifted right: at bits 4-5).
+static const int16_t ROWS_Q3_LO[32] = { 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7 };
+static const int16_t ROWS_Q3_LO_SHIFT[32] = { 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4 };
+static const int16_t ROWS_Q3_HI[32] = { 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11 };
+static const int16_t ROWS_Q3_HI_SHIFT[32] = { 0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6 };
+// Q5_K: lanes 0-7 the scales, 8-15 the mins. Scale j < 4: byte j & 63; j >= 4: byte j + 4's low nibble, high bits
+// byte j - 4's top two. Min j < 4: byte j + 4 & 63; j >= 4: byte j + 4's high nibble, high bits byte j's top two.
+static const int16_t ROWS_Q5_LO[32] = { 0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11 };
+static const int16_t ROWS_Q5_LO_SHIFT[32] = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4 };
+static const int16_t ROWS_Q5_LO_MASK[32] = { 63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15 };
+static const int16_t ROWS_Q5_HI[32] = { 0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7 };
+static const int16_t ROWS_Q5_HI_MASK[32] = { 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30 };
+
+// A K-quant's 12 scale bytes as int16 lanes 0-11 (a masked load: nothing past them is read)
+ROWS_INLINE __m512i rows_scale_bytes(const uint8_t *s) {
+    return _mm512_cvtepu8_epi16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi8(0xFFF, s)));
+}
 
 // Bit b of each byte of a 64-bit lane to bit t (b, t < 8): a rotate by b - t keeps every byte's bit t its own.
 #define ROWS_ROT(b, t) (((b) - (t)) & 63)
@@ -112,17 +131,18 @@ ROWS_INLINE void rows_unpack_q3_K(const void *p, rows_block *b) {
                                                         _mm512_rorv_epi64(hm, rot), m04, 0xF8);
         }
     }
-    // ggml's unpacking of the 16 6-bit scales (quants.c dequantize_row_q3_K), then - 32
-    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
-    uint32_t aux[4];
-    memcpy(aux, x->scales, 12);
-    const uint32_t tmp = aux[2];
-    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
-    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
-    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
-    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
-    const __m256i sc = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)aux)),
-                                        _mm256_set1_epi16(32));
+    // The 16 6-bit scales, - 32 (quants.c dequantize_row_q3_K's aux[] unpacking, in int16 lanes 0-15)
+    const __m512i v = rows_scale_bytes(x->scales);
+    const __m512i lo = _mm512_srlv_epi16(_mm512_permutexvar_epi16(_mm512_loadu_si512(ROWS_Q3_LO), v),
+                                         _mm512_loadu_si512(ROWS_Q3_LO_SHIFT));
+    const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi16(_mm512_loadu_si512(ROWS_Q3_HI),
+                                                                                   _mm512_slli_epi16(v, 4)),
+                                                          _mm512_loadu_si512(ROWS_Q3_HI_SHIFT)),
+                                        _mm512_set1_epi16(0x30));
+    // 0xEA: (A & B) | C
+    const __m256i sc = _mm256_sub_epi16(
+        _mm512_castsi512_si256(_mm512_ternarylogic_epi32(lo, _mm512_set1_epi16(0x0F), hi, 0xEA)),
+        _mm256_set1_epi16(32));
 #pragma GCC unroll 4
     for (int z = 0; z < 4; z++)
         b->sc[z] = _mm512_permutexvar_epi16(_mm512_loadu_si512(ROWS_GROUP16[z]), _mm512_castsi256_si512(sc));
@@ -147,16 +167,15 @@ ROWS_INLINE void rows_unpack_q5_K(const void *p, rows_block *b) {
         b->q[z] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srlv_epi64(qs, sh), m0f),
                                             _mm512_rorv_epi64(qh, rot), m10, 0xF8);
     }
-    // ggml's unpacking (arch/x86/quants.c ggml_vec_dot_q5_K_q8_K): utmp[0..1] the scales, utmp[2..3] the mins
-    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    uint32_t utmp[4];
-    memcpy(utmp, x->scales, 12);
-    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = utmp[1] & kmask1;
-    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= kmask1;
-    const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)utmp));     // [16]: 8 sc, 8 mn
+    // The 8 scales (int16 lanes 0-7) and 8 mins (8-15) (ggml's get_scale_min_k4 / the utmp[] unpacking)
+    const __m512i v = rows_scale_bytes(x->scales);
+    const __m512i lo = _mm512_srlv_epi16(_mm512_permutexvar_epi16(_mm512_loadu_si512(ROWS_Q5_LO), v),
+                                         _mm512_loadu_si512(ROWS_Q5_LO_SHIFT));
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(_mm512_permutexvar_epi16(_mm512_loadu_si512(ROWS_Q5_HI), v),
+                                                          2),
+                                        _mm512_loadu_si512(ROWS_Q5_HI_MASK));
+    const __m256i sm = _mm512_castsi512_si256(                                    // 0xEA: (A & B) | C
+        _mm512_ternarylogic_epi32(lo, _mm512_loadu_si512(ROWS_Q5_LO_MASK), hi, 0xEA));
 #pragma GCC unroll 4
     for (int z = 0; z < 4; z++)
         b->sc[z] = _mm512_permutexvar_epi16(_mm512_loadu_si512(ROWS_GROUP32[z]), _mm512_castsi256_si512(sm));
@@ -187,12 +206,14 @@ ROWS_INLINE void rows_pass(const enum ggml_type type, const int R, const uint8_t
     }
     for (int64_t i = 0; i < nb; i++) {
         rows_block b[2];
+#pragma GCC unroll 2
         for (int r = 0; r < R; r++) {
             const uint8_t *x = w + r * row_bytes + i * bsz;
             if (type == GGML_TYPE_Q5_K) rows_unpack_q5_K(x, &b[r]);
             else if (type == GGML_TYPE_Q6_K) rows_unpack_q6_K(x, &b[r]);
             else rows_unpack_q3_K(x, &b[r]);
         }
+        const __m512 dx[2] = {_mm512_set1_ps(b[0].d), _mm512_set1_ps(R == 2 ? b[1].d : 0.0f)};
         // Q5_K: -dmin_r against the two rows' mins (lanes 0-7: row 0, 8-15: row 1)
         __m512i mn2 = _mm512_setzero_si512();
         __m512 dmin2 = _mm512_setzero_ps();
@@ -208,17 +229,18 @@ ROWS_INLINE void rows_pass(const enum ggml_type type, const int R, const uint8_t
 #pragma GCC unroll 4
             for (int z = 0; z < 4; z++) a[z] = _mm512_loadu_si512(y->qs + 64 * z);
             const __m256i bsums = _mm256_loadu_si256((const __m256i *)y->bsums);
+            const __m512 dy = _mm512_set1_ps(y->d);        // a broadcast load: no shuffle port
+#pragma GCC unroll 2
             for (int r = 0; r < R; r++) {
                 // Q6_K, Q3_K: start from the offset (lanes 0-7, as vpmaddwd of the bsums); Q5_K: from 0
                 const __m512i s0 = mins ? _mm512_setzero_si512()
                                         : _mm512_zextsi256_si512(_mm256_madd_epi16(bsums, b[r].bs));
                 const __m512i s = rows_dot(&b[r], a, s0);
-                acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(b[r].d * y->d), acc[j][r]);
+                acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dx[r], dy), acc[j][r]);
             }
             if (mins) {
                 const __m512i m = _mm512_madd_epi16(_mm512_broadcast_i64x4(bsums), mn2);
-                accm[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin2, _mm512_set1_ps(y->d)),
-                                          accm[j]);
+                accm[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin2, dy), accm[j]);
             }
         }
     }
