@@ -260,7 +260,11 @@ BENCH_C = r"""
 #include <time.h>
 typedef void (*rows_fn)(const void *, size_t, int64_t, int64_t, const void *const *, int64_t, float *const *);
 typedef void (*vec_dot_fn)(int, float *, size_t, const void *, size_t, const void *, size_t, int);
-static double now(void) { struct timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);     /* CPU time: the machine is shared */
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
 double bench_rows(rows_fn f, const uint8_t *w, size_t row, int64_t m, int64_t K, const void *const *acts, int64_t n,
                   float *const *out, int iters) {
     double t = now();

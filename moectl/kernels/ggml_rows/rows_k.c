@@ -36,8 +36,11 @@
 // unpacking the row pair's blocks again (once a group, not once a token).
 #define ROWS_G 32
 
-// Where the next row pair's blocks are asked for (bytes past the current pair's; the weights stream from DRAM)
+// The rows ahead whose blocks are asked for as a pair's are unpacked (the next pair's: the weights stream from DRAM
+// in a prefill); 0: none
+#ifndef ROWS_PREFETCH_ROWS
 #define ROWS_PREFETCH_ROWS 2
+#endif
 
 // Two weight rows' blocks, unpacked side by side.
 typedef struct {
@@ -226,8 +229,10 @@ ROWS_INLINE void rows_pass(const enum ggml_type type, const int R, const uint8_t
         if (type == GGML_TYPE_Q5_K) rows_unpack_q5_K(x0, x1, &b);
         else if (type == GGML_TYPE_Q6_K) rows_unpack_q6_K(x0, x1, &b);
         else rows_unpack_q3_K(x0, x1, &b);
-        rows_prefetch(x0 + ROWS_PREFETCH_ROWS * row_bytes, bsz);
-        rows_prefetch(x1 + ROWS_PREFETCH_ROWS * row_bytes, bsz);
+        if (ROWS_PREFETCH_ROWS) {
+            rows_prefetch(x0 + ROWS_PREFETCH_ROWS * row_bytes, bsz);
+            rows_prefetch(x1 + ROWS_PREFETCH_ROWS * row_bytes, bsz);
+        }
         for (int j = 0; j < g; j++) {
             const block_q8_K *y = acts[j] + i;
             const __m512i bsums = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)y->bsums));
