@@ -2,7 +2,8 @@
 out[j][r] = W[r] . act_j for m weight rows `row_bytes` apart and n q8_K activation rows (ggml's quantize_row_q8_K).
 
 Checked for each type, tokens n = 1, 2, 3, 7, 8, 16, 33 (33: two token groups of ROWS_G = 32), rows m = 1, 5, 16, 40
-(odd: the single-row pass), K = 256, 4096, and the real files' rows (qwen3-moe-2: K = 2048 gate/up, 768 down):
+(odd: the single-row pass), K = 256, 4096, and real files' rows (qwen3-moe-2: K = 2048 gate/up, 768 down; mixtral-2:
+4096 up, 14336 down):
   - against ggml's own vec_dot (its type traits, libggml-cpu) on the same q8_K rows: within 1e-5 of sum |w| |a| per
     output (`VS_VEC_DOT`): both compute each block's integer sums exactly and scale them by the same fp32 d_x d_a;
     they differ in the order of the fp32 sums (vec_dot: 8 lanes a block and the mins apart; here 16 lanes a block);
@@ -27,6 +28,7 @@ Legend: n = tokens, m = weight rows, K = input width, nb = K / 256 blocks a row.
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from moectl.kernels import ggml
+from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
 
 torch.set_num_threads(1)
 
@@ -50,7 +53,7 @@ Q8K_BYTES = 4 + 256 + 2 * 16            # block_q8_K: d fp32, qs [256] int8, bsu
 PAD = 3                                 # guard floats either side of each token's outputs
 GUARD = -12345.0
 SOURCES = ("rows.c", "rows_k.c", "rows_iq.c")
-REAL = Path.home() / ".cache" / "moectl" / "gguf_vs_llamacpp" / "qwen3-moe-2"
+REAL = Path.home() / ".cache" / "moectl" / "gguf_vs_llamacpp"       # bench/gguf_vs_llamacpp.py's files
 
 RowsFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                           ctypes.c_int64, ctypes.c_void_p)
@@ -84,19 +87,19 @@ def compile_rows(out: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     return lib
 
 
-@pytest.fixture(scope="module")
-def ggml_lib():
-    """ggml (the reference: its quantizer, quantize_row_q8_K and vec_dot), or skip / fail as test_ggml_kernels."""
-    if ggml.library() is None:
-        why = ggml.why_not()
-        if "no cmake" in why or "no C/C++ compiler" in why:
-            pytest.skip(why)
-        pytest.fail(f"ggml could not be built or loaded: {why}")
-    lib = ggml.library()
+def with_traits(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """ggml's library with its CPU type traits (`ggml_get_type_traits_cpu`) declared, the CPU backend initialised."""
     lib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
     lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TypeTraitsCpu)
     lib.ggml_cpu_init()
     return lib
+
+
+@pytest.fixture(scope="module")
+def ggml_lib(lib):
+    """ggml, the reference (its quantizer, quantize_row_q8_K and vec_dot): test_ggml_kernels' `lib` (built, or skip /
+    fail)."""
+    return with_traits(lib)
 
 
 @pytest.fixture(scope="module")
@@ -193,17 +196,12 @@ def check(ggml_lib, f: RowsFn, enc: T, raw: np.ndarray, K: int, n: int, seed: in
     assert (err <= fp32_bound(K // 256, mag)).all(), f"{enc.name} vs float64: {(err / mag).max():.3g} of sum |w||a|"
 
 
-def weights(enc: T, m: int, K: int, seed: int) -> np.ndarray:
-    """m rows of `enc` as ggml's quantizer writes them (gaussian weights): uint8 [m, row bytes]."""
-    return ggml.quantize(int(enc), torch.randn(m, K, generator=torch.Generator().manual_seed(seed)) * 0.05)
-
-
 @pytest.mark.parametrize("enc", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("K", (256, 4096))
 @pytest.mark.parametrize("m", ROWS)
 def test_rows_equal_vec_dot_and_the_float64_product(ggml_lib, rows_library, enc, K, m):
     f = kernel(rows_library, enc)
-    raw = weights(enc, m, K, seed=K + m)
+    raw, _ = weights(enc, m, K, seed=K + m)
     for n in TOKENS:
         check(ggml_lib, f, enc, raw, K, n, seed=1000 * m + n)
 
@@ -213,19 +211,24 @@ def test_plain_avx512bw_variant(ggml_lib, rows_library_bw, enc):
     """Without VNNI (vpmaddwd + vpaddd): the same checks on a few shapes."""
     f = kernel(rows_library_bw, enc)
     for m, K in ((5, 256), (16, 2048)):
-        raw = weights(enc, m, K, seed=7 + m)
+        raw, _ = weights(enc, m, K, seed=7 + m)
         for n in (1, 3, 33):
             check(ggml_lib, f, enc, raw, K, n, seed=n)
 
 
-def real_rows(file: str, tensor: str, enc: T, m: int) -> tuple[np.ndarray, int]:
-    """m rows of expert 1 of a real file's `tensor` (layer 0) in `enc`: (uint8 [m, row bytes], K), or skip."""
-    path = REAL / file
-    if not path.exists():
-        pytest.skip(f"{path} is absent (bench/gguf_vs_llamacpp.py makes it)")
+@functools.lru_cache(maxsize=4)
+def real_tensors(path: Path) -> list:
+    """A real file's tensors (gguf's reader, memory-mapped), read once a file."""
     from gguf import GGUFReader
 
-    for t in GGUFReader(path).tensors:
+    return GGUFReader(path).tensors
+
+
+def real_rows(path: Path, tensor: str, enc: T, m: int) -> tuple[np.ndarray, int]:
+    """m rows of expert 1 of a real file's `tensor` (layer 0) in `enc`: (uint8 [m, row bytes], K), or skip."""
+    if not path.exists():
+        pytest.skip(f"{path} is absent (bench/gguf_vs_llamacpp.py makes it)")
+    for t in real_tensors(path):
         if t.name.endswith(tensor) and t.tensor_type == enc:
             K = int(t.shape[0])
             data = np.asarray(t.data)                                           # [experts, N, row bytes]
@@ -233,16 +236,18 @@ def real_rows(file: str, tensor: str, enc: T, m: int) -> tuple[np.ndarray, int]:
     pytest.skip(f"no {enc.name} {tensor} in {path.name}")
 
 
-@pytest.mark.parametrize("file,tensor,enc", [
-    ("model-Q5_K_M.gguf", "ffn_gate_exps.weight", T.Q5_K),          # K = 2048
-    ("model-Q5_K_M.gguf", "ffn_down_exps.weight", T.Q5_K),          # K = 768
-    ("model-Q5_K_M.gguf", "ffn_down_exps.weight", T.Q6_K),
-    ("model-Q6_K.gguf", "ffn_up_exps.weight", T.Q6_K),
-    ("model-Q3_K_M.gguf", "ffn_gate_exps.weight", T.Q3_K),
+@pytest.mark.parametrize("model,file,tensor,enc", [
+    ("qwen3-moe-2", "model-Q5_K_M.gguf", "ffn_gate_exps.weight", T.Q5_K),         # K = 2048
+    ("qwen3-moe-2", "model-Q5_K_M.gguf", "ffn_down_exps.weight", T.Q5_K),         # K = 768
+    ("qwen3-moe-2", "model-Q5_K_M.gguf", "ffn_down_exps.weight", T.Q6_K),
+    ("qwen3-moe-2", "model-Q6_K.gguf", "ffn_up_exps.weight", T.Q6_K),
+    ("qwen3-moe-2", "model-Q3_K_M.gguf", "ffn_gate_exps.weight", T.Q3_K),
+    ("mixtral-2", "model-Q5_K_M.gguf", "ffn_up_exps.weight", T.Q5_K),             # K = 4096
+    ("mixtral-2", "model-Q5_K_M.gguf", "ffn_down_exps.weight", T.Q6_K),           # K = 14336
 ], ids=lambda v: getattr(v, "name", str(v).split(".")[0].replace("model-", "")))
-def test_real_file_rows(ggml_lib, rows_library, file, tensor, enc):
+def test_real_file_rows(ggml_lib, rows_library, model, file, tensor, enc):
     f = kernel(rows_library, enc)
-    raw, K = real_rows(file, tensor, enc, 24)
+    raw, K = real_rows(REAL / model / file, tensor, enc, 24)
     for n in (1, 4, 16, 33):
         check(ggml_lib, f, enc, raw, K, n, seed=n)
 
@@ -293,10 +298,7 @@ def bench(Ks=(2048, 4096), reps: int = 7) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (b.bench_rows, b.bench_vec_dot):
         fn.argtypes, fn.restype = [p, p, ctypes.c_size_t, i64, i64, p, i64, p, ctypes.c_int], ctypes.c_double
-    glib = ggml.library()
-    glib.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
-    glib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TypeTraitsCpu)
-    glib.ggml_cpu_init()
+    glib = with_traits(ggml.require())
     lib = compile_rows(tmp / "librows.so")
     m = 64
     print(f"{'type':6} {'K':>5} {'n':>3} {'kernel ns':>10} {'vec_dot ns':>11} {'x':>6}")
@@ -304,7 +306,7 @@ def bench(Ks=(2048, 4096), reps: int = 7) -> None:
         f = lib.ggml_moectl_rows_kernel(int(enc))
         vd = glib.ggml_get_type_traits_cpu(int(enc)).contents.vec_dot
         for K in Ks:
-            raw = weights(enc, m, K, seed=1)
+            raw, _ = weights(enc, m, K, seed=1)
             for n in (1, 2, 4, 8, 16, 32):
                 q = q8k(glib, torch.randn(n, K))
                 outs = np.zeros((n, m), dtype=np.float32)
