@@ -48,7 +48,7 @@ typedef struct {
     __m512i sc[8];     // [32] int16: lane p of chunk k scales row p / 16's weight pair 32k + 2 (p % 16), + 1
     __m512i bs;        // [32] int16: lane p multiplies the q8_K bsums[p % 16] for row p / 16 (Q6_K, Q3_K: -offset
                        // sc_g; Q5_K: mn_{g/2})
-    __m512 d, dmin;    // lanes 0-7 row 0's fp16 scale, 8-15 row 1's (dmin: Q5_K's, negated)
+    __m512 d, dmin;    // lanes 0-7 row 0's fp16 scale, 8-15 row 1's, as fp32 (dmin: Q5_K's, negated)
 } rows_pair;
 
 #define R4(v) v, v, v, v
@@ -101,9 +101,10 @@ ROWS_INLINE __m512i rows_pair16(const void *p0, const void *p1, int is_signed) {
     return is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
 }
 
-// Lanes 0-7 a, 8-15 b
-ROWS_INLINE __m512 rows_halves(float a, float b) {
-    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+// fp16 a in lanes 0-7, b in 8-15, as fp32 (AVX-512F's vcvtph2ps: no F16C flag needed)
+ROWS_INLINE __m512 rows_halves(ggml_half a, ggml_half b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)a)),
+                                                   _mm_set1_epi16((short)b), 1));
 }
 
 // u8 lanes shifted by s bits (s > 0: left, < 0: right) in 16-bit lanes: bits crossing into the neighbouring byte are
@@ -142,7 +143,7 @@ ROWS_INLINE void rows_unpack_q6_K(const void *p0, const void *p1, rows_pair *b) 
     const __m512i sc = rows_pair16(x0->scales, x1->scales, 1);
     rows_spread(b, sc, ROWS_CHUNK16, 2);
     b->bs = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sc, 5));       // -32 sc_g
-    b->d = rows_halves(_cvtsh_ss(x0->d), _cvtsh_ss(x1->d));
+    b->d = rows_halves(x0->d, x1->d);
     b->dmin = _mm512_setzero_ps();
 }
 
@@ -174,7 +175,7 @@ ROWS_INLINE void rows_unpack_q3_K(const void *p0, const void *p1, rows_pair *b) 
                                         _mm512_set1_epi16(32));
     rows_spread(b, sc, ROWS_CHUNK16, 2);
     b->bs = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(sc, 2));       // -4 sc_g
-    b->d = rows_halves(_cvtsh_ss(x0->d), _cvtsh_ss(x1->d));
+    b->d = rows_halves(x0->d, x1->d);
     b->dmin = _mm512_setzero_ps();
 }
 
@@ -202,8 +203,8 @@ ROWS_INLINE void rows_unpack_q5_K(const void *p0, const void *p1, rows_pair *b) 
     const __m512i sm = _mm512_ternarylogic_epi32(lo, ROWS_TABLE(ROWS_Q5_LO_MASK), hi, 0xEA);  // (A & B) | C
     rows_spread(b, sm, ROWS_CHUNK32, 1);
     b->bs = _mm512_permutexvar_epi16(ROWS_TABLE(ROWS_MINS), sm);
-    b->d = rows_halves(_cvtsh_ss(x0->d), _cvtsh_ss(x1->d));
-    b->dmin = rows_halves(-_cvtsh_ss(x0->dmin), -_cvtsh_ss(x1->dmin));
+    b->d = rows_halves(x0->d, x1->d);
+    b->dmin = _mm512_sub_ps(_mm512_setzero_ps(), rows_halves(x0->dmin, x1->dmin));
 }
 
 // Asks for a block of each row of the next pair (its lines: a block straddles up to four)
