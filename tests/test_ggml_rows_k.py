@@ -1,7 +1,7 @@
 """The K-quant expert-rows kernels (moectl/kernels/ggml_rows/rows_k.c: Q5_K, Q6_K, Q3_K; the interface: rows.h):
 out[j][r] = W[r] . act_j for m weight rows `row_bytes` apart and n q8_K activation rows (ggml's quantize_row_q8_K).
 
-Checked for each type, tokens n = 1, 2, 3, 7, 8, 16, 33 (33: two token groups of ROWS_G = 32), rows m = 1, 5, 16, 40
+Checked for each type, tokens n = 1, 2, 3, 7, 8, 16, 33, 65 (65: two token groups of ROWS_G = 64), rows m = 1, 5, 16, 40
 (odd: the single-row pass), K = 256, 4096, and real files' rows (qwen3-moe-2: K = 2048 gate/up, 768 down; mixtral-2:
 4096 up, 14336 down):
   - against ggml's own vec_dot (its type traits, libggml-cpu) on the same q8_K rows: within 1e-5 of sum |w| |a| per
@@ -46,7 +46,7 @@ from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built h
 torch.set_num_threads(1)
 
 TYPES = (T.Q5_K, T.Q6_K, T.Q3_K)
-TOKENS = (1, 2, 3, 7, 8, 16, 33)
+TOKENS = (1, 2, 3, 7, 8, 16, 33, 65)
 ROWS = (1, 5, 16, 40)
 VS_VEC_DOT = 1e-5                       # of sum |w| |a| per output: the fp32 order of the block sums
 Q8K_BYTES = 4 + 256 + 2 * 16            # block_q8_K: d fp32, qs [256] int8, bsums [16] int16
@@ -212,7 +212,7 @@ def test_plain_avx512bw_variant(ggml_lib, rows_library_bw, enc):
     f = kernel(rows_library_bw, enc)
     for m, K in ((5, 256), (16, 2048)):
         raw, _ = weights(enc, m, K, seed=7 + m)
-        for n in (1, 3, 33):
+        for n in (1, 3, 65):
             check(ggml_lib, f, enc, raw, K, n, seed=n)
 
 
@@ -248,7 +248,7 @@ def real_rows(path: Path, tensor: str, enc: T, m: int) -> tuple[np.ndarray, int]
 def test_real_file_rows(ggml_lib, rows_library, model, file, tensor, enc):
     f = kernel(rows_library, enc)
     raw, K = real_rows(REAL / model / file, tensor, enc, 24)
-    for n in (1, 4, 16, 33):
+    for n in (1, 4, 16, 65):
         check(ggml_lib, f, enc, raw, K, n, seed=n)
 
 

@@ -32,9 +32,10 @@
 
 #define ROWS_INLINE static inline __attribute__((always_inline))
 
-// Tokens whose accumulators a row pair holds at a time (on the stack: G zmm = 2 KB); more tokens: more groups, each
-// unpacking the row pair's blocks again (once a group, not once a token).
-#define ROWS_G 32
+// Tokens whose accumulators a row pair holds at a time (on the stack: G zmm = 4 KB; a block of their q8_K rows, 18 KB,
+// stays in L1 across a pair's tokens); more tokens: more groups, each unpacking the row pair's blocks again (once a
+// group, not once a token).
+#define ROWS_G 64
 
 // The rows ahead whose blocks are asked for as a pair's are unpacked (the next pair's: the weights stream from DRAM
 // in a prefill); 0: none
