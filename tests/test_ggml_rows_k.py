@@ -11,8 +11,8 @@ Checked for each type, tokens n = 1, 2, 3, 7, 8, 16, 33, 65 (65: two token group
     (`fp32_bound`: (nb + 32) 2^-24 of sum |w| |a|, nb blocks of 256 each adding a few roundings);
   - each token's outputs written at out[j][0 .. m - 1] only (guard values around stay), activations read through
     their pointers (given in reverse order), rows read `row_bytes` apart (padding filled with junk between rows).
-The plain AVX-512BW variant (no VNNI: vpmaddwd + vpaddd for vpdpwssd) is built and checked too where the compiler
-can (`-mno-avx512vnni`).
+The plain AVX-512BW variant (no VNNI: vpmaddwd + vpaddd for vpdpwssd) is built and checked too (`-mno-avx512vnni`),
+and an AVX2-only build answers NULL (`-mno-avx512f`).
 
 The library comes from ONE fixture, `rows_library()`: until ggml's build exports `ggml_moectl_rows_kernel`
 (libggml-cpu), it compiles kernels/ggml_rows/*.c here with gcc (-O2 -march=native) against the pinned ggml
@@ -110,7 +110,7 @@ def rows_library(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rows_library_bw(tmp_path_factory):
-    """The kernels without VNNI (plain AVX-512BW), or skip where gcc cannot turn VNNI off."""
+    """The kernels built without VNNI (plain AVX-512BW: vpmaddwd + vpaddd)."""
     return compile_rows(tmp_path_factory.mktemp("rows_bw") / "librows_bw.so", ("-mno-avx512vnni",))
 
 
@@ -250,6 +250,14 @@ def test_real_file_rows(ggml_lib, rows_library, model, file, tensor, enc):
     raw, K = real_rows(REAL / model / file, tensor, enc, 24)
     for n in (1, 4, 16, 65):
         check(ggml_lib, f, enc, raw, K, n, seed=n)
+
+
+def test_no_kernel_without_avx512(tmp_path):
+    """Built for AVX2 only (MOECTL_GGML_ISA=avx2's flags: no __AVX512F__), the getter answers NULL for every type:
+    ggml's own path runs."""
+    lib = compile_rows(tmp_path / "librows_avx2.so", ("-mno-avx512f",))
+    for enc in TYPES:
+        assert not lib.ggml_moectl_rows_kernel(int(enc)), enc.name
 
 
 def test_no_kernel_for_other_types(rows_library):
