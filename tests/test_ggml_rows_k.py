@@ -20,7 +20,8 @@ headers, or skips saying why.
 
 Micro-benchmark (indicative; not run by the suite): `python tests/test_ggml_rows_k.py [K ...]` prints ns per
 (row, token) of the kernel and of ggml's vec_dot loop (one (row, token) pair at a time) at m = 64,
-n = 1, 2, 4, 8, 16, 32, best of several reps (one thread).
+n = 1, 2, 4, 8, 16, 32, best of several reps (one thread); `... --mul-mat [K]`: against ggml's own mul_mat (its
+tiled kernel from 8 tokens; GGML_CPU_TILED_MM=0: vec_dot) on 512 rows.
 
 Legend: n = tokens, m = weight rows, K = input width, nb = K / 256 blocks a row.
 """
@@ -32,6 +33,7 @@ import functools
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -327,5 +329,46 @@ def bench(Ks=(2048, 4096), reps: int = 7) -> None:
                 print(f"{enc.name:6} {K:5} {n:3} {k:10.1f} {v:11.1f} {v / k:6.2f}")
 
 
+def bench_mul_mat(K: int = 2048, N: int = 512, reps: int = 25) -> None:
+    """ns per (row, token): ggml's own mul_mat of N rows (its tiled kernel from 8 tokens unless GGML_CPU_TILED_MM=0;
+    x's quantization and the graph included) against the kernel on the same rows in chunks of 64, alternated, best
+    of `reps` (one thread, CPU time)."""
+    import tempfile
+
+    torch.set_num_threads(1)
+    glib = with_traits(ggml.require())
+    lib = compile_rows(Path(tempfile.mkdtemp()) / "librows.so")
+    for enc in TYPES:
+        raw, _ = weights(enc, N, K, seed=1)
+        f = RowsFn(lib.ggml_moectl_rows_kernel(int(enc)))
+        for n in (4, 8, 16, 32):
+            x = torch.randn(n, K)
+            q = q8k(glib, x)
+            outs = np.zeros((n, N), dtype=np.float32)
+            acts = (ctypes.c_void_p * n)(*[q[j].ctypes.data for j in range(n)])
+            ptrs = [(ctypes.c_void_p * n)(*[outs[j].ctypes.data + 4 * r0 for j in range(n)]) for r0 in range(0, N, 64)]
+
+            def rows() -> float:
+                t0 = time.thread_time()
+                for c, r0 in enumerate(range(0, N, 64)):
+                    f(raw[r0:].ctypes.data, raw.shape[1], 64, K // 256, ctypes.addressof(acts), n,
+                      ctypes.addressof(ptrs[c]))
+                return time.thread_time() - t0
+
+            def mul_mat() -> float:
+                t0 = time.thread_time()
+                ggml.mul_mat(int(enc), raw, (N, K), x, 1)
+                return time.thread_time() - t0
+
+            a = b = float("inf")
+            for _ in range(reps):
+                a, b = min(a, mul_mat()), min(b, rows())
+            print(f"{enc.name:5} K {K:5} n {n:3}: ggml mul_mat {a / (N * n) * 1e9:6.1f} ns, rows kernel "
+                  f"{b / (N * n) * 1e9:6.1f} ns a (row, token): x{a / b:.2f}")
+
+
 if __name__ == "__main__":
-    bench(tuple(int(k) for k in sys.argv[1:]) or (2048, 4096))
+    if sys.argv[1:2] == ["--mul-mat"]:
+        bench_mul_mat(*(int(k) for k in sys.argv[2:3]))
+    else:
+        bench(tuple(int(k) for k in sys.argv[1:]) or (2048, 4096))
