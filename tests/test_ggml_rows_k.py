@@ -9,6 +9,8 @@ Checked for each type, tokens n = 1, 2, 3, 7, 8, 16, 33, 65 (65: two token group
     they differ in the order of the fp32 sums (vec_dot: 8 lanes a block and the mins apart; here 16 lanes a block);
   - against `gguf.quants.dequantize(W)` @ the q8_K rows dequantized (d * qs) in float64: within fp32 rounding
     (`fp32_bound`: (nb + 32) 2^-24 of sum |w| |a|, nb blocks of 256 each adding a few roundings);
+  - random bytes as blocks (every quant and scale value, the fp16 scales sane) against q8_K rows at -128 / 127: no
+    int16 saturation anywhere;
   - each token's outputs written at out[j][0 .. m - 1] only (guard values around stay), activations read through
     their pointers (given in reverse order), rows read `row_bytes` apart (padding filled with junk between rows).
 The plain AVX-512BW variant (no VNNI: vpmaddwd + vpaddd for vpdpwssd) is built and checked too (`-mno-avx512vnni`),
@@ -216,6 +218,55 @@ def test_plain_avx512bw_variant(ggml_lib, rows_library_bw, enc):
         raw, _ = weights(enc, m, K, seed=7 + m)
         for n in (1, 3, 65):
             check(ggml_lib, f, enc, raw, K, n, seed=n)
+
+
+# Where each type's fp16 scales lie in its block (the rest: any bytes are a valid block)
+BLOCK_BYTES = {T.Q5_K: 176, T.Q6_K: 210, T.Q3_K: 110}
+SCALES_AT = {T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q3_K: (108,)}
+
+
+def random_blocks(enc: T, m: int, K: int, seed: int) -> np.ndarray:
+    """m rows of random bytes, the fp16 scales set to sane values: every quant and 6-/8-bit scale value occurs,
+    extremes included (Q6_K's int8 scale -128, 63 x -128 pairs)."""
+    rng = np.random.default_rng(seed)
+    bs, nb = BLOCK_BYTES[enc], K // 256
+    raw = rng.integers(0, 256, (m, nb, bs), dtype=np.uint8)
+    for off in SCALES_AT[enc]:
+        d = rng.uniform(1e-4, 1e-3, (m, nb)).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(m, nb, 2)
+    return raw.reshape(m, nb * bs)
+
+
+def extreme_q8k(n: int, K: int, seed: int) -> np.ndarray:
+    """q8_K rows with qs anywhere in -128..127 (half of them at -128 or 127) and their bsums: [n, nb * Q8K_BYTES]."""
+    rng = np.random.default_rng(seed)
+    nb = K // 256
+    qs = rng.integers(-128, 128, (n, nb, 256)).astype(np.int8)
+    qs[:, :, ::2] = rng.choice(np.array([-128, 127], dtype=np.int8), (n, nb, 128))
+    q = np.zeros((n, nb, Q8K_BYTES), dtype=np.uint8)
+    q[:, :, :4] = np.full((n, nb, 1), 0.01, dtype=np.float32).view(np.uint8)
+    q[:, :, 4:260] = qs.view(np.uint8)
+    bsums = qs.astype(np.int16).reshape(n, nb, 16, 16).sum(-1).astype(np.int16)
+    q[:, :, 260:] = bsums.view(np.uint8).reshape(n, nb, 32)
+    return q.reshape(n, -1)
+
+
+@pytest.mark.parametrize("enc", TYPES, ids=lambda t: t.name)
+def test_random_blocks_and_extreme_activations(ggml_lib, rows_library, enc):
+    """Any bytes of a block (the fp16 scales sane) against activations at -128 / 127: no int16 saturation, the
+    same numbers as vec_dot and the float64 product."""
+    f = kernel(rows_library, enc)
+    K, m = 2048, 6
+    raw = random_blocks(enc, m, K, seed=int(enc))
+    w = np.asarray(quants.dequantize(raw, enc), dtype=np.float64).reshape(m, K)
+    for n in (2, 17):
+        q = extreme_q8k(n, K, seed=n)
+        y = run_rows(f, raw, raw.shape[1], m, K, q).astype(np.float64)
+        a = q8k_values(q)
+        mag = np.abs(a) @ np.abs(w).T
+        ref = vec_dot(ggml_lib, enc, raw, K, q).astype(np.float64)
+        assert (np.abs(y - ref) <= VS_VEC_DOT * mag).all(), f"{enc.name} vs vec_dot"
+        assert (np.abs(y - a @ w.T) <= fp32_bound(K // 256, mag)).all(), f"{enc.name} vs float64"
 
 
 @functools.lru_cache(maxsize=4)
