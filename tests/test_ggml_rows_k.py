@@ -16,9 +16,9 @@ Checked for each type, tokens n = 1, 2, 3, 7, 8, 16, 33, 65 (65: two token group
 The plain AVX-512BW variant (no VNNI: vpmaddwd + vpaddd for vpdpwssd) is built and checked too (`-mno-avx512vnni`),
 and an AVX2-only build answers NULL (`-mno-avx512f`).
 
-The library comes from ONE fixture, `rows_library()`: until ggml's build exports `ggml_moectl_rows_kernel`
-(libggml-cpu), it compiles kernels/ggml_rows/*.c here with gcc (-O2 -march=native) against the pinned ggml
-headers, or skips saying why.
+The library comes from ONE fixture, `rows_library()`: ggml's libggml-cpu where the build exports
+`ggml_moectl_rows_kernel` (the patch's), else kernels/ggml_rows/*.c compiled here with gcc (-O2 -march=native)
+against the pinned ggml headers (no gcc or source: skip, saying why).
 
 Micro-benchmark (indicative; not run by the suite): `python tests/test_ggml_rows_k.py [K ...]` prints ns per
 (row, token) of the kernel and of ggml's vec_dot loop (one (row, token) pair at a time) at m = 64,
@@ -107,9 +107,15 @@ def ggml_lib(lib):
 
 
 @pytest.fixture(scope="module")
-def rows_library(tmp_path_factory):
-    """The library exporting `ggml_moectl_rows_kernel(type)` (here: the kernels compiled by gcc)."""
-    return compile_rows(tmp_path_factory.mktemp("rows") / "librows.so")
+def rows_library(ggml_lib, tmp_path_factory):
+    """The library exporting `ggml_moectl_rows_kernel(type)`: ggml's own libggml-cpu where its build has the kernels
+    (the patch compiles kernels/ggml_rows/ into it, hashed into its key), else the kernels compiled here by gcc."""
+    try:
+        ggml_lib.ggml_moectl_rows_kernel.argtypes = [ctypes.c_int]
+    except AttributeError:
+        return compile_rows(tmp_path_factory.mktemp("rows") / "librows.so")
+    ggml_lib.ggml_moectl_rows_kernel.restype = ctypes.c_void_p
+    return ggml_lib
 
 
 @pytest.fixture(scope="module")
