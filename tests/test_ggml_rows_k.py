@@ -398,7 +398,7 @@ def bench_mul_mat(K: int = 2048, N: int = 512, reps: int = 25) -> None:
     for enc in TYPES:
         raw, _ = weights(enc, N, K, seed=1)
         f = RowsFn(lib.ggml_moectl_rows_kernel(int(enc)))
-        for n in (4, 8, 16, 32):
+        for n in (4, 8, 16, 32, 64):
             x = torch.randn(n, K)
             q = q8k(glib, x)
             outs = np.zeros((n, N), dtype=np.float32)

@@ -246,10 +246,13 @@ ROWS_INLINE void rows_pass(const enum ggml_type type, const int R, const uint8_t
                 const __m512i a = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * k)));
                 s = ROWS_DPW(s, _mm512_maddubs_epi16(b.q[k], a), b.sc[k]);
             }
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(b.d, dy), acc[j]);
-            if (type == GGML_TYPE_Q5_K) {
+            if (type == GGML_TYPE_Q5_K) {       // (d s - dmin mins) d_a: one multiply fewer than each by d_a
                 const __m512i mn = _mm512_madd_epi16(bsums, b.bs);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(b.dmin, dy), acc[j]);
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mn), b.dmin,
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(s), b.d));
+                acc[j] = _mm512_fmadd_ps(v, dy, acc[j]);
+            } else {
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(b.d, dy), acc[j]);
             }
         }
     }
