@@ -59,6 +59,15 @@ def modes(ab: str, distances: list[int]) -> dict:
                 ggml.set_expert_rows(n)
             return set_it
         return {"stock": rows(0), "rows<=8": rows(8), "rows": rows(ggml.expert_rows())}
+    if ab == "rows1":                   # a decode's experts (one row each, `--tokens 1`): vec_dot or the kernel
+
+        def rows_min(n: int):
+            def set_it():
+                ggml.set_prefetch(d)
+                ggml.set_expert_gemm(True)
+                ggml.set_expert_rows_min(n)
+            return set_it
+        return {"vec_dot": rows_min(2), "rows": rows_min(1)}
 
     def side(on: bool):
         def set_it():
@@ -95,6 +104,7 @@ def case(path: Path, tokens: int, threads: int, sides: dict, rounds: int) -> dic
     ggml.set_prefetch(ggml.prefetch_bytes())
     ggml.set_expert_gemm(ggml.expert_gemm())
     ggml.set_expert_rows(ggml.expert_rows())
+    ggml.set_expert_rows_min(ggml.expert_rows_min())
     med = {m: statistics.median(v) for m, v in tps.items()}
     base = med[next(iter(sides))]
     return {"file": path.name, "threads": threads, "tokens": tokens,
@@ -111,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--distances", type=int, nargs="+", default=[0, 4096],
                     help="prefetch distances in bytes; 0 (off) is the baseline the ratios use")
-    ap.add_argument("--ab", choices=["prefetch", "gemm", "rows"], default="prefetch",
+    ap.add_argument("--ab", choices=["prefetch", "gemm", "rows", "rows1"], default="prefetch",
                     help="what to compare: prefetch distances (default), or the experts' routed rows by gemm "
                          "(tinyBLAS for experts not repacked, e.g. Q8_0) against by gemv / vec_dot only "
                          "(MOECTL_GGML_EXPERT_GEMM), or moectl's expert-rows kernels (Q5_K, Q6_K, Q3_K, IQ4_XS, "
@@ -127,7 +137,7 @@ def main(argv=None) -> int:
     if a.tokens < 1 or a.rounds < 1:
         print("error: --tokens and --rounds must be >= 1", file=sys.stderr)
         return 1
-    if a.ab in ("gemm", "rows") and not any(d > 0 for d in a.distances):
+    if a.ab in ("gemm", "rows", "rows1") and not any(d > 0 for d in a.distances):
         print(f"error: --ab {a.ab} runs with the prefetch on: give a non-zero distance in --distances",
               file=sys.stderr)
         return 1

@@ -12,7 +12,8 @@ x shared by a token's experts (gate, up: ne11 = 1) or one row per used expert (d
   - on against off within `GEMM_VS_GEMV` (2e-5 of |W| @ |x|): each block's integer sums are exact in both, the fp32
     sums over blocks in another order;
   - bit-equal to off for the experts with one row (vec_dot), and with the threshold at 8 for the experts above it
-    (ggml's tiled kernel), or at 0 for all; the prefetch off is stock;
+    (ggml's tiled kernel), or at 0 for all; the one-row experts through it too where asked (`..._ROWS_MIN=1`);
+    the prefetch off is stock;
   - the path decided once an op: the switch flipped from another thread gives no hang and no mixed product;
   - a tiny GGUF's greedy tokens on a 40-token prefill are the same with the kernels on and off.
 The kernels' own tests (every shape and row stride, against ggml's vec_dot called directly): test_ggml_rows_k.py,
@@ -48,12 +49,16 @@ def rows_chunks() -> int:
     return ctypes.c_int64.in_dll(ggml.library(), "ggml_moectl_rows_chunks").value
 
 
-def with_rows_max(n: int, fn):
-    """fn() with the rows threshold at n, the process's setting restored after."""
+def with_rows(rows_min: int, rows_max: int, fn):
+    """fn() with the rows kernels' least and most rows an expert set, the process's settings restored after (fn's
+    2-thread handle made first: a new handle sets them from the environment)."""
+    ggml.handle(2)
     try:
-        ggml.set_expert_rows(n)
+        ggml.set_expert_rows_min(rows_min)
+        ggml.set_expert_rows(rows_max)
         return fn()
     finally:
+        ggml.set_expert_rows_min(ggml.expert_rows_min())
         ggml.set_expert_rows(ggml.expert_rows())
 
 
@@ -103,20 +108,23 @@ def test_rows_are_right_and_within_summation_order(experts, threads, per_expert_
     assert torch.equal(on[~twos], off[~twos])                           # one row: the same vec_dot
 
 
-@pytest.mark.parametrize("rows_max", [8, 0])
-def test_the_threshold_leaves_the_rest_to_stock(experts, rows_max, monkeypatch):
+@pytest.mark.parametrize("rows_min, rows_max", [(2, 8), (2, 0), (1, 1 << 20)], ids=["2-8", "off", "1-all"])
+def test_the_thresholds_leave_the_rest_to_stock(experts, rows_min, rows_max, monkeypatch):
     """`MOECTL_GGML_EXPERT_ROWS=8`: the experts above 8 rows run ggml's tiled kernel as stock does (bit-equal to the
-    switch off there), those with 2-8 the kernel; 0: no expert runs it, the product is stock's."""
+    switch off there), those with 2-8 the kernel; 0: no expert runs it, the product is stock's;
+    `MOECTL_GGML_EXPERT_ROWS_MIN=1`: the experts with one row (a decode's) run it too."""
     enc, raw, deq = experts
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     ids, x = routed_case(COUNTS, K, 2, False)
     run = lambda: counted(lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2))   # noqa: E731
-    (on, n_on), (off, _) = gemm_on_off(lambda: with_rows_max(rows_max, run))
-    assert n_on == CHUNKS * sum(2 <= c <= rows_max for c in COUNTS)
+    (on, n_on), (off, _) = gemm_on_off(lambda: with_rows(rows_min, rows_max, run))
+    assert n_on == CHUNKS * sum(max(1, rows_min) <= c <= rows_max for c in COUNTS)
     T, U = ids.shape
-    kernel = torch.tensor([2 <= COUNTS[int(a)] <= rows_max for a in ids.flatten()]).reshape(T, U)
+    kernel = torch.tensor([rows_min <= COUNTS[int(a)] <= rows_max for a in ids.flatten()]).reshape(T, U)
     assert torch.equal(on[~kernel], off[~kernel])
     check_rows(enc, raw, deq, x, ids, on)
+    if rows_min == 1:
+        assert (on[kernel] - off[kernel]).abs().max() <= gemm_bound(deq, x, ids)[kernel].max()
 
 
 @pytest.mark.parametrize("threads", [1, 2])

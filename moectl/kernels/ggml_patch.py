@@ -49,6 +49,7 @@ from pathlib import Path
 ROWS_DIR = Path(__file__).parent / "ggml_rows"
 ROWS_SOURCES = ("rows.c", "rows_k.c", "rows_iq.c")
 ROWS_MAX_DEFAULT = 1 << 20      # the most routed rows an expert for which the rows kernels run (kernels/ggml.py)
+ROWS_MIN_DEFAULT = 2            # the least (1: a decode's experts too)
 
 # ggml-cpu.c, before the vec_dot product's chunk: the distance, its setter (the shim's), the prefetch of a byte range.
 # Per-row bursts: a vec_dot computes one whole row, so the rows `distance` bytes ahead are asked for as a row starts.
@@ -85,8 +86,12 @@ static inline bool ggml_moectl_expert_sgemm_on(void) {
 #define MOECTL_ROWS_CHUNK 32
 #define MOECTL_ROWS_TOKENS 64
 int ggml_moectl_rows_max = """ + str(ROWS_MAX_DEFAULT) + """;
+int ggml_moectl_rows_min = """ + str(ROWS_MIN_DEFAULT) + """;
 __attribute__((visibility("default"))) void ggml_moectl_set_rows_max(int rows) {
     ggml_moectl_rows_max = rows > 0 ? rows : 0;
+}
+__attribute__((visibility("default"))) void ggml_moectl_set_rows_min(int rows) {
+    ggml_moectl_rows_min = rows > 1 ? rows : 1;
 }
 // the chunks the rows kernels computed there (a count the tests read), added once per expert and thread
 __attribute__((visibility("default"))) int64_t ggml_moectl_rows_chunks = 0;
@@ -351,7 +356,7 @@ _SGEMM_ROOM = """\
     // (ggml_moectl_sgemm_room): the gathered rows, the threads' C scratch; a workspace without them decides stock
     const int64_t moectl_n_routed = ids->ne[0]*ids->ne[1];
     const size_t  moectl_row_size = ggml_row_size(vec_dot_type, ne10);
-    int * moectl_mode = incr_ptr_aligned(&wdata_cur, 2*sizeof(int), 64);     // [path, rows threshold]
+    int * moectl_mode = incr_ptr_aligned(&wdata_cur, 3*sizeof(int), 64);     // [path, rows' most, rows' least]
     const bool moectl_slot = params->wsize >= (size_t)((char *) wdata_cur - (char *) params->wdata);
     char * moectl_rows = incr_ptr_aligned(&wdata_cur, moectl_n_routed*moectl_row_size, 64);  // [n_routed, row_size]
     float * moectl_c = incr_ptr_aligned(&wdata_cur, nth*MOECTL_SGEMM_ROWS*moectl_n_routed*sizeof(float), 64);
@@ -364,8 +369,9 @@ _SGEMM_MODE = """\
     if (ith == 0 && moectl_slot) {
         const bool on = ggml_moectl_expert_sgemm_on() && src1->type != vec_dot_type && !params->use_ref;
         moectl_mode[1] = ggml_moectl_rows_max;
+        moectl_mode[2] = ggml_moectl_rows_min;
         moectl_mode[0] = on && moectl_room && ggml_moectl_sgemm_type(type) ? 1 :
-                         on && moectl_mode[1] >= 2 && ggml_moectl_rows_kernel(type) != NULL ? 2 : 0;
+                         on && moectl_mode[1] >= moectl_mode[2] && ggml_moectl_rows_kernel(type) != NULL ? 2 : 0;
     }
 
 """
@@ -376,6 +382,7 @@ _SGEMM_GATHER = """\
     const bool moectl_sgemm = moectl_slot && moectl_mode[0] == 1;
     const ggml_moectl_rows_fn moectl_rows_fn = moectl_slot && moectl_mode[0] == 2 ? ggml_moectl_rows_kernel(type) : NULL;
     const int64_t moectl_rows_max = moectl_slot ? moectl_mode[1] : 0;
+    const int64_t moectl_rows_min = moectl_slot ? moectl_mode[2] : 0;
     if (moectl_sgemm) {
         const int64_t r_start = (ith*moectl_n_routed)/nth;
         const int64_t r_end   = ((ith + 1)*moectl_n_routed)/nth;
@@ -452,7 +459,7 @@ _SGEMM_EXPERT = """\
 # quantized above (vec_dot's), read in place; each block's integer sums are exact, only the fp32 order over blocks
 # differs from vec_dot's (tests/test_ggml_expert_rows.py).
 _ROWS_EXPERT = """\
-        if (moectl_rows_fn != NULL && cne1 >= 2 && cne1 <= moectl_rows_max) {   // moectl patch: the rows kernel
+        if (moectl_rows_fn != NULL && cne1 >= moectl_rows_min && cne1 <= moectl_rows_max) {   // moectl patch
             const char *   w0    = (const char *) src0->data + cur_a*nb02;
             const char *   q8    = (const char *) params->wdata;                 // src1 as q8_K rows (above)
             const size_t   q_row = ggml_row_size(vec_dot_type, ne10);
