@@ -13,8 +13,10 @@ the median tokens/s per distance, its ratio to off (> 1: prefetch faster) and th
 two sides are "gemv" (the row tiles, every routed row by gemv: stop 55's) and "gemm" (groups of 4 by gemm), both at
 the first non-zero distance of `--distances`; "vs_off" is gemm's ratio to gemv (> 1: gemm faster). The same switch
 runs the experts ggml does not repack (a Q8_0 file's; Q4_0 / Q5_0 / IQ4_NL where not repacked) by llamafile's tinyBLAS
-on each expert's gathered rows: on a Q8_0 file "gemv" is stock's vec_dot and "gemm" tinyBLAS. The figures are only as
-quiet as the machine.
+on each expert's gathered rows: on a Q8_0 file "gemv" is stock's vec_dot and "gemm" tinyBLAS. `--ab rows`: moectl's
+expert-rows kernels (kernels/ggml_rows: Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS experts) off ("stock": vec_dot
+below 8 routed rows, ggml's tiled kernel from 8), for the experts of 2-8 rows ("rows<=8"), for every expert of 2 or
+more ("rows"; `MOECTL_GGML_EXPERT_ROWS`). The figures are only as quiet as the machine.
 
     PYTHONPATH=. python bench/ggml_prefill_prefetch.py ~/.cache/moectl/gguf_vs_llamacpp/qwen3-moe-2/model-Q4_0.gguf
     PYTHONPATH=. python bench/ggml_prefill_prefetch.py FILE.gguf --tokens 64 --threads 1 --rounds 8 --json
@@ -48,6 +50,24 @@ def modes(ab: str, distances: list[int]) -> dict:
     if ab == "prefetch":
         return {str(d): (lambda d=d: ggml.set_prefetch(d)) for d in distances}
     d = next(d for d in distances if d > 0)
+    if ab == "rows":                    # moectl's expert-rows kernels: none, below the tiled kernel's 8, every expert
+
+        def rows(n: int):
+            def set_it():
+                ggml.set_prefetch(d)
+                ggml.set_expert_gemm(True)
+                ggml.set_expert_rows(n)
+            return set_it
+        return {"stock": rows(0), "rows<=8": rows(8), "rows": rows(ggml.expert_rows())}
+    if ab == "rows1":                   # a decode's experts (one row each, `--tokens 1`): vec_dot or the kernel
+
+        def rows_min(n: int):
+            def set_it():
+                ggml.set_prefetch(d)
+                ggml.set_expert_gemm(True)
+                ggml.set_expert_rows_min(n)
+            return set_it
+        return {"vec_dot": rows_min(2), "rows": rows_min(1)}
 
     def side(on: bool):
         def set_it():
@@ -83,6 +103,8 @@ def case(path: Path, tokens: int, threads: int, sides: dict, rounds: int) -> dic
             tps[m].append(tokens / (time.perf_counter() - t0))
     ggml.set_prefetch(ggml.prefetch_bytes())
     ggml.set_expert_gemm(ggml.expert_gemm())
+    ggml.set_expert_rows(ggml.expert_rows())
+    ggml.set_expert_rows_min(ggml.expert_rows_min())
     med = {m: statistics.median(v) for m, v in tps.items()}
     base = med[next(iter(sides))]
     return {"file": path.name, "threads": threads, "tokens": tokens,
@@ -99,10 +121,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--distances", type=int, nargs="+", default=[0, 4096],
                     help="prefetch distances in bytes; 0 (off) is the baseline the ratios use")
-    ap.add_argument("--ab", choices=["prefetch", "gemm"], default="prefetch",
+    ap.add_argument("--ab", choices=["prefetch", "gemm", "rows", "rows1"], default="prefetch",
                     help="what to compare: prefetch distances (default), or the experts' routed rows by gemm "
                          "(tinyBLAS for experts not repacked, e.g. Q8_0) against by gemv / vec_dot only "
-                         "(MOECTL_GGML_EXPERT_GEMM), at the first non-zero distance")
+                         "(MOECTL_GGML_EXPERT_GEMM), or moectl's expert-rows kernels (Q5_K, Q6_K, Q3_K, IQ4_XS, "
+                         "IQ3_XXS, IQ2_XXS) off, for experts of 2-8 routed rows, for all "
+                         "(MOECTL_GGML_EXPERT_ROWS), at the first non-zero distance")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
@@ -113,8 +137,9 @@ def main(argv=None) -> int:
     if a.tokens < 1 or a.rounds < 1:
         print("error: --tokens and --rounds must be >= 1", file=sys.stderr)
         return 1
-    if a.ab == "gemm" and not any(d > 0 for d in a.distances):
-        print("error: --ab gemm runs the experts' row tiles: give a non-zero distance in --distances", file=sys.stderr)
+    if a.ab in ("gemm", "rows", "rows1") and not any(d > 0 for d in a.distances):
+        print(f"error: --ab {a.ab} runs with the prefetch on: give a non-zero distance in --distances",
+              file=sys.stderr)
         return 1
     if a.ab == "prefetch" and 0 not in a.distances:
         a.distances = [0, *a.distances]

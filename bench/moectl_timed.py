@@ -40,6 +40,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moectl.cli import BLAS_THREAD_VARIABLES
+
 # The timed part both engines run, one place for the warm-up, the prefill reps and the decode. `draw(n)`: n token
 # ids from the run's seeded generator ([1, n] tensor, or [n] array for the torch-free engine; `[..., a:b]` slices
 # either); `first_use_repack()`: the untimed repack's fields. Fills `res` with the timed fields.
@@ -203,6 +205,10 @@ def moectl_run(load: dict, threads: int, prompt: int, gen: int, prefill: int, ti
     one graph serves; its first `moectl generate` run, untimed, saves what it reads)."""
     code = script(load, threads, prompt, gen, prefill, time_load, torch_free, prefill_reps, gguf_bos(load["model"]))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
+    if not any(v in os.environ for v in BLAS_THREAD_VARIABLES):
+        # numpy's OpenBLAS pool at one thread, as `moectl` itself starts it (cli.py numpy_with_one_blas_thread):
+        # else its idle threads spin beside ggml's (perf of a 1-thread prefill here: ~2 % in blas_thread_server)
+        env["OPENBLAS_NUM_THREADS"] = "1"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if torch_free and r.stdout.startswith("NOTREADY "):
         first_run(load["model"])

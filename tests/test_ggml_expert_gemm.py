@@ -221,15 +221,16 @@ def test_the_switch_is_read_as_a_handle_is_made(monkeypatch):
         ggml.require().mg_free(h)
 
 
-def tiny_prefill_on_off(tmp_path, monkeypatch, expert_encoding, counter) -> dict[bool, int]:
-    """A tiny Mixtral GGUF with `expert_encoding` experts, a 40-token prompt, the prefill and 4 greedy steps with the
-    experts' gemm switch on and off (prefetch on): the same greedy tokens, logits within 1e-3 of their scale.
-    Returns {on: how much counter() grew over its run}."""
-    from gguf_build import write_gguf
+def tiny_prefill_on_off(tmp_path, monkeypatch, expert_encoding, counter, k256: bool = False) -> dict[bool, int]:
+    """A tiny Mixtral GGUF with `expert_encoding` experts (`k256`: rows of whole 256-weight blocks, as K-quants and
+    IQ types need), a 40-token prompt, the prefill and 4 greedy steps with the experts' gemm switch on and off
+    (prefetch on): the same greedy tokens, logits within 1e-3 of their scale. Returns {on: how much counter() grew
+    over its run}."""
+    from gguf_build import k256_mixtral, write_gguf
     from test_ggml_graph import _checkpoint, _load
     from test_runtime import _engine_run
 
-    ckpt = _checkpoint("mixtral", tmp_path)
+    ckpt = k256_mixtral(tmp_path) if k256 else _checkpoint("mixtral", tmp_path)
     path = write_gguf(ckpt, tmp_path / "Q.gguf", dense_encoding=Q.Q8_0, expert_encoding=expert_encoding)
     prompt = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(8))
     runs, grew = {}, {}

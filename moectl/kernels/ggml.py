@@ -350,6 +350,9 @@ def _load() -> ctypes.CDLL | None:
     # moectl's ggml patch (kernels/ggml_patch.py), in libggml-cpu: found through the shim's handle (its dependency)
     lib.ggml_moectl_set_prefetch_bytes.argtypes, lib.ggml_moectl_set_prefetch_bytes.restype = [i32], None
     lib.ggml_moectl_set_expert_gemm.argtypes, lib.ggml_moectl_set_expert_gemm.restype = [i32], None
+    lib.ggml_moectl_set_rows_max.argtypes, lib.ggml_moectl_set_rows_max.restype = [i32], None
+    lib.ggml_moectl_set_rows_min.argtypes, lib.ggml_moectl_set_rows_min.restype = [i32], None
+    lib.ggml_moectl_rows_kernel.argtypes, lib.ggml_moectl_rows_kernel.restype = [i32], ptr
     lib.mg_vec_dot_type.argtypes, lib.mg_vec_dot_type.restype = [i32], i32
     lib.mg_repacks.argtypes, lib.mg_repacks.restype = [i32, i64, i64], i32
     lib.mg_repack_register.argtypes, lib.mg_repack_register.restype = [ptr, i64, i32], None
@@ -514,6 +517,56 @@ def set_expert_gemm(on: bool) -> None:
     require().ggml_moectl_set_expert_gemm(int(bool(on)))
 
 
+EXPERT_ROWS_ENV = "MOECTL_GGML_EXPERT_ROWS"
+
+
+def expert_rows() -> int:
+    """The most routed rows an expert for which its product runs moectl's expert-rows kernel where its type has one
+    (kernels/ggml_rows: Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS on AVX-512; from 2 rows, with the experts' gemm
+    on: kernels/ggml_patch.py `_ROWS_EXPERT`): `MOECTL_GGML_EXPERT_ROWS` unset, every expert with 2 or more
+    (`ggml_patch.ROWS_MAX_DEFAULT`); N, those with 2..N (8: only below ggml's tiled kernel's threshold); 0, none
+    (stock's vec_dot and tiled kernel). A MoectlError for a value that is not a whole number >= 0."""
+    raw = os.environ.get(EXPERT_ROWS_ENV, "").strip()
+    if not raw:
+        return ggml_patch.ROWS_MAX_DEFAULT
+    if not raw.isdigit():
+        raise MoectlError(f"{EXPERT_ROWS_ENV}={raw!r}: give the most routed rows an expert for moectl's rows kernels "
+                          "(a whole number, 0: off)")
+    return int(raw)
+
+
+EXPERT_ROWS_MIN_ENV = "MOECTL_GGML_EXPERT_ROWS_MIN"
+
+
+def expert_rows_min() -> int:
+    """The least routed rows an expert for which moectl's expert-rows kernels run (`expert_rows`):
+    `MOECTL_GGML_EXPERT_ROWS_MIN` unset, `ggml_patch.ROWS_MIN_DEFAULT`; 1, a decode's experts (one row each) too. A
+    MoectlError for a value that is not a whole number >= 1."""
+    raw = os.environ.get(EXPERT_ROWS_MIN_ENV, "").strip()
+    if not raw:
+        return ggml_patch.ROWS_MIN_DEFAULT
+    if not raw.isdigit() or int(raw) < 1:
+        raise MoectlError(f"{EXPERT_ROWS_MIN_ENV}={raw!r}: give the least routed rows an expert for moectl's rows "
+                          "kernels (a whole number >= 1)")
+    return int(raw)
+
+
+def set_expert_rows_min(rows_min: int) -> None:
+    """Set `expert_rows_min` for every later product in this process (read once an op, as `set_expert_rows`)."""
+    require().ggml_moectl_set_rows_min(int(rows_min))
+
+
+def set_expert_rows(rows_max: int) -> None:
+    """Set `expert_rows`'s threshold for every later product in this process (a global in moectl's patched ggml,
+    read once an op by thread 0, like `set_expert_gemm`)."""
+    require().ggml_moectl_set_rows_max(int(rows_max))
+
+
+def rows_kernel(enc) -> bool:
+    """Whether this build has an expert-rows kernel for encoding `enc` (a GGMLQuantizationType or its int)."""
+    return bool(require().ggml_moectl_rows_kernel(int(enc)))
+
+
 def handle(n_threads: int | None = None) -> int:
     n = n_threads or threads()
     key = (n, own_q6k_setting())
@@ -522,6 +575,8 @@ def handle(n_threads: int | None = None) -> int:
         poll = int(os.environ.get("MOECTL_GGML_POLL", "0"))     # 0: ggml's workers sleep between calls
         set_prefetch(prefetch_bytes())                          # MOECTL_GGML_PREFETCH, read as a handle is made
         set_expert_gemm(expert_gemm())                          # MOECTL_GGML_EXPERT_GEMM, the same
+        set_expert_rows(expert_rows())                          # MOECTL_GGML_EXPERT_ROWS, the same
+        set_expert_rows_min(expert_rows_min())                  # MOECTL_GGML_EXPERT_ROWS_MIN, the same
         h = _handles.by_threads[key] = require().mg_new(n, poll)
     return h
 

@@ -10,12 +10,15 @@ expert once per token), an expert's routed rows 4 at a time by gemm there (`_EXP
 `ggml_moectl_expert_gemm`, kernels/ggml.py `MOECTL_GGML_EXPERT_GEMM`, 0: every row by gemv), and (same two switches) the
 experts ggml does not repack whose product takes q8_0 activations (Q8_0; Q4_0, Q5_0, IQ4_NL where not repacked) through
 llamafile's tinyBLAS on each expert's gathered routed rows (`_SGEMM_EXPERT`; stock: vec_dot one (row, token) pair at a
-time); the distance is a global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's
+time), and (same two switches, and `ggml_moectl_rows_max`: kernels/ggml.py `MOECTL_GGML_EXPERT_ROWS`) the experts whose
+type has one of moectl's own expert-rows kernels (kernels/ggml_rows/: Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS on
+AVX-512; `_ROWS_EXPERT`; stock: vec_dot below 8 routed rows, ggml's tiled kernel from 8); the distance is a global the shim sets at handle creation (kernels/ggml.py: `MOECTL_GGML_PREFETCH`), 0 (ggml's
 default) is stock behaviour. The experts' path is decided once an op, by thread 0 into the workspace before the row
 mapping's barrier (`_EXPERT_MODE`, `_SGEMM_MODE`): a switch set from another thread while a graph computes cannot make
 the op's threads disagree. Prefetch changes no arithmetic (tests/test_ggml_prefetch.py: bit-equal products with it on
 and off, the experts' gemm off); the experts' gemm sums in gemm's order, as ggml's dense product does for 4 rows
-(tests/test_ggml_expert_gemm.py), and tinyBLAS in its own (tests/test_ggml_expert_sgemm.py).
+(tests/test_ggml_expert_gemm.py), tinyBLAS in its own (tests/test_ggml_expert_sgemm.py), the rows kernels each block's
+exact integer sums in their own fp32 order (tests/test_ggml_expert_rows.py).
 
 Only moectl's ggml build is patched (kernels/ggml.py: `build()` configures a private copy of the vendored ggml/ tree,
 `overlay()`); llama.cpp's tools in the comparison (bench/llamacpp.py) build from the untouched source. The edits are
@@ -38,13 +41,22 @@ prefetch"): 1-16 KB all won on a busy Xeon, 4 KB best or near it; `kernels/ggml.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
+
+# moectl's expert-rows kernels (`_ROWS_EXPERT`): their C sources, copied into the patched tree's ggml-cpu/moectl-rows/
+# and added to libggml-cpu's sources; part of `KEY`.
+ROWS_DIR = Path(__file__).parent / "ggml_rows"
+ROWS_SOURCES = ("rows.c", "rows_k.c", "rows_iq.c")
+ROWS_MAX_DEFAULT = 1 << 20      # the most routed rows an expert for which the rows kernels run (kernels/ggml.py)
+ROWS_MIN_DEFAULT = 2            # the least (1: a decode's experts too)
 
 # ggml-cpu.c, before the vec_dot product's chunk: the distance, its setter (the shim's), the prefetch of a byte range.
 # Per-row bursts: a vec_dot computes one whole row, so the rows `distance` bytes ahead are asked for as a row starts.
 _DEFS_C = """\
 // moectl patch (moectl/kernels/ggml_patch.py): software prefetch of the weight rows `ggml_moectl_prefetch_bytes`
 // ahead in the one-token products (0: off, stock ggml). Prefetch is a hint: it changes no result.
+#include "moectl-rows/rows.h"
 int ggml_moectl_prefetch_bytes = 0;
 __attribute__((visibility("default"))) void ggml_moectl_set_prefetch_bytes(int bytes) {
     ggml_moectl_prefetch_bytes = bytes > 0 ? bytes : 0;
@@ -68,6 +80,21 @@ __attribute__((visibility("default"))) int64_t ggml_moectl_sgemm_chunks = 0;
 static inline bool ggml_moectl_expert_sgemm_on(void) {
     return ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm;
 }
+// The experts whose type has one of moectl's expert-rows kernels (moectl-rows/rows.h: Q5_K, Q6_K, Q3_K, IQ4_XS,
+// IQ3_XXS, IQ2_XXS on AVX-512): an expert with 2..ggml_moectl_rows_max routed rows runs it on chunks of
+// MOECTL_ROWS_CHUNK weight rows, MOECTL_ROWS_TOKENS routed tokens a call (0: never; same switch as the sgemm's).
+#define MOECTL_ROWS_CHUNK 32
+#define MOECTL_ROWS_TOKENS 64
+int ggml_moectl_rows_max = """ + str(ROWS_MAX_DEFAULT) + """;
+int ggml_moectl_rows_min = """ + str(ROWS_MIN_DEFAULT) + """;
+__attribute__((visibility("default"))) void ggml_moectl_set_rows_max(int rows) {
+    ggml_moectl_rows_max = rows > 0 ? rows : 0;
+}
+__attribute__((visibility("default"))) void ggml_moectl_set_rows_min(int rows) {
+    ggml_moectl_rows_min = rows > 1 ? rows : 1;
+}
+// the chunks the rows kernels computed there (a count the tests read), added once per expert and thread
+__attribute__((visibility("default"))) int64_t ggml_moectl_rows_chunks = 0;
 static inline bool ggml_moectl_sgemm_type(enum ggml_type type) {
     return type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_IQ4_NL;
 }
@@ -329,7 +356,7 @@ _SGEMM_ROOM = """\
     // (ggml_moectl_sgemm_room): the gathered rows, the threads' C scratch; a workspace without them decides stock
     const int64_t moectl_n_routed = ids->ne[0]*ids->ne[1];
     const size_t  moectl_row_size = ggml_row_size(vec_dot_type, ne10);
-    int * moectl_mode = incr_ptr_aligned(&wdata_cur, sizeof(int), 64);
+    int * moectl_mode = incr_ptr_aligned(&wdata_cur, 3*sizeof(int), 64);     // [path, rows' most, rows' least]
     const bool moectl_slot = params->wsize >= (size_t)((char *) wdata_cur - (char *) params->wdata);
     char * moectl_rows = incr_ptr_aligned(&wdata_cur, moectl_n_routed*moectl_row_size, 64);  // [n_routed, row_size]
     float * moectl_c = incr_ptr_aligned(&wdata_cur, nth*MOECTL_SGEMM_ROWS*moectl_n_routed*sizeof(float), 64);
@@ -338,9 +365,13 @@ _SGEMM_ROOM = """\
 
 _SGEMM_MODE = """\
     // moectl patch: the experts' path decided once, by thread 0, read by every thread past the barrier below
+    // (0 stock, 1 the sgemm, 2 the rows kernels with their threshold)
     if (ith == 0 && moectl_slot) {
-        *moectl_mode = moectl_room && ggml_moectl_expert_sgemm_on() && ggml_moectl_sgemm_type(type) &&
-                       src1->type != vec_dot_type && !params->use_ref;
+        const bool on = ggml_moectl_expert_sgemm_on() && src1->type != vec_dot_type && !params->use_ref;
+        moectl_mode[1] = ggml_moectl_rows_max;
+        moectl_mode[2] = ggml_moectl_rows_min;
+        moectl_mode[0] = on && moectl_room && ggml_moectl_sgemm_type(type) ? 1 :
+                         on && moectl_mode[1] >= moectl_mode[2] && ggml_moectl_rows_kernel(type) != NULL ? 2 : 0;
     }
 
 """
@@ -348,7 +379,10 @@ _SGEMM_MODE = """\
 _SGEMM_GATHER = """\
     // moectl patch: with the sgemm on, the routed rows of each expert with >= 2 of them gathered in the row mapping's
     // order, expert after expert (expert a's from the sum of the counts before it), a range of rows a thread
-    const bool moectl_sgemm = moectl_slot && *moectl_mode;
+    const bool moectl_sgemm = moectl_slot && moectl_mode[0] == 1;
+    const ggml_moectl_rows_fn moectl_rows_fn = moectl_slot && moectl_mode[0] == 2 ? ggml_moectl_rows_kernel(type) : NULL;
+    const int64_t moectl_rows_max = moectl_slot ? moectl_mode[1] : 0;
+    const int64_t moectl_rows_min = moectl_slot ? moectl_mode[2] : 0;
     if (moectl_sgemm) {
         const int64_t r_start = (ith*moectl_n_routed)/nth;
         const int64_t r_end   = ((ith + 1)*moectl_n_routed)/nth;
@@ -415,6 +449,50 @@ _SGEMM_EXPERT = """\
 
 """
 
+# ggml-cpu.c's forward_mul_mat_id for the experts whose type has one of moectl's expert-rows kernels
+# (kernels/ggml_rows/rows.h; copied in as ggml-cpu/moectl-rows/): stock ggml computes an expert's rows by vec_dot one
+# (weight row, token) pair at a time below 8 routed rows (each pair unpacks the weight block again), and from 8 by its
+# tiled kernel (a weight tile unpacked and repacked in memory, then 8 x 16 VNNI micro-tiles). Here an expert with
+# 2..threshold routed rows (`ggml_moectl_rows_max`, thread 0's per op) runs the kernel on chunks of MOECTL_ROWS_CHUNK
+# weight rows taken from stock's per-expert chunk counter, every routed token inside (MOECTL_ROWS_TOKENS a call): the
+# kernel unpacks each weight block once into registers for all of them. Its activations are the q8_K rows stock
+# quantized above (vec_dot's), read in place; each block's integer sums are exact, only the fp32 order over blocks
+# differs from vec_dot's (tests/test_ggml_expert_rows.py).
+_ROWS_EXPERT = """\
+        if (moectl_rows_fn != NULL && cne1 >= moectl_rows_min && cne1 <= moectl_rows_max) {   // moectl patch
+            const char *   w0    = (const char *) src0->data + cur_a*nb02;
+            const char *   q8    = (const char *) params->wdata;                 // src1 as q8_K rows (above)
+            const size_t   q_row = ggml_row_size(vec_dot_type, ne10);
+            const int64_t  nchunk = (ne01 + MOECTL_ROWS_CHUNK - 1)/MOECTL_ROWS_CHUNK;
+            const block_q8_K * acts[MOECTL_ROWS_TOKENS];
+            float *            outs[MOECTL_ROWS_TOKENS];
+            int current_chunk = ith;
+            atomic_int * current_chunk_ctr = (atomic_int *)(atomic_current_chunk + cur_a);
+            int64_t done = 0;
+            while (current_chunk < nchunk) {
+                const int64_t r0 = (int64_t) current_chunk*MOECTL_ROWS_CHUNK;
+                const int64_t m  = MIN(r0 + MOECTL_ROWS_CHUNK, ne01) - r0;
+                for (int64_t j0 = 0; j0 < cne1; j0 += MOECTL_ROWS_TOKENS) {
+                    const int64_t n = MIN(cne1 - j0, MOECTL_ROWS_TOKENS);
+                    for (int64_t j = 0; j < n; j++) {
+                        const struct mmid_row_mapping rm = MMID_MATRIX_ROW(cur_a, j0 + j);
+                        acts[j] = (const block_q8_K *) (q8 + (rm.i1 % ne11 + rm.i2*ne11)*q_row);
+                        outs[j] = (float *) ((char *) dst->data + rm.i1*nb1 + rm.i2*nb2) + r0;
+                    }
+                    moectl_rows_fn(w0 + r0*nb01, nb01, m, ne00/QK_K, acts, n, outs);
+                }
+                done++;
+                if (nth >= nchunk) {
+                    break;
+                }
+                current_chunk = atomic_fetch_add_explicit(current_chunk_ctr, 1, memory_order_relaxed);
+            }
+            __atomic_fetch_add(&ggml_moectl_rows_chunks, done, __ATOMIC_RELAXED);
+            continue;
+        }
+
+"""
+
 # ggml_graph_plan's MUL_MAT_ID work size: the slot always, the sgemm's room where it is on for the op's type.
 _SGEMM_PLAN = """\
                         // moectl patch (moectl/kernels/ggml_patch.py): the decision slot, the experts' sgemm room
@@ -475,13 +553,26 @@ EDITS: list[tuple[str, str, str, str]] = [
     ("ggml-cpu.c", "    for (int cur_a = 0; cur_a < n_as; ++cur_a) {\n", _SGEMM_GATHER, ""),
     ("ggml-cpu.c", "        int chunk_size = 16;\n        if (nr0 == 1 || nr1 == 1) {\n", _SGEMM_EXPERT, ""),
     ("ggml-cpu.c", "                    } break;\n                case GGML_OP_OUT_PROD:\n", _SGEMM_PLAN, ""),
+    # the experts with an expert-rows kernel (forward_mul_mat_id, ahead of ggml's tiled kernel); its sources built
+    ("ggml-cpu.c", "        // tiled takes over if profitable for this expert (see tiled.h)\n", _ROWS_EXPERT, ""),
+    ("CMakeLists.txt", "        ggml-cpu/ops.cpp\n", "",
+     "".join(f"        ggml-cpu/moectl-rows/{name}\n" for name in ROWS_SOURCES)),
 ]
 
 
 
+def _rows_files() -> list[Path]:
+    """The expert-rows kernels' files copied into the tree: the sources and their header."""
+    return [ROWS_DIR / name for name in ("rows.h", *ROWS_SOURCES)]
+
+
 def key(edits: list[tuple[str, str, str, str]] | None = None) -> str:
-    """The patch's identity: a hash of its edits (`EDITS`), part of the build's directory (kernels/ggml.py)."""
-    return hashlib.sha256(repr(EDITS if edits is None else edits).encode()).hexdigest()[:10]
+    """The patch's identity: a hash of its edits (`EDITS`) and of the expert-rows kernels' files, part of the build's
+    directory (kernels/ggml.py)."""
+    h = hashlib.sha256(repr(EDITS if edits is None else edits).encode())
+    for f in _rows_files():
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:10]
 
 
 KEY = key()
@@ -509,3 +600,7 @@ def apply(ggml_dir: Path) -> None:
         files[name] = text.replace(anchor, before + anchor + after)
     for name, text in files.items():
         (ggml_dir / "src" / "ggml-cpu" / name).write_text(text)
+    rows = ggml_dir / "src" / "ggml-cpu" / "moectl-rows"
+    rows.mkdir(exist_ok=True)
+    for f in _rows_files():
+        shutil.copyfile(f, rows / f.name)

@@ -1,0 +1,193 @@
+"""moectl's expert-rows kernels inside ggml's mul_mat_id (kernels/ggml_patch.py `_ROWS_EXPERT`, the kernels in
+kernels/ggml_rows/): an expert whose type has a kernel (Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS on an AVX-512
+build) and 2..`MOECTL_GGML_EXPERT_ROWS` routed rows runs it on chunks of 32 weight rows with every routed token
+inside (64 a call), where stock ggml runs vec_dot one (row, token) pair at a time below 8 rows and its tiled kernel
+from 8; on with the experts' gemm (`MOECTL_GGML_EXPERT_GEMM`, the prefetch on), `ggml.set_expert_gemm(False)`: stock.
+
+Checked through ggml's own mul_mat_id, for each encoding with a kernel on this build, 1 and 2 threads, experts given
+0-70 routed rows (one past a call's 64 tokens), 200 rows an expert (6 chunks and a partial one), K = 1024 (4 blocks),
+x shared by a token's experts (gate, up: ne11 = 1) or one row per used expert (down: ne11 = U):
+  - every row equals `gguf.quants.dequantize` + an fp32 matmul within the activation quantization llama.cpp does
+    (test_ggml_kernels.check_product): the kernels read the q8_K rows vec_dot reads;
+  - on against off within `GEMM_VS_GEMV` (2e-5 of |W| @ |x|): each block's integer sums are exact in both, the fp32
+    sums over blocks in another order;
+  - bit-equal to off for the experts with one row (vec_dot), and with the threshold at 8 for the experts above it
+    (ggml's tiled kernel), or at 0 for all; the one-row experts through it too where asked (`..._ROWS_MIN=1`);
+    the prefetch off is stock;
+  - the path decided once an op: the switch flipped from another thread gives no hang and no mixed product;
+  - a tiny GGUF's greedy tokens on a 40-token prefill are the same with the kernels on and off.
+The kernels' own tests (every shape and row stride, against ggml's vec_dot called directly): test_ggml_rows_k.py,
+test_ggml_rows_iq.py.
+
+Legend: T = tokens, K = input width, N = output rows, A = stacked experts, U = experts used per token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from moectl.kernels import ggml
+from test_ggml_expert_gemm import check_rows, gemm_bound, gemm_on_off, routed, routed_case, tiny_prefill_on_off
+from test_ggml_expert_sgemm import _flipping
+from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
+
+torch.set_num_threads(1)
+
+ROWS_TYPES = (Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_XS, Q.IQ3_XXS, Q.IQ2_XXS)
+K = 4 * 256                     # check_product's bound stays well under the signal at this width
+ROWS = 200                      # 6 chunks of 32 rows and a partial one
+COUNTS = (0, 1, 2, 3, 4, 5, 7, 8, 14, 20, 70)   # routed rows per expert: vec_dot (0, 1); the kernel; 70 > 64 a call
+CHUNKS = -(-ROWS // 32)
+
+
+def rows_chunks() -> int:
+    """The chunks the rows kernels computed in mul_mat_id so far (the patch's counter)."""
+    return ctypes.c_int64.in_dll(ggml.library(), "ggml_moectl_rows_chunks").value
+
+
+def with_rows(rows_min: int, rows_max: int, fn):
+    """fn() with the rows kernels' least and most rows an expert set, the process's settings restored after (fn's
+    2-thread handle made first: a new handle sets them from the environment)."""
+    ggml.handle(2)
+    try:
+        ggml.set_expert_rows_min(rows_min)
+        ggml.set_expert_rows(rows_max)
+        return fn()
+    finally:
+        ggml.set_expert_rows_min(ggml.expert_rows_min())
+        ggml.set_expert_rows(ggml.expert_rows())
+
+
+def counted(fn):
+    """(fn(), the rows chunks it computed)."""
+    before = rows_chunks()
+    y = fn()
+    return y, rows_chunks() - before
+
+
+@pytest.fixture(scope="module", params=ROWS_TYPES, ids=lambda t: t.name)
+def experts(request):
+    """(encoding, stacked raw [A * ROWS, row bytes], dequantized [A, ROWS, K]); skipped where this build has no
+    kernel for the encoding (the AVX2 build: none)."""
+    enc = request.param
+    if not ggml.rows_kernel(enc):
+        pytest.skip(f"this build of ggml has no expert-rows kernel for {enc.name}")
+    A = len(COUNTS)
+    raw, deq = weights(enc, A * ROWS, K, seed=int(enc))
+    return enc, raw, deq.reshape(A, ROWS, K)
+
+
+def test_an_avx512_build_has_every_kernel():
+    """Where the loaded ggml was built with AVX-512 (its own feature bits), every encoding of ROWS_TYPES has one."""
+    if "avx512" not in ggml.features():
+        pytest.skip("this build of ggml has no AVX-512")
+    assert [e.name for e in ROWS_TYPES if not ggml.rows_kernel(e)] == []
+    assert not ggml.rows_kernel(Q.Q8_0) and not ggml.rows_kernel(Q.Q4_K)     # tinyBLAS's, repacked
+
+
+@pytest.mark.parametrize("per_expert_x", [False, True], ids=["gate_up", "down"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_are_right_and_within_summation_order(experts, threads, per_expert_x, monkeypatch):
+    """Experts given 0-70 rows, gate/up and down layouts: right row by row, within summation order of off, bit-equal
+    to off for the experts with one row; the kernel ran every chunk of the experts with 2 rows or more."""
+    enc, raw, deq = experts
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    ids, x = routed_case(COUNTS, K, threads, per_expert_x)              # [T, U], [T, K] or [T, U, K]
+    (on, n_on), (off, n_off) = gemm_on_off(lambda: counted(
+        lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, threads)))
+    assert n_on == CHUNKS * sum(c >= 2 for c in COUNTS) and n_off == 0
+    check_rows(enc, raw, deq, x, ids, on)
+    diff = (on - off).abs()
+    assert (diff <= gemm_bound(deq, x, ids)).all(), f"{enc.name}: rows on - off {diff.max():.3g}"
+    T, U = ids.shape
+    twos = torch.tensor([COUNTS[int(a)] >= 2 for a in ids.flatten()]).reshape(T, U)
+    assert torch.equal(on[~twos], off[~twos])                           # one row: the same vec_dot
+
+
+@pytest.mark.parametrize("rows_min, rows_max", [(2, 8), (2, 0), (1, 1 << 20)], ids=["2-8", "off", "1-all"])
+def test_the_thresholds_leave_the_rest_to_stock(experts, rows_min, rows_max, monkeypatch):
+    """`MOECTL_GGML_EXPERT_ROWS=8`: the experts above 8 rows run ggml's tiled kernel as stock does (bit-equal to the
+    switch off there), those with 2-8 the kernel; 0: no expert runs it, the product is stock's;
+    `MOECTL_GGML_EXPERT_ROWS_MIN=1`: the experts with one row (a decode's) run it too."""
+    enc, raw, deq = experts
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    ids, x = routed_case(COUNTS, K, 2, False)
+    run = lambda: counted(lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2))   # noqa: E731
+    (on, n_on), (off, _) = gemm_on_off(lambda: with_rows(rows_min, rows_max, run))
+    assert n_on == CHUNKS * sum(max(1, rows_min) <= c <= rows_max for c in COUNTS)
+    T, U = ids.shape
+    kernel = torch.tensor([rows_min <= COUNTS[int(a)] <= rows_max for a in ids.flatten()]).reshape(T, U)
+    assert torch.equal(on[~kernel], off[~kernel])
+    check_rows(enc, raw, deq, x, ids, on)
+    if rows_min == 1:
+        assert (on[kernel] - off[kernel]).abs().max() <= gemm_bound(deq, x, ids)[kernel].max()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_under_two_rows_an_expert_is_bit_equal(experts, threads, monkeypatch):
+    """No expert with 2 routed rows (a decode's step): the kernel does not run, the switch changes nothing."""
+    enc, raw, deq = experts
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    ids = torch.tensor([[0, 2], [3, 5], [1, 4], [6, 9]], dtype=torch.int32)
+    x = torch.randn(len(ids), K, generator=torch.Generator().manual_seed(6))
+    (on, n_on), (off, _) = gemm_on_off(lambda: counted(
+        lambda: ggml.mul_mat_id(enc, raw, (deq.shape[0], ROWS, K), x, ids, threads)))
+    assert n_on == 0 and torch.equal(on, off)
+    check_rows(enc, raw, deq, x, ids, on)
+
+
+def test_prefetch_off_is_stock(experts, monkeypatch):
+    """`MOECTL_GGML_PREFETCH=0` with the gemm switch on: the kernel does not run, the product is stock ggml's."""
+    enc, raw, deq = experts
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    ids, x = routed_case(COUNTS, K, 2, False)
+    run = lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2)     # noqa: E731
+    _, off = gemm_on_off(run)
+    try:
+        ggml.set_prefetch(0)
+        ggml.set_expert_gemm(True)
+        stock, n = counted(run)
+        assert n == 0
+    finally:
+        ggml.set_prefetch(ggml.prefetch_bytes())
+        ggml.set_expert_gemm(ggml.expert_gemm())
+    assert torch.equal(stock, off)
+
+
+def test_the_path_is_decided_once_an_op(monkeypatch):
+    """The switch flipped from another thread while 2-thread products run: no hang, every product equal to the
+    switch on or to it off, none a mix (on and off differ in summation order here)."""
+    enc = next((e for e in ROWS_TYPES if ggml.rows_kernel(e)), None)
+    if enc is None:
+        pytest.skip("this build of ggml has no expert-rows kernel")
+    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
+    A, N, k = 8, 256, 1024
+    raw, _ = weights(enc, A * N, k, seed=11)
+    ids = routed((9, 7, 0, 12, 4, 8, 2, 6))                                # [T, U]
+    x = torch.randn(len(ids), k, generator=torch.Generator().manual_seed(12))
+    run = lambda: ggml.mul_mat_id(enc, raw, (A, N, k), x, ids, 2)     # noqa: E731
+    on, off = gemm_on_off(run)
+    assert not torch.equal(on, off)                                     # a mix would show
+    try:
+        ggml.set_prefetch(4096)
+        got, finished = _flipping(lambda: [run() for _ in range(200)], lambda i: ggml.set_expert_gemm(i % 2 == 0))
+    finally:
+        ggml.set_prefetch(ggml.prefetch_bytes())
+        ggml.set_expert_gemm(ggml.expert_gemm())
+    assert finished, "the products hung with the switch flipping"
+    assert len(got) == 200
+    assert all(torch.equal(y, on) or torch.equal(y, off) for y in got)
+
+
+@pytest.mark.parametrize("enc", [Q.Q5_K, Q.IQ4_XS], ids=lambda t: t.name)
+def test_a_tiny_gguf_prefill_keeps_its_greedy_tokens(enc, tmp_path, monkeypatch):
+    """A tiny Mixtral GGUF with `enc` experts (256 wide), a 40-token prompt (experts routed 2 rows and more): the greedy tokens of
+    the prefill and the steps after it are the same with the kernels on and off, and they ran."""
+    if not ggml.rows_kernel(enc):
+        pytest.skip(f"this build of ggml has no expert-rows kernel for {enc.name}")
+    grew = tiny_prefill_on_off(tmp_path, monkeypatch, enc, rows_chunks, k256=True)
+    assert grew[True] > 0 and grew[False] == 0
