@@ -270,6 +270,17 @@ static inline __attribute__((always_inline)) float unpack_grid(enum ggml_type ty
 
 // ---- the products ----
 
+// the weights stream from memory (an expert's rows are read once a call): the block `ahead` rows on is fetched while
+// this one is computed (no fault past the chunk's end: a prefetch never faults)
+enum { PREFETCH_ROWS_VECTORS = 2, PREFETCH_ROWS_LANES = 4 };
+
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t * x, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch((const char *) x + o, _MM_HINT_T0);
+    }
+    _mm_prefetch((const char *) x + bytes - 1, _MM_HINT_T0);
+}
+
 static inline __attribute__((always_inline)) __m512i dot16(__m512i acc, __m512i w, __m512i a) {
 #if defined(__AVX512VNNI__)
     return _mm512_dpwssd_epi32(acc, w, a);
@@ -299,6 +310,8 @@ static inline __attribute__((always_inline)) void rows_group(enum ggml_type type
         }
         for (int64_t b = 0; b < nb; ++b) {
             __m512i w0[8], w1[8];
+            prefetch_block(row0 + PREFETCH_ROWS_VECTORS * row_bytes + b * block_bytes, block_bytes);
+            prefetch_block(row1 + PREFETCH_ROWS_VECTORS * row_bytes + b * block_bytes, block_bytes);
             const float d0 = unpack(type, row0 + b * block_bytes, w0);
             const float d1 = unpack(type, row1 + b * block_bytes, w1);
             for (int64_t t = 0; t < G; ++t) {
@@ -500,6 +513,7 @@ static inline __attribute__((always_inline)) void rows_lanes_groups(enum ggml_ty
             float dw[LANE_ROWS];
 #pragma GCC unroll 4
             for (int i = 0; i < LANE_ROWS; ++i) {
+                prefetch_block(row[i] + PREFETCH_ROWS_LANES * row_bytes + b * block_bytes, block_bytes);
                 dw[i] = lanes_unpack(type, row[i] + b * block_bytes, wb[i], ls[i]);
             }
             for (int g = 0; g < G; ++g) {
