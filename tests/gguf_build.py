@@ -8,8 +8,8 @@ tensor names from `gguf.get_tensor_name_map` (the converter's `map_tensor_name`)
 / [E, H, I] (or, like older converters, one `blk.N.ffn_gate.E.weight` per expert), GPT-OSS gate/up split out of
 the interleaved `gate_up_proj` and transposed, the metadata keys `TextModel.set_gguf_parameters` and the family
 classes write, the tokenizer as `_set_vocab_gpt2` + `gguf.SpecialVocab` store it. Quantised with
-`gguf.quants.quantize` where it can (Q8_0, Q4_0, BF16, MXFP4); K-quants are valid blocks built here (random codes
-with sane scales) since the package cannot quantise them. Like llama.cpp, 1-D tensors stay F32 and a tensor whose
+`gguf.quants.quantize` where it can (Q8_0, Q4_0, BF16, MXFP4); K-quants and IQ4_XS are valid blocks built here
+(random codes with sane scales) since the package cannot quantise them. Like llama.cpp, 1-D tensors stay F32 and a tensor whose
 rows are not whole blocks falls back to F32.
 """
 
@@ -54,7 +54,7 @@ def encode(x: torch.Tensor, qtype: T, seed: int = 0) -> tuple[np.ndarray, T]:
         return a, T.F32
     if qtype == T.F16:
         return a.astype(np.float16), T.F16
-    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.Q8_1):   # valid sizes, random codes
+    if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.Q8_1):   # valid sizes, random codes
         rows = int(np.prod(a.shape[:-1]))
         return k_blocks(rows, a.shape[-1], qtype, seed).reshape(*a.shape[:-1], -1), qtype
     return quantize(a, qtype), qtype

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import functools
 import subprocess
 import tempfile
@@ -42,6 +41,7 @@ from gguf import quants
 
 from moectl.kernels import ggml
 from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
+from test_ggml_rows_k import compile_rows
 
 torch.set_num_threads(1)
 
@@ -50,7 +50,6 @@ Q8_K = 15
 QK_K = 256
 Q8K = np.dtype([("d", "<f4"), ("qs", "i1", QK_K), ("bsums", "<i2", QK_K // 16)])     # block_q8_K, 292 bytes
 VS_VEC_DOT = 1e-5               # of sum |w| |a|: the order of fp32 sums over blocks
-ROWS_DIR = Path(ggml.__file__).parent / "ggml_rows"
 FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_int64,
                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p))
 VEC_DOT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
@@ -73,22 +72,9 @@ def ggml_cpu() -> ctypes.CDLL:
 
 
 def compiled(tmp: Path, flags: list[str]) -> ctypes.CDLL:
-    """ggml_rows/*.c compiled with gcc `flags` against the pinned ggml source into a .so under `tmp` (skip where gcc
-    or the source is absent)."""
-    cc = shutil.which("gcc")
-    src = ggml.keyed(ggml.ggml_home(), "src") / "ggml"
-    if cc is None:
-        pytest.skip("no gcc to compile ggml_rows/*.c")
-    if not (src / "src" / "ggml-common.h").exists():
-        pytest.skip(f"the pinned ggml source is absent ({src})")
-    so = tmp / f"rows{len(list(tmp.iterdir()))}.so"
-    lib_dir = ggml.lib_dir()
-    cmd = [cc, "-O2", *flags, "-shared", "-fPIC", "-std=gnu11", f"-I{src / 'include'}", f"-I{src / 'src'}",
-           f"-I{src / 'src' / 'ggml-cpu'}", *map(str, sorted(ROWS_DIR.glob("*.c"))), f"-L{lib_dir}", "-lggml-base",
-           f"-Wl,-rpath,{lib_dir}", "-o", str(so)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
-    return ctypes.CDLL(str(so))
+    """ggml_rows/*.c compiled with gcc -march=native and `flags` into a .so under `tmp` (test_ggml_rows_k's
+    compile_rows: skip where gcc or the pinned source is absent)."""
+    return compile_rows(tmp / f"rows{len(list(tmp.iterdir()))}.so", tuple(f for f in flags if f != "-march=native"))
 
 
 def kernel_of(library: ctypes.CDLL, enc: T):

@@ -81,8 +81,10 @@ def compile_rows(out: Path, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     if not (src / "src" / "ggml-common.h").exists():
         pytest.skip(f"the pinned ggml source is absent ({src})")
     here = Path(ggml.__file__).parent / "ggml_rows"
-    cmd = [gcc, "-O2", "-march=native", *flags, "-shared", "-fPIC", f"-I{src / 'include'}", f"-I{src / 'src'}",
-           f"-I{src / 'src' / 'ggml-cpu'}", *(str(here / f) for f in SOURCES), "-o", str(out)]
+    lib_dir = ggml.lib_dir()                    # ggml_abort and the fp16 table: libggml-base
+    cmd = [gcc, "-O2", "-march=native", *flags, "-shared", "-fPIC", "-std=gnu11", f"-I{src / 'include'}",
+           f"-I{src / 'src'}", f"-I{src / 'src' / 'ggml-cpu'}", *(str(here / f) for f in SOURCES), f"-L{lib_dir}",
+           "-lggml-base", f"-Wl,-rpath,{lib_dir}", "-o", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         pytest.fail(f"gcc failed on the expert-rows kernels:\n{r.stderr}")
