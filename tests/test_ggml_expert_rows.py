@@ -1,8 +1,8 @@
 """moectl's expert-rows kernels inside ggml's mul_mat_id (kernels/ggml_patch.py `_ROWS_EXPERT`, the kernels in
 kernels/ggml_rows/): an expert whose type has a kernel (Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS on an AVX-512
-build) and 2..`MOECTL_GGML_EXPERT_ROWS` routed rows runs it on chunks of 32 weight rows with every routed token
-inside (64 a call), where stock ggml runs vec_dot one (row, token) pair at a time below 8 rows and its tiled kernel
-from 8; on with the experts' gemm (`MOECTL_GGML_EXPERT_GEMM`, the prefetch on), `ggml.set_expert_gemm(False)`: stock.
+build) and `MOECTL_GGML_EXPERT_ROWS_MIN`..`MOECTL_GGML_EXPERT_ROWS` routed rows (by default every expert with one)
+runs it on chunks of 32 weight rows with every routed token inside (64 a call), where stock ggml runs vec_dot one
+(row, token) pair at a time below 8 rows and its tiled kernel from 8; on with the experts' gemm (`MOECTL_GGML_EXPERT_GEMM`, the prefetch on), `ggml.set_expert_gemm(False)`: stock.
 
 Checked through ggml's own mul_mat_id, for each encoding with a kernel on this build, 1 and 2 threads, experts given
 0-70 routed rows (one past a call's 64 tokens), 200 rows an expert (6 chunks and a partial one), K = 1024 (4 blocks),
@@ -11,9 +11,9 @@ x shared by a token's experts (gate, up: ne11 = 1) or one row per used expert (d
     (test_ggml_kernels.check_product): the kernels read the q8_K rows vec_dot reads;
   - on against off within `GEMM_VS_GEMV` (2e-5 of |W| @ |x|): each block's integer sums are exact in both, the fp32
     sums over blocks in another order;
-  - bit-equal to off for the experts with one row (vec_dot), and with the threshold at 8 for the experts above it
-    (ggml's tiled kernel), or at 0 for all; the one-row experts through it too where asked (`..._ROWS_MIN=1`);
-    the prefetch off is stock;
+  - the experts with one routed row (a decode's) through it by default, bit-equal to off (vec_dot) with the least
+    at 2 (`MOECTL_GGML_EXPERT_ROWS_MIN`); with the most at 8 (`MOECTL_GGML_EXPERT_ROWS`) the experts above it
+    bit-equal to off (ggml's tiled kernel), at 0 all; the prefetch off is stock;
   - the path decided once an op: the switch flipped from another thread gives no hang and no mixed product;
   - a tiny GGUF's greedy tokens on a 40-token prefill are the same with the kernels on and off.
 The kernels' own tests (every shape and row stride, against ggml's vec_dot called directly): test_ggml_rows_k.py,
@@ -30,7 +30,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from moectl.kernels import ggml
+from moectl.kernels import ggml, ggml_patch
 from test_ggml_expert_gemm import check_rows, gemm_bound, gemm_on_off, routed, routed_case, tiny_prefill_on_off
 from test_ggml_expert_sgemm import _flipping
 from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
@@ -42,6 +42,7 @@ K = 4 * 256                     # check_product's bound stays well under the sig
 ROWS = 200                      # 6 chunks of 32 rows and a partial one
 COUNTS = (0, 1, 2, 3, 4, 5, 7, 8, 14, 20, 70)   # routed rows per expert: vec_dot (0, 1); the kernel; 70 > 64 a call
 CHUNKS = -(-ROWS // 32)
+MIN = ggml_patch.ROWS_MIN_DEFAULT   # the least routed rows an expert for the kernel, unset MOECTL_GGML_EXPERT_ROWS_MIN
 
 
 def rows_chunks() -> int:
@@ -92,20 +93,20 @@ def test_an_avx512_build_has_every_kernel():
 @pytest.mark.parametrize("per_expert_x", [False, True], ids=["gate_up", "down"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_are_right_and_within_summation_order(experts, threads, per_expert_x, monkeypatch):
-    """Experts given 0-70 rows, gate/up and down layouts: right row by row, within summation order of off, bit-equal
-    to off for the experts with one row; the kernel ran every chunk of the experts with 2 rows or more."""
+    """Experts given 0-70 rows, gate/up and down layouts: right row by row, within summation order of off; the
+    kernel ran every chunk of the experts with `MIN` rows or more (the default), the rest bit-equal to off."""
     enc, raw, deq = experts
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     ids, x = routed_case(COUNTS, K, threads, per_expert_x)              # [T, U], [T, K] or [T, U, K]
     (on, n_on), (off, n_off) = gemm_on_off(lambda: counted(
         lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, threads)))
-    assert n_on == CHUNKS * sum(c >= 2 for c in COUNTS) and n_off == 0
+    assert n_on == CHUNKS * sum(c >= MIN for c in COUNTS) and n_off == 0
     check_rows(enc, raw, deq, x, ids, on)
     diff = (on - off).abs()
     assert (diff <= gemm_bound(deq, x, ids)).all(), f"{enc.name}: rows on - off {diff.max():.3g}"
     T, U = ids.shape
-    twos = torch.tensor([COUNTS[int(a)] >= 2 for a in ids.flatten()]).reshape(T, U)
-    assert torch.equal(on[~twos], off[~twos])                           # one row: the same vec_dot
+    kernel = torch.tensor([COUNTS[int(a)] >= MIN for a in ids.flatten()]).reshape(T, U)
+    assert torch.equal(on[~kernel], off[~kernel])                       # below MIN: the same vec_dot
 
 
 @pytest.mark.parametrize("rows_min, rows_max", [(2, 8), (2, 0), (1, 1 << 20)], ids=["2-8", "off", "1-all"])
@@ -127,17 +128,22 @@ def test_the_thresholds_leave_the_rest_to_stock(experts, rows_min, rows_max, mon
         assert (on[kernel] - off[kernel]).abs().max() <= gemm_bound(deq, x, ids)[kernel].max()
 
 
+@pytest.mark.parametrize("rows_min", [1, 2])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_under_two_rows_an_expert_is_bit_equal(experts, threads, monkeypatch):
-    """No expert with 2 routed rows (a decode's step): the kernel does not run, the switch changes nothing."""
+def test_one_row_experts(experts, threads, rows_min, monkeypatch):
+    """Every expert with at most one routed row (a decode's step): at the least of 1 row (the default) the kernel
+    runs each (within summation order of off), at 2 it does not and the switch changes nothing."""
     enc, raw, deq = experts
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     ids = torch.tensor([[0, 2], [3, 5], [1, 4], [6, 9]], dtype=torch.int32)
     x = torch.randn(len(ids), K, generator=torch.Generator().manual_seed(6))
-    (on, n_on), (off, _) = gemm_on_off(lambda: counted(
-        lambda: ggml.mul_mat_id(enc, raw, (deq.shape[0], ROWS, K), x, ids, threads)))
-    assert n_on == 0 and torch.equal(on, off)
+    run = lambda: counted(lambda: ggml.mul_mat_id(enc, raw, (deq.shape[0], ROWS, K), x, ids, threads))  # noqa: E731
+    (on, n_on), (off, _) = gemm_on_off(lambda: with_rows(rows_min, 1 << 20, run))
     check_rows(enc, raw, deq, x, ids, on)
+    if rows_min == 1:
+        assert n_on == CHUNKS * 8 and ((on - off).abs() <= gemm_bound(deq, x, ids)).all()
+    else:
+        assert n_on == 0 and torch.equal(on, off)
 
 
 def test_prefetch_off_is_stock(experts, monkeypatch):

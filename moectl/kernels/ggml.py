@@ -522,9 +522,9 @@ EXPERT_ROWS_ENV = "MOECTL_GGML_EXPERT_ROWS"
 
 def expert_rows() -> int:
     """The most routed rows an expert for which its product runs moectl's expert-rows kernel where its type has one
-    (kernels/ggml_rows: Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS on AVX-512; from 2 rows, with the experts' gemm
-    on: kernels/ggml_patch.py `_ROWS_EXPERT`): `MOECTL_GGML_EXPERT_ROWS` unset, every expert with 2 or more
-    (`ggml_patch.ROWS_MAX_DEFAULT`); N, those with 2..N (8: only below ggml's tiled kernel's threshold); 0, none
+    (kernels/ggml_rows: Q5_K, Q6_K, Q3_K, IQ4_XS, IQ3_XXS, IQ2_XXS on AVX-512; from `expert_rows_min` rows, with the
+    experts' gemm on: kernels/ggml_patch.py `_ROWS_EXPERT`): `MOECTL_GGML_EXPERT_ROWS` unset, every expert
+    (`ggml_patch.ROWS_MAX_DEFAULT`); N, those with at most N (8: only below ggml's tiled kernel's threshold); 0, none
     (stock's vec_dot and tiled kernel). A MoectlError for a value that is not a whole number >= 0."""
     raw = os.environ.get(EXPERT_ROWS_ENV, "").strip()
     if not raw:
@@ -540,8 +540,8 @@ EXPERT_ROWS_MIN_ENV = "MOECTL_GGML_EXPERT_ROWS_MIN"
 
 def expert_rows_min() -> int:
     """The least routed rows an expert for which moectl's expert-rows kernels run (`expert_rows`):
-    `MOECTL_GGML_EXPERT_ROWS_MIN` unset, `ggml_patch.ROWS_MIN_DEFAULT`; 1, a decode's experts (one row each) too. A
-    MoectlError for a value that is not a whole number >= 1."""
+    `MOECTL_GGML_EXPERT_ROWS_MIN` unset, `ggml_patch.ROWS_MIN_DEFAULT` (1: a decode's experts, one row each, too);
+    2, a decode's by ggml's vec_dot. A MoectlError for a value that is not a whole number >= 1."""
     raw = os.environ.get(EXPERT_ROWS_MIN_ENV, "").strip()
     if not raw:
         return ggml_patch.ROWS_MIN_DEFAULT

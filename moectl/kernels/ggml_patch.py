@@ -49,7 +49,8 @@ from pathlib import Path
 ROWS_DIR = Path(__file__).parent / "ggml_rows"
 ROWS_SOURCES = ("rows.c", "rows_k.c", "rows_iq.c")
 ROWS_MAX_DEFAULT = 1 << 20      # the most routed rows an expert for which the rows kernels run (kernels/ggml.py)
-ROWS_MIN_DEFAULT = 2            # the least (1: a decode's experts too)
+ROWS_MIN_DEFAULT = 1            # the least: a decode's experts (one row each) too; measured: a Mixtral-shaped
+                                # Q5_K_M / Q6_K / IQ4_XS one-token forward 1.19-1.42x vec_dot's, Qwen3's 0.99-1.03
 
 # ggml-cpu.c, before the vec_dot product's chunk: the distance, its setter (the shim's), the prefetch of a byte range.
 # Per-row bursts: a vec_dot computes one whole row, so the rows `distance` bytes ahead are asked for as a row starts.
@@ -81,7 +82,7 @@ static inline bool ggml_moectl_expert_sgemm_on(void) {
     return ggml_moectl_prefetch_bytes > 0 && ggml_moectl_expert_gemm;
 }
 // The experts whose type has one of moectl's expert-rows kernels (moectl-rows/rows.h: Q5_K, Q6_K, Q3_K, IQ4_XS,
-// IQ3_XXS, IQ2_XXS on AVX-512): an expert with 2..ggml_moectl_rows_max routed rows runs it on chunks of
+// IQ3_XXS, IQ2_XXS on AVX-512): an expert with ggml_moectl_rows_min..max routed rows runs it on chunks of
 // MOECTL_ROWS_CHUNK weight rows, MOECTL_ROWS_TOKENS routed tokens a call (0: never; same switch as the sgemm's).
 #define MOECTL_ROWS_CHUNK 32
 #define MOECTL_ROWS_TOKENS 64
@@ -452,8 +453,9 @@ _SGEMM_EXPERT = """\
 # ggml-cpu.c's forward_mul_mat_id for the experts whose type has one of moectl's expert-rows kernels
 # (kernels/ggml_rows/rows.h; copied in as ggml-cpu/moectl-rows/): stock ggml computes an expert's rows by vec_dot one
 # (weight row, token) pair at a time below 8 routed rows (each pair unpacks the weight block again), and from 8 by its
-# tiled kernel (a weight tile unpacked and repacked in memory, then 8 x 16 VNNI micro-tiles). Here an expert with
-# 2..threshold routed rows (`ggml_moectl_rows_max`, thread 0's per op) runs the kernel on chunks of MOECTL_ROWS_CHUNK
+# tiled kernel (a weight tile unpacked and repacked in memory, then 8 x 16 VNNI micro-tiles); a decode's one row an
+# expert by vec_dot (AVX2 for these types). Here an expert with `ggml_moectl_rows_min`..`ggml_moectl_rows_max` routed
+# rows (thread 0's per op; by default every one with a row) runs the kernel on chunks of MOECTL_ROWS_CHUNK
 # weight rows taken from stock's per-expert chunk counter, every routed token inside (MOECTL_ROWS_TOKENS a call): the
 # kernel unpacks each weight block once into registers for all of them. Its activations are the q8_K rows stock
 # quantized above (vec_dot's), read in place; each block's integer sums are exact, only the fp32 order over blocks
