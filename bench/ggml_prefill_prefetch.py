@@ -43,38 +43,27 @@ import moectl_timed                     # bench/: the first `moectl generate` ru
 
 
 def modes(ab: str, distances: list[int]) -> dict:
-    """{side's name: what sets it}, the baseline first: a distance each (`--ab prefetch`), or the experts' gemm off
-    and on at the first non-zero distance (`--ab gemm`)."""
+    """{side's name: what sets it}, the baseline first: a distance each (`--ab prefetch`); else at the first non-zero
+    distance the experts' gemm off and on (`--ab gemm`), the expert-rows kernels off, for 2-8 rows, for all
+    (`--ab rows`), or a one-row expert by vec_dot and by the kernel (`--ab rows1`). Every side sets every switch."""
     from moectl.kernels import ggml
 
     if ab == "prefetch":
         return {str(d): (lambda d=d: ggml.set_prefetch(d)) for d in distances}
     d = next(d for d in distances if d > 0)
-    if ab == "rows":                    # moectl's expert-rows kernels: none, below the tiled kernel's 8, every expert
 
-        def rows(n: int):
-            def set_it():
-                ggml.set_prefetch(d)
-                ggml.set_expert_gemm(True)
-                ggml.set_expert_rows(n)
-            return set_it
-        return {"stock": rows(0), "rows<=8": rows(8), "rows": rows(ggml.expert_rows())}
-    if ab == "rows1":                   # a decode's experts (one row each, `--tokens 1`): vec_dot or the kernel
-
-        def rows_min(n: int):
-            def set_it():
-                ggml.set_prefetch(d)
-                ggml.set_expert_gemm(True)
-                ggml.set_expert_rows_min(n)
-            return set_it
-        return {"vec_dot": rows_min(2), "rows": rows_min(1)}
-
-    def side(on: bool):
+    def side(gemm: bool = True, rows: int = ggml.expert_rows(), rows_min: int = ggml.expert_rows_min()):
         def set_it():
             ggml.set_prefetch(d)
-            ggml.set_expert_gemm(on)
+            ggml.set_expert_gemm(gemm)
+            ggml.set_expert_rows(rows)
+            ggml.set_expert_rows_min(rows_min)
         return set_it
-    return {"gemv": side(False), "gemm": side(True)}
+    if ab == "rows":
+        return {"stock": side(rows=0), "rows<=8": side(rows=8), "rows": side()}
+    if ab == "rows1":
+        return {"vec_dot": side(rows_min=2), "rows": side(rows_min=1)}
+    return {"gemv": side(gemm=False), "gemm": side(gemm=True)}
 
 
 def case(path: Path, tokens: int, threads: int, sides: dict, rounds: int) -> dict:

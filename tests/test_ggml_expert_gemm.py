@@ -81,6 +81,22 @@ def gemm_on_off(fn):
     return on, off
 
 
+def prefetch_off_is_stock(run, counter) -> None:
+    """run() with the prefetch off (`MOECTL_GGML_PREFETCH=0`) and the experts' gemm switch on is stock ggml: equal to
+    run() with the switch off, and the path's counter() does not move; the process's settings restored after."""
+    _, off = gemm_on_off(run)
+    try:
+        ggml.set_prefetch(0)
+        ggml.set_expert_gemm(True)
+        before = counter()
+        stock = run()
+        assert counter() == before
+    finally:
+        ggml.set_prefetch(ggml.prefetch_bytes())
+        ggml.set_expert_gemm(ggml.expert_gemm())
+    assert torch.equal(stock, off)
+
+
 @pytest.fixture(scope="module", params=REPACKED, ids=lambda t: t.name)
 def experts(request):
     """(encoding, stacked raw [A * ROWS, row bytes] registered for repack, dequantized [A, ROWS, K])."""

@@ -14,7 +14,8 @@ x shared by a token's experts (gate, up: ne11 = 1) or one row per used expert (d
   - the experts with one routed row (a decode's) through it by default, bit-equal to off (vec_dot) with the least
     at 2 (`MOECTL_GGML_EXPERT_ROWS_MIN`); with the most at 8 (`MOECTL_GGML_EXPERT_ROWS`) the experts above it
     bit-equal to off (ggml's tiled kernel), at 0 all; the prefetch off is stock;
-  - the path decided once an op: the switch flipped from another thread gives no hang and no mixed product;
+  - the path decided once an op (the switch flipped from another thread: no hang, no mixed product) is
+    test_ggml_expert_sgemm.py's `test_the_path_is_decided_once_an_op` for Q5_K;
   - a tiny GGUF's greedy tokens on a 40-token prefill are the same with the kernels on and off.
 The kernels' own tests (every shape and row stride, against ggml's vec_dot called directly): test_ggml_rows_k.py,
 test_ggml_rows_iq.py.
@@ -31,8 +32,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moectl.kernels import ggml, ggml_patch
-from test_ggml_expert_gemm import check_rows, gemm_bound, gemm_on_off, routed, routed_case, tiny_prefill_on_off
-from test_ggml_expert_sgemm import _flipping
+from test_ggml_expert_gemm import (check_rows, gemm_bound, gemm_on_off, prefetch_off_is_stock, routed, routed_case,
+                                   tiny_prefill_on_off)
 from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
 
 torch.set_num_threads(1)
@@ -151,42 +152,7 @@ def test_prefetch_off_is_stock(experts, monkeypatch):
     enc, raw, deq = experts
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     ids, x = routed_case(COUNTS, K, 2, False)
-    run = lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2)     # noqa: E731
-    _, off = gemm_on_off(run)
-    try:
-        ggml.set_prefetch(0)
-        ggml.set_expert_gemm(True)
-        stock, n = counted(run)
-        assert n == 0
-    finally:
-        ggml.set_prefetch(ggml.prefetch_bytes())
-        ggml.set_expert_gemm(ggml.expert_gemm())
-    assert torch.equal(stock, off)
-
-
-def test_the_path_is_decided_once_an_op(monkeypatch):
-    """The switch flipped from another thread while 2-thread products run: no hang, every product equal to the
-    switch on or to it off, none a mix (on and off differ in summation order here)."""
-    enc = next((e for e in ROWS_TYPES if ggml.rows_kernel(e)), None)
-    if enc is None:
-        pytest.skip("this build of ggml has no expert-rows kernel")
-    monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
-    A, N, k = 8, 256, 1024
-    raw, _ = weights(enc, A * N, k, seed=11)
-    ids = routed((9, 7, 0, 12, 4, 8, 2, 6))                                # [T, U]
-    x = torch.randn(len(ids), k, generator=torch.Generator().manual_seed(12))
-    run = lambda: ggml.mul_mat_id(enc, raw, (A, N, k), x, ids, 2)     # noqa: E731
-    on, off = gemm_on_off(run)
-    assert not torch.equal(on, off)                                     # a mix would show
-    try:
-        ggml.set_prefetch(4096)
-        got, finished = _flipping(lambda: [run() for _ in range(200)], lambda i: ggml.set_expert_gemm(i % 2 == 0))
-    finally:
-        ggml.set_prefetch(ggml.prefetch_bytes())
-        ggml.set_expert_gemm(ggml.expert_gemm())
-    assert finished, "the products hung with the switch flipping"
-    assert len(got) == 200
-    assert all(torch.equal(y, on) or torch.equal(y, off) for y in got)
+    prefetch_off_is_stock(lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2), rows_chunks)
 
 
 @pytest.mark.parametrize("enc", [Q.Q5_K, Q.IQ4_XS], ids=lambda t: t.name)

@@ -36,8 +36,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moectl.kernels import ggml
-from test_ggml_expert_gemm import (DISTANCE, GEMM_VS_GEMV, check_rows, gemm_bound, gemm_on_off, routed, routed_case,
-                                   tiny_prefill_on_off)
+from test_ggml_expert_gemm import (DISTANCE, GEMM_VS_GEMV, check_rows, gemm_bound, gemm_on_off, prefetch_off_is_stock,
+                                   routed, routed_case, tiny_prefill_on_off)
 from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
 
 torch.set_num_threads(1)
@@ -128,18 +128,7 @@ def test_prefetch_off_is_stock(experts, monkeypatch):
     enc, raw, deq = experts
     monkeypatch.setenv("MOECTL_GGML_REPACK", "0")
     ids, x = routed_case(COUNTS, K, 2, False)
-    run = lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2)     # noqa: E731
-    _, off = gemm_on_off(run)
-    try:
-        ggml.set_prefetch(0)
-        ggml.set_expert_gemm(True)
-        before = sgemm_chunks()
-        stock = run()
-        assert sgemm_chunks() == before
-    finally:
-        ggml.set_prefetch(ggml.prefetch_bytes())
-        ggml.set_expert_gemm(ggml.expert_gemm())
-    assert torch.equal(stock, off)
+    prefetch_off_is_stock(lambda: ggml.mul_mat_id(enc, raw, (len(COUNTS), ROWS, K), x, ids, 2), sgemm_chunks)
 
 
 def _flipping(products, flip) -> tuple[list, bool]:
@@ -164,12 +153,12 @@ def _flipping(products, flip) -> tuple[list, bool]:
     return out, not worker.is_alive()
 
 
-@pytest.mark.parametrize("enc", [Q.Q8_0, Q.IQ4_NL, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("enc", [Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K], ids=lambda t: t.name)
 def test_the_path_is_decided_once_an_op(enc, monkeypatch):
     """The switch flipped from another thread while 2-thread products run (Q8_0, IQ4_NL not repacked: tinyBLAS here;
-    Q4_K repacked: the row tiles' gemm, whose gather barrier every thread must reach): no hang, every product equal
-    to the switch on or to it off, none a mix of the two (IQ4_NL's and Q4_K's on and off differ in summation order;
-    Q8_0's are bit-equal: no hang only)."""
+    Q4_K repacked: the row tiles' gemm, whose gather barrier every thread must reach; Q5_K: moectl's expert-rows
+    kernel, test_ggml_expert_rows.py): no hang, every product equal to the switch on or to it off, none a mix of the
+    two (IQ4_NL's, Q4_K's and Q5_K's on and off differ in summation order; Q8_0's are bit-equal: no hang only)."""
     monkeypatch.setenv("MOECTL_GGML_REPACK", "all")
     A, N, k = 8, 256, 1024
     raw, _ = weights(enc, A * N, k, seed=11)
