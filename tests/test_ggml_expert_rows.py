@@ -32,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from moectl.kernels import ggml, ggml_patch
-from test_ggml_expert_gemm import (check_rows, gemm_bound, gemm_on_off, prefetch_off_is_stock, routed, routed_case,
+from test_ggml_expert_gemm import (check_rows, gemm_bound, gemm_on_off, prefetch_off_is_stock, routed_case,
                                    tiny_prefill_on_off)
 from test_ggml_kernels import lib, weights  # noqa: F401  (autouse: ggml built here, or skip / fail)
 
