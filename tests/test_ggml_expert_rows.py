@@ -88,6 +88,8 @@ def test_an_avx512_build_has_every_kernel():
     if "avx512" not in ggml.features():
         pytest.skip("this build of ggml has no AVX-512")
     assert [e.name for e in ROWS_TYPES if not ggml.rows_kernel(e)] == []
+    assert {e.name: int(e) for e in ROWS_TYPES} == ggml.ROWS_ENCODINGS                   # ggml's type codes
+    assert sorted(ggml.describe()["expert_rows"]["types"]) == sorted(e.name for e in ROWS_TYPES)   # inspect's
     assert not ggml.rows_kernel(Q.Q8_0) and not ggml.rows_kernel(Q.Q4_K)     # tinyBLAS's, repacked
 
 

@@ -391,12 +391,15 @@ def describe() -> dict:
     "built": whether its build is here, "features" and "built_for": read from the loaded library (`features()`,
     `built_for()`; None where it is not built or switched off), "why_not": None, or why not, "prefetch_bytes": the
     patch's prefetch distance a handle gets (`prefetch_bytes()`, 0: off), "expert_gemm": whether its experts' row
-    tiles run gemm (`expert_gemm()`)}."""
+    tiles run gemm (`expert_gemm()`), "expert_rows": {"least", "most": the routed rows an expert for moectl's
+    expert-rows kernels (`expert_rows_min()`, `expert_rows()`), "types": the encodings the loaded build has one for
+    (None where it is not loaded)}}."""
     off = _switched_off()
     bad = off and setting_error()           # switched off: a bad ISA setting is reported as given, not raised
     setting = os.environ[isas.ENV] if bad else isas.current()
     out = {"isa": setting, "built": not bad and built(), "features": None, "built_for": None, "why_not": None,
-           "prefetch_bytes": prefetch_bytes(), "expert_gemm": expert_gemm()}
+           "prefetch_bytes": prefetch_bytes(), "expert_gemm": expert_gemm(),
+           "expert_rows": {"least": expert_rows_min(), "most": expert_rows(), "types": None}}
     if off:
         out["why_not"] = off
     elif not (out["built"] or _load.cache_info().currsize):       # what is missing, and what first use costs
@@ -408,6 +411,7 @@ def describe() -> dict:
     else:
         out["features"] = features()
         out["built_for"] = built_for(out["features"])
+        out["expert_rows"]["types"] = [name for name, code in ROWS_ENCODINGS.items() if rows_kernel(code)]
     return out
 
 
@@ -560,6 +564,10 @@ def set_expert_rows(rows_max: int) -> None:
     """Set `expert_rows`'s threshold for every later product in this process (a global in moectl's patched ggml,
     read once an op by thread 0, like `set_expert_gemm`)."""
     require().ggml_moectl_set_rows_max(int(rows_max))
+
+
+# the encodings moectl's expert-rows kernels are written for (kernels/ggml_rows), ggml's type codes
+ROWS_ENCODINGS = {"Q5_K": 13, "Q6_K": 14, "Q3_K": 11, "IQ4_XS": 23, "IQ3_XXS": 18, "IQ2_XXS": 16}
 
 
 def rows_kernel(enc) -> bool:
