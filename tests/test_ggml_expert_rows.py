@@ -90,6 +90,20 @@ def test_an_avx512_build_has_every_kernel():
     assert [e.name for e in ROWS_TYPES if not ggml.rows_kernel(e)] == []
     assert {e.name: int(e) for e in ROWS_TYPES} == ggml.ROWS_ENCODINGS                   # ggml's type codes
     assert sorted(ggml.describe()["expert_rows"]["types"]) == sorted(e.name for e in ROWS_TYPES)   # inspect's
+
+
+@pytest.mark.parametrize("env, on", [({}, True), ({"MOECTL_GGML_EXPERT_ROWS": "0"}, False),
+                                     ({"MOECTL_GGML_EXPERT_GEMM": "0"}, False), ({"MOECTL_GGML_PREFETCH": "0"}, False),
+                                     ({"MOECTL_GGML_EXPERT_ROWS_MIN": "3", "MOECTL_GGML_EXPERT_ROWS": "2"}, False)])
+def test_describe_says_whether_a_handle_runs_them(env, on, monkeypatch):
+    """inspect's "moectl's expert kernels" row: on where the patch's own condition holds (the prefetch and the experts'
+    gemm on, the least rows an expert at most the most)."""
+    for name in ("MOECTL_GGML_EXPERT_ROWS", "MOECTL_GGML_EXPERT_ROWS_MIN", "MOECTL_GGML_EXPERT_GEMM",
+                 "MOECTL_GGML_PREFETCH"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ggml.describe()["expert_rows"]["on"] is on
     assert not ggml.rows_kernel(Q.Q8_0) and not ggml.rows_kernel(Q.Q4_K)     # tinyBLAS's, repacked
 
 

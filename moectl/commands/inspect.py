@@ -88,8 +88,8 @@ def inspect(
                   if g["features"] is not None else f"unavailable: {isas.ENV}={g['isa']!r} (see above)"
                   if bad_isa else f"{g['isa']} build: not loaded ({g['why_not']})")
         if g["expert_rows"]["types"]:
-            t.add_row("moectl's expert kernels", " ".join(g["expert_rows"]["types"]) if g["expert_gemm"] and
-                      g["prefetch_bytes"] and g["expert_rows"]["most"] else "off (MOECTL_GGML_EXPERT_ROWS, ...)")
+            t.add_row("moectl's expert kernels", " ".join(g["expert_rows"]["types"]) if g["expert_rows"]["on"]
+                      else "off (MOECTL_GGML_EXPERT_ROWS, ...)")
     Console().print(t)
     Console().print(memory_table(info["memory"]))
 

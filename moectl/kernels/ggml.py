@@ -392,14 +392,17 @@ def describe() -> dict:
     `built_for()`; None where it is not built or switched off), "why_not": None, or why not, "prefetch_bytes": the
     patch's prefetch distance a handle gets (`prefetch_bytes()`, 0: off), "expert_gemm": whether its experts' row
     tiles run gemm (`expert_gemm()`), "expert_rows": {"least", "most": the routed rows an expert for moectl's
-    expert-rows kernels (`expert_rows_min()`, `expert_rows()`), "types": the encodings the loaded build has one for
-    (None where it is not loaded)}}."""
+    expert-rows kernels (`expert_rows_min()`, `expert_rows()`), "on": whether a handle runs them (the prefetch and
+    the experts' gemm on, and least <= most: the patch's own condition), "types": the encodings the loaded build has
+    one for (None where it is not loaded)}}."""
     off = _switched_off()
     bad = off and setting_error()           # switched off: a bad ISA setting is reported as given, not raised
     setting = os.environ[isas.ENV] if bad else isas.current()
     out = {"isa": setting, "built": not bad and built(), "features": None, "built_for": None, "why_not": None,
            "prefetch_bytes": prefetch_bytes(), "expert_gemm": expert_gemm(),
-           "expert_rows": {"least": expert_rows_min(), "most": expert_rows(), "types": None}}
+           "expert_rows": {"least": expert_rows_min(), "most": expert_rows(), "on": False, "types": None}}
+    rows = out["expert_rows"]
+    rows["on"] = out["prefetch_bytes"] > 0 and out["expert_gemm"] and rows["least"] <= rows["most"]
     if off:
         out["why_not"] = off
     elif not (out["built"] or _load.cache_info().currsize):       # what is missing, and what first use costs
